@@ -1,0 +1,102 @@
+"""fp8_backends: one registry of FP8 GEMM and fused RMSNorm+FP8-quant providers.
+
+Quick use::
+
+    from fp8_backends import GemmProblem, resolve_gemm_backend
+    backend = resolve_gemm_backend("auto", problem=GemmProblem(n=4096, k=4096, device="cuda"))
+    prepared = backend.prepare_weight(w_q, w_scale)          # once, at load time
+    y = backend.gemm(x_q, prepared, x_scale, out_dtype=torch.bfloat16)
+
+Importing this package is cheap: torch, stevedore and kernel libraries load only when used.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+logging.getLogger("fp8_backends").addHandler(logging.NullHandler())
+
+# public name -> module that defines it (imported on first attribute access)
+_EXPORTS = {
+    "Fp8GemmBackend": "fp8_backends.backend",
+    "NormQuantBackend": "fp8_backends.backend",
+    "ProviderBase": "fp8_backends.backend",
+    "Capabilities": "fp8_backends.capabilities",
+    "GemmCapabilities": "fp8_backends.capabilities",
+    "NormQuantCapabilities": "fp8_backends.capabilities",
+    "ActScale": "fp8_backends.types",
+    "Availability": "fp8_backends.types",
+    "BiasMode": "fp8_backends.types",
+    "DeviceKind": "fp8_backends.types",
+    "Fp8Dtype": "fp8_backends.types",
+    "GemmProblem": "fp8_backends.types",
+    "NormQuantProblem": "fp8_backends.types",
+    "OutDtype": "fp8_backends.types",
+    "PreparedWeight": "fp8_backends.types",
+    "QuantizedActivation": "fp8_backends.types",
+    "WeightScale": "fp8_backends.types",
+    "Fp8BackendError": "fp8_backends.errors",
+    "UnknownBackendError": "fp8_backends.errors",
+    "AmbiguousBackendError": "fp8_backends.errors",
+    "BackendUnavailableError": "fp8_backends.errors",
+    "UnsupportedProblemError": "fp8_backends.errors",
+    "InvalidInputError": "fp8_backends.errors",
+    "BuildError": "fp8_backends.errors",
+    "resolve_gemm_backend": "fp8_backends.registry.resolution",
+    "resolve_norm_quant_backend": "fp8_backends.registry.resolution",
+    "Platform": "fp8_backends.registry.platform",
+    "detect_platform": "fp8_backends.registry.platform",
+    "simulate_platform": "fp8_backends.registry.platform",
+    "list_platforms": "fp8_backends.registry.platform",
+    "add_cli_args": "fp8_backends.cli",
+    "backends_from_args": "fp8_backends.cli",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fp8_backends' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from .backend import Fp8GemmBackend, NormQuantBackend, ProviderBase
+    from .capabilities import Capabilities, GemmCapabilities, NormQuantCapabilities
+    from .cli import add_cli_args, backends_from_args
+    from .errors import (
+        AmbiguousBackendError,
+        BackendUnavailableError,
+        BuildError,
+        Fp8BackendError,
+        InvalidInputError,
+        UnknownBackendError,
+        UnsupportedProblemError,
+    )
+    from .registry.platform import Platform, detect_platform, list_platforms, simulate_platform
+    from .registry.resolution import resolve_gemm_backend, resolve_norm_quant_backend
+    from .types import (
+        ActScale,
+        Availability,
+        BiasMode,
+        DeviceKind,
+        Fp8Dtype,
+        GemmProblem,
+        NormQuantProblem,
+        OutDtype,
+        PreparedWeight,
+        QuantizedActivation,
+        WeightScale,
+    )

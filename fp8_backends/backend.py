@@ -1,0 +1,398 @@
+"""The provider interfaces: :class:`Fp8GemmBackend` and :class:`NormQuantBackend`.
+
+A provider is a class registered under an entry point (group ``fp8_backends.gemm`` or
+``fp8_backends.norm_quant``). It declares:
+
+- ``name`` (and optional ``aliases``), a :class:`~fp8_backends.capabilities.Capabilities` record,
+- ``requires``: import names it needs (probed lazily with ``importlib.util.find_spec``) and an
+  ``install_hint`` shown when one is missing,
+- ``options``: named sub-choices (e.g. a runner) with their allowed values, the first the default,
+
+and implements ``prepare_weight_impl`` + ``gemm_impl`` (GEMM) or ``rmsnorm_quant_impl`` +
+``fused_add_rmsnorm_quant_impl`` (norm-quant). The public methods validate every input first
+(metadata only: no host-device sync) and then call the ``*_impl`` hooks, so a provider's kernel
+never sees a malformed tensor. Keep provider modules import-light: stevedore imports every module
+it scans, so import torch and kernel libraries inside methods.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from . import validation as V
+from .capabilities import Capabilities, GemmCapabilities, NormQuantCapabilities
+from .errors import InvalidInputError
+from .types import (
+    ActScale,
+    Availability,
+    BiasMode,
+    DeviceKind,
+    Fp8Dtype,
+    GemmProblem,
+    NormQuantProblem,
+    OutDtype,
+    PreparedWeight,
+    QuantizedActivation,
+    WeightScale,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from fp8_backends.registry.platform import Platform
+
+
+class ProviderBase(ABC):
+    """What GEMM and norm-quant providers share: identity, availability, options, support checks."""
+
+    kind: ClassVar[str]
+    name: ClassVar[str]
+    aliases: ClassVar[tuple[str, ...]] = ()
+    description: ClassVar[str] = ""
+    capabilities: ClassVar[Capabilities]
+    requires: ClassVar[tuple[str, ...]] = ()
+    install_hint: ClassVar[str] = ""
+    options: ClassVar[Mapping[str, tuple[str, ...]]] = {}
+
+    def __init__(self, **options: str) -> None:
+        config: dict[str, str] = {key: values[0] for key, values in self.options.items()}
+        for key, value in options.items():
+            if key not in self.options:
+                valid = ", ".join(self.options) or "none"
+                raise InvalidInputError(f"{self.name}: unknown option {key!r} (options: {valid})")
+            if str(value) not in self.options[key]:
+                raise InvalidInputError(
+                    f"{self.name}: option {key}={value!r} not one of {', '.join(self.options[key])}"
+                )
+            config[key] = str(value)
+        self.config: dict[str, str] = config
+
+    @classmethod
+    def availability(cls) -> Availability:
+        """Can this provider run at all in this process? Probes ``requires`` without importing them.
+
+        Override to add checks (a feature probe, a build); keep it cheap and never raise.
+        """
+        missing = [mod for mod in cls.requires if _find_spec(mod) is None]
+        if missing:
+            return Availability.no(f"missing Python module(s): {', '.join(missing)}", cls.install_hint)
+        return Availability.yes()
+
+    def describe_config(self) -> str:
+        """``"runner=cublas"`` style summary of the chosen options ("" when there are none)."""
+        return ",".join(f"{k}={v}" for k, v in self.config.items())
+
+    @property
+    def label(self) -> str:
+        cfg = self.describe_config()
+        return f"{self.name}[{cfg}]" if cfg else self.name
+
+    def extra_reasons(self, problem: Any, platform: Platform) -> list[str]:
+        """Provider-specific reasons beyond the capability record (default: none)."""
+        return []
+
+    def supports(self, problem: Any = None, platform: Platform | None = None) -> list[str]:
+        """Every reason this provider cannot serve ``problem`` on ``platform``; empty means it can.
+
+        ``platform`` defaults to the detected one for the problem's device.
+        """
+        from fp8_backends.registry.platform import detect_platform
+
+        if platform is None:
+            platform = detect_platform(None if problem is None else problem.device)
+        avail = self.availability()
+        if not avail.ok:
+            return [avail.reason + (f" (install: {avail.install_hint})" if avail.install_hint else "")]
+        reasons = list(self.capabilities.check(problem, platform))
+        reasons += self.extra_reasons(problem, platform)
+        return reasons
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.label}>"
+
+    def _require_device(self, t: torch.Tensor, what: str) -> None:
+        kind = t.device.type
+        if kind not in {d.value for d in self.capabilities.devices}:
+            have = ", ".join(sorted(d.value for d in self.capabilities.devices))
+            raise InvalidInputError(f"{self.name} runs on {have} tensors; {what} is on {t.device}")
+
+
+def _find_spec(mod: str):
+    try:
+        return importlib.util.find_spec(mod)
+    except (ImportError, ValueError):
+        return None
+
+
+class Fp8GemmBackend(ProviderBase):
+    """An FP8 GEMM provider: ``y[M, N] = (x_q·s_x) @ (w_q·s_w)ᵀ (+ bias)`` in ``out_dtype``.
+
+    Subclasses set ``name`` and ``capabilities`` (a :class:`GemmCapabilities`) and implement:
+
+    - ``prepare_weight_impl(w_q, w_scale, weight_scale) -> PreparedWeight``: once, at load time.
+    - ``gemm_impl(x_q, prepared, x_scale, out_dtype, bias) -> Tensor``: the hot path.
+    """
+
+    kind: ClassVar[str] = "gemm"
+    capabilities: ClassVar[GemmCapabilities] = GemmCapabilities()
+
+    # ------------------------------------------------------------------ load time
+    def prepare_weight(self, w_q: torch.Tensor, w_scale: torch.Tensor) -> PreparedWeight:
+        """Convert a weight once for this provider's kernels.
+
+        - ``w_q``: ``[N, K]`` float8 (e4m3fn or e5m2), row-major contiguous.
+        - ``w_scale``: float32; one value (0-d, ``[1]``, ``[1, 1]``) for per-tensor, or ``[N]`` /
+          ``[N, 1]`` for per-channel. Values must be finite and > 0 (checked here; this may sync).
+
+        Returns a :class:`PreparedWeight` that only this provider's ``gemm`` accepts.
+        """
+        V.require_tensor(w_q, "w_q")
+        dtype = V.fp8_dtype_of(w_q, "w_q")
+        V.require_row_major_2d(w_q, "w_q", "[N, K]")
+        self._require_device(w_q, "w_q")
+        n, k = w_q.shape
+        caps = self.capabilities
+        if dtype not in caps.input_dtypes:
+            raise InvalidInputError(f"{self.name} does not support weight dtype {dtype.value}")
+        if k % caps.k_align or n % caps.n_align:
+            raise InvalidInputError(
+                f"{self.name} needs K % {caps.k_align} == 0 and N % {caps.n_align} == 0; got N={n}, K={k}"
+            )
+        V.require_fp32_scale(w_scale, "w_scale")
+        V.require_same_device(w_scale, "w_scale", w_q.device)
+        if V.is_scalar_shape(w_scale):
+            mode = WeightScale.PER_TENSOR
+        elif w_scale.numel() == n and (w_scale.dim() == 1 or tuple(w_scale.shape) == (n, 1)):
+            mode = WeightScale.PER_CHANNEL
+        else:
+            raise InvalidInputError(
+                f"w_scale must have one value (per-tensor) or N={n} values as [N] or [N, 1] "
+                f"(per-channel); got shape {tuple(w_scale.shape)}"
+            )
+        if mode not in caps.weight_scales:
+            raise InvalidInputError(f"{self.name} does not support {mode.value} weight scales")
+        V.check_scale_values(w_scale, "w_scale", force=True)
+        prepared = self.prepare_weight_impl(w_q, w_scale, mode)
+        prepared.backend = self.name
+        return prepared
+
+    @abstractmethod
+    def prepare_weight_impl(
+        self, w_q: torch.Tensor, w_scale: torch.Tensor, weight_scale: WeightScale
+    ) -> PreparedWeight:
+        """Provider hook behind :meth:`prepare_weight`; inputs are already validated."""
+
+    # ------------------------------------------------------------------ hot path
+    def gemm(
+        self,
+        x_q: torch.Tensor,
+        prepared: PreparedWeight,
+        x_scale: torch.Tensor,
+        *,
+        out_dtype: torch.dtype | str = "bfloat16",
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``[M, N]`` output in ``out_dtype``.
+
+        - ``x_q``: ``[M, K]`` float8, row-major contiguous, on the weight's device.
+        - ``prepared``: from this provider's :meth:`prepare_weight`.
+        - ``x_scale``: float32, one value (per-tensor) or ``[M, 1]`` (per-token).
+        - ``bias``: optional ``[N]`` in ``out_dtype``.
+        """
+        out = self.validate_gemm_inputs(x_q, prepared, x_scale, out_dtype, bias)
+        return self.gemm_impl(x_q, prepared, x_scale, out.torch_dtype(), bias)
+
+    def validate_gemm_inputs(
+        self,
+        x_q: torch.Tensor,
+        prepared: PreparedWeight,
+        x_scale: torch.Tensor,
+        out_dtype: object,
+        bias: torch.Tensor | None,
+    ) -> OutDtype:
+        """Metadata-only checks run before every kernel; returns the parsed output dtype."""
+        if not isinstance(prepared, PreparedWeight) or prepared.backend != self.name:
+            got = getattr(prepared, "backend", type(prepared).__name__)
+            raise InvalidInputError(
+                f"{self.name}.gemm needs a weight prepared by {self.name}.prepare_weight (got {got})"
+            )
+        V.require_tensor(x_q, "x_q")
+        x_dtype = V.fp8_dtype_of(x_q, "x_q")
+        V.require_row_major_2d(x_q, "x_q", "[M, K]")
+        self._require_device(x_q, "x_q")
+        device = x_q.device
+        m, k = x_q.shape
+        if k != prepared.k:
+            raise InvalidInputError(f"x_q has K={k} but the weight has K={prepared.k}")
+        caps = self.capabilities
+        if x_dtype not in caps.input_dtypes:
+            raise InvalidInputError(f"{self.name} does not support x_q dtype {x_dtype.value}")
+        if x_dtype is not prepared.dtype and not caps.mixed_inputs:
+            raise InvalidInputError(
+                f"{self.name} needs x_q and the weight in the same FP8 type "
+                f"({x_dtype.value} vs {prepared.dtype.value})"
+            )
+        V.require_fp32_scale(x_scale, "x_scale")
+        V.require_same_device(x_scale, "x_scale", device)
+        if not V.is_scalar_shape(x_scale):
+            if tuple(x_scale.shape) != (m, 1):
+                raise InvalidInputError(
+                    f"x_scale must have one value (per-tensor) or shape [M, 1] = [{m}, 1] (per-token); "
+                    f"got {tuple(x_scale.shape)}"
+                )
+            if ActScale.PER_TOKEN not in caps.act_scales:
+                raise InvalidInputError(f"{self.name} does not support per-token activation scales")
+        elif not (caps.act_scales & {ActScale.PER_TENSOR_STATIC, ActScale.PER_TENSOR_DYNAMIC}):
+            raise InvalidInputError(f"{self.name} does not support per-tensor activation scales")
+        V.check_scale_values(x_scale, "x_scale")
+        out = V.out_dtype_of(out_dtype)
+        if out not in caps.out_dtypes:
+            raise InvalidInputError(f"{self.name} does not support output dtype {out.value}")
+        if bias is not None:
+            V.require_tensor(bias, "bias")
+            if caps.bias is BiasMode.NONE:
+                raise InvalidInputError(f"{self.name} does not support bias")
+            if tuple(bias.shape) != (prepared.n,):
+                raise InvalidInputError(f"bias must have shape [N] = [{prepared.n}], got {tuple(bias.shape)}")
+            if bias.dtype != out.torch_dtype():
+                raise InvalidInputError(f"bias must be {out.value} (the output dtype), got {bias.dtype}")
+            V.require_same_device(bias, "bias", device)
+        V.require_same_device(prepared.data, "the prepared weight", device)
+        return out
+
+    @abstractmethod
+    def gemm_impl(
+        self,
+        x_q: torch.Tensor,
+        prepared: PreparedWeight,
+        x_scale: torch.Tensor,
+        out_dtype: torch.dtype,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Provider hook behind :meth:`gemm`; inputs are already validated."""
+
+    def problem_for(self, prepared: PreparedWeight, m: int | None = None, **kw: Any) -> GemmProblem:
+        """The :class:`GemmProblem` a prepared weight stands for (convenience for callers)."""
+        return GemmProblem(n=prepared.n, k=prepared.k, m=m, weight_dtype=prepared.dtype,
+                           weight_scale=prepared.weight_scale, **kw)
+
+
+class NormQuantBackend(ProviderBase):
+    """A fused RMSNorm + static per-tensor FP8 quant provider.
+
+    ``rmsnorm_quant``: ``q = clamp(rmsnorm(x) · weight / scale, ±448) -> float8_e4m3fn``, RMSNorm in
+    fp32. ``fused_add_rmsnorm_quant`` first forms ``r = x + residual`` in fp32, writes it to
+    ``residual`` **in place** (in the residual's dtype), and normalizes the fp32 sum.
+
+    Subclasses implement ``rmsnorm_quant_impl(out, x, weight, scale, eps)`` and
+    ``fused_add_rmsnorm_quant_impl(out, x, residual, weight, scale, eps)``, writing into ``out``.
+    """
+
+    kind: ClassVar[str] = "norm_quant"
+    capabilities: ClassVar[NormQuantCapabilities] = NormQuantCapabilities()
+
+    def _validate(
+        self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> None:
+        V.require_tensor(x, "x")
+        V.require_row_major_2d(x, "x", "[T, H]")
+        self._require_device(x, "x")
+        try:
+            dt = OutDtype.of(x.dtype)
+        except ValueError:
+            raise InvalidInputError(f"x must be bfloat16, float16 or float32, got {x.dtype}") from None
+        if dt not in self.capabilities.in_dtypes:
+            raise InvalidInputError(f"{self.name} does not support input dtype {dt.value}")
+        hidden = x.shape[1]
+        if hidden % self.capabilities.hidden_align:
+            raise InvalidInputError(
+                f"{self.name} needs the hidden size to be a multiple of {self.capabilities.hidden_align}, "
+                f"got {hidden}"
+            )
+        V.require_tensor(weight, "weight")
+        if tuple(weight.shape) != (hidden,):
+            raise InvalidInputError(f"weight must have shape [H] = [{hidden}], got {tuple(weight.shape)}")
+        if weight.dtype != x.dtype:
+            raise InvalidInputError(f"weight must have x's dtype {x.dtype}, got {weight.dtype}")
+        V.require_same_device(weight, "weight", x.device)
+        V.require_fp32_scale(scale, "scale")
+        if not V.is_scalar_shape(scale):
+            raise InvalidInputError(f"scale must hold one value (static per-tensor), got shape {tuple(scale.shape)}")
+        V.require_same_device(scale, "scale", x.device)
+        V.check_scale_values(scale, "scale")
+        if not isinstance(eps, (float, int)) or not eps > 0:
+            raise InvalidInputError(f"eps must be a positive float, got {eps!r}")
+        if residual is not None:
+            V.require_tensor(residual, "residual")
+            if residual.shape != x.shape or residual.dtype != x.dtype:
+                raise InvalidInputError(
+                    f"residual must match x ({tuple(x.shape)}, {x.dtype}); got {tuple(residual.shape)}, "
+                    f"{residual.dtype}"
+                )
+            if not residual.is_contiguous():
+                raise InvalidInputError("residual must be row-major contiguous")
+            V.require_same_device(residual, "residual", x.device)
+
+    def rmsnorm_quant(
+        self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6,
+        *, out: torch.Tensor | None = None,
+    ) -> QuantizedActivation:
+        """``x: [T, H]`` bf16/fp16 (row-major), ``weight: [H]`` same dtype, ``scale``: fp32 one value on
+        x's device. Returns a :class:`QuantizedActivation` (``data: [T, H]`` float8_e4m3fn)."""
+        self._validate(x, weight, scale, eps)
+        out = self._out_buffer(x, out)
+        self.rmsnorm_quant_impl(out, x, weight, scale, float(eps))
+        return QuantizedActivation(out, scale, x.dtype, ActScale.PER_TENSOR_STATIC)
+
+    def fused_add_rmsnorm_quant(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+        eps: float = 1e-6, *, out: torch.Tensor | None = None,
+    ) -> tuple[QuantizedActivation, torch.Tensor]:
+        """``residual <- x + residual`` (in place), then RMSNorm + quant of the sum.
+
+        Returns ``(QuantizedActivation, residual)``; the second item is the updated ``residual``."""
+        if not self.capabilities.residual:
+            raise InvalidInputError(f"{self.name} does not support the fused residual add")
+        self._validate(x, weight, scale, eps, residual)
+        out = self._out_buffer(x, out)
+        self.fused_add_rmsnorm_quant_impl(out, x, residual, weight, scale, float(eps))
+        return QuantizedActivation(out, scale, x.dtype, ActScale.PER_TENSOR_STATIC), residual
+
+    @staticmethod
+    def _out_buffer(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        import torch
+
+        if out is None:
+            return torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        if out.shape != x.shape or out.dtype != torch.float8_e4m3fn or out.device != x.device:
+            raise InvalidInputError(
+                f"out must be float8_e4m3fn {tuple(x.shape)} on {x.device}; got {out.dtype} "
+                f"{tuple(out.shape)} on {out.device}"
+            )
+        if not out.is_contiguous():
+            raise InvalidInputError("out must be row-major contiguous")
+        return out
+
+    @abstractmethod
+    def rmsnorm_quant_impl(
+        self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, eps: float
+    ) -> None:
+        """Write ``clamp(rmsnorm(x)·weight / scale, ±448)`` as float8_e4m3fn into ``out``."""
+
+    @abstractmethod
+    def fused_add_rmsnorm_quant_impl(
+        self, out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+        scale: torch.Tensor, eps: float,
+    ) -> None:
+        """``residual <- x + residual``; write the quantized RMSNorm of the fp32 sum into ``out``."""
+
+    def problem_for(self, x: torch.Tensor, residual: bool = False) -> NormQuantProblem:
+        return NormQuantProblem(hidden=x.shape[-1], tokens=x.shape[0], in_dtype=x.dtype,
+                                residual=residual, device=DeviceKind(x.device.type))
+
+
+__all__ = ["Fp8Dtype", "Fp8GemmBackend", "NormQuantBackend", "ProviderBase"]

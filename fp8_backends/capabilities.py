@@ -1,0 +1,197 @@
+"""Declarative capability records.
+
+A provider states what it can do once, as data; :meth:`GemmCapabilities.check` turns a problem and a
+platform into the list of reasons it cannot serve them (empty: it can). The listing prints the same
+record, so what a user reads and what resolution decides never disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .types import (
+    ActScale,
+    BiasMode,
+    DeviceKind,
+    Fp8Dtype,
+    GemmProblem,
+    NormQuantProblem,
+    OutDtype,
+    WeightScale,
+)
+
+if TYPE_CHECKING:
+    from fp8_backends.registry.platform import Platform
+
+
+def _fs(*items):  # frozenset factory for dataclass defaults
+    return field(default_factory=lambda: frozenset(items))
+
+
+def _parse_arch(text: str) -> tuple[int, int, str]:
+    """``"9.0a"`` -> (9, 0, "a"); ``"10.0f"`` -> (10, 0, "f"); ``"8.9"`` -> (8, 9, "")."""
+    suffix = text[-1] if text and text[-1] in "af" else ""
+    major, _, minor = text.rstrip("af").partition(".")
+    return int(major), int(minor or 0), suffix
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What every provider declares: where it runs and how it ranks.
+
+    - ``devices``: device kinds the kernels run on.
+    - ``min_sm`` / ``max_sm``: inclusive SM range (``None`` = open). Ignored when ``archs`` is set.
+    - ``archs``: explicit targets, e.g. ``("9.0a",)``: ``a`` targets run only on that exact SM;
+      ``f`` targets on the same major with minor >= the stated one; plain ``"8.9"`` on exactly 8.9.
+    - ``pdl``: launches with programmatic dependent launch where the GPU has it (SM >= 9.0).
+    - ``priority``: higher wins in ``auto`` among providers that can serve.
+    """
+
+    devices: frozenset[DeviceKind] = _fs(DeviceKind.CUDA)
+    min_sm: tuple[int, int] | None = None
+    max_sm: tuple[int, int] | None = None
+    archs: tuple[str, ...] = ()
+    pdl: bool = False
+    priority: int = 0
+
+    def arch_summary(self) -> str:
+        if self.archs:
+            return ",".join(self.archs)
+        if self.min_sm is None and self.max_sm is None:
+            return "any" if DeviceKind.CUDA in self.devices else "-"
+        lo = "" if self.min_sm is None else f"{self.min_sm[0]}.{self.min_sm[1]}"
+        hi = "" if self.max_sm is None else f"{self.max_sm[0]}.{self.max_sm[1]}"
+        return f">={lo}" if not hi else (f"<={hi}" if not lo else f"{lo}-{hi}")
+
+    def platform_reasons(self, platform: Platform, device: DeviceKind) -> list[str]:
+        """Why the provider cannot run on ``platform`` for tensors on ``device``."""
+        reasons: list[str] = []
+        if device not in self.devices:
+            have = ", ".join(sorted(d.value for d in self.devices))
+            reasons.append(f"runs on {have} tensors only, not {device.value}")
+            return reasons
+        if device is DeviceKind.CPU:
+            return reasons
+        if not platform.is_cuda or platform.sm is None:
+            reasons.append("no CUDA device here")
+            return reasons
+        if self.archs:
+            if not any(self._arch_matches(a, platform.sm) for a in self.archs):
+                reasons.append(
+                    f"built for SM {', '.join(self.archs)}; this GPU is SM {platform.arch}"
+                )
+            return reasons
+        if self.min_sm is not None and platform.sm < self.min_sm:
+            reasons.append(
+                f"needs SM >= {self.min_sm[0]}.{self.min_sm[1]}; this GPU is SM {platform.arch}"
+            )
+        if self.max_sm is not None and platform.sm > self.max_sm:
+            reasons.append(
+                f"supports SM <= {self.max_sm[0]}.{self.max_sm[1]}; this GPU is SM {platform.arch}"
+            )
+        return reasons
+
+    @staticmethod
+    def _arch_matches(arch: str, sm: tuple[int, int]) -> bool:
+        major, minor, suffix = _parse_arch(arch)
+        if suffix == "f":
+            return sm[0] == major and sm[1] >= minor
+        return sm == (major, minor)
+
+
+@dataclass(frozen=True)
+class GemmCapabilities(Capabilities):
+    """What an FP8 GEMM provider can compute.
+
+    - ``act_scales`` / ``weight_scales``: accepted scale granularities.
+    - ``input_dtypes``: FP8 element types accepted for both operands; ``mixed_inputs`` allows
+      ``x`` and ``w`` of different FP8 types.
+    - ``out_dtypes``: output dtypes.
+    - ``bias``: fused into the kernel, added after it, or unsupported.
+    - ``k_align`` / ``n_align``: K and N must be multiples of these (elements).
+    """
+
+    act_scales: frozenset[ActScale] = _fs(ActScale.PER_TENSOR_STATIC, ActScale.PER_TENSOR_DYNAMIC)
+    weight_scales: frozenset[WeightScale] = _fs(WeightScale.PER_TENSOR)
+    input_dtypes: frozenset[Fp8Dtype] = _fs(Fp8Dtype.E4M3FN)
+    mixed_inputs: bool = False
+    out_dtypes: frozenset[OutDtype] = _fs(OutDtype.BF16, OutDtype.FP16)
+    bias: BiasMode = BiasMode.NONE
+    k_align: int = 16
+    n_align: int = 16
+
+    def check(self, problem: GemmProblem | None, platform: Platform) -> list[str]:
+        """Every reason this record rules the problem out on this platform (empty: it can serve)."""
+        if problem is None:
+            device = DeviceKind.CPU if platform.kind is DeviceKind.CPU else DeviceKind.CUDA
+            return self.platform_reasons(platform, device)
+        reasons = self.platform_reasons(platform, problem.device)
+        if problem.act_scale not in self.act_scales:
+            reasons.append(
+                f"activation scale {problem.act_scale.value} not supported "
+                f"(supports {_names(self.act_scales)})"
+            )
+        if problem.weight_scale not in self.weight_scales:
+            reasons.append(
+                f"weight scale {problem.weight_scale.value} not supported "
+                f"(supports {_names(self.weight_scales)})"
+            )
+        for role, dt in (("input", problem.input_dtype), ("weight", problem.weight_dtype)):
+            if dt not in self.input_dtypes:
+                reasons.append(f"{role} dtype {dt.value} not supported (supports {_names(self.input_dtypes)})")
+        if problem.input_dtype is not problem.weight_dtype and not self.mixed_inputs:
+            reasons.append(
+                f"mixed FP8 inputs ({problem.input_dtype.value} x {problem.weight_dtype.value}) not supported"
+            )
+        if problem.out_dtype not in self.out_dtypes:
+            reasons.append(
+                f"output dtype {problem.out_dtype.value} not supported (supports {_names(self.out_dtypes)})"
+            )
+        if problem.has_bias and self.bias is BiasMode.NONE:
+            reasons.append("bias not supported")
+        if problem.k % self.k_align:
+            reasons.append(f"K={problem.k} is not a multiple of {self.k_align}")
+        if problem.n % self.n_align:
+            reasons.append(f"N={problem.n} is not a multiple of {self.n_align}")
+        return reasons
+
+
+@dataclass(frozen=True)
+class NormQuantCapabilities(Capabilities):
+    """What a fused RMSNorm + FP8 quant provider can compute.
+
+    - ``in_dtypes``: dtypes of ``x`` / ``residual`` / ``weight``.
+    - ``out_fp8``: FP8 output types.
+    - ``residual``: supports ``fused_add_rmsnorm_quant``.
+    - ``hidden_align``: the hidden size must be a multiple of this.
+    """
+
+    in_dtypes: frozenset[OutDtype] = _fs(OutDtype.BF16, OutDtype.FP16)
+    out_fp8: frozenset[Fp8Dtype] = _fs(Fp8Dtype.E4M3FN)
+    residual: bool = True
+    hidden_align: int = 1
+
+    def check(self, problem: NormQuantProblem | None, platform: Platform) -> list[str]:
+        if problem is None:
+            device = DeviceKind.CPU if platform.kind is DeviceKind.CPU else DeviceKind.CUDA
+            return self.platform_reasons(platform, device)
+        reasons = self.platform_reasons(platform, problem.device)
+        if problem.in_dtype not in self.in_dtypes:
+            reasons.append(
+                f"input dtype {problem.in_dtype.value} not supported (supports {_names(self.in_dtypes)})"
+            )
+        if problem.out_fp8 not in self.out_fp8:
+            reasons.append(f"FP8 output {problem.out_fp8.value} not supported")
+        if problem.residual and not self.residual:
+            reasons.append("fused residual add not supported")
+        if problem.hidden % self.hidden_align:
+            reasons.append(f"hidden size {problem.hidden} is not a multiple of {self.hidden_align}")
+        return reasons
+
+
+def _names(items) -> str:
+    return ", ".join(sorted(i.value for i in items)) or "none"
+
+
+__all__ = ["Capabilities", "GemmCapabilities", "NormQuantCapabilities"]

@@ -1,0 +1,99 @@
+"""argparse integration for engines: ``--fp8-gemm-backend`` and ``--fp8-norm-quant-backend``.
+
+::
+
+    parser = argparse.ArgumentParser()
+    fp8_backends.add_cli_args(parser)
+    args = parser.parse_args()
+    gemm, norm = fp8_backends.backends_from_args(args, gemm_problem=..., norm_problem=...)
+
+The flags' choices are ``auto`` plus every discovered provider name and alias (third-party ones
+included); options may follow ``@`` (``flashinfer@runner=cudnn``) and a name may be qualified as
+``DIST:NAME``. The help text says which providers are usable on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from fp8_backends.registry import discovery, resolution
+
+
+def backend_choices(kind: str) -> list[str]:
+    """``auto`` plus every discovered name and alias for ``kind``."""
+    names: set[str] = set()
+    for e in discovery.discover(kind):
+        names.add(e.name)
+        names.update(e.aliases)
+    return ["auto", *sorted(names)]
+
+
+def _usable_summary(kind: str) -> str:
+    parts = []
+    for e in discovery.discover(kind):
+        reason = e.unusable_reason()
+        parts.append(e.name + ("" if reason is None else " (unavailable)"))
+    return ", ".join(parts) or "none registered"
+
+
+class _BackendChoice:
+    """argparse ``type=`` that validates the base name against the discovered choices."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def __call__(self, text: str) -> str:
+        request = resolution.BackendRequest.parse(text)
+        if request.name not in backend_choices(self.kind):
+            raise argparse.ArgumentTypeError(
+                f"invalid choice {request.name!r} (choose from {', '.join(backend_choices(self.kind))})"
+            )
+        return text
+
+
+def add_cli_args(parser: argparse.ArgumentParser, *, gemm: bool = True, norm_quant: bool = True) -> None:
+    """Add ``--fp8-gemm-backend`` and ``--fp8-norm-quant-backend`` to ``parser``.
+
+    Defaults come from ``FP8_GEMM_BACKEND`` / ``FP8_NORM_QUANT_BACKEND`` at resolution time
+    (``None`` here means "not given on the command line")."""
+    group = parser.add_argument_group("FP8 backends (fp8_backends)")
+    if gemm:
+        group.add_argument(
+            "--fp8-gemm-backend",
+            type=_BackendChoice("gemm"),
+            default=None,
+            metavar="NAME",
+            help=(
+                f"FP8 GEMM provider: {{{', '.join(backend_choices('gemm'))}}}, optionally DIST:NAME and "
+                f"@key=value options (default: $FP8_GEMM_BACKEND or auto). Here: {_usable_summary('gemm')}."
+            ),
+        )
+    if norm_quant:
+        group.add_argument(
+            "--fp8-norm-quant-backend",
+            type=_BackendChoice("norm_quant"),
+            default=None,
+            metavar="NAME",
+            help=(
+                f"fused RMSNorm+FP8-quant provider: {{{', '.join(backend_choices('norm_quant'))}}} "
+                f"(default: $FP8_NORM_QUANT_BACKEND or auto). Here: {_usable_summary('norm_quant')}."
+            ),
+        )
+
+
+def backends_from_args(
+    args: argparse.Namespace,
+    *,
+    gemm_problem: Any = None,
+    norm_problem: Any = None,
+    platform: Any = None,
+) -> tuple[Any, Any]:
+    """Resolve both providers from parsed args; raises the library's errors when a choice can't serve."""
+    gemm = resolution.resolve_gemm_backend(
+        getattr(args, "fp8_gemm_backend", None), problem=gemm_problem, platform=platform
+    )
+    norm = resolution.resolve_norm_quant_backend(
+        getattr(args, "fp8_norm_quant_backend", None), problem=norm_problem, platform=platform
+    )
+    return gemm, norm

@@ -1,0 +1,77 @@
+"""The library's one exception hierarchy.
+
+Every error this package raises on purpose derives from :class:`Fp8BackendError`, so an engine can
+catch the whole family with one ``except``. The subclasses also derive from the matching builtin
+(``LookupError``, ``RuntimeError``, ``ValueError``, ``TypeError``) so generic handlers keep working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class Fp8BackendError(Exception):
+    """Base class of every error raised by fp8_backends."""
+
+
+class UnknownBackendError(Fp8BackendError, LookupError):
+    """A backend name (or alias) that no discovered provider carries."""
+
+    def __init__(self, name: str, kind: str, valid: Iterable[str]) -> None:
+        self.name = name
+        self.kind = kind
+        self.valid = sorted(set(valid))
+        super().__init__(
+            f"unknown {kind} backend {name!r}; valid names: {', '.join(['auto', *self.valid])}"
+        )
+
+    def __str__(self) -> str:  # LookupError/KeyError would quote the message; keep it plain
+        return self.args[0]
+
+
+class AmbiguousBackendError(Fp8BackendError, LookupError):
+    """Two distributions register the same provider name and the choice was not qualified."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class BackendUnavailableError(Fp8BackendError, RuntimeError):
+    """The provider cannot run at all here (missing library, failed import, disabled, blocked)."""
+
+
+class UnsupportedProblemError(Fp8BackendError, ValueError):
+    """The provider is installed but cannot serve this problem on this platform.
+
+    ``reasons`` lists every reason; ``alternatives`` names providers that could serve it.
+    """
+
+    def __init__(
+        self, message: str, reasons: Iterable[str] = (), alternatives: Iterable[str] = ()
+    ) -> None:
+        self.reasons = list(reasons)
+        self.alternatives = list(alternatives)
+        super().__init__(message)
+
+
+class InvalidInputError(Fp8BackendError, ValueError):
+    """A tensor handed to a provider or layer has the wrong dtype, shape, layout, device or value."""
+
+
+class BuildError(Fp8BackendError, RuntimeError):
+    """A just-in-time kernel build failed; ``log_path`` points at the compiler's output."""
+
+    def __init__(self, message: str, log_path: str | None = None) -> None:
+        self.log_path = log_path
+        super().__init__(message if log_path is None else f"{message} (compiler log: {log_path})")
+
+
+__all__ = [
+    "AmbiguousBackendError",
+    "BackendUnavailableError",
+    "BuildError",
+    "Fp8BackendError",
+    "InvalidInputError",
+    "UnknownBackendError",
+    "UnsupportedProblemError",
+]

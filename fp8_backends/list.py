@@ -1,0 +1,290 @@
+"""``python -m fp8_backends.list``: every provider, where it comes from, and whether it can run here.
+
+Options:
+  --json                 the same information as JSON (schema ``fp8_backends.list/1``, see README)
+  --problem M,N,K        resolve a GEMM problem and show every rejected provider's reasons
+                         (with --act-scale, --weight-scale, --input-dtype, --weight-dtype,
+                         --out-dtype, --bias, --device)
+  --norm-problem T,H     resolve a norm-quant problem (with --in-dtype, --residual, --device)
+  --gemm-backend NAME    resolve this explicit choice instead of $FP8_GEMM_BACKEND / auto
+  --norm-quant-backend NAME
+  --simulate-sm X.Y      pretend the GPU is SM X.Y (also: FP8_BACKENDS_SIMULATE_SM)
+
+Always exits 0 when it could print the listing (a machine without a GPU included); 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from fp8_backends.registry import discovery, resolution, settings
+from fp8_backends.registry.platform import Platform, detect_platform, list_platforms, simulate_platform
+from fp8_backends.types import ActScale, GemmProblem, NormQuantProblem, WeightScale
+
+SCHEMA = "fp8_backends.list/1"
+
+
+def _caps_dict(cls: Any) -> dict[str, Any]:
+    caps = getattr(cls, "capabilities", None)
+    if caps is None:
+        return {}
+    out: dict[str, Any] = {
+        "devices": sorted(d.value for d in caps.devices),
+        "arch": caps.arch_summary(),
+        "pdl": caps.pdl,
+        "priority": caps.priority,
+    }
+    for attr in ("act_scales", "weight_scales", "input_dtypes", "out_dtypes", "in_dtypes", "out_fp8"):
+        if hasattr(caps, attr):
+            out[attr] = sorted(v.value for v in getattr(caps, attr))
+    for attr in ("bias", "k_align", "n_align", "mixed_inputs", "residual", "hidden_align"):
+        if hasattr(caps, attr):
+            value = getattr(caps, attr)
+            out[attr] = getattr(value, "value", value)
+    return out
+
+
+def _platform_dict(p: Platform) -> dict[str, Any]:
+    return {
+        "kind": p.kind.value,
+        "name": p.name,
+        "device_index": p.device_index,
+        "sm": None if p.sm is None else f"{p.sm[0]}.{p.sm[1]}",
+        "arch": p.arch,
+        "pdl": p.pdl,
+        "simulated": p.simulated,
+        "driver_version": p.driver_version,
+        "cuda_runtime_version": p.cuda_runtime_version,
+        "library_versions": dict(p.library_versions),
+    }
+
+
+def _resolution_dict(res: resolution.Resolution) -> dict[str, Any]:
+    chosen = res.chosen.entry if res.chosen else None
+    return {
+        "request": res.request,
+        "source": res.source,
+        "note": res.note,
+        "problem": None if res.problem is None else res.problem.describe(),
+        "chosen": None if chosen is None else chosen.name,
+        "chosen_config": None if res.backend is None else res.backend.describe_config(),
+        "chosen_distribution": None if chosen is None else chosen.dist,
+        "error": None if res.error is None else f"{type(res.error).__name__}: {res.error}",
+        "candidates": [
+            {"name": c.entry.name, "distribution": c.entry.dist, "ok": c.ok, "reasons": c.reasons}
+            for c in res.candidates
+        ],
+    }
+
+
+def collect(
+    platform: Platform,
+    gemm_problem: GemmProblem | None = None,
+    norm_problem: NormQuantProblem | None = None,
+    gemm_request: str | None = None,
+    norm_request: str | None = None,
+) -> dict[str, Any]:
+    """Everything the listing shows, as a JSON-ready dict (schema ``fp8_backends.list/1``)."""
+    resolutions = {
+        "gemm": resolution.explain("gemm", gemm_request, problem=gemm_problem, platform=platform),
+        "norm_quant": resolution.explain("norm_quant", norm_request, problem=norm_problem, platform=platform),
+    }
+    providers = []
+    for kind in ("gemm", "norm_quant"):
+        res = resolutions[kind]
+        by_entry = {id(c.entry): c for c in res.candidates}
+        for entry in sorted(discovery.discover(kind), key=resolution._sort_key):
+            cand = by_entry.get(id(entry))
+            reason = entry.unusable_reason()
+            platform_reasons = cand.reasons if cand is not None else []
+            avail = entry.availability()
+            providers.append(
+                {
+                    "kind": kind,
+                    "name": entry.name,
+                    "aliases": list(entry.aliases),
+                    "distribution": entry.dist,
+                    "version": entry.dist_version,
+                    "builtin": entry.builtin,
+                    "target": entry.target,
+                    "status": entry.status,
+                    "disabled": entry.disabled,
+                    "available": avail.ok,
+                    "usable": not platform_reasons,
+                    "reasons": platform_reasons if platform_reasons else ([reason] if reason else []),
+                    "install_hint": avail.install_hint or None,
+                    "description": getattr(entry.cls, "description", "") if entry.cls else "",
+                    "options": {k: list(v) for k, v in getattr(entry.cls, "options", {}).items()}
+                    if entry.cls
+                    else {},
+                    "capabilities": _caps_dict(entry.cls),
+                    "selected": res.chosen is not None and res.chosen.entry is entry,
+                }
+            )
+    env = {
+        var: os.environ[var]
+        for var in (
+            settings.GEMM_BACKEND_ENV,
+            settings.NORM_QUANT_BACKEND_ENV,
+            settings.DISABLED_ENV,
+            settings.PLUGINS_ENV,
+            settings.SIMULATE_SM_ENV,
+        )
+        if var in os.environ
+    }
+    return {
+        "schema": SCHEMA,
+        "platform": _platform_dict(platform),
+        "devices": [_platform_dict(p) for p in list_platforms()],
+        "env": env,
+        "providers": providers,
+        "resolution": {kind: _resolution_dict(res) for kind, res in resolutions.items()},
+    }
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
+    lines += [fmt.format(*(str(c) for c in r)) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _short(values: list[str] | None) -> str:
+    abbrev = {
+        "per_tensor_static": "tensor-static", "per_tensor_dynamic": "tensor-dyn", "per_token": "token",
+        "per_tensor": "tensor", "per_channel": "channel", "bfloat16": "bf16", "float16": "fp16",
+        "float32": "fp32",
+    }
+    return ",".join(abbrev.get(v, v) for v in values or []) or "-"
+
+
+def render(data: dict[str, Any]) -> str:
+    p = data["platform"]
+    out = []
+    where = "CPU (no CUDA device)" if p["kind"] == "cpu" else f"{p['name']}, SM {p['arch']}"
+    if p["simulated"]:
+        where += " (simulated)"
+    out.append(f"platform: {where}; PDL {'yes' if p['pdl'] else 'no'}")
+    versions = ", ".join(f"{k} {v}" for k, v in p["library_versions"].items())
+    out.append(f"libraries: {versions or 'none found'}")
+    if data["env"]:
+        out.append("env: " + ", ".join(f"{k}={v}" for k, v in data["env"].items()))
+    for kind, title in (("gemm", "FP8 GEMM providers"), ("norm_quant", "RMSNorm+FP8-quant providers")):
+        rows = []
+        for pr in (x for x in data["providers"] if x["kind"] == kind):
+            caps = pr["capabilities"]
+            if pr["status"] == "blocked":
+                usable = "blocked"
+            elif pr["disabled"]:
+                usable = "disabled"
+            else:
+                usable = "yes" if pr["usable"] else "no"
+            dist = f"{pr['distribution'] or '?'} {pr['version'] or ''}".strip()
+            names = pr["name"] + (f" ({','.join(pr['aliases'])})" if pr["aliases"] else "")
+            if kind == "gemm":
+                scales = f"{_short(caps.get('act_scales'))} x {_short(caps.get('weight_scales'))}"
+                dtypes = f"{_short(caps.get('input_dtypes'))}->{_short(caps.get('out_dtypes'))}"
+            else:
+                scales = "static" if caps else "-"
+                dtypes = f"{_short(caps.get('in_dtypes'))}->{_short(caps.get('out_fp8'))}"
+            rows.append([
+                "*" if pr["selected"] else "", names, dist, usable, caps.get("arch", "-"),
+                "yes" if caps.get("pdl") else "no", scales, dtypes, caps.get("priority", "-"),
+            ])
+        out.append("")
+        out.append(title + ":")
+        out.append(_table(rows, ["auto", "name", "distribution", "usable", "arch", "PDL", "scales",
+                                 "dtypes", "prio"]))
+        reasons = [
+            (pr["name"], pr["distribution"], r, pr["install_hint"])
+            for pr in data["providers"] if pr["kind"] == kind for r in pr["reasons"]
+        ]
+        for name, dist, reason, _hint in reasons:
+            out.append(f"  {name} ({dist}): {reason}")
+        res = data["resolution"][kind]
+        problem = res["problem"] or "any problem"
+        if res["error"]:
+            out.append(f"  resolution of {res['request']!r} for {problem}: {res['error']}")
+        else:
+            cfg = f" [{res['chosen_config']}]" if res["chosen_config"] else ""
+            note = f": {res['note']}" if res["note"] else ""
+            out.append(
+                f"  {res['request']} ({res['source']}{note}) for {problem} -> {res['chosen']}{cfg}"
+            )
+    return "\n".join(out)
+
+
+def _parse_ints(text: str, count: int, what: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what} must be {count} integers separated by commas") from None
+    if len(values) != count:
+        raise argparse.ArgumentTypeError(f"{what} must be {count} integers separated by commas")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m fp8_backends.list",
+        description="List FP8 GEMM and RMSNorm+FP8-quant providers and whether they can run here.",
+    )
+    ap.add_argument("--json", action="store_true", help="emit JSON (schema fp8_backends.list/1)")
+    ap.add_argument("--simulate-sm", metavar="X.Y", help="pretend the GPU is this SM (e.g. 10.0)")
+    ap.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: current GPU, else CPU)")
+    ap.add_argument("--problem", metavar="M,N,K", help="GEMM problem to resolve")
+    ap.add_argument("--act-scale", default="per_tensor_dynamic", choices=[a.value for a in ActScale])
+    ap.add_argument("--weight-scale", default="per_tensor", choices=[w.value for w in WeightScale])
+    ap.add_argument("--input-dtype", default="e4m3fn", choices=["e4m3fn", "e5m2"])
+    ap.add_argument("--weight-dtype", default=None, choices=["e4m3fn", "e5m2"])
+    ap.add_argument("--out-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--bias", action="store_true", help="the GEMM problem has a bias")
+    ap.add_argument("--norm-problem", metavar="T,H", help="norm-quant problem to resolve")
+    ap.add_argument("--in-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--residual", action="store_true", help="the norm-quant problem adds a residual")
+    ap.add_argument("--gemm-backend", default=None, help="resolve this GEMM choice instead of env/auto")
+    ap.add_argument("--norm-quant-backend", default=None, help="resolve this norm-quant choice")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        if args.simulate_sm:
+            platform = simulate_platform(args.simulate_sm)
+            if args.device == "cpu":
+                ap.error("--simulate-sm and --device cpu contradict each other")
+        else:
+            platform = detect_platform(args.device)
+        device = "cpu" if platform.kind.value == "cpu" else "cuda"
+        gemm_problem = norm_problem = None
+        if args.problem:
+            m, n, k = _parse_ints(args.problem, 3, "--problem")
+            gemm_problem = GemmProblem(
+                n=n, k=k, m=m, input_dtype=args.input_dtype,
+                weight_dtype=args.weight_dtype or args.input_dtype, out_dtype=args.out_dtype,
+                act_scale=args.act_scale, weight_scale=args.weight_scale, has_bias=args.bias, device=device,
+            )
+        if args.norm_problem:
+            t, h = _parse_ints(args.norm_problem, 2, "--norm-problem")
+            norm_problem = NormQuantProblem(hidden=h, tokens=t, in_dtype=args.in_dtype,
+                                            residual=args.residual, device=device)
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        ap.error(str(exc))
+    data = collect(platform, gemm_problem, norm_problem, args.gemm_backend, args.norm_quant_backend)
+    if args.json:
+        json.dump(data, sys.stdout, indent=2, sort_keys=False)
+        sys.stdout.write("\n")
+    else:
+        print(render(data))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

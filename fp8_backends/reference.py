@@ -1,0 +1,121 @@
+"""Pure-torch reference semantics. Every provider is tested against these functions.
+
+- GEMM: ``y = (x_q·s_x) @ (w_q·s_w)ᵀ + bias``, computed in fp32 and cast to ``out_dtype``.
+  ``s_x`` is one value or ``[M, 1]``; ``s_w`` one value, ``[N]`` or ``[N, 1]``.
+- Quantization: ``clamp(x / s, -448, 448) -> float8_e4m3fn`` (``±57344`` for e5m2).
+- RMSNorm: in fp32, ``x · rsqrt(mean(x²) + eps) · weight``.
+
+These run on any device torch supports; they are slow by design (several kernels, fp32 copies).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .types import ActScale, Fp8Dtype
+
+if TYPE_CHECKING:
+    import torch
+
+#: smallest scale produced by dynamic quantization (an all-zero input would give 0 otherwise)
+MIN_DYNAMIC_SCALE = 1e-12
+
+
+def _fp8(dtype: object) -> tuple[torch.dtype, float]:
+    fp8 = Fp8Dtype.of(dtype)
+    return fp8.torch_dtype(), fp8.max
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``q.float() * scale`` with ``scale`` one value or broadcastable rows (``[M, 1]``)."""
+    return q.float() * scale.float().reshape(-1, 1) if scale.numel() > 1 else q.float() * scale.float()
+
+
+def fp8_gemm(
+    x_q: torch.Tensor,
+    w_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference FP8 GEMM. ``x_q: [M, K]``, ``w_q: [N, K]`` (float8), scales fp32; returns ``[M, N]``."""
+    x = x_q.float() * (x_scale.float().reshape(-1, 1) if x_scale.numel() > 1 else x_scale.float().reshape(()))
+    w = w_q.float() * (w_scale.float().reshape(-1, 1) if w_scale.numel() > 1 else w_scale.float().reshape(()))
+    y = x @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+def quantize_static(x: torch.Tensor, scale: torch.Tensor, dtype: object = "e4m3fn") -> torch.Tensor:
+    """``clamp(x / scale, ±max) -> fp8`` with a given per-tensor (or ``[M, 1]``) fp32 scale."""
+    fp8, fmax = _fp8(dtype)
+    return (x.float() / scale.float()).clamp(-fmax, fmax).to(fp8)
+
+
+def quantize_dynamic_per_tensor(
+    x: torch.Tensor, dtype: object = "e4m3fn"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor dynamic quantization: ``scale = max(amax(x) / max, 1e-12)`` as a ``[1]`` fp32 tensor."""
+    _, fmax = _fp8(dtype)
+    scale = (x.detach().abs().amax().float() / fmax).clamp_min(MIN_DYNAMIC_SCALE).reshape(1)
+    return quantize_static(x, scale, dtype), scale
+
+
+def quantize_per_token(x: torch.Tensor, dtype: object = "e4m3fn") -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (row) dynamic quantization of ``x: [M, K]``; ``scale: [M, 1]`` fp32."""
+    _, fmax = _fp8(dtype)
+    scale = (x.detach().abs().amax(dim=-1, keepdim=True).float() / fmax).clamp_min(MIN_DYNAMIC_SCALE)
+    return quantize_static(x, scale, dtype), scale
+
+
+def quantize(
+    x: torch.Tensor, mode: ActScale, scale: torch.Tensor | None = None, dtype: object = "e4m3fn"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` in ``mode``; ``scale`` is required for (and only used by) the static mode."""
+    mode = ActScale(mode)
+    if mode is ActScale.PER_TENSOR_STATIC:
+        if scale is None:
+            raise ValueError("static quantization needs a scale")
+        return quantize_static(x, scale, dtype), scale
+    if mode is ActScale.PER_TENSOR_DYNAMIC:
+        return quantize_dynamic_per_tensor(x, dtype)
+    return quantize_per_token(x, dtype)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """fp32 RMSNorm of ``x: [T, H]`` times ``weight: [H]``; returns fp32."""
+    import torch
+
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
+def rmsnorm_quant(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
+    """``clamp(rmsnorm(x)·weight / scale, ±448) -> float8_e4m3fn``."""
+    return quantize_static(rmsnorm(x, weight, eps), scale)
+
+
+def fused_add_rmsnorm_quant(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``(q, new_residual)`` with ``new_residual = (x + residual)`` in x's dtype and ``q`` the
+    quantized RMSNorm of the fp32 sum. Does not modify its inputs."""
+    total = x.float() + residual.float()
+    return quantize_static(rmsnorm(total, weight, eps), scale), total.to(x.dtype)
+
+
+__all__ = [
+    "dequantize",
+    "fp8_gemm",
+    "fused_add_rmsnorm_quant",
+    "quantize",
+    "quantize_dynamic_per_tensor",
+    "quantize_per_token",
+    "quantize_static",
+    "rmsnorm",
+    "rmsnorm_quant",
+]

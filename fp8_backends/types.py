@@ -1,0 +1,249 @@
+"""Plain value types shared by providers, the registry and the layers.
+
+Nothing here imports torch at module level: the registry and the listing use these types on
+machines where importing torch (or any kernel library) would be slow or impossible.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
+
+
+class ActScale(str, enum.Enum):
+    """How the activation ``x`` is scaled.
+
+    - ``PER_TENSOR_STATIC``: one fp32 scale known at load time (a calibrated input scale).
+    - ``PER_TENSOR_DYNAMIC``: one fp32 scale computed from each batch (``amax / 448``).
+    - ``PER_TOKEN``: one fp32 scale per row of ``x`` (``x_scale: [M, 1]``), computed per batch.
+    """
+
+    PER_TENSOR_STATIC = "per_tensor_static"
+    PER_TENSOR_DYNAMIC = "per_tensor_dynamic"
+    PER_TOKEN = "per_token"
+
+    @property
+    def per_tensor(self) -> bool:
+        return self is not ActScale.PER_TOKEN
+
+
+class WeightScale(str, enum.Enum):
+    """How the weight ``w`` is scaled: one scale (``PER_TENSOR``) or one per output row
+    (``PER_CHANNEL``, ``w_scale: [N]`` or ``[N, 1]``)."""
+
+    PER_TENSOR = "per_tensor"
+    PER_CHANNEL = "per_channel"
+
+
+class Fp8Dtype(str, enum.Enum):
+    """FP8 element types, named as torch names them (``torch.float8_<value>``)."""
+
+    E4M3FN = "e4m3fn"
+    E5M2 = "e5m2"
+
+    @property
+    def max(self) -> float:
+        return 448.0 if self is Fp8Dtype.E4M3FN else 57344.0
+
+    def torch_dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, f"float8_{self.value}")
+
+    @classmethod
+    def of(cls, dtype: Any) -> Fp8Dtype:
+        """Accept a torch dtype, ``"e4m3fn"``/``"float8_e4m3fn"`` or an instance."""
+        if isinstance(dtype, cls):
+            return dtype
+        text = str(dtype).removeprefix("torch.").removeprefix("float8_")
+        try:
+            return cls(text)
+        except ValueError:
+            raise ValueError(f"not an FP8 dtype: {dtype!r} (expected e4m3fn or e5m2)") from None
+
+
+class OutDtype(str, enum.Enum):
+    """Output (and high-precision activation) dtypes."""
+
+    BF16 = "bfloat16"
+    FP16 = "float16"
+    FP32 = "float32"
+
+    def torch_dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.value)
+
+    @classmethod
+    def of(cls, dtype: Any) -> OutDtype:
+        """Accept a torch dtype, a name (``"bf16"``, ``"bfloat16"``, ``"torch.float16"``) or an instance."""
+        if isinstance(dtype, cls):
+            return dtype
+        text = str(dtype).removeprefix("torch.")
+        text = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+                "float": "float32"}.get(text, text)
+        try:
+            return cls(text)
+        except ValueError:
+            raise ValueError(
+                f"unsupported output dtype {dtype!r} (expected bfloat16, float16 or float32)"
+            ) from None
+
+
+class BiasMode(str, enum.Enum):
+    """How a provider handles ``bias``: inside its kernel (``FUSED``), with a separate add after its
+    kernel (``ADDED_AFTER``), or not at all (``NONE``: problems with a bias are refused)."""
+
+    FUSED = "fused"
+    ADDED_AFTER = "added_after"
+    NONE = "none"
+
+
+class DeviceKind(str, enum.Enum):
+    CUDA = "cuda"
+    CPU = "cpu"
+
+
+@dataclass(frozen=True)
+class GemmProblem:
+    """What a caller wants computed: ``y[M, N] = (x_q·s_x) @ (w_q·s_w)ᵀ (+ bias)``.
+
+    ``m`` may be ``None`` at load time (unknown batch size); ``n`` and ``k`` are the weight's
+    ``[N, K]`` shape. ``device`` is where the tensors live.
+    """
+
+    n: int
+    k: int
+    m: int | None = None
+    input_dtype: Fp8Dtype = Fp8Dtype.E4M3FN
+    weight_dtype: Fp8Dtype = Fp8Dtype.E4M3FN
+    out_dtype: OutDtype = OutDtype.BF16
+    act_scale: ActScale = ActScale.PER_TENSOR_DYNAMIC
+    weight_scale: WeightScale = WeightScale.PER_TENSOR
+    has_bias: bool = False
+    device: DeviceKind = DeviceKind.CUDA
+
+    def __post_init__(self) -> None:
+        # normalise loose inputs ("bf16", torch dtypes, plain strings) into the enums
+        object.__setattr__(self, "input_dtype", Fp8Dtype.of(self.input_dtype))
+        object.__setattr__(self, "weight_dtype", Fp8Dtype.of(self.weight_dtype))
+        object.__setattr__(self, "out_dtype", OutDtype.of(self.out_dtype))
+        object.__setattr__(self, "act_scale", ActScale(self.act_scale))
+        object.__setattr__(self, "weight_scale", WeightScale(self.weight_scale))
+        object.__setattr__(self, "device", DeviceKind(str(self.device).split(":")[0]))
+        for dim in ("n", "k"):
+            if int(getattr(self, dim)) <= 0:
+                raise ValueError(f"GemmProblem.{dim} must be positive, got {getattr(self, dim)}")
+        if self.m is not None and self.m < 0:
+            raise ValueError(f"GemmProblem.m must be >= 0, got {self.m}")
+
+    def with_m(self, m: int | None) -> GemmProblem:
+        return replace(self, m=m)
+
+    def describe(self) -> str:
+        m = "?" if self.m is None else self.m
+        return (
+            f"M={m} N={self.n} K={self.k} {self.input_dtype.value}x{self.weight_dtype.value}"
+            f"->{self.out_dtype.value} act={self.act_scale.value} w={self.weight_scale.value}"
+            f"{' +bias' if self.has_bias else ''} on {self.device.value}"
+        )
+
+
+@dataclass(frozen=True)
+class NormQuantProblem:
+    """A fused RMSNorm + static per-tensor FP8 quant: ``x: [T, H]`` in ``in_dtype``."""
+
+    hidden: int
+    tokens: int | None = None
+    in_dtype: OutDtype = OutDtype.BF16
+    out_fp8: Fp8Dtype = Fp8Dtype.E4M3FN
+    residual: bool = False
+    device: DeviceKind = DeviceKind.CUDA
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "in_dtype", OutDtype.of(self.in_dtype))
+        object.__setattr__(self, "out_fp8", Fp8Dtype.of(self.out_fp8))
+        object.__setattr__(self, "device", DeviceKind(str(self.device).split(":")[0]))
+        if self.hidden <= 0:
+            raise ValueError(f"NormQuantProblem.hidden must be positive, got {self.hidden}")
+
+    def describe(self) -> str:
+        t = "?" if self.tokens is None else self.tokens
+        return (
+            f"T={t} H={self.hidden} {self.in_dtype.value}->{self.out_fp8.value}"
+            f"{' +residual' if self.residual else ''} on {self.device.value}"
+        )
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether a provider can run at all in this process (libraries importable, hardware present)."""
+
+    ok: bool
+    reason: str = ""
+    install_hint: str = ""
+
+    @classmethod
+    def yes(cls, reason: str = "") -> Availability:
+        return cls(True, reason)
+
+    @classmethod
+    def no(cls, reason: str, install_hint: str = "") -> Availability:
+        return cls(False, reason, install_hint)
+
+
+class QuantizedActivation(NamedTuple):
+    """The typed hand-off from a fused norm+quant kernel (or a quant op) to an FP8 linear.
+
+    - ``data``: ``[M, K]`` float8 (e4m3fn unless stated), row-major.
+    - ``scale``: fp32 tensor; ``[1]`` (or 0-d) for per-tensor modes, ``[M, 1]`` for ``PER_TOKEN``.
+    - ``orig_dtype``: the model's dtype before quantization; a consumer returns this dtype.
+    - ``mode``: how ``scale`` was obtained; a consumer prepared for another mode refuses it.
+
+    It is a NamedTuple so that torch.compile traces it without graph breaks. A consumer never
+    re-quantizes it.
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    orig_dtype: torch.dtype
+    mode: ActScale = ActScale.PER_TENSOR_STATIC
+
+
+@dataclass
+class PreparedWeight:
+    """A weight converted once, at load time, into the layout a provider's kernel wants.
+
+    - ``data``: provider-specific view or copy of ``w_q [N, K]`` (e.g. a column-major ``[K, N]`` view).
+    - ``scale``: fp32 ``[1]`` (per-tensor) or ``[1, N]``/``[N]`` (per-channel), in the provider's layout.
+    - ``backend``: the provider name that prepared it; another provider refuses it.
+    - ``extra``: provider-owned state (e.g. cached runner handles).
+    """
+
+    data: Any
+    scale: Any
+    n: int
+    k: int
+    dtype: Fp8Dtype
+    weight_scale: WeightScale
+    backend: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+__all__ = [
+    "ActScale",
+    "Availability",
+    "BiasMode",
+    "DeviceKind",
+    "Fp8Dtype",
+    "GemmProblem",
+    "NormQuantProblem",
+    "OutDtype",
+    "PreparedWeight",
+    "QuantizedActivation",
+    "WeightScale",
+]

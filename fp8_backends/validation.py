@@ -1,0 +1,99 @@
+"""Input checks shared by every provider and layer.
+
+All checks read only metadata (dtype, shape, strides, device) so they cost a few microseconds and
+never synchronise with the GPU. Scale *values* (NaN, inf, zero, negative) are checked where that is
+free: for CPU tensors, and at load time (``prepare_weight``, layer construction). Set
+``FP8_BACKENDS_CHECK_SCALES=1`` to also check device-resident per-call scales (this syncs).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fp8_backends.registry.settings import check_scales_at_call
+
+from .errors import InvalidInputError
+from .types import Fp8Dtype, OutDtype
+
+if TYPE_CHECKING:
+    import torch
+
+
+def fp8_dtype_of(t: torch.Tensor, what: str) -> Fp8Dtype:
+    """The FP8 type of ``t`` or an :class:`InvalidInputError` naming ``what``."""
+    import torch
+
+    if t.dtype == torch.float8_e4m3fn:
+        return Fp8Dtype.E4M3FN
+    if t.dtype == torch.float8_e5m2:
+        return Fp8Dtype.E5M2
+    raise InvalidInputError(f"{what} must be float8_e4m3fn or float8_e5m2, got {t.dtype}")
+
+
+def require_tensor(t: object, what: str) -> None:
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        raise InvalidInputError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def require_row_major_2d(t: torch.Tensor, what: str, shape_doc: str) -> None:
+    if t.dim() != 2:
+        raise InvalidInputError(f"{what} must be 2-D {shape_doc}, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise InvalidInputError(
+            f"{what} must be row-major contiguous {shape_doc}, got strides {tuple(t.stride())}; "
+            "call .contiguous() once where it is produced"
+        )
+
+
+def require_same_device(t: torch.Tensor, what: str, device: torch.device) -> None:
+    if t.device != device:
+        raise InvalidInputError(f"{what} is on {t.device} but the operands are on {device}")
+
+
+def require_fp32_scale(s: object, what: str) -> None:
+    import torch
+
+    require_tensor(s, what)
+    if s.dtype != torch.float32:
+        raise InvalidInputError(f"{what} must be a float32 tensor, got {s.dtype}")
+
+
+def is_scalar_shape(s: torch.Tensor) -> bool:
+    """0-d, ``[1]`` or ``[1, 1]``: one per-tensor scale."""
+    return s.numel() == 1 and s.dim() <= 2
+
+
+_CHECK_DEVICE_SCALES = check_scales_at_call()
+
+
+def set_check_device_scales(enabled: bool) -> None:
+    """Also check device-resident per-call scales (syncs; for debugging). Default: the
+    ``FP8_BACKENDS_CHECK_SCALES`` environment variable at import."""
+    global _CHECK_DEVICE_SCALES
+    _CHECK_DEVICE_SCALES = bool(enabled)
+
+
+def check_scale_values(s: torch.Tensor, what: str, *, force: bool = False) -> None:
+    """Refuse NaN, inf, zero or negative scales. Reads values only for CPU tensors unless ``force``
+    or :func:`set_check_device_scales` (both sync with the device: use at load time or to debug).
+    Skipped while torch.compile traces (the check is data-dependent)."""
+    if s.device.type != "cpu" and not (force or _CHECK_DEVICE_SCALES):
+        return
+    import torch
+
+    if torch.compiler.is_compiling():
+        return
+
+    bad = ~(torch.isfinite(s) & (s > 0))
+    if bool(bad.any()):
+        sample = s[bad].flatten()[:4].tolist()
+        raise InvalidInputError(f"{what} must be finite and > 0; got {sample}")
+
+
+def out_dtype_of(out_dtype: object) -> OutDtype:
+    try:
+        return OutDtype.of(out_dtype)
+    except ValueError as exc:
+        raise InvalidInputError(str(exc)) from None

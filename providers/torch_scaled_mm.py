@@ -1,0 +1,113 @@
+"""``torch_scaled_mm``: FP8 GEMM through ``torch._scaled_mm`` (cuBLASLt / CUTLASS inside torch).
+
+Per-tensor scales on CUDA SM >= 8.9 and on the CPU; row-wise scales (per-token activation x
+per-channel weight) through torch's row-wise path. The weight is prepared once as the column-major
+``[K, N]`` view ``_scaled_mm`` wants (``w_q.t()`` of a row-major ``[N, K]``: no copy).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+from fp8_backends.backend import Fp8GemmBackend
+from fp8_backends.capabilities import GemmCapabilities
+from fp8_backends.types import (
+    ActScale,
+    BiasMode,
+    DeviceKind,
+    Fp8Dtype,
+    GemmProblem,
+    OutDtype,
+    PreparedWeight,
+    WeightScale,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from fp8_backends.registry.platform import Platform
+
+
+class TorchScaledMMBackend(Fp8GemmBackend):
+    name: ClassVar[str] = "torch_scaled_mm"
+    aliases: ClassVar[tuple[str, ...]] = ("torch",)
+    description: ClassVar[str] = "torch._scaled_mm (cuBLASLt per-tensor, torch's row-wise kernel)"
+    requires: ClassVar[tuple[str, ...]] = ("torch",)
+    install_hint: ClassVar[str] = "pip install torch"
+    options: ClassVar[dict[str, tuple[str, ...]]] = {"fast_accum": ("false", "true")}
+    capabilities: ClassVar[GemmCapabilities] = GemmCapabilities(
+        devices=frozenset({DeviceKind.CUDA, DeviceKind.CPU}),
+        min_sm=(8, 9),
+        pdl=False,
+        act_scales=frozenset(ActScale),
+        weight_scales=frozenset(WeightScale),
+        input_dtypes=frozenset({Fp8Dtype.E4M3FN, Fp8Dtype.E5M2}),
+        mixed_inputs=True,
+        out_dtypes=frozenset({OutDtype.BF16, OutDtype.FP16, OutDtype.FP32}),
+        bias=BiasMode.FUSED,
+        k_align=16,
+        n_align=16,
+        priority=10,
+    )
+
+    def extra_reasons(self, problem: GemmProblem | None, platform: Platform) -> list[str]:
+        if problem is None or problem.device is DeviceKind.CPU:
+            return []
+        reasons = []
+        if problem.input_dtype is Fp8Dtype.E5M2 and problem.weight_dtype is Fp8Dtype.E5M2:
+            reasons.append("cuBLASLt has no e5m2 x e5m2 FP8 GEMM")
+        rowwise = problem.act_scale is ActScale.PER_TOKEN or problem.weight_scale is WeightScale.PER_CHANNEL
+        if rowwise:
+            if problem.input_dtype is not Fp8Dtype.E4M3FN or problem.weight_dtype is not Fp8Dtype.E4M3FN:
+                reasons.append("torch's row-wise FP8 kernel takes e4m3fn inputs only")
+            if problem.out_dtype is not OutDtype.BF16:
+                reasons.append("torch's row-wise FP8 kernel writes bfloat16 only")
+        return reasons
+
+    def prepare_weight_impl(
+        self, w_q: torch.Tensor, w_scale: torch.Tensor, weight_scale: WeightScale
+    ) -> PreparedWeight:
+        n, k = w_q.shape
+        # row-wise B scale [1, N], used whenever either operand is scaled per row; built once here
+        row_scale = w_scale.reshape(-1).expand(n).reshape(1, n).contiguous()
+        return PreparedWeight(
+            data=w_q.t(),  # [K, N] column-major view: what _scaled_mm wants for B
+            scale=w_scale.reshape(()).contiguous() if weight_scale is WeightScale.PER_TENSOR else row_scale,
+            n=n,
+            k=k,
+            dtype=Fp8Dtype.of(w_q.dtype),
+            weight_scale=weight_scale,
+            backend=self.name,
+            extra={"row_scale": row_scale},
+        )
+
+    def gemm_impl(
+        self,
+        x_q: torch.Tensor,
+        prepared: PreparedWeight,
+        x_scale: torch.Tensor,
+        out_dtype: torch.dtype,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        import torch
+
+        if x_scale.numel() > 1 or prepared.weight_scale is WeightScale.PER_CHANNEL:
+            # row-wise path: scale_a [M, 1], scale_b [1, N]. A per-tensor x_scale with a
+            # per-channel weight is broadcast to [M, 1] here (M floats, the only per-call copy).
+            a_scale = x_scale if x_scale.numel() > 1 else x_scale.reshape(1, 1).expand(x_q.shape[0], 1).contiguous()
+            w_scale = prepared.extra["row_scale"]
+        else:
+            a_scale, w_scale = x_scale.reshape(()), prepared.scale
+        fused_bias = bias if out_dtype != torch.float32 else None
+        y = torch._scaled_mm(
+            x_q,
+            prepared.data,
+            scale_a=a_scale,
+            scale_b=w_scale,
+            bias=fused_bias,
+            out_dtype=out_dtype,
+            use_fast_accum=self.config["fast_accum"] == "true",
+        )
+        if bias is not None and fused_bias is None:
+            y.add_(bias)
+        return y

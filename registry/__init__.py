@@ -1,0 +1,7 @@
+"""Provider discovery, platform detection and backend resolution (installed as ``fp8_backends.registry``).
+
+- :mod:`.platform`: what GPU (or CPU) a problem runs on, real or simulated.
+- :mod:`.discovery`: stevedore entry points -> :class:`~.discovery.ProviderEntry` records, never raising.
+- :mod:`.resolution`: explicit names, aliases, env vars and ``auto`` -> a provider instance.
+- :mod:`.settings`: the environment variables the registry reads.
+"""

@@ -1,0 +1,277 @@
+"""What a problem runs on: one CUDA device (real or simulated) or the CPU.
+
+Detection never imports torch unless torch is already imported: it asks the CUDA driver through
+cuda-python, so ``python -m fp8_backends.list`` stays fast. On a machine without a driver it
+reports no CUDA devices. ``simulate_platform("10.0")`` (or ``FP8_BACKENDS_SIMULATE_SM``) lets a
+user ask what would run on another GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import importlib.util
+import logging
+import re
+import sys
+from dataclasses import dataclass, field
+
+from fp8_backends.types import DeviceKind
+
+from . import settings
+
+logger = logging.getLogger("fp8_backends")
+
+# distributions whose versions key tuning data and appear in the listing
+TRACKED_DISTRIBUTIONS = (
+    "fp8-backends",
+    "torch",
+    "triton",
+    "flashinfer-python",
+    "nvidia-cutlass",
+    "cuda-python",
+    "stevedore",
+)
+
+
+@dataclass(frozen=True)
+class Platform:
+    """One device a problem can run on.
+
+    ``sm`` is ``(major, minor)`` for CUDA devices and ``None`` for the CPU. Every SM >= 9.0 part
+    also runs its arch-specific target (``sm_90a``, ``sm_100a``, ...), reported by ``arch``.
+    """
+
+    kind: DeviceKind
+    name: str
+    sm: tuple[int, int] | None = None
+    device_index: int | None = None
+    simulated: bool = False
+    multiprocessors: int | None = None
+    driver_version: str | None = None
+    cuda_runtime_version: str | None = None
+    library_versions: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kind is DeviceKind.CUDA
+
+    @property
+    def pdl(self) -> bool:
+        """Programmatic dependent launch needs SM >= 9.0."""
+        return self.sm is not None and self.sm >= (9, 0)
+
+    @property
+    def arch(self) -> str:
+        """``"9.0a"`` style: major.minor plus ``a`` where an arch-specific target exists."""
+        if self.sm is None:
+            return "cpu"
+        return f"{self.sm[0]}.{self.sm[1]}{'a' if self.sm >= (9, 0) else ''}"
+
+    @property
+    def torch_device(self) -> str:
+        if self.kind is DeviceKind.CPU:
+            return "cpu"
+        return "cuda" if self.device_index is None else f"cuda:{self.device_index}"
+
+    def describe(self) -> str:
+        if self.kind is DeviceKind.CPU:
+            return "CPU"
+        extra = " (simulated)" if self.simulated else ""
+        idx = "" if self.device_index is None else f"cuda:{self.device_index} "
+        return f"{idx}{self.name}, SM {self.arch}{extra}"
+
+
+def parse_sm(text: str) -> tuple[int, int]:
+    """Parse ``"9.0"``, ``"9.0a"``, ``"sm_90a"``, ``"90"``, ``"10.0"``, ``"100"`` into ``(major, minor)``."""
+    raw = text.strip().lower().removeprefix("sm_").removeprefix("sm").rstrip("af")
+    match = re.fullmatch(r"(\d+)\.(\d)", raw)
+    if match:
+        return int(match.group(1)), int(match.group(2))
+    match = re.fullmatch(r"(\d+)(\d)", raw)
+    if match:
+        return int(match.group(1)), int(match.group(2))
+    raise ValueError(f"cannot parse SM version {text!r} (expected e.g. 9.0, 10.0, sm_90a)")
+
+
+def library_versions() -> dict[str, str]:
+    """Installed versions of the distributions that matter, without importing them."""
+    out: dict[str, str] = {}
+    for dist in TRACKED_DISTRIBUTIONS:
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def _torch_cuda_version() -> str | None:
+    """torch's CUDA runtime version, read from torch/version.py when torch is not imported yet."""
+    if "torch" in sys.modules:
+        return getattr(sys.modules["torch"].version, "cuda", None)
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        try:
+            with open(f"{folder}/version.py", encoding="utf-8") as f:
+                match = re.search(r"^cuda(?::\s*\S+)?\s*=\s*['\"]([^'\"]+)['\"]", f.read(), re.M)
+        except OSError:
+            continue
+        return match.group(1) if match else None
+    return None
+
+
+def cpu_platform() -> Platform:
+    return Platform(kind=DeviceKind.CPU, name="CPU", library_versions=library_versions())
+
+
+def simulate_platform(sm: str | tuple[int, int], name: str | None = None) -> Platform:
+    """A CUDA platform that does not exist here: ``simulate_platform("10.0")`` asks what would run on SM 10.0."""
+    major_minor = parse_sm(sm) if isinstance(sm, str) else (int(sm[0]), int(sm[1]))
+    return Platform(
+        kind=DeviceKind.CUDA,
+        name=name or f"simulated SM {major_minor[0]}.{major_minor[1]}",
+        sm=major_minor,
+        simulated=True,
+        library_versions=library_versions(),
+    )
+
+
+@dataclass(frozen=True)
+class _CudaDevice:
+    index: int
+    name: str
+    sm: tuple[int, int]
+    multiprocessors: int | None
+
+
+def _query_driver() -> tuple[list[_CudaDevice], str | None]:
+    """Devices and driver version through cuda-python's driver API; ([], None) without a driver."""
+    if "torch" in sys.modules and sys.modules["torch"].cuda.is_available():
+        return _query_torch()
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError as exc:  # cuda-python not installed: ask torch instead
+        logger.debug("cuda-python unavailable (%s); asking torch", exc)
+        return _query_torch()
+    except Exception as exc:  # cuda-python present but no driver library: no CUDA devices
+        logger.debug("no CUDA driver (%s)", exc)
+        return [], None
+    try:
+        (err,) = cu.cuInit(0)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            logger.debug("cuInit failed: %s", err)
+            return [], None
+        err, version = cu.cuDriverGetVersion()
+        driver = f"{version // 1000}.{(version % 1000) // 10}" if err == cu.CUresult.CUDA_SUCCESS else None
+        err, count = cu.cuDeviceGetCount()
+        devices = []
+        attr = cu.CUdevice_attribute
+        for index in range(count if err == cu.CUresult.CUDA_SUCCESS else 0):
+            _, dev = cu.cuDeviceGet(index)
+            _, raw_name = cu.cuDeviceGetName(256, dev)
+            _, major = cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev)
+            _, minor = cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev)
+            _, sms = cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev)
+            name = bytes(raw_name).split(b"\0", 1)[0].decode(errors="replace")
+            devices.append(_CudaDevice(index, name, (int(major), int(minor)), int(sms)))
+        return devices, driver
+    except Exception as exc:
+        logger.debug("CUDA driver query failed (%s)", exc)
+        return [], None
+
+
+def _query_torch() -> tuple[list[_CudaDevice], str | None]:
+    if importlib.util.find_spec("torch") is None:
+        return [], None
+    import torch
+
+    if not torch.cuda.is_available():
+        return [], None
+    devices = []
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        devices.append(_CudaDevice(index, props.name, (props.major, props.minor), props.multi_processor_count))
+    return devices, None
+
+
+@functools.lru_cache(maxsize=1)
+def _cuda_devices() -> tuple[tuple[_CudaDevice, ...], str | None]:
+    devices, driver = _query_driver()
+    return tuple(devices), driver
+
+
+def list_platforms() -> list[Platform]:
+    """Every real CUDA device here (a host can mix GPUs), or ``[cpu_platform()]`` if there are none."""
+    devices, driver = _cuda_devices()
+    if not devices:
+        return [cpu_platform()]
+    versions = library_versions()
+    runtime = _torch_cuda_version()
+    return [
+        Platform(
+            kind=DeviceKind.CUDA,
+            name=d.name,
+            sm=d.sm,
+            device_index=d.index,
+            multiprocessors=d.multiprocessors,
+            driver_version=driver,
+            cuda_runtime_version=runtime,
+            library_versions=versions,
+        )
+        for d in devices
+    ]
+
+
+def detect_platform(device: object = None, *, simulate: str | None = None) -> Platform:
+    """The platform for ``device`` (``None`` = current CUDA device or the CPU; ``"cpu"``; ``"cuda:1"``;
+    an int; a ``torch.device``). ``simulate`` (or ``FP8_BACKENDS_SIMULATE_SM``) overrides CUDA detection."""
+    kind, index = _parse_device(device)
+    if kind is DeviceKind.CPU:
+        return cpu_platform()
+    sim = simulate or settings.simulated_sm()
+    if sim:
+        return simulate_platform(sim)
+    platforms = [p for p in list_platforms() if p.is_cuda]
+    if not platforms:
+        if kind is DeviceKind.CUDA and device is not None:
+            # a CUDA device was asked for explicitly: describe it as absent rather than as a CPU
+            return Platform(kind=DeviceKind.CUDA, name="no CUDA device", library_versions=library_versions())
+        return cpu_platform()
+    if index is None:
+        index = _current_cuda_index()
+    for p in platforms:
+        if p.device_index == index:
+            return p
+    raise ValueError(f"no CUDA device with index {index} (found {len(platforms)})")
+
+
+def _current_cuda_index() -> int:
+    if "torch" in sys.modules:
+        try:
+            return int(sys.modules["torch"].cuda.current_device())
+        except Exception:
+            return 0
+    return 0
+
+
+def _parse_device(device: object) -> tuple[DeviceKind | None, int | None]:
+    if device is None:
+        return None, None
+    if isinstance(device, int):
+        return DeviceKind.CUDA, device
+    if isinstance(device, DeviceKind):
+        return device, None
+    text = str(device)  # str or torch.device
+    kind, _, idx = text.partition(":")
+    try:
+        dk = DeviceKind(kind)
+    except ValueError:
+        raise ValueError(f"unsupported device {device!r} (expected cpu, cuda or cuda:N)") from None
+    return dk, int(idx) if idx else None
+
+
+def _reset_cache() -> None:
+    """For tests: forget the detected devices."""
+    _cuda_devices.cache_clear()

@@ -1,0 +1,334 @@
+"""Turn a backend request (explicit name, alias, ``DIST:NAME``, env var, or ``auto``) into a provider.
+
+Rules:
+- An explicit choice that cannot serve raises :class:`UnsupportedProblemError` with every reason and
+  the names that could serve. Nothing falls back silently.
+- Unknown names raise :class:`UnknownBackendError` listing the valid ones.
+- A name registered by two distributions must be qualified as ``DIST:NAME``.
+- ``auto`` asks the selection policies first (e.g. a tuned lockfile), then takes the
+  highest-priority provider that can serve; the choice is logged once at INFO, the others' reasons
+  at DEBUG.
+- Options follow ``@``: ``flashinfer_bmm@runner=cudnn`` (``key=value`` pairs separated by ``,``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fp8_backends.errors import (
+    AmbiguousBackendError,
+    BackendUnavailableError,
+    UnknownBackendError,
+    UnsupportedProblemError,
+)
+from fp8_backends.types import GemmProblem, NormQuantProblem
+
+from . import settings
+from .discovery import ProviderEntry, discover
+from .platform import Platform, detect_platform
+
+logger = logging.getLogger("fp8_backends")
+
+AUTO = "auto"
+KIND_LABEL = {"gemm": "GEMM", "norm_quant": "norm-quant"}
+ENV_FOR_KIND = {"gemm": settings.GEMM_BACKEND_ENV, "norm_quant": settings.NORM_QUANT_BACKEND_ENV}
+
+
+@dataclass
+class Candidate:
+    """One provider considered during resolution and why it can or cannot serve."""
+
+    entry: ProviderEntry
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.reasons
+
+
+@dataclass
+class Resolution:
+    """The full story of one resolution, for the listing and for error messages."""
+
+    kind: str
+    request: str
+    source: str  # "explicit", "env", "auto", or a policy's name (e.g. "lockfile")
+    platform: Platform
+    problem: Any
+    candidates: list[Candidate]
+    chosen: Candidate | None = None
+    backend: Any = None
+    error: Exception | None = None
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class BackendRequest:
+    """A parsed backend string: ``[DIST:]NAME[@key=value,...]`` or ``auto``."""
+
+    name: str
+    dist: str | None = None
+    options: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> BackendRequest:
+        raw = text.strip()
+        spec, _, opts = raw.partition("@")
+        dist, sep, name = spec.rpartition(":")
+        options = []
+        for part in filter(None, (p.strip() for p in opts.split(","))):
+            key, eq, value = part.partition("=")
+            if not eq or not key:
+                raise UnknownBackendError(raw, "backend option", [])
+            options.append((key.strip(), value.strip()))
+        return cls(name=name.strip(), dist=dist.strip() if sep else None, options=tuple(options))
+
+    @property
+    def is_auto(self) -> bool:
+        return self.name == AUTO and self.dist is None
+
+
+#: ``auto`` policies consulted in order before static priorities. A policy gets
+#: ``(kind, problem, platform, serving_candidates)`` and returns ``(entry, options, note)`` or None.
+SelectionPolicy = Callable[[str, Any, Platform, list[Candidate]], "tuple[ProviderEntry, dict[str, str], str] | None"]
+_policies: list[tuple[str, SelectionPolicy]] = []
+
+
+def register_selection_policy(name: str, policy: SelectionPolicy) -> None:
+    """Add an ``auto`` policy (e.g. the tuned lockfile). Later registrations are asked first."""
+    _policies[:] = [(n, p) for n, p in _policies if n != name]
+    _policies.insert(0, (name, policy))
+
+
+_instances: dict[tuple[str, str, tuple[tuple[str, str], ...]], Any] = {}
+_logged: set[tuple] = set()
+_lock = threading.Lock()
+
+
+def _instance(entry: ProviderEntry, options: tuple[tuple[str, str], ...]) -> Any:
+    key = (entry.kind, entry.qualified_name, tuple(sorted(options)))
+    with _lock:
+        if key not in _instances:
+            _instances[key] = entry.cls(**dict(options))  # bad options raise InvalidInputError
+        return _instances[key]
+
+
+def _platform_for(problem: Any, platform: Platform | None) -> Platform:
+    if platform is not None:
+        return platform
+    return detect_platform(None if problem is None else problem.device)
+
+
+def _consider(entry: ProviderEntry, problem: Any, platform: Platform, options=()) -> Candidate:
+    reason = entry.unusable_reason()
+    if reason:
+        return Candidate(entry, [reason])
+    try:
+        backend = _instance(entry, options)
+        reasons = list(backend.supports(problem, platform))
+    except Exception as exc:  # a plugin's check must not break resolution
+        reasons = [f"support check raised {type(exc).__name__}: {exc}"]
+    return Candidate(entry, reasons)
+
+
+def _sort_key(entry: ProviderEntry) -> tuple:
+    return (-entry.priority, not entry.builtin, entry.name, entry.dist or "")
+
+
+def explain(
+    kind: str,
+    name: str | None = None,
+    *,
+    problem: Any = None,
+    platform: Platform | None = None,
+) -> Resolution:
+    """Resolve without raising: a :class:`Resolution` with every candidate's reasons and either
+    ``chosen``/``backend`` set or ``error`` holding the exception :func:`resolve` would raise."""
+    source = "explicit"
+    if name is None:
+        env_value = os.environ.get(ENV_FOR_KIND[kind], "").strip()
+        name, source = (env_value, "env") if env_value else (AUTO, "auto")
+    platform = _platform_for(problem, platform)
+    entries = discover(kind)
+    candidates = [_consider(e, problem, platform) for e in sorted(entries, key=_sort_key)]
+    res = Resolution(kind=kind, request=name, source=source, platform=platform, problem=problem,
+                     candidates=candidates)
+    label = KIND_LABEL[kind]
+    what = problem.describe() if problem is not None else "any problem"
+    where = platform.describe()
+    try:
+        request = BackendRequest.parse(name)
+    except UnknownBackendError as exc:
+        res.error = exc
+        return res
+    names_by_count: dict[str, int] = {}
+    for e in entries:
+        names_by_count[e.name] = names_by_count.get(e.name, 0) + 1
+
+    if request.is_auto:
+        res.source = "auto" if source == "explicit" else source
+        serving = [c for c in candidates if c.ok]
+        picked = _ask_policies(kind, problem, platform, serving)
+        if picked is not None:
+            entry, options, policy_name, note = picked
+            res.source, res.note = policy_name, note
+            res.chosen = next(c for c in serving if c.entry is entry)
+            try:
+                res.backend = _instance(entry, tuple(options.items()))
+            except Exception as exc:
+                res.error = exc
+            return res
+        if not serving:
+            res.error = UnsupportedProblemError(
+                f"no {label} provider can serve {what} on {where}:\n" + _format_reasons(candidates),
+                reasons=[f"{c.entry.name}: {r}" for c in candidates for r in c.reasons],
+            )
+            return res
+        best = serving[0]
+        if names_by_count[best.entry.name] > 1:
+            res.error = _ambiguous(kind, best.entry.name, entries)
+            return res
+        res.chosen, res.backend = best, _instance(best.entry, ())
+        return res
+
+    matches = [e for e in entries if e.matches(request.name, request.dist)]
+    if not matches:
+        valid = {e.name for e in entries} | {a for e in entries for a in e.aliases}
+        res.error = UnknownBackendError(
+            request.name if request.dist is None else f"{request.dist}:{request.name}", label, valid
+        )
+        return res
+    if len(matches) > 1:
+        res.error = _ambiguous(kind, request.name, matches)
+        return res
+    entry = matches[0]
+    cand = next(c for c in candidates if c.entry is entry)
+    reason = entry.unusable_reason()
+    if reason:
+        res.error = BackendUnavailableError(
+            f"{label} backend {entry.name!r} ({entry.dist}) is not usable here: {reason}"
+            + _alternatives_text(candidates, entry)
+        )
+        return res
+    try:
+        cand = _consider(entry, problem, platform, request.options)
+        backend = _instance(entry, request.options)
+    except Exception as exc:
+        res.error = exc
+        return res
+    if cand.reasons:
+        alts = [c.entry.name for c in candidates if c.ok and c.entry is not entry]
+        res.error = UnsupportedProblemError(
+            f"{label} backend {backend.label!r} cannot serve {what} on {where}:\n"
+            + "".join(f"  - {r}\n" for r in cand.reasons)
+            + (f"providers that can: {', '.join(alts)}" if alts else "no other provider can serve it either"),
+            reasons=cand.reasons,
+            alternatives=alts,
+        )
+        return res
+    res.chosen, res.backend = cand, backend
+    return res
+
+
+def _ask_policies(kind, problem, platform, serving):
+    for policy_name, policy in list(_policies):
+        try:
+            picked = policy(kind, problem, platform, serving)
+        except Exception as exc:
+            logger.warning("selection policy %s failed (%s); using static priorities", policy_name, exc)
+            continue
+        if picked is not None:
+            entry, options, note = picked
+            if any(c.entry is entry for c in serving):
+                return entry, options, policy_name, note
+            logger.debug("policy %s picked %s, which cannot serve; ignoring it", policy_name, entry.name)
+    return None
+
+
+def _ambiguous(kind: str, name: str, entries: list[ProviderEntry]) -> AmbiguousBackendError:
+    clash = [e for e in entries if e.name == name or name in e.aliases]
+    dists = ", ".join(sorted(f"{e.dist} ({e.target})" for e in clash))
+    qualified = " or ".join(sorted(e.qualified_name for e in clash))
+    return AmbiguousBackendError(
+        f"{KIND_LABEL[kind]} backend name {name!r} is registered by several distributions: {dists}; "
+        f"select one as {qualified}"
+    )
+
+
+def _format_reasons(candidates: list[Candidate]) -> str:
+    lines = []
+    for c in candidates:
+        for r in c.reasons:
+            lines.append(f"  - {c.entry.name}: {r}\n")
+    return "".join(lines) or "  (no providers are registered)\n"
+
+
+def _alternatives_text(candidates: list[Candidate], exclude: ProviderEntry) -> str:
+    alts = [c.entry.name for c in candidates if c.ok and c.entry is not exclude]
+    return f"; providers that can serve: {', '.join(alts)}" if alts else "; no other provider can serve it"
+
+
+def resolve(kind: str, name: str | None = None, *, problem: Any = None, platform: Platform | None = None) -> Any:
+    """Resolve and return the provider instance, or raise the library error that explains why not."""
+    res = explain(kind, name, problem=problem, platform=platform)
+    if res.error is not None:
+        raise res.error
+    _log_choice(res)
+    return res.backend
+
+
+def _log_choice(res: Resolution) -> None:
+    key = (res.kind, res.request, res.source, res.backend.label, res.problem, res.platform)
+    with _lock:
+        if key in _logged:
+            return
+        _logged.add(key)
+    what = res.problem.describe() if res.problem is not None else "any problem"
+    logger.info(
+        "%s backend %s selected (%s%s) for %s on %s",
+        KIND_LABEL[res.kind], res.backend.label, res.source, f": {res.note}" if res.note else "",
+        what, res.platform.describe(),
+    )
+    if logger.isEnabledFor(logging.DEBUG):
+        for c in res.candidates:
+            if c is not res.chosen:
+                logger.debug("  %s: %s", c.entry.name, "; ".join(c.reasons) or "could serve (lower rank)")
+
+
+def resolve_gemm_backend(
+    name: str | None = None,
+    *,
+    problem: GemmProblem | None = None,
+    platform: Platform | None = None,
+):
+    """The FP8 GEMM provider for ``problem`` on ``platform``.
+
+    ``name``: ``"auto"``, a provider name or alias, ``"DIST:NAME"``, optionally with options
+    (``"flashinfer_bmm@runner=cudnn"``); ``None`` reads ``FP8_GEMM_BACKEND`` (default ``auto``).
+    ``platform`` defaults to the detected device for ``problem.device`` (see
+    :func:`~fp8_backends.registry.platform.simulate_platform` to ask about another GPU).
+    """
+    return resolve("gemm", name, problem=problem, platform=platform)
+
+
+def resolve_norm_quant_backend(
+    name: str | None = None,
+    *,
+    problem: NormQuantProblem | None = None,
+    platform: Platform | None = None,
+):
+    """The fused RMSNorm+FP8-quant provider; same rules as :func:`resolve_gemm_backend`
+    (env var ``FP8_NORM_QUANT_BACKEND``)."""
+    return resolve("norm_quant", name, problem=problem, platform=platform)
+
+
+def reset_caches() -> None:
+    """Forget provider instances and the log-once memory (tests, plugin reloads)."""
+    with _lock:
+        _instances.clear()
+        _logged.clear()

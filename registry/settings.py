@@ -1,0 +1,53 @@
+"""Environment variables read by the registry, in one place.
+
+| variable | meaning |
+|---|---|
+| ``FP8_GEMM_BACKEND`` | default GEMM backend name when the caller passes none (``auto`` if unset) |
+| ``FP8_NORM_QUANT_BACKEND`` | default norm-quant backend name |
+| ``FP8_BACKENDS_DISABLED`` | comma-separated provider names (or ``DIST:NAME``) to exclude everywhere |
+| ``FP8_BACKENDS_PLUGINS`` | comma-separated third-party distributions allowed to load (unset: all) |
+| ``FP8_BACKENDS_SIMULATE_SM`` | pretend the GPU is this SM (e.g. ``10.0``) for resolution and listing |
+| ``FP8_BACKENDS_CHECK_SCALES`` | ``1``: also check device-resident scales for NaN/inf/zero at call time (syncs) |
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+GEMM_BACKEND_ENV = "FP8_GEMM_BACKEND"
+NORM_QUANT_BACKEND_ENV = "FP8_NORM_QUANT_BACKEND"
+DISABLED_ENV = "FP8_BACKENDS_DISABLED"
+PLUGINS_ENV = "FP8_BACKENDS_PLUGINS"
+SIMULATE_SM_ENV = "FP8_BACKENDS_SIMULATE_SM"
+CHECK_SCALES_ENV = "FP8_BACKENDS_CHECK_SCALES"
+
+
+def _split(value: str | None) -> list[str]:
+    return [part.strip() for part in (value or "").split(",") if part.strip()]
+
+
+def canonical_dist(name: str) -> str:
+    """PEP 503 normalisation: ``Fp8_Backends`` and ``fp8-backends`` are the same distribution."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def disabled_names() -> set[str]:
+    return set(_split(os.environ.get(DISABLED_ENV)))
+
+
+def allowed_plugin_dists() -> set[str] | None:
+    """``None`` when every distribution may load; otherwise the canonical names allowed."""
+    raw = os.environ.get(PLUGINS_ENV)
+    if raw is None:
+        return None
+    return {canonical_dist(d) for d in _split(raw)}
+
+
+def simulated_sm() -> str | None:
+    value = os.environ.get(SIMULATE_SM_ENV, "").strip()
+    return value or None
+
+
+def check_scales_at_call() -> bool:
+    return os.environ.get(CHECK_SCALES_ENV, "").strip().lower() in {"1", "true", "yes", "on"}

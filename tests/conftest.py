@@ -1,0 +1,57 @@
+"""Shared test setup.
+
+- ``@pytest.mark.gpu`` tests are skipped (with a reason) where torch sees no CUDA device.
+- ``@pytest.mark.build`` tests compile CUDA code; they run only with ``--run-build`` (CI runs them once).
+- Every test starts with fresh registry caches and no fp8_backends environment variables.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+ENV_VARS = (
+    "FP8_GEMM_BACKEND",
+    "FP8_NORM_QUANT_BACKEND",
+    "FP8_BACKENDS_DISABLED",
+    "FP8_BACKENDS_PLUGINS",
+    "FP8_BACKENDS_SIMULATE_SM",
+    "FP8_BACKENDS_CHECK_SCALES",
+    "FP8_BACKENDS_LOCKFILE",
+    "FP8_BACKENDS_TUNE",
+)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-build", action="store_true", help="run tests marked build (nvcc compiles)")
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    cuda = _has_cuda()
+    run_build = config.getoption("--run-build")
+    for item in items:
+        if "gpu" in item.keywords and not cuda:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (none visible to torch)"))
+        if "build" in item.keywords and not run_build:
+            item.add_marker(pytest.mark.skip(reason="compiles CUDA code; pass --run-build"))
+
+
+@pytest.fixture(autouse=True)
+def _clean_registry(monkeypatch: pytest.MonkeyPatch):
+    for var in ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    from fp8_backends.registry import discovery, resolution
+
+    discovery.refresh()
+    resolution.reset_caches()
+    yield
+    discovery.refresh()
+    resolution.reset_caches()
