@@ -107,6 +107,17 @@ class DeviceKind(str, enum.Enum):
     CUDA = "cuda"
     CPU = "cpu"
 
+    @classmethod
+    def of(cls, device: Any) -> DeviceKind:
+        """Accept ``"cuda"``, ``"cuda:1"``, ``"cpu"``, a ``torch.device`` or an instance."""
+        if isinstance(device, cls):
+            return device
+        kind = getattr(device, "type", None) or str(device).split(":")[0]
+        try:
+            return cls(kind)
+        except ValueError:
+            raise ValueError(f"unsupported device {device!r} (expected cpu or cuda)") from None
+
 
 @dataclass(frozen=True)
 class GemmProblem:
@@ -134,7 +145,7 @@ class GemmProblem:
         object.__setattr__(self, "out_dtype", OutDtype.of(self.out_dtype))
         object.__setattr__(self, "act_scale", ActScale(self.act_scale))
         object.__setattr__(self, "weight_scale", WeightScale(self.weight_scale))
-        object.__setattr__(self, "device", DeviceKind(str(self.device).split(":")[0]))
+        object.__setattr__(self, "device", DeviceKind.of(self.device))
         for dim in ("n", "k"):
             if int(getattr(self, dim)) <= 0:
                 raise ValueError(f"GemmProblem.{dim} must be positive, got {getattr(self, dim)}")
@@ -167,7 +178,7 @@ class NormQuantProblem:
     def __post_init__(self) -> None:
         object.__setattr__(self, "in_dtype", OutDtype.of(self.in_dtype))
         object.__setattr__(self, "out_fp8", Fp8Dtype.of(self.out_fp8))
-        object.__setattr__(self, "device", DeviceKind(str(self.device).split(":")[0]))
+        object.__setattr__(self, "device", DeviceKind.of(self.device))
         if self.hidden <= 0:
             raise ValueError(f"NormQuantProblem.hidden must be positive, got {self.hidden}")
 

@@ -65,8 +65,10 @@ class ProviderEntry:
         return bool(off & {self.name, self.qualified_name, *self.aliases})
 
     def matches(self, name: str, dist: str | None = None) -> bool:
-        if dist is not None and (self.dist is None or settings.canonical_dist(self.dist) != settings.canonical_dist(dist)):
-            return False
+        if dist is not None:
+            mine = settings.canonical_dist(self.dist) if self.dist else None
+            if mine != settings.canonical_dist(dist):
+                return False
         return name == self.name or name in self.aliases
 
     def availability(self) -> Availability:

@@ -29,7 +29,7 @@ from fp8_backends.errors import (
 from fp8_backends.types import GemmProblem, NormQuantProblem
 
 from . import settings
-from .discovery import ProviderEntry, discover
+from .discovery import BLOCKED, ProviderEntry, discover
 from .platform import Platform, detect_platform
 
 logger = logging.getLogger("fp8_backends")
@@ -166,8 +166,10 @@ def explain(
     except UnknownBackendError as exc:
         res.error = exc
         return res
+    # a distribution blocked by FP8_BACKENDS_PLUGINS does not make a name ambiguous
+    selectable = [e for e in entries if e.status != BLOCKED]
     names_by_count: dict[str, int] = {}
-    for e in entries:
+    for e in selectable:
         names_by_count[e.name] = names_by_count.get(e.name, 0) + 1
 
     if request.is_auto:
@@ -191,12 +193,14 @@ def explain(
             return res
         best = serving[0]
         if names_by_count[best.entry.name] > 1:
-            res.error = _ambiguous(kind, best.entry.name, entries)
+            res.error = _ambiguous(kind, best.entry.name, selectable)
             return res
         res.chosen, res.backend = best, _instance(best.entry, ())
         return res
 
-    matches = [e for e in entries if e.matches(request.name, request.dist)]
+    matches = [e for e in selectable if e.matches(request.name, request.dist)]
+    if not matches:
+        matches = [e for e in entries if e.matches(request.name, request.dist)]  # blocked ones
     if not matches:
         valid = {e.name for e in entries} | {a for e in entries for a in e.aliases}
         res.error = UnknownBackendError(

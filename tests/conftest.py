@@ -55,3 +55,35 @@ def _clean_registry(monkeypatch: pytest.MonkeyPatch):
     yield
     discovery.refresh()
     resolution.reset_caches()
+
+
+PLUGIN_SRC = __import__("pathlib").Path(__file__).parent / "data" / "thirdparty_plugin"
+
+
+@pytest.fixture(scope="session")
+def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """pip-install the test plugin distribution into a fresh folder; returns that folder."""
+    import subprocess
+    import sys
+
+    target = tmp_path_factory.mktemp("plugin_site")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+         "--target", str(target), str(PLUGIN_SRC)],
+        check=True,
+    )
+    return str(target)
+
+
+@pytest.fixture
+def thirdparty_plugin(plugin_site: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Put the installed test plugin on sys.path for one test (and rescan entry points)."""
+    import sys
+
+    from fp8_backends.registry import discovery
+
+    monkeypatch.syspath_prepend(plugin_site)
+    discovery.refresh()
+    yield plugin_site
+    sys.modules.pop("fp8_backends_testplugin.toy", None)
+    discovery.refresh()

@@ -1,0 +1,114 @@
+"""`python -m fp8_backends.list` (both formats, subprocess and in-process), the argparse flags, import cost."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import fp8_backends
+from fp8_backends import GemmProblem, UnsupportedProblemError
+from fp8_backends import list as listing
+
+
+def _run_list(*args, env_extra=None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FP8_")}
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "fp8_backends.list", *args], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def test_listing_text_subprocess_exit_zero():
+    proc = _run_list()
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "FP8 GEMM providers" in out and "RMSNorm+FP8-quant providers" in out
+    assert "torch_scaled_mm (torch)" in out and "fp8-backends" in out
+
+
+def test_listing_json_schema_subprocess_with_simulation():
+    proc = _run_list("--json", "--simulate-sm", "8.0", "--problem", "16,4096,4096")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["schema"] == "fp8_backends.list/1"
+    assert data["platform"]["simulated"] and data["platform"]["sm"] == "8.0"
+    gemm = [p for p in data["providers"] if p["kind"] == "gemm" and p["name"] == "torch_scaled_mm"][0]
+    assert gemm["builtin"] and not gemm["usable"] and "needs SM >= 8.9" in gemm["reasons"][0]
+    assert set(gemm["capabilities"]) >= {"devices", "arch", "pdl", "priority", "act_scales", "weight_scales",
+                                         "input_dtypes", "out_dtypes", "bias", "k_align", "n_align"}
+    res = data["resolution"]["gemm"]
+    assert res["chosen"] is None and "UnsupportedProblemError" in res["error"]
+    assert res["problem"].startswith("M=16 N=4096 K=4096")
+
+
+def test_listing_shows_plugins_blocked_and_disabled(thirdparty_plugin, monkeypatch, capsys):
+    monkeypatch.setenv("FP8_BACKENDS_DISABLED", "toy")
+    assert listing.main(["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    by = {(p["name"], p["distribution"]): p for p in data["providers"]}
+    assert by[("toy", "fp8-backends-testplugin")]["disabled"]
+    assert by[("broken", "fp8-backends-testplugin")]["status"] == "failed"
+    assert data["env"]["FP8_BACKENDS_DISABLED"] == "toy"
+    # with `toy` disabled, the clash with the built-in name decides `auto` on the CPU: refused loudly
+    assert "AmbiguousBackendError" in data["resolution"]["gemm"]["error"]
+    monkeypatch.setenv("FP8_BACKENDS_PLUGINS", "")
+    from fp8_backends.registry import discovery
+
+    discovery.refresh()
+    assert listing.main([]) == 0
+    text = capsys.readouterr().out
+    assert "blocked" in text and "toy" in text
+    assert "-> torch_scaled_mm" in text
+
+
+def test_listing_problem_explains_rejections(capsys):
+    assert listing.main(["--simulate-sm", "9.0", "--problem", "16,4096,4096", "--out-dtype", "float16",
+                         "--act-scale", "per_token", "--weight-scale", "per_channel"]) == 0
+    out = capsys.readouterr().out
+    assert "row-wise FP8 kernel writes bfloat16 only" in out
+
+
+def test_listing_bad_arguments_exit_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        listing.main(["--problem", "1,2"])
+    assert info.value.code == 2
+
+
+def test_argparse_flag_choices_and_resolution(thirdparty_plugin):
+    parser = argparse.ArgumentParser()
+    fp8_backends.add_cli_args(parser)
+    help_text = " ".join(parser.format_help().split())
+    assert "--fp8-gemm-backend" in help_text and "--fp8-norm-quant-backend" in help_text
+    assert "toy" in help_text and "broken (unavailable)" in help_text
+    args = parser.parse_args(["--fp8-gemm-backend", "torch", "--fp8-norm-quant-backend", "toy_norm"])
+    gemm, norm = fp8_backends.backends_from_args(args, gemm_problem=GemmProblem(n=32, k=32, device="cpu"))
+    assert gemm.name == "torch_scaled_mm" and norm.name == "toy_norm"
+    args = parser.parse_args(["--fp8-gemm-backend", "toy@flavour=spicy"])
+    assert fp8_backends.backends_from_args(args)[0].config == {"flavour": "spicy"}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--fp8-gemm-backend", "nope"])
+    args = parser.parse_args([])
+    assert args.fp8_gemm_backend is None  # env var / auto decide at resolution time
+
+
+def test_flag_choice_that_cannot_serve_fails_loudly():
+    parser = argparse.ArgumentParser()
+    fp8_backends.add_cli_args(parser)
+    args = parser.parse_args(["--fp8-gemm-backend", "torch_scaled_mm"])
+    with pytest.raises(UnsupportedProblemError, match="K=20 is not a multiple of 16"):
+        fp8_backends.backends_from_args(args, gemm_problem=GemmProblem(n=32, k=20, device="cpu"))
+
+
+def test_import_is_light():
+    code = (
+        "import sys, fp8_backends, fp8_backends.registry.discovery as d;"
+        "from fp8_backends.providers import torch_scaled_mm, torch_norm_quant;"
+        "d.discover('gemm'); d.discover('norm_quant');"
+        "heavy=[m for m in ('torch','triton','flashinfer') if m in sys.modules]; print(heavy)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

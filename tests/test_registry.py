@@ -1,0 +1,228 @@
+"""Discovery through real entry points (built-ins and an installed third-party distribution) and resolution."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from fp8_backends import (
+    AmbiguousBackendError,
+    BackendUnavailableError,
+    Fp8BackendError,
+    GemmProblem,
+    InvalidInputError,
+    NormQuantProblem,
+    UnknownBackendError,
+    UnsupportedProblemError,
+    resolve_gemm_backend,
+    resolve_norm_quant_backend,
+)
+from fp8_backends.registry import discovery, resolution
+from fp8_backends.registry.platform import cpu_platform, simulate_platform
+
+
+def _entry(kind, name, dist=None):
+    found = [e for e in discovery.discover(kind) if e.name == name and (dist is None or e.dist == dist)]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_builtins_discovered_through_entry_points():
+    gemm = _entry("gemm", "torch_scaled_mm")
+    assert gemm.builtin and gemm.status == "loaded" and gemm.dist == "fp8-backends"
+    assert gemm.target == "fp8_backends.providers.torch_scaled_mm:TorchScaledMMBackend"
+    assert "torch" in gemm.aliases
+    norm = _entry("norm_quant", "torch")
+    assert norm.builtin and norm.availability().ok
+
+
+def test_unknown_kind():
+    with pytest.raises(ValueError, match="unknown provider kind"):
+        discovery.discover("conv")
+
+
+# --------------------------------------------------------------------------- third-party plugin
+def test_plugin_providers_listed_with_status(thirdparty_plugin):
+    toy = _entry("gemm", "toy")
+    assert toy.status == "loaded" and not toy.builtin
+    assert toy.dist == "fp8-backends-testplugin" and toy.dist_version == "1.2.3"
+    broken = _entry("gemm", "broken")
+    assert broken.status == "failed" and "fp8_backends_testplugin_missing_dependency" in broken.error
+    assert not broken.availability().ok
+    raising = _entry("gemm", "raising")
+    assert raising.status == "loaded"
+    assert "availability() raised RuntimeError: probe exploded" in raising.unusable_reason()
+    notaclass = _entry("gemm", "notaclass")
+    assert notaclass.status == "failed" and "not name a Fp8GemmBackend subclass" in notaclass.error
+    assert _entry("norm_quant", "toy_norm").availability().ok
+
+
+def test_auto_picks_highest_priority_plugin(thirdparty_plugin, caplog):
+    problem = GemmProblem(n=64, k=32, m=4, device="cpu")
+    with caplog.at_level(logging.DEBUG, logger="fp8_backends"):
+        backend = resolve_gemm_backend("auto", problem=problem)
+    assert backend.name == "toy"
+    infos = [r for r in caplog.records if r.levelno == logging.INFO]
+    assert len(infos) == 1 and "toy" in infos[0].getMessage() and "auto" in infos[0].getMessage()
+    assert any(r.levelno == logging.DEBUG and "broken" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fp8_backends"):
+        resolve_gemm_backend("auto", problem=problem)
+    assert not [r for r in caplog.records if r.levelno == logging.INFO]  # logged once
+
+
+def test_alias_and_options_of_plugin(thirdparty_plugin):
+    b = resolve_gemm_backend("toy_alias@flavour=spicy", problem=GemmProblem(n=8, k=8, device="cpu"))
+    assert b.name == "toy" and b.config == {"flavour": "spicy"} and b.label == "toy[flavour=spicy]"
+    with pytest.raises(InvalidInputError, match="flavour='salty' not one of plain, spicy"):
+        resolve_gemm_backend("toy@flavour=salty", problem=GemmProblem(n=8, k=8, device="cpu"))
+    with pytest.raises(InvalidInputError, match="unknown option 'colour'"):
+        resolve_gemm_backend("toy@colour=red", problem=GemmProblem(n=8, k=8, device="cpu"))
+
+
+def test_name_clash_needs_qualification(thirdparty_plugin):
+    problem = GemmProblem(n=64, k=32, device="cpu")
+    with pytest.raises(AmbiguousBackendError) as info:
+        resolve_gemm_backend("torch_scaled_mm", problem=problem)
+    msg = str(info.value)
+    assert "fp8-backends" in msg and "fp8-backends-testplugin" in msg and "DIST:NAME" not in msg
+    assert "select one as" in msg
+    assert "fp8-backends:torch_scaled_mm" in msg and "fp8-backends-testplugin:torch_scaled_mm" in msg
+    assert resolve_gemm_backend("fp8-backends:torch_scaled_mm", problem=problem).name == "torch_scaled_mm"
+    theirs = resolve_gemm_backend("fp8_backends_testplugin:torch_scaled_mm", problem=problem)  # normalised dist
+    assert type(theirs).__name__ == "ClashingGemmBackend"
+    # the alias stays unambiguous: only the built-in carries it
+    assert type(resolve_gemm_backend("torch", problem=problem)).__name__ == "TorchScaledMMBackend"
+
+
+def test_auto_refuses_ambiguous_winner(thirdparty_plugin, monkeypatch):
+    monkeypatch.setenv("FP8_BACKENDS_DISABLED", "toy")
+    with pytest.raises(AmbiguousBackendError, match="torch_scaled_mm"):
+        resolve_gemm_backend("auto", problem=GemmProblem(n=64, k=32, device="cpu"))
+
+
+def test_failed_plugin_explicit_choice(thirdparty_plugin):
+    with pytest.raises(BackendUnavailableError, match="broken.*failed to load.*No module named"):
+        resolve_gemm_backend("broken", problem=GemmProblem(n=64, k=32, device="cpu"))
+    with pytest.raises(BackendUnavailableError, match="probe exploded"):
+        resolve_gemm_backend("raising", problem=GemmProblem(n=64, k=32, device="cpu"))
+
+
+def test_plugin_allow_list_blocks_before_import(thirdparty_plugin, monkeypatch):
+    import sys
+
+    sys.modules.pop("fp8_backends_testplugin.toy", None)
+    monkeypatch.setenv("FP8_BACKENDS_PLUGINS", "some-other-dist")
+    toy = _entry("gemm", "toy")
+    assert toy.status == "blocked" and "FP8_BACKENDS_PLUGINS" in toy.error
+    assert "fp8_backends_testplugin.toy" not in sys.modules  # never imported
+    assert _entry("gemm", "torch_scaled_mm", dist="fp8-backends").status == "loaded"  # built-ins always load
+    with pytest.raises(BackendUnavailableError, match="blocked"):
+        resolve_gemm_backend("toy", problem=GemmProblem(n=8, k=8, device="cpu"))
+    assert resolve_gemm_backend(problem=GemmProblem(n=16, k=16, device="cpu")).name == "torch_scaled_mm"
+    monkeypatch.setenv("FP8_BACKENDS_PLUGINS", "fp8_backends_testplugin")
+    assert _entry("gemm", "toy").status == "loaded"
+
+
+# --------------------------------------------------------------------------- resolution rules
+def test_unknown_name_lists_valid_ones():
+    with pytest.raises(UnknownBackendError) as info:
+        resolve_gemm_backend("nope")
+    msg = str(info.value)
+    assert "unknown GEMM backend 'nope'" in msg and "auto" in msg and "torch_scaled_mm" in msg and "torch" in msg
+    assert isinstance(info.value, Fp8BackendError) and isinstance(info.value, LookupError)
+
+
+@pytest.mark.parametrize("sm, expect_ok", [("8.0", False), ("8.9", True), ("9.0", True), ("10.0", True),
+                                           ("12.0", True)])
+def test_resolution_on_simulated_platforms(sm, expect_ok):
+    problem = GemmProblem(n=4096, k=4096, m=16)
+    platform = simulate_platform(sm)
+    if expect_ok:
+        assert resolve_gemm_backend(problem=problem, platform=platform).name == "torch_scaled_mm"
+    else:
+        with pytest.raises(UnsupportedProblemError, match="needs SM >= 8.9; this GPU is SM 8.0"):
+            resolve_gemm_backend(problem=problem, platform=platform)
+        with pytest.raises(UnsupportedProblemError) as info:
+            resolve_gemm_backend("torch", problem=problem, platform=platform)
+        assert info.value.reasons and info.value.alternatives == []
+        assert isinstance(info.value, ValueError)
+
+
+def test_explicit_choice_never_falls_back():
+    problem = GemmProblem(n=4096, k=4096, m=16, out_dtype="float16", act_scale="per_token",
+                          weight_scale="per_channel")
+    with pytest.raises(UnsupportedProblemError, match="row-wise FP8 kernel writes bfloat16 only"):
+        resolve_gemm_backend("torch_scaled_mm", problem=problem, platform=simulate_platform("9.0"))
+
+
+def test_odd_k_rejected_with_reason():
+    with pytest.raises(UnsupportedProblemError, match="K=17 is not a multiple of 16"):
+        resolve_gemm_backend("torch", problem=GemmProblem(n=32, k=17, device="cpu"))
+
+
+def test_env_vars_select_and_disable(monkeypatch):
+    problem = GemmProblem(n=32, k=32, device="cpu")
+    monkeypatch.setenv("FP8_GEMM_BACKEND", "torch")
+    res = resolution.explain("gemm", problem=problem)
+    assert res.source == "env" and res.backend.name == "torch_scaled_mm"
+    monkeypatch.setenv("FP8_GEMM_BACKEND", "nope")
+    with pytest.raises(UnknownBackendError):
+        resolve_gemm_backend(problem=problem)
+    monkeypatch.delenv("FP8_GEMM_BACKEND")
+    monkeypatch.setenv("FP8_BACKENDS_DISABLED", "torch_scaled_mm")
+    with pytest.raises(BackendUnavailableError, match="disabled by FP8_BACKENDS_DISABLED"):
+        resolve_gemm_backend("torch", problem=problem)
+    with pytest.raises(UnsupportedProblemError, match="disabled"):
+        resolve_gemm_backend("auto", problem=problem)
+    monkeypatch.setenv("FP8_NORM_QUANT_BACKEND", "reference")
+    assert resolve_norm_quant_backend(problem=NormQuantProblem(hidden=64, device="cpu")).name == "torch"
+
+
+def test_instances_are_cached_per_options():
+    a = resolve_gemm_backend("torch", problem=GemmProblem(n=32, k=32, device="cpu"))
+    b = resolve_gemm_backend("torch_scaled_mm")
+    c = resolve_gemm_backend("torch@fast_accum=true")
+    assert a is b and c is not a and c.config["fast_accum"] == "true"
+
+
+def test_bad_option_syntax():
+    with pytest.raises(UnknownBackendError, match="option"):
+        resolve_gemm_backend("torch@fast_accum")
+
+
+def test_selection_policy_hook_wins_and_is_reported():
+    problem = GemmProblem(n=32, k=32, m=8, device="cpu")
+
+    def policy(kind, prob, platform, serving):
+        if kind != "gemm":
+            return None
+        entry = next(c.entry for c in serving if c.entry.name == "torch_scaled_mm")
+        return entry, {"fast_accum": "true"}, "test policy says so"
+
+    resolution.register_selection_policy("test", policy)
+    try:
+        res = resolution.explain("gemm", "auto", problem=problem)
+        assert res.source == "test" and res.note == "test policy says so"
+        assert res.backend.config["fast_accum"] == "true"
+    finally:
+        resolution._policies[:] = [(n, p) for n, p in resolution._policies if n != "test"]
+
+
+def test_broken_policy_falls_back_with_warning(caplog):
+    def policy(*_):
+        raise RuntimeError("bad lockfile")
+
+    resolution.register_selection_policy("bad", policy)
+    try:
+        with caplog.at_level(logging.WARNING, logger="fp8_backends"):
+            b = resolve_gemm_backend("auto", problem=GemmProblem(n=32, k=32, device="cpu"))
+        assert b.name == "torch_scaled_mm" and "bad lockfile" in caplog.text
+    finally:
+        resolution._policies[:] = [(n, p) for n, p in resolution._policies if n != "bad"]
+
+
+def test_resolution_without_problem_uses_platform_only():
+    assert resolve_gemm_backend(platform=cpu_platform()).name == "torch_scaled_mm"
+    assert resolve_norm_quant_backend(platform=simulate_platform("9.0")).name == "torch"
