@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# One command that checks and times everything on a GPU machine (the H200 the project measures on).
+#
+#   source .device/setup.sh || exit 1; bash bench/run_device.sh [STAGE ...]
+#
+# Stages (default: all, in this order): install list tests build cutlass_cfg flashinfer tune gemm norm block
+# Each stage has its own time limit, logs to $OUT/logs/<stage>.log, and a failing stage does not stop the others.
+# At the end everything under $OUT/work is packed into $OUT/results.tar.gz (the device tool returns at most
+# 8 files) and a summary of every stage is printed.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT/logs" "$OUT/work"
+W=$OUT/work
+export PYTHONUNBUFFERED=1 FP8_BACKENDS_LOG=INFO
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(install list tests build cutlass_cfg flashinfer tune gemm norm block)
+summary=()
+
+run_stage() {  # name, time limit (s), command...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS rc
+  echo "== $name (limit ${limit}s)"
+  timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$OUT/logs/$name.log" 2>&1
+  rc=$?
+  summary+=("$(printf '%-12s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
+  tail -n 25 "$OUT/logs/$name.log" | grep -v "nanobind: leaked" | tail -n 12
+}
+
+for stage in "${stages[@]}"; do
+  case $stage in
+    install)
+      run_stage install 300 bash -c 'python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . &&
+        nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,power.limit --format=csv &&
+        python3 -c "import torch,triton;print(torch.__version__,torch.version.cuda,triton.__version__)"' ;;
+    list)
+      run_stage list 120 bash -c "python3 -m fp8_backends.list && python3 -m fp8_backends.list --json > $W/list.json" ;;
+    tests)
+      run_stage tests 900 python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider tests \
+        --junitxml="$W/gpu-tests.xml" ;;
+    build)
+      [ -f fp8_backends/build.py ] && run_stage build 600 python3 -m fp8_backends.build cutlass ;;
+    cutlass_cfg)
+      [ -f bench/cutlass_configs.py ] && run_stage cutlass_cfg 600 python3 -m bench.cutlass_configs --out "$W/cutlass" ;;
+    flashinfer)
+      [ -f bench/flashinfer_host.py ] && run_stage flashinfer 600 python3 -m bench.flashinfer_host --out "$W/flashinfer" ;;
+    tune)
+      [ -f fp8_backends/tune.py ] && run_stage tune 600 python3 -m fp8_backends.tune --model llama3-8b \
+        --lockfile "$W/selection.lock.json" ;;
+    gemm)
+      [ -f bench/gemm.py ] && FP8_BACKENDS_LOCKFILE="$W/selection.lock.json" \
+        run_stage gemm 900 python3 -m bench.gemm --out "$W/gemm" ;;
+    norm)
+      [ -f bench/norm_quant.py ] && run_stage norm 600 python3 -m bench.norm_quant --out "$W/norm" ;;
+    block)
+      [ -f bench/decoder_block.py ] && FP8_BACKENDS_LOCKFILE="$W/selection.lock.json" \
+        run_stage block 900 python3 -m bench.decoder_block --out "$W/block" ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
+
+cp "$OUT"/logs/*.log "$W/" 2>/dev/null
+tar -C "$OUT" -czf "$OUT/results.tar.gz" work
+rm -rf "$OUT/logs" "$W"
+echo "== summary"
+printf '%s\n' "${summary[@]}"
