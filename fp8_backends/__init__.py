@@ -53,6 +53,7 @@ _EXPORTS = {
     "simulate_platform": "fp8_backends.registry.platform",
     "list_platforms": "fp8_backends.registry.platform",
     "add_cli_args": "fp8_backends.cli",
+    "fp8_linear": "fp8_backends.functional",
     "backends_from_args": "fp8_backends.cli",
 }
 
@@ -85,6 +86,7 @@ if TYPE_CHECKING:
         UnknownBackendError,
         UnsupportedProblemError,
     )
+    from .functional import fp8_linear
     from .registry.platform import Platform, detect_platform, list_platforms, simulate_platform
     from .registry.resolution import resolve_gemm_backend, resolve_norm_quant_backend
     from .types import (

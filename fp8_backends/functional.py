@@ -1,0 +1,172 @@
+"""``fp8_linear``: the FP8 linear as a function, for engines that keep their own modules.
+
+Load time (once per weight)::
+
+    backend = resolve_gemm_backend(None, problem=GemmProblem(n=N, k=K, act_scale="per_tensor_static",
+                                                             device="cuda"))
+    prepared = backend.prepare_weight(w_q, w_scale)          # w_q [N, K] fp8, w_scale fp32
+
+Per call::
+
+    y = fp8_linear(x, prepared, backend=backend, input_scale=s_in, bias=b)   # x [..., K] bf16
+
+or ``fp8_linear(x, layer)`` with an :class:`~fp8_backends.layers.Fp8Linear`. A raw fp8 weight is
+refused: preparing it per call would convert (and check) the weight on the hot path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from . import validation as V
+from .backend import Fp8GemmBackend
+from .errors import InvalidInputError
+from .types import ActScale, Fp8Dtype, OutDtype, PreparedWeight, QuantizedActivation
+
+if TYPE_CHECKING:
+    import torch
+
+    from .layers import Fp8Linear
+
+
+def apply_fp8_linear(
+    x: torch.Tensor | QuantizedActivation,
+    backend: Fp8GemmBackend,
+    prepared: PreparedWeight,
+    *,
+    act_scale: ActScale,
+    input_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: OutDtype | None = None,
+    input_dtype: Fp8Dtype = Fp8Dtype.E4M3FN,
+) -> torch.Tensor:
+    """The shared forward of :class:`~fp8_backends.layers.Fp8Linear` and :func:`fp8_linear`.
+
+    - ``x``: ``[..., K]`` high-precision (bf16/fp16/fp32; quantized here in ``act_scale`` mode) or a
+      :class:`QuantizedActivation` whose ``data`` is ``[..., K]`` fp8 (used as is; its ``mode`` must
+      equal ``act_scale``).
+    - ``out_dtype``: the dtype the caller was prepared for; ``x.dtype`` (or ``orig_dtype``) must match
+      it. ``None``: follow the input.
+    - Returns ``[..., N]`` in that dtype; leading dims are flattened for the GEMM and restored.
+    """
+    from . import quant
+
+    k, n = prepared.k, prepared.n
+    if isinstance(x, QuantizedActivation):
+        data, scale, orig_dtype, mode = x
+        if ActScale(mode) is not act_scale:
+            raise InvalidInputError(
+                f"this linear was prepared for {act_scale.value} activations but got a QuantizedActivation "
+                f"in {ActScale(mode).value} mode; it never re-quantizes (quantize for the consumer's mode)"
+            )
+        V.require_tensor(data, "QuantizedActivation.data")
+        out = _out_dtype(orig_dtype, out_dtype, "QuantizedActivation.orig_dtype")
+        if data.dim() < 1 or data.shape[-1] != k:
+            raise InvalidInputError(f"QuantizedActivation.data must be [..., K={k}], got {tuple(data.shape)}")
+        lead = data.shape[:-1]
+        x_q = data.reshape(-1, k)
+        if act_scale is ActScale.PER_TOKEN:
+            V.require_tensor(scale, "QuantizedActivation.scale")
+            if scale.numel() != x_q.shape[0] or (scale.dim() > 0 and scale.shape[-1] != 1):
+                raise InvalidInputError(
+                    f"a per-token scale must be [..., 1] with one value per row ({x_q.shape[0]}), "
+                    f"got {tuple(scale.shape)}"
+                )
+            scale = scale.reshape(-1, 1)
+    else:
+        V.require_tensor(x, "x")
+        out = _out_dtype(x.dtype, out_dtype, "x")
+        if x.dim() < 1 or x.shape[-1] != k:
+            raise InvalidInputError(f"x must be [..., K={k}], got {tuple(x.shape)}")
+        lead = x.shape[:-1]
+        if act_scale is ActScale.PER_TENSOR_STATIC and input_scale is None:
+            raise InvalidInputError("a static per-tensor linear needs input_scale")
+        if x.numel() == 0:
+            import torch
+
+            return torch.empty((*lead, n), dtype=out.torch_dtype(), device=x.device)
+        qa = quant.quantize(x.reshape(-1, k), act_scale,
+                            input_scale if act_scale is ActScale.PER_TENSOR_STATIC else None, input_dtype)
+        x_q, scale = qa.data, qa.scale
+    if x_q.shape[0] == 0:
+        import torch
+
+        return torch.empty((*lead, n), dtype=out.torch_dtype(), device=x_q.device)
+    y = backend.gemm(x_q, prepared, scale, out_dtype=out, bias=bias)
+    return y.reshape(*lead, n)
+
+
+def _out_dtype(dtype: torch.dtype, expected: OutDtype | None, what: str) -> OutDtype:
+    try:
+        got = OutDtype.of(dtype)
+    except ValueError:
+        raise InvalidInputError(f"{what} must be bfloat16, float16 or float32, got {dtype}") from None
+    if expected is not None and got is not expected:
+        raise InvalidInputError(
+            f"{what} is {got.value} but this linear was prepared for {expected.value} activations and outputs"
+        )
+    return got
+
+
+def fp8_linear(
+    x: torch.Tensor | QuantizedActivation,
+    layer_or_weight: Fp8Linear | PreparedWeight,
+    *,
+    backend: Fp8GemmBackend | None = None,
+    input_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    act_scale: ActScale | str | None = None,
+    out_dtype: object = None,
+    input_dtype: object = Fp8Dtype.E4M3FN,
+) -> torch.Tensor:
+    """``y = x @ Wᵀ (+ bias)`` through an FP8 GEMM provider.
+
+    - ``layer_or_weight``: an :class:`~fp8_backends.layers.Fp8Linear` (then no other keyword may be
+      given: the layer holds them), or a :class:`PreparedWeight` from ``backend.prepare_weight``.
+    - ``backend``: the provider instance that prepared the weight (required with a PreparedWeight).
+    - ``input_scale``: fp32 one value; its presence selects static per-tensor quantization unless
+      ``act_scale`` says otherwise (default without it: dynamic per-tensor).
+    - ``x``: ``[..., K]`` bf16/fp16/fp32 or a :class:`QuantizedActivation`; ``bias``: ``[N]`` in the
+      output dtype. The output is ``[..., N]`` in ``out_dtype`` (default: ``x``'s dtype, or the
+      activation's ``orig_dtype``).
+    """
+    from .layers import Fp8Linear
+
+    if isinstance(layer_or_weight, Fp8Linear):
+        given = {k: v for k, v in (("backend", backend), ("input_scale", input_scale), ("bias", bias),
+                                   ("act_scale", act_scale), ("out_dtype", out_dtype)) if v is not None}
+        if given:
+            raise InvalidInputError(
+                f"fp8_linear(x, layer) takes its settings from the layer; got {', '.join(given)}"
+            )
+        return layer_or_weight(x)
+    if not isinstance(layer_or_weight, PreparedWeight):
+        raise InvalidInputError(
+            "fp8_linear needs an Fp8Linear or a PreparedWeight (backend.prepare_weight(w_q, w_scale), once at "
+            f"load time); got {type(layer_or_weight).__name__}"
+        )
+    if not isinstance(backend, Fp8GemmBackend):
+        raise InvalidInputError(
+            f"fp8_linear with a PreparedWeight needs backend= (the {layer_or_weight.backend!r} provider "
+            "instance that prepared it)"
+        )
+    if act_scale is None:
+        mode = ActScale.PER_TENSOR_STATIC if input_scale is not None else ActScale.PER_TENSOR_DYNAMIC
+    else:
+        mode = ActScale(act_scale)
+    if mode is not ActScale.PER_TENSOR_STATIC and input_scale is not None:
+        raise InvalidInputError(f"input_scale is only used by static quantization, not {mode.value}")
+    if input_scale is not None:
+        V.require_fp32_scale(input_scale, "input_scale")
+        if not V.is_scalar_shape(input_scale):
+            raise InvalidInputError(f"input_scale must hold one value, got shape {tuple(input_scale.shape)}")
+    out = None if out_dtype is None else V.out_dtype_of(out_dtype)
+    try:
+        fp8_in = Fp8Dtype.of(input_dtype)
+    except ValueError as exc:
+        raise InvalidInputError(str(exc)) from None
+    return apply_fp8_linear(x, backend, layer_or_weight, act_scale=mode, input_scale=input_scale, bias=bias,
+                            out_dtype=out, input_dtype=fp8_in)
+
+
+__all__ = ["apply_fp8_linear", "fp8_linear"]

@@ -1,0 +1,275 @@
+"""FP8 activation quantization as torch library ops.
+
+Three ops, defined with ``torch.library.custom_op`` (each with a fake implementation, so
+``torch.compile`` traces them without running them) and registered on first use, never at import:
+
+========================================  =========================================================
+op                                        semantics (``fmax`` = 448 for e4m3fn, 57344 for e5m2)
+========================================  =========================================================
+``fp8_backends::quant_static``            ``q = clamp(x / scale, ±fmax) -> fp8``; ``scale`` given
+``fp8_backends::quant_dynamic``           ``scale = max(amax(|x|) / fmax, 1e-12)`` as ``[1]``, then as above
+``fp8_backends::quant_per_token``         ``scale[m] = max(amax(|x[m, :]|) / fmax, 1e-12)`` as ``[M, 1]``
+========================================  =========================================================
+
+``x`` is ``[M, K]`` bf16/fp16/fp32 on any device; scales are fp32 on ``x``'s device. Dynamic scales
+are computed on the device: no op here synchronises with the host.
+
+Implementations: :mod:`fp8_backends.reference` by default. A provider with a faster kernel registers
+it per mode and device type with :func:`register_quant_impl`; the op then dispatches to it at run
+time (``x.device.type`` picks the entry).
+
+Under ``torch.compile`` the public functions trace the reference torch code inline instead of the
+opaque op (``set_compile_mode("inline")``, the default), so Inductor can fuse the quantization into
+whatever produced ``x`` (an activation, a transpose, SiLU·mul): one kernel and one pass over ``x``
+instead of two. ``set_compile_mode("op")`` keeps the op (and any registered kernel) in compiled
+graphs too. Eager calls always go through the op.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from . import validation as V
+from .errors import InvalidInputError
+from .types import ActScale, Fp8Dtype, OutDtype, QuantizedActivation
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger("fp8_backends")
+
+#: ``fn(x, scale, fp8_dtype) -> q`` for the static mode; ``fn(x, fp8_dtype) -> (q, scale)`` otherwise
+QuantImpl = Callable[..., Any]
+
+_impls: dict[tuple[ActScale, str], QuantImpl] = {}
+_ops: dict[ActScale, Any] = {}
+_lock = threading.Lock()
+_compile_mode = "inline"
+
+_OP_NAMES = {
+    ActScale.PER_TENSOR_STATIC: "quant_static",
+    ActScale.PER_TENSOR_DYNAMIC: "quant_dynamic",
+    ActScale.PER_TOKEN: "quant_per_token",
+}
+
+
+def register_quant_impl(mode: ActScale | str, device_type: str, fn: QuantImpl | None) -> QuantImpl | None:
+    """Use ``fn`` for ``mode`` on tensors of ``device_type`` (``"cuda"``, ``"cpu"``, ...).
+
+    - static: ``fn(x: [M, K], scale: fp32 one value, fp8_dtype: torch.dtype) -> q: [M, K]``
+    - dynamic / per-token: ``fn(x: [M, K], fp8_dtype) -> (q: [M, K], scale: [1] or [M, 1] fp32)``
+
+    ``fn`` must return new tensors (never views of its inputs), run without host syncs, and follow
+    the semantics in this module's docstring; ``x`` may be non-contiguous. ``fn=None`` removes the
+    entry. Returns the entry it replaced (or None), so a caller can restore it.
+    """
+    mode = ActScale(mode)
+    key = (mode, str(device_type))
+    with _lock:
+        previous = _impls.get(key)
+        if fn is None:
+            _impls.pop(key, None)
+        else:
+            if not callable(fn):
+                raise InvalidInputError(f"register_quant_impl needs a callable, got {type(fn).__name__}")
+            _impls[key] = fn
+    logger.debug("quant impl for %s on %s: %r", mode.value, device_type, fn)
+    return previous
+
+
+def registered_quant_impl(mode: ActScale | str, device_type: str) -> QuantImpl | None:
+    """The kernel registered for ``mode`` on ``device_type`` (None: the reference runs)."""
+    return _impls.get((ActScale(mode), str(device_type)))
+
+
+def set_compile_mode(mode: str) -> str:
+    """``"inline"`` (default): under torch.compile trace the reference torch code so the compiler can
+    fuse it; ``"op"``: keep the library op (and registered kernels) in compiled graphs. Returns the
+    previous mode."""
+    global _compile_mode
+    if mode not in ("inline", "op"):
+        raise InvalidInputError(f"compile mode must be 'inline' or 'op', got {mode!r}")
+    previous, _compile_mode = _compile_mode, mode
+    return previous
+
+
+# ---------------------------------------------------------------------------------------------- ops
+def _reference_static(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    from . import reference
+
+    return reference.quantize_static(x, scale, fp8_dtype)
+
+
+def _reference_dynamic(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    from . import reference
+
+    return reference.quantize_dynamic_per_tensor(x, fp8_dtype)
+
+
+def _reference_per_token(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    from . import reference
+
+    return reference.quantize_per_token(x, fp8_dtype)
+
+
+_REFERENCE: dict[ActScale, QuantImpl] = {
+    ActScale.PER_TENSOR_STATIC: _reference_static,
+    ActScale.PER_TENSOR_DYNAMIC: _reference_dynamic,
+    ActScale.PER_TOKEN: _reference_per_token,
+}
+
+
+def _impl_for(mode: ActScale, device_type: str) -> QuantImpl:
+    return _impls.get((mode, device_type)) or _REFERENCE[mode]
+
+
+def _define_ops() -> None:
+    """Define the three custom ops once (first use)."""
+    import torch
+
+    with _lock:
+        if _ops:
+            return
+
+        # explicit schemas: this module's annotations are strings (``from __future__ import annotations``)
+        @torch.library.custom_op("fp8_backends::quant_static", mutates_args=(),
+                                 schema="(Tensor x, Tensor scale, ScalarType fp8_dtype) -> Tensor")
+        def quant_static(x, scale, fp8_dtype):
+            return _impl_for(ActScale.PER_TENSOR_STATIC, x.device.type)(x, scale, fp8_dtype)
+
+        @quant_static.register_fake
+        def _(x, scale, fp8_dtype):
+            return torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+
+        @torch.library.custom_op("fp8_backends::quant_dynamic", mutates_args=(),
+                                 schema="(Tensor x, ScalarType fp8_dtype) -> (Tensor, Tensor)")
+        def quant_dynamic(x, fp8_dtype):
+            return _impl_for(ActScale.PER_TENSOR_DYNAMIC, x.device.type)(x, fp8_dtype)
+
+        @quant_dynamic.register_fake
+        def _(x, fp8_dtype):
+            return (torch.empty(x.shape, dtype=fp8_dtype, device=x.device),
+                    torch.empty((1,), dtype=torch.float32, device=x.device))
+
+        @torch.library.custom_op("fp8_backends::quant_per_token", mutates_args=(),
+                                 schema="(Tensor x, ScalarType fp8_dtype) -> (Tensor, Tensor)")
+        def quant_per_token(x, fp8_dtype):
+            return _impl_for(ActScale.PER_TOKEN, x.device.type)(x, fp8_dtype)
+
+        @quant_per_token.register_fake
+        def _(x, fp8_dtype):
+            return (torch.empty(x.shape, dtype=fp8_dtype, device=x.device),
+                    torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device))
+
+        # the OpOverloads: calling them skips a Python layer of the CustomOpDef wrapper (eager cost)
+        ns = torch.ops.fp8_backends
+        _ops.update({mode: getattr(ns, name).default for mode, name in _OP_NAMES.items()})
+
+
+def quant_op(mode: ActScale | str) -> Any:
+    """The op for ``mode`` (defined on first call): ``torch.ops.fp8_backends.<name>.default``."""
+    mode = ActScale(mode)
+    if not _ops:
+        _define_ops()
+    return _ops[mode]
+
+
+# ------------------------------------------------------------------------------------- public API
+def _check_x(x: object, what: str = "x") -> None:
+    V.require_tensor(x, what)
+    try:
+        OutDtype.of(x.dtype)
+    except ValueError:
+        raise InvalidInputError(f"{what} must be bfloat16, float16 or float32 to quantize, got {x.dtype}") from None
+    if x.dim() != 2:
+        raise InvalidInputError(f"{what} must be 2-D [M, K], got shape {tuple(x.shape)}")
+
+
+def _fp8(dtype: object) -> torch.dtype:
+    try:
+        return Fp8Dtype.of(dtype).torch_dtype()
+    except ValueError as exc:
+        raise InvalidInputError(str(exc)) from None
+
+
+def _inline() -> bool:
+    import torch
+
+    return _compile_mode == "inline" and torch.compiler.is_compiling()
+
+
+def quantize_static(x: torch.Tensor, scale: torch.Tensor, dtype: object = Fp8Dtype.E4M3FN) -> torch.Tensor:
+    """``clamp(x / scale, ±fmax) -> fp8``. ``x: [M, K]`` bf16/fp16/fp32; ``scale``: fp32, one value
+    (0-d, ``[1]`` or ``[1, 1]``) on ``x``'s device. Returns ``[M, K]`` in ``dtype`` (e4m3fn default)."""
+    _check_x(x)
+    V.require_fp32_scale(scale, "scale")
+    if not V.is_scalar_shape(scale):
+        raise InvalidInputError(f"a static scale holds one value, got shape {tuple(scale.shape)}")
+    V.require_same_device(scale, "scale", x.device)
+    V.check_scale_values(scale, "scale")
+    fp8 = _fp8(dtype)
+    if _inline():
+        from . import reference
+
+        return reference.quantize_static(x, scale, fp8)
+    return quant_op(ActScale.PER_TENSOR_STATIC)(x, scale, fp8)
+
+
+def quantize_dynamic(x: torch.Tensor, dtype: object = Fp8Dtype.E4M3FN) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor dynamic quantization of ``x: [M, K]``; returns ``(q [M, K], scale [1] fp32)``,
+    the scale computed on ``x``'s device."""
+    _check_x(x)
+    fp8 = _fp8(dtype)
+    if _inline():
+        from . import reference
+
+        return reference.quantize_dynamic_per_tensor(x, fp8)
+    return quant_op(ActScale.PER_TENSOR_DYNAMIC)(x, fp8)
+
+
+def quantize_per_token(x: torch.Tensor, dtype: object = Fp8Dtype.E4M3FN) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (row) dynamic quantization of ``x: [M, K]``; returns ``(q [M, K], scale [M, 1] fp32)``."""
+    _check_x(x)
+    fp8 = _fp8(dtype)
+    if _inline():
+        from . import reference
+
+        return reference.quantize_per_token(x, fp8)
+    return quant_op(ActScale.PER_TOKEN)(x, fp8)
+
+
+def quantize(
+    x: torch.Tensor,
+    mode: ActScale | str,
+    scale: torch.Tensor | None = None,
+    dtype: object = Fp8Dtype.E4M3FN,
+) -> QuantizedActivation:
+    """Quantize ``x: [M, K]`` in ``mode`` and wrap the result as a :class:`QuantizedActivation`
+    (``orig_dtype = x.dtype``). ``scale`` is required for the static mode and refused otherwise."""
+    mode = ActScale(mode)
+    if mode is ActScale.PER_TENSOR_STATIC:
+        if scale is None:
+            raise InvalidInputError("static quantization needs a scale (the layer's input_scale)")
+        return QuantizedActivation(quantize_static(x, scale, dtype), scale, x.dtype, mode)
+    if scale is not None:
+        raise InvalidInputError(f"{mode.value} quantization computes its own scale; do not pass one")
+    if mode is ActScale.PER_TENSOR_DYNAMIC:
+        q, s = quantize_dynamic(x, dtype)
+    else:
+        q, s = quantize_per_token(x, dtype)
+    return QuantizedActivation(q, s, x.dtype, mode)
+
+
+__all__ = [
+    "quant_op",
+    "quantize",
+    "quantize_dynamic",
+    "quantize_per_token",
+    "quantize_static",
+    "register_quant_impl",
+    "registered_quant_impl",
+    "set_compile_mode",
+]
