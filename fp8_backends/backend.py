@@ -7,6 +7,7 @@ A provider is a class registered under an entry point (group ``fp8_backends.gemm
 - ``requires``: import names it needs (probed lazily with ``importlib.util.find_spec``) and an
   ``install_hint`` shown when one is missing,
 - ``options``: named sub-choices (e.g. a runner) with their allowed values, the first the default,
+- ``tunable_options``: which of ``options`` the tuner may time value by value (``auto`` values skipped),
 
 and implements ``prepare_weight_impl`` + ``gemm_impl`` (GEMM) or ``rmsnorm_quant_impl`` +
 ``fused_add_rmsnorm_quant_impl`` (norm-quant). The public methods validate every input first
@@ -56,6 +57,8 @@ class ProviderBase(ABC):
     requires: ClassVar[tuple[str, ...]] = ()
     install_hint: ClassVar[str] = ""
     options: ClassVar[Mapping[str, tuple[str, ...]]] = {}
+    #: option names whose values ``python -m fp8_backends.tune`` times one by one (values "auto" skipped)
+    tunable_options: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, **options: str) -> None:
         config: dict[str, str] = {key: values[0] for key, values in self.options.items()}
@@ -69,6 +72,7 @@ class ProviderBase(ABC):
                 )
             config[key] = str(value)
         self.config: dict[str, str] = config
+        self._device_types = frozenset(d.value for d in self.capabilities.devices)
 
     @classmethod
     def availability(cls) -> Availability:
@@ -80,6 +84,21 @@ class ProviderBase(ABC):
         if missing:
             return Availability.no(f"missing Python module(s): {', '.join(missing)}", cls.install_hint)
         return Availability.yes()
+
+    @classmethod
+    def cached_availability(cls) -> Availability:
+        """:meth:`availability`, computed once per process (never raises); cleared by
+        ``fp8_backends.registry.discovery.refresh()``."""
+        cached = _AVAILABILITY.get(cls)
+        if cached is None:
+            try:
+                cached = cls.availability()
+                if not isinstance(cached, Availability):
+                    cached = Availability.no(f"availability() returned {type(cached).__name__}, not Availability")
+            except Exception as exc:  # a broken plugin must not break discovery or resolution
+                cached = Availability.no(f"availability() raised {type(exc).__name__}: {exc}")
+            _AVAILABILITY[cls] = cached
+        return cached
 
     def describe_config(self) -> str:
         """``"runner=cublas"`` style summary of the chosen options ("" when there are none)."""
@@ -103,7 +122,7 @@ class ProviderBase(ABC):
 
         if platform is None:
             platform = detect_platform(None if problem is None else problem.device)
-        avail = self.availability()
+        avail = self.cached_availability()
         if not avail.ok:
             return [avail.reason + (f" (install: {avail.install_hint})" if avail.install_hint else "")]
         reasons = list(self.capabilities.check(problem, platform))
@@ -114,10 +133,16 @@ class ProviderBase(ABC):
         return f"<{type(self).__name__} {self.label}>"
 
     def _require_device(self, t: torch.Tensor, what: str) -> None:
-        kind = t.device.type
-        if kind not in {d.value for d in self.capabilities.devices}:
+        if t.device.type not in self._device_types:
             have = ", ".join(sorted(d.value for d in self.capabilities.devices))
             raise InvalidInputError(f"{self.name} runs on {have} tensors; {what} is on {t.device}")
+
+
+_AVAILABILITY: dict[type, Availability] = {}
+
+
+def clear_availability_cache() -> None:
+    _AVAILABILITY.clear()
 
 
 def _find_spec(mod: str):

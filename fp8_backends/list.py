@@ -133,6 +133,8 @@ def collect(
             settings.DISABLED_ENV,
             settings.PLUGINS_ENV,
             settings.SIMULATE_SM_ENV,
+            settings.LOCKFILE_ENV,
+            settings.TUNE_ENV,
         )
         if var in os.environ
     }
@@ -143,7 +145,17 @@ def collect(
         "env": env,
         "providers": providers,
         "resolution": {kind: _resolution_dict(res) for kind, res in resolutions.items()},
+        "lockfile": _lockfile_dict(platform),
     }
+
+
+def _lockfile_dict(platform: Platform) -> dict[str, Any]:
+    try:
+        from fp8_backends.registry import tuning
+
+        return tuning.describe_lockfile(platform)
+    except Exception as exc:  # the listing must print even if the lockfile code breaks
+        return {"path": None, "status": "error", "detail": f"{type(exc).__name__}: {exc}", "entries": 0}
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
@@ -174,6 +186,10 @@ def render(data: dict[str, Any]) -> str:
     out.append(f"libraries: {versions or 'none found'}")
     if data["env"]:
         out.append("env: " + ", ".join(f"{k}={v}" for k, v in data["env"].items()))
+    lock = data.get("lockfile")
+    if lock:
+        detail = f": {lock['detail']}" if lock["detail"] else ""
+        out.append(f"lockfile: {lock['path'] or '-'} ({lock['status']}{detail})")
     for kind, title in (("gemm", "FP8 GEMM providers"), ("norm_quant", "RMSNorm+FP8-quant providers")):
         rows = []
         for pr in (x for x in data["providers"] if x["kind"] == kind):

@@ -92,8 +92,19 @@ def check_scale_values(s: torch.Tensor, what: str, *, force: bool = False) -> No
         raise InvalidInputError(f"{what} must be finite and > 0; got {sample}")
 
 
+_OUT_DTYPES: dict[object, OutDtype] = {}
+
+
 def out_dtype_of(out_dtype: object) -> OutDtype:
+    """Parse an output dtype (memoised: this runs on every GEMM call)."""
     try:
-        return OutDtype.of(out_dtype)
-    except ValueError as exc:
-        raise InvalidInputError(str(exc)) from None
+        parsed = _OUT_DTYPES.get(out_dtype)
+    except TypeError:  # unhashable
+        raise InvalidInputError(f"unsupported output dtype {out_dtype!r}") from None
+    if parsed is None:
+        try:
+            parsed = OutDtype.of(out_dtype)
+        except ValueError as exc:
+            raise InvalidInputError(str(exc)) from None
+        _OUT_DTYPES[out_dtype] = parsed
+    return parsed

@@ -78,13 +78,7 @@ class ProviderEntry:
         if self.status != LOADED or self.cls is None:
             return Availability.no(f"failed to load: {self.error}")
         if self._availability is None:
-            try:
-                result = self.cls.availability()
-                if not isinstance(result, Availability):
-                    result = Availability.no(f"availability() returned {type(result).__name__}, not Availability")
-            except Exception as exc:  # a broken plugin must not break discovery
-                result = Availability.no(f"availability() raised {type(exc).__name__}: {exc}")
-            self._availability = result
+            self._availability = self.cls.cached_availability()
         return self._availability
 
     def unusable_reason(self) -> str | None:
@@ -206,6 +200,9 @@ def _check_class(kind: str, ep_name: str, cls: Any) -> str | None:
 def refresh() -> None:
     """Forget discovered providers (and stevedore's in-process entry-point cache): the next call
     rescans, e.g. after installing a plugin into the running interpreter."""
+    from fp8_backends.backend import clear_availability_cache
+
+    clear_availability_cache()
     with _lock:
         _cache.clear()
         for group in GROUPS.values():

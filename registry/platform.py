@@ -95,14 +95,20 @@ def parse_sm(text: str) -> tuple[int, int]:
 
 
 def library_versions() -> dict[str, str]:
-    """Installed versions of the distributions that matter, without importing them."""
+    """Installed versions of the distributions that matter, without importing them. Read once per process
+    (package metadata scans cost milliseconds; resolution asks on every call); :func:`_reset_cache` forgets."""
+    return dict(_library_versions())
+
+
+@functools.lru_cache(maxsize=1)
+def _library_versions() -> tuple[tuple[str, str], ...]:
     out: dict[str, str] = {}
     for dist in TRACKED_DISTRIBUTIONS:
         try:
             out[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             continue
-    return out
+    return tuple(out.items())
 
 
 def _torch_cuda_version() -> str | None:
@@ -193,7 +199,24 @@ def _query_torch() -> tuple[list[_CudaDevice], str | None]:
     for index in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(index)
         devices.append(_CudaDevice(index, props.name, (props.major, props.minor), props.multi_processor_count))
-    return devices, None
+    return devices, _driver_version()
+
+
+def _driver_version() -> str | None:
+    """The CUDA driver API version (``"13.0"``) through cuda-python, or None; the same value whether or
+    not torch was imported first (tuned lockfiles are keyed by it)."""
+    try:
+        from cuda.bindings import driver as cu
+
+        (err,) = cu.cuInit(0)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            return None
+        err, version = cu.cuDriverGetVersion()
+        if err != cu.CUresult.CUDA_SUCCESS:
+            return None
+        return f"{version // 1000}.{(version % 1000) // 10}"
+    except Exception:
+        return None
 
 
 @functools.lru_cache(maxsize=1)
@@ -273,5 +296,6 @@ def _parse_device(device: object) -> tuple[DeviceKind | None, int | None]:
 
 
 def _reset_cache() -> None:
-    """For tests: forget the detected devices."""
+    """For tests: forget the detected devices and library versions."""
     _cuda_devices.cache_clear()
+    _library_versions.cache_clear()

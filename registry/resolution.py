@@ -105,6 +105,21 @@ def register_selection_policy(name: str, policy: SelectionPolicy) -> None:
     _policies.insert(0, (name, policy))
 
 
+_builtin_policies_loaded = False
+
+
+def _load_builtin_policies() -> None:
+    """Import the built-in policies once (the tuned lockfile, :mod:`.tuning`), on first resolution."""
+    global _builtin_policies_loaded
+    if _builtin_policies_loaded:
+        return
+    _builtin_policies_loaded = True
+    try:
+        from . import tuning  # noqa: F401  (registers the "lockfile" policy)
+    except Exception as exc:  # a broken policy module must not break resolution
+        logger.warning("lockfile selection policy unavailable (%s: %s)", type(exc).__name__, exc)
+
+
 _instances: dict[tuple[str, str, tuple[tuple[str, str], ...]], Any] = {}
 _logged: set[tuple] = set()
 _lock = threading.Lock()
@@ -175,6 +190,7 @@ def explain(
     if request.is_auto:
         res.source = "auto" if source == "explicit" else source
         serving = [c for c in candidates if c.ok]
+        _load_builtin_policies()
         picked = _ask_policies(kind, problem, platform, serving)
         if picked is not None:
             entry, options, policy_name, note = picked

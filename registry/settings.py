@@ -8,6 +8,8 @@
 | ``FP8_BACKENDS_PLUGINS`` | comma-separated third-party distributions allowed to load (unset: all) |
 | ``FP8_BACKENDS_SIMULATE_SM`` | pretend the GPU is this SM (e.g. ``10.0``) for resolution and listing |
 | ``FP8_BACKENDS_CHECK_SCALES`` | ``1``: also check device-resident scales for NaN/inf/zero at call time (syncs) |
+| ``FP8_BACKENDS_LOCKFILE`` | tuned lockfile ``auto`` reads (default ``~/.cache/fp8_backends/selection.lock.json``) |
+| ``FP8_BACKENDS_TUNE`` | ``1``: ``auto`` tunes a problem the lockfile lacks at first use and stores the result |
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ DISABLED_ENV = "FP8_BACKENDS_DISABLED"
 PLUGINS_ENV = "FP8_BACKENDS_PLUGINS"
 SIMULATE_SM_ENV = "FP8_BACKENDS_SIMULATE_SM"
 CHECK_SCALES_ENV = "FP8_BACKENDS_CHECK_SCALES"
+LOCKFILE_ENV = "FP8_BACKENDS_LOCKFILE"
+TUNE_ENV = "FP8_BACKENDS_TUNE"
 
 
 def _split(value: str | None) -> list[str]:

@@ -48,6 +48,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _clean_registry(monkeypatch: pytest.MonkeyPatch):
     for var in ENV_VARS:
         monkeypatch.delenv(var, raising=False)
+    # a developer's own tuned lockfile must not steer `auto` in tests (tests that use one set their own)
+    monkeypatch.setenv("FP8_BACKENDS_LOCKFILE", "off")
     from fp8_backends.registry import discovery, resolution
 
     discovery.refresh()

@@ -1,0 +1,598 @@
+"""``python -m fp8_backends.tune``: measure every provider on your GEMM (or norm-quant) problems and write
+the selection lockfile that ``auto`` reads.
+
+Examples::
+
+    python -m fp8_backends.tune --model llama3-8b                 # 4 shapes x M = 1, 2, 4, ... 16384
+    python -m fp8_backends.tune --model llama3-70b --tp 4 --m 1-4096
+    python -m fp8_backends.tune --shapes 6144,4096 4096,14336 --m 1,16,256,4096 --lockfile sel.lock.json
+    python -m fp8_backends.tune --kind norm_quant --model llama3-8b   # RMSNorm+quant, T buckets
+    python -m fp8_backends.tune --model llama3-8b --list              # what would be timed, no GPU work
+
+For each problem and M bucket, every provider that can serve it is a candidate, once per value
+combination of its ``tunable_options``. Each candidate is first run once and compared with
+:mod:`fp8_backends.reference` (relative error <= ``--rtol``); only correct ones are timed (see
+:mod:`fp8_backends.timing`: CUDA graphs, inputs rotated past L2, candidates interleaved, median).
+The winner is the candidate static priorities rank first among those within ``--tie-margin`` of the
+fastest, decided here and recorded, so reruns of ``auto`` never flip. Entries are merged into the
+lockfile after each shape (safe with concurrent writers). A provider that fails is recorded and
+skipped; the run goes on.
+
+Exit status: 0 when at least one problem got a choice, 1 when none did, 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fp8_backends.registry import tuning
+from fp8_backends.registry.platform import Platform, detect_platform
+from fp8_backends.timing import Measurement, Timer, TimerConfig, default_timer
+from fp8_backends.types import ActScale, GemmProblem, NormQuantProblem, WeightScale
+from fp8_backends.workloads import CandidateSpec, expand_candidates, kind_of, make_workload
+
+logger = logging.getLogger("fp8_backends")
+
+QUICK_M_BUCKETS = (1, 16, 256, 4096)
+
+
+# ---------------------------------------------------------------------------------------- results
+@dataclass
+class CandidateResult:
+    """One candidate on one problem: its timing, or why it was rejected."""
+
+    label: str
+    provider: str
+    distribution: str | None
+    options: dict[str, str]
+    rank: tuple
+    measurement: Measurement | None = None
+    error: float | None = None  # relative error against the reference
+    reason: str | None = None  # why it cannot win (wrong output, crash, timing failure)
+
+    @property
+    def ok(self) -> bool:
+        return self.reason is None and self.measurement is not None and self.measurement.ok
+
+    @property
+    def us(self) -> float:
+        return float(self.measurement.median_us) if self.ok else float("inf")
+
+    def choice_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"provider": self.provider, "distribution": self.distribution,
+                               "options": dict(self.options)}
+        if self.ok:
+            out["us"] = round(self.us, 3)
+        if self.error is not None and self.error != float("inf"):
+            out["error"] = float(f"{self.error:.3g}")
+        return out
+
+
+def select_winner(
+    results: Sequence[CandidateResult], tie_margin: float
+) -> tuple[CandidateResult | None, CandidateResult | None, CandidateResult | None]:
+    """``(winner, fastest, runner_up)`` among the candidates that passed.
+
+    The fastest is the smallest median (static rank breaks exact ties). Every candidate within
+    ``tie_margin`` (relative) of it is a near-tie; the winner is the near-tie with the best static rank.
+    The runner-up is the fastest candidate other than the winner.
+    """
+    ok = [r for r in results if r.ok]
+    if not ok:
+        return None, None, None
+    fastest = min(ok, key=lambda r: (r.us, r.rank))
+    near = [r for r in ok if r.us <= fastest.us * (1.0 + tie_margin)]
+    winner = min(near, key=lambda r: r.rank)
+    others = [r for r in ok if r is not winner]
+    runner_up = min(others, key=lambda r: (r.us, r.rank)) if others else None
+    return winner, fastest, runner_up
+
+
+@dataclass
+class ProblemResult:
+    """Everything measured for one problem at one M bucket."""
+
+    kind: str
+    problem: Any
+    m: int
+    results: list[CandidateResult]
+    skipped: list[tuple[str, str]]
+    tie_margin: float
+    winner: CandidateResult | None = None
+    fastest: CandidateResult | None = None
+    runner_up: CandidateResult | None = None
+    seconds: float = 0.0
+
+    def decide(self) -> ProblemResult:
+        self.winner, self.fastest, self.runner_up = select_winner(self.results, self.tie_margin)
+        return self
+
+    @property
+    def tie_break(self) -> bool:
+        return self.winner is not None and self.fastest is not None and self.winner is not self.fastest
+
+    @property
+    def margin(self) -> float | None:
+        """How much slower the runner-up is than the winner (negative after a tie-break)."""
+        if self.winner is None or self.runner_up is None:
+            return None
+        return self.runner_up.us / self.winner.us - 1.0
+
+    def shape_text(self) -> str:
+        f = tuning.problem_fields(self.kind, self.problem)
+        return f"{f['n']}x{f['k']}" if self.kind == "gemm" else f"H={f['hidden']}{'+res' if f['residual'] else ''}"
+
+    def lockfile_entry(self) -> dict[str, Any] | None:
+        """The lockfile record (None when no candidate passed)."""
+        if self.winner is None:
+            return None
+        ranking = sorted((r for r in self.results if r.ok), key=lambda r: (r.us, r.rank))
+        return {
+            "kind": self.kind,
+            "problem": tuning.problem_fields(self.kind, self.problem),
+            "m": int(self.m),
+            "choice": self.winner.choice_json(),
+            "ranking": [r.choice_json() for r in ranking],
+            "fastest": self.fastest.label if self.fastest else None,
+            "runner_up": None if self.runner_up is None else self.runner_up.label,
+            "tie_break": self.tie_break,
+            "tie_margin": self.tie_margin,
+            "rejected": [{"label": r.label, "reason": r.reason or (r.measurement.error if r.measurement else "")}
+                         for r in self.results if not r.ok],
+            "skipped": [{"label": label, "reason": why} for label, why in self.skipped],
+            "method": self.winner.measurement.method if self.winner.measurement else "",
+            "tuned_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+
+
+@dataclass
+class TuneReport:
+    platform: Platform
+    problems: list[ProblemResult] = field(default_factory=list)
+    seconds: float = 0.0
+    lockfile: Path | None = None
+    lockfile_entries_total: int | None = None
+    write_errors: list[str] = field(default_factory=list)
+
+    def lockfile_entries(self, problems: Iterable[ProblemResult] | None = None) -> dict[str, dict[str, Any]]:
+        out = {}
+        for pr in self.problems if problems is None else problems:
+            entry = pr.lockfile_entry()
+            if entry is not None:
+                out[tuning.entry_key(pr.kind, entry["problem"], pr.m)] = entry
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": "fp8_backends.tune-report/1",
+            "platform": tuning.platform_key(self.platform),
+            "seconds": round(self.seconds, 3),
+            "lockfile": None if self.lockfile is None else str(self.lockfile),
+            "problems": [
+                {
+                    "key": tuning.entry_key(pr.kind, tuning.problem_fields(pr.kind, pr.problem), pr.m),
+                    "winner": None if pr.winner is None else pr.winner.label,
+                    "tie_break": pr.tie_break,
+                    "candidates": [
+                        {"label": r.label, "rank": list(r.rank), "error": r.error, "reason": r.reason,
+                         **(r.measurement.to_json() if r.measurement else {})}
+                        for r in pr.results
+                    ],
+                    "skipped": [{"label": a, "reason": b} for a, b in pr.skipped],
+                }
+                for pr in self.problems
+            ],
+        }
+
+
+# ---------------------------------------------------------------------------------------- the loop
+def _device_for(problem: Any, platform: Platform) -> str:
+    if problem.device.value == "cpu":
+        return "cpu"
+    return platform.torch_device
+
+
+def tune(
+    problems: Sequence[GemmProblem | NormQuantProblem],
+    *,
+    m_buckets: Sequence[int] = tuning.DEFAULT_M_BUCKETS,
+    platform: Platform | None = None,
+    timer: Timer | None = None,
+    timer_config: TimerConfig | None = None,
+    tie_margin: float = tuning.DEFAULT_TIE_MARGIN,
+    rtol: float | None = None,
+    providers: Collection[str] | None = None,
+    lockfile: Path | str | None = None,
+    progress: bool = True,
+    seed: int = 0,
+    on_result: Callable[[ProblemResult], None] | None = None,
+) -> TuneReport:
+    """Tune ``problems`` (their M is ignored) at every M in ``m_buckets``.
+
+    - ``timer``: ``timer(runs) -> {label: Measurement}`` (default: CUDA graphs on a GPU, wall clock on
+      the CPU; see :mod:`fp8_backends.timing`). Tests inject fake ones.
+    - ``lockfile``: when given, entries are merged into it after each problem shape.
+    - ``providers``: provider names to consider (default: every discovered one).
+    Candidates are always verified against the reference before they are timed.
+    """
+    started = time.perf_counter()
+    if not problems:
+        raise ValueError("no problems to tune")
+    kinds = {kind_of(p) for p in problems}
+    if len(kinds) != 1:
+        raise ValueError("tune one kind of problem at a time (GEMM or norm-quant)")
+    kind = kinds.pop()
+    buckets = sorted({int(m) for m in m_buckets})
+    if not buckets or buckets[0] < 1:
+        raise ValueError(f"M buckets must be positive integers, got {list(m_buckets)}")
+    platform = platform or detect_platform(problems[0].device)
+    device = _device_for(problems[0], platform)
+    if device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("cannot tune while a CUDA graph is being captured")
+    timer = timer or default_timer(device, timer_config)
+    path = None if lockfile is None else Path(lockfile)
+    report = TuneReport(platform=platform, lockfile=path)
+    shapes: dict[str, Any] = {}
+    for p in problems:
+        shapes.setdefault(tuning.problem_key(kind, tuning.problem_fields(kind, p)), p)
+    bar = _progress(len(shapes) * len(buckets), progress)
+    try:
+        for base in shapes.values():
+            done = _tune_shape(kind, base, buckets, platform, device, timer, tie_margin, rtol, providers, seed,
+                               report, bar, on_result)
+            if path is not None and done:
+                _write(report, path, done)
+    finally:
+        bar.close()
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _tune_shape(kind, base, buckets, platform, device, timer, tie_margin, rtol, providers, seed, report, bar,
+                on_result) -> list[ProblemResult]:
+    done: list[ProblemResult] = []
+    kw = {"seed": seed} if rtol is None else {"seed": seed, "rtol": rtol}
+    try:
+        workload = make_workload(kind, base, device, **kw)
+    except Exception as exc:
+        logger.warning("cannot build inputs for %s: %s: %s", base.describe(), type(exc).__name__, exc)
+        _free(device)
+        bar.update(len(buckets))
+        return done
+    failed_prepare: dict[str, str] = {}
+    try:
+        for m in buckets:
+            t0 = time.perf_counter()
+            problem = workload.problem(m)
+            cands, skipped = expand_candidates(kind, problem, platform, only=providers)
+            results = measure_candidates(workload, m, cands, timer, failed_prepare)
+            pr = ProblemResult(kind, problem, m, results, skipped, tie_margin).decide()
+            pr.seconds = time.perf_counter() - t0
+            report.problems.append(pr)
+            done.append(pr)
+            if on_result is not None:
+                on_result(pr)
+            bar.update(1)
+            bar.set_postfix_str(f"{pr.shape_text()} M={m}: {pr.winner.label if pr.winner else 'none'}")
+            workload.release()
+    finally:
+        workload.close()
+        _free(device)
+    return done
+
+
+def measure_candidates(
+    workload: Any, m: int, cands: Sequence[CandidateSpec], timer: Timer, failed_prepare: dict[str, str] | None = None
+) -> list[CandidateResult]:
+    """Verify each candidate against the reference (one eager call), then time the correct ones together.
+
+    ``failed_prepare`` remembers candidates whose ``prepare_weight`` failed (not retried for other M)."""
+    failed_prepare = {} if failed_prepare is None else failed_prepare
+    device = str(workload.device)
+    results, runs = [], {}
+    by_label: dict[str, CandidateResult] = {}
+    problem = workload.problem(m)
+    for cand in cands:
+        res = CandidateResult(cand.label, cand.provider, cand.entry.dist, cand.options, cand.rank)
+        results.append(res)
+        if cand.label in failed_prepare:
+            res.reason = failed_prepare[cand.label]
+            continue
+        try:
+            res.error, res.reason = workload.verify(cand, m)
+            if res.reason is None:
+                runs[cand.label] = workload.run(cand, m)
+                by_label[cand.label] = res
+        except Exception as exc:
+            res.reason = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+            if "prepare_weight" in _where(exc):
+                failed_prepare[cand.label] = res.reason
+            _free(device)
+        if res.reason is not None:
+            logger.info("%s rejected for %s: %s", cand.label, problem.describe(), res.reason)
+    measured = timer(runs) if runs else {}
+    runs.clear()
+    for label, res in by_label.items():
+        res.measurement = measured.get(label) or Measurement.failed("the timer returned nothing")
+        if not res.measurement.ok:
+            res.reason = f"timing failed: {res.measurement.error}"
+    return results
+
+
+def _where(exc: BaseException) -> str:
+    """Names of the functions an exception passed through (to tell prepare_weight failures apart)."""
+    names, tb = [], exc.__traceback__
+    while tb is not None:
+        names.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    return " ".join(names)
+
+
+def _free(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def _write(report: TuneReport, path: Path, done: list[ProblemResult]) -> None:
+    entries = report.lockfile_entries(done)
+    if not entries:
+        return
+    key, _ = tuning.current_key(report.platform)
+    try:
+        report.lockfile_entries_total = tuning.write_entries(path, key, entries)
+    except Exception as exc:  # a full disk or a lock timeout must not lose the measurements printed later
+        msg = f"could not write {path}: {type(exc).__name__}: {exc}"
+        report.write_errors.append(msg)
+        logger.warning("%s", msg)
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, s: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return _NoBar()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, desc="tuning", unit="problem", dynamic_ncols=True, file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------- output
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
+    lines += [fmt.format(*(str(c) for c in r)) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def format_summary(report: TuneReport) -> str:
+    """The end-of-run table: winner, runner-up and margin per problem and M."""
+    rows = []
+    for pr in report.problems:
+        w, r = pr.winner, pr.runner_up
+        notes = []
+        if pr.tie_break and pr.fastest is not None:
+            notes.append(f"tie -> static (fastest {pr.fastest.label})")
+        rejected = [x for x in pr.results if not x.ok]
+        if rejected:
+            notes.append(f"{len(rejected)} rejected")
+        rows.append([
+            pr.shape_text(), str(pr.m),
+            w.label if w else "NONE", f"{w.us:.2f}" if w else "-",
+            r.label if r else "-", f"{r.us:.2f}" if r else "-",
+            f"{100 * pr.margin:+.1f}%" if pr.margin is not None else "-",
+            "; ".join(notes),
+        ])
+    return _table(rows, ["problem", "M", "winner", "µs", "runner-up", "µs", "margin", "notes"])
+
+
+def format_rejections(report: TuneReport) -> str:
+    """One line per distinct rejection reason (which candidates, how many problems)."""
+    seen: dict[tuple[str, str], int] = {}
+    for pr in report.problems:
+        for r in pr.results:
+            if not r.ok:
+                reason = r.reason or (r.measurement.error if r.measurement else "?")
+                seen[(r.label, reason)] = seen.get((r.label, reason), 0) + 1
+    return "\n".join(f"  {label}: {reason} ({n} problem(s))" for (label, reason), n in sorted(seen.items()))
+
+
+# ---------------------------------------------------------------------------------------- CLI
+def parse_m_list(text: str) -> list[int]:
+    """``"1,16,256"``, or ``"1-16384"`` (every power of two in the range), or a mix: ``"1-8,100"``."""
+    out: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if "-" in part:
+            lo_text, _, hi_text = part.partition("-")
+            lo, hi = int(lo_text), int(hi_text)
+            if lo < 1 or hi < lo:
+                raise ValueError(f"bad M range {part!r}")
+            v = 1
+            while v <= hi:
+                if v >= lo:
+                    out.add(v)
+                v *= 2
+        else:
+            v = int(part)
+            if v < 1:
+                raise ValueError(f"M must be >= 1, got {v}")
+            out.add(v)
+    if not out:
+        raise ValueError(f"no M values in {text!r}")
+    return sorted(out)
+
+
+def _parse_shape(text: str) -> tuple[int, int]:
+    try:
+        n, k = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a shape is N,K (two integers), got {text!r}") from None
+    return n, k
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m fp8_backends.tune",
+        description="Time every FP8 provider on your problems and write the lockfile that `auto` reads.",
+    )
+    what = ap.add_argument_group("problems")
+    what.add_argument("--kind", choices=["gemm", "norm_quant"], default="gemm")
+    what.add_argument("--model", nargs="+", default=[], metavar="NAME",
+                      help="built-in linear-shape tables (llama3-8b, llama3-70b, qwen2-7b, mistral-7b, ...; "
+                           "default llama3-8b when no --shapes/--hidden)")
+    what.add_argument("--tp", type=int, default=1, help="tensor-parallel degree for --model shapes (default 1)")
+    what.add_argument("--shapes", nargs="+", type=_parse_shape, default=[], metavar="N,K",
+                      help="GEMM weight shapes [N, K]")
+    what.add_argument("--hidden", nargs="+", type=int, default=[], metavar="H", help="norm-quant hidden sizes")
+    what.add_argument("--m", default=None, metavar="LIST",
+                      help="M (token) buckets: '1,16,256' or '1-16384' (powers of two; default 1-16384)")
+    what.add_argument("--act-scale", nargs="+", default=["per_tensor_dynamic"], choices=[a.value for a in ActScale])
+    what.add_argument("--weight-scale", nargs="+", default=["per_tensor"], choices=[w.value for w in WeightScale])
+    what.add_argument("--input-dtype", default="e4m3fn", choices=["e4m3fn", "e5m2"])
+    what.add_argument("--weight-dtype", default=None, choices=["e4m3fn", "e5m2"])
+    what.add_argument("--out-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    what.add_argument("--bias", action="store_true", help="--shapes problems have a bias")
+    what.add_argument("--in-dtype", default="bfloat16", choices=["bfloat16", "float16"], help="norm-quant input")
+    what.add_argument("--residual", choices=["both", "yes", "no"], default="both",
+                      help="norm-quant: with the fused residual add, without, or both (default)")
+    how = ap.add_argument_group("tuning")
+    how.add_argument("--providers", default=None, help="comma-separated provider names (default: all discovered)")
+    how.add_argument("--tie-margin", type=float, default=tuning.DEFAULT_TIE_MARGIN,
+                     help="near-tie margin; near-ties go to the static-priority provider (default 0.02)")
+    how.add_argument("--rtol", type=float, default=None, help="max relative error against the reference (1e-2)")
+    how.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 5; --quick 3)")
+    how.add_argument("--replays", type=int, default=None, help="graph replays per round (default 3; --quick 2)")
+    how.add_argument("--eager", action="store_true", help="time without CUDA graphs")
+    how.add_argument("--quick", action="store_true", help=f"M buckets {QUICK_M_BUCKETS} and fewer repeats")
+    how.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: the current GPU)")
+    how.add_argument("--seed", type=int, default=0)
+    out = ap.add_argument_group("output")
+    out.add_argument("--lockfile", default=None, metavar="PATH",
+                     help="lockfile to merge into (default: $FP8_BACKENDS_LOCKFILE or the per-user cache)")
+    out.add_argument("--no-write", action="store_true", help="measure and print, write no lockfile")
+    out.add_argument("--report", default=None, metavar="PATH", help="also write every measurement as JSON")
+    out.add_argument("--list", action="store_true", help="print the problems and candidates, time nothing")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    out.add_argument("-v", "--verbose", action="store_true", help="log at INFO (rejections, choices)")
+    return ap
+
+
+def problems_from_args(args: argparse.Namespace, device: str) -> list[Any]:
+    """The problem templates (M unset) the arguments describe."""
+    from fp8_backends.models import hidden_size, linear_shapes
+
+    models = args.model or ([] if (args.shapes or args.hidden) else ["llama3-8b"])
+    if args.kind == "norm_quant":
+        hiddens = list(dict.fromkeys([*args.hidden, *(hidden_size(m) for m in models)]))
+        residuals = {"both": [False, True], "yes": [True], "no": [False]}[args.residual]
+        return [NormQuantProblem(hidden=h, in_dtype=args.in_dtype, residual=r, device=device)
+                for h in hiddens for r in residuals]
+    shapes: list[tuple[int, int, bool]] = []
+    for model in models:
+        shapes += [(s.n, s.k, s.bias) for s in linear_shapes(model, args.tp)]
+    shapes += [(n, k, args.bias) for n, k in args.shapes]
+    out = []
+    for n, k, bias in dict.fromkeys(shapes):
+        for act in args.act_scale:
+            for ws in args.weight_scale:
+                out.append(GemmProblem(n=n, k=k, input_dtype=args.input_dtype,
+                                       weight_dtype=args.weight_dtype or args.input_dtype, out_dtype=args.out_dtype,
+                                       act_scale=act, weight_scale=ws, has_bias=bias, device=device))
+    return out
+
+
+def _list_candidates(problems: list[Any], buckets: list[int], platform: Platform, providers) -> str:
+    lines = [f"platform: {platform.describe()}", f"M buckets: {', '.join(map(str, buckets))}"]
+    for p in problems:
+        kind = kind_of(p)
+        probe = p.with_m(buckets[0]) if kind == "gemm" else p
+        cands, skipped = expand_candidates(kind, probe, platform, only=providers)
+        lines.append(f"{p.describe()}: {len(cands)} candidate(s): {', '.join(c.label for c in cands) or 'none'}")
+        lines += [f"    skipped {label}: {why}" for label, why in skipped]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None, *, timer: Timer | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        platform = detect_platform(args.device)
+        device = "cpu" if platform.kind.value == "cpu" else "cuda"
+        if args.m:
+            buckets = parse_m_list(args.m)
+        else:
+            buckets = list(QUICK_M_BUCKETS if args.quick else tuning.DEFAULT_M_BUCKETS)
+        problems = problems_from_args(args, device)
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        ap.error(str(exc))
+    providers = None if args.providers is None else {p.strip() for p in args.providers.split(",") if p.strip()}
+    if args.list:
+        print(_list_candidates(problems, buckets, platform, providers))
+        return 0
+    if platform.simulated:
+        ap.error(f"cannot time on a simulated platform ({platform.describe()}); --list shows its candidates")
+    if device == "cpu" and args.device != "cpu":
+        ap.error("no CUDA device found; pass --device cpu to tune CPU problems (small --shapes)")
+    if args.no_write:
+        path = None
+    elif args.lockfile:
+        path = Path(args.lockfile).expanduser()
+    else:
+        path = tuning.lockfile_path() or tuning.default_lockfile_path()
+    config = TimerConfig.quick() if args.quick else TimerConfig()
+    if args.rounds is not None:
+        config.rounds = max(1, args.rounds)
+    if args.replays is not None:
+        config.replays = max(1, args.replays)
+    config.use_graphs = not args.eager
+    print(f"tuning {len(problems)} problem(s) x {len(buckets)} M bucket(s) on {platform.describe()}", file=sys.stderr)
+    report = tune(problems, m_buckets=buckets, platform=platform, timer=timer, timer_config=config,
+                  tie_margin=args.tie_margin, rtol=args.rtol, providers=providers, lockfile=path,
+                  progress=not args.no_progress, seed=args.seed)
+    print(format_summary(report))
+    rejections = format_rejections(report)
+    if rejections:
+        print("rejected candidates:\n" + rejections)
+    chosen = sum(1 for pr in report.problems if pr.winner is not None)
+    print(f"\n{chosen}/{len(report.problems)} problems got a choice in {report.seconds:.1f} s "
+          f"({sum(len(pr.results) for pr in report.problems)} candidate runs)")
+    if path is not None:
+        if report.write_errors:
+            print("lockfile NOT fully written: " + "; ".join(report.write_errors))
+        elif report.lockfile_entries_total is not None:
+            print(f"lockfile: {path} ({report.lockfile_entries_total} entries for this platform)")
+    if args.report:
+        Path(args.report).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        Path(args.report).expanduser().write_text(json.dumps(report.to_json(), indent=1) + "\n", encoding="utf-8")
+        print(f"report: {args.report}")
+    return 0 if chosen else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
