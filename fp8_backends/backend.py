@@ -72,7 +72,6 @@ class ProviderBase(ABC):
                 )
             config[key] = str(value)
         self.config: dict[str, str] = config
-        self._device_types = frozenset(d.value for d in self.capabilities.devices)
 
     @classmethod
     def availability(cls) -> Availability:
@@ -133,7 +132,7 @@ class ProviderBase(ABC):
         return f"<{type(self).__name__} {self.label}>"
 
     def _require_device(self, t: torch.Tensor, what: str) -> None:
-        if t.device.type not in self._device_types:
+        if t.device.type not in {d.value for d in self.capabilities.devices}:
             have = ", ".join(sorted(d.value for d in self.capabilities.devices))
             raise InvalidInputError(f"{self.name} runs on {have} tensors; {what} is on {t.device}")
 
@@ -163,6 +162,7 @@ class Fp8GemmBackend(ProviderBase):
 
     kind: ClassVar[str] = "gemm"
     capabilities: ClassVar[GemmCapabilities] = GemmCapabilities()
+    _fast: Any = None  # hot-path check tables (_FastPath), built at the first gemm call
 
     # ------------------------------------------------------------------ load time
     def prepare_weight(self, w_q: torch.Tensor, w_scale: torch.Tensor) -> PreparedWeight:
@@ -227,8 +227,54 @@ class Fp8GemmBackend(ProviderBase):
         - ``x_scale``: float32, one value (per-tensor) or ``[M, 1]`` (per-token).
         - ``bias``: optional ``[N]`` in ``out_dtype``.
         """
-        out = self.validate_gemm_inputs(x_q, prepared, x_scale, out_dtype, bias)
-        return self.gemm_impl(x_q, prepared, x_scale, out.torch_dtype(), bias)
+        out = self._accept_common_case(x_q, prepared, x_scale, out_dtype, bias)
+        if out is None:
+            out = self.validate_gemm_inputs(x_q, prepared, x_scale, out_dtype, bias).torch_dtype()
+        return self.gemm_impl(x_q, prepared, x_scale, out, bias)
+
+    def _accept_common_case(
+        self, x_q: Any, prepared: Any, x_scale: Any, out_dtype: Any, bias: Any
+    ) -> torch.dtype | None:
+        """The hot path's check in one pass: the torch output dtype when the call is certainly valid
+        (GPU tensors, x_q in the weight's FP8 type, row-major with the weight's K, one fp32 scale on the
+        same device, an output dtype and bias this provider takes), else ``None`` so that
+        :meth:`validate_gemm_inputs` decides (and explains). Same conditions, a few µs cheaper."""
+        fast = self._fast
+        if fast is None:
+            fast = self._fast = _FastPath(self)
+        tensor = fast.tensor
+        if (
+            type(x_q) is not tensor
+            or type(x_scale) is not tensor
+            or type(prepared) is not PreparedWeight
+            or prepared.backend != self.name
+            or x_q.dtype is not fast.weight_torch_dtype(prepared)
+            or x_q.dim() != 2
+            or x_q.shape[1] != prepared.k
+            or not x_q.is_contiguous()
+            or x_scale.dtype is not fast.f32
+            or x_scale.numel() != 1
+            or x_scale.dim() > 2
+            or not fast.per_tensor_ok
+            or V._CHECK_DEVICE_SCALES
+        ):
+            return None
+        device = x_q.get_device()  # -1 for CPU tensors: they take the full path (scale values checked)
+        if device < 0 or x_scale.get_device() != device or fast.data_device(prepared) != device:
+            return None
+        out = fast.out_dtypes.get(out_dtype)
+        if out is None:
+            return None
+        if bias is not None and (
+            not fast.bias_ok
+            or type(bias) is not tensor
+            or bias.dtype is not out
+            or bias.dim() != 1
+            or bias.shape[0] != prepared.n
+            or bias.get_device() != device
+        ):
+            return None
+        return out
 
     def validate_gemm_inputs(
         self,
@@ -305,6 +351,33 @@ class Fp8GemmBackend(ProviderBase):
                            weight_scale=prepared.weight_scale, **kw)
 
 
+class _FastPath:
+    """Per-provider lookup tables for :meth:`Fp8GemmBackend._accept_common_case` (built once)."""
+
+    def __init__(self, backend: Fp8GemmBackend) -> None:
+        import torch
+
+        caps = backend.capabilities
+        self.tensor = torch.Tensor
+        self.f32 = torch.float32
+        self.per_tensor_ok = bool(caps.act_scales & {ActScale.PER_TENSOR_STATIC, ActScale.PER_TENSOR_DYNAMIC})
+        self.bias_ok = caps.bias is not BiasMode.NONE
+        self.fp8 = {d: d.torch_dtype() for d in caps.input_dtypes}
+        self.out_dtypes: dict[Any, torch.dtype] = {}
+        for od in caps.out_dtypes:
+            td = od.torch_dtype()
+            for key in (td, od, od.value):
+                self.out_dtypes[key] = td
+
+    def weight_torch_dtype(self, prepared: PreparedWeight) -> Any:
+        return self.fp8.get(prepared.dtype)
+
+    @staticmethod
+    def data_device(prepared: PreparedWeight) -> int:
+        data = prepared.data
+        return data.get_device() if hasattr(data, "get_device") else -2
+
+
 class NormQuantBackend(ProviderBase):
     """A fused RMSNorm + static per-tensor FP8 quant provider.
 
@@ -362,13 +435,55 @@ class NormQuantBackend(ProviderBase):
                 raise InvalidInputError("residual must be row-major contiguous")
             V.require_same_device(residual, "residual", x.device)
 
+    _fast: Any = None  # hot-path check tables, built at the first call
+
+    def _accept_common_case(self, x: Any, weight: Any, scale: Any, eps: Any, residual: Any = None) -> bool:
+        """One-pass check of the common call (contiguous GPU ``x`` in a supported dtype, matching
+        ``weight`` and ``residual``, one fp32 ``scale`` on the same device, float ``eps > 0``); ``False``
+        sends the call through :meth:`_validate`, which accepts it or raises the library error."""
+        fast = self._fast
+        if fast is None:
+            import torch
+
+            caps = self.capabilities
+            fast = self._fast = (torch.Tensor, torch.float32, frozenset(d.torch_dtype() for d in caps.in_dtypes),
+                                 caps.hidden_align)
+        tensor, f32, dtypes, align = fast
+        if type(x) is not tensor or type(weight) is not tensor or type(scale) is not tensor:
+            return False
+        dtype = x.dtype
+        if (
+            dtype not in dtypes
+            or x.dim() != 2
+            or not x.is_contiguous()
+            or x.shape[1] % align
+            or weight.dtype is not dtype
+            or weight.dim() != 1
+            or weight.shape[0] != x.shape[1]
+            or scale.dtype is not f32
+            or scale.numel() != 1
+            or scale.dim() > 2
+            or type(eps) is not float
+            or not eps > 0
+            or V._CHECK_DEVICE_SCALES
+        ):
+            return False
+        device = x.get_device()  # -1 for CPU: the full path checks scale values there
+        if device < 0 or weight.get_device() != device or scale.get_device() != device:
+            return False
+        return residual is None or (
+            type(residual) is tensor and residual.dtype is dtype and residual.shape == x.shape
+            and residual.is_contiguous() and residual.get_device() == device
+        )
+
     def rmsnorm_quant(
         self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6,
         *, out: torch.Tensor | None = None,
     ) -> QuantizedActivation:
         """``x: [T, H]`` bf16/fp16 (row-major), ``weight: [H]`` same dtype, ``scale``: fp32 one value on
         x's device. Returns a :class:`QuantizedActivation` (``data: [T, H]`` float8_e4m3fn)."""
-        self._validate(x, weight, scale, eps)
+        if not self._accept_common_case(x, weight, scale, eps):
+            self._validate(x, weight, scale, eps)
         out = self._out_buffer(x, out)
         self.rmsnorm_quant_impl(out, x, weight, scale, float(eps))
         return QuantizedActivation(out, scale, x.dtype, ActScale.PER_TENSOR_STATIC)
@@ -382,7 +497,8 @@ class NormQuantBackend(ProviderBase):
         Returns ``(QuantizedActivation, residual)``; the second item is the updated ``residual``."""
         if not self.capabilities.residual:
             raise InvalidInputError(f"{self.name} does not support the fused residual add")
-        self._validate(x, weight, scale, eps, residual)
+        if not self._accept_common_case(x, weight, scale, eps, residual):
+            self._validate(x, weight, scale, eps, residual)
         out = self._out_buffer(x, out)
         self.fused_add_rmsnorm_quant_impl(out, x, residual, weight, scale, float(eps))
         return QuantizedActivation(out, scale, x.dtype, ActScale.PER_TENSOR_STATIC), residual
