@@ -1,0 +1,144 @@
+"""``cutlass``: FP8 GEMM with CUTLASS 3.x SM90 kernels (TMA, warp-specialized wgmma), JIT-built with nvcc.
+
+Kernels: the configs of :mod:`.configs` (swapped-operand decode tiles, ping-pong mid-size tiles,
+cooperative and stream-K prefill tiles), chosen per M bucket by a data table (option ``config=auto``)
+or forced by name (``config=<name>``, for the tuner). The epilogue computes
+``out = (s_x · s_w) · acc (+ bias)`` with both scales read from device memory (per-tensor), or
+``s_x[m] · s_w[n] · acc (+ bias[n])`` through an epilogue visitor tree (per-token activations and/or
+per-channel weights); bias is fused; bf16, fp16 and fp32 outputs.
+
+Shapes and layouts: ``x_q [M, K]`` and ``w_q [N, K]`` float8_e4m3fn, row-major, 16-byte aligned; K and
+N multiples of 16; any M (odd included). The prepared weight is ``w_q`` itself (no copy) with its scale
+as fp32 ``[1]`` or ``[N]``.
+
+Builds: each (config, epilogue, out dtype, accumulation) is one shared library compiled on first use
+(a few minutes for a family on 2 cores; ``python -m fp8_backends.build cutlass`` prebuilds) and cached
+on disk (see :mod:`.build`). :meth:`availability` never builds: it reports missing nvcc or headers as
+unavailable, and libraries not built yet as available with a note.
+
+Hardware: SM 9.0 only (the ``sm_90a`` target: wgmma and TMA multicast). SM100 (Blackwell) kernels
+need separate tcgen05 instantiations and are not part of this provider.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+from fp8_backends.backend import Fp8GemmBackend
+from fp8_backends.capabilities import GemmCapabilities
+from fp8_backends.errors import InvalidInputError
+from fp8_backends.types import (
+    ActScale,
+    Availability,
+    BiasMode,
+    DeviceKind,
+    Fp8Dtype,
+    OutDtype,
+    PreparedWeight,
+    WeightScale,
+)
+
+from .configs import CONFIG_NAMES, active_table
+
+if TYPE_CHECKING:
+    import torch
+
+INSTALL_HINT = "pip install 'fp8-backends[cutlass]' and a CUDA toolkit with nvcc (CUDA_HOME or PATH)"
+
+
+class CutlassSm90Backend(Fp8GemmBackend):
+    """CUTLASS 3.x SM90 FP8 GEMM; options ``config`` (``auto`` or a config name) and ``fast_accum``."""
+
+    name: ClassVar[str] = "cutlass"
+    description: ClassVar[str] = "CUTLASS 3.x SM90 TMA warp-specialized FP8 GEMM, fused scale/bias epilogue (JIT)"
+    requires: ClassVar[tuple[str, ...]] = ("torch",)
+    install_hint: ClassVar[str] = INSTALL_HINT
+    options: ClassVar[dict[str, tuple[str, ...]]] = {
+        "config": ("auto", *CONFIG_NAMES),
+        "fast_accum": ("true", "false"),
+    }
+    # the tuner times each config by name; precise accumulation is slower and never wins on time
+    tunable_options: ClassVar[tuple[str, ...]] = ("config",)
+    capabilities: ClassVar[GemmCapabilities] = GemmCapabilities(
+        devices=frozenset({DeviceKind.CUDA}),
+        archs=("9.0a",),
+        pdl=False,
+        act_scales=frozenset(ActScale),
+        weight_scales=frozenset(WeightScale),
+        input_dtypes=frozenset({Fp8Dtype.E4M3FN}),
+        mixed_inputs=False,
+        out_dtypes=frozenset({OutDtype.BF16, OutDtype.FP16, OutDtype.FP32}),
+        bias=BiasMode.FUSED,
+        k_align=16,
+        n_align=16,
+        priority=8,
+    )
+
+    @classmethod
+    def availability(cls) -> Availability:
+        """OK when the default kernels are built, or can be (nvcc and CUTLASS headers found; the note
+        says a first use builds them); not OK without a toolchain and prebuilt libraries, or after a
+        failed build in this process (the reason carries the compiler log's path). Runs nothing."""
+        base = super().availability()
+        if not base.ok:
+            return base
+        from . import build
+
+        try:
+            table = active_table()
+        except ValueError as exc:
+            return Availability.no(str(exc))
+        st = build.status(build.specs_for(sorted(table.config_names())))
+        if not st.ok:
+            return Availability.no(st.reason, cls.install_hint)
+        return Availability.yes(st.reason)
+
+    # ------------------------------------------------------------------ load time
+    def prepare_weight_impl(
+        self, w_q: torch.Tensor, w_scale: torch.Tensor, weight_scale: WeightScale
+    ) -> PreparedWeight:
+        n, k = w_q.shape
+        if w_q.data_ptr() % 16:
+            raise InvalidInputError("cutlass needs w_q 16-byte aligned (TMA); pass a tensor that starts its allocation")
+        if weight_scale is WeightScale.PER_CHANNEL:
+            scale = w_scale.reshape(n).contiguous()
+        else:
+            scale = w_scale.reshape(1).contiguous()
+        return PreparedWeight(
+            data=w_q,  # [N, K] row-major: the kernels read it K-major as it is
+            scale=scale,
+            n=n,
+            k=k,
+            dtype=Fp8Dtype.of(w_q.dtype),
+            weight_scale=weight_scale,
+            backend=self.name,
+        )
+
+    # ------------------------------------------------------------------ hot path
+    def gemm_impl(
+        self,
+        x_q: torch.Tensor,
+        prepared: PreparedWeight,
+        x_scale: torch.Tensor,
+        out_dtype: torch.dtype,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        from .ops import cutlass_gemm
+
+        if x_scale.numel() > 1 and not x_scale.is_contiguous():
+            raise InvalidInputError("cutlass needs a contiguous per-token x_scale [M, 1]")
+        if bias is not None and not bias.is_contiguous():
+            raise InvalidInputError("cutlass needs a contiguous bias [N]")
+        return cutlass_gemm(
+            x_q,
+            prepared.data,
+            x_scale,
+            prepared.scale,
+            bias,
+            out_dtype,
+            self.config["config"],
+            self.config["fast_accum"] == "true",
+        )
+
+
+__all__ = ["CutlassSm90Backend"]
