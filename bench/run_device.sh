@@ -4,7 +4,9 @@
 #   source .device/setup.sh || exit 1; bash bench/run_device.sh [STAGE ...]
 #
 # Stages (default: all, in this order): install list tests build cutlass_cfg flashinfer tune gemm norm block
-# Each stage has its own time limit, logs to $OUT/logs/<stage>.log, and a failing stage does not stop the others.
+# Each stage has its own time limit (override: LIMIT_<stage>=seconds), logs to $OUT/logs/<stage>.log, and a
+# failing stage does not stop the others. Extra arguments per stage: TESTS_ARGS, TUNE_ARGS, GEMM_ARGS,
+# NORM_ARGS, BLOCK_ARGS, CUTLASS_ARGS (e.g. GEMM_ARGS="--models llama3-8b --m 1,16,256,4096").
 # At the end everything under $OUT/work is packed into $OUT/results.tar.gz (the device tool returns at most
 # 8 files) and a summary of every stage is printed.
 set -uo pipefail
@@ -18,6 +20,8 @@ summary=()
 
 run_stage() {  # name, time limit (s), command...
   local name=$1 limit=$2; shift 2
+  local override="LIMIT_$name"
+  limit=${!override:-$limit}
   local t0=$SECONDS rc
   echo "== $name (limit ${limit}s)"
   timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$OUT/logs/$name.log" 2>&1
@@ -35,31 +39,32 @@ for stage in "${stages[@]}"; do
     list)
       run_stage list 120 bash -c "python3 -m fp8_backends.list && python3 -m fp8_backends.list --json > $W/list.json" ;;
     tests)
-      run_stage tests 900 python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider tests \
-        --junitxml="$W/gpu-tests.xml" ;;
+      # shellcheck disable=SC2086
+      run_stage tests 900 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 tests \
+        --junitxml="$W/gpu-tests.xml" ${TESTS_ARGS:-} ;;
     build)
       [ -f fp8_backends/build.py ] && run_stage build 600 python3 -m fp8_backends.build cutlass ;;
     cutlass_cfg)
-      [ -f bench/cutlass_configs.py ] && run_stage cutlass_cfg 600 python3 -m bench.cutlass_configs --out "$W/cutlass" ;;
+      [ -f bench/cutlass_configs.py ] && run_stage cutlass_cfg 600 python3 -m bench.cutlass_configs --out "$W/cutlass" ${CUTLASS_ARGS:-} ;;
     flashinfer)
       [ -f bench/flashinfer_host.py ] && run_stage flashinfer 600 python3 -m bench.flashinfer_host --out "$W/flashinfer" ;;
     tune)
       [ -f fp8_backends/tune.py ] && run_stage tune 600 python3 -m fp8_backends.tune --model llama3-8b \
-        --lockfile "$W/selection.lock.json" ;;
+        --lockfile "$W/selection.lock.json" --report "$W/tune-report.json" ${TUNE_ARGS:-} ;;
     gemm)
       [ -f bench/gemm.py ] && FP8_BACKENDS_LOCKFILE="$W/selection.lock.json" \
-        run_stage gemm 900 python3 -m bench.gemm --out "$W/gemm" ;;
+        run_stage gemm 900 python3 -m bench.gemm --out "$W/gemm" ${GEMM_ARGS:-} ;;
     norm)
-      [ -f bench/norm_quant.py ] && run_stage norm 600 python3 -m bench.norm_quant --out "$W/norm" ;;
+      [ -f bench/norm_quant.py ] && run_stage norm 600 python3 -m bench.norm_quant --out "$W/norm" ${NORM_ARGS:-} ;;
     block)
       [ -f bench/decoder_block.py ] && FP8_BACKENDS_LOCKFILE="$W/selection.lock.json" \
-        run_stage block 900 python3 -m bench.decoder_block --out "$W/block" ;;
+        run_stage block 900 python3 -m bench.decoder_block --out "$W/block" ${BLOCK_ARGS:-} ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
 
 cp "$OUT"/logs/*.log "$W/" 2>/dev/null
-tar -C "$OUT" -czf "$OUT/results.tar.gz" work
+tar -C "$OUT" -czf "$OUT/results-$(date +%H%M%S).tar.gz" work
 rm -rf "$OUT/logs" "$W"
 echo "== summary"
 printf '%s\n' "${summary[@]}"
