@@ -202,6 +202,8 @@ class Fp8GemmBackend(ProviderBase):
         V.check_scale_values(w_scale, "w_scale", force=True)
         prepared = self.prepare_weight_impl(w_q, w_scale, mode)
         prepared.backend = self.name
+        if self._fast is None:
+            self._fast = _FastPath(self)
         return prepared
 
     @abstractmethod
@@ -240,8 +242,8 @@ class Fp8GemmBackend(ProviderBase):
         same device, an output dtype and bias this provider takes), else ``None`` so that
         :meth:`validate_gemm_inputs` decides (and explains). Same conditions, a few µs cheaper."""
         fast = self._fast
-        if fast is None:
-            fast = self._fast = _FastPath(self)
+        if fast is None:  # built by prepare_weight (eagerly, at load time)
+            return None
         tensor = fast.tensor
         if (
             type(x_q) is not tensor
@@ -368,6 +370,7 @@ class _FastPath:
             td = od.torch_dtype()
             for key in (td, od, od.value):
                 self.out_dtypes[key] = td
+                V.out_dtype_of(key)  # warm the full path's memo too (no Enum calls while compiling)
 
     def weight_torch_dtype(self, prepared: PreparedWeight) -> Any:
         return self.fp8.get(prepared.dtype)

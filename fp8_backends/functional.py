@@ -54,10 +54,10 @@ def apply_fp8_linear(
     k, n = prepared.k, prepared.n
     if isinstance(x, QuantizedActivation):
         data, scale, orig_dtype, mode = x
-        if ActScale(mode) is not act_scale:
+        if ActScale.of(mode) is not act_scale:  # .of: a dict lookup, safe while torch.compile traces
             raise InvalidInputError(
                 f"this linear was prepared for {act_scale.value} activations but got a QuantizedActivation "
-                f"in {ActScale(mode).value} mode; it never re-quantizes (quantize for the consumer's mode)"
+                f"in {ActScale.of(mode).value} mode; it never re-quantizes (quantize for the consumer's mode)"
             )
         V.require_tensor(data, "QuantizedActivation.data")
         out = _out_dtype(orig_dtype, out_dtype, "QuantizedActivation.orig_dtype")
@@ -153,7 +153,7 @@ def fp8_linear(
     if act_scale is None:
         mode = ActScale.PER_TENSOR_STATIC if input_scale is not None else ActScale.PER_TENSOR_DYNAMIC
     else:
-        mode = ActScale(act_scale)
+        mode = ActScale.of(act_scale)
     if mode is not ActScale.PER_TENSOR_STATIC and input_scale is not None:
         raise InvalidInputError(f"input_scale is only used by static quantization, not {mode.value}")
     if input_scale is not None:

@@ -66,7 +66,7 @@ def register_quant_impl(mode: ActScale | str, device_type: str, fn: QuantImpl | 
     the semantics in this module's docstring; ``x`` may be non-contiguous. ``fn=None`` removes the
     entry. Returns the entry it replaced (or None), so a caller can restore it.
     """
-    mode = ActScale(mode)
+    mode = ActScale.of(mode)
     key = (mode, str(device_type))
     with _lock:
         previous = _impls.get(key)
@@ -82,7 +82,7 @@ def register_quant_impl(mode: ActScale | str, device_type: str, fn: QuantImpl | 
 
 def registered_quant_impl(mode: ActScale | str, device_type: str) -> QuantImpl | None:
     """The kernel registered for ``mode`` on ``device_type`` (None: the reference runs)."""
-    return _impls.get((ActScale(mode), str(device_type)))
+    return _impls.get((ActScale.of(mode), str(device_type)))
 
 
 def set_compile_mode(mode: str) -> str:
@@ -171,7 +171,7 @@ def _define_ops() -> None:
 
 def quant_op(mode: ActScale | str) -> Any:
     """The op for ``mode`` (defined on first call): ``torch.ops.fp8_backends.<name>.default``."""
-    mode = ActScale(mode)
+    mode = ActScale.of(mode)
     if not _ops:
         _define_ops()
     return _ops[mode]
@@ -249,7 +249,7 @@ def quantize(
 ) -> QuantizedActivation:
     """Quantize ``x: [M, K]`` in ``mode`` and wrap the result as a :class:`QuantizedActivation`
     (``orig_dtype = x.dtype``). ``scale`` is required for the static mode and refused otherwise."""
-    mode = ActScale(mode)
+    mode = ActScale.of(mode)
     if mode is ActScale.PER_TENSOR_STATIC:
         if scale is None:
             raise InvalidInputError("static quantization needs a scale (the layer's input_scale)")

@@ -74,7 +74,7 @@ def quantize(
     x: torch.Tensor, mode: ActScale, scale: torch.Tensor | None = None, dtype: object = "e4m3fn"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` in ``mode``; ``scale`` is required for (and only used by) the static mode."""
-    mode = ActScale(mode)
+    mode = ActScale.of(mode)
     if mode is ActScale.PER_TENSOR_STATIC:
         if scale is None:
             raise ValueError("static quantization needs a scale")

@@ -30,6 +30,22 @@ class ActScale(str, enum.Enum):
     def per_tensor(self) -> bool:
         return self is not ActScale.PER_TOKEN
 
+    @classmethod
+    def of(cls, mode: Any) -> ActScale:
+        """Accept an instance or its value (``"per_token"``); safe inside torch.compile (no enum call)."""
+        if isinstance(mode, cls):
+            return mode
+        return _member(cls, mode, "activation scale mode")
+
+
+def _member(cls: type[enum.Enum], value: Any, what: str) -> Any:
+    """``cls(value)`` through the value map: torch.compile traces a dict lookup, not an Enum call."""
+    member = cls._value2member_map_.get(value)
+    if member is None:
+        valid = ", ".join(str(m.value) for m in cls)
+        raise ValueError(f"{value!r} is not a valid {what} (expected one of {valid})")
+    return member
+
 
 class WeightScale(str, enum.Enum):
     """How the weight ``w`` is scaled: one scale (``PER_TENSOR``) or one per output row
@@ -60,10 +76,10 @@ class Fp8Dtype(str, enum.Enum):
         if isinstance(dtype, cls):
             return dtype
         text = str(dtype).removeprefix("torch.").removeprefix("float8_")
-        try:
-            return cls(text)
-        except ValueError:
-            raise ValueError(f"not an FP8 dtype: {dtype!r} (expected e4m3fn or e5m2)") from None
+        member = cls._value2member_map_.get(text)
+        if member is None:
+            raise ValueError(f"not an FP8 dtype: {dtype!r} (expected e4m3fn or e5m2)")
+        return member
 
 
 class OutDtype(str, enum.Enum):
@@ -86,12 +102,10 @@ class OutDtype(str, enum.Enum):
         text = str(dtype).removeprefix("torch.")
         text = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
                 "float": "float32"}.get(text, text)
-        try:
-            return cls(text)
-        except ValueError:
-            raise ValueError(
-                f"unsupported output dtype {dtype!r} (expected bfloat16, float16 or float32)"
-            ) from None
+        member = cls._value2member_map_.get(text)
+        if member is None:
+            raise ValueError(f"unsupported output dtype {dtype!r} (expected bfloat16, float16 or float32)")
+        return member
 
 
 class BiasMode(str, enum.Enum):
