@@ -336,7 +336,7 @@ def measure_copy_bandwidth(device: Any = "cuda", nbytes: int = 1 << 30, config: 
     CUDA events, median of ``rounds * replays`` copies after two warm-ups.
 
     Not graph-timed: the 2026-11-29 H200 runs measured 2708-2763 GB/s for a copy captured in a CUDA
-    graph (a memcpy node) against 4173 GB/s for the same copy issued eagerly in the same session
+    graph against 4173 GB/s for the same copy issued eagerly in the same session
     (and 4248-4274 GB/s in ../shared/notes/device-baseline.md), so a graph-timed copy understates the
     ceiling the kernels are compared with."""
     import statistics
