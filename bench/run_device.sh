@@ -13,7 +13,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/logs" "$OUT/work"
 W=$OUT/work
-export PYTHONUNBUFFERED=1 FP8_BACKENDS_LOG=INFO
+export PYTHONUNBUFFERED=1
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(install list tests build cutlass_cfg flashinfer tune gemm norm block)
 summary=()
