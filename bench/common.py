@@ -281,3 +281,23 @@ def failures_text(points: Sequence[Point]) -> list[str]:
         if p.auto_error:
             seen[("auto", p.auto_error)] = seen.get(("auto", p.auto_error), 0) + 1
     return [f"{label}: {reason} ({n} point(s))" for (label, reason), n in sorted(seen.items())]
+
+
+def timer_from_args(args: Any, device: str) -> Any:
+    """The timer the ``--quick`` / ``--rounds`` / ``--replays`` options of a bench CLI ask for."""
+    from fp8_backends.timing import TimerConfig, default_timer
+
+    config = TimerConfig.quick() if args.quick else TimerConfig()
+    if args.rounds:
+        config.rounds = args.rounds
+    if args.replays:
+        config.replays = args.replays
+    return default_timer(device, config)
+
+
+def providers_from_args(args: Any) -> set[str] | None:
+    """``--providers a,b`` as a set (``None``: every usable provider)."""
+    if args.providers is None:
+        return None
+    return {p.strip() for p in args.providers.split(",") if p.strip()}
+

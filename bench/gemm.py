@@ -27,7 +27,6 @@ from typing import Any
 from fp8_backends.models import linear_shapes
 from fp8_backends.registry import tuning
 from fp8_backends.registry.platform import detect_platform
-from fp8_backends.timing import TimerConfig, default_timer
 from fp8_backends.tune import QUICK_M_BUCKETS, parse_m_list
 from fp8_backends.types import GemmProblem
 
@@ -187,13 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         templates = _templates(args, "cpu" if device == "cpu" else "cuda")
     except ValueError as exc:
         ap.error(str(exc))
-    providers = None if args.providers is None else {p.strip() for p in args.providers.split(",") if p.strip()}
-    config = TimerConfig.quick() if args.quick else TimerConfig()
-    if args.rounds:
-        config.rounds = args.rounds
-    if args.replays:
-        config.replays = args.replays
-    timer = default_timer(device, config)
+    providers = common.providers_from_args(args)
+    timer = common.timer_from_args(args, device)
     out = Path(args.out) if args.out else common.default_out_dir(platform)
     header = common.run_header(platform, device)
     header["lockfile"] = tuning.describe_lockfile(platform)
@@ -209,8 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                              baseline=BASELINE, show_progress=not args.no_progress)
     result = analyse(points, ceilings["copy_gbps"], peak)
     failures = common.failures_text(points)
-    method = (f"CUDA graph per candidate over input copies rotated past L2 (> 4x), {config.rounds} interleaved "
-              f"rounds x {config.replays} replays, median per call; every candidate checked against the fp32 "
+    method = (f"CUDA graph per candidate over input copies rotated past L2 (> 4x), {timer.config.rounds} interleaved "
+              f"rounds x {timer.config.replays} replays, median per call; every candidate checked against the fp32 "
               "reference first" if device != "cpu" else "CPU wall clock (smoke run)")
     common.write_json(out / "gemm.json", {"schema": "fp8_backends.bench.gemm/1", "meta": header,
                                           "ceilings": ceilings, "method": method, "m_values": buckets, **result,

@@ -22,7 +22,6 @@ from typing import Any
 from fp8_backends.models import hidden_size
 from fp8_backends.registry import tuning
 from fp8_backends.registry.platform import detect_platform
-from fp8_backends.timing import TimerConfig, default_timer
 from fp8_backends.tune import QUICK_M_BUCKETS, parse_m_list
 from fp8_backends.types import NormQuantProblem
 
@@ -134,13 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         templates = _templates(args, "cpu" if device == "cpu" else "cuda")
     except ValueError as exc:
         ap.error(str(exc))
-    providers = None if args.providers is None else {p.strip() for p in args.providers.split(",") if p.strip()}
-    config = TimerConfig.quick() if args.quick else TimerConfig()
-    if args.rounds:
-        config.rounds = args.rounds
-    if args.replays:
-        config.replays = args.replays
-    timer = default_timer(device, config)
+    providers = common.providers_from_args(args)
+    timer = common.timer_from_args(args, device)
     out = Path(args.out) if args.out else common.default_out_dir(platform)
     header = common.run_header(platform, device)
     header["lockfile"] = tuning.describe_lockfile(platform)
@@ -151,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                              baseline=BASELINE, show_progress=not args.no_progress)
     result = analyse(points, copy_gbps)
     failures = common.failures_text(points)
-    method = (f"CUDA graph per candidate over input copies rotated past L2, {config.rounds} interleaved rounds x "
-              f"{config.replays} replays, median per call" if device != "cpu" else "CPU wall clock (smoke run)")
+    method = (f"CUDA graph per candidate over input copies rotated past L2, {timer.config.rounds} interleaved rounds x "
+              f"{timer.config.replays} replays, median per call" if device != "cpu" else "CPU wall clock (smoke run)")
     common.write_json(out / "norm_quant.json", {"schema": "fp8_backends.bench.norm_quant/1", "meta": header,
                                                 "ceilings": {"copy_gbps": copy_gbps}, "method": method,
                                                 "tokens": buckets, **result, "failures": failures})
