@@ -62,24 +62,13 @@ def load_example():
     return mod
 
 
-def copy_bandwidth_gbs(device: str, nbytes: int = 1 << 30, iters: int = 10) -> float | None:
-    """Device-to-device copy of ``nbytes``; GB/s counting bytes read + written (median)."""
+def copy_bandwidth_gbs(device: str) -> float | None:
+    """Device-to-device copy bandwidth (GB/s, bytes read + written); None on the CPU."""
     if device != "cuda":
         return None
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    times = []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for i in range(iters + 2):
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        if i >= 2:
-            times.append(start.elapsed_time(end) / 1e3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * nbytes / statistics.median(times) / 1e9
+    from fp8_backends.timing import measure_copy_bandwidth
+
+    return measure_copy_bandwidth(device)
 
 
 def compile_block(block, backend: str, fullgraph: bool = True):
