@@ -213,6 +213,7 @@ class Fp8Linear(nn.Module):
         self._raw = True  # scales still in their loaded form (per-row / per-shard)
         self.gemm_backend: Fp8GemmBackend | None = None
         self.prepared = None
+        self._by_m: tuple[tuple[int, Fp8GemmBackend, Any], ...] = ()  # per-M-bucket providers (lockfile)
         self.problem: GemmProblem | None = None
 
     # ------------------------------------------------------------------------------ construction
@@ -395,6 +396,7 @@ class Fp8Linear(nn.Module):
     def _mark_loaded(self) -> None:
         if self.prepared is not None:  # new values: the prepared weight is stale
             self.prepared = self.gemm_backend = None
+            self._by_m = ()
 
     def _load_from_state_dict(self, state_dict, prefix, *args: Any, **kwargs: Any) -> None:
         # a processed layer's state dict holds the final scale shapes ([1] after requantizing or
@@ -452,8 +454,28 @@ class Fp8Linear(nn.Module):
         self.problem = self._problem(mode)
         self.prepared = backend.prepare_weight(self.weight, self.weight_scale)
         self.gemm_backend = backend
+        self._by_m = self._providers_by_m(backend)
         logger.debug("Fp8Linear %dx%d prepared by %s (%s)", self.out_features, self.in_features, backend.label,
                      self.problem.describe())
+
+    def _providers_by_m(self, default: Fp8GemmBackend) -> tuple[tuple[int, Fp8GemmBackend, Any], ...]:
+        """With ``auto`` and a tuned lockfile that covers this weight: ``((bucket, provider, prepared), ...)``
+        so that each batch size runs on its measured winner. The weight is prepared once per distinct
+        provider (the built-ins prepare views: no copies). Empty: ``default`` serves every M."""
+        if isinstance(self.backend_request, Fp8GemmBackend):
+            return ()
+        from .registry.resolution import resolve_gemm_buckets
+
+        table = resolve_gemm_buckets(self.backend_request, problem=self.problem)
+        if all(b is default for _, b in table):
+            return ()
+        prepared = {id(default): self.prepared}
+        rows = []
+        for bucket, b in table:
+            if id(b) not in prepared:
+                prepared[id(b)] = b.prepare_weight(self.weight, self.weight_scale)
+            rows.append((bucket, b, prepared[id(b)]))
+        return tuple(rows)
 
     def _check_shards(self) -> None:
         assert self.shard_sizes is not None
@@ -505,6 +527,7 @@ class Fp8Linear(nn.Module):
         super()._apply(_keeping_dtype(fn), recurse)
         if self.prepared is not None and any(self._buffers[n] is not b for n, b in before.items()):
             self.prepared = self.gemm_backend = None
+            self._by_m = ()
             self.process_weights_after_loading()
         return self
 
@@ -519,6 +542,11 @@ class Fp8Linear(nn.Module):
         data = x.data if isinstance(x, QuantizedActivation) else x
         if isinstance(data, torch.Tensor) and data.device != self.weight.device:
             raise InvalidInputError(f"input is on {data.device} but the layer's weight is on {self.weight.device}")
+        if self._by_m and isinstance(data, torch.Tensor):
+            m = data.numel() // self.in_features  # rows of the GEMM
+            for bucket, backend, prepared in self._by_m:  # noqa: B007 - the last row serves larger M
+                if m <= bucket:
+                    break
         return apply_fp8_linear(x, backend, prepared, act_scale=self.act_scale, input_scale=self.input_scale,
                                 bias=self.bias, out_dtype=self.out_dtype, input_dtype=self.input_dtype)
 
@@ -528,7 +556,10 @@ class Fp8Linear(nn.Module):
                  f"dtype={OutDtype.of(self.dtype).value}"]
         if self.shard_sizes is not None:
             parts.append(f"shards={self.shard_sizes}")
-        parts.append(f"backend={self.gemm_backend.label if self.gemm_backend is not None else '(unprocessed)'}")
+        if self._by_m:
+            parts.append("backends=" + ",".join(f"M<={b}:{be.label}" for b, be, _ in self._by_m))
+        else:
+            parts.append(f"backend={self.gemm_backend.label if self.gemm_backend is not None else '(unprocessed)'}")
         return ", ".join(parts)
 
 

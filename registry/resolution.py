@@ -336,6 +336,45 @@ def resolve_gemm_backend(
     return resolve("gemm", name, problem=problem, platform=platform)
 
 
+def resolve_gemm_buckets(
+    name: str | None = None,
+    *,
+    problem: GemmProblem,
+    platform: Platform | None = None,
+) -> list[tuple[int, Any]]:
+    """For ``auto``: the provider for each M bucket the tuned lockfile covers for ``problem`` (its ``m``
+    ignored), as ``[(bucket, provider), ...]`` ascending; a batch of ``M`` rows uses the first bucket
+    ``>= M`` (the largest beyond them). ``[]`` for an explicit choice, without a lockfile, or when it
+    does not cover the problem. Logs one INFO line per problem summarising the choices."""
+    text = name if name is not None else (os.environ.get(ENV_FOR_KIND["gemm"], "").strip() or AUTO)
+    try:
+        if not BackendRequest.parse(text).is_auto:
+            return []
+    except UnknownBackendError:
+        return []
+    platform = _platform_for(problem, platform)
+    _load_builtin_policies()
+    from . import tuning
+
+    table = []
+    for bucket in tuning.covered_buckets("gemm", problem, platform):
+        res = explain("gemm", name, problem=problem.with_m(bucket), platform=platform)
+        if res.error is not None:
+            raise res.error
+        table.append((bucket, res.backend))
+    if table:
+        key = ("gemm-buckets", problem.with_m(None), platform, tuple((b, be.label) for b, be in table))
+        with _lock:
+            first = key not in _logged
+            _logged.add(key)
+        if first:
+            logger.info(
+                "GEMM backends by M bucket (lockfile) for %s on %s: %s", problem.with_m(None).describe(),
+                platform.describe(), ", ".join(f"M<={b} {be.label}" for b, be in table),
+            )
+    return table
+
+
 def resolve_norm_quant_backend(
     name: str | None = None,
     *,

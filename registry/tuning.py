@@ -518,6 +518,23 @@ def _closest_section(sections: Mapping[str, SectionIndex], here: Mapping[str, An
     return min(sections.values(), key=lambda s: (len(key_differences(s.key, here)), key_digest(s.key)))
 
 
+def covered_buckets(kind: str, problem: Any, platform: Platform) -> list[int]:
+    """The M (token) buckets this platform's lockfile section holds for ``problem`` (its own M ignored),
+    ascending; ``[]`` when no usable lockfile covers it. Layers use it to pick a provider per bucket."""
+    if problem is None or platform.simulated:
+        return []
+    path = lockfile_path()
+    if path is None:
+        return []
+    loaded = _store.load(path)
+    if loaded.error is not None:
+        return []
+    section = find_section(loaded, platform)
+    if section is None:
+        return []
+    return list(section.buckets.get(problem_key(kind, problem_fields(kind, problem)), ()))
+
+
 def find_section(loaded: LoadedLockfile, platform: Platform, *, warn: bool = True) -> SectionIndex | None:
     """This platform's section, or None (with ONE warning per file and platform saying what differs
     when the file holds only other platforms' sections)."""

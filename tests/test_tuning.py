@@ -548,3 +548,36 @@ def test_tune_end_to_end_on_gpu(tmp_path, monkeypatch):
     expected = reference.fp8_gemm(x_q, w_q, x_s, w_s, torch.float32)
     assert float((y.float() - expected).norm() / expected.norm()) < 1e-2
     assert measure_copy_bandwidth("cuda", nbytes=64 << 20) > 100  # GB/s
+
+
+def test_fp8linear_runs_each_batch_size_on_its_tuned_provider(lockpath, monkeypatch):
+    """A layer resolved with ``auto`` prepares one provider per lockfile bucket and dispatches on M."""
+    import torch
+
+    from fp8_backends.layers import Fp8Linear
+
+    tune_fake(lockpath, {TORCH_T: 50.0, TORCH_F: 100.0}, buckets=[1])
+    tune_fake(lockpath, {TORCH_F: 50.0, TORCH_T: 100.0}, buckets=[8])
+    linear = torch.nn.Linear(64, 32, bias=False, dtype=torch.bfloat16)
+    layer = Fp8Linear.from_linear(linear, act_scale="per_tensor_dynamic")
+    assert [(b, be.label) for b, be, _ in layer._by_m] == [(1, TORCH_T), (8, TORCH_F)]
+    assert layer._by_m[0][2].data.data_ptr() == layer._by_m[1][2].data.data_ptr()  # views, no weight copy
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")  # the dispatch traces (M is static)
+    for m in (1, 5):
+        x = torch.randn(m, 64, dtype=torch.bfloat16)
+        assert torch.equal(compiled(x), layer(x))
+    used = []
+    for _, backend, _ in layer._by_m:
+        orig = backend.gemm_impl
+        monkeypatch.setattr(backend, "gemm_impl",
+                            lambda *a, _o=orig, _l=backend.label: used.append(_l) or _o(*a))
+    for m in (1, 5, 100):  # 100 is beyond the largest bucket: the largest serves it
+        x = torch.randn(m, 64, dtype=torch.bfloat16)
+        y = layer(x)
+        x_q, x_s = reference.quantize_dynamic_per_tensor(x)
+        ref = reference.fp8_gemm(x_q, layer.weight, x_s, layer.weight_scale, torch.bfloat16)
+        assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+    assert used == [TORCH_T, TORCH_F, TORCH_F]
+    # an explicit choice ignores the lockfile
+    explicit = Fp8Linear.from_linear(linear, act_scale="per_tensor_dynamic", backend="torch_scaled_mm")
+    assert explicit._by_m == ()
