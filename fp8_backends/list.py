@@ -117,6 +117,7 @@ def collect(
                     "usable": not platform_reasons,
                     "reasons": platform_reasons if platform_reasons else ([reason] if reason else []),
                     "install_hint": avail.install_hint or None,
+                    "note": avail.reason if avail.ok and avail.reason else None,
                     "description": getattr(entry.cls, "description", "") if entry.cls else "",
                     "options": {k: list(v) for k, v in getattr(entry.cls, "options", {}).items()}
                     if entry.cls
@@ -222,6 +223,9 @@ def render(data: dict[str, Any]) -> str:
         ]
         for name, dist, reason, _hint in reasons:
             out.append(f"  {name} ({dist}): {reason}")
+        for pr in data["providers"]:
+            if pr["kind"] == kind and pr.get("note"):
+                out.append(f"  {pr['name']} ({pr['distribution']}): note: {pr['note']}")
         res = data["resolution"][kind]
         problem = res["problem"] or "any problem"
         if res["error"]:
