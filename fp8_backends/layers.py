@@ -82,40 +82,33 @@ def _check_values(t: torch.Tensor, what: str) -> None:
         raise InvalidInputError(f"{what} must be finite and > 0; got {sample}")
 
 
-def _resolve_gemm(backend: str | Fp8GemmBackend | None, problem: GemmProblem) -> Fp8GemmBackend:
-    if isinstance(backend, Fp8GemmBackend):
+def _resolve(kind: str, backend: Any, problem: Any) -> Any:
+    """A provider for ``problem``: a given instance (checked: it must serve it), else a name or None
+    resolved by the registry (``None``: env var or ``auto``). Raises the library's errors."""
+    from .registry import resolution
+
+    base = Fp8GemmBackend if kind == "gemm" else NormQuantBackend
+    if isinstance(backend, base):
         reasons = backend.supports(problem)
         if reasons:
             raise UnsupportedProblemError(
-                f"GEMM backend {backend.label!r} cannot serve {problem.describe()}:\n"
+                f"{resolution.KIND_LABEL[kind]} backend {backend.label!r} cannot serve {problem.describe()}:\n"
                 + "".join(f"  - {r}\n" for r in reasons),
                 reasons=reasons,
             )
         return backend
     if backend is not None and not isinstance(backend, str):
-        raise InvalidInputError(f"backend must be a name, an Fp8GemmBackend or None, got {type(backend).__name__}")
-    from .registry.resolution import resolve_gemm_backend
+        raise InvalidInputError(f"backend must be a name, a {base.__name__} or None, got {type(backend).__name__}")
+    resolve = resolution.resolve_gemm_backend if kind == "gemm" else resolution.resolve_norm_quant_backend
+    return resolve(backend, problem=problem)
 
-    return resolve_gemm_backend(backend, problem=problem)
+
+def _resolve_gemm(backend: str | Fp8GemmBackend | None, problem: GemmProblem) -> Fp8GemmBackend:
+    return _resolve("gemm", backend, problem)
 
 
 def _resolve_norm(backend: str | NormQuantBackend | None, problem: NormQuantProblem) -> NormQuantBackend:
-    if isinstance(backend, NormQuantBackend):
-        reasons = backend.supports(problem)
-        if reasons:
-            raise UnsupportedProblemError(
-                f"norm-quant backend {backend.label!r} cannot serve {problem.describe()}:\n"
-                + "".join(f"  - {r}\n" for r in reasons),
-                reasons=reasons,
-            )
-        return backend
-    if backend is not None and not isinstance(backend, str):
-        raise InvalidInputError(
-            f"backend must be a name, a NormQuantBackend or None, got {type(backend).__name__}"
-        )
-    from .registry.resolution import resolve_norm_quant_backend
-
-    return resolve_norm_quant_backend(backend, problem=problem)
+    return _resolve("norm_quant", backend, problem)
 
 
 class Fp8Linear(nn.Module):
