@@ -57,18 +57,8 @@ def roofline(rows: Sequence[dict[str, Any]], copy_gbps: float | None, peak_tflop
         label = (f"roofline: copy {copy_gbps:.0f} GB/s" if copy_gbps else "roofline") + (
             f", FP8 GEMM peak {peak_tflops:.0f} TFLOP/s" if peak_tflops else "")
         ax.plot(grid, roof, color="black", linewidth=1.2, label=label)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("arithmetic intensity (FLOP / DRAM byte, x + w + y)")
-    ax.set_ylabel("achieved TFLOP/s")
-    ax.set_title(title, fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return _save_loglog(plt, fig, ax, path, "arithmetic intensity (FLOP / DRAM byte, x + w + y)",
+                        "achieved TFLOP/s", title)
 
 
 def bandwidth(rows: Sequence[dict[str, Any]], copy_gbps: float | None, path: Path, title: str) -> Path:
@@ -79,10 +69,15 @@ def bandwidth(rows: Sequence[dict[str, Any]], copy_gbps: float | None, path: Pat
     _scatter(ax, series)
     if copy_gbps:
         ax.axhline(copy_gbps, color="black", linewidth=1.2, label=f"copy ceiling {copy_gbps:.0f} GB/s")
+    return _save_loglog(plt, fig, ax, path, "bytes moved per call", "achieved GB/s", title)
+
+
+def _save_loglog(plt: Any, fig: Any, ax: Any, path: Path, xlabel: str, ylabel: str, title: str) -> Path:
+    """Log-log axes, labels, grid and legend; write ``path`` (PNG) and close the figure."""
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("bytes moved per call")
-    ax.set_ylabel("achieved GB/s")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left")
@@ -91,3 +86,4 @@ def bandwidth(rows: Sequence[dict[str, Any]], copy_gbps: float | None, path: Pat
     fig.savefig(path, dpi=130)
     plt.close(fig)
     return path
+

@@ -428,15 +428,7 @@ class NormQuantBackend(ProviderBase):
         if not isinstance(eps, (float, int)) or not eps > 0:
             raise InvalidInputError(f"eps must be a positive float, got {eps!r}")
         if residual is not None:
-            V.require_tensor(residual, "residual")
-            if residual.shape != x.shape or residual.dtype != x.dtype:
-                raise InvalidInputError(
-                    f"residual must match x ({tuple(x.shape)}, {x.dtype}); got {tuple(residual.shape)}, "
-                    f"{residual.dtype}"
-                )
-            if not residual.is_contiguous():
-                raise InvalidInputError("residual must be row-major contiguous")
-            V.require_same_device(residual, "residual", x.device)
+            V.require_matching_residual(residual, x)
 
     _fast: Any = None  # hot-path check tables, built at the first call
 

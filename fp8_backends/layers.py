@@ -694,14 +694,7 @@ class RMSNormFp8Quant(nn.Module):
         if x.dtype != self.weight.dtype:
             raise InvalidInputError(f"x is {x.dtype} but this norm was built for {self.weight.dtype}")
         if residual is not None:
-            V.require_tensor(residual, "residual")
-            if residual.shape != x.shape or residual.dtype != x.dtype:
-                raise InvalidInputError(
-                    f"residual must match x ({tuple(x.shape)}, {x.dtype}); "
-                    f"got {tuple(residual.shape)}, {residual.dtype}"
-                )
-            if not residual.is_contiguous():
-                raise InvalidInputError("residual must be contiguous (it is updated in place)")
+            V.require_matching_residual(residual, x)
         if self.emits_quantized:
             return self._forward_quant(x, residual)
         from . import reference

@@ -108,3 +108,16 @@ def out_dtype_of(out_dtype: object) -> OutDtype:
             raise InvalidInputError(str(exc)) from None
         _OUT_DTYPES[out_dtype] = parsed
     return parsed
+
+
+def require_matching_residual(residual: object, x: torch.Tensor) -> None:
+    """``residual`` must be a tensor with ``x``'s shape, dtype and device, row-major (it is updated in place)."""
+    require_tensor(residual, "residual")
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise InvalidInputError(
+            f"residual must match x ({tuple(x.shape)}, {x.dtype}); got {tuple(residual.shape)}, {residual.dtype}"
+        )
+    if not residual.is_contiguous():
+        raise InvalidInputError("residual must be row-major contiguous (it is updated in place)")
+    require_same_device(residual, "residual", x.device)
+

@@ -149,18 +149,22 @@ class GemmDevice:
 _GEMM_DEVICES: dict[int, GemmDevice] = {}
 
 
-def gemm_device(device: torch.device) -> GemmDevice:
-    """Load (once) what the GEMM op needs on ``device``. Called at prepare_weight time."""
+def _per_device(cache: dict[int, Any], factory: Callable[[torch.device], Any], device: torch.device, what: str) -> Any:
+    """The state ``factory`` builds for ``device``, built once per device (never during graph capture)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    state = _GEMM_DEVICES.get(index)
+    state = cache.get(index)
     if state is None:
         with _lock:
-            state = _GEMM_DEVICES.get(index)
+            state = cache.get(index)
             if state is None:
-                _refuse_in_capture("loading flashinfer's gemm module")
-                state = GemmDevice(torch.device("cuda", index))
-                _GEMM_DEVICES[index] = state
+                _refuse_in_capture(what)
+                state = cache[index] = factory(torch.device("cuda", index))
     return state
+
+
+def gemm_device(device: torch.device) -> GemmDevice:
+    """Load (once) what the GEMM op needs on ``device``. Called at prepare_weight time."""
+    return _per_device(_GEMM_DEVICES, GemmDevice, device, "loading flashinfer's gemm module")
 
 
 class _Plan:
@@ -544,16 +548,8 @@ _NORM_DEVICES: dict[int, NormDevice] = {}
 
 
 def norm_device(device: torch.device) -> NormDevice:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    state = _NORM_DEVICES.get(index)
-    if state is None:
-        with _lock:
-            state = _NORM_DEVICES.get(index)
-            if state is None:
-                _refuse_in_capture("loading flashinfer's norm module")
-                state = NormDevice(torch.device("cuda", index))
-                _NORM_DEVICES[index] = state
-    return state
+    """Load (once) what the norm-quant ops need on ``device``."""
+    return _per_device(_NORM_DEVICES, NormDevice, device, "loading flashinfer's norm module")
 
 
 def _norm_check_alignment(x: torch.Tensor, out: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> None:
