@@ -164,6 +164,8 @@ class Point:
     auto_error: str | None = None
     baseline_label: str | None = None
     seconds: float = 0.0
+    #: providers measured for comparison only (bench baselines ``auto`` can never pick): not oracles
+    comparison_only: frozenset[str] = frozenset()
 
     def result(self, label: str | None) -> CandidateResult | None:
         return next((r for r in self.results if r.label == label), None)
@@ -174,7 +176,8 @@ class Point:
 
     @property
     def oracle(self) -> CandidateResult | None:
-        ok = [r for r in self.results if r.ok]
+        """The fastest correct provider ``auto`` could have picked."""
+        ok = [r for r in self.results if r.ok and r.provider not in self.comparison_only]
         return min(ok, key=lambda r: (r.us, r.rank)) if ok else None
 
 
@@ -201,9 +204,14 @@ def run_grid(
     baseline: str | None = None,
     show_progress: bool = True,
     on_point: Callable[[Point], None] | None = None,
+    extra_entries: Sequence[Any] = (),
 ) -> list[Point]:
     """Measure every candidate (plus what ``auto`` picks, plus the ``baseline`` provider) on every
-    ``(shape label, problem template)`` x M bucket."""
+    ``(shape label, problem template)`` x M bucket. ``extra_entries``: benchmark-only providers
+    (e.g. :mod:`bench.compiled_baseline`) measured beside the discovered ones."""
+    from fp8_backends.registry.discovery import discover
+
+    entries = [*discover(kind), *extra_entries] if extra_entries else None
     points: list[Point] = []
     bar = progress(len(templates) * len(buckets), kind, show_progress)
     try:
@@ -219,7 +227,8 @@ def run_grid(
                 for m in buckets:
                     t0 = time.perf_counter()
                     problem = workload.problem(m)
-                    cands, skipped = expand_candidates(kind, problem, platform, only=providers)
+                    only = None if providers is None else {*providers, *(e.name for e in extra_entries)}
+                    cands, skipped = expand_candidates(kind, problem, platform, only=only, entries=entries)
                     auto, source, note, auto_error = _auto_candidate(kind, problem, platform)
                     labels = {c.label for c in cands}
                     if auto is not None and auto.label not in labels:
@@ -229,7 +238,7 @@ def run_grid(
                     results = measure_candidates(workload, m, cands, timer, failed_prepare)
                     point = Point(kind, shape, problem, m, workload.flops(m), workload.bytes_moved(m), results,
                                   skipped, auto.label if auto else None, source, note, auto_error, baseline_label,
-                                  time.perf_counter() - t0)
+                                  time.perf_counter() - t0, frozenset(e.name for e in extra_entries))
                     points.append(point)
                     if on_point is not None:
                         on_point(point)

@@ -9,7 +9,9 @@ writes the residual in place). Timing as in ``bench.gemm`` (CUDA graphs, inputs 
 candidates interleaved, median); every candidate is checked against the reference first. Ceiling:
 device-to-device copy bandwidth measured in the same run. Columns: µs, GB/s (bytes the op must move),
 % of copy bandwidth, speed relative to the unfused torch provider, what ``auto`` picks and its time
-relative to the fastest. Writes ``norm_quant.json``, ``.md`` and ``.png`` under ``--out``.
+relative to the fastest. On CUDA the unfused torch code compiled by ``torch.compile`` is measured beside
+the providers as ``torch_compile`` (:mod:`bench.compiled_baseline`: what a user gets without the library).
+Writes ``norm_quant.json``, ``.md`` and ``.png`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from fp8_backends.registry.platform import detect_platform
 from fp8_backends.tune import QUICK_M_BUCKETS, parse_m_list
 from fp8_backends.types import NormQuantProblem
 
-from . import common, plot
+from . import common, compiled_baseline, plot
 
 DEFAULT_MODELS = ("llama3-8b", "llama3-70b")
 BASELINE = "torch"
@@ -45,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--replays", type=int, default=None)
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--no-compiled-baseline", action="store_true",
+                    help=f"leave out {compiled_baseline.NAME}: torch.compile of the unfused torch code")
     ap.add_argument("--no-progress", action="store_true")
     return ap
 
@@ -62,6 +66,7 @@ def analyse(points: list[common.Point], copy_gbps: float | None) -> dict[str, An
     rows, summary = [], []
     for p in points:
         base, auto, oracle = p.us(p.baseline_label), p.us(p.auto_label), p.oracle
+        compiled = next((r.us for r in p.results if r.provider == compiled_baseline.NAME and r.ok), None)
         for r in p.results:
             row: dict[str, Any] = {
                 "shape": p.shape, "hidden": p.problem.hidden, "residual": p.problem.residual, "tokens": p.m,
@@ -83,6 +88,8 @@ def analyse(points: list[common.Point], copy_gbps: float | None) -> dict[str, An
             "auto_error": p.auto_error, "auto_us": auto, "torch_us": base,
             "auto_over_oracle": auto / oracle.us if auto and oracle else None,
             "best_over_torch": base / oracle.us if base and oracle else None,
+            "compiled_us": compiled,
+            "auto_vs_compiled": compiled / auto if compiled and auto else None,
         })
     slow = [f"{s['shape']} T={s['m']}: auto {s['auto']} {s['auto_over_oracle']:.3f}x oracle {s['oracle']}"
             for s in summary if s["auto_over_oracle"] and s["auto_over_oracle"] > 1.03]
@@ -102,10 +109,12 @@ def markdown(header: dict[str, Any], copy_gbps: float | None, result: dict[str, 
               f"auto within 3% of the fastest: {t['met']}/{t['points']} points", *[f"- {v}" for v in t["violations"]],
               "", "## auto vs the fastest provider", ""]
     lines += common.md_table(
-        ["op", "T", "fastest", "µs", "auto picks", "source", "auto µs", "auto/oracle", "torch µs", "best x torch"],
+        ["op", "T", "fastest", "µs", "auto picks", "source", "auto µs", "auto/oracle", "torch µs", "best x torch",
+         "torch.compile µs", "auto x torch.compile"],
         [[s["shape"], s["m"], s["oracle"] or "-", fmt(s["oracle_us"]), s["auto"] or s["auto_error"] or "-",
           s["auto_source"] or "-", fmt(s["auto_us"]), fmt(s["auto_over_oracle"], ".3f"), fmt(s["torch_us"]),
-          fmt(s["best_over_torch"], ".2f")] for s in result["summary"]],
+          fmt(s["best_over_torch"], ".2f"), fmt(s["compiled_us"]), fmt(s["auto_vs_compiled"], ".2f")]
+         for s in result["summary"]],
     )
     lines += ["", "## Every provider", ""]
     lines += common.md_table(
@@ -141,8 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench.norm_quant on {platform.describe()}: {len(templates)} ops x {len(buckets)} T -> {out}",
           file=sys.stderr)
     copy_gbps = common.copy_ceiling(device)
+    extra = [] if args.no_compiled_baseline or device == "cpu" else [compiled_baseline.entry()]
     points = common.run_grid("norm_quant", templates, buckets, platform, device, timer, providers=providers,
-                             baseline=BASELINE, show_progress=not args.no_progress)
+                             baseline=BASELINE, show_progress=not args.no_progress, extra_entries=extra)
     result = analyse(points, copy_gbps)
     failures = common.failures_text(points)
     method = (f"CUDA graph per candidate over input copies rotated past L2, {timer.config.rounds} interleaved rounds x "

@@ -3,10 +3,11 @@
 #
 #   source .device/setup.sh || exit 1; bash bench/run_device.sh [STAGE ...]
 #
-# Stages (default: all, in this order): install list tests build cutlass_cfg flashinfer tune gemm norm block
+# Stages (default: all, in this order): install list tests build cutlass_cfg triton_cfg flashinfer host tune gemm
+# norm chain block
 # Each stage has its own time limit (override: LIMIT_<stage>=seconds), logs to $OUT/logs/<stage>.log, and a
-# failing stage does not stop the others. Extra arguments per stage: TESTS_ARGS, TUNE_ARGS, GEMM_ARGS,
-# NORM_ARGS, BLOCK_ARGS, CUTLASS_ARGS (e.g. GEMM_ARGS="--models llama3-8b --m 1,16,256,4096").
+# failing stage does not stop the others. TESTS_PATHS narrows the tests stage. Extra arguments per stage: TESTS_ARGS, TUNE_ARGS, GEMM_ARGS,
+# NORM_ARGS, BLOCK_ARGS, CUTLASS_ARGS, TRITON_ARGS, HOST_ARGS, CHAIN_ARGS (e.g. GEMM_ARGS="--models llama3-8b --m 1,16,256,4096").
 # At the end everything under $OUT/work is packed into $OUT/results.tar.gz (the device tool returns at most
 # 8 files) and a summary of every stage is printed.
 set -uo pipefail
@@ -15,7 +16,7 @@ mkdir -p "$OUT/logs" "$OUT/work"
 W=$OUT/work
 export PYTHONUNBUFFERED=1
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(install list tests build cutlass_cfg flashinfer tune gemm norm block)
+[ ${#stages[@]} -eq 0 ] && stages=(install list tests build cutlass_cfg triton_cfg flashinfer host tune gemm norm chain block)
 summary=()
 
 run_stage() {  # name, time limit (s), command...
@@ -40,12 +41,18 @@ for stage in "${stages[@]}"; do
       run_stage list 120 bash -c "python3 -m fp8_backends.list && python3 -m fp8_backends.list --json > $W/list.json" ;;
     tests)
       # shellcheck disable=SC2086
-      run_stage tests 900 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 tests \
+      run_stage tests 900 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 ${TESTS_PATHS:-tests} \
         --junitxml="$W/gpu-tests.xml" ${TESTS_ARGS:-} ;;
     build)
       [ -f fp8_backends/build.py ] && run_stage build 600 python3 -m fp8_backends.build cutlass ;;
     cutlass_cfg)
       [ -f bench/cutlass_configs.py ] && run_stage cutlass_cfg 600 python3 -m bench.cutlass_configs --out "$W/cutlass" ${CUTLASS_ARGS:-} ;;
+    triton_cfg)
+      [ -f bench/triton_configs.py ] && run_stage triton_cfg 600 python3 -m bench.triton_configs --out "$W/triton" ${TRITON_ARGS:-} ;;
+    host)
+      [ -f bench/host_cost.py ] && run_stage host 300 python3 -m bench.host_cost --out "$W/host" ${HOST_ARGS:-} ;;
+    chain)
+      [ -f bench/pdl_chain.py ] && run_stage chain 300 python3 -m bench.pdl_chain --out "$W/chain" ${CHAIN_ARGS:-} ;;
     flashinfer)
       [ -f bench/flashinfer_host.py ] && run_stage flashinfer 600 python3 -m bench.flashinfer_host --out "$W/flashinfer" ;;
     tune)

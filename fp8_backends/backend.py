@@ -112,6 +112,11 @@ class ProviderBase(ABC):
         """Provider-specific reasons beyond the capability record (default: none)."""
         return []
 
+    def explicit_only_reason(self, problem: Any, platform: Platform) -> str | None:
+        """Why ``auto`` should pass over this provider for a problem it *can* serve (it then serves only
+        when named, e.g. a kernel emulated on the CPU for tests), or None (default)."""
+        return None
+
     def supports(self, problem: Any = None, platform: Platform | None = None) -> list[str]:
         """Every reason this provider cannot serve ``problem`` on ``platform``; empty means it can.
 

@@ -1,7 +1,7 @@
 """FP8 activation quantization as torch library ops.
 
-Three ops, defined with ``torch.library.custom_op`` (each with a fake implementation, so
-``torch.compile`` traces them without running them) and registered on first use, never at import:
+Three ops, defined with :func:`fp8_backends.oplib.define_ops` (each with a fake implementation, so
+``torch.compile`` traces them without running them) on first use, never at import, for CPU and CUDA tensors:
 
 ========================================  =========================================================
 op                                        semantics (``fmax`` = 448 for e4m3fn, 57344 for e5m2)
@@ -14,9 +14,17 @@ op                                        semantics (``fmax`` = 448 for e4m3fn, 
 ``x`` is ``[M, K]`` bf16/fp16/fp32 on any device; scales are fp32 on ``x``'s device. Dynamic scales
 are computed on the device: no op here synchronises with the host.
 
-Implementations: :mod:`fp8_backends.reference` by default. A provider with a faster kernel registers
-it per mode and device type with :func:`register_quant_impl`; the op then dispatches to it at run
-time (``x.device.type`` picks the entry).
+Implementations: a provider with a faster kernel registers it per mode and device type with
+:func:`register_quant_impl`; the op then dispatches to it at run time (``x.device.type`` picks the
+entry). Registered entries always win. Without one, the default is:
+
+- CUDA tensors: the Triton kernels of :mod:`fp8_backends.providers.triton.quant_kernels`, when triton is
+  importable, ``triton`` is not in ``FP8_BACKENDS_DISABLED`` and every visible GPU is SM >= 8.9 (FP8
+  conversions); otherwise :mod:`fp8_backends.reference`. Decided once per process, at the first CUDA
+  call (which imports triton; each new kernel configuration then compiles at its first use: make those
+  first calls outside CUDA graph capture); later calls cost a dict lookup. :func:`reset_default_impls`
+  forgets the decision; :func:`default_quant_impl` tells what it is.
+- every other device type (the CPU included): :mod:`fp8_backends.reference`.
 
 Under ``torch.compile`` the public functions trace the reference torch code inline instead of the
 opaque op (``set_compile_mode("inline")``, the default), so Inductor can fuse the quantization into
@@ -122,51 +130,116 @@ _REFERENCE: dict[ActScale, QuantImpl] = {
 }
 
 
+#: the default per (mode, device type) when nothing is registered; filled at the first call per device type
+_defaults: dict[tuple[ActScale, str], QuantImpl] = {}
+
+
+def _triton_usable_on_cuda() -> str | None:
+    """Why the Triton quant kernels cannot be the CUDA default here (None: they can)."""
+    import importlib.util
+
+    from fp8_backends.registry import settings
+
+    off = settings.disabled_names()
+    if "triton" in off or any(
+        entry.partition(":")[2] == "triton" and settings.canonical_dist(entry.partition(":")[0]) == "fp8-backends"
+        for entry in off
+    ):
+        return f"triton disabled by {settings.DISABLED_ENV}"
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    import torch
+
+    sms = [tuple(torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())]
+    if not sms or min(sms) < (8, 9):
+        return f"needs SM >= 8.9 on every GPU, found {sms}"
+    return None
+
+
+def _resolve_default(mode: ActScale, device_type: str) -> QuantImpl:
+    """Decide (once per device type) what runs when no impl is registered; see the module docstring."""
+    with _lock:
+        fn = _defaults.get((mode, device_type))
+        if fn is not None:
+            return fn
+        chosen: dict[ActScale, QuantImpl] = dict(_REFERENCE)
+        if device_type == "cuda":
+            try:
+                reason = _triton_usable_on_cuda()
+                if reason is None:
+                    from fp8_backends.providers.triton import quant_kernels
+
+                    chosen.update(quant_kernels.impls())
+                    logger.debug("quant: CUDA default is the Triton kernels")
+                else:
+                    logger.debug("quant: CUDA default is the reference (%s)", reason)
+            except Exception as exc:  # a broken triton install must not break quantization
+                logger.warning("quant: Triton quant kernels unusable (%s: %s); using the reference on CUDA",
+                               type(exc).__name__, exc)
+        for m, impl in chosen.items():
+            _defaults[(m, device_type)] = impl
+        return chosen[mode]
+
+
+def reset_default_impls() -> None:
+    """Forget the per-device-type default decisions (tests; after changing ``FP8_BACKENDS_DISABLED``)."""
+    with _lock:
+        _defaults.clear()
+
+
+def default_quant_impl(mode: ActScale | str, device_type: str) -> QuantImpl:
+    """What runs for ``mode`` on ``device_type`` when nothing is registered (decides it if needed)."""
+    mode = ActScale.of(mode)
+    return _defaults.get((mode, str(device_type))) or _resolve_default(mode, str(device_type))
+
+
 def _impl_for(mode: ActScale, device_type: str) -> QuantImpl:
-    return _impls.get((mode, device_type)) or _REFERENCE[mode]
+    key = (mode, device_type)
+    return _impls.get(key) or _defaults.get(key) or _resolve_default(mode, device_type)
+
+
+def _op_static(x, scale, fp8_dtype):
+    return _impl_for(ActScale.PER_TENSOR_STATIC, x.device.type)(x, scale, fp8_dtype)
+
+
+def _op_dynamic(x, fp8_dtype):
+    return _impl_for(ActScale.PER_TENSOR_DYNAMIC, x.device.type)(x, fp8_dtype)
+
+
+def _op_per_token(x, fp8_dtype):
+    return _impl_for(ActScale.PER_TOKEN, x.device.type)(x, fp8_dtype)
+
+
+def _fake_static(x, scale, fp8_dtype):
+    return x.new_empty(x.shape, dtype=fp8_dtype)
+
+
+def _fake_dynamic(x, fp8_dtype):
+    import torch
+
+    return x.new_empty(x.shape, dtype=fp8_dtype), x.new_empty((1,), dtype=torch.float32)
+
+
+def _fake_per_token(x, fp8_dtype):
+    import torch
+
+    return x.new_empty(x.shape, dtype=fp8_dtype), x.new_empty((x.shape[0], 1), dtype=torch.float32)
+
+
+_SCHEMAS = {
+    ActScale.PER_TENSOR_STATIC: ("(Tensor x, Tensor scale, ScalarType fp8_dtype) -> Tensor", _op_static, _fake_static),
+    ActScale.PER_TENSOR_DYNAMIC: ("(Tensor x, ScalarType fp8_dtype) -> (Tensor, Tensor)", _op_dynamic, _fake_dynamic),
+    ActScale.PER_TOKEN: ("(Tensor x, ScalarType fp8_dtype) -> (Tensor, Tensor)", _op_per_token, _fake_per_token),
+}
 
 
 def _define_ops() -> None:
-    """Define the three custom ops once (first use)."""
-    import torch
+    """Define the three ops once (first use), for CPU and CUDA tensors (:func:`fp8_backends.oplib.define_ops`)."""
+    from .oplib import define_ops
 
-    with _lock:
-        if _ops:
-            return
-
-        # explicit schemas: this module's annotations are strings (``from __future__ import annotations``)
-        @torch.library.custom_op("fp8_backends::quant_static", mutates_args=(),
-                                 schema="(Tensor x, Tensor scale, ScalarType fp8_dtype) -> Tensor")
-        def quant_static(x, scale, fp8_dtype):
-            return _impl_for(ActScale.PER_TENSOR_STATIC, x.device.type)(x, scale, fp8_dtype)
-
-        @quant_static.register_fake
-        def _(x, scale, fp8_dtype):
-            return torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
-
-        @torch.library.custom_op("fp8_backends::quant_dynamic", mutates_args=(),
-                                 schema="(Tensor x, ScalarType fp8_dtype) -> (Tensor, Tensor)")
-        def quant_dynamic(x, fp8_dtype):
-            return _impl_for(ActScale.PER_TENSOR_DYNAMIC, x.device.type)(x, fp8_dtype)
-
-        @quant_dynamic.register_fake
-        def _(x, fp8_dtype):
-            return (torch.empty(x.shape, dtype=fp8_dtype, device=x.device),
-                    torch.empty((1,), dtype=torch.float32, device=x.device))
-
-        @torch.library.custom_op("fp8_backends::quant_per_token", mutates_args=(),
-                                 schema="(Tensor x, ScalarType fp8_dtype) -> (Tensor, Tensor)")
-        def quant_per_token(x, fp8_dtype):
-            return _impl_for(ActScale.PER_TOKEN, x.device.type)(x, fp8_dtype)
-
-        @quant_per_token.register_fake
-        def _(x, fp8_dtype):
-            return (torch.empty(x.shape, dtype=fp8_dtype, device=x.device),
-                    torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device))
-
-        # the OpOverloads: calling them skips a Python layer of the CustomOpDef wrapper (eager cost)
-        ns = torch.ops.fp8_backends
-        _ops.update({mode: getattr(ns, name).default for mode, name in _OP_NAMES.items()})
+    specs = {_OP_NAMES[mode]: (_OP_NAMES[mode] + schema, impl, fake) for mode, (schema, impl, fake) in _SCHEMAS.items()}
+    ops = define_ops(specs, ("CPU", "CUDA"))
+    _ops.update({mode: ops[_OP_NAMES[mode]] for mode in _SCHEMAS})
 
 
 def quant_op(mode: ActScale | str) -> Any:
@@ -264,6 +337,7 @@ def quantize(
 
 
 __all__ = [
+    "default_quant_impl",
     "quant_op",
     "quantize",
     "quantize_dynamic",
@@ -271,5 +345,6 @@ __all__ = [
     "quantize_static",
     "register_quant_impl",
     "registered_quant_impl",
+    "reset_default_impls",
     "set_compile_mode",
 ]

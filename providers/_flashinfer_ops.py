@@ -12,10 +12,8 @@ Importing this module imports torch and registers three ops in the ``fp8_backend
   Tensor(b!) residual, Tensor weight, Tensor scale, float eps) -> ()``.
 
 Each op has a fake (meta) implementation, so ``torch.compile(fullgraph=True)`` traces through it.
-They are defined with ``torch.library.Library.define`` + ``impl(..., "CUDA")`` rather than the
-``torch.library.custom_op`` decorator: that decorator adds a Python autograd wrapper and an aliasing
-check to every call (about 20 us more per call, measured on the CPU box), and these ops are
-inference-only.
+They are defined with :func:`fp8_backends.oplib.define_ops` (``Library.define`` + ``impl(..., "CUDA")``,
+not the ``custom_op`` decorator and its per-call Python wrapper); they are inference-only.
 
 Host cost. flashinfer's public ``bmm_fp8`` spends 90-275 us of Python per call (requirement checks,
 runner-list building, the autotuner lookup, cuDNN graph lookup). Here the work is split:
@@ -52,12 +50,12 @@ from typing import Any
 import torch
 
 from fp8_backends.errors import BackendUnavailableError, InvalidInputError, UnsupportedProblemError
+from fp8_backends.oplib import define_ops
 
 from . import _flashinfer_common as common
 
 logger = logging.getLogger("fp8_backends")
 
-NAMESPACE = "fp8_backends"
 BMM_OP = "flashinfer_bmm_fp8"
 NORM_OP = "flashinfer_rmsnorm_quant"
 ADD_NORM_OP = "flashinfer_fused_add_rmsnorm_quant"
@@ -614,28 +612,8 @@ _SCHEMAS = {
 }
 
 
-def _defined(name: str) -> bool:
-    try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::{name}", "CUDA")
-    except Exception:
-        return False
+_OPS = define_ops(_SCHEMAS, ("CUDA",))
 
-
-def _register() -> torch.library.Library | None:
-    pending = [name for name in _SCHEMAS if not _defined(name)]
-    if not pending:  # this module was imported once before (e.g. reloaded): keep those ops
-        return None
-    lib = torch.library.Library(NAMESPACE, "FRAGMENT")
-    for name in pending:
-        schema, impl, fake = _SCHEMAS[name]
-        lib.define(schema)
-        lib.impl(name, impl, "CUDA")
-        torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=lib)
-    return lib
-
-
-_LIB = _register()
-
-gemm_op = getattr(torch.ops.fp8_backends, BMM_OP).default
-rmsnorm_quant_op = getattr(torch.ops.fp8_backends, NORM_OP).default
-fused_add_rmsnorm_quant_op = getattr(torch.ops.fp8_backends, ADD_NORM_OP).default
+gemm_op = _OPS[BMM_OP]
+rmsnorm_quant_op = _OPS[NORM_OP]
+fused_add_rmsnorm_quant_op = _OPS[ADD_NORM_OP]

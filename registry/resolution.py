@@ -45,10 +45,16 @@ class Candidate:
 
     entry: ProviderEntry
     reasons: list[str] = field(default_factory=list)
+    #: why ``auto`` passes over a provider that could serve (it serves only when named), or None
+    explicit_only: str | None = None
 
     @property
     def ok(self) -> bool:
         return not self.reasons
+
+    @property
+    def auto_ok(self) -> bool:
+        return not self.reasons and self.explicit_only is None
 
 
 @dataclass
@@ -143,12 +149,15 @@ def _consider(entry: ProviderEntry, problem: Any, platform: Platform, options=()
     reason = entry.unusable_reason()
     if reason:
         return Candidate(entry, [reason])
+    explicit_only = None
     try:
         backend = _instance(entry, options)
         reasons = list(backend.supports(problem, platform))
+        if not reasons:
+            explicit_only = backend.explicit_only_reason(problem, platform)
     except Exception as exc:  # a plugin's check must not break resolution
         reasons = [f"support check raised {type(exc).__name__}: {exc}"]
-    return Candidate(entry, reasons)
+    return Candidate(entry, reasons, explicit_only)
 
 
 def _sort_key(entry: ProviderEntry) -> tuple:
@@ -189,7 +198,7 @@ def explain(
 
     if request.is_auto:
         res.source = "auto" if source == "explicit" else source
-        serving = [c for c in candidates if c.ok]
+        serving = [c for c in candidates if c.auto_ok]
         _load_builtin_policies()
         picked = _ask_policies(kind, problem, platform, serving)
         if picked is not None:
@@ -203,7 +212,7 @@ def explain(
             return res
         if not serving:
             res.error = UnsupportedProblemError(
-                f"no {label} provider can serve {what} on {where}:\n" + _format_reasons(candidates),
+                f"no {label} provider can serve {what} on {where} under auto:\n" + _format_reasons(candidates),
                 reasons=[f"{c.entry.name}: {r}" for c in candidates for r in c.reasons],
             )
             return res
@@ -283,7 +292,7 @@ def _ambiguous(kind: str, name: str, entries: list[ProviderEntry]) -> AmbiguousB
 def _format_reasons(candidates: list[Candidate]) -> str:
     lines = []
     for c in candidates:
-        for r in c.reasons:
+        for r in c.reasons or ([c.explicit_only] if c.explicit_only else []):
             lines.append(f"  - {c.entry.name}: {r}\n")
     return "".join(lines) or "  (no providers are registered)\n"
 

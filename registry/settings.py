@@ -10,6 +10,7 @@
 | ``FP8_BACKENDS_CHECK_SCALES`` | ``1``: also check device-resident scales for NaN/inf/zero at call time (syncs) |
 | ``FP8_BACKENDS_LOCKFILE`` | tuned lockfile ``auto`` reads (default ``~/.cache/fp8_backends/selection.lock.json``) |
 | ``FP8_BACKENDS_TUNE`` | ``1``: ``auto`` tunes a problem the lockfile lacks at first use and stores the result |
+| ``FP8_BACKENDS_PDL`` | ``0``: never launch kernels with programmatic dependent launch (default: on where SM >= 9.0) |
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ SIMULATE_SM_ENV = "FP8_BACKENDS_SIMULATE_SM"
 CHECK_SCALES_ENV = "FP8_BACKENDS_CHECK_SCALES"
 LOCKFILE_ENV = "FP8_BACKENDS_LOCKFILE"
 TUNE_ENV = "FP8_BACKENDS_TUNE"
+PDL_ENV = "FP8_BACKENDS_PDL"
 
 
 def _split(value: str | None) -> list[str]:
@@ -55,3 +57,8 @@ def simulated_sm() -> str | None:
 
 def check_scales_at_call() -> bool:
     return os.environ.get(CHECK_SCALES_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def pdl_allowed() -> bool:
+    """False when ``FP8_BACKENDS_PDL`` is ``0``/``false``/``off``/``no`` (read at each call: cheap)."""
+    return os.environ.get(PDL_ENV, "").strip().lower() not in {"0", "false", "no", "off"}

@@ -7,6 +7,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
 
 ENV_VARS = (
@@ -18,6 +21,7 @@ ENV_VARS = (
     "FP8_BACKENDS_CHECK_SCALES",
     "FP8_BACKENDS_LOCKFILE",
     "FP8_BACKENDS_TUNE",
+    "FP8_BACKENDS_PDL",
 )
 
 
@@ -32,6 +36,16 @@ def _has_cuda() -> bool:
         return torch.cuda.is_available()
     except Exception:
         return False
+
+
+def _use_triton_interpreter() -> None:
+    """Without a GPU, run the Triton providers' kernels on Triton's CPU interpreter. Set before any
+    kernel is defined (``triton.jit`` reads it then); an explicit TRITON_INTERPRET wins."""
+    if "TRITON_INTERPRET" not in os.environ and importlib.util.find_spec("triton") and not _has_cuda():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+_use_triton_interpreter()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -9,6 +9,7 @@ need neither a CUDA toolkit nor the nvidia-cutlass wheel.
 from __future__ import annotations
 
 import ctypes
+import importlib
 import json
 import os
 import re
@@ -499,16 +500,17 @@ def test_custom_op_schema_and_fake_implementation():
     assert tuple(y.shape) == (5, 32) and y.dtype == torch.float16 and y.device.type == "cuda"
 
 
-def test_bench_summary_builds_a_loadable_table():
+def test_bench_summary_builds_a_loadable_table(monkeypatch):
     """bench/cutlass_configs.py turns measurements into a table DispatchTable accepts (synthetic numbers)."""
-    bc = pytest.importorskip("bench.cutlass_configs")
+    monkeypatch.syspath_prepend(str(REPO))  # bench/ is a folder of the repository, not an installed package
+    bc = importlib.import_module("bench.cutlass_configs")
     names = list(configs.CONFIG_NAMES)
     rows = []
     for n, k in bc.SHAPES:
         for m in bc.MS:
             res = {label: {"median_us": 10.0, "error": None, "relerr": 2e-3}
-                   for label in (bc.TORCH, bc.TORCH_FA, *(bc.PREFIX + c for c in names))}
-            fastest = names[(m + n) % len(names)]
+                   for label in (bc.sweep.TORCH, bc.sweep.TORCH_FA, *(bc.PREFIX + c for c in names))}
+            fastest = names[(m + n) % (len(names) - 1)]  # never names[-1], the wrong one
             res[bc.PREFIX + fastest]["median_us"] = 5.0
             res[bc.PREFIX + names[-1]]["relerr"] = 0.5  # a wrong result never wins
             res[bc.PREFIX + names[-1]]["median_us"] = 1.0
@@ -517,7 +519,7 @@ def test_bench_summary_builds_a_loadable_table():
     table = DispatchTable.from_json(json.loads(bc._table_text(summary["table"])))
     for n, k in bc.SHAPES:
         for m in bc.MS:
-            assert table.pick(m, n, k) == names[(m + n) % len(names)]
+            assert table.pick(m, n, k) == names[(m + n) % (len(names) - 1)]
     assert summary["ratio_best_per_point"]["M>=4096"]["geomean"] == 2.0
 
 

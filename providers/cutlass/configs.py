@@ -6,21 +6,19 @@ the CTA tile, the cluster shape, the warp-specialised schedule, stream-K, and wh
 swapped. Swapping computes ``outᵀ = w · xᵀ`` so that a small M lands on the tile's N (16 or 64 wide)
 instead of wasting a 64- or 128-row tile on a handful of tokens: the decode configs use it.
 
-The :class:`DispatchTable` maps a problem ``(M, N, K)`` to a config name: per ``(N, K)`` where the
-table has that shape, else the ``default`` buckets. Each bucket is ``(max_m, name)`` with ``max_m``
-inclusive and increasing; the last bucket has ``max_m = None`` (no limit). The table is data: replace
-it with ``FP8_BACKENDS_CUTLASS_TABLE=/path/table.json`` (the format :meth:`DispatchTable.to_json`
+The :class:`DispatchTable` (a :class:`fp8_backends.dispatch.BucketTable`) maps a problem ``(M, N, K)``
+to a config name per M bucket, per ``(N, K)`` where it lists that shape. The table is data: replace it
+with ``FP8_BACKENDS_CUTLASS_TABLE=/path/table.json`` (the format :meth:`DispatchTable.to_json`
 writes and ``bench/cutlass_configs.py`` produces from its measurements).
 """
 
 from __future__ import annotations
 
-import bisect
-import json
-import os
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from fp8_backends.dispatch import BucketTable, TableSource
 
 TABLE_ENV = "FP8_BACKENDS_CUTLASS_TABLE"
 
@@ -114,86 +112,14 @@ CONFIG_LIST: tuple[KernelConfig, ...] = (
 CONFIGS: dict[str, KernelConfig] = {c.name: c for c in CONFIG_LIST}
 CONFIG_NAMES: tuple[str, ...] = tuple(CONFIGS)
 
-Buckets = tuple[tuple[int | None, str], ...]
+class DispatchTable(BucketTable):
+    """The CUTLASS provider's M-bucket table (buckets name configs of :data:`CONFIGS`)."""
 
-
-def _check_buckets(buckets: Sequence[Sequence[Any]], where: str) -> Buckets:
-    out: list[tuple[int | None, str]] = []
-    last = 0
-    for i, item in enumerate(buckets):
-        if len(item) != 2:
-            raise ValueError(f"{where}: bucket {i} must be [max_m, config], got {item!r}")
-        max_m, name = item
-        if name not in CONFIGS:
-            raise ValueError(f"{where}: unknown config {name!r} (known: {', '.join(CONFIG_NAMES)})")
-        if max_m is None:
-            if i != len(buckets) - 1:
-                raise ValueError(f"{where}: only the last bucket may have max_m = null")
-        else:
-            max_m = int(max_m)
-            if max_m <= last:
-                raise ValueError(f"{where}: bucket bounds must increase (got {max_m} after {last})")
-            last = max_m
-        out.append((max_m, str(name)))
-    if not out or out[-1][0] is not None:
-        raise ValueError(f"{where}: the last bucket must have max_m = null (covers every larger M)")
-    return tuple(out)
-
-
-@dataclass(frozen=True)
-class DispatchTable:
-    """M buckets -> config name, per ``(N, K)`` shape with a fallback ``default``."""
-
-    default: Buckets
-    shapes: Mapping[tuple[int, int], Buckets] = field(default_factory=dict)
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "default", _check_buckets(self.default, "default"))
-        shapes = {(int(n), int(k)): _check_buckets(b, f"shape {n}x{k}") for (n, k), b in self.shapes.items()}
-        object.__setattr__(self, "shapes", shapes)
-        object.__setattr__(self, "_index", {})
-
-    def buckets_for(self, n: int, k: int) -> Buckets:
-        return self.shapes.get((n, k), self.default)
-
-    def pick(self, m: int, n: int, k: int) -> str:
-        """The config name for ``M x N x K`` (``M`` may be 0)."""
-        index = self._index.get((n, k))  # type: ignore[attr-defined]
-        if index is None:
-            buckets = self.buckets_for(n, k)
-            bounds = [b for b, _ in buckets[:-1]]
-            names = [name for _, name in buckets]
-            index = (bounds, names)
-            self._index[(n, k)] = index  # type: ignore[attr-defined]
-        bounds, names = index
-        return names[bisect.bisect_left(bounds, m)]
-
-    def config_names(self) -> set[str]:
-        """Every config this table can pick."""
-        names = {name for _, name in self.default}
-        for buckets in self.shapes.values():
-            names.update(name for _, name in buckets)
-        return names
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "format": "fp8_backends.cutlass_table/1",
-            "source": self.source,
-            "default": [list(b) for b in self.default],
-            "shapes": {f"{n}x{k}": [list(b) for b in buckets] for (n, k), buckets in sorted(self.shapes.items())},
-        }
+    FORMAT: ClassVar[str] = "fp8_backends.cutlass_table/1"
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> DispatchTable:
-        fmt = data.get("format", "fp8_backends.cutlass_table/1")
-        if fmt != "fp8_backends.cutlass_table/1":
-            raise ValueError(f"unsupported CUTLASS table format {fmt!r}")
-        shapes: dict[tuple[int, int], Iterable[Sequence[Any]]] = {}
-        for key, buckets in (data.get("shapes") or {}).items():
-            n, _, k = str(key).partition("x")
-            shapes[(int(n), int(k))] = buckets
-        return cls(default=data["default"], shapes=shapes, source=str(data.get("source", "")))
+    def known_names(cls) -> Sequence[str]:
+        return CONFIG_NAMES
 
 
 #: The built-in table: measured on an H200 (bench/cutlass_configs.py, two runs of 7 interleaved rounds each,
@@ -224,7 +150,7 @@ DEFAULT_TABLE = DispatchTable(
     source="H200 measurement 2026-11-29 (bench/cutlass_configs.py, 2 runs x 7 rounds, fast accumulation)",
 )
 
-_loaded: tuple[str, float, DispatchTable] | None = None
+_SOURCE: TableSource[DispatchTable] = TableSource(TABLE_ENV, DEFAULT_TABLE, "CUTLASS dispatch table")
 
 
 def active_table() -> DispatchTable:
@@ -232,23 +158,7 @@ def active_table() -> DispatchTable:
 
     The file is re-read when its path or modification time changes; a broken file raises ``ValueError``.
     """
-    global _loaded
-    path = os.environ.get(TABLE_ENV, "").strip()
-    if not path:
-        return DEFAULT_TABLE
-    try:
-        mtime = os.stat(path).st_mtime
-    except OSError as exc:
-        raise ValueError(f"{TABLE_ENV}={path}: cannot read the CUTLASS dispatch table ({exc})") from None
-    if _loaded is not None and _loaded[0] == path and _loaded[1] == mtime:
-        return _loaded[2]
-    try:
-        with open(path, encoding="utf-8") as f:
-            table = DispatchTable.from_json(json.load(f))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{TABLE_ENV}={path}: invalid CUTLASS dispatch table: {exc}") from None
-    _loaded = (path, mtime, table)
-    return table
+    return _SOURCE.active()
 
 
 __all__ = [

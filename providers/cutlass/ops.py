@@ -1,7 +1,8 @@
 """The torch side of the CUTLASS provider: the ``fp8_backends::cutlass_sm90_gemm`` custom op.
 
-The op is registered lazily (first call of :func:`cutlass_gemm`), with a fake implementation so that
-torch.compile traces it without running it. Its real implementation picks the config (``auto``: the
+The op is defined lazily (first call of :func:`cutlass_gemm`, through
+:func:`fp8_backends.oplib.define_ops`), with a fake implementation so that torch.compile traces it
+without running it. Its real implementation picks the config (``auto``: the
 M-bucket table, at run time, so compiled graphs carry no M guards), gets the library (building it on
 first use), allocates the output (and a stream-K workspace where the config needs one) and calls
 ``fp8b_gemm`` through ctypes on torch's current stream. No host-device synchronisation.
@@ -21,7 +22,8 @@ from .configs import CONFIGS, active_table
 if TYPE_CHECKING:
     import torch
 
-OP_NAME = "fp8_backends::cutlass_sm90_gemm"
+OP_BASENAME = "cutlass_sm90_gemm"
+OP_NAME = f"fp8_backends::{OP_BASENAME}"
 OP_SCHEMA = (
     "(Tensor x, Tensor w, Tensor x_scale, Tensor w_scale, Tensor? bias, ScalarType out_dtype, str config, "
     "bool fast_accum) -> Tensor"
@@ -129,28 +131,17 @@ def _run(
 
 def _register() -> Any:
     global _op
-    if _op is not None:
-        return _op
-    with _op_lock:
-        if _op is not None:
-            return _op
-        import torch
+    if _op is None:
+        with _op_lock:
+            if _op is None:
+                from fp8_backends.oplib import define_ops
 
-        namespace, _, name = OP_NAME.partition("::")
-        existing = getattr(getattr(torch.ops, namespace), name, None) if hasattr(torch.ops, namespace) else None
-        if existing is not None:
-            # registered by another copy of this module (e.g. a second import path): reuse it
-            _op = existing
-            return _op
+                _op = define_ops({OP_BASENAME: (OP_BASENAME + OP_SCHEMA, _run, _fake)}, ("CUDA",))[OP_BASENAME]
+    return _op
 
-        op = torch.library.custom_op(OP_NAME, mutates_args=(), device_types="cuda", schema=OP_SCHEMA)(_run)
 
-        @op.register_fake
-        def _fake(x, w, x_scale, w_scale, bias, out_dtype, config, fast_accum):
-            return x.new_empty((x.shape[0], w.shape[0]), dtype=out_dtype)
-
-        _op = op
-        return _op
+def _fake(x, w, x_scale, w_scale, bias, out_dtype, config, fast_accum):
+    return x.new_empty((x.shape[0], w.shape[0]), dtype=out_dtype)
 
 
 def cutlass_gemm(

@@ -1,0 +1,60 @@
+"""Defining the library's torch ops: ``torch.library.Library`` fragments with a fake implementation each.
+
+Every kernel call goes through an op in the ``fp8_backends`` namespace so that ``torch.compile`` traces it
+(the fake implementation gives shapes and dtypes without running anything). The ops are defined with
+``Library.define`` + ``Library.impl`` per dispatch key, not with the ``torch.library.custom_op``
+decorator: that decorator wraps each call in a Python autograd layer and an output-aliasing check, which
+cost about 26 µs per call against 9 µs for the plain dispatcher path (measured on the 2-core CPU box,
+2026-11-29). The ops are inference-only: no autograd formulas.
+
+Mutated arguments are declared in the schema (``Tensor(a!) out``), which is what functionalization needs.
+Definitions are idempotent: a second call (a reloaded module) reuses the ops already defined.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+NAMESPACE = "fp8_backends"
+
+#: name -> (schema without the namespace, implementation, fake implementation)
+OpSpec = tuple[str, Callable[..., Any], Callable[..., Any]]
+
+_libraries: list[Any] = []  # keep the fragments alive: dropping one unregisters its ops
+_lock = threading.Lock()
+
+
+def _defined(name: str) -> bool:
+    import torch
+
+    try:
+        return torch._C._dispatch_has_kernel(f"{NAMESPACE}::{name}") or bool(
+            torch._C._dispatch_find_schema_or_throw(f"{NAMESPACE}::{name}", ""))
+    except Exception:
+        return False
+
+
+def define_ops(specs: Mapping[str, OpSpec], dispatch_keys: Iterable[str]) -> dict[str, Any]:
+    """Define each op of ``specs`` (once per process) with its implementation registered for every key
+    of ``dispatch_keys`` (``"CUDA"``, ``"CPU"``) and its fake; return ``{name: OpOverload}``."""
+    import torch
+
+    keys = tuple(dispatch_keys)
+    with _lock:
+        pending = [name for name in specs if not _defined(name)]
+        if pending:
+            lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+            for name in pending:
+                schema, impl, fake = specs[name]
+                lib.define(schema)
+                for key in keys:
+                    lib.impl(name, impl, key)
+                torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=lib)
+            _libraries.append(lib)
+        ns = getattr(torch.ops, NAMESPACE)
+        return {name: getattr(ns, name).default for name in specs}
+
+
+__all__ = ["NAMESPACE", "OpSpec", "define_ops"]

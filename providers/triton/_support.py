@@ -1,0 +1,73 @@
+"""What every Triton module of this package shares.
+
+- :func:`interpreting`: Triton runs kernels on the CPU (``TRITON_INTERPRET=1``, read once when the
+  kernels are defined). The providers then also accept CPU tensors: that is how CPU-only CI tests them.
+- :func:`pdl_enabled`: launch with programmatic dependent launch (PDL) on this device? Yes on
+  SM >= 9.0 unless ``FP8_BACKENDS_PDL=0`` or the interpreter runs (it cannot execute ``griddepcontrol``).
+  Kernels take a ``USE_PDL: tl.constexpr`` and call ``gdc_wait()`` / ``gdc_launch_dependents()`` only
+  when it is set; the launch passes ``launch_pdl=USE_PDL``.
+- :data:`DEVICES`: the device kinds the providers declare (CUDA; plus CPU under the interpreter).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from fp8_backends.registry import settings
+from fp8_backends.types import DeviceKind
+
+REQUIRES: tuple[str, ...] = ("torch", "triton")
+INSTALL_HINT = "pip install 'fp8-backends[triton]'"
+MIN_SM: tuple[int, int] = (8, 9)  # FP8 tensor-core MMA (Ada and newer)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels with its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+DEVICES: frozenset[DeviceKind] = (
+    frozenset({DeviceKind.CUDA, DeviceKind.CPU}) if interpreting() else frozenset({DeviceKind.CUDA})
+)
+
+
+@functools.lru_cache(maxsize=64)
+def _device_sm(index: int) -> tuple[int, int]:
+    import torch
+
+    return tuple(torch.cuda.get_device_capability(index))  # type: ignore[return-value]
+
+
+def pdl_enabled(device: object) -> bool:
+    """Whether kernels on ``device`` (a torch.device) launch with PDL: SM >= 9.0, not interpreting,
+    and not switched off with ``FP8_BACKENDS_PDL=0``. Cached per device; no host-device sync."""
+    if getattr(device, "type", None) != "cuda" or interpreting() or not settings.pdl_allowed():
+        return False
+    index = device.index
+    if index is None:
+        import torch
+
+        index = torch.cuda.current_device()
+    return _device_sm(index) >= (9, 0)
+
+
+INTERPRETER_ONLY = (
+    "runs on the CPU only through Triton's interpreter (TRITON_INTERPRET=1), which is for testing: "
+    "auto does not pick it; name the provider to use it"
+)
+
+
+def explicit_only_on_cpu(problem: object, platform: object) -> str | None:
+    """The providers' :meth:`explicit_only_reason`: CPU problems (the interpreter) are served only when named."""
+    device = getattr(problem, "device", None)
+    on_cpu = getattr(device, "value", device) == "cpu" if problem is not None else not getattr(platform, "is_cuda", 1)
+    return INTERPRETER_ONLY if on_cpu else None
+
+
+def reset_caches() -> None:
+    _device_sm.cache_clear()
+
+
+__all__ = ["DEVICES", "INSTALL_HINT", "INTERPRETER_ONLY", "MIN_SM", "REQUIRES", "explicit_only_on_cpu", "interpreting",
+           "pdl_enabled", "reset_caches"]

@@ -1,0 +1,133 @@
+"""``triton``: FP8 GEMM written in Triton, with a decode path (GEMV and swap-AB kernels) and PDL.
+
+Kernels (:mod:`.gemm_kernels`): a CUDA-core GEMV for M = 1, a swap-AB tensor-core kernel for small M
+(weight rows on the MMA's 64-row side) and a grouped tiled kernel for prefill; fp32 accumulation; the
+epilogue applies per-tensor or per-token activation scales, per-tensor or per-channel weight scales
+(read on the device) and the bias, and writes bf16, fp16 or fp32. The tile config comes from an
+M-bucket table measured on the H200 (option ``config=auto``) or is forced by name (the tuner times
+each). Launched with programmatic dependent launch on SM >= 9.0 (``FP8_BACKENDS_PDL=0`` turns it off).
+
+Shapes and layouts: ``x_q [M, K]`` and ``w_q [N, K]`` float8 (e4m3fn, or e5m2 for both), row-major;
+K and N multiples of 16; any M. The prepared weight is ``w_q`` itself (no copy) with its scale as fp32
+``[1]`` or ``[N]``.
+
+Runs on any NVIDIA GPU with FP8 tensor cores (SM >= 8.9), and on the CPU under Triton's interpreter
+(``TRITON_INTERPRET=1``: slow, for tests).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+from fp8_backends.backend import Fp8GemmBackend
+from fp8_backends.capabilities import GemmCapabilities
+from fp8_backends.errors import InvalidInputError
+from fp8_backends.types import (
+    ActScale,
+    Availability,
+    BiasMode,
+    Fp8Dtype,
+    GemmProblem,
+    OutDtype,
+    PreparedWeight,
+    WeightScale,
+)
+
+from . import _support
+from .gemm_configs import CONFIG_NAMES, CONFIGS, active_table
+
+if TYPE_CHECKING:
+    import torch
+
+    from fp8_backends.registry.platform import Platform
+
+#: beyond these M a forced config is refused: it would compute correctly but waste the weight reads
+#: (GEMV re-reads the weight per token; swap-AB tiles are at most 64 tokens wide)
+_FORCED_MAX_M = {"gemv": 8, "swap": 512}
+
+
+class TritonGemmBackend(Fp8GemmBackend):
+    """Triton FP8 GEMM; option ``config`` (``auto`` or a tile config name)."""
+
+    name: ClassVar[str] = "triton"
+    description: ClassVar[str] = "Triton FP8 GEMM: GEMV / swap-AB decode kernels, tiled prefill, fused epilogue, PDL"
+    requires: ClassVar[tuple[str, ...]] = _support.REQUIRES
+    install_hint: ClassVar[str] = _support.INSTALL_HINT
+    options: ClassVar[dict[str, tuple[str, ...]]] = {"config": ("auto", *CONFIG_NAMES)}
+    tunable_options: ClassVar[tuple[str, ...]] = ("config",)
+    capabilities: ClassVar[GemmCapabilities] = GemmCapabilities(
+        devices=_support.DEVICES,
+        min_sm=_support.MIN_SM,
+        pdl=True,
+        act_scales=frozenset(ActScale),
+        weight_scales=frozenset(WeightScale),
+        input_dtypes=frozenset({Fp8Dtype.E4M3FN, Fp8Dtype.E5M2}),
+        mixed_inputs=False,
+        out_dtypes=frozenset({OutDtype.BF16, OutDtype.FP16, OutDtype.FP32}),
+        bias=BiasMode.FUSED,
+        k_align=16,
+        n_align=16,
+        priority=6,
+    )
+
+    @classmethod
+    def availability(cls) -> Availability:
+        base = super().availability()
+        if not base.ok:
+            return base
+        try:
+            active_table()
+        except ValueError as exc:
+            return Availability.no(str(exc))
+        if _support.interpreting():
+            return Availability.yes("TRITON_INTERPRET=1: kernels run on Triton's CPU interpreter (slow)")
+        return Availability.yes()
+
+    def explicit_only_reason(self, problem: GemmProblem | None, platform: Platform) -> str | None:
+        return _support.explicit_only_on_cpu(problem, platform)
+
+    def extra_reasons(self, problem: GemmProblem | None, platform: Platform) -> list[str]:
+        config = self.config["config"]
+        if problem is None or problem.m is None or config == "auto":
+            return []
+        family = CONFIGS[config].family
+        limit = _FORCED_MAX_M.get(family)
+        if limit is not None and problem.m > limit:
+            return [f"config {config} is a small-M kernel (M <= {limit}); M={problem.m} would re-read the weight"]
+        return []
+
+    # ------------------------------------------------------------------ load time
+    def prepare_weight_impl(
+        self, w_q: torch.Tensor, w_scale: torch.Tensor, weight_scale: WeightScale
+    ) -> PreparedWeight:
+        n, k = w_q.shape
+        scale = w_scale.reshape(n if weight_scale is WeightScale.PER_CHANNEL else 1).contiguous()
+        return PreparedWeight(
+            data=w_q,  # [N, K] row-major: every kernel reads it K-major as it is
+            scale=scale,
+            n=n,
+            k=k,
+            dtype=Fp8Dtype.of(w_q.dtype),
+            weight_scale=weight_scale,
+            backend=self.name,
+        )
+
+    # ------------------------------------------------------------------ hot path
+    def gemm_impl(
+        self,
+        x_q: torch.Tensor,
+        prepared: PreparedWeight,
+        x_scale: torch.Tensor,
+        out_dtype: torch.dtype,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        from .gemm_ops import triton_gemm
+
+        if x_scale.numel() > 1 and not x_scale.is_contiguous():
+            raise InvalidInputError("triton needs a contiguous per-token x_scale [M, 1]")
+        if bias is not None and not bias.is_contiguous():
+            raise InvalidInputError("triton needs a contiguous bias [N]")
+        return triton_gemm(x_q, prepared.data, x_scale, prepared.scale, bias, out_dtype, self.config["config"])
+
+
+__all__ = ["TritonGemmBackend"]

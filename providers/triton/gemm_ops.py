@@ -1,0 +1,204 @@
+"""The torch side of the Triton GEMM: the ``fp8_backends::triton_gemm`` custom op and its launcher.
+
+The op is defined on first use (:func:`fp8_backends.oplib.define_ops`) with a fake implementation
+(torch.compile traces it without running it). Its real implementation picks the tile config (``auto``:
+the M-bucket table, at run time, so compiled graphs carry no M guards), allocates the output and
+launches the kernel on torch's current stream through :class:`.launcher.KernelLauncher` (the compiled
+kernel, not Triton's Python launch path), with PDL where :func:`._support.pdl_enabled` allows. No
+host-device synchronisation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from typing import TYPE_CHECKING, Any
+
+from fp8_backends.errors import InvalidInputError
+
+from . import _support
+from .gemm_configs import CONFIGS, TileConfig, active_table
+from .launcher import launch as launch_kernel
+
+if TYPE_CHECKING:
+    import torch
+
+OP_BASENAME = "triton_gemm"
+OP_NAME = f"fp8_backends::{OP_BASENAME}"
+OP_SCHEMA = (
+    "(Tensor x, Tensor w, Tensor x_scale, Tensor w_scale, Tensor? bias, ScalarType out_dtype, str config) -> Tensor"
+)
+_GRID_Y_MAX = 65535  # CUDA's limit on gridDim.y
+
+_op: Any = None
+_op_lock = threading.Lock()
+
+
+def pick_config(config: str, m: int, n: int, k: int) -> TileConfig:
+    """The :class:`TileConfig` for ``config`` (a name, or ``auto``: the active table's pick for M x N x K)."""
+    return CONFIGS[active_table().pick(m, n, k) if config == "auto" else config]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def launch(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    config: str,
+) -> torch.Tensor:
+    """``out[M, N] = x_scale · w_scale · (x @ wᵀ) (+ bias)``; inputs as :func:`triton_gemm` states."""
+    import torch
+
+    m, k = x.shape
+    n = w.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m == 0:
+        return out
+    run_config(pick_config(config, m, n, k), x, w, x_scale, w_scale, bias, out)
+    return out
+
+
+def run_config(
+    cfg: TileConfig,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    pdl: bool | None = None,
+) -> None:
+    """Launch ``cfg``'s kernel writing ``out [M, N]`` (M >= 1). ``pdl``: force PDL on or off (benchmarks);
+    ``None`` follows :func:`._support.pdl_enabled`."""
+    import torch
+
+    m, k = x.shape
+    n = w.shape[0]
+    if cfg.family == "tma" and (x.data_ptr() % 16 or w.data_ptr() % 16):
+        cfg = _pointer_tiles(cfg)  # TMA needs 16-byte aligned bases (a view at an odd offset): same tiles
+    use_pdl = _support.pdl_enabled(x.device) if pdl is None else pdl
+    flags = (x_scale.numel() > 1, w_scale.numel() > 1, bias is not None)
+    index = x.get_device()
+    guard = None
+    if index >= 0 and index != torch.cuda.current_device():
+        guard = torch.cuda.device(index)
+        guard.__enter__()
+    try:
+        if cfg.family == "tma":
+            _launch_tma(cfg, x, w, x_scale, w_scale, bias, out, flags, use_pdl)
+            return
+        head = (x, w, out, x_scale, w_scale, out if bias is None else bias, m, n, k, x.stride(0), w.stride(0),
+                out.stride(0))
+        tail = (*flags, k % cfg.block_k == 0, use_pdl)
+        if cfg.family == "mm":
+            grid: tuple[int, ...] = (_cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n),)
+            args = (*head, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, *tail)
+        elif cfg.family == "swap":
+            grid = (_cdiv(n, cfg.block_n), _cdiv(m, cfg.block_m))
+            _check_grid_y(grid[1], cfg)
+            args = (*head, cfg.block_m, cfg.block_n, cfg.block_k, *tail)
+        else:
+            grid = (_cdiv(n, cfg.block_n), m)
+            _check_grid_y(m, cfg)
+            args = (*head, cfg.block_n, cfg.block_k, *tail)
+        launch_kernel(_kernel(cfg.family), grid, args, num_warps=cfg.warps, num_stages=cfg.stages, pdl=use_pdl,
+                      device_index=max(index, 0))
+    finally:
+        if guard is not None:
+            guard.__exit__(None, None, None)
+
+
+def _launch_tma(cfg: TileConfig, x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
+                bias: torch.Tensor | None, out: torch.Tensor, flags: tuple[bool, bool, bool], use_pdl: bool) -> None:
+    """The TMA family: host-built tensor descriptors, launched through Triton's JIT (prefill sizes: the
+    host cost is small against the kernel)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from . import gemm_kernels as K
+
+    m, k = x.shape
+    n = w.shape[0]
+    x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [cfg.block_m, cfg.block_k])
+    w_desc = TensorDescriptor(w, [n, k], [w.stride(0), 1], [cfg.block_n, cfg.block_k])
+    tiles = _cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n)
+    progs = min(tiles, cfg.persistent * _sm_count(x.device)) if cfg.persistent else tiles
+    extra: dict[str, Any] = {"num_warps": cfg.warps, "num_stages": cfg.stages}
+    if use_pdl:
+        extra["launch_pdl"] = True
+    K.fp8_gemm_tma_kernel[(progs,)](
+        x_desc, w_desc, out, x_scale, w_scale, out if bias is None else bias, m, n, k, out.stride(0), progs,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        X_PER_TOKEN=flags[0], W_PER_CHANNEL=flags[1], HAS_BIAS=flags[2], USE_PDL=use_pdl, **extra)
+
+
+def _kernel(family: str) -> Any:
+    from . import gemm_kernels as K
+
+    return {"mm": K.fp8_gemm_mm_kernel, "swap": K.fp8_gemm_swap_kernel, "gemv": K.fp8_gemv_kernel}[family]
+
+
+@functools.lru_cache(maxsize=64)
+def _pointer_tiles(cfg: TileConfig) -> TileConfig:
+    """The ``mm`` config with ``cfg``'s tiles (for operands TMA cannot address)."""
+    return dataclasses.replace(cfg, family="mm", persistent=0)
+
+
+@functools.lru_cache(maxsize=64)
+def _sm_count_of(device_type: str, index: int | None) -> int:
+    if device_type != "cuda":
+        return 4  # the interpreter: a few programs exercise the persistent loop
+    import torch
+
+    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()
+                                            ).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    return _sm_count_of(device.type, device.index)
+
+
+def _check_grid_y(programs: int, cfg: TileConfig) -> None:
+    if programs > _GRID_Y_MAX:
+        raise InvalidInputError(f"triton config {cfg.name} cannot launch {programs} token blocks (CUDA limit "
+                                f"{_GRID_Y_MAX}); use config=auto or an mm config for this M")
+
+
+def _register() -> Any:
+    global _op
+    if _op is None:
+        with _op_lock:
+            if _op is None:
+                from fp8_backends.oplib import define_ops
+
+                keys = ("CUDA", "CPU") if _support.interpreting() else ("CUDA",)
+                _op = define_ops({OP_BASENAME: (OP_BASENAME + OP_SCHEMA, launch, _fake)}, keys)[OP_BASENAME]
+    return _op
+
+
+def _fake(x, w, x_scale, w_scale, bias, out_dtype, config):
+    return x.new_empty((x.shape[0], w.shape[0]), dtype=out_dtype)
+
+
+def triton_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    config: str = "auto",
+) -> torch.Tensor:
+    """The custom op. ``x: [M, K]`` and ``w: [N, K]`` float8 (same type), row-major with unit column
+    stride; ``x_scale`` fp32 one value or ``[M, 1]`` contiguous; ``w_scale`` fp32 ``[1]`` or ``[N]``
+    contiguous; ``bias`` ``[N]`` contiguous in ``out_dtype`` or ``None``. Inputs are assumed validated."""
+    return _register()(x, w, x_scale, w_scale, bias, out_dtype, config)
+
+
+__all__ = ["OP_NAME", "launch", "pick_config", "run_config", "triton_gemm"]

@@ -1,0 +1,166 @@
+"""Triton kernels: fused RMSNorm -> static per-tensor FP8 quant, and residual add -> RMSNorm -> quant.
+
+Operands (what :func:`rmsnorm_quant` and :func:`fused_add_rmsnorm_quant` take; the provider validates them):
+
+- ``x``: ``[T, H]`` bf16, fp16 or fp32, columns contiguous, rows ``x.stride(0)`` elements apart.
+- ``residual`` (add variant): ``[T, H]`` in x's dtype, columns contiguous. Updated **in place** to
+  ``x + residual`` (summed in fp32, rounded once to the dtype).
+- ``weight``: ``[H]`` in x's dtype, any stride.
+- ``scale``: one fp32 value on x's device (``[]``, ``[1]`` or ``[1, 1]``); the kernel loads it and
+  multiplies by its reciprocal. It is never read on the host.
+- ``out``: ``[T, H]`` float8_e4m3fn (or float8_e5m2), columns contiguous.
+
+Per row, in fp32 (the order of :func:`fp8_backends.reference.rmsnorm` and ``quantize_static``)::
+
+    s = x (+ residual)                   # the add variant stores s to residual, normalizes the fp32 s
+    rrms = rsqrt(sum(s * s) / H + eps)
+    out = fp8(clamp(((s * rrms) * w) * (1 / scale), -fmax, fmax))     # fmax 448 (e4m3fn), 57344 (e5m2)
+
+Paths, chosen by :func:`.quant_kernels.row_config` (cached per ``H`` and "large": ``T * H >= 2^25``):
+
+- ``rows`` (``next_pow2(H) <= 1024``): a ``[ROWS, BLOCK]`` block of several rows per program
+  (``ROWS * BLOCK = 4096``, 4 warps), so small hidden sizes still move full tiles per program.
+- ``row`` (``next_pow2(H) <= SINGLE_PASS_MAX = 32768``): one row per program, the whole row in
+  registers: one read of ``x`` (and ``residual``), one write of ``out`` (and ``residual``).
+- ``loop`` (larger ``H``): one row per program, two passes over the row in 16384-element chunks: the
+  sum of squares, then normalize / quantize / store. The add variant does not store the residual in
+  the first pass: the second pass reloads ``x`` and ``residual`` (mostly from L2), recomputes the same
+  fp32 sum and stores both outputs, so the normalized value is the fp32 sum, as in the other paths.
+
+``num_warps`` (measured on the H200, bf16, CUDA graphs): 4 for the ``rows`` path; for one-row programs
+of up to 16384 elements 4 in large launches (``T * H >= 2^25``: many waves of programs, more rows in
+flight pay) and 16 in smaller ones (latency: more threads per row pay); 16 for 32768-element rows and the
+``loop`` chunks. Masks cover any ``H`` (not only powers of two) and the last rows of the ``rows`` path.
+Row offsets are 64-bit.
+
+PDL: with ``USE_PDL`` (SM >= 9.0, not the interpreter, ``FP8_BACKENDS_PDL`` not ``0``; see
+:func:`._support.pdl_enabled`) a program first waits for the previous grid (``gdc_wait``: before any
+global load, so weights and scales written by the previous kernel are seen too), then lets the next grid
+launch (``gdc_launch_dependents``) once its inputs are loaded; the launch passes ``launch_pdl=True``.
+
+No host-device synchronisation and no allocation: CUDA-graph capturable. This module imports torch and
+triton: import it lazily.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _support
+from .launcher import launch
+from .quant_kernels import FMAX, RowConfig, is_large, row_config
+
+
+@triton.jit
+def _norm_quant_block_kernel(
+    x_ptr, r_ptr, w_ptr, s_ptr, o_ptr, T, H, stride_x, stride_r, stride_o, stride_w, eps,
+    FMAX: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """``ROWS`` whole rows (``BLOCK >= H``) per program, one pass."""
+    pid = tl.program_id(0)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    col_mask = cols < H
+    mask = (rows < T)[:, None] & col_mask[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    x = tl.load(x_ptr + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if ADD:
+        r_ptrs = r_ptr + rows64 * stride_r + cols[None, :]
+        x += tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols * stride_w, mask=col_mask, other=0.0).to(tl.float32)
+    inv_scale = tl.math.div_rn(1.0, tl.load(s_ptr))
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if ADD:
+        tl.store(r_ptrs, x.to(r_ptr.dtype.element_ty), mask=mask)
+    rrms = tl.math.rsqrt(tl.sum(x * x, axis=1) / H + eps)
+    y = tl.clamp(x * rrms[:, None] * w[None, :] * inv_scale, -FMAX, FMAX)
+    tl.store(o_ptr + rows64 * stride_o + cols[None, :], y.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_quant_loop_kernel(
+    x_ptr, r_ptr, w_ptr, s_ptr, o_ptr, H, stride_x, stride_r, stride_o, stride_w, eps,
+    FMAX: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """One row per program, two passes over it in ``BLOCK``-element chunks."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    r_row = r_ptr + row * stride_r
+    o_row = o_ptr + row * stride_o
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, H, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < H
+        v = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        if ADD:
+            v += tl.load(r_row + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        acc += v * v
+    inv_scale = tl.math.div_rn(1.0, tl.load(s_ptr))
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    rrms = tl.math.rsqrt(tl.sum(acc, axis=0) / H + eps)
+    for start in range(0, H, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < H
+        v = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        if ADD:
+            v += tl.load(r_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            tl.store(r_row + cols, v.to(r_ptr.dtype.element_ty), mask=mask)
+        w = tl.load(w_ptr + cols * stride_w, mask=mask, other=0.0).to(tl.float32)
+        y = tl.clamp(v * rrms * w * inv_scale, -FMAX, FMAX)
+        tl.store(o_row + cols, y.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+            scale: torch.Tensor, eps: float, cfg: RowConfig) -> None:
+    t, h = x.shape
+    pdl = _support.pdl_enabled(x.device)
+    fmax = FMAX[out.dtype]
+    add = residual is not None
+    r = residual if add else x  # unused without ADD
+    index = max(x.get_device(), 0)
+    if cfg.path == "loop":
+        launch(_norm_quant_loop_kernel, (t,),
+               (x, r, weight, scale, out, h, x.stride(0), r.stride(0), out.stride(0), weight.stride(0), eps,
+                fmax, cfg.block, add, pdl), num_warps=cfg.num_warps, pdl=pdl, device_index=index)
+    else:
+        launch(_norm_quant_block_kernel, (triton.cdiv(t, cfg.rows),),
+               (x, r, weight, scale, out, t, h, x.stride(0), r.stride(0), out.stride(0), weight.stride(0), eps,
+                fmax, cfg.rows, cfg.block, add, pdl), num_warps=cfg.num_warps, pdl=pdl, device_index=index)
+
+
+def _run(out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+         scale: torch.Tensor, eps: float, config: RowConfig | None) -> None:
+    if x.shape[0] == 0 or x.shape[1] == 0:
+        return
+    cfg = config if config is not None else row_config(x.shape[1], is_large(x.shape[0], x.shape[1]))
+    index = x.get_device()
+    if index >= 0 and index != torch.cuda.current_device():  # Triton launches on the current device
+        with torch.cuda.device(index):
+            _launch(out, x, residual, weight, scale, eps, cfg)
+    else:
+        _launch(out, x, residual, weight, scale, eps, cfg)
+
+
+def rmsnorm_quant(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, eps: float,
+                  *, config: RowConfig | None = None) -> None:
+    """Write ``clamp(rmsnorm(x) · weight / scale, ±fmax)`` into ``out`` (fp8). ``config`` overrides
+    :func:`.quant_kernels.row_config` (tests use it to reach the two-pass path at small ``H``)."""
+    _run(out, x, None, weight, scale, eps, config)
+
+
+def fused_add_rmsnorm_quant(out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                            scale: torch.Tensor, eps: float, *, config: RowConfig | None = None) -> None:
+    """``residual <- x + residual`` (in place, in its dtype); write the quantized RMSNorm of the fp32 sum
+    into ``out``."""
+    _run(out, x, residual, weight, scale, eps, config)
+
+
+__all__ = ["fused_add_rmsnorm_quant", "rmsnorm_quant"]

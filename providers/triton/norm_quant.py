@@ -1,0 +1,139 @@
+"""``triton`` norm-quant provider: fused RMSNorm + static per-tensor FP8 quant written in Triton.
+
+- ``rmsnorm_quant``: ``x [T, H]`` bf16/fp16/fp32 row-major, ``weight [H]`` same dtype, ``scale`` one fp32
+  value on x's device -> ``out [T, H]`` float8_e4m3fn = ``clamp(rmsnorm(x)·weight · (1/scale), ±448)``,
+  RMSNorm in fp32.
+- ``fused_add_rmsnorm_quant``: ``residual <- x + residual`` **in place** (summed in fp32, stored in the
+  residual's dtype), then the same on the fp32 sum.
+
+Any hidden size (masked; no alignment needed). The kernels (``norm_kernels``) take several rows per
+program for ``H <= 1024``, one whole row per program in one pass up to 16384, and two passes over the row
+above that. ``scale`` is read on the device (CUDA-graph safe; no host sync, no allocation besides the
+output the base class makes). Launches use programmatic dependent launch on SM >= 9.0 unless
+``FP8_BACKENDS_PDL=0``.
+
+Both calls run as ``torch.library`` ops with fake implementations (``torch.compile(fullgraph=True)``
+traces them), defined on first use through :func:`fp8_backends.oplib.define_ops`:
+
+- ``fp8_backends::triton_rmsnorm_quant(Tensor(a!) out, Tensor x, Tensor weight, Tensor scale, float eps) -> ()``
+- ``fp8_backends::triton_fused_add_rmsnorm_quant(Tensor(a!) out, Tensor x, Tensor(b!) residual,
+  Tensor weight, Tensor scale, float eps) -> ()``
+
+registered for CUDA, and also for CPU when Triton's interpreter runs (``TRITON_INTERPRET=1``: CPU-only CI
+tests the kernels through the ops).
+
+Numerics: the kernel multiplies by ``1/scale`` where the reference divides, and sums squares in another
+order, so an fp8 code can rarely land one step away from ``fp8_backends.reference``.
+
+This module imports neither torch nor triton at import time (stevedore imports it during discovery).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from fp8_backends.backend import NormQuantBackend
+from fp8_backends.capabilities import NormQuantCapabilities
+from fp8_backends.types import OutDtype
+
+from . import _support
+
+if TYPE_CHECKING:
+    import torch
+
+NORM_OP = "triton_rmsnorm_quant"
+ADD_NORM_OP = "triton_fused_add_rmsnorm_quant"
+SCHEMAS = {
+    NORM_OP: "triton_rmsnorm_quant(Tensor(a!) out, Tensor x, Tensor weight, Tensor scale, float eps) -> ()",
+    ADD_NORM_OP: (
+        "triton_fused_add_rmsnorm_quant(Tensor(a!) out, Tensor x, Tensor(b!) residual, Tensor weight, "
+        "Tensor scale, float eps) -> ()"
+    ),
+}
+
+_lock = threading.Lock()
+_ops: tuple[Any, Any] | None = None
+
+
+def _rmsnorm_quant_impl(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                        eps: float) -> None:
+    from . import norm_kernels
+
+    norm_kernels.rmsnorm_quant(out, x, weight, scale, eps)
+
+
+def _fused_add_rmsnorm_quant_impl(out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor,
+                                  weight: torch.Tensor, scale: torch.Tensor, eps: float) -> None:
+    from . import norm_kernels
+
+    norm_kernels.fused_add_rmsnorm_quant(out, x, residual, weight, scale, eps)
+
+
+def _fake(*args: Any) -> None:
+    return None
+
+
+def _dispatch_keys() -> tuple[str, ...]:
+    return ("CUDA", "CPU") if _support.interpreting() else ("CUDA",)
+
+
+def load_ops() -> tuple[Any, Any]:
+    """Define the two ops once (first use) and return their OpOverloads ``(rmsnorm_quant, fused_add)``."""
+    global _ops
+    if _ops is None:
+        with _lock:
+            if _ops is None:
+                from fp8_backends.oplib import define_ops
+
+                impls = {NORM_OP: _rmsnorm_quant_impl, ADD_NORM_OP: _fused_add_rmsnorm_quant_impl}
+                ops = define_ops({name: (SCHEMAS[name], impls[name], _fake) for name in SCHEMAS}, _dispatch_keys())
+                _ops = (ops[NORM_OP], ops[ADD_NORM_OP])
+    return _ops
+
+
+class TritonNormQuantBackend(NormQuantBackend):
+    name: ClassVar[str] = "triton"
+    description: ClassVar[str] = (
+        "Triton fused RMSNorm (+ residual add) + static FP8 quant: any hidden size, bf16/fp16/fp32, "
+        "multi-row / whole-row / two-pass kernels, PDL"
+    )
+    requires: ClassVar[tuple[str, ...]] = _support.REQUIRES
+    install_hint: ClassVar[str] = _support.INSTALL_HINT
+    capabilities: ClassVar[NormQuantCapabilities] = NormQuantCapabilities(
+        devices=_support.DEVICES,
+        min_sm=_support.MIN_SM,
+        pdl=True,
+        in_dtypes=frozenset({OutDtype.BF16, OutDtype.FP16, OutDtype.FP32}),
+        residual=True,
+        hidden_align=1,
+        priority=25,
+    )
+
+    def explicit_only_reason(self, problem: Any, platform: Any) -> str | None:
+        return _support.explicit_only_on_cpu(problem, platform)
+
+    def __init__(self, **options: str) -> None:
+        super().__init__(**options)
+        self._ops: tuple[Any, Any] | None = None
+
+    def _load_ops(self) -> tuple[Any, Any]:
+        self._ops = load_ops()
+        return self._ops
+
+    # ------------------------------------------------------------------ hot path
+    def rmsnorm_quant_impl(
+        self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, eps: float
+    ) -> None:
+        ops = self._ops if self._ops is not None else self._load_ops()
+        ops[0](out, x, weight, scale, eps)
+
+    def fused_add_rmsnorm_quant_impl(
+        self, out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+        scale: torch.Tensor, eps: float,
+    ) -> None:
+        ops = self._ops if self._ops is not None else self._load_ops()
+        ops[1](out, x, residual, weight, scale, eps)
+
+
+__all__ = ["ADD_NORM_OP", "NORM_OP", "TritonNormQuantBackend", "load_ops"]

@@ -1,0 +1,418 @@
+"""Triton FP8 activation-quant kernels: static per-tensor, dynamic per-tensor and per-token.
+
+The three functions follow the contract of :func:`fp8_backends.quant.register_quant_impl` (and the
+semantics of :mod:`fp8_backends.reference`); ``fmax`` is 448 for ``float8_e4m3fn``, 57344 for ``float8_e5m2``:
+
+- :func:`quant_static` ``(x, scale, fp8_dtype) -> q``: ``q = clamp(x / scale, ±fmax) -> fp8``;
+  ``scale`` is one fp32 value on ``x``'s device (``[]``, ``[1]`` or ``[1, 1]``), read on the device.
+- :func:`quant_dynamic` ``(x, fp8_dtype) -> (q, scale)``: ``scale = max(amax(|x|) / fmax, 1e-12)`` as
+  ``[1]`` fp32, then as above. A small ``x`` (``next_pow2(M) * next_pow2(K) <= 16384``: decode batches)
+  is one program of one kernel. Larger ones take two kernels: per-block absmax folded into a zeroed
+  fp32 buffer (``torch.zeros``) with ``atomic_max``, then the quantization, which derives the scale from
+  that buffer on the device (its first program also writes ``scale``). No host-device synchronisation.
+- :func:`quant_per_token` ``(x, fp8_dtype) -> (q, scale)``: ``scale[m] = max(amax(|x[m, :]|) / fmax,
+  1e-12)`` as ``[M, 1]`` fp32 (contiguous), each row quantized with its own scale.
+
+``x`` is ``[M, K]`` bf16/fp16/fp32 on a CUDA device (or the CPU under ``TRITON_INTERPRET=1``), with
+any strides: the kernels address it through ``stride(0)`` / ``stride(1)`` (a row-major ``x`` gets the
+contiguous, vectorised loads; a transposed view is read correctly, just not coalesced). ``q`` is a new
+row-major ``[M, K]`` tensor; scales are new fp32 tensors. Row offsets are 64-bit.
+
+Scales and quantization are computed in fp32 with IEEE-rounded divisions (``div_rn``), as the reference
+does on the CPU: the codes and scales equal its results bit for bit. (Multiplying by a rounded reciprocal
+instead flipped 0.15-0.8% of the codes on the H200 for bf16 inputs and round scales such as 0.03:
+such quotients often land within an ulp of an fp8 tie. On CUDA torch's reference itself computes
+``amax / fmax`` as a multiplication by ``1/fmax``, so its dynamic scales can differ from these by an ulp.)
+
+Launch shapes (through :func:`.launcher.launch`; configs from small cached functions of ``K``; the numbers
+were measured on the H200 with CUDA graphs, see ``ROW_WARPS_*``):
+
+- static / dynamic quantization: 2-D tiles of ``ROWS x BLOCK_K`` (``BLOCK_K = min(next_pow2(K), 2048)``,
+  ``ROWS * BLOCK_K = 4096``, 8 warps), grid ``(cdiv(M, ROWS), cdiv(K, BLOCK_K))``.
+- dynamic absmax: the same tiles, each program looping over ``K`` and over enough row tiles to keep the
+  grid at most ~1024 programs (so at most that many atomics on the one address).
+- per-token, and the norm kernels: :func:`row_config`: several rows per program as a 2-D block for
+  ``next_pow2(K) <= 1024`` (4096 elements, 4 warps), one whole row per program (``BLOCK = next_pow2(K)``)
+  up to ``SINGLE_PASS_MAX = 32768``, two passes over the row in 16384-element chunks (16 warps) above
+  that. One-row programs take 4 warps up to 16384 elements in large launches (``T * K >= 2^25``
+  elements: many waves, more rows in flight pay) and 16 in smaller ones (latency: more threads per row
+  pay); 32768-element rows take 16 either way.
+
+Every kernel takes ``USE_PDL: tl.constexpr``: when :func:`._support.pdl_enabled` says so (SM >= 9.0, not
+the interpreter, ``FP8_BACKENDS_PDL`` not ``0``) it calls ``gdc_wait()`` before its first global load and
+``gdc_launch_dependents()`` once its inputs are read, and is launched with ``launch_pdl=True``.
+
+:func:`register` installs the three functions as the quant ops' implementation for a device type;
+:func:`impls` returns them without registering (what ``fp8_backends.quant`` uses as its CUDA default).
+This module imports torch and triton: import it lazily.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _support
+from .launcher import launch
+
+MIN_SCALE = 1e-12  # fp8_backends.reference.MIN_DYNAMIC_SCALE
+FMAX: dict[torch.dtype, float] = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+#: row-wise kernels: several rows per program (a 2-D block) while next_pow2(K) <= this
+MULTI_ROW_MAX = 1024
+#: row-wise kernels: elements per program in the multi-row path (ROWS * BLOCK) and its warps
+ROW_TILE = 4096
+ROW_TILE_WARPS = 4
+#: row-wise kernels: whole row in registers, one pass, while next_pow2(K) <= this; chunked two-pass above
+SINGLE_PASS_MAX = 32768
+#: row-wise kernels: chunk size and warps of the two-pass path
+LOOP_BLOCK = 16384
+LOOP_WARPS = 16
+#: row-wise kernels: a launch over at least this many elements (rows x row length) runs many waves of
+#: programs, where fewer warps per row (more rows in flight) pay; below it more warps per row (latency) pay
+LARGE_LAUNCH = 1 << 25
+#: num_warps of a one-row program by block size, for small / large launches. Measured on the H200 (bf16,
+#: CUDA graphs): large: 4096 x 16384 and 16384 x 4096 rows ran fastest with 4 warps (16 warps: 20-50%
+#: slower without the residual), 32768-element rows with 16; small: T <= 512 rows of 4096 or 8192 with 16
+#: (up to 1.4x faster than 4 with the residual), 4096 x 4096 with 8 or 16. 2048 (small) is not measured.
+ROW_WARPS_SMALL = {2048: 8, 4096: 16, 8192: 16, 16384: 16, 32768: 16}
+ROW_WARPS_LARGE = {2048: 4, 4096: 4, 8192: 4, 16384: 4, 32768: 16}
+#: tile kernels (static / dynamic): elements per program, widest column block, warps per program
+TILE = 4096
+TILE_MAX_BLOCK_K = 2048
+TILE_WARPS = 8
+#: dynamic absmax: keep the grid at about this many programs (one atomic each)
+AMAX_MAX_PROGRAMS = 1024
+#: dynamic quant of at most this many (padded) elements: one program, one kernel, no atomics
+SMALL_DYNAMIC_MAX = 16384
+
+
+class RowConfig(NamedTuple):
+    """How a row-wise kernel covers rows of ``n`` elements: ``path`` is ``"rows"`` (``rows`` rows per
+    program, a ``[rows, block]`` block), ``"row"`` (one row per program, ``block >= n``) or ``"loop"``
+    (one row per program, two passes in ``block``-element chunks)."""
+
+    path: str
+    rows: int
+    block: int
+    num_warps: int
+
+
+def warps_for(block: int, large: bool = False) -> int:
+    """num_warps of a one-row program holding ``block`` elements (4 below the tables, 16 above)."""
+    table = ROW_WARPS_LARGE if large else ROW_WARPS_SMALL
+    if block in table:
+        return table[block]
+    return 4 if block < min(table) else 16
+
+
+@functools.lru_cache(maxsize=512)
+def row_config(
+    n: int, large: bool = False, single_pass_max: int = SINGLE_PASS_MAX, loop_block: int = LOOP_BLOCK
+) -> RowConfig:
+    """The launch shape for rows of ``n`` elements (cached); ``large``: the launch covers at least
+    :data:`LARGE_LAUNCH` elements (:func:`is_large`). ``single_pass_max`` / ``loop_block`` let tests reach
+    the two-pass path at small sizes."""
+    block = triton.next_power_of_2(max(int(n), 1))
+    if block <= MULTI_ROW_MAX and block <= single_pass_max:
+        rows = max(1, ROW_TILE // block)
+        return RowConfig("rows" if rows > 1 else "row", rows, block, ROW_TILE_WARPS)
+    if block <= single_pass_max:
+        return RowConfig("row", 1, block, warps_for(block, large))
+    chunk = min(triton.next_power_of_2(loop_block), block)
+    return RowConfig("loop", 1, chunk, LOOP_WARPS if chunk >= LOOP_BLOCK else warps_for(chunk, large))
+
+
+def is_large(rows: int, n: int) -> bool:
+    """Whether a row-wise launch over ``rows`` rows of ``n`` elements counts as large (see ROW_WARPS_*)."""
+    return rows * n >= LARGE_LAUNCH
+
+
+class TileConfig(NamedTuple):
+    rows: int
+    block_k: int
+    num_warps: int
+
+
+@functools.lru_cache(maxsize=512)
+def tile_config(k: int) -> TileConfig:
+    """``ROWS x BLOCK_K`` tiles for the static / dynamic kernels (cached per ``K``)."""
+    block_k = min(triton.next_power_of_2(max(int(k), 1)), TILE_MAX_BLOCK_K)
+    rows = max(1, TILE // block_k)
+    return TileConfig(rows, block_k, TILE_WARPS)
+
+
+# ------------------------------------------------------------------------------------------ kernels
+@triton.jit
+def _quant_tile_kernel(
+    x_ptr, q_ptr, s_ptr, amax_ptr, M, K, stride_xm, stride_xk, stride_qm,
+    FMAX: tl.constexpr, FROM_AMAX: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """One ``ROWS x BLOCK_K`` tile: ``q = clamp(x / scale, ±FMAX)``. ``FROM_AMAX``: the scale is
+    ``max(amax / FMAX, 1e-12)`` from ``amax_ptr`` (program (0, 0) stores it to ``s_ptr``); else it is
+    read from ``s_ptr``."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m * ROWS + tl.arange(0, ROWS)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    rows64 = rows.to(tl.int64)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
+    if FROM_AMAX:
+        scale = tl.maximum(tl.math.div_rn(tl.load(amax_ptr), FMAX), 1e-12)
+    else:
+        scale = tl.load(s_ptr)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if FROM_AMAX:
+        tl.store(s_ptr, scale, mask=(pid_m == 0) & (pid_k == 0))
+    y = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -FMAX, FMAX)
+    tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _absmax_kernel(
+    x_ptr, amax_ptr, M, K, stride_xm, stride_xk, row_steps,
+    ROWS: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """``amax[0] = max(amax[0], max |x|)`` over ``row_steps`` row tiles of ``ROWS`` rows and all of ``K``
+    (``amax`` starts at 0; |x| >= 0, so the fp32 atomic max is exact)."""
+    pid = tl.program_id(0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    acc = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
+    for step in range(0, row_steps):
+        rows = (pid * row_steps + step) * ROWS + tl.arange(0, ROWS)
+        row_mask = (rows < M)[:, None]
+        row_off = rows.to(tl.int64)[:, None] * stride_xm
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + row_off + cols[None, :] * stride_xk, mask=row_mask & (cols < K)[None, :], other=0.0)
+            acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
+
+
+@triton.jit
+def _quant_dynamic_one_program_kernel(
+    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_xk, stride_qm,
+    FMAX: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """The whole (small) ``x`` as one ``ROWS x BLOCK_K`` block: absmax, scale, quantize, in one program."""
+    rows = tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_K)
+    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.max(tl.abs(x), axis=1), axis=0), FMAX), 1e-12)
+    tl.store(s_ptr, scale)
+    y = tl.clamp(tl.math.div_rn(x, scale), -FMAX, FMAX)
+    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _per_token_kernel(
+    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_xk, stride_qm,
+    FMAX: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, LOOP: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """``ROWS`` rows per program: ``scale = max(rowamax / FMAX, 1e-12)``, ``q = clamp(x / scale, ±FMAX)``.
+    Without ``LOOP`` the whole row is one block (``BLOCK >= K``); with it, two passes in chunks."""
+    pid = tl.program_id(0)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < M
+    rows64 = rows.to(tl.int64)
+    x_rows = x_ptr + rows64[:, None] * stride_xm
+    q_rows = q_ptr + rows64[:, None] * stride_qm
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    if LOOP:
+        acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            mask = row_mask[:, None] & (cols < K)[None, :]
+            x = tl.load(x_rows + cols[None, :] * stride_xk, mask=mask, other=0.0, eviction_policy="evict_last")
+            acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        scale = tl.maximum(tl.math.div_rn(tl.max(acc, axis=1), FMAX), 1e-12)
+        tl.store(s_ptr + rows64, scale, mask=row_mask)
+        for k0 in range(0, K, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            mask = row_mask[:, None] & (cols < K)[None, :]
+            x = tl.load(x_rows + cols[None, :] * stride_xk, mask=mask, other=0.0, eviction_policy="evict_first")
+            y = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale[:, None]), -FMAX, FMAX)
+            tl.store(q_rows + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
+    else:
+        cols = tl.arange(0, BLOCK)
+        mask = row_mask[:, None] & (cols < K)[None, :]
+        x = tl.load(x_rows + cols[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), FMAX), 1e-12)
+        tl.store(s_ptr + rows64, scale, mask=row_mask)
+        y = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FMAX, FMAX)
+        tl.store(q_rows + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------------------------------ launchers
+def _fmax(fp8_dtype: torch.dtype) -> float:
+    try:
+        return FMAX[fp8_dtype]
+    except KeyError:
+        raise ValueError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}") from None
+
+
+def _foreign_device(x: torch.Tensor) -> int:
+    """The CUDA device index of ``x`` when it is not the current device (Triton launches on the current
+    one), else -1."""
+    index = x.get_device()
+    if index < 0 or index == torch.cuda.current_device():
+        return -1
+    return index
+
+
+def _launch_tiles(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor | None,
+                  fmax: float) -> None:
+    m, k = x.shape
+    cfg = tile_config(k)
+    pdl = _support.pdl_enabled(x.device)
+    grid = (triton.cdiv(m, cfg.rows), triton.cdiv(k, cfg.block_k))
+    index = max(x.get_device(), 0)
+    if amax is not None:
+        programs = grid[0]
+        steps = triton.cdiv(programs, AMAX_MAX_PROGRAMS)
+        launch(_absmax_kernel, (triton.cdiv(programs, steps),),
+               (x, amax, m, k, x.stride(0), x.stride(1), steps, cfg.rows, cfg.block_k, pdl),
+               num_warps=cfg.num_warps, pdl=pdl, device_index=index)
+    launch(_quant_tile_kernel, grid,
+           (x, q, scale, amax if amax is not None else scale, m, k, x.stride(0), x.stride(1), q.stride(0),
+            fmax, amax is not None, cfg.rows, cfg.block_k, pdl),
+           num_warps=cfg.num_warps, pdl=pdl, device_index=index)
+
+
+def quant_static(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """``clamp(x / scale, ±fmax) -> fp8_dtype`` for ``x: [M, K]``; ``scale``: one fp32 value on x's device."""
+    fmax = _fmax(fp8_dtype)
+    q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    if q.numel() == 0:
+        return q
+    index = _foreign_device(x)
+    if index >= 0:
+        with torch.cuda.device(index):
+            _launch_tiles(x, q, scale, None, fmax)
+    else:
+        _launch_tiles(x, q, scale, None, fmax)
+    return q
+
+
+def _one_program_block(m: int, k: int) -> tuple[int, int] | None:
+    """``(ROWS, BLOCK_K)`` when the dynamic quantization of ``[m, k]`` fits one program, else None."""
+    rows, block_k = triton.next_power_of_2(m), triton.next_power_of_2(k)
+    return (rows, block_k) if rows * block_k <= SMALL_DYNAMIC_MAX else None
+
+
+def _launch_dynamic(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fmax: float) -> None:
+    m, k = x.shape
+    one = _one_program_block(m, k)
+    if one is None:
+        amax = torch.zeros((1,), dtype=torch.float32, device=x.device)
+        _launch_tiles(x, q, scale, amax, fmax)
+        return
+    pdl = _support.pdl_enabled(x.device)
+    launch(_quant_dynamic_one_program_kernel, (1,),
+           (x, q, scale, m, k, x.stride(0), x.stride(1), q.stride(0), fmax, one[0], one[1], pdl),
+           num_warps=warps_for(one[0] * one[1]), pdl=pdl, device_index=max(x.get_device(), 0))
+
+
+def quant_dynamic(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor dynamic quantization of ``x: [M, K]``: ``(q [M, K], scale [1] fp32)``, the scale computed
+    on the device (an all-zero or empty ``x`` gets ``1e-12``)."""
+    fmax = _fmax(fp8_dtype)
+    q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    if q.numel() == 0:
+        return q, torch.full((1,), MIN_SCALE, dtype=torch.float32, device=x.device)
+    scale = torch.empty((1,), dtype=torch.float32, device=x.device)
+    index = _foreign_device(x)
+    if index >= 0:
+        with torch.cuda.device(index):
+            _launch_dynamic(x, q, scale, fmax)
+    else:
+        _launch_dynamic(x, q, scale, fmax)
+    return q, scale
+
+
+def _launch_per_token(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fmax: float, cfg: RowConfig) -> None:
+    m, k = x.shape
+    pdl = _support.pdl_enabled(x.device)
+    launch(_per_token_kernel, (triton.cdiv(m, cfg.rows),),
+           (x, q, scale, m, k, x.stride(0), x.stride(1), q.stride(0), fmax, cfg.rows, cfg.block,
+            cfg.path == "loop", pdl), num_warps=cfg.num_warps, pdl=pdl, device_index=max(x.get_device(), 0))
+
+
+def quant_per_token(
+    x: torch.Tensor, fp8_dtype: torch.dtype, *, config: RowConfig | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row dynamic quantization of ``x: [M, K]``: ``(q [M, K], scale [M, 1] fp32)``. ``config``
+    overrides :func:`row_config` (tests)."""
+    fmax = _fmax(fp8_dtype)
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
+    if m == 0 or k == 0:
+        return q, torch.full((m, 1), MIN_SCALE, dtype=torch.float32, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    cfg = config if config is not None else row_config(k, m * k >= LARGE_LAUNCH)
+    index = _foreign_device(x)
+    if index >= 0:
+        with torch.cuda.device(index):
+            _launch_per_token(x, q, scale, fmax, cfg)
+    else:
+        _launch_per_token(x, q, scale, fmax, cfg)
+    return q, scale
+
+
+# ------------------------------------------------------------------------------------------ registration
+def impls() -> dict[Any, Callable[..., Any]]:
+    """``{ActScale: fn}`` for the three modes (what :func:`register` installs)."""
+    from fp8_backends.types import ActScale
+
+    return {
+        ActScale.PER_TENSOR_STATIC: quant_static,
+        ActScale.PER_TENSOR_DYNAMIC: quant_dynamic,
+        ActScale.PER_TOKEN: quant_per_token,
+    }
+
+
+def register(device_type: str = "cuda") -> dict[Any, Callable[..., Any] | None]:
+    """Make these kernels the implementation of the quant ops for ``device_type`` (``"cuda"``; ``"cpu"``
+    only makes sense under ``TRITON_INTERPRET=1``). Returns the entries replaced, per mode, so a caller
+    can restore them with :func:`fp8_backends.quant.register_quant_impl`."""
+    from fp8_backends.quant import register_quant_impl
+
+    return {mode: register_quant_impl(mode, device_type, fn) for mode, fn in impls().items()}
+
+
+__all__ = [
+    "FMAX",
+    "RowConfig",
+    "TileConfig",
+    "impls",
+    "quant_dynamic",
+    "quant_per_token",
+    "quant_static",
+    "register",
+    "row_config",
+    "tile_config",
+]

@@ -1,0 +1,496 @@
+"""The ``triton`` GEMM provider: configs and dispatch, capabilities, and its kernels against the reference.
+
+On the CPU the kernels run on Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest.py when no
+GPU is visible) at small sizes; ``@pytest.mark.gpu`` tests run them compiled at Llama-3-8B sizes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fp8_backends.errors import InvalidInputError
+from fp8_backends.providers.triton import _support, gemm_configs
+from fp8_backends.providers.triton.gemm import TritonGemmBackend
+from fp8_backends.providers.triton.gemm_configs import CONFIGS, DEFAULT_TABLE, TileConfig, TritonTable
+from fp8_backends.registry.platform import simulate_platform
+from fp8_backends.types import ActScale, GemmProblem, OutDtype, WeightScale
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+ON_GPU = torch.cuda.is_available()
+needs_kernels = pytest.mark.skipif(
+    not ON_GPU and not _support.interpreting(), reason="needs a GPU or TRITON_INTERPRET=1 (conftest sets it)"
+)
+
+
+# ------------------------------------------------------------------------------------ registration
+def test_provider_module_is_import_light():
+    code = (
+        "import sys; import fp8_backends.providers.triton.gemm as g; g.TritonGemmBackend.availability(); "
+        "print(sorted(m for m in ('torch', 'triton') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    assert out.stdout.strip() == "[]"
+
+
+def test_entry_point_registered_and_resolvable_by_name():
+    from fp8_backends.registry import discovery
+    from fp8_backends.registry.resolution import resolve_gemm_backend
+
+    assert "triton" in {e.name for e in discovery.discover("gemm")}
+    platform = simulate_platform("9.0")
+    backend = resolve_gemm_backend("triton@config=swap_n64_m16_k256_s6_w4", problem=GemmProblem(n=64, k=64, m=4),
+                                   platform=platform)
+    assert isinstance(backend, TritonGemmBackend)
+    assert backend.config == {"config": "swap_n64_m16_k256_s6_w4"}
+
+
+# ------------------------------------------------------------------------------------ configs and table
+def test_configs_are_valid_and_named_uniquely():
+    assert len(CONFIGS) == len(gemm_configs.CONFIG_LIST)
+    for name, cfg in CONFIGS.items():
+        assert cfg.name == name and name.isidentifier()
+    with pytest.raises(ValueError, match="power of two"):
+        TileConfig("mm", 48, 64, 64, 3, 4)
+    with pytest.raises(ValueError, match="family"):
+        TileConfig("splitk", 16, 64, 64, 3, 4)
+    with pytest.raises(ValueError, match="tensor-core"):
+        TileConfig("swap", 8, 64, 64, 3, 4)
+
+
+def test_default_table_covers_every_m_with_a_known_config():
+    assert DEFAULT_TABLE.config_names() <= set(CONFIGS)
+    for table in (DEFAULT_TABLE, TritonTable(default=DEFAULT_TABLE.default)):  # per-shape and default buckets
+        for n, k in (*DEFAULT_TABLE.shapes, (5120, 5120)):
+            families = {m: CONFIGS[table.pick(m, n, k)] for m in (0, 1, 2, 16, 17, 1 << 20)}
+            assert families[1].family == "gemv"  # GEMV streams the weight once per token: M = 1 only
+            assert all(families[m].family == "swap" and families[m].block_m >= m for m in (2, 16))
+            assert families[1 << 20].family in ("mm", "tma")
+
+
+def test_table_json_round_trip_and_env_override(tmp_path, monkeypatch):
+    table = TritonTable(default=((16, "swap_n64_m16_k256_s6_w4"), (None, "tma_n256_m128_k128_s3_w8_g8_p1")),
+                        shapes={(4096, 4096): ((1, "gemv_n2_k1024_w2"), (None, "mm_n128_m64_k128_s4_w4_g8"))},
+                        source="test")
+    again = TritonTable.from_json(json.loads(json.dumps(table.to_json())))
+    assert again == table and again.pick(1, 4096, 4096) == "gemv_n2_k1024_w2"
+    assert again.pick(1, 6144, 4096) == "swap_n64_m16_k256_s6_w4"
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(table.to_json()))
+    monkeypatch.setenv(gemm_configs.TABLE_ENV, str(path))
+    assert gemm_configs.active_table() == table
+    with pytest.raises(ValueError, match="unknown config"):
+        TritonTable(default=((None, "ws64x16_swap"),))  # a CUTLASS name
+    with pytest.raises(ValueError, match="format"):
+        TritonTable.from_json({**table.to_json(), "format": "fp8_backends.cutlass_table/1"})
+
+
+def test_broken_table_file_makes_provider_unavailable(tmp_path, monkeypatch):
+    from fp8_backends.backend import clear_availability_cache
+
+    path = tmp_path / "broken.json"
+    path.write_text("{not json")
+    monkeypatch.setenv(gemm_configs.TABLE_ENV, str(path))
+    clear_availability_cache()
+    avail = TritonGemmBackend.availability()
+    assert not avail.ok and gemm_configs.TABLE_ENV in avail.reason
+
+
+# ------------------------------------------------------------------------------------ capabilities
+def test_capabilities_and_refusals():
+    caps = TritonGemmBackend.capabilities
+    for sm in ("8.9", "9.0", "10.0", "12.0"):
+        assert caps.check(GemmProblem(n=4096, k=4096, act_scale=ActScale.PER_TOKEN,
+                                      weight_scale=WeightScale.PER_CHANNEL, out_dtype=OutDtype.FP32,
+                                      has_bias=True), simulate_platform(sm)) == []
+    assert any("8.9" in r for r in caps.check(GemmProblem(n=64, k=64), simulate_platform("8.0")))
+    h100 = simulate_platform("9.0")
+    assert caps.check(GemmProblem(n=64, k=64, input_dtype="e5m2", weight_dtype="e5m2"), h100) == []
+    assert any("mixed" in r for r in caps.check(GemmProblem(n=64, k=64, input_dtype="e5m2"), h100))
+    assert any("N=40" in r for r in caps.check(GemmProblem(n=40, k=64), h100))
+    assert any("K=24" in r for r in caps.check(GemmProblem(n=64, k=24), h100))
+    assert caps.pdl
+
+
+def test_forced_small_m_configs_refuse_large_m():
+    h100 = simulate_platform("9.0")
+    gemv = TritonGemmBackend(config="gemv_n2_k1024_w2")
+    if not TritonGemmBackend.availability().ok:
+        pytest.skip(TritonGemmBackend.availability().reason)
+    assert gemv.supports(GemmProblem(n=4096, k=4096, m=1), h100) == []
+    assert any("small-M" in r for r in gemv.supports(GemmProblem(n=4096, k=4096, m=64), h100))
+    assert TritonGemmBackend().supports(GemmProblem(n=4096, k=4096, m=1 << 16), h100) == []
+
+
+def test_options_and_tuner_candidates():
+    from fp8_backends.workloads import option_combos
+
+    assert TritonGemmBackend().config == {"config": "auto"}
+    with pytest.raises(InvalidInputError):
+        TritonGemmBackend(config="nope")
+    assert option_combos(TritonGemmBackend) == [{"config": n} for n in gemm_configs.CONFIG_NAMES]
+
+
+def test_pdl_policy(monkeypatch):
+    cpu = torch.device("cpu")
+    assert not _support.pdl_enabled(cpu)
+    if ON_GPU:
+        dev = torch.device("cuda", 0)
+        expected = torch.cuda.get_device_capability(0) >= (9, 0)
+        assert _support.pdl_enabled(dev) is expected
+        monkeypatch.setenv("FP8_BACKENDS_PDL", "0")
+        assert not _support.pdl_enabled(dev)
+
+
+def test_custom_op_fake_implementation():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fp8_backends.providers.triton import gemm_ops
+
+    gemm_ops._register()
+    schema = str(torch.ops.fp8_backends.triton_gemm.default._schema)
+    assert "Tensor? bias" in schema and "str config" in schema
+    with FakeTensorMode():
+        x = torch.empty(5, 64, dtype=torch.float8_e4m3fn, device="cuda")
+        w = torch.empty(32, 64, dtype=torch.float8_e4m3fn, device="cuda")
+        s = torch.empty(1, device="cuda")
+        y = gemm_ops.triton_gemm(x, w, s, s, None, torch.float16, "auto")
+    assert tuple(y.shape) == (5, 32) and y.dtype == torch.float16 and y.device.type == "cuda"
+
+
+def test_cpu_tensors_refused_without_the_interpreter(monkeypatch):
+    from fp8_backends.types import DeviceKind
+
+    caps = TritonGemmBackend.capabilities
+    cuda_only = type(caps)(**{**caps.__dict__, "devices": frozenset({DeviceKind.CUDA})})
+    monkeypatch.setattr(TritonGemmBackend, "capabilities", cuda_only)
+    w = torch.zeros(64, 64).to(torch.float8_e4m3fn)
+    with pytest.raises(InvalidInputError, match="cuda"):
+        TritonGemmBackend().prepare_weight(w, torch.ones(1))
+
+
+# ------------------------------------------------------------------------------------ numerics
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+def _relerr(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def _data(m, n, k, *, per_token=False, per_channel=False, fp8=torch.float8_e4m3fn, seed=0):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = (torch.randn(m, k, device=DEVICE, generator=g) * 2).to(fp8)
+    w = (torch.randn(n, k, device=DEVICE, generator=g) * 2).to(fp8)
+    xs = (torch.rand(m, 1, device=DEVICE, generator=g) * 0.05 + 0.01) if per_token else torch.tensor(
+        [0.03], device=DEVICE)
+    ws = (torch.rand(n, device=DEVICE, generator=g) * 0.05 + 0.01) if per_channel else torch.tensor(
+        [0.02], device=DEVICE)
+    return x, w, xs, ws
+
+
+def _check(backend, m, n, k, *, per_token=False, per_channel=False, out_dtype=torch.bfloat16, bias=False,
+           fp8=torch.float8_e4m3fn, tol=1e-2):
+    from fp8_backends import reference
+
+    x, w, xs, ws = _data(m, n, k, per_token=per_token, per_channel=per_channel, fp8=fp8)
+    b = (torch.randn(n, device=DEVICE) * 4).to(out_dtype) if bias else None
+    prepared = backend.prepare_weight(w, ws)
+    y = backend.gemm(x, prepared, xs, out_dtype=out_dtype, bias=b)
+    assert y.shape == (m, n) and y.dtype == out_dtype
+    ref = reference.fp8_gemm(x, w, xs, ws, torch.float32, b)
+    err = _relerr(y, ref)
+    assert torch.isfinite(y.float()).all() and err < tol, (backend.label, m, n, k, err)
+    return y
+
+
+# one config per family, small tiles where the family allows (the interpreter's cost grows with programs x K steps)
+SMALL = {
+    "gemv": "gemv_n4_k512_w4",
+    "swap": "swap_n64_m16_k256_s6_w4",
+    "mm": "mm_n128_m64_k128_s4_w4_g8",
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", list(SMALL))
+@pytest.mark.parametrize("per_token, per_channel", [(False, False), (True, True), (False, True), (True, False)])
+def test_scale_modes_and_bias(family, per_token, per_channel):
+    m = 1 if family == "gemv" else 5
+    _check(TritonGemmBackend(config=SMALL[family]), m, 80, 96, per_token=per_token, per_channel=per_channel,
+           bias=per_token)
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", list(SMALL))
+@pytest.mark.parametrize("out", ["float16", "float32"])
+def test_out_dtypes(family, out):
+    _check(TritonGemmBackend(config=SMALL[family]), 3 if family != "mm" else 70, 48, 64,
+           out_dtype=getattr(torch, out), bias=True)
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", list(SMALL))
+def test_e5m2(family):
+    _check(TritonGemmBackend(config=SMALL[family]), 2, 32, 64, fp8=torch.float8_e5m2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("m, n, k", [(1, 16, 16), (17, 144, 272), (65, 48, 528)])
+def test_auto_ragged_edges(m, n, k):
+    """M, N and K that are not multiples of any tile (K not a multiple of BLOCK_K: masked K tail)."""
+    _check(TritonGemmBackend(), m, n, k, bias=True)
+
+
+@needs_kernels
+def test_swap_covers_more_tokens_than_its_tile():
+    _check(TritonGemmBackend(config="swap_n64_m16_k256_s6_w4"), 40, 64, 64, per_token=True)
+
+
+@needs_kernels
+@pytest.mark.parametrize("persistent", [0, 1])
+def test_tma_family(persistent):
+    """TMA-fed tiles, plain and persistent (the interpreter emulates the descriptors), ragged edges."""
+    from fp8_backends import reference
+    from fp8_backends.providers.triton.gemm_ops import run_config
+
+    cfg = TileConfig("tma", 64, 64, 64, 3, 4, persistent=persistent)
+    for m, n, k, per in ((1, 48, 96, False), (130, 80, 272, True)):
+        x, w, xs, ws = _data(m, n, k, per_token=per, per_channel=per)
+        bias = torch.randn(n, device=DEVICE).to(torch.bfloat16)
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=DEVICE)
+        run_config(cfg, x, w, xs, ws, bias, out)
+        assert _relerr(out, reference.fp8_gemm(x, w, xs, ws, torch.float32, bias)) < 1e-2
+
+
+@needs_kernels
+def test_tma_config_with_misaligned_operand_uses_pointer_loads():
+    from fp8_backends import reference
+    from fp8_backends.providers.triton.gemm_ops import run_config
+
+    x, w, xs, ws = _data(4, 64, 64)
+    big = torch.zeros(4 * 64 + 8, dtype=torch.uint8, device=DEVICE)
+    odd = big[8:].view(torch.float8_e4m3fn).view(4, 64)
+    odd.copy_(x)
+    assert odd.data_ptr() % 16
+    out = torch.empty(4, 64, dtype=torch.bfloat16, device=DEVICE)
+    run_config(TileConfig("tma", 64, 64, 64, 3, 4), odd, w, xs, ws, None, out)
+    assert _relerr(out, reference.fp8_gemm(x, w, xs, ws, torch.float32)) < 1e-2
+
+
+@needs_kernels
+def test_m_zero():
+    b = TritonGemmBackend()
+    x, w, xs, ws = _data(4, 64, 64)
+    assert b.gemm(x[:0], b.prepare_weight(w, ws), xs).shape == (0, 64)
+
+
+@needs_kernels
+def test_scales_are_applied_not_ignored():
+    """Doubling either scale doubles the output (a kernel that dropped a scale would fail this)."""
+    b = TritonGemmBackend(config=SMALL["swap"])
+    x, w, xs, ws = _data(4, 64, 64, per_token=True, per_channel=True)
+    p1 = b.prepare_weight(w, ws)
+    p2 = b.prepare_weight(w, ws * 2)
+    y1 = b.gemm(x, p1, xs, out_dtype=torch.float32)
+    assert _relerr(b.gemm(x, p2, xs, out_dtype=torch.float32), 2 * y1) < 1e-6
+    assert _relerr(b.gemm(x, p1, xs * 2, out_dtype=torch.float32), 2 * y1) < 1e-6
+
+
+@needs_kernels
+def test_torch_compile_fullgraph():
+    from fp8_backends import reference
+
+    b = TritonGemmBackend(config=SMALL["swap"])
+    x, w, xs, ws = _data(3, 64, 64, per_token=True)
+    prepared = b.prepare_weight(w, ws)
+
+    def f(x, xs):
+        return b.gemm(x, prepared, xs, out_dtype=torch.bfloat16) * 2
+
+    torch._dynamo.reset()
+    y = torch.compile(f, fullgraph=True, backend="aot_eager")(x, xs)
+    assert _relerr(y, 2 * reference.fp8_gemm(x, w, xs, ws, torch.float32)) < 1e-2
+
+
+# ------------------------------------------------------------------------------------ GPU, real sizes
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+MS = [1, 16, 64, 256, 1024, 4096]
+
+
+def _sampled_cases():
+    for i, name in enumerate(gemm_configs.CONFIG_NAMES):
+        fam = CONFIGS[name].family
+        for j, m in enumerate(MS):
+            if fam == "gemv" and m > 8 or fam == "swap" and m > 256:
+                continue
+            n, k = SHAPES[(i + j) % len(SHAPES)]
+            yield pytest.param(name, m, n, k, id=f"{name}-M{m}-{n}x{k}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, m, n, k", list(_sampled_cases()))
+def test_gpu_every_config_llama_shapes(name, m, n, k):
+    _check(TritonGemmBackend(config=name), m, n, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 7, 33, 100, 257, 1001, 3000])
+def test_gpu_auto_odd_m(m):
+    _check(TritonGemmBackend(), m, 4096, 4096, bias=m % 2 == 1, per_token=m % 3 == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", list(SMALL))
+@pytest.mark.parametrize("per_token, per_channel", [(True, True), (False, True), (True, False)])
+@pytest.mark.parametrize("out", ["bfloat16", "float16", "float32"])
+def test_gpu_scale_modes_out_dtypes(family, per_token, per_channel, out):
+    m = 1 if family == "gemv" else 77
+    _check(TritonGemmBackend(config=SMALL[family]), m, 1024, 2048, per_token=per_token, per_channel=per_channel,
+           out_dtype=getattr(torch, out), bias=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 300])
+def test_gpu_e5m2(m):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs SM >= 8.9")
+    _check(TritonGemmBackend(), m, 1024, 1024, fp8=torch.float8_e5m2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 2048])
+def test_gpu_pdl_on_and_off_agree(m, monkeypatch):
+    b = TritonGemmBackend()
+    x, w, xs, ws = _data(m, 4096, 4096)
+    prepared = b.prepare_weight(w, ws)
+    y_pdl = b.gemm(x, prepared, xs)
+    monkeypatch.setenv("FP8_BACKENDS_PDL", "0")
+    y_plain = b.gemm(x, prepared, xs)
+    assert torch.equal(y_pdl, y_plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 512])
+def test_gpu_cuda_graph_capture_and_replay(m):
+    from fp8_backends import reference
+
+    b = TritonGemmBackend()
+    x, w, xs, ws = _data(m, 6144, 4096)
+    prepared = b.prepare_weight(w, ws)
+    b.gemm(x, prepared, xs)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = b.gemm(x, prepared, xs)
+    x2, _, _, _ = _data(m, 6144, 4096, seed=1)
+    x.copy_(x2)
+    xs.fill_(0.07)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _relerr(y, reference.fp8_gemm(x2, w, xs, ws, torch.float32)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_token", [False, True])
+def test_gpu_torch_compile_inductor(per_token):
+    from fp8_backends import reference
+
+    b = TritonGemmBackend()
+    x, w, xs, ws = _data(9, 1024, 2048, per_token=per_token)
+    prepared = b.prepare_weight(w, ws)
+
+    def f(x, xs):
+        return b.gemm(x, prepared, xs, out_dtype=torch.bfloat16) * 2
+
+    torch._dynamo.reset()
+    y = torch.compile(f, fullgraph=True)(x, xs)
+    assert _relerr(y, 2 * reference.fp8_gemm(x, w, xs, ws, torch.float32)) < 1e-2
+
+
+# ------------------------------------------------------------------------------------ launcher
+class _Param:
+    def __init__(self, constexpr: bool) -> None:
+        self.is_constexpr = constexpr
+
+
+class _FakeCompiled:
+    def __init__(self, log: list, key: tuple) -> None:
+        self.log, self.key = log, key
+
+    def __getitem__(self, grid):
+        def runner(*args, stream=None):
+            self.log.append(("direct", self.key, grid, args, stream))
+
+        return runner
+
+
+class _FakeJit:
+    """Stands in for a @triton.jit function: ``fn[grid](*args, **options)`` 'compiles' and returns a kernel."""
+
+    def __init__(self, constexpr_mask: tuple[bool, ...]) -> None:
+        self.params = [_Param(c) for c in constexpr_mask]
+        self.log: list = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **options):
+            key = (args, tuple(sorted(options.items())))
+            self.log.append(("jit", key, grid))
+            return _FakeCompiled(self.log, key)
+
+        return launch
+
+
+def _launcher(fn):
+    from fp8_backends.providers.triton.launcher import KernelLauncher
+
+    launcher = KernelLauncher(fn)
+    launcher.direct = True  # as on a GPU (the interpreter always takes Triton's JIT path)
+    launcher._stream = lambda index: f"stream{index}"
+    return launcher
+
+
+def test_launcher_reuses_the_compiled_kernel_only_for_the_same_specialization():
+    fn = _FakeJit((False, False, True))  # (tensor, M, BLOCK constexpr)
+    launch = _launcher(fn)
+    x = torch.empty(64)
+    opts = {"num_warps": 4, "num_stages": 3, "pdl": False, "device_index": 0}
+    launch((1,), (x, 32, 64), **opts)
+    launch((2,), (x, 48, 64), **opts)  # M % 16 == 0 still: same kernel, launched directly
+    assert [e[0] for e in fn.log] == ["jit", "direct"]
+    assert fn.log[1][2] == (2,) and fn.log[1][3] == (x, 48, 64) and fn.log[1][4] == "stream0"
+    launch((1,), (x, 17, 64), **opts)  # M not divisible by 16: Triton specializes differently
+    launch((1,), (x, 1, 64), **opts)  # M == 1 is its own specialization
+    launch((1,), (x, 32, 128), **opts)  # another constexpr value
+    launch((1,), (x[1:], 32, 64), **opts)  # a misaligned data pointer
+    launch((1,), (x.half(), 32, 64), **opts)  # another dtype
+    launch((1,), (x, 32, 64), **{**opts, "pdl": True})  # launch options are part of the key
+    launch((1,), (x, 32, 64), **{**opts, "device_index": 1})
+    assert [e[0] for e in fn.log] == ["jit", "direct"] + ["jit"] * 7
+    launch((1,), (x, 17, 64), **opts)
+    assert fn.log[-1][0] == "direct"
+    assert ("launch_pdl", True) in fn.log[-3][1][1]
+
+
+def test_launcher_takes_the_jit_path_under_the_interpreter():
+    from fp8_backends.providers.triton.launcher import KernelLauncher
+
+    fn = _FakeJit((False,))
+    launcher = KernelLauncher(fn)
+    assert launcher.direct is (not _support.interpreting())
+    launcher.direct = False
+    for _ in range(3):
+        launcher((1,), (torch.empty(4),), num_warps=4, num_stages=1, pdl=False, device_index=0)
+    assert [e[0] for e in fn.log] == ["jit"] * 3
+
+
+@pytest.mark.gpu
+def test_gpu_repeated_calls_through_the_cached_kernel_stay_correct():
+    """Second and later calls launch the cached compiled kernel: every specialization change is seen."""
+    b = TritonGemmBackend()
+    for m in (16, 32, 17, 1, 16, 17, 1, 48):
+        _check(b, m, 1024, 2048, per_token=m % 2 == 1, bias=m == 17)

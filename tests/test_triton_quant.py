@@ -1,0 +1,476 @@
+"""The Triton FP8 activation-quant kernels (``providers/triton/quant_kernels.py``) and the CUDA default of
+``fp8_backends.quant``.
+
+CPU part: the kernels on Triton's interpreter (CPU tensors, small sizes) against ``fp8_backends.reference``
+(e4m3fn and e5m2; bf16/fp16/fp32; non-contiguous inputs; all-zero rows; M = 1; the chunked per-token
+path), through the quant ops (the kernels registered for "cpu"), and the default-selection logic of
+``fp8_backends.quant`` with the GPU facts monkeypatched. A module fixture makes the interpreter's float
+conversions exact (see test_triton_norm_quant.py). Where a GPU is visible the same tests run on CUDA
+tensors. GPU part (``gpu`` marker): real sizes, graph capture, no host syncs, the default in action.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from fp8_backends import ActScale, quant, reference  # noqa: E402
+from fp8_backends.providers.triton import _support  # noqa: E402
+from fp8_backends.providers.triton import quant_kernels as qk  # noqa: E402
+
+FP8S = [torch.float8_e4m3fn, torch.float8_e5m2]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+DEVICE = "cpu" if _support.interpreting() else "cuda"
+needs_kernels = pytest.mark.skipif(
+    not _support.interpreting() and not torch.cuda.is_available(),
+    reason="the Triton kernels need a CUDA GPU or TRITON_INTERPRET=1",
+)
+interpreter_only = pytest.mark.skipif(not _support.interpreting(), reason="needs TRITON_INTERPRET=1 (CPU tensors)")
+
+
+def _name(d) -> str:
+    return str(d).removeprefix("torch.")
+
+
+# ------------------------------------------------------------------------------------ exact interpreter casts
+_TORCH_TYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+                "fp8e4nv": torch.float8_e4m3fn, "fp8e5": torch.float8_e5m2}
+_UINTS = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def exact_interpreter_casts():
+    """Route the interpreter's (private) ``_convert_float`` through torch's casts: round to nearest even,
+    correct carries into the exponent (the interpreter's own truncates or mis-rounds)."""
+    if not _support.interpreting():
+        yield
+        return
+    import numpy as np
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_convert_float", None)
+    params = list(inspect.signature(original).parameters) if original is not None else []
+    if params != ["input", "input_dtype", "output_dtype", "rounding_mode"]:
+        pytest.fail("triton's interpreter no longer has _convert_float(input, input_dtype, output_dtype, "
+                    "rounding_mode): update the exact_interpreter_casts fixture for this triton version")
+
+    def convert(input, input_dtype, output_dtype, rounding_mode):
+        src, dst = _TORCH_TYPES.get(input_dtype.name), _TORCH_TYPES.get(output_dtype.name)
+        if src is None or dst is None:
+            return original(input, input_dtype, output_dtype, rounding_mode)
+        bits = np.ascontiguousarray(input).reshape(-1).view(np.dtype(f"uint{input_dtype.primitive_bitwidth}"))
+        out = torch.from_numpy(bits.copy()).view(src).to(dst).view(_UINTS[dst.itemsize]).numpy()
+        return out.reshape(input.shape)
+
+    interpreter._convert_float = convert
+    yield
+    interpreter._convert_float = original
+
+
+@pytest.fixture(autouse=True)
+def _restore_quant_state():
+    saved = dict(quant._impls)
+    quant.reset_default_impls()
+    yield
+    quant._impls.clear()
+    quant._impls.update(saved)
+    quant.reset_default_impls()
+
+
+# ------------------------------------------------------------------------------------ helpers
+def _ordinal(q: torch.Tensor) -> torch.Tensor:
+    b = q.view(torch.uint8).to(torch.int16)
+    mag = b & 0x7F
+    return torch.where(b >= 0x80, -mag, mag)
+
+
+def assert_codes_close(q: torch.Tensor, ref: torch.Tensor, max_fraction: float = 5e-3) -> None:
+    """Codes at most one fp8 step from the reference's, and few off at all (reciprocal vs division)."""
+    assert q.dtype == ref.dtype and q.shape == ref.shape, (q.dtype, q.shape, ref.dtype, ref.shape)
+    assert q.is_contiguous()
+    diff = (_ordinal(q.cpu()) - _ordinal(ref.cpu())).abs()
+    worst = int(diff.max()) if diff.numel() else 0
+    off = int((diff > 0).sum())
+    assert worst <= 1, f"an fp8 code is {worst} steps from the reference"
+    assert off <= max(1, int(max_fraction * diff.numel())), f"{off} of {diff.numel()} codes differ"
+
+
+def assert_scales_equal(s: torch.Tensor, ref: torch.Tensor) -> None:
+    """Bit-equal on the CPU (the interpreter and torch both divide exactly); within one fp32 ulp on CUDA,
+    where torch divides a tensor by a Python scalar as a multiplication by its reciprocal and the kernel
+    divides exactly (``div_rn``)."""
+    assert s.shape == ref.shape and s.dtype == ref.dtype == torch.float32
+    if s.device.type == "cpu":
+        assert torch.equal(s, ref), (s, ref)
+    else:
+        torch.testing.assert_close(s, ref, rtol=2.4e-7, atol=0)
+
+
+def _x(m, k, dtype=torch.bfloat16, device=DEVICE, seed=0, amplitude=3.0):
+    g = torch.Generator().manual_seed(seed * 1000 + m * 7 + k)
+    x = torch.randn(m, k, generator=g) * amplitude
+    x[:, ::7] *= 50  # a few loud columns: per-token and per-tensor scales differ, some values saturate
+    return x.to(dtype).to(device)
+
+
+SHAPES = [(1, 33), (17, 1000), (5, 4096)]
+
+
+# ------------------------------------------------------------------------------------ numerics
+@needs_kernels
+@pytest.mark.parametrize("fp8", FP8S, ids=_name)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_static_matches_reference(shape, dtype, fp8):
+    x = _x(*shape, dtype)
+    for value in (0.01, 1.0):  # saturating (e4m3) and not
+        s = torch.tensor([value], device=DEVICE)
+        q = qk.quant_static(x, s, fp8)
+        assert q.dtype == fp8 and q.shape == x.shape and q.device == x.device
+        assert_codes_close(q, reference.quantize_static(x, s, fp8))
+
+
+@needs_kernels
+@pytest.mark.parametrize("fp8", FP8S, ids=_name)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_dynamic_matches_reference(shape, dtype, fp8):
+    x = _x(*shape, dtype, seed=1)
+    q, s = qk.quant_dynamic(x, fp8)
+    rq, rs = reference.quantize_dynamic_per_tensor(x, fp8)
+    assert s.shape == (1,) and s.dtype == torch.float32 and s.device == x.device
+    assert_scales_equal(s, rs)
+    assert_codes_close(q, rq)
+    assert q.float().abs().max().item() == (448.0 if fp8 == torch.float8_e4m3fn else 57344.0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fp8", FP8S, ids=_name)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_per_token_matches_reference(shape, dtype, fp8):
+    x = _x(*shape, dtype, seed=2)
+    x[0] *= 40  # one loud row must not flatten the others
+    q, s = qk.quant_per_token(x, fp8)
+    rq, rs = reference.quantize_per_token(x, fp8)
+    assert s.shape == (shape[0], 1) and s.dtype == torch.float32 and s.is_contiguous()
+    assert_scales_equal(s, rs)
+    assert_codes_close(q, rq)
+
+
+@needs_kernels
+@pytest.mark.parametrize("k, block", [(1000, 128), (4096, 1024), (33, 16)])
+def test_per_token_two_pass_path(k, block):
+    cfg = qk.row_config(k, single_pass_max=block // 2, loop_block=block)
+    assert cfg.path == "loop" and cfg.block == block
+    x = _x(3, k, seed=3)
+    q, s = qk.quant_per_token(x, torch.float8_e4m3fn, config=cfg)
+    rq, rs = reference.quantize_per_token(x)
+    assert_scales_equal(s, rs)
+    assert_codes_close(q, rq)
+
+
+_VIEWS = {
+    "transposed": lambda b: b.t(),  # [24, 40], strides (1, 24)
+    "column slice": lambda b: b[:, 3:19],  # row stride 24 > K = 16
+    "row step": lambda b: b[::3],  # row stride 72
+    "expanded row": lambda b: b[:1].expand(5, 24),  # row stride 0
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("view", list(_VIEWS))
+@pytest.mark.parametrize("mode", list(ActScale))
+def test_non_contiguous_inputs(mode, view):
+    x = _VIEWS[view](_x(40, 24, torch.float16, seed=4))
+    assert not x.is_contiguous()
+    s = torch.tensor([0.05], device=DEVICE)
+    if mode is ActScale.PER_TENSOR_STATIC:
+        q, rq = qk.quant_static(x, s, torch.float8_e4m3fn), reference.quantize_static(x.contiguous(), s)
+    elif mode is ActScale.PER_TENSOR_DYNAMIC:
+        (q, sc), (rq, rs) = qk.quant_dynamic(x, torch.float8_e4m3fn), reference.quantize_dynamic_per_tensor(x)
+        assert_scales_equal(sc, rs)
+    else:
+        (q, sc), (rq, rs) = qk.quant_per_token(x, torch.float8_e4m3fn), reference.quantize_per_token(x)
+        assert_scales_equal(sc, rs)
+    assert_codes_close(q, rq)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fp8", FP8S, ids=_name)
+def test_zero_rows_get_the_floor_scale(fp8):
+    x = _x(4, 64, seed=5)
+    x[1] = 0
+    q, s = qk.quant_per_token(x, fp8)
+    assert s[1].item() == pytest.approx(reference.MIN_DYNAMIC_SCALE) and torch.all(q[1].float() == 0)
+    assert_scales_equal(s, reference.quantize_per_token(x, fp8)[1])
+    zeros = torch.zeros(3, 50, dtype=torch.bfloat16, device=DEVICE)
+    q, s = qk.quant_dynamic(zeros, fp8)
+    assert_scales_equal(s, reference.quantize_dynamic_per_tensor(zeros, fp8)[1])
+    assert torch.all(q.float() == 0)
+    q, s = qk.quant_per_token(zeros, fp8)
+    assert torch.all(s == torch.tensor(reference.MIN_DYNAMIC_SCALE, dtype=torch.float32))
+
+
+@needs_kernels
+def test_single_row_and_empty():
+    x = _x(1, 4096, seed=6)
+    q, s = qk.quant_per_token(x, torch.float8_e4m3fn)
+    assert s.shape == (1, 1)
+    assert_scales_equal(s, reference.quantize_per_token(x)[1])
+    q, s = qk.quant_dynamic(x, torch.float8_e4m3fn)
+    assert_scales_equal(s, reference.quantize_dynamic_per_tensor(x)[1])
+    empty = torch.empty(0, 64, dtype=torch.bfloat16, device=DEVICE)
+    assert qk.quant_static(empty, torch.ones(1, device=DEVICE), torch.float8_e4m3fn).shape == (0, 64)
+    q, s = qk.quant_per_token(empty, torch.float8_e4m3fn)
+    assert q.shape == (0, 64) and s.shape == (0, 1)
+    q, s = qk.quant_dynamic(empty, torch.float8_e4m3fn)
+    assert q.shape == (0, 64) and s.shape == (1,) and s.item() == pytest.approx(reference.MIN_DYNAMIC_SCALE)
+
+
+@needs_kernels
+def test_many_row_tiles_fold_into_one_amax(monkeypatch):
+    """More row tiles than AMAX_MAX_PROGRAMS: each absmax program loops over several of them."""
+    monkeypatch.setattr(qk, "AMAX_MAX_PROGRAMS", 2)
+    for row in (20, 44):  # the second step of the first program; the last row
+        x = _x(45, 200, seed=7)  # tiles of 16 x 256: 3 row tiles -> 2 programs of 2 steps (the last one empty)
+        x[row, 5] = -1e4
+        q, s = qk.quant_dynamic(x, torch.float8_e4m3fn)
+        rq, rs = reference.quantize_dynamic_per_tensor(x)
+        assert_scales_equal(s, rs)
+        assert_codes_close(q, rq)
+
+
+@needs_kernels
+def test_outputs_are_new_tensors():
+    x = _x(4, 64, seed=8)
+    s = torch.tensor([0.1], device=DEVICE)
+    q = qk.quant_static(x, s, torch.float8_e4m3fn)
+    q2, s2 = qk.quant_dynamic(x, torch.float8_e4m3fn)
+    q3, s3 = qk.quant_per_token(x, torch.float8_e4m3fn)
+    ptrs = {t.data_ptr() for t in (q, q2, s2, q3, s3)}
+    assert len(ptrs) == 5 and not ptrs & {x.data_ptr(), s.data_ptr()}
+
+
+def test_bad_fp8_dtype():
+    with pytest.raises(ValueError, match="float8_e4m3fn or torch.float8_e5m2"):
+        qk.quant_static(torch.ones(2, 4), torch.ones(1), torch.bfloat16)
+
+
+def test_configs():
+    assert qk.row_config(33) == qk.RowConfig("rows", qk.ROW_TILE // 64, 64, qk.ROW_TILE_WARPS)
+    assert qk.row_config(1000).path == "rows" and qk.row_config(1000).block == 1024
+    assert qk.row_config(2048).path == "row"
+    big = qk.row_config(qk.SINGLE_PASS_MAX)
+    assert big.path == "row" and big.rows == 1 and big.block == qk.SINGLE_PASS_MAX
+    beyond = qk.row_config(qk.SINGLE_PASS_MAX + 1)
+    assert beyond == qk.RowConfig("loop", 1, qk.LOOP_BLOCK, qk.LOOP_WARPS)
+    assert qk.row_config(4096, True).num_warps < qk.row_config(4096, False).num_warps  # large: fewer warps
+    assert qk.is_large(16384, 4096) and not qk.is_large(4096, 4096) and not qk.is_large(1, 100000)
+    for k in (1, 33, 4096, 5120, 100000):
+        for large in (False, True):
+            cfg = qk.row_config(k, large)
+            assert cfg.num_warps in (1, 2, 4, 8, 16, 32) and cfg.rows * cfg.block >= min(k, cfg.block)
+        tile = qk.tile_config(k)
+        assert tile.rows * tile.block_k == qk.TILE and tile.block_k >= min(k, qk.TILE_MAX_BLOCK_K)
+
+
+@needs_kernels
+@pytest.mark.parametrize("one_program", [True, False])
+@pytest.mark.parametrize("shape", [(1, 33), (2, 4096), (5, 3000)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_dynamic_one_program_and_two_kernel_paths(monkeypatch, shape, one_program):
+    assert (qk._one_program_block(*shape) is not None) == (shape != (5, 3000))
+    if not one_program:
+        monkeypatch.setattr(qk, "SMALL_DYNAMIC_MAX", 0)
+    elif qk._one_program_block(*shape) is None:
+        monkeypatch.setattr(qk, "SMALL_DYNAMIC_MAX", 1 << 20)
+    x = _x(*shape, seed=14)
+    for view in (x, x[:, : shape[1] // 2]):  # contiguous, and a column slice
+        q, s = qk.quant_dynamic(view, torch.float8_e5m2)
+        rq, rs = reference.quantize_dynamic_per_tensor(view, "e5m2")
+        assert_scales_equal(s, rs)
+        assert_codes_close(q, rq)
+
+
+# ------------------------------------------------------------------------------------ through the quant ops
+@interpreter_only
+def test_registered_for_cpu_through_the_ops():
+    previous = qk.register("cpu")
+    assert all(p is None for p in previous.values())
+    for mode, fn in qk.impls().items():
+        assert quant.registered_quant_impl(mode, "cpu") is fn
+    x = _x(6, 96, seed=9)
+    s = torch.tensor([0.02])
+    assert_codes_close(quant.quantize_static(x, s), reference.quantize_static(x, s))
+    q, sc = quant.quantize_dynamic(x, "e5m2")
+    rq, rs = reference.quantize_dynamic_per_tensor(x, "e5m2")
+    assert_scales_equal(sc, rs)
+    assert_codes_close(q, rq)
+    qa = quant.quantize(x.t(), ActScale.PER_TOKEN)  # non-contiguous through the op
+    rq, rs = reference.quantize_per_token(x.t())
+    assert_scales_equal(qa.scale, rs)
+    assert_codes_close(qa.data, rq)
+    for mode in ActScale:
+        op = quant.quant_op(mode)
+        args = (x, s, torch.float8_e4m3fn) if mode is ActScale.PER_TENSOR_STATIC else (x, torch.float8_e4m3fn)
+        torch.library.opcheck(op, args, test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_register_returns_what_it_replaced():
+    def mine(x, fp8_dtype):
+        raise AssertionError("not called")
+
+    quant.register_quant_impl("per_token", "cuda", mine)
+    previous = qk.register("cuda")
+    assert previous[ActScale.PER_TOKEN] is mine and previous[ActScale.PER_TENSOR_STATIC] is None
+    assert quant.registered_quant_impl("per_token", "cuda") is qk.quant_per_token
+
+
+# ------------------------------------------------------------------------------------ the CUDA default
+def _fake_gpus(monkeypatch, sms):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(sms))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: sms[0 if i is None else i])
+
+
+def test_cuda_default_is_triton_on_sm89_and_newer(monkeypatch):
+    _fake_gpus(monkeypatch, [(9, 0), (8, 9)])
+    assert quant._triton_usable_on_cuda() is None
+    for mode, fn in qk.impls().items():
+        assert quant.default_quant_impl(mode, "cuda") is fn
+        assert quant._impl_for(mode, "cuda") is fn
+    assert quant.registered_quant_impl("per_token", "cuda") is None, "the default is not a registration"
+
+
+@pytest.mark.parametrize("sms", [[(8, 0)], [(9, 0), (8, 6)], []])
+def test_cuda_default_is_the_reference_on_older_gpus(monkeypatch, sms):
+    _fake_gpus(monkeypatch, sms)
+    assert "SM >= 8.9" in quant._triton_usable_on_cuda()
+    assert quant.default_quant_impl("per_token", "cuda") is quant._REFERENCE[ActScale.PER_TOKEN]
+
+
+@pytest.mark.parametrize("value", ["triton", "torch,triton", "fp8-backends:triton", "fp8_backends:triton"])
+def test_cuda_default_respects_disabled(monkeypatch, value):
+    _fake_gpus(monkeypatch, [(9, 0)])
+    monkeypatch.setenv("FP8_BACKENDS_DISABLED", value)
+    assert "FP8_BACKENDS_DISABLED" in quant._triton_usable_on_cuda()
+    assert quant.default_quant_impl("per_tensor_static", "cuda") is quant._REFERENCE[ActScale.PER_TENSOR_STATIC]
+    monkeypatch.setenv("FP8_BACKENDS_DISABLED", "otherdist:triton")  # someone else's provider named triton
+    assert quant._triton_usable_on_cuda() is None
+
+
+def test_cpu_never_uses_triton(monkeypatch):
+    _fake_gpus(monkeypatch, [(9, 0)])
+    for mode in ActScale:
+        assert quant.default_quant_impl(mode, "cpu") is quant._REFERENCE[mode]
+    x = _x(3, 32, device="cpu", seed=10)
+    q, s = quant.quantize_per_token(x)
+    rq, rs = reference.quantize_per_token(x)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+
+
+def test_decided_once_then_one_lookup(monkeypatch):
+    calls = []
+    monkeypatch.setattr(quant, "_triton_usable_on_cuda", lambda: calls.append(1) or "not here")
+    for _ in range(3):
+        for mode in ActScale:
+            assert quant._impl_for(mode, "cuda") is quant._REFERENCE[mode]
+    assert calls == [1]
+    quant.reset_default_impls()
+    quant._impl_for(ActScale.PER_TOKEN, "cuda")
+    assert calls == [1, 1]
+
+
+def test_registered_entry_wins_over_the_default(monkeypatch):
+    _fake_gpus(monkeypatch, [(9, 0)])
+
+    def mine(x, scale, fp8_dtype):
+        return "mine"
+
+    assert quant._impl_for(ActScale.PER_TENSOR_STATIC, "cuda") is qk.quant_static
+    quant.register_quant_impl("per_tensor_static", "cuda", mine)
+    assert quant._impl_for(ActScale.PER_TENSOR_STATIC, "cuda") is mine
+    quant.register_quant_impl("per_tensor_static", "cuda", None)
+    assert quant._impl_for(ActScale.PER_TENSOR_STATIC, "cuda") is qk.quant_static
+
+
+def test_broken_triton_falls_back_with_a_warning(monkeypatch, caplog):
+    def broken():
+        raise ImportError("libtriton.so: cannot open shared object file")
+
+    monkeypatch.setattr(quant, "_triton_usable_on_cuda", broken)
+    with caplog.at_level("WARNING", logger="fp8_backends"):
+        fn = quant.default_quant_impl("per_token", "cuda")
+    assert fn is quant._REFERENCE[ActScale.PER_TOKEN]
+    assert "libtriton" in caplog.text
+
+
+# ============================================================================================ GPU
+GPU_SHAPES = [(1, 4096), (32, 5120), (4096, 4096), (333, 14336), (8, 40000)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", FP8S, ids=_name)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+def test_gpu_matches_reference(dtype, fp8):
+    for shape in GPU_SHAPES:
+        x = _x(*shape, dtype, device="cuda", seed=11)
+        s = torch.tensor([0.05], device="cuda")
+        assert_codes_close(qk.quant_static(x, s, fp8), reference.quantize_static(x, s, fp8), 1e-3)
+        q, sc = qk.quant_dynamic(x, fp8)
+        rq, rs = reference.quantize_dynamic_per_tensor(x, fp8)
+        assert_scales_equal(sc, rs)
+        assert_codes_close(q, rq, 1e-3)
+        q, sc = qk.quant_per_token(x, fp8)
+        rq, rs = reference.quantize_per_token(x, fp8)
+        assert_scales_equal(sc, rs)
+        assert_codes_close(q, rq, 1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_default_is_triton_and_graph_capturable():
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("the Triton default needs SM >= 8.9")
+    for mode, fn in qk.impls().items():
+        assert quant.default_quant_impl(mode, "cuda") is fn
+    x = _x(64, 4096, device="cuda", seed=12)
+    s = torch.tensor([0.03], device="cuda")
+
+    def run():
+        return (quant.quantize_static(x, s), *quant.quantize_dynamic(x), *quant.quantize_per_token(x.t()))
+
+    eager = run()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = run()
+        x.mul_(0.5)
+        graph.replay()
+        expected = run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    for a, b in zip(captured, expected):
+        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                           b.view(torch.uint8) if b.element_size() == 1 else b)
+    assert not torch.equal(captured[2], eager[2]), "replay must read the new x (the dynamic scale halves)"
+
+
+@pytest.mark.gpu
+def test_gpu_pdl_on_and_off_agree(monkeypatch):
+    x = _x(512, 4096, device="cuda", seed=13)
+    s = torch.tensor([0.05], device="cuda")
+    runs = []
+    for pdl in ("1", "0"):
+        monkeypatch.setenv("FP8_BACKENDS_PDL", pdl)
+        out = (qk.quant_static(x, s, torch.float8_e4m3fn), *qk.quant_dynamic(x, torch.float8_e4m3fn),
+               *qk.quant_per_token(x, torch.float8_e4m3fn))
+        torch.cuda.synchronize()
+        runs.append([t.view(torch.uint8) if t.element_size() == 1 else t for t in out])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
