@@ -2,7 +2,9 @@
 
 ``TorchCompileNormQuant`` is a norm-quant "provider" for the benchmarks only (never registered): the
 reference RMSNorm + static quant (and residual add) written as plain torch ops, compiled by Inductor
-with ``dynamic=False`` (one compile per shape, as ../shared/notes/device-baseline.md §8 measured it). The
+with ``dynamic=False`` (one compile per shape, as ../shared/notes/device-baseline.md §8 measured it; the
+recompile limits are raised so that every shape of a grid gets its compile: the 2026-11-29 run hit the default
+limit of 8 and measured the last H = 8192 shapes eagerly). The
 compiled functions write into the caller's ``out`` (and ``residual``) so Inductor emits one fused
 kernel that stores in place, with no extra copy. :func:`entry` wraps it as a
 :class:`~fp8_backends.registry.discovery.ProviderEntry` for :func:`bench.common.run_grid`.
@@ -18,11 +20,25 @@ from fp8_backends.providers.torch_norm_quant import TorchNormQuantBackend
 NAME = "torch_compile"
 
 
+#: one static compile per shape: a grid of 2 ops x 2 hidden sizes x many token counts recompiles the same code
+#: object far past dynamo's default limit (8), after which it silently runs the code eagerly
+RECOMPILE_LIMIT = 256
+
+
+def _raise_recompile_limits(torch: Any) -> None:
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(cfg, name) and getattr(cfg, name) < RECOMPILE_LIMIT:
+            setattr(cfg, name, RECOMPILE_LIMIT)
+
+
 @functools.cache
 def _compiled(residual: bool) -> Any:
     import torch
 
     from fp8_backends import reference
+
+    _raise_recompile_limits(torch)
 
     if residual:
         def add_norm_quant(out, x, res, weight, scale, eps: float):

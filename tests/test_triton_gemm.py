@@ -424,7 +424,7 @@ class _FakeCompiled:
 
     def __getitem__(self, grid):
         def runner(*args, stream=None):
-            self.log.append(("direct", self.key, grid, args, stream))
+            self.log.append(("direct", self.key, (grid[0], grid[1], grid[2]), args, stream))  # as Triton's runner
 
         return runner
 
@@ -462,7 +462,7 @@ def test_launcher_reuses_the_compiled_kernel_only_for_the_same_specialization():
     launch((1,), (x, 32, 64), **opts)
     launch((2,), (x, 48, 64), **opts)  # M % 16 == 0 still: same kernel, launched directly
     assert [e[0] for e in fn.log] == ["jit", "direct"]
-    assert fn.log[1][2] == (2,) and fn.log[1][3] == (x, 48, 64) and fn.log[1][4] == "stream0"
+    assert fn.log[1][2] == (2, 1, 1) and fn.log[1][3] == (x, 48, 64) and fn.log[1][4] == "stream0"
     launch((1,), (x, 17, 64), **opts)  # M not divisible by 16: Triton specializes differently
     launch((1,), (x, 1, 64), **opts)  # M == 1 is its own specialization
     launch((1,), (x, 32, 128), **opts)  # another constexpr value

@@ -7,7 +7,7 @@
   residual's dtype), then the same on the fp32 sum.
 
 Any hidden size (masked; no alignment needed). The kernels (``norm_kernels``) take several rows per
-program for ``H <= 1024``, one whole row per program in one pass up to 16384, and two passes over the row
+program for ``H <= 1024``, one whole row per program in one pass up to 32768, and two passes over the row
 above that. ``scale`` is read on the device (CUDA-graph safe; no host sync, no allocation besides the
 output the base class makes). Launches use programmatic dependent launch on SM >= 9.0 unless
 ``FP8_BACKENDS_PDL=0``.
