@@ -217,6 +217,21 @@ class Fp8GemmBackend(ProviderBase):
     ) -> PreparedWeight:
         """Provider hook behind :meth:`prepare_weight`; inputs are already validated."""
 
+    def prepare_k_major(self, w_q: torch.Tensor, w_scale: torch.Tensor, weight_scale: WeightScale) -> PreparedWeight:
+        """A ready-made ``prepare_weight_impl`` for kernels that read the ``[N, K]`` row-major weight as it is
+        (K-major, no copy), with its scale as contiguous fp32 ``[1]`` (per-tensor) or ``[N]`` (per-channel)."""
+        n, k = w_q.shape
+        scale = w_scale.reshape(n if weight_scale is WeightScale.PER_CHANNEL else 1).contiguous()
+        return PreparedWeight(data=w_q, scale=scale, n=n, k=k, dtype=Fp8Dtype.of(w_q.dtype),
+                              weight_scale=weight_scale, backend=self.name)
+
+    def require_contiguous_vectors(self, x_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """For kernels that index a per-token ``x_scale [M, 1]`` and a ``bias [N]`` with unit stride."""
+        if x_scale.numel() > 1 and not x_scale.is_contiguous():
+            raise InvalidInputError(f"{self.name} needs a contiguous per-token x_scale [M, 1]")
+        if bias is not None and not bias.is_contiguous():
+            raise InvalidInputError(f"{self.name} needs a contiguous bias [N]")
+
     # ------------------------------------------------------------------ hot path
     def gemm(
         self,

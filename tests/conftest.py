@@ -103,3 +103,40 @@ def thirdparty_plugin(plugin_site: str, monkeypatch: pytest.MonkeyPatch) -> str:
     yield plugin_site
     sys.modules.pop("fp8_backends_testplugin.toy", None)
     discovery.refresh()
+
+
+@pytest.fixture(scope="module")
+def exact_interpreter_casts():
+    """Make Triton's interpreter convert floats as the GPU does (round to nearest even, correct carries
+    into the exponent) by routing its private ``_convert_float`` helper through torch's casts (the
+    interpreter's own truncates fp32 -> bf16 and mis-rounds some fp32 -> fp8: ../shared/notes/cpu-ci.md).
+    Kernel tests that compare codes exactly use it; it fails loudly if a triton upgrade renames the hook."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    import inspect
+
+    import numpy as np
+    import torch
+    from triton.runtime import interpreter
+
+    torch_types = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+                   "fp8e4nv": torch.float8_e4m3fn, "fp8e5": torch.float8_e5m2}
+    uints = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32}
+    original = getattr(interpreter, "_convert_float", None)
+    params = list(inspect.signature(original).parameters) if original is not None else []
+    if params != ["input", "input_dtype", "output_dtype", "rounding_mode"]:
+        pytest.fail("triton's interpreter no longer has _convert_float(input, input_dtype, output_dtype, "
+                    "rounding_mode): update the exact_interpreter_casts fixture for this triton version")
+
+    def convert(input, input_dtype, output_dtype, rounding_mode):
+        src, dst = torch_types.get(input_dtype.name), torch_types.get(output_dtype.name)
+        if src is None or dst is None:
+            return original(input, input_dtype, output_dtype, rounding_mode)
+        bits = np.ascontiguousarray(input).reshape(-1).view(np.dtype(f"uint{input_dtype.primitive_bitwidth}"))
+        out = torch.from_numpy(bits.copy()).view(src).to(dst).view(uints[dst.itemsize]).numpy()
+        return out.reshape(input.shape)
+
+    interpreter._convert_float = convert
+    yield
+    interpreter._convert_float = original

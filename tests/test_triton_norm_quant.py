@@ -13,7 +13,6 @@ torch.compile.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 import subprocess
 import sys
@@ -43,39 +42,7 @@ needs_kernels = pytest.mark.skipif(
 interpreter_only = pytest.mark.skipif(not _support.interpreting(), reason="needs TRITON_INTERPRET=1 (CPU tensors)")
 
 
-# ------------------------------------------------------------------------------------ exact interpreter casts
-_TORCH_TYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-                "fp8e4nv": torch.float8_e4m3fn, "fp8e5": torch.float8_e5m2}
-_UINTS = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def exact_interpreter_casts():
-    """Make the interpreter convert floats as the GPU does (round to nearest even, correct carries) by
-    routing its ``_convert_float`` helper (private: check it on every triton upgrade) through torch."""
-    if not _support.interpreting():
-        yield
-        return
-    import numpy as np
-    from triton.runtime import interpreter
-
-    original = getattr(interpreter, "_convert_float", None)
-    params = list(inspect.signature(original).parameters) if original is not None else []
-    if params != ["input", "input_dtype", "output_dtype", "rounding_mode"]:
-        pytest.fail("triton's interpreter no longer has _convert_float(input, input_dtype, output_dtype, "
-                    "rounding_mode): update the exact_interpreter_casts fixture for this triton version")
-
-    def convert(input, input_dtype, output_dtype, rounding_mode):
-        src, dst = _TORCH_TYPES.get(input_dtype.name), _TORCH_TYPES.get(output_dtype.name)
-        if src is None or dst is None:
-            return original(input, input_dtype, output_dtype, rounding_mode)
-        bits = np.ascontiguousarray(input).reshape(-1).view(np.dtype(f"uint{input_dtype.primitive_bitwidth}"))
-        out = torch.from_numpy(bits.copy()).view(src).to(dst).view(_UINTS[dst.itemsize]).numpy()
-        return out.reshape(input.shape)
-
-    interpreter._convert_float = convert
-    yield
-    interpreter._convert_float = original
+pytestmark = pytest.mark.usefixtures("exact_interpreter_casts")  # tests/conftest.py
 
 
 # ------------------------------------------------------------------------------------ helpers

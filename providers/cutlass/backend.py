@@ -97,22 +97,9 @@ class CutlassSm90Backend(Fp8GemmBackend):
     def prepare_weight_impl(
         self, w_q: torch.Tensor, w_scale: torch.Tensor, weight_scale: WeightScale
     ) -> PreparedWeight:
-        n, k = w_q.shape
         if w_q.data_ptr() % 16:
             raise InvalidInputError("cutlass needs w_q 16-byte aligned (TMA); pass a tensor that starts its allocation")
-        if weight_scale is WeightScale.PER_CHANNEL:
-            scale = w_scale.reshape(n).contiguous()
-        else:
-            scale = w_scale.reshape(1).contiguous()
-        return PreparedWeight(
-            data=w_q,  # [N, K] row-major: the kernels read it K-major as it is
-            scale=scale,
-            n=n,
-            k=k,
-            dtype=Fp8Dtype.of(w_q.dtype),
-            weight_scale=weight_scale,
-            backend=self.name,
-        )
+        return self.prepare_k_major(w_q, w_scale, weight_scale)  # the kernels read [N, K] K-major as it is
 
     # ------------------------------------------------------------------ hot path
     def gemm_impl(
@@ -125,10 +112,7 @@ class CutlassSm90Backend(Fp8GemmBackend):
     ) -> torch.Tensor:
         from .ops import cutlass_gemm
 
-        if x_scale.numel() > 1 and not x_scale.is_contiguous():
-            raise InvalidInputError("cutlass needs a contiguous per-token x_scale [M, 1]")
-        if bias is not None and not bias.is_contiguous():
-            raise InvalidInputError("cutlass needs a contiguous bias [N]")
+        self.require_contiguous_vectors(x_scale, bias)
         return cutlass_gemm(
             x_q,
             prepared.data,

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, ClassVar
 
 from fp8_backends.backend import Fp8GemmBackend
 from fp8_backends.capabilities import GemmCapabilities
-from fp8_backends.errors import InvalidInputError
 from fp8_backends.types import (
     ActScale,
     Availability,
@@ -100,17 +99,7 @@ class TritonGemmBackend(Fp8GemmBackend):
     def prepare_weight_impl(
         self, w_q: torch.Tensor, w_scale: torch.Tensor, weight_scale: WeightScale
     ) -> PreparedWeight:
-        n, k = w_q.shape
-        scale = w_scale.reshape(n if weight_scale is WeightScale.PER_CHANNEL else 1).contiguous()
-        return PreparedWeight(
-            data=w_q,  # [N, K] row-major: every kernel reads it K-major as it is
-            scale=scale,
-            n=n,
-            k=k,
-            dtype=Fp8Dtype.of(w_q.dtype),
-            weight_scale=weight_scale,
-            backend=self.name,
-        )
+        return self.prepare_k_major(w_q, w_scale, weight_scale)  # every kernel reads [N, K] K-major as it is
 
     # ------------------------------------------------------------------ hot path
     def gemm_impl(
@@ -123,10 +112,7 @@ class TritonGemmBackend(Fp8GemmBackend):
     ) -> torch.Tensor:
         from .gemm_ops import triton_gemm
 
-        if x_scale.numel() > 1 and not x_scale.is_contiguous():
-            raise InvalidInputError("triton needs a contiguous per-token x_scale [M, 1]")
-        if bias is not None and not bias.is_contiguous():
-            raise InvalidInputError("triton needs a contiguous bias [N]")
+        self.require_contiguous_vectors(x_scale, bias)
         return triton_gemm(x_q, prepared.data, x_scale, prepared.scale, bias, out_dtype, self.config["config"])
 
 
