@@ -75,7 +75,8 @@ def _resolution_dict(res: resolution.Resolution) -> dict[str, Any]:
         "chosen_distribution": None if chosen is None else chosen.dist,
         "error": None if res.error is None else f"{type(res.error).__name__}: {res.error}",
         "candidates": [
-            {"name": c.entry.name, "distribution": c.entry.dist, "ok": c.ok, "reasons": c.reasons}
+            {"name": c.entry.name, "distribution": c.entry.dist, "ok": c.ok, "reasons": c.reasons,
+             "auto_skips": c.explicit_only}
             for c in res.candidates
         ],
     }
@@ -102,6 +103,8 @@ def collect(
             reason = entry.unusable_reason()
             platform_reasons = cand.reasons if cand is not None else []
             avail = entry.availability()
+            notes = [n for n in (avail.reason if avail.ok and avail.reason else None,
+                                 None if cand is None or cand.explicit_only is None else cand.explicit_only) if n]
             providers.append(
                 {
                     "kind": kind,
@@ -117,7 +120,7 @@ def collect(
                     "usable": not platform_reasons,
                     "reasons": platform_reasons if platform_reasons else ([reason] if reason else []),
                     "install_hint": avail.install_hint or None,
-                    "note": avail.reason if avail.ok and avail.reason else None,
+                    "note": "; ".join(notes) or None,
                     "description": getattr(entry.cls, "description", "") if entry.cls else "",
                     "options": {k: list(v) for k, v in getattr(entry.cls, "options", {}).items()}
                     if entry.cls

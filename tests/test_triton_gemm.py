@@ -494,3 +494,21 @@ def test_gpu_repeated_calls_through_the_cached_kernel_stay_correct():
     b = TritonGemmBackend()
     for m in (16, 32, 17, 1, 16, 17, 1, 48):
         _check(b, m, 1024, 2048, per_token=m % 2 == 1, bias=m == 17)
+
+
+@pytest.mark.skipif(not _support.interpreting(), reason="needs TRITON_INTERPRET=1 (the CPU-only case)")
+def test_auto_never_picks_the_interpreter_but_a_named_request_gets_it():
+    from fp8_backends.registry import resolution
+    from fp8_backends.types import NormQuantProblem
+
+    for kind, problem in (("gemm", GemmProblem(n=64, k=64, m=4, device="cpu")),
+                          ("norm_quant", NormQuantProblem(hidden=64, device="cpu"))):
+        auto = resolution.explain(kind, "auto", problem=problem)
+        assert auto.backend is not None and auto.backend.name != "triton"
+        cand = next(c for c in auto.candidates if c.entry.name == "triton")
+        assert cand.ok and "interpreter" in cand.explicit_only
+        named = resolution.explain(kind, "triton", problem=problem)
+        assert named.error is None and named.backend.name == "triton"
+    on_gpu = resolution.explain("norm_quant", "auto", problem=NormQuantProblem(hidden=64),
+                                platform=simulate_platform("9.0"))
+    assert on_gpu.backend.name == "triton"  # highest priority where it runs compiled

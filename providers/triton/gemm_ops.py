@@ -138,6 +138,7 @@ def _launch_tma(cfg: TileConfig, x: torch.Tensor, w: torch.Tensor, x_scale: torc
         X_PER_TOKEN=flags[0], W_PER_CHANNEL=flags[1], HAS_BIAS=flags[2], USE_PDL=use_pdl, **extra)
 
 
+@functools.cache
 def _kernel(family: str) -> Any:
     from . import gemm_kernels as K
 
