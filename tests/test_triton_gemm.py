@@ -512,3 +512,42 @@ def test_auto_never_picks_the_interpreter_but_a_named_request_gets_it():
     on_gpu = resolution.explain("norm_quant", "auto", problem=NormQuantProblem(hidden=64),
                                 platform=simulate_platform("9.0"))
     assert on_gpu.backend.name == "triton"  # highest priority where it runs compiled
+
+
+def test_bench_sweep_summary_builds_a_loadable_triton_table(monkeypatch):
+    """bench/triton_configs.py: synthetic timings -> a table TritonTable accepts, and the decode summary."""
+    import importlib
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))  # bench/ is a repository folder
+    bt = importlib.import_module("bench.triton_configs")
+    sweep = importlib.import_module("bench.config_sweep")
+    names = list(gemm_configs.CONFIG_NAMES)
+    ms = [1, 16, 64, 1024]
+    rows = []
+    for n, k in sweep.SHAPES:
+        for m in ms:
+            eligible = [c for c in names if bt._eligible(CONFIGS[c], m)]
+            res = {label: {"median_us": 10.0, "error": None, "relerr": 2e-3}
+                   for label in (sweep.TORCH, sweep.TORCH_FA, *(bt.PREFIX + c for c in eligible))}
+            fastest = eligible[(m + n) % len(eligible)]
+            res[bt.PREFIX + fastest]["median_us"] = 5.0
+            rows.append({"n": n, "k": k, "m": m, "n_sets": 2, "results": res,
+                         "nopdl": {"config": fastest, "results": {bt.NOPDL + fastest: {
+                             "median_us": 6.0, "error": None, "relerr": 2e-3}}}})
+    summary = sweep.summarize(rows, names, ms, sweep.SHAPES, bt._spec(),
+                              eligible=lambda name, m: bt._eligible(CONFIGS[name], m))
+    table = TritonTable.from_json(json.loads(sweep.table_text(summary["table"])))
+    for row in rows:
+        best = min((r["median_us"], label) for label, r in row["results"].items() if label.startswith(bt.PREFIX))
+        assert bt.PREFIX + table.pick(row["m"], row["n"], row["k"]) == best[1]
+    decode = bt.decode_summary(rows, names, copy_gbps=4000.0)
+    assert {p["m"] for p in decode["points"]} == {1, 16}
+    point = decode["points"][0]
+    assert point["best_us"] == 5.0 and point["nopdl_us"] == 6.0 and point["torch_us"] == 10.0
+    assert abs(decode["M=1"]["best_floor_frac"] - 2 * decode["M=1"]["torch_floor_frac"]) < 1e-9
+    summary["decode"] = decode
+    report = {"header": {"date": "d", "gpu": "g", "sm": "9.0a", "driver": "-", "cuda_runtime": "-", "versions": {},
+                         "command": "c", "copy_gbps": 4000.0, "pdl": True}, "rows": rows, "summary": summary}
+    text = bt.markdown(report, names)
+    assert "% of the weight-read floor" in text and "torch / best" in text
