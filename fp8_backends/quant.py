@@ -135,19 +135,16 @@ _defaults: dict[tuple[ActScale, str], QuantImpl] = {}
 
 
 def _triton_usable_on_cuda() -> str | None:
-    """Why the Triton quant kernels cannot be the CUDA default here (None: they can)."""
-    import importlib.util
+    """Why the Triton quant kernels cannot be the CUDA default here (None: they can): the built-in ``triton``
+    norm-quant provider's own verdict (installed, not disabled, not blocked) plus SM >= 8.9 on every GPU."""
+    from fp8_backends.registry import discovery
 
-    from fp8_backends.registry import settings
-
-    off = settings.disabled_names()
-    if "triton" in off or any(
-        entry.partition(":")[2] == "triton" and settings.canonical_dist(entry.partition(":")[0]) == "fp8-backends"
-        for entry in off
-    ):
-        return f"triton disabled by {settings.DISABLED_ENV}"
-    if importlib.util.find_spec("triton") is None:
-        return "triton is not installed"
+    entry = next((e for e in discovery.discover("norm_quant") if e.name == "triton" and e.builtin), None)
+    if entry is None:
+        return "the built-in triton provider is not registered"
+    reason = entry.unusable_reason()
+    if reason:
+        return reason
     import torch
 
     sms = [tuple(torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())]

@@ -61,8 +61,18 @@ class ProviderEntry:
 
     @property
     def disabled(self) -> bool:
+        """Named in ``FP8_BACKENDS_DISABLED`` by name, alias or ``DIST:NAME`` (distribution names compared
+        after PEP 503 normalisation: ``fp8_backends:triton`` and ``fp8-backends:triton`` are the same)."""
         off = settings.disabled_names()
-        return bool(off & {self.name, self.qualified_name, *self.aliases})
+        if not off:
+            return False
+        names = {self.name, *self.aliases}
+        mine = settings.canonical_dist(self.dist) if self.dist else None
+        for item in off:
+            dist, sep, name = item.rpartition(":")
+            if name in names and (not sep or settings.canonical_dist(dist) == mine):
+                return True
+        return False
 
     def matches(self, name: str, dist: str | None = None) -> bool:
         if dist is not None:

@@ -229,3 +229,16 @@ def test_resolution_without_problem_uses_platform_only():
     # on a (simulated) SM 9.0 GPU: the highest-priority norm-quant provider installed here (flashinfer is not)
     expected = "triton" if importlib.util.find_spec("triton") else "torch"
     assert resolve_norm_quant_backend(platform=simulate_platform("9.0")).name == expected
+
+
+def test_disabled_accepts_any_spelling_of_the_distribution(monkeypatch):
+    from fp8_backends.registry import discovery
+
+    entry = next(e for e in discovery.discover("gemm") if e.name == "torch_scaled_mm")
+    for value in ("torch_scaled_mm", "torch", "fp8-backends:torch_scaled_mm", "FP8_Backends:torch_scaled_mm",
+                  "x,fp8_backends:torch"):
+        monkeypatch.setenv("FP8_BACKENDS_DISABLED", value)
+        assert entry.disabled, value
+    for value in ("otherdist:torch_scaled_mm", "torch_scaled", "cutlass"):
+        monkeypatch.setenv("FP8_BACKENDS_DISABLED", value)
+        assert not entry.disabled, value
