@@ -1,10 +1,10 @@
 """What the tuner and the benchmarks run: candidates (provider x tunable option values) and inputs.
 
 - :func:`expand_candidates`: every discovered provider that can serve a problem, once per combination
-  of the values of its ``tunable_options`` (``"auto"`` values skipped; combinations whose
-  ``supports()`` fails are skipped with their reasons), each with a *static rank*: the order
-  ``auto`` would prefer without measurements (provider priority, then option values in declared
-  order). Near-ties are broken by this rank.
+  of the values of its ``tunable_options`` (``"auto"`` values skipped; combinations whose ``supports()``
+  fails, or that ``auto`` may not pick for the problem, are skipped with their reasons), each with a
+  *static rank*: the order ``auto`` would prefer without measurements (provider priority, then option
+  values in declared order). Near-ties are broken by this rank.
 - :class:`GemmWorkload`: one weight shape (N, K, dtypes, scale modes, bias) on one device. Weight
   copies for L2 rotation are made once, each candidate's ``prepare_weight`` runs once per copy, and
   per-M activations with their fp32 reference are made when an M is first asked for.
@@ -111,10 +111,12 @@ def expand_candidates(
             continue
         for combo in option_combos(entry.cls):
             cand, why = make_candidate(entry, combo, problem, platform, order, qualified=counts[entry.name] > 1)
-            if cand is None:
-                skipped.append((candidate_label(entry.name, combo), why))
-            else:
-                out.append(cand)
+            if cand is not None:
+                why = cand.backend.explicit_only_reason(problem, platform) or ""
+                if not why:
+                    out.append(cand)
+                    continue
+            skipped.append((candidate_label(entry.name, combo), why))
     return out, skipped
 
 

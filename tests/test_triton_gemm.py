@@ -551,3 +551,13 @@ def test_bench_sweep_summary_builds_a_loadable_triton_table(monkeypatch):
                          "command": "c", "copy_gbps": 4000.0, "pdl": True}, "rows": rows, "summary": summary}
     text = bt.markdown(report, names)
     assert "% of the weight-read floor" in text and "torch / best" in text
+
+
+@pytest.mark.skipif(not _support.interpreting(), reason="needs TRITON_INTERPRET=1 (the CPU-only case)")
+def test_tuner_does_not_time_interpreter_only_candidates():
+    from fp8_backends.registry.platform import cpu_platform
+    from fp8_backends.workloads import expand_candidates
+
+    cands, skipped = expand_candidates("gemm", GemmProblem(n=64, k=64, m=4, device="cpu"), cpu_platform())
+    assert cands and all(c.provider != "triton" for c in cands)
+    assert any(label.startswith("triton") and "interpreter" in why for label, why in skipped)
