@@ -44,6 +44,27 @@ class SweepSpec:
     builtin: Any           # the provider's built-in table (an instance of table_cls)
 
 
+def add_sweep_args(parser: Any, configs_default: str, ms: list[int]) -> None:
+    """The options every config sweep takes: ``--out --configs --ms --shapes --rounds --replays --quick``."""
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--configs", default=configs_default)
+    parser.add_argument("--ms", default=",".join(map(str, ms)))
+    parser.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--replays", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="3 rounds x 2 replays")
+
+
+def grid_and_timer(args: Any, device: str) -> tuple[list[int], list[tuple[int, int]], Any]:
+    """``(ms, shapes, timer)`` from :func:`add_sweep_args`' options (the timer: interleaved CUDA graphs)."""
+    from fp8_backends.timing import CudaGraphTimer, TimerConfig
+
+    ms = [int(v) for v in args.ms.split(",")]
+    shapes = [(int(n), int(k)) for n, _, k in (s.partition("x") for s in args.shapes.split(","))]
+    cfg = TimerConfig(rounds=3, replays=2) if args.quick else TimerConfig(rounds=args.rounds, replays=args.replays)
+    return ms, shapes, CudaGraphTimer(cfg, device)
+
+
 def geomean(values: list[float]) -> float | None:
     values = [v for v in values if v and v > 0]
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
@@ -275,5 +296,6 @@ def markdown(report: dict[str, Any], names: list[str], spec: SweepSpec, title: s
     return "\n".join(lines)
 
 
-__all__ = ["SHAPES", "TORCH", "TORCH_FA", "SweepSpec", "best", "buckets", "geomean", "markdown", "measure_point",
+__all__ = ["SHAPES", "TORCH", "TORCH_FA", "SweepSpec", "add_sweep_args", "best", "buckets", "geomean", "grid_and_timer",
+           "markdown", "measure_point",
            "summarize", "table_text", "us"]

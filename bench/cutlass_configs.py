@@ -31,8 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from bench import config_sweep as sweep
-from bench.config_sweep import SHAPES, TORCH
+from bench.config_sweep import TORCH
 
+SHAPES = sweep.SHAPES
 MS = [1, 16, 64, 256, 1024, 4096, 8192]
 PREFIX = "cutlass:"
 
@@ -77,13 +78,7 @@ def measure_load_time(specs_json: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--configs", default="all")
-    parser.add_argument("--ms", default=",".join(map(str, MS)))
-    parser.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES))
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--replays", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="3 rounds x 2 replays")
+    sweep.add_sweep_args(parser, "all", MS)
     parser.add_argument("--precise", action="store_true", help="time the precise-accumulation kernels")
     parser.add_argument("--rowwise", action="store_true",
                         help="per-token x per-channel scales (the row-wise epilogue; torch's row-wise kernel)")
@@ -94,15 +89,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from fp8_backends.errors import BuildError
     from fp8_backends.providers.cutlass import build, configs
-    from fp8_backends.timing import CudaGraphTimer, TimerConfig, l2_cache_bytes
+    from fp8_backends.timing import l2_cache_bytes
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     names = list(configs.CONFIG_NAMES) if args.configs == "all" else args.configs.split(",")
-    ms = [int(v) for v in args.ms.split(",")]
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     fast = not args.precise
     device = "cuda"
+    ms, shapes, timer = sweep.grid_and_timer(args, device)
     props = torch.cuda.get_device_properties(0)
     header = {
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -144,8 +138,6 @@ def main(argv: list[str] | None = None) -> int:
     if load is not None:
         print(f"cached load (fresh process): {load}", flush=True)
 
-    cfg = TimerConfig(rounds=3, replays=2) if args.quick else TimerConfig(rounds=args.rounds, replays=args.replays)
-    timer = CudaGraphTimer(cfg, device)
     l2 = l2_cache_bytes(device)
     rows: list[dict[str, Any]] = []
     for n, k in shapes:

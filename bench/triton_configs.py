@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import config_sweep as sweep
-from bench.config_sweep import SHAPES, TORCH
+from bench.config_sweep import TORCH
 
 MS = [1, 16, 32, 64, 256, 1024, 4096, 8192]
 PREFIX = "triton:"
@@ -109,13 +109,7 @@ def triton_runs(cfgs: dict[str, Any], m: int, nopdl_of: str | None = None) -> An
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--configs", default="explore")
-    parser.add_argument("--ms", default=",".join(map(str, MS)))
-    parser.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES))
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--replays", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="3 rounds x 2 replays")
+    sweep.add_sweep_args(parser, "explore", MS)
     parser.add_argument("--no-pdl-column", action="store_true", help="skip timing the best config without PDL")
     args = parser.parse_args(argv)
 
@@ -125,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     from fp8_backends.providers.triton import _support
     from fp8_backends.providers.triton.gemm_configs import CONFIG_LIST, CONFIGS
     from fp8_backends.registry.platform import detect_platform
-    from fp8_backends.timing import CudaGraphTimer, TimerConfig, l2_cache_bytes
+    from fp8_backends.timing import l2_cache_bytes
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -136,16 +130,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg_list = [CONFIGS[name] for name in args.configs.split(",")]
     cfgs = {c.name: c for c in cfg_list}
     names = list(cfgs)
-    ms = [int(v) for v in args.ms.split(",")]
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    ms, shapes, timer = sweep.grid_and_timer(args, device)
     header = run_header(detect_platform(device), device)
     header["pdl"] = _support.pdl_enabled(torch.device(device))
     header["copy_gbps"] = copy_ceiling(device)
     print(f"{header['gpu']} SM {header['sm']}, copy {header['copy_gbps']:.0f} GB/s, PDL {header['pdl']}, "
           f"{len(names)} configs", flush=True)
 
-    cfg = TimerConfig(rounds=3, replays=2) if args.quick else TimerConfig(rounds=args.rounds, replays=args.replays)
-    timer = CudaGraphTimer(cfg, device)
     l2 = l2_cache_bytes(device)
     rows: list[dict[str, Any]] = []
     for n, k in shapes:

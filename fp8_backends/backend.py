@@ -551,4 +551,33 @@ class NormQuantBackend(ProviderBase):
                                 residual=residual, device=DeviceKind(x.device.type))
 
 
-__all__ = ["Fp8Dtype", "Fp8GemmBackend", "NormQuantBackend", "ProviderBase"]
+class OpNormQuantBackend(NormQuantBackend):
+    """A norm-quant provider whose two calls are torch ops ``(out, x, weight, scale, eps)`` and
+    ``(out, x, residual, weight, scale, eps)``: subclasses implement :meth:`load_ops` (called once, at the
+    first call, so heavy imports stay lazy) and inherit both ``*_impl`` hooks."""
+
+    _ops: Any = None
+
+    @abstractmethod
+    def load_ops(self) -> tuple[Any, Any]:
+        """``(rmsnorm_quant_op, fused_add_rmsnorm_quant_op)``."""
+
+    def _loaded_ops(self) -> tuple[Any, Any]:
+        ops = self._ops
+        if ops is None:
+            ops = self._ops = self.load_ops()
+        return ops
+
+    def rmsnorm_quant_impl(
+        self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, eps: float
+    ) -> None:
+        self._loaded_ops()[0](out, x, weight, scale, eps)
+
+    def fused_add_rmsnorm_quant_impl(
+        self, out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+        scale: torch.Tensor, eps: float,
+    ) -> None:
+        self._loaded_ops()[1](out, x, residual, weight, scale, eps)
+
+
+__all__ = ["Fp8Dtype", "Fp8GemmBackend", "NormQuantBackend", "OpNormQuantBackend", "ProviderBase"]

@@ -57,4 +57,9 @@ def define_ops(specs: Mapping[str, OpSpec], dispatch_keys: Iterable[str]) -> dic
         return {name: getattr(ns, name).default for name in specs}
 
 
-__all__ = ["NAMESPACE", "OpSpec", "define_ops"]
+def gemm_fake(x: Any, w: Any, x_scale: Any, w_scale: Any, bias: Any, out_dtype: Any, *options: Any) -> Any:
+    """The fake implementation of every GEMM op ``(x [M, K], w [N, K], ..., out_dtype, *options) -> [M, N]``."""
+    return x.new_empty((x.shape[0], w.shape[0]), dtype=out_dtype)
+
+
+__all__ = ["NAMESPACE", "OpSpec", "define_ops", "gemm_fake"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from fp8_backends.backend import NormQuantBackend
+from fp8_backends.backend import OpNormQuantBackend
 from fp8_backends.capabilities import NormQuantCapabilities
 from fp8_backends.types import (
     Availability,
@@ -35,7 +35,6 @@ from fp8_backends.types import (
 from . import _flashinfer_common as common
 
 if TYPE_CHECKING:
-    import torch
 
     from fp8_backends.registry.platform import Platform
 
@@ -60,7 +59,7 @@ def _gcd(a: int, b: int) -> int:
     return a
 
 
-class FlashinferNormQuantBackend(NormQuantBackend):
+class FlashinferNormQuantBackend(OpNormQuantBackend):
     name: ClassVar[str] = "flashinfer"
     description: ClassVar[str] = "flashinfer rmsnorm_quant / fused_add_rmsnorm_quant (fused CUDA kernels, PDL)"
     requires: ClassVar[tuple[str, ...]] = ("torch", "flashinfer")
@@ -74,10 +73,6 @@ class FlashinferNormQuantBackend(NormQuantBackend):
         hidden_align=1,
         priority=20,
     )
-
-    def __init__(self, **options: str) -> None:
-        super().__init__(**options)
-        self._ops: tuple[Any, Any] | None = None
 
     @classmethod
     def availability(cls) -> Availability:
@@ -107,22 +102,7 @@ class FlashinferNormQuantBackend(NormQuantBackend):
             ]
         return []
 
-    def _load_ops(self) -> tuple[Any, Any]:
+    def load_ops(self) -> tuple[Any, Any]:
         from . import _flashinfer_ops
 
-        self._ops = (_flashinfer_ops.rmsnorm_quant_op, _flashinfer_ops.fused_add_rmsnorm_quant_op)
-        return self._ops
-
-    # ------------------------------------------------------------------ hot path
-    def rmsnorm_quant_impl(
-        self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, eps: float
-    ) -> None:
-        ops = self._ops if self._ops is not None else self._load_ops()
-        ops[0](out, x, weight, scale, eps)
-
-    def fused_add_rmsnorm_quant_impl(
-        self, out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-        scale: torch.Tensor, eps: float,
-    ) -> None:
-        ops = self._ops if self._ops is not None else self._load_ops()
-        ops[1](out, x, residual, weight, scale, eps)
+        return _flashinfer_ops.rmsnorm_quant_op, _flashinfer_ops.fused_add_rmsnorm_quant_op

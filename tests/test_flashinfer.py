@@ -317,7 +317,7 @@ def test_fullgraph_trace_over_fake_tensors():
 
     gemm, nq = FlashinferBmmBackend(), FlashinferNormQuantBackend()
     gemm._load_op()  # what prepare_weight sets up
-    nq._load_ops()
+    nq._loaded_ops()  # what the first norm call sets up
     graphs = []
 
     def capture(gm, example_inputs):

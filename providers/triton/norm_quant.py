@@ -33,7 +33,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from fp8_backends.backend import NormQuantBackend
+from fp8_backends.backend import OpNormQuantBackend
 from fp8_backends.capabilities import NormQuantCapabilities
 from fp8_backends.types import OutDtype
 
@@ -92,7 +92,7 @@ def load_ops() -> tuple[Any, Any]:
     return _ops
 
 
-class TritonNormQuantBackend(NormQuantBackend):
+class TritonNormQuantBackend(OpNormQuantBackend):
     name: ClassVar[str] = "triton"
     description: ClassVar[str] = (
         "Triton fused RMSNorm (+ residual add) + static FP8 quant: any hidden size, bf16/fp16/fp32, "
@@ -113,27 +113,8 @@ class TritonNormQuantBackend(NormQuantBackend):
     def explicit_only_reason(self, problem: Any, platform: Any) -> str | None:
         return _support.explicit_only_on_cpu(problem, platform)
 
-    def __init__(self, **options: str) -> None:
-        super().__init__(**options)
-        self._ops: tuple[Any, Any] | None = None
-
-    def _load_ops(self) -> tuple[Any, Any]:
-        self._ops = load_ops()
-        return self._ops
-
-    # ------------------------------------------------------------------ hot path
-    def rmsnorm_quant_impl(
-        self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, eps: float
-    ) -> None:
-        ops = self._ops if self._ops is not None else self._load_ops()
-        ops[0](out, x, weight, scale, eps)
-
-    def fused_add_rmsnorm_quant_impl(
-        self, out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-        scale: torch.Tensor, eps: float,
-    ) -> None:
-        ops = self._ops if self._ops is not None else self._load_ops()
-        ops[1](out, x, residual, weight, scale, eps)
+    def load_ops(self) -> tuple[Any, Any]:
+        return load_ops()
 
 
 __all__ = ["ADD_NORM_OP", "NORM_OP", "TritonNormQuantBackend", "load_ops"]
