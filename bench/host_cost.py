@@ -9,7 +9,7 @@ called directly, per-tensor scales, bf16 out. Norm-quant: every usable norm-quan
 
 host µs = wall time to enqueue one call: mean over ``--calls`` back-to-back calls after a warm-up, no
 synchronisation inside the loop (the GPU queue never fills at these sizes), the best of three such loops.
-Writes ``host_cost.json`` and ``host_cost.md``.
+Writes ``host_cost.json`` and ``host_cost.md`` (and ``host_profile.txt`` with ``--profile``).
 """
 
 from __future__ import annotations
@@ -39,11 +39,13 @@ def host_us(fn: Any, calls: int) -> float:
 
 
 def triton_breakdown(calls: int, device: str) -> dict[str, float]:
-    """Where the triton GEMM provider's host time goes (M=16, 4096x4096): the whole ``gemm`` call, the custom
-    op alone, the op's implementation alone, and the bare Triton JIT launch into a preallocated output."""
+    """Where the triton GEMM provider's host time goes (M=16, 4096x4096), outside in: the whole ``gemm``
+    call; the op as the provider calls it (:func:`fp8_backends.oplib.eager_fast`: the implementation
+    directly in eager); the op through torch's dispatcher; the op's implementation; ``run_config`` into a
+    preallocated output; the cached-kernel launch alone; its specialization key alone; ``torch.empty``."""
     import torch
 
-    from fp8_backends.providers.triton import gemm_ops
+    from fp8_backends.providers.triton import gemm_kernels, gemm_ops, launcher
     from fp8_backends.providers.triton.gemm import TritonGemmBackend
 
     x = torch.ones(16, 4096, device=device).to(torch.float8_e4m3fn)
@@ -53,13 +55,44 @@ def triton_breakdown(calls: int, device: str) -> dict[str, float]:
     p = b.prepare_weight(w, s)
     out = torch.empty(16, 4096, device=device, dtype=torch.bfloat16)
     cfg = gemm_ops.pick_config("auto", 16, 4096, 4096)
-    return {
+    op = gemm_ops._register()
+    result = {
         "provider.gemm": host_us(lambda: b.gemm(x, p, s), calls),
-        "custom op": host_us(lambda: gemm_ops.triton_gemm(x, w, s, p.scale, None, torch.bfloat16, "auto"), calls),
+        "op (eager fast path)": host_us(lambda: gemm_ops.triton_gemm(x, w, s, p.scale, None, torch.bfloat16, "auto"),
+                                        calls),
+        "op (torch dispatcher)": host_us(lambda: op(x, w, s, p.scale, None, torch.bfloat16, "auto"), calls),
         "op implementation": host_us(lambda: gemm_ops.launch(x, w, s, p.scale, None, torch.bfloat16, "auto"), calls),
-        "run_config (JIT launch)": host_us(lambda: gemm_ops.run_config(cfg, x, w, s, p.scale, None, out), calls),
-        "torch.empty output": host_us(lambda: torch.empty(16, 4096, device=device, dtype=torch.bfloat16), calls),
+        "run_config (cached-kernel launch)": host_us(lambda: gemm_ops.run_config(cfg, x, w, s, p.scale, None, out),
+                                                     calls),
     }
+    if cfg.family == "swap":
+        args = (x, w, out, s, p.scale, out, 16, 4096, 4096, 4096, 4096, 4096, cfg.block_m, cfg.block_n, cfg.block_k,
+                False, False, False, True, True)
+        kernel = gemm_kernels.fp8_gemm_swap_kernel
+        lau = launcher.launcher_for(kernel)
+        result["KernelLauncher call"] = host_us(
+            lambda: lau((256, 1), args, num_warps=cfg.warps, num_stages=cfg.stages, pdl=True, device_index=0), calls)
+        result["specialization key"] = host_us(lambda: lau.key(args), calls)
+    result["torch.empty output"] = host_us(lambda: torch.empty(16, 4096, device=device, dtype=torch.bfloat16), calls)
+    return result
+
+
+def profile_text(fn: Any, calls: int, top: int = 25) -> str:
+    """cProfile of ``calls`` calls of ``fn`` (after a warm-up): the ``top`` functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    for _ in range(10):
+        fn()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ms", default="1,16,1024")
     parser.add_argument("--tokens", default="1,32")
     parser.add_argument("--skip", default="", help="provider names to leave out (e.g. cutlass when not built)")
+    parser.add_argument("--profile", action="store_true", help="also write host_profile.txt (cProfile of the triton "
+                        "GEMM and norm-quant calls)")
     args = parser.parse_args(argv)
 
     import torch
@@ -114,6 +149,22 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(["gemm", f"{n}x{k}", m, label, f"{us:.1f}"])
                 print(rows[-1], flush=True)
     data["triton_breakdown"] = triton_breakdown(args.calls, device)
+    if args.profile:
+        from fp8_backends.providers.triton.gemm import TritonGemmBackend
+        from fp8_backends.providers.triton.norm_quant import TritonNormQuantBackend
+
+        xq = torch.ones(16, 4096, device=device).to(torch.float8_e4m3fn)
+        wq = torch.ones(4096, 4096, device=device).to(torch.float8_e4m3fn)
+        one = torch.ones(1, device=device)
+        tg = TritonGemmBackend()
+        prepared = tg.prepare_weight(wq, one)
+        tn = TritonNormQuantBackend()
+        xb = torch.randn(16, 4096, device=device, dtype=torch.bfloat16)
+        wb = torch.ones(4096, device=device, dtype=torch.bfloat16)
+        text = ["# triton gemm, M=16 4096x4096", profile_text(lambda: tg.gemm(xq, prepared, one), args.calls),
+                "# triton rmsnorm_quant, T=16 H=4096", profile_text(lambda: tn.rmsnorm_quant(xb, wb, one), args.calls)]
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "host_profile.txt").write_text("\n".join(text))
     for label, us in data["triton_breakdown"].items():
         rows.append(["gemm breakdown", "4096x4096", 16, label, f"{us:.1f}"])
         print(rows[-1], flush=True)

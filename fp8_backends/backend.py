@@ -554,7 +554,8 @@ class NormQuantBackend(ProviderBase):
 class OpNormQuantBackend(NormQuantBackend):
     """A norm-quant provider whose two calls are torch ops ``(out, x, weight, scale, eps)`` and
     ``(out, x, residual, weight, scale, eps)``: subclasses implement :meth:`load_ops` (called once, at the
-    first call, so heavy imports stay lazy) and inherit both ``*_impl`` hooks."""
+    first call, so heavy imports stay lazy) and inherit both ``*_impl`` hooks, which call the ops through
+    :func:`fp8_backends.oplib.eager_fast`."""
 
     _ops: Any = None
 
@@ -565,7 +566,9 @@ class OpNormQuantBackend(NormQuantBackend):
     def _loaded_ops(self) -> tuple[Any, Any]:
         ops = self._ops
         if ops is None:
-            ops = self._ops = self.load_ops()
+            from .oplib import eager_fast
+
+            ops = self._ops = tuple(eager_fast(op) for op in self.load_ops())
         return ops
 
     def rmsnorm_quant_impl(

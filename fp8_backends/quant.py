@@ -54,6 +54,7 @@ QuantImpl = Callable[..., Any]
 
 _impls: dict[tuple[ActScale, str], QuantImpl] = {}
 _ops: dict[ActScale, Any] = {}
+_calls: dict[ActScale, Any] = {}  # mode -> eager_fast(op)
 _lock = threading.Lock()
 _compile_mode = "inline"
 
@@ -247,6 +248,16 @@ def quant_op(mode: ActScale | str) -> Any:
     return _ops[mode]
 
 
+def _call(mode: ActScale) -> Any:
+    """The op for ``mode`` as the hot path calls it (:func:`fp8_backends.oplib.eager_fast`)."""
+    call = _calls.get(mode)
+    if call is None:
+        from .oplib import eager_fast
+
+        call = _calls[mode] = eager_fast(quant_op(mode))
+    return call
+
+
 # ------------------------------------------------------------------------------------- public API
 def _check_x(x: object, what: str = "x") -> None:
     V.require_tensor(x, what)
@@ -285,7 +296,7 @@ def quantize_static(x: torch.Tensor, scale: torch.Tensor, dtype: object = Fp8Dty
         from . import reference
 
         return reference.quantize_static(x, scale, fp8)
-    return quant_op(ActScale.PER_TENSOR_STATIC)(x, scale, fp8)
+    return _call(ActScale.PER_TENSOR_STATIC)(x, scale, fp8)
 
 
 def quantize_dynamic(x: torch.Tensor, dtype: object = Fp8Dtype.E4M3FN) -> tuple[torch.Tensor, torch.Tensor]:
@@ -297,7 +308,7 @@ def quantize_dynamic(x: torch.Tensor, dtype: object = Fp8Dtype.E4M3FN) -> tuple[
         from . import reference
 
         return reference.quantize_dynamic_per_tensor(x, fp8)
-    return quant_op(ActScale.PER_TENSOR_DYNAMIC)(x, fp8)
+    return _call(ActScale.PER_TENSOR_DYNAMIC)(x, fp8)
 
 
 def quantize_per_token(x: torch.Tensor, dtype: object = Fp8Dtype.E4M3FN) -> tuple[torch.Tensor, torch.Tensor]:
@@ -308,7 +319,7 @@ def quantize_per_token(x: torch.Tensor, dtype: object = Fp8Dtype.E4M3FN) -> tupl
         from . import reference
 
         return reference.quantize_per_token(x, fp8)
-    return quant_op(ActScale.PER_TOKEN)(x, fp8)
+    return _call(ActScale.PER_TOKEN)(x, fp8)
 
 
 def quantize(

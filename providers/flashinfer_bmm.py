@@ -116,9 +116,11 @@ class FlashinferBmmBackend(Fp8GemmBackend):
 
     # ------------------------------------------------------------------ load time
     def _load_op(self) -> Any:
+        from fp8_backends.oplib import eager_fast
+
         from . import _flashinfer_ops
 
-        self._op = _flashinfer_ops.gemm_op
+        self._op = eager_fast(_flashinfer_ops.gemm_op)
         return self._op
 
     def prepare_weight_impl(

@@ -476,6 +476,76 @@ def test_launcher_reuses_the_compiled_kernel_only_for_the_same_specialization():
     assert ("launch_pdl", True) in fn.log[-3][1][1]
 
 
+class _FakeRunnable(_FakeCompiled):
+    """A compiled kernel with the attributes Triton's runner uses: the launcher calls ``run`` itself."""
+
+    function = "fn-handle"
+    packed_metadata = "packed"
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, gx, gy, gz, stream, function, packed, meta, enter, leave, *args):
+        self.log.append(("run", self.key, (gx, gy, gz), args, stream, function, packed))
+
+
+class _FakeJitRunnable(_FakeJit):
+    def __getitem__(self, grid):
+        launch = super().__getitem__(grid)
+
+        def compile_and_launch(*args, **options):
+            compiled = launch(*args, **options)
+            return _FakeRunnable(compiled.log, compiled.key)
+
+        return compile_and_launch
+
+
+def test_launcher_calls_the_compiled_kernels_launcher_directly():
+    fn = _FakeJitRunnable((False, False, True))
+    launch = _launcher(fn)
+    x = torch.empty(64)
+    opts = {"num_warps": 4, "num_stages": 3, "pdl": False, "device_index": 0}
+    launch((3,), (x, 32, 64), **opts)
+    launch((5, 2), (x, 48, 64), **opts)
+    assert [e[0] for e in fn.log] == ["jit", "run"]
+    assert fn.log[1][2:] == ((5, 2, 1), (x, 48, 64), "stream0", "fn-handle", "packed")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        (torch.empty(8), 1, 16, 2**31, -(2**40), 2**63, True, None, 0.5, 7),
+        (torch.empty(8, dtype=torch.float16)[1:], 17, 0, -1, 2**31 - 1, 2**64, False, None, 1.0, 7),
+    ],
+)
+def test_generated_key_matches_the_generic_key(args):
+    from fp8_backends.providers.triton.launcher import generic_key, make_key_fn
+
+    constexpr = (False,) * 9 + (True,)
+    key = make_key_fn(args, constexpr)
+    assert key(args) == generic_key(args, constexpr)
+    # other values of the same kinds: still the generic key; other kinds: None (the caller falls back)
+    other = (torch.empty(4, dtype=torch.bfloat16), 2, 32, 5, 3, 1, False, None, 2.0, 9)
+    assert key(other) == generic_key(other, constexpr)
+    for i, swapped in [(0, 3), (1, torch.empty(2)), (6, None), (7, torch.empty(2)), (8, 1)]:
+        changed = list(other)
+        changed[i] = swapped
+        assert key(tuple(changed)) is None
+    assert key(other[:-1]) is None
+
+
+def test_launcher_keys_a_call_with_other_argument_kinds_like_the_generic_path():
+    fn = _FakeJit((False, False))
+    launch = _launcher(fn)
+    opts = {"num_warps": 4, "num_stages": 3, "pdl": False, "device_index": 0}
+    x = torch.empty(64)
+    launch((1,), (x, 32), **opts)
+    launch((1,), (x, None), **opts)  # None where an int was: a new specialization (generic key)
+    launch((1,), (x, None), **opts)
+    launch((1,), (x, 48), **opts)
+    assert [e[0] for e in fn.log] == ["jit", "jit", "direct", "direct"]
+
+
 def test_launcher_takes_the_jit_path_under_the_interpreter():
     from fp8_backends.providers.triton.launcher import KernelLauncher
 

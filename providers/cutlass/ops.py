@@ -36,6 +36,7 @@ class CutlassKernelError(Fp8BackendError, RuntimeError):
 
 
 _op: Any = None
+_call: Any = None
 _op_lock = threading.Lock()
 
 
@@ -140,6 +141,15 @@ def _register() -> Any:
     return _op
 
 
+def _caller() -> Any:
+    """The op as the hot path calls it (:func:`fp8_backends.oplib.eager_fast`: no dispatcher in plain eager calls)."""
+    global _call
+    if _call is None:
+        from fp8_backends.oplib import eager_fast
+
+        _call = eager_fast(_register())
+    return _call
+
 
 def cutlass_gemm(
     x: torch.Tensor,
@@ -157,7 +167,7 @@ def cutlass_gemm(
     fp32 one value or ``[M, 1]`` contiguous; ``w_scale`` fp32 ``[1]`` or ``[N]`` contiguous; ``bias``
     ``[N]`` in ``out_dtype`` (bf16, fp16 or fp32) or ``None``. Inputs are assumed validated.
     """
-    return _register()(x, w, x_scale, w_scale, bias, out_dtype, config, fast_accum)
+    return _caller()(x, w, x_scale, w_scale, bias, out_dtype, config, fast_accum)
 
 
 __all__ = ["OP_NAME", "CutlassKernelError", "cutlass_gemm", "library_for"]

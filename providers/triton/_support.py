@@ -52,6 +52,28 @@ def pdl_enabled(device: object) -> bool:
     return _device_sm(index) >= (9, 0)
 
 
+_pdl_memo: dict[tuple[str | None, int], bool] = {}
+
+
+def pdl_on(index: int) -> bool:
+    """:func:`pdl_enabled` for a device index (``x.get_device()``: -1 for CPU tensors), for the hot path:
+    memoized per value of ``FP8_BACKENDS_PDL`` and device, so a call costs one environment lookup."""
+    if index < 0:
+        return False
+    key = (os.environ.get(settings.PDL_ENV), index)
+    on = _pdl_memo.get(key)
+    if on is None:
+        on = _pdl_memo[key] = not interpreting() and settings.pdl_allowed() and _device_sm(index) >= (9, 0)
+    return on
+
+
+def current_device() -> int:
+    """torch's current CUDA device index (what Triton launches on), without ``torch.cuda``'s Python layer."""
+    import torch
+
+    return torch._C._cuda_getDevice()
+
+
 INTERPRETER_ONLY = (
     "runs on the CPU only through Triton's interpreter (TRITON_INTERPRET=1), which is for testing: "
     "auto does not pick it; name the provider to use it"
@@ -67,7 +89,19 @@ def explicit_only_on_cpu(problem: object, platform: object) -> str | None:
 
 def reset_caches() -> None:
     _device_sm.cache_clear()
+    _pdl_memo.clear()
 
 
-__all__ = ["DEVICES", "INSTALL_HINT", "INTERPRETER_ONLY", "MIN_SM", "REQUIRES", "explicit_only_on_cpu", "interpreting",
-           "pdl_enabled", "reset_caches"]
+__all__ = [
+    "DEVICES",
+    "INSTALL_HINT",
+    "INTERPRETER_ONLY",
+    "MIN_SM",
+    "REQUIRES",
+    "current_device",
+    "explicit_only_on_cpu",
+    "interpreting",
+    "pdl_enabled",
+    "pdl_on",
+    "reset_caches",
+]

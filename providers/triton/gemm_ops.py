@@ -32,6 +32,7 @@ OP_SCHEMA = (
 _GRID_Y_MAX = 65535  # CUDA's limit on gridDim.y
 
 _op: Any = None
+_call: Any = None
 _op_lock = threading.Lock()
 
 
@@ -76,39 +77,43 @@ def run_config(
     pdl: bool | None = None,
 ) -> None:
     """Launch ``cfg``'s kernel writing ``out [M, N]`` (M >= 1). ``pdl``: force PDL on or off (benchmarks);
-    ``None`` follows :func:`._support.pdl_enabled`."""
-    import torch
-
+    ``None`` follows :func:`._support.pdl_on`."""
     m, k = x.shape
     n = w.shape[0]
-    if cfg.family == "tma" and (x.data_ptr() % 16 or w.data_ptr() % 16):
-        cfg = _pointer_tiles(cfg)  # TMA needs 16-byte aligned bases (a view at an odd offset): same tiles
-    use_pdl = _support.pdl_enabled(x.device) if pdl is None else pdl
-    flags = (x_scale.numel() > 1, w_scale.numel() > 1, bias is not None)
     index = x.get_device()
+    use_pdl = _support.pdl_on(index) if pdl is None else pdl
+    family = cfg.family
+    if family == "tma" and (x.data_ptr() % 16 or w.data_ptr() % 16):
+        cfg = _pointer_tiles(cfg)  # TMA needs 16-byte aligned bases (a view at an odd offset): same tiles
+        family = "mm"
+    flags = (x_scale.numel() > 1, w_scale.numel() > 1, bias is not None)
     guard = None
-    if index >= 0 and index != torch.cuda.current_device():
+    if index >= 0 and index != _support.current_device():  # Triton launches on the current device
+        import torch
+
         guard = torch.cuda.device(index)
         guard.__enter__()
     try:
-        if cfg.family == "tma":
+        if family == "tma":
             _launch_tma(cfg, x, w, x_scale, w_scale, bias, out, flags, use_pdl)
             return
         head = (x, w, out, x_scale, w_scale, out if bias is None else bias, m, n, k, x.stride(0), w.stride(0),
                 out.stride(0))
         tail = (*flags, k % cfg.block_k == 0, use_pdl)
-        if cfg.family == "mm":
+        if family == "mm":
             grid: tuple[int, ...] = (_cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n),)
             args = (*head, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, *tail)
-        elif cfg.family == "swap":
-            grid = (_cdiv(n, cfg.block_n), _cdiv(m, cfg.block_m))
-            _check_grid_y(grid[1], cfg)
-            args = (*head, cfg.block_m, cfg.block_n, cfg.block_k, *tail)
         else:
-            grid = (_cdiv(n, cfg.block_n), m)
-            _check_grid_y(m, cfg)
-            args = (*head, cfg.block_n, cfg.block_k, *tail)
-        launch_kernel(_kernel(cfg.family), grid, args, num_warps=cfg.warps, num_stages=cfg.stages, pdl=use_pdl,
+            prefetch = bool(cfg.prefetch) and index >= 0 and not _support.interpreting()  # a hint the interpreter lacks
+            if family == "swap":
+                grid = (_cdiv(n, cfg.block_n), _cdiv(m, cfg.block_m))
+                _check_grid_y(grid[1], cfg)
+                args = (*head, cfg.block_m, cfg.block_n, cfg.block_k, *tail, prefetch)
+            else:
+                grid = (_cdiv(n, cfg.block_n), m)
+                _check_grid_y(m, cfg)
+                args = (*head, cfg.block_n, cfg.block_k, *tail, prefetch)
+        launch_kernel(_kernel(family), grid, args, num_warps=cfg.warps, num_stages=cfg.stages, pdl=use_pdl,
                       device_index=max(index, 0))
     finally:
         if guard is not None:
@@ -183,6 +188,15 @@ def _register() -> Any:
     return _op
 
 
+def _caller() -> Any:
+    """The op as the hot path calls it (:func:`fp8_backends.oplib.eager_fast`: no dispatcher in plain eager calls)."""
+    global _call
+    if _call is None:
+        from fp8_backends.oplib import eager_fast
+
+        _call = eager_fast(_register())
+    return _call
+
 
 def triton_gemm(
     x: torch.Tensor,
@@ -196,7 +210,7 @@ def triton_gemm(
     """The custom op. ``x: [M, K]`` and ``w: [N, K]`` float8 (same type), row-major with unit column
     stride; ``x_scale`` fp32 one value or ``[M, 1]`` contiguous; ``w_scale`` fp32 ``[1]`` or ``[N]``
     contiguous; ``bias`` ``[N]`` contiguous in ``out_dtype`` or ``None``. Inputs are assumed validated."""
-    return _register()(x, w, x_scale, w_scale, bias, out_dtype, config)
+    return _caller()(x, w, x_scale, w_scale, bias, out_dtype, config)
 
 
 __all__ = ["OP_NAME", "launch", "pick_config", "run_config", "triton_gemm"]

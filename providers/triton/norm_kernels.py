@@ -121,7 +121,7 @@ def _norm_quant_loop_kernel(
 def _launch(out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
             scale: torch.Tensor, eps: float, cfg: RowConfig) -> None:
     t, h = x.shape
-    pdl = _support.pdl_enabled(x.device)
+    pdl = _support.pdl_on(x.get_device())
     fmax = FMAX[out.dtype]
     add = residual is not None
     r = residual if add else x  # unused without ADD
@@ -142,7 +142,7 @@ def _run(out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, weig
         return
     cfg = config if config is not None else row_config(x.shape[1], is_large(x.shape[0], x.shape[1]))
     index = x.get_device()
-    if index >= 0 and index != torch.cuda.current_device():  # Triton launches on the current device
+    if index >= 0 and index != _support.current_device():  # Triton launches on the current device
         with torch.cuda.device(index):
             _launch(out, x, residual, weight, scale, eps, cfg)
     else:

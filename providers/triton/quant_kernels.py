@@ -279,7 +279,7 @@ def _foreign_device(x: torch.Tensor) -> int:
     """The CUDA device index of ``x`` when it is not the current device (Triton launches on the current
     one), else -1."""
     index = x.get_device()
-    if index < 0 or index == torch.cuda.current_device():
+    if index < 0 or index == _support.current_device():
         return -1
     return index
 
@@ -288,7 +288,7 @@ def _launch_tiles(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, amax: t
                   fmax: float) -> None:
     m, k = x.shape
     cfg = tile_config(k)
-    pdl = _support.pdl_enabled(x.device)
+    pdl = _support.pdl_on(x.get_device())
     grid = (triton.cdiv(m, cfg.rows), triton.cdiv(k, cfg.block_k))
     index = max(x.get_device(), 0)
     if amax is not None:
@@ -331,7 +331,7 @@ def _launch_dynamic(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fmax:
         amax = torch.zeros((1,), dtype=torch.float32, device=x.device)
         _launch_tiles(x, q, scale, amax, fmax)
         return
-    pdl = _support.pdl_enabled(x.device)
+    pdl = _support.pdl_on(x.get_device())
     launch(_quant_dynamic_one_program_kernel, (1,),
            (x, q, scale, m, k, x.stride(0), x.stride(1), q.stride(0), fmax, one[0], one[1], pdl),
            num_warps=warps_for(one[0] * one[1]), pdl=pdl, device_index=max(x.get_device(), 0))
@@ -356,7 +356,7 @@ def quant_dynamic(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor
 
 def _launch_per_token(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fmax: float, cfg: RowConfig) -> None:
     m, k = x.shape
-    pdl = _support.pdl_enabled(x.device)
+    pdl = _support.pdl_on(x.get_device())
     launch(_per_token_kernel, (triton.cdiv(m, cfg.rows),),
            (x, q, scale, m, k, x.stride(0), x.stride(1), q.stride(0), fmax, cfg.rows, cfg.block,
             cfg.path == "loop", pdl), num_warps=cfg.num_warps, pdl=pdl, device_index=max(x.get_device(), 0))
