@@ -67,7 +67,7 @@ def triton_breakdown(calls: int, device: str) -> dict[str, float]:
     }
     if cfg.family == "swap":
         args = (x, w, out, s, p.scale, out, 16, 4096, 4096, 4096, 4096, 4096, cfg.block_m, cfg.block_n, cfg.block_k,
-                False, False, False, True, True)
+                False, False, False, True, True)  # the parameters of fp8_gemm_swap_kernel, in order
         kernel = gemm_kernels.fp8_gemm_swap_kernel
         lau = launcher.launcher_for(kernel)
         result["KernelLauncher call"] = host_us(

@@ -11,7 +11,7 @@ with cuBLAS, which does not use PDL). The copy bandwidth is measured at the star
 weight-read floor of a point is ``N*K bytes / copy GB/s``.
 
 ``--configs explore`` adds tile shapes beyond the shipped ones (the search that sets the shipped list);
-``--configs decode`` takes the shipped M <= 16 configs plus the decode candidates (:func:`decode_configs`).
+``--configs decode`` takes the GEMV and 16-token swap-AB configs of both lists (the decode search).
 
 Writes ``triton_configs.json`` (every number), ``triton_configs.md`` (µs per config, best, ratio to
 torch, % of the floor) and ``triton_table.json``: the measured best shipped config per M bucket, in the
@@ -71,32 +71,6 @@ def explore_configs() -> list[Any]:
     ]
 
 
-def decode_configs() -> list[Any]:
-    """Decode candidates (M <= 16): GEMV with longer K tiles (the whole slab in registers before the PDL
-    wait when ``block_k >= K``), narrower swap-AB tiles (more programs on small N), and the L2 prefetch."""
-    from fp8_backends.providers.triton.gemm_configs import TileConfig
-
-    return [
-        TileConfig("gemv", 1, 2, 1024, 1, 2, prefetch=1),
-        TileConfig("gemv", 1, 4, 512, 1, 4, prefetch=1),
-        TileConfig("gemv", 1, 2, 2048, 1, 2),
-        TileConfig("gemv", 1, 2, 4096, 1, 2),
-        TileConfig("gemv", 1, 2, 4096, 1, 4),
-        TileConfig("gemv", 1, 4, 1024, 1, 4),
-        TileConfig("gemv", 1, 4, 2048, 1, 4),
-        TileConfig("gemv", 1, 1, 4096, 1, 2),
-        TileConfig("gemv", 1, 4, 1024, 1, 4, prefetch=1),
-        TileConfig("swap", 16, 64, 256, 6, 4, prefetch=1),
-        TileConfig("swap", 16, 64, 128, 8, 4, prefetch=1),
-        TileConfig("swap", 16, 64, 256, 4, 4, prefetch=1),
-        TileConfig("swap", 16, 32, 256, 6, 4),
-        TileConfig("swap", 16, 32, 512, 4, 4),
-        TileConfig("swap", 16, 32, 256, 6, 4, prefetch=1),
-        TileConfig("swap", 16, 16, 512, 4, 2),
-        TileConfig("swap", 16, 16, 512, 4, 2, prefetch=1),
-    ]
-
-
 def _eligible(cfg: Any, m: int) -> bool:
     """The configs worth timing at M (the provider refuses forced small-M configs far above their range)."""
     if cfg.family == "gemv":
@@ -151,11 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     device = "cuda"
-    known = {c.name: c for c in [*CONFIG_LIST, *explore_configs(), *decode_configs()]}
+    known = {c.name: c for c in [*CONFIG_LIST, *explore_configs()]}
     if args.configs in ("shipped", "explore"):
         cfg_list = list(CONFIG_LIST) + (explore_configs() if args.configs == "explore" else [])
     elif args.configs == "decode":
-        cfg_list = [c for c in CONFIG_LIST if c.family in ("gemv", "swap") and c.block_m <= 16] + decode_configs()
+        cfg_list = [c for c in [*CONFIG_LIST, *explore_configs()] if c.family in ("gemv", "swap") and c.block_m <= 16]
     else:
         cfg_list = [known[name] if name in known else CONFIGS[name] for name in args.configs.split(",")]
     cfgs = {c.name: c for c in cfg_list}

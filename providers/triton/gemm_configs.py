@@ -39,8 +39,6 @@ class TileConfig:
     - ``stages``: software-pipelining depth (``num_stages``); ``warps``: ``num_warps``.
     - ``group_m``: ``mm``/``tma``, tiles of this many M-blocks walk N together (L2 reuse of the weight).
     - ``persistent``: ``tma`` only, launch one program per SM (times ``persistent``) walking the tiles.
-    - ``prefetch``: ``gemv``/``swap`` only, 1 = before the PDL wait, ask L2 for the program's whole weight slab
-      (see :mod:`.gemm_kernels`).
     """
 
     family: str
@@ -51,7 +49,6 @@ class TileConfig:
     warps: int
     group_m: int = 8
     persistent: int = 0
-    prefetch: int = 0
     note: str = ""
 
     def __post_init__(self) -> None:
@@ -65,17 +62,14 @@ class TileConfig:
             raise ValueError(f"{self.name}: tensor-core tiles need block_m, block_n >= 16 and block_k >= 32")
         if self.persistent and self.family != "tma":
             raise ValueError(f"{self.name}: only tma configs can be persistent")
-        if self.prefetch not in (0, 1) or (self.prefetch and self.family not in ("gemv", "swap")):
-            raise ValueError(f"{self.name}: prefetch is 0 or 1, and only for gemv and swap configs")
 
     @property
     def name(self) -> str:
-        pf = "_pf" if self.prefetch else ""
         if self.family == "gemv":
-            return f"gemv_n{self.block_n}_k{self.block_k}_w{self.warps}{pf}"
+            return f"gemv_n{self.block_n}_k{self.block_k}_w{self.warps}"
         g = f"_g{self.group_m}" if self.family in ("mm", "tma") else ""
         p = f"_p{self.persistent}" if self.persistent else ""
-        return f"{self.family}_n{self.block_n}_m{self.block_m}_k{self.block_k}_s{self.stages}_w{self.warps}{g}{p}{pf}"
+        return f"{self.family}_n{self.block_n}_m{self.block_m}_k{self.block_k}_s{self.stages}_w{self.warps}{g}{p}"
 
     @property
     def max_m(self) -> int | None:

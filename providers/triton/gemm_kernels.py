@@ -13,13 +13,8 @@ Shared contract of the three kernels (validated by the caller, not here):
   the store); K past the end is masked to zero unless ``EVEN_K`` (K a multiple of ``BLOCK_K``).
 - ``USE_PDL``: programmatic dependent launch. The kernel waits for the grid it depends on
   (``gdc_wait``) before its first read of ``x``/scales and then lets its own dependents launch
-  (``gdc_launch_dependents``). No earlier kernel writes the weight, so the decode kernels (GEMV,
-  swap-AB) load their first weight tile *before* the wait: with PDL that read overlaps the previous
-  kernel's tail. Every store comes after the wait.
-- ``PREFETCH`` (GEMV, swap-AB): before the wait, also ask L2 to fetch the program's whole weight slab
-  (``prefetch.global.L2::evict_last``, one per 128-byte line), so the weight stream starts while the
-  previous kernel finishes. A hint only: the results are the same with or without it (the interpreter
-  cannot run it; the launcher passes 0 there).
+  (``gdc_launch_dependents``); the weight is not produced by an earlier kernel, so the first weight
+  tile may be loaded before the wait.
 """
 
 from __future__ import annotations
@@ -45,18 +40,6 @@ def _epilogue(acc, offs_m, offs_n, M, N, out_ptr, stride_om, x_scale_ptr, w_scal
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=in_n, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=in_m & in_n)
-
-
-@triton.jit
-def _prefetch_rows_l2(row_ptrs, K, COLS: tl.constexpr):
-    """Ask L2 for the first ``K`` bytes of each row (``row_ptrs``: ``[R]`` pointers to fp8 rows), one
-    prefetch per 128-byte line, ``COLS`` lines per row per step. Offsets are clamped inside the row."""
-    lines = tl.arange(0, COLS) * 128
-    base = row_ptrs.to(tl.int64)
-    for start in range(0, K, COLS * 128):
-        addr = base[:, None] + tl.minimum(start + lines, K - 1)[None, :]
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [addr],
-                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -111,11 +94,10 @@ def fp8_gemm_swap_kernel(
     M, N, K, stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     X_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Swap-AB GEMM for small M: ``accᵀ[BLOCK_N, BLOCK_M] = w_tile · x_tileᵀ``; the weight rows fill
-    the MMA's wide side. Grid: ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M))``. With PDL the first K step is
-    peeled: its weight tile is loaded before the wait."""
+    the MMA's wide side. Grid: ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M))``."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -126,28 +108,11 @@ def fp8_gemm_swap_kernel(
     w_ptrs = w_ptr + rows_w[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     x_ptrs = x_ptr + rows_x[None, :] * stride_xm + offs_k[:, None]  # [BLOCK_K, BLOCK_M] view of xᵀ
 
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    first = 0
     if USE_PDL:
-        if EVEN_K:
-            a = tl.load(w_ptrs)
-        else:
-            a = tl.load(w_ptrs, mask=offs_k[None, :] < K, other=0.0)
-        if PREFETCH:
-            _prefetch_rows_l2(w_ptr + rows_w * stride_wn, K, 4)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-        if EVEN_K:
-            b = tl.load(x_ptrs)
-        else:
-            b = tl.load(x_ptrs, mask=offs_k[:, None] < K, other=0.0)
-        acc = tl.dot(a, b, acc)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-        first = 1
-    elif PREFETCH:
-        _prefetch_rows_l2(w_ptr + rows_w * stride_wn, K, 4)
-    for k in range(first, tl.cdiv(K, BLOCK_K)):
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(w_ptrs)
             b = tl.load(x_ptrs)
@@ -168,12 +133,10 @@ def fp8_gemv_kernel(
     M, N, K, stride_xm, stride_wn, stride_om,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     X_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """CUDA-core GEMV: ``BLOCK_N`` weight rows against one token per program, fp32 products summed
-    over K. Grid: ``(cdiv(N, BLOCK_N), M)`` (the weight is streamed once per token). The weight tiles
-    are double-buffered in registers: tile ``k + 1`` is loaded while tile ``k`` is reduced, and tile 0
-    before the PDL wait. With ``BLOCK_K >= K`` the program's whole slab is loaded before the wait."""
+    over K. Grid: ``(cdiv(N, BLOCK_N), M)`` (the weight is streamed once per token)."""
     pid_n = tl.program_id(0)
     m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -182,27 +145,20 @@ def fp8_gemv_kernel(
     w_ptrs = w_ptr + rows_w[:, None] * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + m * stride_xm + offs_k
 
-    if EVEN_K:
-        wv = tl.load(w_ptrs)
-    else:
-        wv = tl.load(w_ptrs, mask=offs_k[None, :] < K, other=0.0)
-    if PREFETCH:
-        _prefetch_rows_l2(w_ptr + rows_w * stride_wn, K, 8)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    for k in range(0, k_tiles):
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
+            wv = tl.load(w_ptrs)
             xv = tl.load(x_ptrs)
         else:
-            xv = tl.load(x_ptrs, mask=offs_k < K - k * BLOCK_K, other=0.0)
-        w_ptrs += BLOCK_K
-        # the next tile; past the last one the mask is all false (no memory traffic)
-        w_next = tl.load(w_ptrs, mask=offs_k[None, :] < K - (k + 1) * BLOCK_K, other=0.0)
+            k_left = K - k * BLOCK_K
+            wv = tl.load(w_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            xv = tl.load(x_ptrs, mask=offs_k < k_left, other=0.0)
         acc += wv.to(tl.float32) * xv.to(tl.float32)[None, :]
-        wv = w_next
+        w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     total = tl.sum(acc, axis=1)[:, None]  # [BLOCK_N, 1]
     offs_m = tl.full((1, 1), 0, tl.int32) + m

@@ -103,16 +103,14 @@ def run_config(
         if family == "mm":
             grid: tuple[int, ...] = (_cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n),)
             args = (*head, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, *tail)
+        elif family == "swap":
+            grid = (_cdiv(n, cfg.block_n), _cdiv(m, cfg.block_m))
+            _check_grid_y(grid[1], cfg)
+            args = (*head, cfg.block_m, cfg.block_n, cfg.block_k, *tail)
         else:
-            prefetch = bool(cfg.prefetch) and index >= 0 and not _support.interpreting()  # a hint the interpreter lacks
-            if family == "swap":
-                grid = (_cdiv(n, cfg.block_n), _cdiv(m, cfg.block_m))
-                _check_grid_y(grid[1], cfg)
-                args = (*head, cfg.block_m, cfg.block_n, cfg.block_k, *tail, prefetch)
-            else:
-                grid = (_cdiv(n, cfg.block_n), m)
-                _check_grid_y(m, cfg)
-                args = (*head, cfg.block_n, cfg.block_k, *tail, prefetch)
+            grid = (_cdiv(n, cfg.block_n), m)
+            _check_grid_y(m, cfg)
+            args = (*head, cfg.block_n, cfg.block_k, *tail)
         launch_kernel(_kernel(family), grid, args, num_warps=cfg.warps, num_stages=cfg.stages, pdl=use_pdl,
                       device_index=max(index, 0))
     finally:
