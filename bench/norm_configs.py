@@ -11,7 +11,7 @@ moved (x read, fp8 written; the add variant also reads and writes the residual) 
 Outputs of ``rmsnorm_quant`` are compared with ``auto``'s (the warps change the order of the fp32 sum of
 squares, so fewer than 0.1% of the fp8 codes may differ).
 Writes ``norm_configs.json`` and ``norm_configs.md``: the data behind ``ROW_WARPS_SMALL`` /
-``ROW_WARPS_LARGE`` and ``LARGE_LAUNCH``.
+``ROW_WARPS_LARGE``, ``LARGE_LAUNCH`` and ``LARGE_LAUNCH_NORM``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def measure(h: int, t: int, add: bool, warps: list[int], timer: Any, l2: int) ->
     import torch
 
     from fp8_backends.providers.triton import norm_kernels
-    from fp8_backends.providers.triton.quant_kernels import RowConfig, is_large, row_config
+    from fp8_backends.providers.triton.quant_kernels import RowConfig
     from fp8_backends.timing import Run, rotation_count
 
     device = "cuda"
@@ -38,7 +38,7 @@ def measure(h: int, t: int, add: bool, warps: list[int], timer: Any, l2: int) ->
     outs = [torch.empty(t, h, device=device, dtype=torch.float8_e4m3fn) for _ in range(sets)]
     weight = torch.rand(h, device=device, dtype=torch.bfloat16) + 0.5
     scale = torch.full((1,), 0.05, device=device)
-    auto = row_config(h, is_large(t, h))
+    auto = norm_kernels.default_config(t, h, add)
     cfgs: dict[str, Any] = {"auto": None, **{f"w{w}": RowConfig(auto.path, auto.rows, auto.block, w) for w in warps}}
 
     def call(i: int, cfg: Any, out: Any) -> Any:

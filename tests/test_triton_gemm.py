@@ -511,6 +511,45 @@ def test_launcher_calls_the_compiled_kernels_launcher_directly():
     assert fn.log[1][2:] == ((5, 2, 1), (x, 48, 64), "stream0", "fn-handle", "packed")
 
 
+def test_launcher_passes_launch_hooks_only_when_some_are_set():
+    from fp8_backends.providers.triton import launcher as L
+
+    class HookChain:  # the shape of Triton's knobs.runtime.launch_*_hook
+        def __init__(self, calls):
+            self.calls = calls
+
+    assert L._no_hooks(None) and L._no_hooks(HookChain([]))
+    assert not L._no_hooks(HookChain([print])) and not L._no_hooks(print)
+
+    class _Knobs:
+        launch_enter_hook = HookChain([print])
+        launch_exit_hook = HookChain([])
+
+    seen = []
+
+    class _Hooked(_FakeRunnable):
+        def run(self, gx, gy, gz, stream, function, packed, meta, enter, leave, *args):
+            seen.append((meta, enter, leave))
+
+        def launch_metadata(self, grid, stream, *args):
+            return {"grid": grid}
+
+    class _Jit(_FakeJit):
+        def __getitem__(self, grid):
+            launch = super().__getitem__(grid)
+            return lambda *a, **o: _Hooked(launch(*a, **o).log, None)
+
+    launch = _launcher(_Jit((False,)))
+    launch._knobs = _Knobs()
+    opts = {"num_warps": 4, "num_stages": 3, "pdl": False, "device_index": 0}
+    launch((2,), (torch.empty(4),), **opts)
+    launch((2,), (torch.empty(4),), **opts)
+    assert seen == [({"grid": (2, 1, 1)}, _Knobs.launch_enter_hook, _Knobs.launch_exit_hook)]
+    _Knobs.launch_enter_hook = HookChain([])
+    launch((2,), (torch.empty(4),), **opts)
+    assert seen[-1] == (None, None, None)
+
+
 @pytest.mark.parametrize(
     "args",
     [

@@ -103,6 +103,11 @@ def _runtime_knobs() -> Any:
         return None
 
 
+def _no_hooks(hook: Any) -> bool:
+    """True for an unset launch hook: ``None`` or an empty Triton ``HookChain`` (its ``calls`` list)."""
+    return hook is None or (type(hook).__name__ == "HookChain" and not getattr(hook, "calls", True))
+
+
 class _Entry:
     """A cached compiled kernel and what calling its launcher directly needs."""
 
@@ -170,9 +175,12 @@ class KernelLauncher:
         if entry.run is None or knobs is None:
             entry.compiled[(g0, g1, g2)](*args, stream=s)
             return
-        meta = entry.compiled.launch_metadata((g0, g1, g2), s, *args)  # None unless a launch hook is set
-        entry.run(g0, g1, g2, s, entry.function, entry.packed, meta, knobs.launch_enter_hook, knobs.launch_exit_hook,
-                  *args)
+        enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook
+        if _no_hooks(enter) and _no_hooks(leave):  # skip the metadata dict and two empty hook-chain calls
+            entry.run(g0, g1, g2, s, entry.function, entry.packed, None, None, None, *args)
+        else:
+            meta = entry.compiled.launch_metadata((g0, g1, g2), s, *args)
+            entry.run(g0, g1, g2, s, entry.function, entry.packed, meta, enter, leave, *args)
 
     @staticmethod
     def _options(num_warps: int, num_stages: int | None, pdl: bool) -> dict[str, Any]:

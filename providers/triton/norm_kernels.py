@@ -16,7 +16,7 @@ Per row, in fp32 (the order of :func:`fp8_backends.reference.rmsnorm` and ``quan
     rrms = rsqrt(sum(s * s) / H + eps)
     out = fp8(clamp(((s * rrms) * w) * (1 / scale), -fmax, fmax))     # fmax 448 (e4m3fn), 57344 (e5m2)
 
-Paths, chosen by :func:`.quant_kernels.row_config` (cached per ``H`` and "large": ``T * H >= 2^25``):
+Paths, chosen by :func:`.quant_kernels.row_config` (cached per ``H`` and "large", see below):
 
 - ``rows`` (``next_pow2(H) <= 1024``): a ``[ROWS, BLOCK]`` block of several rows per program
   (``ROWS * BLOCK = 4096``, 4 warps), so small hidden sizes still move full tiles per program.
@@ -28,9 +28,11 @@ Paths, chosen by :func:`.quant_kernels.row_config` (cached per ``H`` and "large"
   fp32 sum and stores both outputs, so the normalized value is the fp32 sum, as in the other paths.
 
 ``num_warps`` (measured on the H200, bf16, CUDA graphs): 4 for the ``rows`` path; for one-row programs
-of up to 16384 elements 4 in large launches (``T * H >= 2^25``: many waves of programs, more rows in
-flight pay) and 16 in smaller ones (latency: more threads per row pay); 16 for 32768-element rows and the
-``loop`` chunks. Masks cover any ``H`` (not only powers of two) and the last rows of the ``rows`` path.
+of up to 16384 elements 4 in large launches (many waves of programs: more rows in flight pay) and 16 in
+smaller ones (latency: more threads per row pay); 16 for 32768-element rows and the ``loop`` chunks. A
+launch is large from ``T * H >= 2^22`` for the plain kernel and ``2^25`` for the add variant
+(:func:`default_config`; ``bench/norm_configs.py`` measures the warps). Masks cover any ``H`` (not only
+powers of two) and the last rows of the ``rows`` path.
 Row offsets are 64-bit.
 
 PDL: with ``USE_PDL`` (SM >= 9.0, not the interpreter, ``FP8_BACKENDS_PDL`` not ``0``; see
@@ -50,7 +52,7 @@ import triton.language as tl
 
 from . import _support
 from .launcher import launch
-from .quant_kernels import FMAX, RowConfig, is_large, row_config
+from .quant_kernels import FMAX, LARGE_LAUNCH, LARGE_LAUNCH_NORM, RowConfig, is_large, row_config
 
 
 @triton.jit
@@ -131,16 +133,22 @@ def _launch(out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, w
                (x, r, weight, scale, out, h, x.stride(0), r.stride(0), out.stride(0), weight.stride(0), eps,
                 fmax, cfg.block, add, pdl), num_warps=cfg.num_warps, pdl=pdl, device_index=index)
     else:
-        launch(_norm_quant_block_kernel, (triton.cdiv(t, cfg.rows),),
+        launch(_norm_quant_block_kernel, (-(-t // cfg.rows),),
                (x, r, weight, scale, out, t, h, x.stride(0), r.stride(0), out.stride(0), weight.stride(0), eps,
                 fmax, cfg.rows, cfg.block, add, pdl), num_warps=cfg.num_warps, pdl=pdl, device_index=index)
+
+
+def default_config(t: int, h: int, add: bool) -> RowConfig:
+    """The launch shape for ``[t, h]`` rows: :func:`.quant_kernels.row_config`, with the "large launch" threshold
+    of the variant (``LARGE_LAUNCH`` with the residual add, ``LARGE_LAUNCH_NORM`` without)."""
+    return row_config(h, is_large(t, h, LARGE_LAUNCH if add else LARGE_LAUNCH_NORM))
 
 
 def _run(out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
          scale: torch.Tensor, eps: float, config: RowConfig | None) -> None:
     if x.shape[0] == 0 or x.shape[1] == 0:
         return
-    cfg = config if config is not None else row_config(x.shape[1], is_large(x.shape[0], x.shape[1]))
+    cfg = config if config is not None else default_config(x.shape[0], x.shape[1], residual is not None)
     index = x.get_device()
     if index >= 0 and index != _support.current_device():  # Triton launches on the current device
         with torch.cuda.device(index):

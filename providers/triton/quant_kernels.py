@@ -76,6 +76,11 @@ LOOP_WARPS = 16
 #: row-wise kernels: a launch over at least this many elements (rows x row length) runs many waves of
 #: programs, where fewer warps per row (more rows in flight) pay; below it more warps per row (latency) pay
 LARGE_LAUNCH = 1 << 25
+#: the same threshold for the plain fused RMSNorm + quant (one read, one fp8 write per row): there 4 warps per row
+#: are fastest from T x H = 2^22 on (H = 4096 and 8192, T = 1024-16384: 5-20% faster than 16 warps at T = 1024-4096;
+#: bench/norm_configs.py, H200, 2026-11-29). With the residual add the warps mattered less (within 10%) and 16 stayed
+#: ahead below 2^25 at T = 1024, so the add variant keeps LARGE_LAUNCH.
+LARGE_LAUNCH_NORM = 1 << 22
 #: num_warps of a one-row program by block size, for small / large launches. Measured on the H200 (bf16,
 #: CUDA graphs): large: 4096 x 16384 and 16384 x 4096 rows ran fastest with 4 warps (16 warps: 20-50%
 #: slower without the residual), 32768-element rows with 16; small: T <= 512 rows of 4096 or 8192 with 16
@@ -128,9 +133,9 @@ def row_config(
     return RowConfig("loop", 1, chunk, LOOP_WARPS if chunk >= LOOP_BLOCK else warps_for(chunk, large))
 
 
-def is_large(rows: int, n: int) -> bool:
+def is_large(rows: int, n: int, threshold: int = LARGE_LAUNCH) -> bool:
     """Whether a row-wise launch over ``rows`` rows of ``n`` elements counts as large (see ROW_WARPS_*)."""
-    return rows * n >= LARGE_LAUNCH
+    return rows * n >= threshold
 
 
 class TileConfig(NamedTuple):
@@ -275,6 +280,10 @@ def _fmax(fp8_dtype: torch.dtype) -> float:
         raise ValueError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}") from None
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv is a JIT function: calling it from Python costs a few µs
+
+
 def _foreign_device(x: torch.Tensor) -> int:
     """The CUDA device index of ``x`` when it is not the current device (Triton launches on the current
     one), else -1."""
@@ -289,12 +298,12 @@ def _launch_tiles(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, amax: t
     m, k = x.shape
     cfg = tile_config(k)
     pdl = _support.pdl_on(x.get_device())
-    grid = (triton.cdiv(m, cfg.rows), triton.cdiv(k, cfg.block_k))
+    grid = (_cdiv(m, cfg.rows), _cdiv(k, cfg.block_k))
     index = max(x.get_device(), 0)
     if amax is not None:
         programs = grid[0]
-        steps = triton.cdiv(programs, AMAX_MAX_PROGRAMS)
-        launch(_absmax_kernel, (triton.cdiv(programs, steps),),
+        steps = _cdiv(programs, AMAX_MAX_PROGRAMS)
+        launch(_absmax_kernel, (_cdiv(programs, steps),),
                (x, amax, m, k, x.stride(0), x.stride(1), steps, cfg.rows, cfg.block_k, pdl),
                num_warps=cfg.num_warps, pdl=pdl, device_index=index)
     launch(_quant_tile_kernel, grid,
@@ -357,7 +366,7 @@ def quant_dynamic(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor
 def _launch_per_token(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fmax: float, cfg: RowConfig) -> None:
     m, k = x.shape
     pdl = _support.pdl_on(x.get_device())
-    launch(_per_token_kernel, (triton.cdiv(m, cfg.rows),),
+    launch(_per_token_kernel, (_cdiv(m, cfg.rows),),
            (x, q, scale, m, k, x.stride(0), x.stride(1), q.stride(0), fmax, cfg.rows, cfg.block,
             cfg.path == "loop", pdl), num_warps=cfg.num_warps, pdl=pdl, device_index=max(x.get_device(), 0))
 
