@@ -90,9 +90,41 @@ def eager_fast(op: Any) -> Callable[..., Any]:
     return call
 
 
+class LazyOps:
+    """Ops defined on first use (so a provider module imports without torch's op machinery running):
+    ``op(name)`` is the OpOverload (schemas, opcheck, tests), ``call(name)`` the :func:`eager_fast` callable the
+    hot path uses. ``dispatch_keys`` may be a callable, evaluated at definition time."""
+
+    def __init__(self, specs: Mapping[str, OpSpec], dispatch_keys: Iterable[str] | Callable[[], Iterable[str]]) -> None:
+        self.specs = dict(specs)
+        self.dispatch_keys = dispatch_keys
+        self._ops: dict[str, Any] | None = None
+        self._calls: dict[str, Callable[..., Any]] = {}
+        self._lock = threading.Lock()
+
+    def ops(self) -> dict[str, Any]:
+        ops = self._ops
+        if ops is None:
+            with self._lock:
+                if self._ops is None:
+                    keys = self.dispatch_keys() if callable(self.dispatch_keys) else self.dispatch_keys
+                    self._ops = define_ops(self.specs, keys)
+                ops = self._ops
+        return ops
+
+    def op(self, name: str) -> Any:
+        return self.ops()[name]
+
+    def call(self, name: str) -> Callable[..., Any]:
+        call = self._calls.get(name)
+        if call is None:
+            call = self._calls[name] = eager_fast(self.op(name))
+        return call
+
+
 def gemm_fake(x: Any, w: Any, x_scale: Any, w_scale: Any, bias: Any, out_dtype: Any, *options: Any) -> Any:
     """The fake implementation of every GEMM op ``(x [M, K], w [N, K], ..., out_dtype, *options) -> [M, N]``."""
     return x.new_empty((x.shape[0], w.shape[0]), dtype=out_dtype)
 
 
-__all__ = ["NAMESPACE", "OpSpec", "define_ops", "eager_fast", "gemm_fake"]
+__all__ = ["NAMESPACE", "LazyOps", "OpSpec", "define_ops", "eager_fast", "gemm_fake"]

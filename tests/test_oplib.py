@@ -76,3 +76,21 @@ def test_eager_fast_goes_through_the_op_for_fake_tensors_and_compile(op):
 def test_eager_fast_of_an_unknown_op_is_the_op_itself():
     op = torch.ops.aten.add.Tensor
     assert oplib.eager_fast(op) is op
+
+
+def test_lazy_ops_define_on_first_use_and_call_through_eager_fast():
+    name = "test_oplib_lazy_twice"
+    asked = []
+
+    def keys():
+        asked.append(1)
+        return ("CPU",)
+
+    lazy = oplib.LazyOps({name: (f"{name}(Tensor x, float factor) -> Tensor", _impl, _fake)}, keys)
+    assert asked == [] and not hasattr(torch.ops.fp8_backends, name)
+    op = lazy.op(name)
+    assert asked == [1] and lazy.op(name) is op and lazy.ops() == {name: op}
+    call = lazy.call(name)
+    assert call.op is op and lazy.call(name) is call
+    _calls.clear()
+    assert torch.equal(call(torch.ones(2), 4.0), torch.full((2,), 4.0)) and _calls == ["impl"]

@@ -11,10 +11,10 @@ first use), allocates the output (and a stream-K workspace where the config need
 from __future__ import annotations
 
 import functools
-import threading
 from typing import TYPE_CHECKING, Any
 
 from fp8_backends.errors import Fp8BackendError, InvalidInputError
+from fp8_backends.oplib import LazyOps, gemm_fake
 
 from . import build
 from .configs import CONFIGS, active_table
@@ -33,11 +33,6 @@ _TMA_ALIGN = 16  # bytes: TMA needs 16-byte aligned global addresses
 
 class CutlassKernelError(Fp8BackendError, RuntimeError):
     """``fp8b_gemm`` refused or failed to launch (the message names the return code)."""
-
-
-_op: Any = None
-_call: Any = None
-_op_lock = threading.Lock()
 
 
 def _out_name(dtype: torch.dtype) -> str:
@@ -130,25 +125,12 @@ def _run(
     return out
 
 
+_OPS = LazyOps({OP_BASENAME: (OP_BASENAME + OP_SCHEMA, _run, gemm_fake)}, ("CUDA",))
+
+
 def _register() -> Any:
-    global _op
-    if _op is None:
-        with _op_lock:
-            if _op is None:
-                from fp8_backends.oplib import define_ops, gemm_fake
-
-                _op = define_ops({OP_BASENAME: (OP_BASENAME + OP_SCHEMA, _run, gemm_fake)}, ("CUDA",))[OP_BASENAME]
-    return _op
-
-
-def _caller() -> Any:
-    """The op as the hot path calls it (:func:`fp8_backends.oplib.eager_fast`: no dispatcher in plain eager calls)."""
-    global _call
-    if _call is None:
-        from fp8_backends.oplib import eager_fast
-
-        _call = eager_fast(_register())
-    return _call
+    """The op's OpOverload (defined on first use)."""
+    return _OPS.op(OP_BASENAME)
 
 
 def cutlass_gemm(
@@ -167,7 +149,7 @@ def cutlass_gemm(
     fp32 one value or ``[M, 1]`` contiguous; ``w_scale`` fp32 ``[1]`` or ``[N]`` contiguous; ``bias``
     ``[N]`` in ``out_dtype`` (bf16, fp16 or fp32) or ``None``. Inputs are assumed validated.
     """
-    return _caller()(x, w, x_scale, w_scale, bias, out_dtype, config, fast_accum)
+    return _OPS.call(OP_BASENAME)(x, w, x_scale, w_scale, bias, out_dtype, config, fast_accum)
 
 
 __all__ = ["OP_NAME", "CutlassKernelError", "cutlass_gemm", "library_for"]

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
 from typing import TYPE_CHECKING, Any
 
 from fp8_backends.errors import InvalidInputError
+from fp8_backends.oplib import LazyOps, gemm_fake
 
 from . import _support
 from .gemm_configs import CONFIGS, TileConfig, active_table
@@ -31,9 +31,6 @@ OP_SCHEMA = (
 )
 _GRID_Y_MAX = 65535  # CUDA's limit on gridDim.y
 
-_op: Any = None
-_call: Any = None
-_op_lock = threading.Lock()
 
 
 def pick_config(config: str, m: int, n: int, k: int) -> TileConfig:
@@ -174,26 +171,16 @@ def _check_grid_y(programs: int, cfg: TileConfig) -> None:
                                 f"{_GRID_Y_MAX}); use config=auto or an mm config for this M")
 
 
+def _dispatch_keys() -> tuple[str, ...]:
+    return ("CUDA", "CPU") if _support.interpreting() else ("CUDA",)
+
+
+_OPS = LazyOps({OP_BASENAME: (OP_BASENAME + OP_SCHEMA, launch, gemm_fake)}, _dispatch_keys)
+
+
 def _register() -> Any:
-    global _op
-    if _op is None:
-        with _op_lock:
-            if _op is None:
-                from fp8_backends.oplib import define_ops, gemm_fake
-
-                keys = ("CUDA", "CPU") if _support.interpreting() else ("CUDA",)
-                _op = define_ops({OP_BASENAME: (OP_BASENAME + OP_SCHEMA, launch, gemm_fake)}, keys)[OP_BASENAME]
-    return _op
-
-
-def _caller() -> Any:
-    """The op as the hot path calls it (:func:`fp8_backends.oplib.eager_fast`: no dispatcher in plain eager calls)."""
-    global _call
-    if _call is None:
-        from fp8_backends.oplib import eager_fast
-
-        _call = eager_fast(_register())
-    return _call
+    """The op's OpOverload (defined on first use)."""
+    return _OPS.op(OP_BASENAME)
 
 
 def triton_gemm(
@@ -208,7 +195,7 @@ def triton_gemm(
     """The custom op. ``x: [M, K]`` and ``w: [N, K]`` float8 (same type), row-major with unit column
     stride; ``x_scale`` fp32 one value or ``[M, 1]`` contiguous; ``w_scale`` fp32 ``[1]`` or ``[N]``
     contiguous; ``bias`` ``[N]`` contiguous in ``out_dtype`` or ``None``. Inputs are assumed validated."""
-    return _caller()(x, w, x_scale, w_scale, bias, out_dtype, config)
+    return _OPS.call(OP_BASENAME)(x, w, x_scale, w_scale, bias, out_dtype, config)
 
 
 __all__ = ["OP_NAME", "launch", "pick_config", "run_config", "triton_gemm"]

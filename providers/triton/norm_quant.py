@@ -30,11 +30,11 @@ This module imports neither torch nor triton at import time (stevedore imports i
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from fp8_backends.backend import OpNormQuantBackend
 from fp8_backends.capabilities import NormQuantCapabilities
+from fp8_backends.oplib import LazyOps
 from fp8_backends.types import OutDtype
 
 from . import _support
@@ -51,10 +51,6 @@ SCHEMAS = {
         "Tensor scale, float eps) -> ()"
     ),
 }
-
-_lock = threading.Lock()
-_ops: tuple[Any, Any] | None = None
-
 
 def _rmsnorm_quant_impl(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                         eps: float) -> None:
@@ -78,18 +74,13 @@ def _dispatch_keys() -> tuple[str, ...]:
     return ("CUDA", "CPU") if _support.interpreting() else ("CUDA",)
 
 
+_OPS = LazyOps({NORM_OP: (SCHEMAS[NORM_OP], _rmsnorm_quant_impl, _fake),
+                ADD_NORM_OP: (SCHEMAS[ADD_NORM_OP], _fused_add_rmsnorm_quant_impl, _fake)}, _dispatch_keys)
+
+
 def load_ops() -> tuple[Any, Any]:
     """Define the two ops once (first use) and return their OpOverloads ``(rmsnorm_quant, fused_add)``."""
-    global _ops
-    if _ops is None:
-        with _lock:
-            if _ops is None:
-                from fp8_backends.oplib import define_ops
-
-                impls = {NORM_OP: _rmsnorm_quant_impl, ADD_NORM_OP: _fused_add_rmsnorm_quant_impl}
-                ops = define_ops({name: (SCHEMAS[name], impls[name], _fake) for name in SCHEMAS}, _dispatch_keys())
-                _ops = (ops[NORM_OP], ops[ADD_NORM_OP])
-    return _ops
+    return _OPS.op(NORM_OP), _OPS.op(ADD_NORM_OP)
 
 
 class TritonNormQuantBackend(OpNormQuantBackend):
