@@ -13,6 +13,7 @@ Rules:
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import threading
@@ -115,15 +116,17 @@ _builtin_policies_loaded = False
 
 
 def _load_builtin_policies() -> None:
-    """Import the built-in policies once (the tuned lockfile, :mod:`.tuning`), on first resolution."""
+    """Import the built-in policies once, on first resolution: the measured defaults (:mod:`.defaults`), then
+    the tuned lockfile (:mod:`.tuning`), which registers later and so is asked first."""
     global _builtin_policies_loaded
     if _builtin_policies_loaded:
         return
     _builtin_policies_loaded = True
-    try:
-        from . import tuning  # noqa: F401  (registers the "lockfile" policy)
-    except Exception as exc:  # a broken policy module must not break resolution
-        logger.warning("lockfile selection policy unavailable (%s: %s)", type(exc).__name__, exc)
+    for module in ("defaults", "tuning"):
+        try:
+            importlib.import_module(f"{__package__}.{module}")  # each registers its policy
+        except Exception as exc:  # a broken policy module must not break resolution
+            logger.warning("%s selection policy unavailable (%s: %s)", module, type(exc).__name__, exc)
 
 
 _instances: dict[tuple[str, str, tuple[tuple[str, str], ...]], Any] = {}
@@ -352,9 +355,10 @@ def resolve_gemm_buckets(
     platform: Platform | None = None,
 ) -> list[tuple[int, Any]]:
     """For ``auto``: the provider for each M bucket the tuned lockfile covers for ``problem`` (its ``m``
-    ignored), as ``[(bucket, provider), ...]`` ascending; a batch of ``M`` rows uses the first bucket
-    ``>= M`` (the largest beyond them). ``[]`` for an explicit choice, without a lockfile, or when it
-    does not cover the problem. Logs one INFO line per problem summarising the choices."""
+    ignored), else for each bucket of this GPU's measured defaults (:mod:`.defaults`), as
+    ``[(bucket, provider), ...]`` ascending; a batch of ``M`` rows uses the first bucket ``>= M`` (the
+    largest beyond them). ``[]`` for an explicit choice or when neither applies. Logs one INFO line per
+    problem summarising the choices."""
     text = name if name is not None else (os.environ.get(ENV_FOR_KIND["gemm"], "").strip() or AUTO)
     try:
         if not BackendRequest.parse(text).is_auto:
@@ -363,10 +367,12 @@ def resolve_gemm_buckets(
         return []
     platform = _platform_for(problem, platform)
     _load_builtin_policies()
-    from . import tuning
+    from . import defaults, tuning
 
+    covered = tuning.covered_buckets("gemm", problem, platform)
+    source = "lockfile" if covered else "measured defaults"
     table = []
-    for bucket in tuning.covered_buckets("gemm", problem, platform):
+    for bucket in covered or defaults.buckets("gemm", platform):
         res = explain("gemm", name, problem=problem.with_m(bucket), platform=platform)
         if res.error is not None:
             raise res.error
@@ -378,7 +384,7 @@ def resolve_gemm_buckets(
             _logged.add(key)
         if first:
             logger.info(
-                "GEMM backends by M bucket (lockfile) for %s on %s: %s", problem.with_m(None).describe(),
+                "GEMM backends by M bucket (%s) for %s on %s: %s", source, problem.with_m(None).describe(),
                 platform.describe(), ", ".join(f"M<={b} {be.label}" for b, be in table),
             )
     return table

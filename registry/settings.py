@@ -11,6 +11,7 @@
 | ``FP8_BACKENDS_LOCKFILE`` | tuned lockfile ``auto`` reads (default ``~/.cache/fp8_backends/selection.lock.json``) |
 | ``FP8_BACKENDS_TUNE`` | ``1``: ``auto`` tunes a problem the lockfile lacks at first use and stores the result |
 | ``FP8_BACKENDS_PDL`` | ``0``: never launch kernels with programmatic dependent launch (default: on where SM >= 9.0) |
+| ``FP8_BACKENDS_DEFAULTS`` | ``0``: ``auto`` ignores the measured per-GPU, per-M defaults (``registry/defaults.py``) |
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ CHECK_SCALES_ENV = "FP8_BACKENDS_CHECK_SCALES"
 LOCKFILE_ENV = "FP8_BACKENDS_LOCKFILE"
 TUNE_ENV = "FP8_BACKENDS_TUNE"
 PDL_ENV = "FP8_BACKENDS_PDL"
+DEFAULTS_ENV = "FP8_BACKENDS_DEFAULTS"
 
 
 def _split(value: str | None) -> list[str]:
@@ -57,6 +59,11 @@ def simulated_sm() -> str | None:
 
 def check_scales_at_call() -> bool:
     return os.environ.get(CHECK_SCALES_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def measured_defaults_enabled() -> bool:
+    """False when ``FP8_BACKENDS_DEFAULTS`` is ``0``/``false``/``off``/``no``."""
+    return os.environ.get(DEFAULTS_ENV, "").strip().lower() not in {"0", "false", "no", "off"}
 
 
 def pdl_allowed() -> bool:

@@ -159,7 +159,8 @@ def test_autotune_env_default(monkeypatch: pytest.MonkeyPatch):
         FlashinferBmmBackend()
 
 
-def test_option_syntax_through_resolution(available):
+def test_option_syntax_through_resolution(available, monkeypatch):
+    monkeypatch.setenv("FP8_BACKENDS_DEFAULTS", "0")  # static priorities only (registry/defaults.py off)
     res = resolution.resolve("gemm", "flashinfer@runner=cudnn", problem=gemm_problem(), platform=SM90)
     assert isinstance(res, FlashinferBmmBackend)
     assert res.label == "flashinfer_bmm[runner=cudnn,autotune=off]"

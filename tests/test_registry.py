@@ -138,7 +138,7 @@ def test_unknown_name_lists_valid_ones():
 @pytest.mark.parametrize("sm, expect_ok", [("8.0", False), ("8.9", True), ("9.0", True), ("10.0", True),
                                            ("12.0", True)])
 def test_resolution_on_simulated_platforms(sm, expect_ok):
-    problem = GemmProblem(n=4096, k=4096, m=16)
+    problem = GemmProblem(n=4096, k=4096, m=256)  # above the measured defaults' decode bucket: static priorities
     platform = simulate_platform(sm)
     if expect_ok:
         assert resolve_gemm_backend(problem=problem, platform=platform).name == "torch_scaled_mm"
@@ -242,3 +242,56 @@ def test_disabled_accepts_any_spelling_of_the_distribution(monkeypatch):
     for value in ("otherdist:torch_scaled_mm", "torch_scaled", "cutlass"):
         monkeypatch.setenv("FP8_BACKENDS_DISABLED", value)
         assert not entry.disabled, value
+
+
+# --------------------------------------------------------------------------- measured defaults
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton installed")
+
+
+@needs_triton
+def test_measured_default_prefers_triton_for_decode_on_sm90(monkeypatch):
+    sm90 = simulate_platform("9.0")
+    for m in (1, 16):
+        res = resolution.explain("gemm", problem=GemmProblem(n=4096, k=4096, m=m), platform=sm90)
+        assert res.backend.name == "triton" and res.source == "measured-default", (m, res.source)
+        assert "M <= 16" in res.note
+    for m, platform in ((17, sm90), (4096, sm90), (1, simulate_platform("8.9")), (1, simulate_platform("10.0")),
+                        (None, sm90)):
+        res = resolution.explain("gemm", problem=GemmProblem(n=4096, k=4096, m=m), platform=platform)
+        assert res.backend.name == "torch_scaled_mm" and res.source == "auto", (m, platform.arch)
+    monkeypatch.setenv("FP8_BACKENDS_DEFAULTS", "0")
+    assert resolve_gemm_backend(problem=GemmProblem(n=4096, k=4096, m=1), platform=sm90).name == "torch_scaled_mm"
+    monkeypatch.setenv("FP8_BACKENDS_DEFAULTS", "1")
+    monkeypatch.setenv("FP8_BACKENDS_DISABLED", "triton")  # preferred but not serving: static priorities decide
+    assert resolve_gemm_backend(problem=GemmProblem(n=4096, k=4096, m=1), platform=sm90).name == "torch_scaled_mm"
+
+
+@needs_triton
+def test_measured_default_buckets_for_layers():
+    from fp8_backends.registry import defaults
+
+    sm90 = simulate_platform("9.0")
+    assert defaults.buckets("gemm", sm90) == [16, 17]
+    assert defaults.buckets("gemm", simulate_platform("10.0")) == [] and defaults.buckets("norm_quant", sm90) == []
+    table = resolution.resolve_gemm_buckets(problem=GemmProblem(n=4096, k=4096), platform=sm90)
+    assert [(b, p.name) for b, p in table] == [(16, "triton"), (17, "torch_scaled_mm")]
+    assert resolution.resolve_gemm_buckets("torch", problem=GemmProblem(n=4096, k=4096), platform=sm90) == []
+
+
+def test_measured_default_names_only_builtin_providers():
+    from types import SimpleNamespace
+
+    from fp8_backends.registry import defaults
+
+    sm90 = simulate_platform("9.0")
+    problem = GemmProblem(n=4096, k=4096, m=1)
+
+    def cand(name, builtin):
+        return SimpleNamespace(entry=SimpleNamespace(name=name, builtin=builtin))
+
+    third_party = cand("triton", False)
+    assert defaults.measured_default_policy("gemm", problem, sm90, [third_party]) is None
+    ours = cand("triton", True)
+    entry, options, note = defaults.measured_default_policy("gemm", problem, sm90, [third_party, ours])
+    assert entry is ours.entry and options == {} and "H200" in note
+    assert defaults.measured_default_policy("gemm", GemmProblem(n=4096, k=4096, m=64), sm90, [ours]) is None

@@ -1,0 +1,104 @@
+"""Measured defaults for ``auto``: which built-in provider serves which M on a GPU family, when no tuned
+lockfile covers the problem.
+
+Static priorities rank the providers the same way for every problem (``torch_scaled_mm`` first). On the H200
+the ``triton`` decode kernels (GEMV at M = 1, swap-AB up to 16 tokens, launched with PDL) beat cuBLAS at every
+decode point measured: 1.12x ``torch._scaled_mm`` geomean at M <= 16 over the Llama-3-8B shapes (1.01-1.18x;
+``bench/results/2026-11-29-h200-triton/triton_configs.md``), while cuBLAS stays ahead at M 64-256 and the
+providers are within a few percent of each other above. This module holds such measured preferences as data:
+per SM range, an M bucket and the provider names preferred there (the first that can serve wins; where none
+can, static priorities decide). A tuned lockfile (:mod:`.tuning`) is asked first; ``FP8_BACKENDS_DEFAULTS=0``
+turns these defaults off.
+
+Only built-in providers are named here (a third-party provider that happens to be called ``triton`` is never
+picked by these rules). :func:`buckets` gives :class:`fp8_backends.layers.Fp8Linear` the M buckets to
+prepare one weight per provider for, as the lockfile's buckets do.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from . import resolution, settings
+from .platform import Platform
+
+logger = logging.getLogger("fp8_backends")
+
+POLICY_NAME = "measured-default"
+
+
+@dataclass(frozen=True)
+class MRule:
+    """Problems with ``M <= max_m`` prefer the built-in providers ``prefer`` (in order)."""
+
+    max_m: int
+    prefer: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PlatformDefaults:
+    """The rules of one kind (``gemm``) for GPUs with ``min_sm <= SM <= max_sm``; rules ascend in ``max_m``."""
+
+    kind: str
+    min_sm: tuple[int, int]
+    max_sm: tuple[int, int]
+    rules: tuple[MRule, ...]
+    source: str
+
+    def covers(self, kind: str, platform: Platform) -> bool:
+        return kind == self.kind and platform.sm is not None and self.min_sm <= platform.sm <= self.max_sm
+
+    def rule_for(self, m: int) -> MRule | None:
+        return next((r for r in self.rules if m <= r.max_m), None)
+
+
+DEFAULTS: tuple[PlatformDefaults, ...] = (
+    PlatformDefaults(
+        kind="gemm",
+        min_sm=(9, 0),
+        max_sm=(9, 0),
+        rules=(MRule(16, ("triton",)),),
+        source="H200, 2026-11-29: triton 1.12x torch._scaled_mm geomean at M <= 16 (Llama-3-8B shapes)",
+    ),
+)
+
+
+def defaults_for(kind: str, platform: Platform) -> PlatformDefaults | None:
+    if not settings.measured_defaults_enabled():
+        return None
+    return next((d for d in DEFAULTS if d.covers(kind, platform)), None)
+
+
+def measured_default_policy(
+    kind: str, problem: Any, platform: Platform, serving: list[Any]
+) -> tuple[Any, dict[str, str], str] | None:
+    """The ``auto`` policy: the first preferred built-in provider that can serve this problem's M, or None."""
+    m = getattr(problem, "m", None) if problem is not None else None
+    table = defaults_for(kind, platform) if m is not None else None
+    rule = table.rule_for(m) if table is not None else None
+    if rule is None:
+        return None
+    for name in rule.prefer:
+        for cand in serving:
+            if cand.entry.builtin and cand.entry.name == name:
+                return cand.entry, {}, f"measured default for M <= {rule.max_m} on SM {platform.arch} ({table.source})"
+    logger.debug("measured default for M <= %d prefers %s, none of which can serve %s", rule.max_m,
+                 ", ".join(rule.prefer), problem.describe())
+    return None
+
+
+def buckets(kind: str, platform: Platform) -> list[int]:
+    """The M buckets the defaults distinguish on ``platform`` (each rule's ``max_m``, then one bucket for
+    every larger M), or ``[]``."""
+    table = defaults_for(kind, platform)
+    if table is None or not table.rules:
+        return []
+    return [r.max_m for r in table.rules] + [table.rules[-1].max_m + 1]
+
+
+resolution.register_selection_policy(POLICY_NAME, measured_default_policy)
+
+__all__ = ["DEFAULTS", "MRule", "POLICY_NAME", "PlatformDefaults", "buckets", "defaults_for",
+           "measured_default_policy"]
