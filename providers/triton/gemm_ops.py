@@ -4,7 +4,7 @@ The op is defined on first use (:func:`fp8_backends.oplib.define_ops`) with a fa
 (torch.compile traces it without running it). Its real implementation picks the tile config (``auto``:
 the M-bucket table, at run time, so compiled graphs carry no M guards), allocates the output and
 launches the kernel on torch's current stream through :class:`.launcher.KernelLauncher` (the compiled
-kernel, not Triton's Python launch path), with PDL where :func:`._support.pdl_enabled` allows. No
+kernel, not Triton's Python launch path), with PDL where :func:`._support.pdl_on` allows. No
 host-device synchronisation.
 """
 
@@ -30,7 +30,6 @@ OP_SCHEMA = (
     "(Tensor x, Tensor w, Tensor x_scale, Tensor w_scale, Tensor? bias, ScalarType out_dtype, str config) -> Tensor"
 )
 _GRID_Y_MAX = 65535  # CUDA's limit on gridDim.y
-
 
 
 def pick_config(config: str, m: int, n: int, k: int) -> TileConfig:
