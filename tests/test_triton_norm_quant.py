@@ -522,3 +522,17 @@ def test_gpu_no_host_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+def test_default_config_warps_rule_per_variant():
+    from fp8_backends.providers.triton import norm_kernels, quant_kernels
+
+    # the plain kernel counts as a large launch from T*H = 2^22 (4 warps per row), the add variant from 2^25
+    assert quant_kernels.LARGE_LAUNCH_NORM < quant_kernels.LARGE_LAUNCH
+    plain_small = norm_kernels.default_config(512, 4096, add=False)
+    plain_large = norm_kernels.default_config(1024, 4096, add=False)
+    add_mid = norm_kernels.default_config(4096, 4096, add=True)
+    add_large = norm_kernels.default_config(8192, 4096, add=True)
+    assert plain_large.num_warps < plain_small.num_warps and plain_large.num_warps == add_large.num_warps
+    assert add_mid.num_warps == plain_small.num_warps
+    assert all(c.path == "row" and c.block == 4096 for c in (plain_small, plain_large, add_mid, add_large))
