@@ -139,6 +139,8 @@ def collect(
             settings.SIMULATE_SM_ENV,
             settings.LOCKFILE_ENV,
             settings.TUNE_ENV,
+            settings.DEFAULTS_ENV,
+            settings.PDL_ENV,
         )
         if var in os.environ
     }
@@ -150,7 +152,21 @@ def collect(
         "providers": providers,
         "resolution": {kind: _resolution_dict(res) for kind, res in resolutions.items()},
         "lockfile": _lockfile_dict(platform),
+        "measured_defaults": {kind: _defaults_list(kind, platform) for kind in ("gemm", "norm_quant")},
     }
+
+
+def _defaults_list(kind: str, platform: Platform) -> list[dict[str, Any]]:
+    """The measured ``auto`` defaults that apply on ``platform`` (``registry/defaults.py``), as rules."""
+    try:
+        from fp8_backends.registry import defaults
+
+        table = defaults.defaults_for(kind, platform)
+    except Exception:  # the listing must print even if the defaults module breaks
+        return []
+    if table is None:
+        return []
+    return [{"max_m": r.max_m, "prefer": list(r.prefer), "source": table.source} for r in table.rules]
 
 
 def _lockfile_dict(platform: Platform) -> dict[str, Any]:
@@ -229,6 +245,9 @@ def render(data: dict[str, Any]) -> str:
         for pr in data["providers"]:
             if pr["kind"] == kind and pr.get("note"):
                 out.append(f"  {pr['name']} ({pr['distribution']}): note: {pr['note']}")
+        for rule in data.get("measured_defaults", {}).get(kind, []):
+            out.append(f"  measured default: M <= {rule['max_m']} -> {', '.join(rule['prefer'])} where it can serve "
+                       f"({rule['source']}; FP8_BACKENDS_DEFAULTS=0 turns it off)")
         res = data["resolution"][kind]
         problem = res["problem"] or "any problem"
         if res["error"]:

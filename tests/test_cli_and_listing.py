@@ -72,6 +72,13 @@ def test_listing_problem_explains_rejections(capsys):
     assert "row-wise FP8 kernel writes bfloat16 only" in out
 
 
+def test_listing_states_the_measured_defaults(capsys):
+    assert listing.main(["--simulate-sm", "9.0"]) == 0
+    assert "measured default: M <= 16 -> triton" in capsys.readouterr().out
+    assert listing.main(["--simulate-sm", "10.0"]) == 0
+    assert "measured default" not in capsys.readouterr().out
+
+
 def test_listing_bad_arguments_exit_2(capsys):
     with pytest.raises(SystemExit) as info:
         listing.main(["--problem", "1,2"])
