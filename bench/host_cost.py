@@ -45,7 +45,7 @@ def triton_breakdown(calls: int, device: str) -> dict[str, float]:
     preallocated output; the cached-kernel launch alone; its specialization key alone; ``torch.empty``."""
     import torch
 
-    from fp8_backends.providers.triton import gemm_kernels, gemm_ops, launcher
+    from fp8_backends.providers.triton import gemm_ops, launcher
     from fp8_backends.providers.triton.gemm import TritonGemmBackend
 
     x = torch.ones(16, 4096, device=device).to(torch.float8_e4m3fn)
@@ -65,13 +65,11 @@ def triton_breakdown(calls: int, device: str) -> dict[str, float]:
         "run_config (cached-kernel launch)": host_us(lambda: gemm_ops.run_config(cfg, x, w, s, p.scale, None, out),
                                                      calls),
     }
-    if cfg.family == "swap":
-        args = (x, w, out, s, p.scale, out, 16, 4096, 4096, 4096, 4096, 4096, cfg.block_m, cfg.block_n, cfg.block_k,
-                False, False, False, True, True)  # the parameters of fp8_gemm_swap_kernel, in order
-        kernel = gemm_kernels.fp8_gemm_swap_kernel
-        lau = launcher.launcher_for(kernel)
+    if cfg.family != "tma":
+        grid, args = gemm_ops.pointer_kernel_args(cfg, x, w, s, p.scale, None, out, True)
+        lau = launcher.launcher_for(gemm_ops._kernel(cfg.family))
         result["KernelLauncher call"] = host_us(
-            lambda: lau((256, 1), args, num_warps=cfg.warps, num_stages=cfg.stages, pdl=True, device_index=0), calls)
+            lambda: lau(grid, args, num_warps=cfg.warps, num_stages=cfg.stages, pdl=True, device_index=0), calls)
         result["specialization key"] = host_us(lambda: lau.key(args), calls)
     result["torch.empty output"] = host_us(lambda: torch.empty(16, 4096, device=device, dtype=torch.bfloat16), calls)
     return result

@@ -74,15 +74,10 @@ def run_config(
 ) -> None:
     """Launch ``cfg``'s kernel writing ``out [M, N]`` (M >= 1). ``pdl``: force PDL on or off (benchmarks);
     ``None`` follows :func:`._support.pdl_on`."""
-    m, k = x.shape
-    n = w.shape[0]
     index = x.get_device()
     use_pdl = _support.pdl_on(index) if pdl is None else pdl
-    family = cfg.family
-    if family == "tma" and (x.data_ptr() % 16 or w.data_ptr() % 16):
+    if cfg.family == "tma" and (x.data_ptr() % 16 or w.data_ptr() % 16):
         cfg = _pointer_tiles(cfg)  # TMA needs 16-byte aligned bases (a view at an odd offset): same tiles
-        family = "mm"
-    flags = (x_scale.numel() > 1, w_scale.numel() > 1, bias is not None)
     guard = None
     if index >= 0 and index != _support.current_device():  # Triton launches on the current device
         import torch
@@ -90,32 +85,39 @@ def run_config(
         guard = torch.cuda.device(index)
         guard.__enter__()
     try:
-        if family == "tma":
-            _launch_tma(cfg, x, w, x_scale, w_scale, bias, out, flags, use_pdl)
+        if cfg.family == "tma":
+            _launch_tma(cfg, x, w, x_scale, w_scale, bias, out, use_pdl)
             return
-        head = (x, w, out, x_scale, w_scale, out if bias is None else bias, m, n, k, x.stride(0), w.stride(0),
-                out.stride(0))
-        tail = (*flags, k % cfg.block_k == 0, use_pdl)
-        if family == "mm":
-            grid: tuple[int, ...] = (_cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n),)
-            args = (*head, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, *tail)
-        elif family == "swap":
-            grid = (_cdiv(n, cfg.block_n), _cdiv(m, cfg.block_m))
-            _check_grid_y(grid[1], cfg)
-            args = (*head, cfg.block_m, cfg.block_n, cfg.block_k, *tail)
-        else:
-            grid = (_cdiv(n, cfg.block_n), m)
-            _check_grid_y(m, cfg)
-            args = (*head, cfg.block_n, cfg.block_k, *tail)
-        launch_kernel(_kernel(family), grid, args, num_warps=cfg.warps, num_stages=cfg.stages, pdl=use_pdl,
+        grid, args = pointer_kernel_args(cfg, x, w, x_scale, w_scale, bias, out, use_pdl)
+        launch_kernel(_kernel(cfg.family), grid, args, num_warps=cfg.warps, num_stages=cfg.stages, pdl=use_pdl,
                       device_index=max(index, 0))
     finally:
         if guard is not None:
             guard.__exit__(None, None, None)
 
 
+def pointer_kernel_args(cfg: TileConfig, x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor,
+                        w_scale: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                        use_pdl: bool) -> tuple[tuple[int, ...], tuple[Any, ...]]:
+    """``(grid, args)`` of ``cfg``'s kernel (family ``mm``, ``swap`` or ``gemv``): every parameter in
+    declaration order, constexprs included, as :func:`.launcher.launch` takes them."""
+    m, k = x.shape
+    n = w.shape[0]
+    head = (x, w, out, x_scale, w_scale, out if bias is None else bias, m, n, k, x.stride(0), w.stride(0),
+            out.stride(0))
+    tail = (x_scale.numel() > 1, w_scale.numel() > 1, bias is not None, k % cfg.block_k == 0, use_pdl)
+    if cfg.family == "mm":
+        return (_cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n),), (*head, cfg.block_m, cfg.block_n, cfg.block_k,
+                                                                   cfg.group_m, *tail)
+    if cfg.family == "swap":
+        _check_grid_y(_cdiv(m, cfg.block_m), cfg)
+        return (_cdiv(n, cfg.block_n), _cdiv(m, cfg.block_m)), (*head, cfg.block_m, cfg.block_n, cfg.block_k, *tail)
+    _check_grid_y(m, cfg)
+    return (_cdiv(n, cfg.block_n), m), (*head, cfg.block_n, cfg.block_k, *tail)
+
+
 def _launch_tma(cfg: TileConfig, x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
-                bias: torch.Tensor | None, out: torch.Tensor, flags: tuple[bool, bool, bool], use_pdl: bool) -> None:
+                bias: torch.Tensor | None, out: torch.Tensor, use_pdl: bool) -> None:
     """The TMA family: host-built tensor descriptors, launched through Triton's JIT (prefill sizes: the
     host cost is small against the kernel)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -126,6 +128,7 @@ def _launch_tma(cfg: TileConfig, x: torch.Tensor, w: torch.Tensor, x_scale: torc
     n = w.shape[0]
     x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [cfg.block_m, cfg.block_k])
     w_desc = TensorDescriptor(w, [n, k], [w.stride(0), 1], [cfg.block_n, cfg.block_k])
+    flags = (x_scale.numel() > 1, w_scale.numel() > 1, bias is not None)
     tiles = _cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n)
     progs = min(tiles, cfg.persistent * _sm_count(x.device)) if cfg.persistent else tiles
     extra: dict[str, Any] = {"num_warps": cfg.warps, "num_stages": cfg.stages}
@@ -197,4 +200,4 @@ def triton_gemm(
     return _OPS.call(OP_BASENAME)(x, w, x_scale, w_scale, bias, out_dtype, config)
 
 
-__all__ = ["OP_NAME", "launch", "pick_config", "run_config", "triton_gemm"]
+__all__ = ["OP_NAME", "launch", "pick_config", "pointer_kernel_args", "run_config", "triton_gemm"]
