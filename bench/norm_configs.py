@@ -1,10 +1,11 @@
 """num_warps of the Triton RMSNorm + FP8 quant kernels per hidden size and token count (device benchmark).
 
     python -m bench.norm_configs --out DIR [--hidden 4096,8192] [--tokens 512,1024,2048,4096,8192,16384]
-                                 [--warps 4,8,16] [--quick]
+                                 [--warps 4,8,16] [--rows 1,2] [--quick]
 
 For each (H, T) and each variant (``rmsnorm_quant``, ``fused_add_rmsnorm_quant``) it times the one-row
-kernel with every ``--warps`` value, plus the config :func:`providers.triton.quant_kernels.row_config`
+kernel with every ``--warps`` value (and, with ``--rows 1,2,...``, programs of several whole rows: labels
+``r2w4`` = 2 rows, 4 warps), plus the config :func:`providers.triton.quant_kernels.row_config`
 picks (``auto``), in CUDA graphs over input copies rotated past 4x L2, interleaved
 (:class:`fp8_backends.timing.CudaGraphTimer`). The copy bandwidth is measured at the start; % copy = bytes
 moved (x read, fp8 written; the add variant also reads and writes the residual) / time / copy GB/s.
@@ -22,8 +23,15 @@ from pathlib import Path
 from typing import Any
 
 
-def measure(h: int, t: int, add: bool, warps: list[int], timer: Any, l2: int) -> dict[str, Any]:
-    """Time ``auto`` and each one-row ``num_warps`` at ``[t, h]`` (bf16), outputs checked against ``auto``'s."""
+def labels(warps: list[int], rows: list[int]) -> list[tuple[str, int, int]]:
+    """``(label, rows per program, num_warps)`` for every combination (one-row labels stay ``w<warps>``)."""
+    return [(f"w{w}" if r == 1 else f"r{r}w{w}", r, w) for r in rows for w in warps]
+
+
+def measure(h: int, t: int, add: bool, warps: list[int], timer: Any, l2: int,
+            rows: tuple[int, ...] = (1,)) -> dict[str, Any]:
+    """Time ``auto`` and each (rows per program, ``num_warps``) at ``[t, h]`` (bf16), outputs checked against
+    ``auto``'s. Multi-row programs need ``H`` within one block (the one-pass paths)."""
     import torch
 
     from fp8_backends.providers.triton import norm_kernels
@@ -39,7 +47,12 @@ def measure(h: int, t: int, add: bool, warps: list[int], timer: Any, l2: int) ->
     weight = torch.rand(h, device=device, dtype=torch.bfloat16) + 0.5
     scale = torch.full((1,), 0.05, device=device)
     auto = norm_kernels.default_config(t, h, add)
-    cfgs: dict[str, Any] = {"auto": None, **{f"w{w}": RowConfig(auto.path, auto.rows, auto.block, w) for w in warps}}
+    cfgs: dict[str, Any] = {"auto": None}
+    for label, r, w in labels(warps, list(rows)):
+        if r == 1:
+            cfgs[label] = RowConfig(auto.path, auto.rows, auto.block, w)
+        elif auto.path != "loop":
+            cfgs[label] = RowConfig("rows", r, auto.block, w)
 
     def call(i: int, cfg: Any, out: Any) -> Any:
         if add:  # the residual is updated in place: every call sees another one (timing, not values, matters)
@@ -74,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", default="4096,8192")
     parser.add_argument("--tokens", default="512,1024,2048,4096,8192,16384")
     parser.add_argument("--warps", default="4,8,16")
+    parser.add_argument("--rows", default="1", help="rows per program to try besides 1 (e.g. 1,2,4)")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
 
@@ -93,13 +107,15 @@ def main(argv: list[str] | None = None) -> int:
     hiddens = [int(v) for v in args.hidden.split(",")]
     tokens = [int(v) for v in args.tokens.split(",")]
     warps = [int(v) for v in args.warps.split(",")]
+    rows_per = tuple(int(v) for v in args.rows.split(","))
+    names = [label for label, _, _ in labels(warps, list(rows_per))]
     rows: list[dict[str, Any]] = []
     table: list[list[Any]] = []
     bar = progress(len(hiddens) * len(tokens) * 2, "norm configs")
     for h in hiddens:
         for t in tokens:
             for add in (False, True):
-                row = measure(h, t, add, warps, timer, l2)
+                row = measure(h, t, add, warps, timer, l2, rows_per)
                 rows.append(row)
                 res = row["results"]
                 nbytes = row["bytes"]
@@ -107,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                 best = min((us, k) for k, us in timed.items() if k != "auto")
                 au = timed.get("auto")
                 table.append([h, t, "add" if add else "plain", f"w{row['auto'][3]}",
-                              *[f"{timed[f'w{w}']:.2f}" if f"w{w}" in timed else "-" for w in warps],
+                              *[f"{timed[name]:.2f}" if name in timed else "-" for name in names],
                               best[1], f"{100 * nbytes / au / 1e3 / copy:.0f}" if au else "-",
                               f"{100 * nbytes / best[0] / 1e3 / copy:.0f}"])
                 bar.update(1)
@@ -117,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json(out / "norm_configs.json", {"header": header, "rows": rows})
     md = header_markdown(header, "Triton RMSNorm + FP8 quant: num_warps per (H, T)")
     md += [f"Copy bandwidth {copy:.0f} GB/s. µs per call, CUDA graphs, interleaved; bf16 in, e4m3 out.", ""]
-    md += md_table(["H", "T", "variant", "auto", *[f"w{w} µs" for w in warps], "fastest", "auto % copy",
+    md += md_table(["H", "T", "variant", "auto", *[f"{name} µs" for name in names], "fastest", "auto % copy",
                     "best % copy"], table)
     (out / "norm_configs.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
