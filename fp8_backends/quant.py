@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import validation as V
 from .errors import InvalidInputError
+from .oplib import LazyOps
 from .types import ActScale, Fp8Dtype, OutDtype, QuantizedActivation
 
 if TYPE_CHECKING:
@@ -53,8 +54,6 @@ logger = logging.getLogger("fp8_backends")
 QuantImpl = Callable[..., Any]
 
 _impls: dict[tuple[ActScale, str], QuantImpl] = {}
-_ops: dict[ActScale, Any] = {}
-_calls: dict[ActScale, Any] = {}  # mode -> eager_fast(op)
 _lock = threading.Lock()
 _compile_mode = "inline"
 
@@ -231,31 +230,20 @@ _SCHEMAS = {
 }
 
 
-def _define_ops() -> None:
-    """Define the three ops once (first use), for CPU and CUDA tensors (:func:`fp8_backends.oplib.define_ops`)."""
-    from .oplib import define_ops
-
-    specs = {_OP_NAMES[mode]: (_OP_NAMES[mode] + schema, impl, fake) for mode, (schema, impl, fake) in _SCHEMAS.items()}
-    ops = define_ops(specs, ("CPU", "CUDA"))
-    _ops.update({mode: ops[_OP_NAMES[mode]] for mode in _SCHEMAS})
+_OPS = LazyOps(  # defined on first use
+    {_OP_NAMES[mode]: (_OP_NAMES[mode] + schema, impl, fake) for mode, (schema, impl, fake) in _SCHEMAS.items()},
+    ("CPU", "CUDA"),
+)
 
 
 def quant_op(mode: ActScale | str) -> Any:
     """The op for ``mode`` (defined on first call): ``torch.ops.fp8_backends.<name>.default``."""
-    mode = ActScale.of(mode)
-    if not _ops:
-        _define_ops()
-    return _ops[mode]
+    return _OPS.op(_OP_NAMES[ActScale.of(mode)])
 
 
 def _call(mode: ActScale) -> Any:
     """The op for ``mode`` as the hot path calls it (:func:`fp8_backends.oplib.eager_fast`)."""
-    call = _calls.get(mode)
-    if call is None:
-        from .oplib import eager_fast
-
-        call = _calls[mode] = eager_fast(quant_op(mode))
-    return call
+    return _OPS.call(_OP_NAMES[mode])
 
 
 # ------------------------------------------------------------------------------------- public API

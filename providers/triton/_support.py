@@ -41,15 +41,11 @@ def _device_sm(index: int) -> tuple[int, int]:
 
 def pdl_enabled(device: object) -> bool:
     """Whether kernels on ``device`` (a torch.device) launch with PDL: SM >= 9.0, not interpreting,
-    and not switched off with ``FP8_BACKENDS_PDL=0``. Cached per device; no host-device sync."""
-    if getattr(device, "type", None) != "cuda" or interpreting() or not settings.pdl_allowed():
+    and not switched off with ``FP8_BACKENDS_PDL=0`` (:func:`pdl_on` for a device index). No host-device sync."""
+    if getattr(device, "type", None) != "cuda":
         return False
     index = device.index
-    if index is None:
-        import torch
-
-        index = torch.cuda.current_device()
-    return _device_sm(index) >= (9, 0)
+    return pdl_on(current_device() if index is None else index)
 
 
 _pdl_memo: dict[tuple[str | None, int], bool] = {}
