@@ -4,10 +4,11 @@
 #   source .device/setup.sh || exit 1; bash bench/run_device.sh [STAGE ...]
 #
 # Stages (default: all, in this order): install list tests build cutlass_cfg triton_cfg flashinfer host tune gemm
-# norm chain block; also norm_cfg (the norm-quant warps sweep, not in the default list)
+# norm chain block; also norm_cfg (the norm-quant warps sweep) and profile (the decoder block kernel by kernel),
+# not in the default list
 # Each stage has its own time limit (override: LIMIT_<stage>=seconds), logs to $OUT/logs/<stage>.log, and a
 # failing stage does not stop the others. TESTS_PATHS narrows the tests stage. Extra arguments per stage: TESTS_ARGS, TUNE_ARGS, GEMM_ARGS,
-# NORM_ARGS, BLOCK_ARGS, CUTLASS_ARGS, TRITON_ARGS, HOST_ARGS, CHAIN_ARGS, NORM_CFG_ARGS (e.g. GEMM_ARGS="--models llama3-8b --m 1,16,256,4096").
+# NORM_ARGS, BLOCK_ARGS, CUTLASS_ARGS, TRITON_ARGS, HOST_ARGS, CHAIN_ARGS, NORM_CFG_ARGS, PROFILE_ARGS (e.g. GEMM_ARGS="--models llama3-8b --m 1,16,256,4096").
 # At the end everything under $OUT/work is packed into $OUT/results.tar.gz (the device tool returns at most
 # 8 files) and a summary of every stage is printed.
 set -uo pipefail
@@ -53,6 +54,8 @@ for stage in "${stages[@]}"; do
       [ -f bench/host_cost.py ] && run_stage host 300 python3 -m bench.host_cost --out "$W/host" ${HOST_ARGS:-} ;;
     norm_cfg)
       [ -f bench/norm_configs.py ] && run_stage norm_cfg 600 python3 -m bench.norm_configs --out "$W/norm_cfg" ${NORM_CFG_ARGS:-} ;;
+    profile)
+      [ -f bench/block_profile.py ] && run_stage profile 600 python3 -m bench.block_profile --out "$W/profile" ${PROFILE_ARGS:-} ;;
     chain)
       [ -f bench/pdl_chain.py ] && run_stage chain 300 python3 -m bench.pdl_chain --out "$W/chain" ${CHAIN_ARGS:-} ;;
     flashinfer)

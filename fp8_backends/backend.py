@@ -99,6 +99,14 @@ class ProviderBase(ABC):
             _AVAILABILITY[cls] = cached
         return cached
 
+    def preload(self) -> None:
+        """Load-time work that must not first happen inside ``torch.compile`` tracing or CUDA-graph
+        capture: defining the provider's torch ops, importing its kernel modules. The registry calls it
+        when it resolves this provider, and ``Fp8GemmBackend.prepare_weight`` before converting a weight,
+        so a model compiled before any eager call still finds its ops defined. Idempotent; the default
+        does nothing. A provider whose ops are defined on first use overrides it."""
+        return None
+
     def describe_config(self) -> str:
         """``"runner=cublas"`` style summary of the chosen options ("" when there are none)."""
         return ",".join(f"{k}={v}" for k, v in self.config.items())
@@ -183,6 +191,7 @@ class Fp8GemmBackend(ProviderBase):
         dtype = V.fp8_dtype_of(w_q, "w_q")
         V.require_row_major_2d(w_q, "w_q", "[N, K]")
         self._require_device(w_q, "w_q")
+        self.preload()
         n, k = w_q.shape
         caps = self.capabilities
         if dtype not in caps.input_dtypes:
@@ -562,6 +571,9 @@ class OpNormQuantBackend(NormQuantBackend):
     @abstractmethod
     def load_ops(self) -> tuple[Any, Any]:
         """``(rmsnorm_quant_op, fused_add_rmsnorm_quant_op)``."""
+
+    def preload(self) -> None:
+        self._loaded_ops()
 
     def _loaded_ops(self) -> tuple[Any, Any]:
         ops = self._ops

@@ -115,6 +115,12 @@ class LazyOps:
     def op(self, name: str) -> Any:
         return self.ops()[name]
 
+    def preload(self) -> None:
+        """Define every op and its hot-path callable now (load time), so that a first call made inside
+        ``torch.compile`` tracing only reads them: Dynamo cannot trace the definition (its lock)."""
+        for name in self.specs:
+            self.call(name)
+
     def call(self, name: str) -> Callable[..., Any]:
         call = self._calls.get(name)
         if call is None:

@@ -311,6 +311,7 @@ def resolve(kind: str, name: str | None = None, *, problem: Any = None, platform
     if res.error is not None:
         raise res.error
     _log_choice(res)
+    res.backend.preload()  # load time: a compiled model's first call must find the provider's ops defined
     return res.backend
 
 

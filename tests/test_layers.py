@@ -710,3 +710,48 @@ def test_bench_smoke_writes_json_and_markdown(tmp_path):
     for entry in row["variants"].values():
         assert "error" not in entry and entry["call_us"]["median"] > 0 and entry["relerr_vs_bf16"] < 0.15
     assert "lib_fused/eager" in (tmp_path / "decoder_block.md").read_text()
+
+
+_COMPILE_FIRST_SCRIPT = r"""
+import torch
+from fp8_backends.layers import Fp8Linear, RMSNormFp8Quant, process_weights_after_loading
+
+torch.manual_seed(0)
+hidden, n = 64, 96
+lin = Fp8Linear(hidden, n, act_scale="per_tensor_static", dtype=torch.bfloat16, backend="triton")
+w = torch.randn(n, hidden) * 0.05
+ws = (w.abs().amax() / 448).reshape(1)
+lin.load_weights((w / ws).to(torch.float8_e4m3fn), ws, input_scale=torch.tensor([0.02]))
+norm = RMSNormFp8Quant(hidden, 1e-5, quant_linear=lin, backend="triton", dtype=torch.bfloat16)
+model = torch.nn.ModuleDict({"norm": norm, "lin": lin})
+process_weights_after_loading(model)
+
+
+def block(x, residual):
+    h, residual = model["norm"](x, residual)
+    return model["lin"](h), residual
+
+
+x = torch.randn(5, hidden).to(torch.bfloat16)
+r = torch.randn(5, hidden).to(torch.bfloat16)
+y, _ = torch.compile(block, fullgraph=True, backend="aot_eager")(x, r.clone())  # the first call of any op
+ref, _ = block(x, r.clone())
+err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+assert y.dtype == torch.bfloat16 and err < 1e-2, err
+print("ok", err)
+"""
+
+
+def test_model_compiled_before_any_eager_call_finds_its_ops_defined():
+    """A fresh process whose first call of the triton GEMM and norm-quant ops is inside torch.compile
+    (fullgraph): resolution defined the ops at load time, so Dynamo never traces their definition."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_FIRST_SCRIPT], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("ok")

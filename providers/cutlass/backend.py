@@ -94,6 +94,11 @@ class CutlassSm90Backend(Fp8GemmBackend):
         return Availability.yes(st.reason)
 
     # ------------------------------------------------------------------ load time
+    def preload(self) -> None:
+        from .ops import preload
+
+        preload()
+
     def prepare_weight_impl(
         self, w_q: torch.Tensor, w_scale: torch.Tensor, weight_scale: WeightScale
     ) -> PreparedWeight:

@@ -96,6 +96,11 @@ class TritonGemmBackend(Fp8GemmBackend):
         return []
 
     # ------------------------------------------------------------------ load time
+    def preload(self) -> None:
+        from .gemm_ops import preload
+
+        preload()
+
     def prepare_weight_impl(
         self, w_q: torch.Tensor, w_scale: torch.Tensor, weight_scale: WeightScale
     ) -> PreparedWeight:
