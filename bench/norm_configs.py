@@ -47,12 +47,13 @@ def measure(h: int, t: int, add: bool, warps: list[int], timer: Any, l2: int,
     weight = torch.rand(h, device=device, dtype=torch.bfloat16) + 0.5
     scale = torch.full((1,), 0.05, device=device)
     auto = norm_kernels.default_config(t, h, add)
+    one = norm_kernels.one_row_config(t, h, add)  # the shape that the r1 labels vary the warps of
     cfgs: dict[str, Any] = {"auto": None}
     for label, r, w in labels(warps, list(rows)):
         if r == 1:
-            cfgs[label] = RowConfig(auto.path, auto.rows, auto.block, w)
-        elif auto.path != "loop":
-            cfgs[label] = RowConfig("rows", r, auto.block, w)
+            cfgs[label] = RowConfig(one.path, one.rows, one.block, w)
+        elif one.path != "loop":
+            cfgs[label] = RowConfig("rows", r, one.block, w)
 
     def call(i: int, cfg: Any, out: Any) -> Any:
         if add:  # the residual is updated in place: every call sees another one (timing, not values, matters)
@@ -122,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
                 timed = {k: v["median_us"] for k, v in res.items() if v.get("median_us") and not v.get("error")}
                 best = min((us, k) for k, us in timed.items() if k != "auto")
                 au = timed.get("auto")
-                table.append([h, t, "add" if add else "plain", f"w{row['auto'][3]}",
+                path, n_rows, _, n_warps = row["auto"]
+                auto_label = (f"r{n_rows}" if path == "rows" and n_rows > 1 else "") + f"w{n_warps}"
+                table.append([h, t, "add" if add else "plain", auto_label,
                               *[f"{timed[name]:.2f}" if name in timed else "-" for name in names],
                               best[1], f"{100 * nbytes / au / 1e3 / copy:.0f}" if au else "-",
                               f"{100 * nbytes / best[0] / 1e3 / copy:.0f}"])

@@ -396,7 +396,7 @@ def test_resolved_by_name_through_the_registry():
 
 # ============================================================================================ GPU
 GPU_TOKENS = [1, 32, 4096, 16384]  # 16384: a large launch (fewer warps per row)
-GPU_HIDDEN = [4096, 8192, 16384, 5120]
+GPU_HIDDEN = [4096, 8192, 16384, 5120, 2048, 1500]
 
 
 @pytest.mark.gpu
@@ -527,12 +527,49 @@ def test_gpu_no_host_sync():
 def test_default_config_warps_rule_per_variant():
     from fp8_backends.providers.triton import norm_kernels, quant_kernels
 
-    # the plain kernel counts as a large launch from T*H = 2^22 (4 warps per row), the add variant from 2^25
+    # one row per program: the plain kernel counts as a large launch from T*H = 2^22 (4 warps per row), the
+    # add variant from 2^25
     assert quant_kernels.LARGE_LAUNCH_NORM < quant_kernels.LARGE_LAUNCH
-    plain_small = norm_kernels.default_config(512, 4096, add=False)
-    plain_large = norm_kernels.default_config(1024, 4096, add=False)
-    add_mid = norm_kernels.default_config(4096, 4096, add=True)
-    add_large = norm_kernels.default_config(8192, 4096, add=True)
+    plain_small = norm_kernels.one_row_config(512, 4096, add=False)
+    plain_large = norm_kernels.one_row_config(1024, 4096, add=False)
+    add_mid = norm_kernels.one_row_config(4096, 4096, add=True)
+    add_large = norm_kernels.one_row_config(8192, 4096, add=True)
     assert plain_large.num_warps < plain_small.num_warps and plain_large.num_warps == add_large.num_warps
     assert add_mid.num_warps == plain_small.num_warps
     assert all(c.path == "row" and c.block == 4096 for c in (plain_small, plain_large, add_mid, add_large))
+
+
+def test_default_config_pairs_rows_only_for_large_plain_launches_of_short_rows():
+    from fp8_backends.providers.triton import norm_kernels
+
+    dc = norm_kernels.default_config
+    assert dc(4096, 4096, add=False) == ("rows", 2, 4096, 8)
+    assert dc(16384, 2048, add=False) == ("rows", 2, 2048, 4)
+    assert dc(3000, 1500, add=False) == ("rows", 2, 2048, 4)  # T x H past 2^22, row padded to 2048
+    assert dc(512, 4096, add=False) == norm_kernels.one_row_config(512, 4096, add=False)  # small launch
+    for t, h, add in [(4096, 8192, False), (4096, 4096, True), (16384, 2048, True), (8192, 512, False)]:
+        assert dc(t, h, add) == norm_kernels.one_row_config(t, h, add), (t, h, add)
+
+
+@needs_kernels
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("t, h", [(5, 2000), (2, 4096), (1, 1500)])
+def test_two_row_programs_match_reference(residual, t, h):
+    """Programs of two whole rows of up to 4096 elements (the shape ``default_config`` gives large plain
+    launches), with an odd row count and a masked row tail."""
+    from fp8_backends.providers.triton import norm_kernels
+    from fp8_backends.providers.triton.quant_kernels import RowConfig
+
+    block = 1 << (h - 1).bit_length()
+    cfg = RowConfig("rows", 2, block, max(4, block // 512))
+    x, r, w = _inputs(t, h, torch.bfloat16, seed=6)
+    s = _scale(0.01)
+    out = torch.empty(t, h, dtype=FP8, device=DEVICE)
+    if residual:
+        ref_q, ref_r = reference.fused_add_rmsnorm_quant(x, r, w, s)
+        norm_kernels.fused_add_rmsnorm_quant(out, x, r, w, s, 1e-6, config=cfg)
+        assert torch.equal(r, ref_r)
+    else:
+        ref_q = reference.rmsnorm_quant(x, w, s)
+        norm_kernels.rmsnorm_quant(out, x, w, s, 1e-6, config=cfg)
+    assert_codes_close(out, ref_q)

@@ -138,10 +138,27 @@ def _launch(out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, w
                 fmax, cfg.rows, cfg.block, add, pdl), num_warps=cfg.num_warps, pdl=pdl, device_index=index)
 
 
-def default_config(t: int, h: int, add: bool) -> RowConfig:
-    """The launch shape for ``[t, h]`` rows: :func:`.quant_kernels.row_config`, with the "large launch" threshold
-    of the variant (``LARGE_LAUNCH`` with the residual add, ``LARGE_LAUNCH_NORM`` without)."""
+#: the plain RMSNorm+quant over a large launch (T x H >= LARGE_LAUNCH_NORM) with rows of 1025-4096 elements runs
+#: programs of two whole rows, 32 elements per thread (4 warps at H <= 2048, 8 at 4096). Measured on the H200
+#: (bench/norm_configs.py --rows 1,2, 2026-11-29): at H = 4096, T = 4096 / 8192 / 16384 it took 13.8 / 25.6 / 48.8 µs
+#: against 14.6 / 27.3 / 52.5 µs for one row and 4 warps (83 -> 87%, 88 -> 94%, 92 -> 99% of copy bandwidth), and
+#: at H = 2048 2-10% less time; at H = 8192 and with the residual add two rows were slower.
+PAIR_ROWS_MAX_BLOCK = 4096
+
+
+def one_row_config(t: int, h: int, add: bool) -> RowConfig:
+    """:func:`.quant_kernels.row_config` for ``[t, h]`` rows, with the "large launch" threshold of the variant
+    (``LARGE_LAUNCH`` with the residual add, ``LARGE_LAUNCH_NORM`` without)."""
     return row_config(h, is_large(t, h, LARGE_LAUNCH if add else LARGE_LAUNCH_NORM))
+
+
+def default_config(t: int, h: int, add: bool) -> RowConfig:
+    """The launch shape for ``[t, h]`` rows: :func:`one_row_config`, except that the plain kernel over a large
+    launch runs two rows per program when a row fits ``PAIR_ROWS_MAX_BLOCK`` (see there)."""
+    cfg = one_row_config(t, h, add)
+    if not add and cfg.path == "row" and cfg.block <= PAIR_ROWS_MAX_BLOCK and is_large(t, h, LARGE_LAUNCH_NORM):
+        return RowConfig("rows", 2, cfg.block, max(4, cfg.block // 512))
+    return cfg
 
 
 def _run(out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
