@@ -202,7 +202,7 @@ class Fp8Block(nn.Module):
         return self.down(F.silu(g) * u), residual
 
     def providers(self) -> dict[str, str]:
-        out = {name: f"{getattr(self, name).gemm_backend.label} ({getattr(self, name).weight_scale_mode.value})"
+        out = {name: f"{getattr(self, name).backends_text} ({getattr(self, name).weight_scale_mode.value})"
                for name in LINEARS}
         for name in ("norm1", "norm2"):
             norm = getattr(self, name)

@@ -550,11 +550,18 @@ class Fp8Linear(nn.Module):
                  f"dtype={OutDtype.of(self.dtype).value}"]
         if self.shard_sizes is not None:
             parts.append(f"shards={self.shard_sizes}")
-        if self._by_m:
-            parts.append("backends=" + ",".join(f"M<={b}:{be.label}" for b, be, _ in self._by_m))
-        else:
-            parts.append(f"backend={self.gemm_backend.label if self.gemm_backend is not None else '(unprocessed)'}")
+        parts.append(("backends=" if self._by_m else "backend=") + self.backends_text)
         return ", ".join(parts)
+
+    @property
+    def backends_text(self) -> str:
+        """The provider(s) this layer runs on: one label, or ``"M<=16:triton,M>16:torch_scaled_mm[...]"`` when
+        batch sizes are split between providers (a lockfile or a measured default)."""
+        if self._by_m:
+            from .registry.resolution import describe_buckets
+
+            return describe_buckets([(b, be.label) for b, be, _ in self._by_m])
+        return self.gemm_backend.label if self.gemm_backend is not None else "(unprocessed)"
 
 
 def _keeping_dtype(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -17,7 +17,7 @@ import importlib
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -386,9 +386,19 @@ def resolve_gemm_buckets(
         if first:
             logger.info(
                 "GEMM backends by M bucket (%s) for %s on %s: %s", source, problem.with_m(None).describe(),
-                platform.describe(), ", ".join(f"M<={b} {be.label}" for b, be in table),
+                platform.describe(), describe_buckets([(b, be.label) for b, be in table]),
             )
     return table
+
+
+def describe_buckets(rows: Sequence[tuple[int, str]]) -> str:
+    """``[(16, "triton"), (17, "torch_scaled_mm")]`` -> ``"M<=16:triton,M>16:torch_scaled_mm"``: each bucket serves
+    the batch sizes up to its bound, the last one every larger batch size too."""
+    if not rows:
+        return ""
+    cells = [f"M<={bound}:{label}" for bound, label in rows[:-1]]
+    last = rows[-1][1]
+    return ",".join(cells + ([f"M>{rows[-2][0]}:{last}"] if len(rows) > 1 else [last]))
 
 
 def resolve_norm_quant_backend(

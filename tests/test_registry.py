@@ -295,3 +295,20 @@ def test_measured_default_names_only_builtin_providers():
     entry, options, note = defaults.measured_default_policy("gemm", problem, sm90, [third_party, ours])
     assert entry is ours.entry and options == {} and "H200" in note
     assert defaults.measured_default_policy("gemm", GemmProblem(n=4096, k=4096, m=64), sm90, [ours]) is None
+
+
+def test_describe_buckets_states_what_the_last_bucket_serves():
+    assert resolution.describe_buckets([(16, "triton"), (17, "torch_scaled_mm")]) == "M<=16:triton,M>16:torch_scaled_mm"
+    assert resolution.describe_buckets([(1, "a"), (16, "b"), (256, "c")]) == "M<=1:a,M<=16:b,M>16:c"
+    assert resolution.describe_buckets([(8, "a")]) == "a" and resolution.describe_buckets([]) == ""
+
+
+@needs_triton
+def test_measured_default_buckets_are_logged_as_ranges(caplog):
+    import logging
+
+    sm90 = simulate_platform("9.0")
+    with caplog.at_level(logging.INFO, logger="fp8_backends"):
+        resolution.resolve_gemm_buckets(problem=GemmProblem(n=1024, k=2048), platform=sm90)
+    line = next(r.getMessage() for r in caplog.records if "by M bucket" in r.getMessage())
+    assert line.endswith("M<=16:triton[config=auto],M>16:torch_scaled_mm[fast_accum=false]"), line

@@ -561,6 +561,8 @@ def test_fp8linear_runs_each_batch_size_on_its_tuned_provider(lockpath, monkeypa
     linear = torch.nn.Linear(64, 32, bias=False, dtype=torch.bfloat16)
     layer = Fp8Linear.from_linear(linear, act_scale="per_tensor_dynamic")
     assert [(b, be.label) for b, be, _ in layer._by_m] == [(1, TORCH_T), (8, TORCH_F)]
+    assert layer.backends_text == f"M<=1:{TORCH_T},M>1:{TORCH_F}"
+    assert f"backends=M<=1:{TORCH_T}" in repr(layer)
     assert layer._by_m[0][2].data.data_ptr() == layer._by_m[1][2].data.data_ptr()  # views, no weight copy
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")  # the dispatch traces (M is static)
     for m in (1, 5):
@@ -581,3 +583,4 @@ def test_fp8linear_runs_each_batch_size_on_its_tuned_provider(lockpath, monkeypa
     # an explicit choice ignores the lockfile
     explicit = Fp8Linear.from_linear(linear, act_scale="per_tensor_dynamic", backend="torch_scaled_mm")
     assert explicit._by_m == ()
+    assert explicit.backends_text == explicit.gemm_backend.label
