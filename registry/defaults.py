@@ -98,7 +98,7 @@ def buckets(kind: str, platform: Platform) -> list[int]:
     return [r.max_m for r in table.rules] + [table.rules[-1].max_m + 1]
 
 
-resolution.register_selection_policy(POLICY_NAME, measured_default_policy)
+resolution.register_selection_policy(POLICY_NAME, measured_default_policy, rank=-100)
 
 __all__ = ["DEFAULTS", "MRule", "POLICY_NAME", "PlatformDefaults", "buckets", "defaults_for",
            "measured_default_policy"]

@@ -103,21 +103,27 @@ class BackendRequest:
 #: ``auto`` policies consulted in order before static priorities. A policy gets
 #: ``(kind, problem, platform, serving_candidates)`` and returns ``(entry, options, note)`` or None.
 SelectionPolicy = Callable[[str, Any, Platform, list[Candidate]], "tuple[ProviderEntry, dict[str, str], str] | None"]
-_policies: list[tuple[str, SelectionPolicy]] = []
+_policies: list[tuple[str, SelectionPolicy]] = []  # in asking order
+_policy_ranks: dict[str, int] = {}
 
 
-def register_selection_policy(name: str, policy: SelectionPolicy) -> None:
-    """Add an ``auto`` policy (e.g. the tuned lockfile). Later registrations are asked first."""
+def register_selection_policy(name: str, policy: SelectionPolicy, rank: int = 0) -> None:
+    """Add (or replace) an ``auto`` policy. Policies are asked by descending ``rank``, and among equal ranks
+    the later registration first, whatever order their modules were imported in. The built-ins: the tuned
+    lockfile (rank 100: the user's own measurements, on their GPU and shapes) and the measured defaults
+    (rank -100: the library's measurements, which apply only where nothing else decides)."""
     _policies[:] = [(n, p) for n, p in _policies if n != name]
-    _policies.insert(0, (name, policy))
+    _policy_ranks[name] = rank
+    at = next((i for i, (n, _) in enumerate(_policies) if _policy_ranks.get(n, 0) <= rank), len(_policies))
+    _policies.insert(at, (name, policy))
 
 
 _builtin_policies_loaded = False
 
 
 def _load_builtin_policies() -> None:
-    """Import the built-in policies once, on first resolution: the measured defaults (:mod:`.defaults`), then
-    the tuned lockfile (:mod:`.tuning`), which registers later and so is asked first."""
+    """Import the built-in policies once, on first resolution: the measured defaults (:mod:`.defaults`) and the
+    tuned lockfile (:mod:`.tuning`); their ranks, not this order, decide which is asked first."""
     global _builtin_policies_loaded
     if _builtin_policies_loaded:
         return

@@ -734,7 +734,7 @@ def describe_lockfile(platform: Platform) -> dict[str, Any]:
             "detail": f"{len(section.by_bucket)} entries for {problems} problems on this platform"}
 
 
-resolution.register_selection_policy(POLICY_NAME, lockfile_policy)
+resolution.register_selection_policy(POLICY_NAME, lockfile_policy, rank=100)
 
 __all__ = [
     "DEFAULT_M_BUCKETS",
