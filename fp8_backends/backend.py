@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from . import validation as V
 from .capabilities import Capabilities, GemmCapabilities, NormQuantCapabilities
-from .errors import InvalidInputError
+from .errors import BackendUnavailableError, Fp8BackendError, InvalidInputError
 from .types import (
     ActScale,
     Availability,
@@ -106,6 +106,22 @@ class ProviderBase(ABC):
         so a model compiled before any eager call still finds its ops defined. Idempotent; the default
         does nothing. A provider whose ops are defined on first use overrides it."""
         return None
+
+    def ensure_preloaded(self) -> None:
+        """:meth:`preload` once per instance. An exception from it (a broken plugin) marks the provider
+        unavailable for this process (the listing and every later resolution give the reason; ``auto`` moves on
+        to the next provider) and is raised as a :class:`BackendUnavailableError` that names it."""
+        if self.__dict__.get("_preloaded"):
+            return
+        try:
+            self.preload()
+        except Exception as exc:
+            if isinstance(exc, Fp8BackendError) and not isinstance(exc, BackendUnavailableError):
+                raise
+            reason = f"preload() failed ({type(exc).__name__}: {exc})"
+            _AVAILABILITY[type(self)] = Availability.no(reason)
+            raise BackendUnavailableError(f"{self.label}: {reason}; the provider cannot be used") from exc
+        self._preloaded = True
 
     def describe_config(self) -> str:
         """``"runner=cublas"`` style summary of the chosen options ("" when there are none)."""
@@ -191,7 +207,7 @@ class Fp8GemmBackend(ProviderBase):
         dtype = V.fp8_dtype_of(w_q, "w_q")
         V.require_row_major_2d(w_q, "w_q", "[N, K]")
         self._require_device(w_q, "w_q")
-        self.preload()
+        self.ensure_preloaded()
         n, k = w_q.shape
         caps = self.capabilities
         if dtype not in caps.input_dtypes:

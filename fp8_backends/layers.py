@@ -96,7 +96,7 @@ def _resolve(kind: str, backend: Any, problem: Any) -> Any:
                 + "".join(f"  - {r}\n" for r in reasons),
                 reasons=reasons,
             )
-        backend.preload()
+        backend.ensure_preloaded()
         return backend
     if backend is not None and not isinstance(backend, str):
         raise InvalidInputError(f"backend must be a name, a {base.__name__} or None, got {type(backend).__name__}")

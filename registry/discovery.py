@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from stevedore import ExtensionManager
@@ -40,7 +40,6 @@ class ProviderEntry:
     status: str
     cls: type | None = None
     error: str | None = None
-    _availability: Availability | None = field(default=None, repr=False)
 
     @property
     def builtin(self) -> bool:
@@ -87,9 +86,7 @@ class ProviderEntry:
             return Availability.no(self.error or "blocked")
         if self.status != LOADED or self.cls is None:
             return Availability.no(f"failed to load: {self.error}")
-        if self._availability is None:
-            self._availability = self.cls.cached_availability()
-        return self._availability
+        return self.cls.cached_availability()  # per class, per process (a failed preload updates it)
 
     def unusable_reason(self) -> str | None:
         """Why this entry can never be chosen here (blocked, failed, disabled, unavailable), or None."""

@@ -313,12 +313,22 @@ def _alternatives_text(candidates: list[Candidate], exclude: ProviderEntry) -> s
 
 def resolve(kind: str, name: str | None = None, *, problem: Any = None, platform: Platform | None = None) -> Any:
     """Resolve and return the provider instance, or raise the library error that explains why not."""
-    res = explain(kind, name, problem=problem, platform=platform)
-    if res.error is not None:
-        raise res.error
-    _log_choice(res)
-    res.backend.preload()  # load time: a compiled model's first call must find the provider's ops defined
-    return res.backend
+    for _ in range(len(discover(kind)) + 1):
+        res = explain(kind, name, problem=problem, platform=platform)
+        if res.error is not None:
+            raise res.error
+        try:
+            res.backend.ensure_preloaded()  # load time: a compiled model's first call must find its ops defined
+        except BackendUnavailableError as exc:
+            if res.request != AUTO:
+                raise
+            # ensure_preloaded marked the provider unavailable: auto resolves again without it
+            logger.warning("%s backend %s failed to load and is skipped: %s", KIND_LABEL[kind], res.backend.label,
+                           exc)
+            continue
+        _log_choice(res)
+        return res.backend
+    raise BackendUnavailableError(f"no {KIND_LABEL[kind]} provider could be loaded")
 
 
 def _log_choice(res: Resolution) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 
@@ -331,3 +332,65 @@ def test_lockfile_is_asked_before_the_measured_defaults_whatever_the_import_orde
         assert names.index(tuning.POLICY_NAME) == 0 and names[-1] == defaults.POLICY_NAME
     finally:
         resolution._policies[:] = saved
+
+
+def test_a_provider_whose_preload_fails_is_reported_unavailable_by_name():
+    import torch
+
+    from fp8_backends.layers import Fp8Linear
+    from fp8_backends.providers.torch_scaled_mm import TorchScaledMMBackend
+
+    class BrokenPreload(TorchScaledMMBackend):
+        name = "broken_preload"
+
+        def preload(self) -> None:
+            raise ImportError("kernel module missing")
+
+    backend = BrokenPreload()
+    w_q = torch.zeros(32, 64, dtype=torch.float8_e4m3fn)
+    with pytest.raises(BackendUnavailableError, match="broken_preload.*preload\\(\\) failed.*kernel module missing"):
+        backend.prepare_weight(w_q, torch.ones(1))
+    layer = Fp8Linear(64, 32, act_scale="per_tensor_dynamic", backend=backend)
+    layer.load_weights(w_q, torch.ones(1))
+    with pytest.raises(Fp8BackendError, match=r"(?s)broken_preload.*preload\(\) failed"):  # now unavailable
+        layer.process_weights_after_loading()
+    calls = []
+    ok = TorchScaledMMBackend()
+    ok.preload = lambda: calls.append(1)
+    ok.ensure_preloaded()
+    ok.ensure_preloaded()
+    assert calls == [1]  # once per instance
+
+
+def test_auto_skips_a_plugin_whose_preload_fails_and_lists_it_unavailable(monkeypatch, caplog):
+    """A third-party provider that outranks the built-ins but cannot load its kernels: ``auto`` warns and
+    moves on, the listing then reports it unavailable with the reason, and naming it fails loudly."""
+    from fp8_backends.providers.torch_scaled_mm import TorchScaledMMBackend
+    from fp8_backends.registry.discovery import LOADED, ProviderEntry
+
+    class EagerToLoad(TorchScaledMMBackend):
+        name = "eager_to_load"
+        capabilities = dataclasses.replace(TorchScaledMMBackend.capabilities, priority=10_000)
+
+        def preload(self) -> None:
+            raise OSError("libkernels.so: cannot open shared object file")
+
+    real = list(discovery.discover("gemm"))
+    entry = ProviderEntry(kind="gemm", name="eager_to_load", target="tests:EagerToLoad", dist="plugin-dist",
+                          dist_version="1.0", status=LOADED, cls=EagerToLoad)
+    monkeypatch.setitem(discovery._cache, ("gemm", None), [*real, entry])
+    problem = GemmProblem(n=32, k=64, m=4, device="cpu")
+    assert resolution.explain("gemm", problem=problem).backend.name == "eager_to_load"  # outranks the built-ins
+    try:
+        with caplog.at_level(logging.WARNING, logger="fp8_backends"):
+            assert resolve_gemm_backend(problem=problem).name == "torch_scaled_mm"
+        assert "eager_to_load" in caplog.text and "cannot open shared object" in caplog.text
+        res = resolution.explain("gemm", problem=problem)
+        reasons = next(c.reasons for c in res.candidates if c.entry is entry)
+        assert reasons and "preload() failed" in reasons[0]
+        with pytest.raises(BackendUnavailableError, match="preload\\(\\) failed"):
+            resolve_gemm_backend("eager_to_load", problem=problem)
+    finally:
+        from fp8_backends.backend import clear_availability_cache
+
+        clear_availability_cache()
