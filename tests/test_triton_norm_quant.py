@@ -146,13 +146,21 @@ def test_scale_shapes_and_eps(nq, scale_shape):
 def test_two_pass_path_matches_reference(residual, h, block):
     """The chunked two-pass kernel (for hidden sizes past SINGLE_PASS_MAX), reached at small H by
     lowering the threshold; the tail chunk is partial in the first and last case."""
-    from fp8_backends.providers.triton import norm_kernels, quant_kernels
+    from fp8_backends.providers.triton import quant_kernels
 
     cfg = quant_kernels.row_config(h, single_pass_max=block // 2, loop_block=block)
     assert cfg.path == "loop" and cfg.block == block
-    x, r, w = _inputs(3, h, torch.bfloat16, seed=4)
+    _check_kernels_with_config(cfg, 3, h, residual, seed=4)
+
+
+def _check_kernels_with_config(cfg, t: int, h: int, residual: bool, seed: int) -> None:
+    """Run the norm kernel (with or without the residual add) on ``[t, h]`` bf16 rows with launch shape ``cfg``
+    and compare codes (and the updated residual) with the reference."""
+    from fp8_backends.providers.triton import norm_kernels
+
+    x, r, w = _inputs(t, h, torch.bfloat16, seed=seed)
     s = _scale(0.01)
-    out = torch.empty(3, h, dtype=FP8, device=DEVICE)
+    out = torch.empty(t, h, dtype=FP8, device=DEVICE)
     if residual:
         ref_q, ref_r = reference.fused_add_rmsnorm_quant(x, r, w, s)
         norm_kernels.fused_add_rmsnorm_quant(out, x, r, w, s, 1e-6, config=cfg)
@@ -557,19 +565,7 @@ def test_default_config_pairs_rows_only_for_large_plain_launches_of_short_rows()
 def test_two_row_programs_match_reference(residual, t, h):
     """Programs of two whole rows of up to 4096 elements (the shape ``default_config`` gives large plain
     launches), with an odd row count and a masked row tail."""
-    from fp8_backends.providers.triton import norm_kernels
     from fp8_backends.providers.triton.quant_kernels import RowConfig
 
     block = 1 << (h - 1).bit_length()
-    cfg = RowConfig("rows", 2, block, max(4, block // 512))
-    x, r, w = _inputs(t, h, torch.bfloat16, seed=6)
-    s = _scale(0.01)
-    out = torch.empty(t, h, dtype=FP8, device=DEVICE)
-    if residual:
-        ref_q, ref_r = reference.fused_add_rmsnorm_quant(x, r, w, s)
-        norm_kernels.fused_add_rmsnorm_quant(out, x, r, w, s, 1e-6, config=cfg)
-        assert torch.equal(r, ref_r)
-    else:
-        ref_q = reference.rmsnorm_quant(x, w, s)
-        norm_kernels.rmsnorm_quant(out, x, w, s, 1e-6, config=cfg)
-    assert_codes_close(out, ref_q)
+    _check_kernels_with_config(RowConfig("rows", 2, block, max(4, block // 512)), t, h, residual, seed=6)
