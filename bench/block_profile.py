@@ -55,18 +55,27 @@ def profile_graph(ex, call, reps: int, replays: int) -> dict:
             graph.replay()
         torch.cuda.synchronize()
     events = _kernel_events(prof)
-    calls = reps * replays
+    out: dict = {"graph_us": statistics.median(times)}
+    try:
+        kernels = per_call_kernels([(ev.name, ev.device_time_total) for ev in events], reps * replays)
+    except ValueError as exc:
+        return dict(out, error=str(exc))
+    return dict(out, kernels=kernels, kernel_sum_us=sum(k["us"] for k in kernels))
+
+
+def per_call_kernels(events: list[tuple[str, float]], calls: int) -> list[dict]:
+    """``(name, µs)`` of every kernel of ``calls`` identical calls, in launch order -> one call's kernels with
+    their mean µs. Raises ValueError when the events do not split into ``calls`` equal sequences."""
     if not events or len(events) % calls:
-        return {"graph_us": statistics.median(times), "error": f"{len(events)} kernel events for {calls} calls"}
+        raise ValueError(f"{len(events)} kernel events for {calls} calls")
     per_call = len(events) // calls
     durations: dict[int, list[float]] = defaultdict(list)
-    names: dict[int, str] = {}
-    for i, ev in enumerate(events):
-        durations[i % per_call].append(ev.device_time_total)
-        names[i % per_call] = ev.name
-    kernels = [{"name": names[i], "us": statistics.mean(durations[i])} for i in range(per_call)]
-    return {"graph_us": statistics.median(times), "kernels": kernels,
-            "kernel_sum_us": sum(k["us"] for k in kernels)}
+    for i, (name, us) in enumerate(events):
+        if name != events[i % per_call][0]:
+            raise ValueError(f"kernel {i} is {name}, but position {i % per_call} of the first call is "
+                             f"{events[i % per_call][0]}: the calls launch different kernels")
+        durations[i % per_call].append(us)
+    return [{"name": events[i][0], "us": statistics.mean(durations[i])} for i in range(per_call)]
 
 
 def render(rows: list[dict]) -> str:

@@ -755,3 +755,16 @@ def test_model_compiled_before_any_eager_call_finds_its_ops_defined():
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("ok")
+
+
+def test_block_profile_splits_kernels_per_call_and_smoke_runs_on_cpu(tmp_path):
+    prof = _load("bench/block_profile.py")
+    events = [("norm", 2.0), ("gemm", 10.0), ("norm", 4.0), ("gemm", 12.0)]
+    assert prof.per_call_kernels(events, 2) == [{"name": "norm", "us": 3.0}, {"name": "gemm", "us": 11.0}]
+    with pytest.raises(ValueError, match="3 kernel events for 2 calls"):
+        prof.per_call_kernels(events[:3], 2)
+    with pytest.raises(ValueError, match="launch different kernels"):
+        prof.per_call_kernels([("a", 1.0), ("b", 1.0), ("b", 1.0), ("a", 1.0)], 2)
+    assert prof.main(["--out", str(tmp_path), "--device", "cpu", "--small", "--tokens", "1",
+                      "--variants", "lib_fused"]) == 0
+    assert "no GPU: nothing to profile" in (tmp_path / "block_profile.md").read_text()
