@@ -95,9 +95,9 @@ class CutlassSm90Backend(Fp8GemmBackend):
 
     # ------------------------------------------------------------------ load time
     def preload(self) -> None:
-        from .ops import preload
+        from .ops import _OPS
 
-        preload()
+        _OPS.preload()  # define the op at load time (see ProviderBase.preload)
 
     def prepare_weight_impl(
         self, w_q: torch.Tensor, w_scale: torch.Tensor, weight_scale: WeightScale

@@ -133,11 +133,6 @@ def _register() -> Any:
     return _OPS.op(OP_BASENAME)
 
 
-def preload() -> None:
-    """Define the op now (load time; see ``ProviderBase.preload``)."""
-    _OPS.preload()
-
-
 def cutlass_gemm(
     x: torch.Tensor,
     w: torch.Tensor,

@@ -97,9 +97,9 @@ class TritonGemmBackend(Fp8GemmBackend):
 
     # ------------------------------------------------------------------ load time
     def preload(self) -> None:
-        from .gemm_ops import preload
+        from .gemm_ops import _OPS
 
-        preload()
+        _OPS.preload()  # define the op at load time (see ProviderBase.preload)
 
     def prepare_weight_impl(
         self, w_q: torch.Tensor, w_scale: torch.Tensor, weight_scale: WeightScale
