@@ -19,6 +19,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
+from fp8_backends.registry import settings
+
 Buckets = tuple[tuple[int | None, str], ...]
 
 
@@ -124,6 +126,8 @@ class TableSource(Generic[T]):
         self._loaded: tuple[str, float, T] | None = None
 
     def active(self) -> T:
+        if not settings.env_token(self.env):  # unset or empty: the common case, without decoding the value
+            return self.builtin
         path = os.environ.get(self.env, "").strip()
         if not path:
             return self.builtin

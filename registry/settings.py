@@ -40,6 +40,24 @@ def canonical_dist(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+_encoded_names: dict[str, object] = {}
+
+
+def env_token(name: str) -> object:
+    """A cheap stand-in for ``os.environ.get(name)`` on hot paths that memoize on a variable's value:
+    the value as the process environment stores it (``bytes`` on POSIX), or ``None`` when unset. Equal
+    tokens mean equal values. About 0.1 µs against 1 µs for ``os.environ.get`` (which encodes the name and
+    decodes the value at every call) on the 2-core CPU box."""
+    environ = os.environ
+    data = getattr(environ, "_data", None)
+    if data is None:  # not CPython's os._Environ
+        return environ.get(name)
+    key = _encoded_names.get(name)
+    if key is None:
+        key = _encoded_names[name] = environ.encodekey(name)  # type: ignore[attr-defined]
+    return data.get(key)
+
+
 def disabled_names() -> set[str]:
     return set(_split(os.environ.get(DISABLED_ENV)))
 

@@ -768,3 +768,32 @@ def test_block_profile_splits_kernels_per_call_and_smoke_runs_on_cpu(tmp_path):
     assert prof.main(["--out", str(tmp_path), "--device", "cpu", "--small", "--tokens", "1",
                       "--variants", "lib_fused"]) == 0
     assert "no GPU: nothing to profile" in (tmp_path / "block_profile.md").read_text()
+
+
+def test_host_cost_samples_every_call_each_round_in_rotated_order_and_reports_same_round_ratios():
+    host = _load("bench/host_cost.py")
+    order: list[str] = []
+    times = {"torch": [10.0, 20.0, 30.0], "ours": [8.0, 18.0, 33.0]}
+
+    def fake_sample(fn, calls):
+        return fn()
+
+    def make(label):
+        def fn():
+            order.append(label)
+            return times[label][sum(1 for o in order if o == label) - 1]
+        return fn
+
+    def broken():
+        raise RuntimeError("no kernel")
+
+    torch_row = host.Timed("gemm", "4096x4096", "1", "torch", make("torch"))
+    ours = host.Timed("gemm", "4096x4096", "1", "ours", make("ours"), torch_row.key)
+    bad = host.Timed("gemm", "4096x4096", "1", "bad", broken, torch_row.key)
+    host.run_rounds([torch_row, ours, bad], calls=1, rounds=3, sample=fake_sample)
+    assert order == ["torch", "ours", "ours", "torch", "torch", "ours"]  # round r starts at entry r
+    rows = {r["label"]: r for r in host.summarize([torch_row, ours, bad])}
+    assert set(rows) == {"torch", "ours"}  # a failing call is dropped, the others go on
+    assert rows["ours"]["median_us"] == 18.0 and rows["ours"]["min_us"] == 8.0
+    assert rows["ours"]["ratio_to_torch"] == pytest.approx(0.9)  # median of 0.8, 0.9, 1.1: same-round pairs
+    assert rows["torch"]["ratio_to_torch"] is None

@@ -508,7 +508,14 @@ def test_launcher_calls_the_compiled_kernels_launcher_directly():
     launch((3,), (x, 32, 64), **opts)
     launch((5, 2), (x, 48, 64), **opts)
     assert [e[0] for e in fn.log] == ["jit", "run"]
-    assert fn.log[1][2:] == ((5, 2, 1), (x, 48, 64), "stream0", "fn-handle", "packed")
+    # the compiled kernel's launcher gets the data pointer read for the key, not the tensor (no second
+    # data_ptr() call and no driver pointer check per tensor)
+    assert fn.log[1][2:] == ((5, 2, 1), (x.data_ptr(), 48, 64), "stream0", "fn-handle", "packed")
+    y = torch.empty(64)
+    launch((1,), (y, 32, 64), **opts)
+    assert fn.log[-1][3] == (y.data_ptr(), 32, 64)
+    launch((1,), (torch.nn.Parameter(y), 32, 64), **opts)  # another tensor type: the generic path, tensors as given
+    assert type(fn.log[-1][3][0]) is torch.nn.Parameter
 
 
 def test_launcher_passes_launch_hooks_only_when_some_are_set():
@@ -561,11 +568,14 @@ def test_generated_key_matches_the_generic_key(args):
     from fp8_backends.providers.triton.launcher import generic_key, make_key_fn
 
     constexpr = (False,) * 9 + (True,)
-    key = make_key_fn(args, constexpr)
-    assert key(args) == generic_key(args, constexpr)
+    plan = make_key_fn(args, constexpr)
+    key, run_args = plan(args)
+    assert key == generic_key(args, constexpr)
+    assert run_args == (args[0].data_ptr(), *args[1:])  # tensors as their data pointers, the rest as given
     # other values of the same kinds: still the generic key; other kinds: None (the caller falls back)
     other = (torch.empty(4, dtype=torch.bfloat16), 2, 32, 5, 3, 1, False, None, 2.0, 9)
-    assert key(other) == generic_key(other, constexpr)
+    assert plan(other)[0] == generic_key(other, constexpr)
+    key = plan
     for i, swapped in [(0, 3), (1, torch.empty(2)), (6, None), (7, torch.empty(2)), (8, 1)]:
         changed = list(other)
         changed[i] = swapped

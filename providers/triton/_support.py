@@ -48,7 +48,7 @@ def pdl_enabled(device: object) -> bool:
     return pdl_on(current_device() if index is None else index)
 
 
-_pdl_memo: dict[tuple[str | None, int], bool] = {}
+_pdl_memo: dict[tuple[object, int], bool] = {}
 
 
 def pdl_on(index: int) -> bool:
@@ -56,7 +56,7 @@ def pdl_on(index: int) -> bool:
     memoized per value of ``FP8_BACKENDS_PDL`` and device, so a call costs one environment lookup."""
     if index < 0:
         return False
-    key = (os.environ.get(settings.PDL_ENV), index)
+    key = (settings.env_token(settings.PDL_ENV), index)
     on = _pdl_memo.get(key)
     if on is None:
         on = _pdl_memo[key] = not interpreting() and settings.pdl_allowed() and _device_sm(index) >= (9, 0)

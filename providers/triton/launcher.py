@@ -19,6 +19,13 @@ expression instead of a loop over the arguments: about 2 µs instead of 6 µs fo
 on the 2-core CPU box). Calls whose argument kinds differ from that first call (a tensor where an int was,
 ``None`` where a tensor was) take the generic per-argument path; both give the same key for the same
 arguments. Under the interpreter (``TRITON_INTERPRET=1``) every call goes through Triton's JIT path.
+
+The generated function also returns the launch arguments with every tensor replaced by its data pointer,
+read once for the key. Triton's C launcher takes an int as a device pointer as it is; for a tensor it calls
+``data_ptr()`` again and asks the driver (``cuPointerGetAttribute``) whether the pointer is a device
+pointer, one driver call per tensor argument and launch. The providers validate their inputs (device,
+dtype, layout) before any launch, so that check is redundant here. Launches with Triton launch hooks set,
+and calls on the generic path, pass the tensors themselves.
 """
 
 from __future__ import annotations
@@ -56,15 +63,20 @@ def generic_key(args: Sequence[Any], constexpr: Sequence[bool]) -> tuple:
     return tuple(a if c else _spec(a) for a, c in zip(args, constexpr))
 
 
-def make_key_fn(args: Sequence[Any], constexpr: Sequence[bool]) -> Callable[[Sequence[Any]], tuple | None]:
-    """A function ``key(args)`` for calls whose arguments have the kinds of ``args``: the same tuple as
-    :func:`generic_key`, or ``None`` when a call's argument kinds differ (the caller then uses the generic
-    path)."""
+def make_key_fn(args: Sequence[Any], constexpr: Sequence[bool]
+                ) -> Callable[[Sequence[Any]], tuple[tuple, tuple] | None]:
+    """A function ``plan(args) -> (key, run_args)`` for calls whose arguments have the kinds of ``args``:
+    ``key`` is the tuple :func:`generic_key` gives, ``run_args`` is ``args`` with every tensor replaced by its
+    ``data_ptr()`` (what the compiled kernel's launcher receives). ``None`` when a call's argument kinds differ
+    (the caller then uses the generic path)."""
     guards: list[str] = [f"len(a) == {len(args)}"]
+    reads: list[str] = []
     parts: list[str] = []
+    run: list[str] = []
     for i, (arg, const) in enumerate(zip(args, constexpr)):
         v = f"a[{i}]"
         t = type(arg)
+        run.append(v)
         if const:
             parts.append(v)
         elif t is int:
@@ -82,16 +94,19 @@ def make_key_fn(args: Sequence[Any], constexpr: Sequence[bool]) -> Callable[[Seq
             parts.append("float")
         elif hasattr(arg, "data_ptr"):
             guards.append(f"type({v}) is T{i}")
-            parts.append(f"({v}.dtype, {v}.data_ptr() % 16 == 0)")
+            reads.append(f"    p{i} = {v}.data_ptr()\n")
+            parts.append(f"({v}.dtype, p{i} % 16 == 0)")
+            run[-1] = f"p{i}"
         else:
             return lambda a: None  # an unusual kind: always the generic path
     names = {"I32": _I32, "int_spec": _int_spec}
     names.update({f"T{i}": type(a) for i, (a, c) in enumerate(zip(args, constexpr)) if not c and hasattr(a, "data_ptr")
                   and type(a) not in (int, bool, float)})
-    body = f"def key(a):\n    if not ({' and '.join(guards)}):\n        return None\n    return ({', '.join(parts)},)\n"
+    body = (f"def plan(a):\n    if not ({' and '.join(guards)}):\n        return None\n{''.join(reads)}"
+            f"    return ({', '.join(parts)},), ({', '.join(run)},)\n")
     namespace: dict[str, Any] = {}
     exec(compile(body, "<fp8_backends.launcher key>", "exec"), names, namespace)  # noqa: S102 (generated above)
-    return namespace["key"]
+    return namespace["plan"]
 
 
 def _runtime_knobs() -> Any:
@@ -140,20 +155,26 @@ class KernelLauncher:
         self._key_fn: Callable[[Sequence[Any]], tuple | None] | None = None
         self._knobs = _runtime_knobs()
 
-    def key(self, args: Sequence[Any]) -> tuple:
-        """The specialization part of the cache key for ``args`` (launch options not included)."""
+    def plan(self, args: Sequence[Any]) -> tuple[tuple, Sequence[Any]]:
+        """``(key, run_args)``: the specialization part of the cache key for ``args`` (launch options not
+        included) and the arguments for the compiled kernel's launcher (see :func:`make_key_fn`)."""
         key_fn = self._key_fn
         if key_fn is None:
             key_fn = self._key_fn = make_key_fn(args, self.constexpr or ())
-        key = key_fn(args)
-        return key if key is not None else generic_key(args, self.constexpr or ())
+        planned = key_fn(args)
+        return planned if planned is not None else (generic_key(args, self.constexpr or ()), args)
+
+    def key(self, args: Sequence[Any]) -> tuple:
+        """The specialization part of the cache key for ``args`` (launch options not included)."""
+        return self.plan(args)[0]
 
     def __call__(self, grid: tuple[int, ...], args: Sequence[Any], *, num_warps: int, num_stages: int | None = None,
                  pdl: bool, device_index: int) -> None:
         if not self.direct:
             self.fn[grid](*args, **self._options(num_warps, num_stages, pdl))
             return
-        key = (num_warps, num_stages, pdl, device_index, self.key(args))
+        spec, run_args = self.plan(args)
+        key = (num_warps, num_stages, pdl, device_index, spec)
         entry = self._compiled.get(key)
         if entry is None:
             # compiles (or loads from Triton's cache) and launches
@@ -177,7 +198,7 @@ class KernelLauncher:
             return
         enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook
         if _no_hooks(enter) and _no_hooks(leave):  # skip the metadata dict and two empty hook-chain calls
-            entry.run(g0, g1, g2, s, entry.function, entry.packed, None, None, None, *args)
+            entry.run(g0, g1, g2, s, entry.function, entry.packed, None, None, None, *run_args)
         else:
             meta = entry.compiled.launch_metadata((g0, g1, g2), s, *args)
             entry.run(g0, g1, g2, s, entry.function, entry.packed, meta, enter, leave, *args)
@@ -196,21 +217,23 @@ class KernelLauncher:
         self._key_fn = None
 
 
-_launchers: dict[Any, KernelLauncher] = {}
+#: by ``id(fn)``: hashing a JITFunction hashes its source-derived cache key (about 1 µs per call); the launcher
+#: holds ``fn``, so the id is not reused while the entry exists
+_launchers: dict[int, KernelLauncher] = {}
 
 
 def launcher_for(fn: Any) -> KernelLauncher:
     """The process-wide :class:`KernelLauncher` of a ``@triton.jit`` function."""
-    launcher = _launchers.get(fn)
+    launcher = _launchers.get(id(fn))
     if launcher is None:
-        launcher = _launchers[fn] = KernelLauncher(fn)
+        launcher = _launchers[id(fn)] = KernelLauncher(fn)
     return launcher
 
 
 def launch(fn: Any, grid: tuple[int, ...], args: Sequence[Any], *, num_warps: int, num_stages: int | None = None,
            pdl: bool, device_index: int) -> None:
     """Launch ``fn`` through its cached :class:`KernelLauncher` (``args``: every parameter, in order)."""
-    launcher = _launchers.get(fn) or launcher_for(fn)
+    launcher = _launchers.get(id(fn)) or launcher_for(fn)
     launcher(grid, args, num_warps=num_warps, num_stages=num_stages, pdl=pdl, device_index=device_index)
 
 
