@@ -1,12 +1,11 @@
 """num_warps of the Triton RMSNorm + FP8 quant kernels per hidden size and token count (device benchmark).
 
     python -m bench.norm_configs --out DIR [--hidden 4096,8192] [--tokens 512,1024,2048,4096,8192,16384]
-                                 [--warps 4,8,16] [--rows 1,2] [--stream] [--quick]
+                                 [--warps 4,8,16] [--rows 1,2] [--quick]
 
 For each (H, T) and each variant (``rmsnorm_quant``, ``fused_add_rmsnorm_quant``) it times the one-row
 kernel with every ``--warps`` value (and, with ``--rows 1,2,...``, programs of several whole rows: labels
-``r2w4`` = 2 rows, 4 warps; with ``--stream`` also each one-pass config with streaming cache hints, label
-suffix ``s``: loads ``evict_first``, stores ``.cs``), plus the config :func:`providers.triton.quant_kernels.row_config`
+``r2w4`` = 2 rows, 4 warps), plus the config :func:`providers.triton.quant_kernels.row_config`
 picks (``auto``), in CUDA graphs over input copies rotated past 4x L2, interleaved
 (:class:`fp8_backends.timing.CudaGraphTimer`). The copy bandwidth is measured at the start; % copy = bytes
 moved (x read, fp8 written; the add variant also reads and writes the residual) / time / copy GB/s.
@@ -24,16 +23,13 @@ from pathlib import Path
 from typing import Any
 
 
-def labels(warps: list[int], rows: list[int], stream: bool = False) -> list[tuple[str, int, int, bool]]:
-    """``(label, rows per program, num_warps, streaming hints)`` for every combination (one-row labels stay
-    ``w<warps>``; streaming-hint labels end in ``s``)."""
-    base = [(f"w{w}" if r == 1 else f"r{r}w{w}", r, w) for r in rows for w in warps]
-    return [(label + ("s" if hint else ""), r, w, hint) for hint in ((False, True) if stream else (False,))
-            for label, r, w in base]
+def labels(warps: list[int], rows: list[int]) -> list[tuple[str, int, int]]:
+    """``(label, rows per program, num_warps)`` for every combination (one-row labels stay ``w<warps>``)."""
+    return [(f"w{w}" if r == 1 else f"r{r}w{w}", r, w) for r in rows for w in warps]
 
 
 def measure(h: int, t: int, add: bool, warps: list[int], timer: Any, l2: int,
-            rows: tuple[int, ...] = (1,), stream: bool = False) -> dict[str, Any]:
+            rows: tuple[int, ...] = (1,)) -> dict[str, Any]:
     """Time ``auto`` and each (rows per program, ``num_warps``) at ``[t, h]`` (bf16), outputs checked against
     ``auto``'s. Multi-row programs need ``H`` within one block (the one-pass paths)."""
     import torch
@@ -53,13 +49,11 @@ def measure(h: int, t: int, add: bool, warps: list[int], timer: Any, l2: int,
     auto = norm_kernels.default_config(t, h, add)
     one = norm_kernels.one_row_config(t, h, add)  # the shape that the r1 labels vary the warps of
     cfgs: dict[str, Any] = {"auto": None}
-    for label, r, w, hint in labels(warps, list(rows), stream):
-        if hint and one.path == "loop":
-            continue  # the two-pass kernel has its own hints
+    for label, r, w in labels(warps, list(rows)):
         if r == 1:
-            cfgs[label] = RowConfig(one.path, one.rows, one.block, w, hint)
+            cfgs[label] = RowConfig(one.path, one.rows, one.block, w)
         elif one.path != "loop":
-            cfgs[label] = RowConfig("rows", r, one.block, w, hint)
+            cfgs[label] = RowConfig("rows", r, one.block, w)
 
     def call(i: int, cfg: Any, out: Any) -> Any:
         if add:  # the residual is updated in place: every call sees another one (timing, not values, matters)
@@ -95,8 +89,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", default="512,1024,2048,4096,8192,16384")
     parser.add_argument("--warps", default="4,8,16")
     parser.add_argument("--rows", default="1", help="rows per program to try besides 1 (e.g. 1,2,4)")
-    parser.add_argument("--stream", action="store_true", help="also time every one-pass config with streaming "
-                        "cache hints (label suffix s)")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
 
@@ -117,23 +109,22 @@ def main(argv: list[str] | None = None) -> int:
     tokens = [int(v) for v in args.tokens.split(",")]
     warps = [int(v) for v in args.warps.split(",")]
     rows_per = tuple(int(v) for v in args.rows.split(","))
-    names = [label for label, _, _, _ in labels(warps, list(rows_per), args.stream)]
+    names = [label for label, _, _ in labels(warps, list(rows_per))]
     rows: list[dict[str, Any]] = []
     table: list[list[Any]] = []
     bar = progress(len(hiddens) * len(tokens) * 2, "norm configs")
     for h in hiddens:
         for t in tokens:
             for add in (False, True):
-                row = measure(h, t, add, warps, timer, l2, rows_per, args.stream)
+                row = measure(h, t, add, warps, timer, l2, rows_per)
                 rows.append(row)
                 res = row["results"]
                 nbytes = row["bytes"]
                 timed = {k: v["median_us"] for k, v in res.items() if v.get("median_us") and not v.get("error")}
                 best = min((us, k) for k, us in timed.items() if k != "auto")
                 au = timed.get("auto")
-                path, n_rows, _, n_warps = row["auto"][:4]
-                auto_label = ((f"r{n_rows}" if path == "rows" and n_rows > 1 else "") + f"w{n_warps}"
-                              + ("s" if row["auto"][4:5] == [True] else ""))
+                path, n_rows, _, n_warps = row["auto"]
+                auto_label = (f"r{n_rows}" if path == "rows" and n_rows > 1 else "") + f"w{n_warps}"
                 table.append([h, t, "add" if add else "plain", auto_label,
                               *[f"{timed[name]:.2f}" if name in timed else "-" for name in names],
                               best[1], f"{100 * nbytes / au / 1e3 / copy:.0f}" if au else "-",

@@ -548,6 +548,8 @@ class NormQuantBackend(ProviderBase):
         import torch
 
         if out is None:
+            if x.is_contiguous():  # the common case; empty_like parses fewer arguments (about 2 µs less)
+                return torch.empty_like(x, dtype=torch.float8_e4m3fn)
             return torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
         if out.shape != x.shape or out.dtype != torch.float8_e4m3fn or out.device != x.device:
             raise InvalidInputError(

@@ -569,13 +569,3 @@ def test_two_row_programs_match_reference(residual, t, h):
 
     block = 1 << (h - 1).bit_length()
     _check_kernels_with_config(RowConfig("rows", 2, block, max(4, block // 512)), t, h, residual, seed=6)
-
-
-@needs_kernels
-@pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("path, rows", [("rows", 2), ("row", 1)])
-def test_streaming_cache_hints_compute_the_same(residual, path, rows):
-    """``RowConfig.stream`` (evict_first loads, .cs stores) changes cache hints only."""
-    from fp8_backends.providers.triton.quant_kernels import RowConfig
-
-    _check_kernels_with_config(RowConfig(path, rows, 2048, 4, True), 3, 1500, residual, seed=7)

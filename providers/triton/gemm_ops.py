@@ -51,11 +51,9 @@ def launch(
     config: str,
 ) -> torch.Tensor:
     """``out[M, N] = x_scale · w_scale · (x @ wᵀ) (+ bias)``; inputs as :func:`triton_gemm` states."""
-    import torch
-
     m, k = x.shape
     n = w.shape[0]
-    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    out = x.new_empty((m, n), dtype=out_dtype)  # x's device; fewer arguments to parse than torch.empty
     if m == 0:
         return out
     run_config(pick_config(config, m, n, k), x, w, x_scale, w_scale, bias, out)

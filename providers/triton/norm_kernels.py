@@ -59,10 +59,8 @@ from .quant_kernels import FMAX, LARGE_LAUNCH, LARGE_LAUNCH_NORM, RowConfig, is_
 def _norm_quant_block_kernel(
     x_ptr, r_ptr, w_ptr, s_ptr, o_ptr, T, H, stride_x, stride_r, stride_o, stride_w, eps,
     FMAX: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr, USE_PDL: tl.constexpr,
-    LOAD_POLICY: tl.constexpr = "", STORE_CACHE: tl.constexpr = "",
 ):
-    """``ROWS`` whole rows (``BLOCK >= H``) per program, one pass. ``LOAD_POLICY`` / ``STORE_CACHE``: the
-    eviction policy of the row loads and the cache modifier of the stores (``""``: the defaults)."""
+    """``ROWS`` whole rows (``BLOCK >= H``) per program, one pass."""
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
@@ -71,21 +69,19 @@ def _norm_quant_block_kernel(
     rows64 = rows.to(tl.int64)[:, None]
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    x = tl.load(x_ptr + rows64 * stride_x + cols[None, :], mask=mask, other=0.0,
-                eviction_policy=LOAD_POLICY).to(tl.float32)
+    x = tl.load(x_ptr + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if ADD:
         r_ptrs = r_ptr + rows64 * stride_r + cols[None, :]
-        x += tl.load(r_ptrs, mask=mask, other=0.0, eviction_policy=LOAD_POLICY).to(tl.float32)
+        x += tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols * stride_w, mask=col_mask, other=0.0).to(tl.float32)
     inv_scale = tl.math.div_rn(1.0, tl.load(s_ptr))
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if ADD:
-        tl.store(r_ptrs, x.to(r_ptr.dtype.element_ty), mask=mask, cache_modifier=STORE_CACHE)
+        tl.store(r_ptrs, x.to(r_ptr.dtype.element_ty), mask=mask)
     rrms = tl.math.rsqrt(tl.sum(x * x, axis=1) / H + eps)
     y = tl.clamp(x * rrms[:, None] * w[None, :] * inv_scale, -FMAX, FMAX)
-    tl.store(o_ptr + rows64 * stride_o + cols[None, :], y.to(o_ptr.dtype.element_ty), mask=mask,
-             cache_modifier=STORE_CACHE)
+    tl.store(o_ptr + rows64 * stride_o + cols[None, :], y.to(o_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -124,28 +120,24 @@ def _norm_quant_loop_kernel(
         tl.store(o_row + cols, y.to(o_ptr.dtype.element_ty), mask=mask)
 
 
-#: ``RowConfig.stream`` -> (load eviction policy, store cache modifier) of the one-pass kernel: streaming
-#: hints mark every row as read once and written once, so L2 keeps neither
-_HINTS = {False: ("", ""), True: ("evict_first", ".cs")}
-
-
 def _launch(out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-            scale: torch.Tensor, eps: float, cfg: RowConfig) -> None:
+            scale: torch.Tensor, eps: float, cfg: RowConfig, index: int) -> None:
+    """``index``: x's device index (``x.get_device()``: -1 for CPU tensors under the interpreter)."""
     t, h = x.shape
-    pdl = _support.pdl_on(x.get_device())
+    pdl = _support.pdl_on(index)
     fmax = FMAX[out.dtype]
     add = residual is not None
-    r = residual if add else x  # unused without ADD
-    index = max(x.get_device(), 0)
+    stride_x = x.stride(0)
+    r, stride_r = (residual, residual.stride(0)) if add else (x, stride_x)  # r unused without ADD
+    device_index = index if index > 0 else 0
     if cfg.path == "loop":
         launch(_norm_quant_loop_kernel, (t,),
-               (x, r, weight, scale, out, h, x.stride(0), r.stride(0), out.stride(0), weight.stride(0), eps,
-                fmax, cfg.block, add, pdl), num_warps=cfg.num_warps, pdl=pdl, device_index=index)
+               (x, r, weight, scale, out, h, stride_x, stride_r, out.stride(0), weight.stride(0), eps,
+                fmax, cfg.block, add, pdl), num_warps=cfg.num_warps, pdl=pdl, device_index=device_index)
     else:
         launch(_norm_quant_block_kernel, (-(-t // cfg.rows),),
-               (x, r, weight, scale, out, t, h, x.stride(0), r.stride(0), out.stride(0), weight.stride(0), eps,
-                fmax, cfg.rows, cfg.block, add, pdl, *_HINTS[cfg.stream]), num_warps=cfg.num_warps, pdl=pdl,
-               device_index=index)
+               (x, r, weight, scale, out, t, h, stride_x, stride_r, out.stride(0), weight.stride(0), eps,
+                fmax, cfg.rows, cfg.block, add, pdl), num_warps=cfg.num_warps, pdl=pdl, device_index=device_index)
 
 
 #: the plain RMSNorm+quant over a large launch (T x H >= LARGE_LAUNCH_NORM) with rows of 1025-4096 elements runs
@@ -179,9 +171,9 @@ def _run(out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, weig
     index = x.get_device()
     if index >= 0 and index != _support.current_device():  # Triton launches on the current device
         with torch.cuda.device(index):
-            _launch(out, x, residual, weight, scale, eps, cfg)
+            _launch(out, x, residual, weight, scale, eps, cfg, index)
     else:
-        _launch(out, x, residual, weight, scale, eps, cfg)
+        _launch(out, x, residual, weight, scale, eps, cfg, index)
 
 
 def rmsnorm_quant(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, eps: float,

@@ -54,16 +54,25 @@ SCHEMAS = {
 
 def _rmsnorm_quant_impl(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                         eps: float) -> None:
-    from . import norm_kernels
-
-    norm_kernels.rmsnorm_quant(out, x, weight, scale, eps)
+    _kernels().rmsnorm_quant(out, x, weight, scale, eps)
 
 
 def _fused_add_rmsnorm_quant_impl(out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor,
                                   weight: torch.Tensor, scale: torch.Tensor, eps: float) -> None:
-    from . import norm_kernels
+    _kernels().fused_add_rmsnorm_quant(out, x, residual, weight, scale, eps)
 
-    norm_kernels.fused_add_rmsnorm_quant(out, x, residual, weight, scale, eps)
+
+_kernels_module: Any = None
+
+
+def _kernels() -> Any:
+    """:mod:`.norm_kernels` (imports torch and triton: loaded at the first call, then one global read)."""
+    global _kernels_module
+    if _kernels_module is None:
+        from . import norm_kernels
+
+        _kernels_module = norm_kernels
+    return _kernels_module
 
 
 def _fake(*args: Any) -> None:

@@ -100,14 +100,12 @@ SMALL_DYNAMIC_MAX = 16384
 class RowConfig(NamedTuple):
     """How a row-wise kernel covers rows of ``n`` elements: ``path`` is ``"rows"`` (``rows`` rows per
     program, a ``[rows, block]`` block), ``"row"`` (one row per program, ``block >= n``) or ``"loop"``
-    (one row per program, two passes in ``block``-element chunks). ``stream``: the one-pass norm-quant
-    kernel loads with ``evict_first`` and stores with ``.cs`` (streaming) hints."""
+    (one row per program, two passes in ``block``-element chunks)."""
 
     path: str
     rows: int
     block: int
     num_warps: int
-    stream: bool = False
 
 
 def warps_for(block: int, large: bool = False) -> int:
