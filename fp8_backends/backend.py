@@ -18,7 +18,9 @@ it scans, so import torch and kernel libraries inside methods.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -585,6 +587,16 @@ class OpNormQuantBackend(NormQuantBackend):
     :func:`fp8_backends.oplib.eager_fast`."""
 
     _ops: Any = None
+
+    def __init__(self, **options: str) -> None:
+        super().__init__(**options)
+        # A provider made directly (no resolution, no layer) may see its first call inside torch.compile
+        # tracing, which cannot define ops: define them now. Only when torch is already imported (whoever
+        # passes tensors has imported it), so listing providers stays free of torch. A failure marks the
+        # provider unavailable (see ensure_preloaded); the first call or a resolution meets the error again.
+        if "torch" in sys.modules:
+            with contextlib.suppress(BackendUnavailableError):
+                self.ensure_preloaded()
 
     @abstractmethod
     def load_ops(self) -> tuple[Any, Any]:

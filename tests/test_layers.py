@@ -742,6 +742,44 @@ print("ok", err)
 """
 
 
+_DIRECT_NORM_COMPILE_FIRST_SCRIPT = r"""
+import torch
+from fp8_backends.providers.triton.norm_quant import TritonNormQuantBackend
+
+nq = TritonNormQuantBackend()  # made directly: no resolution, no layer
+x = torch.randn(3, 64).to(torch.bfloat16)
+r = torch.randn(3, 64).to(torch.bfloat16)
+w = torch.ones(64, dtype=torch.bfloat16)
+s = torch.tensor([0.05])
+
+
+def f(x, r):
+    q, r2 = nq.fused_add_rmsnorm_quant(x, r, w, s)
+    return q.data.float(), r2
+
+
+got, _ = torch.compile(f, fullgraph=True, backend="aot_eager")(x, r.clone())  # the provider's first call
+ref, _ = f(x, r.clone())
+assert torch.equal(got, ref)
+print("ok")
+"""
+
+
+def test_norm_quant_provider_made_directly_and_first_called_inside_compile():
+    """Op-based norm-quant providers define their ops when constructed (torch imported): a first call inside
+    ``torch.compile(fullgraph=True)`` then only reads them (before, Dynamo traced the definition and failed)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", _DIRECT_NORM_COMPILE_FIRST_SCRIPT], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("ok")
+
+
 def test_model_compiled_before_any_eager_call_finds_its_ops_defined():
     """A fresh process whose first call of the triton GEMM and norm-quant ops is inside torch.compile
     (fullgraph): resolution defined the ops at load time, so Dynamo never traces their definition."""
