@@ -615,6 +615,40 @@ def test_gpu_repeated_calls_through_the_cached_kernel_stay_correct():
         _check(b, m, 1024, 2048, per_token=m % 2 == 1, bias=m == 17)
 
 
+@pytest.mark.gpu
+def test_gpu_replayed_launches_stay_correct_and_skip_the_general_path(monkeypatch):
+    """run_config's replays: from the second call of a key on, the launch bypasses KernelLauncher (replayed
+    compiled kernel and grid), for each scale mode, bias, output dtype and M; a misaligned operand always
+    takes the general path. Every output is checked against the reference."""
+    from fp8_backends.providers.triton import gemm_ops, launcher
+
+    gemm_ops._replays.clear()
+    general = []
+    real_call = launcher.KernelLauncher.__call__
+    monkeypatch.setattr(launcher.KernelLauncher, "__call__",
+                        lambda self, *a, **kw: (general.append(1), real_call(self, *a, **kw))[1])
+    b = TritonGemmBackend()
+    cases = [dict(m=16), dict(m=1), dict(m=17, bias=True), dict(m=16, per_token=True, per_channel=True),
+             dict(m=16, out_dtype=torch.float16), dict(m=48, bias=True, per_channel=True)]
+    for case in cases:
+        for call in range(4):
+            before = len(general)
+            _check(b, n=1024, k=2048, **case)
+            assert (len(general) - before) == (1 if call == 0 else 0), (case, call)
+    assert len(gemm_ops._replays) == len(cases)
+    x, w, xs, ws = _data(16, 1024, 2048)
+    prepared = b.prepare_weight(w, ws)
+    xm = torch.empty(16 * 2048 + 8, dtype=x.dtype, device=x.device)[8:].view(16, 2048)  # 8-byte aligned rows
+    xm.copy_(x)
+    for _ in range(3):
+        before = len(general)
+        y = b.gemm(xm, prepared, xs)
+        assert len(general) - before == 1
+        from fp8_backends import reference
+
+        assert _relerr(y, reference.fp8_gemm(x, w, xs, ws, torch.float32, None)) < 1e-2
+
+
 @pytest.mark.skipif(not _support.interpreting(), reason="needs TRITON_INTERPRET=1 (the CPU-only case)")
 def test_auto_never_picks_the_interpreter_but_a_named_request_gets_it():
     from fp8_backends.registry import resolution
@@ -680,3 +714,64 @@ def test_tuner_does_not_time_interpreter_only_candidates():
     cands, skipped = expand_candidates("gemm", GemmProblem(n=64, k=64, m=4, device="cpu"), cpu_platform())
     assert cands and all(c.provider != "triton" for c in cands)
     assert any(label.startswith("triton") and "interpreter" in why for label, why in skipped)
+
+
+def test_replay_for_returns_the_compiled_launcher_and_grid_only_after_a_direct_launch():
+    fn = _FakeJitRunnable((False, False, True))
+    launch = _launcher(fn)
+    x = torch.empty(64)
+    opts = {"num_warps": 4, "num_stages": 3, "pdl": False, "device_index": 0}
+    assert launch.replay_for((3, 2), (x, 32, 64), **opts) is None  # nothing compiled yet
+    launch((3, 2), (x, 32, 64), **opts)
+    replay = launch.replay_for((3, 2), (x, 32, 64), **opts)
+    assert (replay.function, replay.packed, replay.g0, replay.g1, replay.g2) == ("fn-handle", "packed", 3, 2, 1)
+    assert launch.replay_for((3,), (x, 17, 64), **opts) is None  # another specialization: not compiled
+    assert launch.replay_for((3,), (x, 32, 64), **{**opts, "pdl": True}) is None
+    replay.run(replay.g0, replay.g1, replay.g2, "s", replay.function, replay.packed, None, None, None, 1, 2, 3)
+    assert fn.log[-1][0] == "run" and fn.log[-1][3] == (1, 2, 3)
+    launch.direct = False  # the interpreter / Triton's JIT path: no replays
+    assert launch.replay_for((3, 2), (x, 32, 64), **opts) is None
+
+
+def test_hooks_clear_sees_triton_launch_hooks():
+    launch = _launcher(_FakeJitRunnable((False,)))
+
+    class _Knobs:
+        launch_enter_hook = None
+        launch_exit_hook = None
+
+    launch._knobs = _Knobs()
+    assert launch.hooks_clear()
+    _Knobs.launch_exit_hook = print  # e.g. a profiler's hook: replays would skip it
+    assert not launch.hooks_clear()
+    launch._knobs = None  # a Triton without knobs: never replay
+    assert not launch.hooks_clear()
+
+
+def test_replay_cache_keeps_the_tail_and_answers_only_without_hooks():
+    from fp8_backends.providers.triton.launcher import ReplayCache
+
+    fn = _FakeJitRunnable((False, False, True))
+    launch = _launcher(fn)
+
+    class _Knobs:
+        launch_enter_hook = None
+        launch_exit_hook = None
+
+    launch._knobs = _Knobs()
+    x = torch.empty(64)
+    opts = {"num_warps": 4, "num_stages": 3, "pdl": False, "device_index": 0}
+    cache = ReplayCache(head=1, maxsize=2)
+    cache.record("a", launch, (2,), (x, 32, 64), **opts)  # nothing compiled yet: nothing kept
+    assert cache.lookup("a") is None and len(cache) == 0
+    launch((2,), (x, 32, 64), **opts)
+    cache.record("a", launch, (2,), (x, 32, 64), **opts)
+    replay, tail, owner = cache.lookup("a")
+    assert tail == (32, 64) and owner is launch and (replay.g0, replay.g1) == (2, 1)
+    _Knobs.launch_enter_hook = print
+    assert cache.lookup("a") is None  # a hook is set: the caller takes the general path
+    _Knobs.launch_enter_hook = None
+    launch((2,), (x, 48, 64), **opts)
+    cache.record("b", launch, (2,), (x, 48, 64), **opts)
+    cache.record("c", launch, (2,), (x, 48, 64), **opts)  # full: emptied first
+    assert len(cache) == 1 and cache.lookup("c") is not None and cache.lookup("a") is None

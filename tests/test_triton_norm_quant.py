@@ -423,6 +423,44 @@ def test_gpu_matches_reference(h, dtype):
 
 
 @pytest.mark.gpu
+def test_gpu_replayed_launches_stay_correct_and_skip_the_general_path(monkeypatch):
+    """The kernels' replays (norm_kernels._launch): from the second call of a key on, the launch bypasses
+    KernelLauncher; each call's own pointers and eps reach the kernel (eps 1.0 changes the codes). Both
+    variants, one-row, multi-row, two-row and two-pass paths, three dtypes; a misaligned x (a view 8 bytes
+    in) always takes the general path. Every result is checked against the reference."""
+    from fp8_backends.providers.triton import launcher, norm_kernels
+
+    norm_kernels._block_replays.clear()
+    norm_kernels._loop_replays.clear()
+    general = []
+    real_call = launcher.KernelLauncher.__call__
+    monkeypatch.setattr(launcher.KernelLauncher, "__call__",
+                        lambda self, *a, **kw: (general.append(1), real_call(self, *a, **kw))[1])
+    nq = TritonNormQuantBackend()
+    cases = [(1, 4096, torch.bfloat16), (32, 4096, torch.float16), (4096, 4096, torch.bfloat16),
+             (64, 512, torch.float32), (8, 40000, torch.bfloat16)]
+    for t, h, dtype in cases:
+        for call, eps in enumerate((1e-6, 1.0, 1e-5)):
+            x, r, w = _inputs(t, h, dtype, device="cuda", seed=20 + call)
+            s = _scale(0.01, "cuda")
+            before = len(general)
+            assert_codes_close(nq.rmsnorm_quant(x, w, s, eps).data, reference.rmsnorm_quant(x, w, s, eps), 1e-3)
+            ref_q, ref_r = reference.fused_add_rmsnorm_quant(x, r, w, s, eps)
+            qa, _ = nq.fused_add_rmsnorm_quant(x, r, w, s, eps)
+            assert torch.equal(r, ref_r)
+            assert_codes_close(qa.data, ref_q, 1e-3)
+            assert len(general) - before == (2 if call == 0 else 0), (t, h, dtype, call)
+    x, r, w = _inputs(16, 4096, torch.bfloat16, device="cuda", seed=30)
+    xm = torch.empty(16 * 4096 + 4, dtype=x.dtype, device="cuda")[4:].view(16, 4096)
+    xm.copy_(x)
+    s = _scale(0.01, "cuda")
+    for _ in range(2):
+        before = len(general)
+        assert_codes_close(nq.rmsnorm_quant(xm, w, s).data, reference.rmsnorm_quant(x, w, s), 1e-3)
+        assert len(general) - before == 1
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("h", [40000, 65536])
 def test_gpu_two_pass_path(h):
     from fp8_backends.providers.triton import quant_kernels

@@ -31,7 +31,7 @@ and calls on the generic path, pass the tensors themselves.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import _support
 
@@ -140,6 +140,18 @@ class _Entry:
             self.run, self.function, self.packed = run, function, packed
 
 
+class Replay(NamedTuple):
+    """A compiled kernel's launcher and a fixed grid: ``replay.run(g0, g1, g2, stream, replay.function,
+    replay.packed, None, None, None, *run_args)`` launches it (``run_args`` as :func:`make_key_fn` makes them)."""
+
+    run: Any
+    function: Any
+    packed: Any
+    g0: int
+    g1: int
+    g2: int
+
+
 class KernelLauncher:
     """``launcher(grid, args, num_warps=..., num_stages=..., pdl=..., device_index=...)`` for one kernel.
 
@@ -203,6 +215,26 @@ class KernelLauncher:
             meta = entry.compiled.launch_metadata((g0, g1, g2), s, *args)
             entry.run(g0, g1, g2, s, entry.function, entry.packed, meta, enter, leave, *args)
 
+    def hooks_clear(self) -> bool:
+        """True when no Triton launch hook is set (what a :class:`Replay` needs: it passes none)."""
+        knobs = self._knobs
+        return knobs is not None and _no_hooks(knobs.launch_enter_hook) and _no_hooks(knobs.launch_exit_hook)
+
+    def replay_for(self, grid: tuple[int, ...], args: Sequence[Any], *, num_warps: int, num_stages: int | None = None,
+                   pdl: bool, device_index: int) -> Replay | None:
+        """After a launch with these arguments: what launching the same compiled kernel with the same grid
+        again needs, for a caller that keeps it under a key of its own that fixes every specialization input
+        (dtypes, pointer alignment, int values, constexprs, launch options, device). ``None`` when the
+        launches go through Triton's JIT path (the interpreter, another Triton) or nothing is compiled yet."""
+        if not self.direct or self._knobs is None:
+            return None
+        entry = self._compiled.get((num_warps, num_stages, pdl, device_index, self.plan(args)[0]))
+        if entry is None or entry.run is None:
+            return None
+        n = len(grid)
+        return Replay(entry.run, entry.function, entry.packed, grid[0], grid[1] if n > 1 else 1,
+                      grid[2] if n > 2 else 1)
+
     @staticmethod
     def _options(num_warps: int, num_stages: int | None, pdl: bool) -> dict[str, Any]:
         options: dict[str, Any] = {"num_warps": num_warps}
@@ -219,6 +251,57 @@ class KernelLauncher:
 
 #: by ``id(fn)``: hashing a JITFunction hashes its source-derived cache key (about 1 µs per call); the launcher
 #: holds ``fn``, so the id is not reused while the entry exists
+class ReplayCache:
+    """One call site's replays: a key the caller builds -> ``(Replay, tail, launcher)``.
+
+    The key must fix everything the launch's specialization and grid depend on (dtypes, int values, every
+    data pointer 16-byte aligned, constexprs, launch options, device). ``tail`` holds the kernel arguments
+    after the first ``head`` (the ones the caller passes itself at each replay, pointers first): the
+    constexprs and flags, fixed by the key. :meth:`lookup` answers only while no Triton launch hook is set
+    (a replay passes none). At most ``maxsize`` keys are kept; the cache is emptied when full."""
+
+    def __init__(self, head: int, maxsize: int = 4096) -> None:
+        self.head = head
+        self.maxsize = maxsize
+        self._entries: dict[Any, tuple[Replay, tuple[Any, ...], KernelLauncher]] = {}
+
+    def lookup(self, key: Any) -> tuple[Replay, tuple[Any, ...], KernelLauncher] | None:
+        hit = self._entries.get(key)
+        if hit is None or not hit[2].hooks_clear():
+            return None
+        return hit
+
+    def record(self, key: Any, launcher: KernelLauncher, grid: tuple[int, ...], args: Sequence[Any], *,
+               num_warps: int, num_stages: int | None = None, pdl: bool, device_index: int) -> None:
+        """After ``launcher(grid, args, ...)``: keep its replay under ``key`` (nothing under the JIT path)."""
+        replay = launcher.replay_for(grid, args, num_warps=num_warps, num_stages=num_stages, pdl=pdl,
+                                     device_index=device_index)
+        if replay is None:
+            return
+        if len(self._entries) >= self.maxsize:
+            self._entries.clear()
+        self._entries[key] = (replay, tuple(args[self.head:]), launcher)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+_raw_stream: Any = None
+
+
+def raw_stream(device_index: int) -> int:
+    """torch's current CUDA stream of a device, as the handle a compiled kernel's launcher takes."""
+    global _raw_stream
+    if _raw_stream is None:
+        import torch
+
+        _raw_stream = torch._C._cuda_getCurrentRawStream
+    return _raw_stream(device_index)
+
+
 _launchers: dict[int, KernelLauncher] = {}
 
 
@@ -237,4 +320,5 @@ def launch(fn: Any, grid: tuple[int, ...], args: Sequence[Any], *, num_warps: in
     launcher(grid, args, num_warps=num_warps, num_stages=num_stages, pdl=pdl, device_index=device_index)
 
 
-__all__ = ["KernelLauncher", "generic_key", "launch", "launcher_for", "make_key_fn"]
+__all__ = ["KernelLauncher", "Replay", "ReplayCache", "generic_key", "launch", "launcher_for", "make_key_fn",
+           "raw_stream"]

@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from . import _support
-from .launcher import launch
+from .launcher import ReplayCache, launcher_for, raw_stream
 from .quant_kernels import FMAX, LARGE_LAUNCH, LARGE_LAUNCH_NORM, RowConfig, is_large, row_config
 
 
@@ -120,24 +120,52 @@ def _norm_quant_loop_kernel(
         tl.store(o_row + cols, y.to(o_ptr.dtype.element_ty), mask=mask)
 
 
+#: replays of the two kernels (see :class:`.launcher.ReplayCache`); the arguments each call passes itself: x,
+#: residual, weight, scale, out, (T,) H, the four strides and eps
+_block_replays = ReplayCache(head=12)
+_loop_replays = ReplayCache(head=11)
+
+
 def _launch(out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
             scale: torch.Tensor, eps: float, cfg: RowConfig, index: int) -> None:
-    """``index``: x's device index (``x.get_device()``: -1 for CPU tensors under the interpreter)."""
+    """Launch on ``index``, the current device (``x.get_device()``: -1 for CPU tensors under the interpreter).
+    A call whose key (config, T, H, strides, dtypes, residual, PDL, device; every data pointer 16-byte aligned)
+    was launched before replays that launch with this call's pointers and eps; other calls take the general
+    path, which records the replay."""
     t, h = x.shape
     pdl = _support.pdl_on(index)
-    fmax = FMAX[out.dtype]
     add = residual is not None
-    stride_x = x.stride(0)
-    r, stride_r = (residual, residual.stride(0)) if add else (x, stride_x)  # r unused without ADD
-    device_index = index if index > 0 else 0
-    if cfg.path == "loop":
-        launch(_norm_quant_loop_kernel, (t,),
-               (x, r, weight, scale, out, h, stride_x, stride_r, out.stride(0), weight.stride(0), eps,
-                fmax, cfg.block, add, pdl), num_warps=cfg.num_warps, pdl=pdl, device_index=device_index)
+    r = residual if add else x  # unused without ADD
+    sx, sr, so, sw = x.stride(0), r.stride(0), out.stride(0), weight.stride(0)
+    loop = cfg.path == "loop"
+    replays = _loop_replays if loop else _block_replays
+    key = None
+    if index >= 0:
+        px, pr, pw, ps, po = x.data_ptr(), r.data_ptr(), weight.data_ptr(), scale.data_ptr(), out.data_ptr()
+        if not (px | pr | pw | ps | po) & 15:
+            key = (cfg, t, h, sx, sr, so, sw, x.dtype, r.dtype, weight.dtype, scale.dtype, out.dtype, add, pdl, index)
+            hit = replays.lookup(key)
+            if hit is not None:
+                rp, tail = hit[0], hit[1]
+                if loop:
+                    rp.run(rp.g0, rp.g1, rp.g2, raw_stream(index), rp.function, rp.packed, None, None, None,
+                           px, pr, pw, ps, po, h, sx, sr, so, sw, eps, *tail)
+                else:
+                    rp.run(rp.g0, rp.g1, rp.g2, raw_stream(index), rp.function, rp.packed, None, None, None,
+                           px, pr, pw, ps, po, t, h, sx, sr, so, sw, eps, *tail)
+                return
+    fmax = FMAX[out.dtype]
+    if loop:
+        kernel, grid = _norm_quant_loop_kernel, (t,)
+        args: tuple = (x, r, weight, scale, out, h, sx, sr, so, sw, eps, fmax, cfg.block, add, pdl)
     else:
-        launch(_norm_quant_block_kernel, (-(-t // cfg.rows),),
-               (x, r, weight, scale, out, t, h, stride_x, stride_r, out.stride(0), weight.stride(0), eps,
-                fmax, cfg.rows, cfg.block, add, pdl), num_warps=cfg.num_warps, pdl=pdl, device_index=device_index)
+        kernel, grid = _norm_quant_block_kernel, (-(-t // cfg.rows),)
+        args = (x, r, weight, scale, out, t, h, sx, sr, so, sw, eps, fmax, cfg.rows, cfg.block, add, pdl)
+    kernel_launcher = launcher_for(kernel)
+    options = {"num_warps": cfg.num_warps, "pdl": pdl, "device_index": index if index > 0 else 0}
+    kernel_launcher(grid, args, **options)
+    if key is not None:
+        replays.record(key, kernel_launcher, grid, args, **options)
 
 
 #: the plain RMSNorm+quant over a large launch (T x H >= LARGE_LAUNCH_NORM) with rows of 1025-4096 elements runs
