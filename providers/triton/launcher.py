@@ -26,6 +26,13 @@ read once for the key. Triton's C launcher takes an int as a device pointer as i
 pointer, one driver call per tensor argument and launch. The providers validate their inputs (device,
 dtype, layout) before any launch, so that check is redundant here. Launches with Triton launch hooks set,
 and calls on the generic path, pass the tensors themselves.
+
+Call sites with a fixed argument layout go one step further with a :class:`ReplayCache`: after a launch
+they keep the compiled kernel's launcher and grid (:class:`Replay`) under a key of their own that fixes
+everything the specialization and the grid depend on; a later call with that key passes its data pointers
+and scalars straight to the compiled launcher, without building the argument tuple or the specialization
+key (the GEMM and the norm-quant kernels: about 20% less host time than ``torch._scaled_mm`` on the H200
+machine, 2026-11-29).
 """
 
 from __future__ import annotations
