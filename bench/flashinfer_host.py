@@ -35,22 +35,12 @@ from pathlib import Path
 
 import torch
 
+from bench.host_cost import sample_us
+
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 MS = [1, 16, 256, 1024, 4096]
 NORM_TOKENS = [1, 16, 256, 1024, 4096]
 L2_BYTES = 60 * 1024 * 1024
-
-
-def host_us(fn, calls: int) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) * 1e6 / calls
 
 
 def graph_us(fns, replays: int) -> float:
@@ -158,7 +148,7 @@ def gemm_row(args, ours, tsm, setup, n, k, m) -> tuple[dict, dict]:
             call = _gemm_call(name, ours, tsm, setup, 0, x, sx, a3, out3)
             y = call()
             row[f"{name}_relerr_vs_scaled_mm"] = rel_err(out3[0] if name.startswith("fi_") else y, ref)
-            row[f"{name}_host_us"] = host_us(call, args.calls)
+            row[f"{name}_host_us"] = sample_us(call, args.calls)
             if name != "ours_torch_scaled_mm":
                 calls = [_gemm_call(name, ours, tsm, setup, i, x, sx, a3, out3) for i in range(copies)]
                 row[f"{name}_gpu_us"] = graph_us(calls, args.replays)
@@ -215,7 +205,7 @@ def host_breakdown(args, backend, prepared, x, sx, weight, b3, out3) -> dict:
     result = {}
     for name, fn in parts.items():
         try:
-            result[name] = host_us(fn, args.calls * 5)
+            result[name] = sample_us(fn, args.calls * 5)
         except Exception as exc:
             result[name + " (error)"] = float("nan")
             print(f"breakdown {name}: {type(exc).__name__}: {exc}", flush=True)
@@ -264,7 +254,7 @@ def norm_section(args, log) -> list[dict]:
         row = {"H": h, "T": t, "code_mismatch_vs_reference": mism, "ours_path": ops.norm_device(x.device).kind}
         for name, fn in _norm_calls(nq, module, x, res, weight, scale, out).items():
             try:
-                row[f"{name}_host_us"] = host_us(fn, args.calls)
+                row[f"{name}_host_us"] = sample_us(fn, args.calls)
                 row[f"{name}_gpu_us"] = graph_us([fn] * 8, args.replays)
             except Exception as exc:
                 row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]

@@ -141,3 +141,20 @@ def exact_interpreter_casts():
     interpreter._convert_float = convert
     yield
     interpreter._convert_float = original
+
+
+@pytest.fixture
+def general_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one at every launch through ``KernelLauncher.__call__`` (the general Triton
+    launch path; replays bypass it)."""
+    from fp8_backends.providers.triton import launcher
+
+    calls: list[int] = []
+    real_call = launcher.KernelLauncher.__call__
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return real_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(launcher.KernelLauncher, "__call__", counted)
+    return calls

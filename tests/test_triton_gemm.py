@@ -616,17 +616,14 @@ def test_gpu_repeated_calls_through_the_cached_kernel_stay_correct():
 
 
 @pytest.mark.gpu
-def test_gpu_replayed_launches_stay_correct_and_skip_the_general_path(monkeypatch):
+def test_gpu_replayed_launches_stay_correct_and_skip_the_general_path(general_launches):
     """run_config's replays: from the second call of a key on, the launch bypasses KernelLauncher (replayed
     compiled kernel and grid), for each scale mode, bias, output dtype and M; a misaligned operand always
     takes the general path. Every output is checked against the reference."""
-    from fp8_backends.providers.triton import gemm_ops, launcher
+    from fp8_backends.providers.triton import gemm_ops
 
     gemm_ops._replays.clear()
-    general = []
-    real_call = launcher.KernelLauncher.__call__
-    monkeypatch.setattr(launcher.KernelLauncher, "__call__",
-                        lambda self, *a, **kw: (general.append(1), real_call(self, *a, **kw))[1])
+    general = general_launches
     b = TritonGemmBackend()
     cases = [dict(m=16), dict(m=1), dict(m=17, bias=True), dict(m=16, per_token=True, per_channel=True),
              dict(m=16, out_dtype=torch.float16), dict(m=48, bias=True, per_channel=True)]

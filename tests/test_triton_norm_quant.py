@@ -423,19 +423,16 @@ def test_gpu_matches_reference(h, dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_replayed_launches_stay_correct_and_skip_the_general_path(monkeypatch):
+def test_gpu_replayed_launches_stay_correct_and_skip_the_general_path(general_launches):
     """The kernels' replays (norm_kernels._launch): from the second call of a key on, the launch bypasses
     KernelLauncher; each call's own pointers and eps reach the kernel (eps 1.0 changes the codes). Both
     variants, one-row, multi-row, two-row and two-pass paths, three dtypes; a misaligned x (a view 8 bytes
     in) always takes the general path. Every result is checked against the reference."""
-    from fp8_backends.providers.triton import launcher, norm_kernels
+    from fp8_backends.providers.triton import norm_kernels
 
     norm_kernels._block_replays.clear()
     norm_kernels._loop_replays.clear()
-    general = []
-    real_call = launcher.KernelLauncher.__call__
-    monkeypatch.setattr(launcher.KernelLauncher, "__call__",
-                        lambda self, *a, **kw: (general.append(1), real_call(self, *a, **kw))[1])
+    general = general_launches
     nq = TritonNormQuantBackend()
     cases = [(1, 4096, torch.bfloat16), (32, 4096, torch.float16), (4096, 4096, torch.bfloat16),
              (64, 512, torch.float32), (8, 40000, torch.bfloat16)]
@@ -607,3 +604,14 @@ def test_two_row_programs_match_reference(residual, t, h):
 
     block = 1 << (h - 1).bit_length()
     _check_kernels_with_config(RowConfig("rows", 2, block, max(4, block // 512)), t, h, residual, seed=6)
+
+
+@interpreter_only
+def test_interpreter_launches_take_the_general_path_every_time(general_launches):
+    """Under the interpreter (CPU tensors) nothing is replayed: each call launches through KernelLauncher."""
+    nq = TritonNormQuantBackend()
+    x, r, w = _inputs(2, 64, torch.bfloat16, seed=3)
+    s = _scale(0.02)
+    for n in (1, 2):
+        assert_codes_close(nq.rmsnorm_quant(x, w, s).data, reference.rmsnorm_quant(x, w, s))
+        assert len(general_launches) == n
