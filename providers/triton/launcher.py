@@ -201,12 +201,7 @@ class KernelLauncher:
             if compiled is not None and hasattr(compiled, "__getitem__"):
                 self._compiled[key] = _Entry(compiled)
             return
-        stream = self._stream
-        if stream is None:
-            import torch
-
-            stream = self._stream = torch._C._cuda_getCurrentRawStream
-        s = stream(device_index)
+        s = (self._stream or raw_stream)(device_index)  # _stream: a stand-in tests set
         n = len(grid)
         g0 = grid[0]
         g1 = grid[1] if n > 1 else 1
@@ -256,8 +251,6 @@ class KernelLauncher:
         self._key_fn = None
 
 
-#: by ``id(fn)``: hashing a JITFunction hashes its source-derived cache key (about 1 µs per call); the launcher
-#: holds ``fn``, so the id is not reused while the entry exists
 class ReplayCache:
     """One call site's replays: a key the caller builds -> ``(Replay, tail, launcher)``.
 
@@ -309,6 +302,8 @@ def raw_stream(device_index: int) -> int:
     return _raw_stream(device_index)
 
 
+#: by ``id(fn)``: hashing a JITFunction hashes its source-derived cache key (about 1 µs per call); the launcher
+#: holds ``fn``, so the id is not reused while the entry exists
 _launchers: dict[int, KernelLauncher] = {}
 
 
