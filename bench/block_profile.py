@@ -6,7 +6,12 @@ replayed under ``torch.profiler``. The table lists every kernel of one block cal
 mean GPU µs, then the sum of kernel time against the graph time per block: the difference is what the
 block loses between kernels (launch gaps, ramp-up and tail of each kernel).
 
-    python -m bench.block_profile --out bench/results/block_profile --tokens 1 16
+With ``--host``, each compiled variant is also timed as the host sees it without a CUDA graph: the mean
+enqueue time of back-to-back calls (:func:`bench.host_cost.sample_us`), and a cProfile of those calls
+(the functions with the most own time), which says where a compiled model that is not captured in a graph
+spends its host time.
+
+    python -m bench.block_profile --out bench/results/block_profile --tokens 1 16 [--host]
     python -m bench.block_profile --out /tmp/bp --device cpu --small --tokens 1   # smoke test (no kernels)
 """
 
@@ -78,8 +83,25 @@ def per_call_kernels(events: list[tuple[str, float]], calls: int) -> list[dict]:
     return [{"name": events[i][0], "us": statistics.mean(durations[i])} for i in range(per_call)]
 
 
+def host_profile(call, calls: int) -> dict:
+    """Host µs per compiled call (enqueue, no graph; the median of 5 samples of ``calls`` back-to-back calls)
+    and a cProfile text of ``calls`` calls."""
+    from bench.host_cost import profile_text, sample_us
+
+    samples = [sample_us(call, calls) for _ in range(5)]
+    return {"host_us": statistics.median(samples), "host_min_us": min(samples),
+            "cprofile": profile_text(call, calls, top=30)}
+
+
 def render(rows: list[dict]) -> str:
     lines = ["# Decoder block, kernel by kernel (compiled, inside a CUDA graph)", ""]
+    hosted = [r for r in rows if "host" in r]
+    if hosted:
+        lines += ["## Host µs per compiled call (no CUDA graph; median and min of 5 samples of back-to-back calls)",
+                  "", "| T | variant | host µs | min | graph µs |", "|---|---|---|---|---|"]
+        lines += [f"| {r['T']} | {r['variant']} | {r['host']['host_us']:.1f} | {r['host']['host_min_us']:.1f} | "
+                  f"{r['profile'].get('graph_us', float('nan')):.1f} |" for r in hosted]
+        lines.append("")
     for r in rows:
         lines += [f"## T = {r['T']}, {r['variant']}", ""]
         if "error" in r["profile"]:
@@ -92,6 +114,9 @@ def render(rows: list[dict]) -> str:
         gap = p["graph_us"] - p["kernel_sum_us"]
         lines += ["", f"{len(p['kernels'])} kernels, kernel sum {p['kernel_sum_us']:.1f} µs, "
                   f"graph {p['graph_us']:.1f} µs per block, between kernels {gap:.1f} µs", ""]
+        if "host" in r:
+            lines += ["Host profile of the compiled call (cProfile, own time):", "", "```",
+                      r["host"]["cprofile"].strip(), "```", ""]
     return "\n".join(lines)
 
 
@@ -106,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--replays", type=int, default=5)
+    ap.add_argument("--host", action="store_true", help="also time and cProfile the compiled calls without a graph")
+    ap.add_argument("--host-calls", type=int, default=100)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     out = Path(args.out)
@@ -133,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
                 prof = {"error": "no GPU: nothing to profile"}
             row = {"T": t, "variant": variant, "providers": blocks[variant].providers()
                    if hasattr(blocks[variant], "providers") else {}, "profile": prof}
+            if args.host and args.device == "cuda":
+                row["host"] = host_profile(call, args.host_calls)
+                print(f"T={t} {variant}: host {row['host']['host_us']:.1f} µs per compiled call", flush=True)
             rows.append(row)
             print(f"T={t} {variant}: graph {prof.get('graph_us', float('nan')):.1f} µs, "
                   f"kernels {prof.get('kernel_sum_us', float('nan')):.1f} µs, {len(prof.get('kernels', []))} kernels",

@@ -806,6 +806,10 @@ def test_block_profile_splits_kernels_per_call_and_smoke_runs_on_cpu(tmp_path):
     assert prof.main(["--out", str(tmp_path), "--device", "cpu", "--small", "--tokens", "1",
                       "--variants", "lib_fused"]) == 0
     assert "no GPU: nothing to profile" in (tmp_path / "block_profile.md").read_text()
+    text = prof.render([{"T": 1, "variant": "lib_fused", "host": {"host_us": 210.0, "host_min_us": 200.5,
+                                                                   "cprofile": "ncalls tottime"},
+                         "profile": {"graph_us": 80.0, "kernel_sum_us": 70.0, "kernels": [{"name": "k", "us": 70.0}]}}])
+    assert "| 1 | lib_fused | 210.0 | 200.5 | 80.0 |" in text and "ncalls tottime" in text
 
 
 def test_host_cost_samples_every_call_each_round_in_rotated_order_and_reports_same_round_ratios():
