@@ -86,10 +86,13 @@ def per_call_kernels(events: list[tuple[str, float]], calls: int) -> list[dict]:
 def host_profile(call, calls: int) -> dict:
     """Host µs per compiled call (enqueue, no graph; the median of 5 samples of ``calls`` back-to-back calls)
     and a cProfile text of ``calls`` calls."""
+    import threading
+
     from bench.host_cost import profile_text, sample_us
 
     samples = [sample_us(call, calls) for _ in range(5)]
     return {"host_us": statistics.median(samples), "host_min_us": min(samples),
+            "threads": sorted(t.name for t in threading.enumerate()),  # other Python threads compete for the GIL
             "cprofile": profile_text(call, calls, top=30)}
 
 
@@ -162,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                    if hasattr(blocks[variant], "providers") else {}, "profile": prof}
             if args.host and args.device == "cuda":
                 row["host"] = host_profile(call, args.host_calls)
-                print(f"T={t} {variant}: host {row['host']['host_us']:.1f} µs per compiled call", flush=True)
+                print(f"T={t} {variant}: host {row['host']['host_us']:.1f} µs per compiled call; Python threads: "
+                      f"{row['host']['threads']}", flush=True)
             rows.append(row)
             print(f"T={t} {variant}: graph {prof.get('graph_us', float('nan')):.1f} µs, "
                   f"kernels {prof.get('kernel_sum_us', float('nan')):.1f} µs, {len(prof.get('kernels', []))} kernels",
