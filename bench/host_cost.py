@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from bench.common import header_markdown, md_table, run_header, write_json
+    from bench.common import header_markdown, md_table, run_header, write_json, write_markdown
     from fp8_backends import quant
     from fp8_backends.registry.discovery import discover
     from fp8_backends.registry.platform import detect_platform
@@ -281,8 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     md += md_table(["kind", "problem", "M / op", "provider", "median µs", "min µs", "ratio to torch._scaled_mm"],
                    [[r["kind"], r["problem"], r["what"], r["label"], f"{r['median_us']:.1f}", f"{r['min_us']:.1f}",
                      "-" if r["ratio_to_torch"] is None else f"{r['ratio_to_torch']:.2f}"] for r in results])
-    (out / "host_cost.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+    write_markdown(out / "host_cost.md", md)
     return 0
 
 

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from bench.common import copy_ceiling, header_markdown, md_table, progress, run_header, write_json
+    from bench.common import copy_ceiling, header_markdown, md_table, progress, run_header, write_json, write_markdown
     from fp8_backends.registry.platform import detect_platform
     from fp8_backends.timing import CudaGraphTimer, TimerConfig, l2_cache_bytes
 
@@ -138,8 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     md += [f"Copy bandwidth {copy:.0f} GB/s. µs per call, CUDA graphs, interleaved; bf16 in, e4m3 out.", ""]
     md += md_table(["H", "T", "variant", "auto", *[f"{name} µs" for name in names], "fastest", "auto % copy",
                     "best % copy"], table)
-    (out / "norm_configs.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+    write_markdown(out / "norm_configs.md", md)
     return 0
 
 

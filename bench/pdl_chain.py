@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from bench.common import header_markdown, md_table, run_header, write_json
+    from bench.common import header_markdown, md_table, run_header, write_json, write_markdown
     from fp8_backends import quant
     from fp8_backends.providers.triton import _support
     from fp8_backends.providers.triton.gemm import TritonGemmBackend
@@ -124,8 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     md += ["µs per layer: median graph replay over interleaved rounds / layers; weights rotated past 4x L2.", ""]
     md += md_table(["T", "chain", "no PDL µs/layer", "PDL µs/layer", "saved µs/layer", "saved %",
                     "outputs identical"], table)
-    (out / "pdl_chain.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+    write_markdown(out / "pdl_chain.md", md)
     return 0
 
 

@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from fp8_backends.registry import settings
 from fp8_backends.types import DeviceKind
+
+T = TypeVar("T")
 
 REQUIRES: tuple[str, ...] = ("torch", "triton")
 INSTALL_HINT = "pip install 'fp8-backends[triton]'"
@@ -70,6 +74,17 @@ def current_device() -> int:
     return torch._C._cuda_getDevice()
 
 
+def on_device(index: int, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` with CUDA device ``index`` current (Triton launches on the current device); no switch when
+    it already is current or ``index < 0`` (a CPU tensor's ``get_device()``, under the interpreter)."""
+    if index >= 0 and index != current_device():
+        import torch
+
+        with torch.cuda.device(index):
+            return fn(*args)
+    return fn(*args)
+
+
 INTERPRETER_ONLY = (
     "runs on the CPU only through Triton's interpreter (TRITON_INTERPRET=1), which is for testing: "
     "auto does not pick it; name the provider to use it"
@@ -97,6 +112,7 @@ __all__ = [
     "current_device",
     "explicit_only_on_cpu",
     "interpreting",
+    "on_device",
     "pdl_enabled",
     "pdl_on",
     "reset_caches",

@@ -104,25 +104,23 @@ def run_config(
                 return
     if cfg.family == "tma" and (x.data_ptr() % 16 or w.data_ptr() % 16):
         cfg = _pointer_tiles(cfg)  # TMA needs 16-byte aligned bases (a view at an odd offset): same tiles
-    guard = None
-    if index >= 0 and index != _support.current_device():  # Triton launches on the current device
-        import torch
+    _support.on_device(index, _launch_general, cfg, x, w, x_scale, w_scale, bias, out, use_pdl, index, key)
 
-        guard = torch.cuda.device(index)
-        guard.__enter__()
-    try:
-        if cfg.family == "tma":
-            _launch_tma(cfg, x, w, x_scale, w_scale, bias, out, use_pdl)
-            return
-        grid, args = pointer_kernel_args(cfg, x, w, x_scale, w_scale, bias, out, use_pdl)
-        kernel_launcher = launcher_for(_kernel(cfg.family))
-        options = {"num_warps": cfg.warps, "num_stages": cfg.stages, "pdl": use_pdl, "device_index": max(index, 0)}
-        kernel_launcher(grid, args, **options)
-        if key is not None:
-            _replays.record(key, kernel_launcher, grid, args, **options)
-    finally:
-        if guard is not None:
-            guard.__exit__(None, None, None)
+
+def _launch_general(cfg: TileConfig, x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
+                    bias: torch.Tensor | None, out: torch.Tensor, use_pdl: bool, index: int,
+                    key: tuple | None) -> None:
+    """run_config's general path (on x's device): the TMA family through Triton's JIT, the pointer kernels
+    through their KernelLauncher, recording the replay under ``key`` (``None``: not replayable)."""
+    if cfg.family == "tma":
+        _launch_tma(cfg, x, w, x_scale, w_scale, bias, out, use_pdl)
+        return
+    grid, args = pointer_kernel_args(cfg, x, w, x_scale, w_scale, bias, out, use_pdl)
+    kernel_launcher = launcher_for(_kernel(cfg.family))
+    options = {"num_warps": cfg.warps, "num_stages": cfg.stages, "pdl": use_pdl, "device_index": max(index, 0)}
+    kernel_launcher(grid, args, **options)
+    if key is not None:
+        _replays.record(key, kernel_launcher, grid, args, **options)
 
 
 def pointer_kernel_args(cfg: TileConfig, x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor,

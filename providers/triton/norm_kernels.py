@@ -197,11 +197,7 @@ def _run(out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, weig
         return
     cfg = config if config is not None else default_config(x.shape[0], x.shape[1], residual is not None)
     index = x.get_device()
-    if index >= 0 and index != _support.current_device():  # Triton launches on the current device
-        with torch.cuda.device(index):
-            _launch(out, x, residual, weight, scale, eps, cfg, index)
-    else:
-        _launch(out, x, residual, weight, scale, eps, cfg, index)
+    _support.on_device(index, _launch, out, x, residual, weight, scale, eps, cfg, index)
 
 
 def rmsnorm_quant(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, eps: float,

@@ -284,15 +284,6 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)  # triton.cdiv is a JIT function: calling it from Python costs a few µs
 
 
-def _foreign_device(x: torch.Tensor) -> int:
-    """The CUDA device index of ``x`` when it is not the current device (Triton launches on the current
-    one), else -1."""
-    index = x.get_device()
-    if index < 0 or index == _support.current_device():
-        return -1
-    return index
-
-
 def _launch_tiles(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor | None,
                   fmax: float) -> None:
     m, k = x.shape
@@ -318,12 +309,7 @@ def quant_static(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -
     q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     if q.numel() == 0:
         return q
-    index = _foreign_device(x)
-    if index >= 0:
-        with torch.cuda.device(index):
-            _launch_tiles(x, q, scale, None, fmax)
-    else:
-        _launch_tiles(x, q, scale, None, fmax)
+    _support.on_device(x.get_device(), _launch_tiles, x, q, scale, None, fmax)
     return q
 
 
@@ -354,12 +340,7 @@ def quant_dynamic(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor
     if q.numel() == 0:
         return q, torch.full((1,), MIN_SCALE, dtype=torch.float32, device=x.device)
     scale = torch.empty((1,), dtype=torch.float32, device=x.device)
-    index = _foreign_device(x)
-    if index >= 0:
-        with torch.cuda.device(index):
-            _launch_dynamic(x, q, scale, fmax)
-    else:
-        _launch_dynamic(x, q, scale, fmax)
+    _support.on_device(x.get_device(), _launch_dynamic, x, q, scale, fmax)
     return q, scale
 
 
@@ -383,12 +364,7 @@ def quant_per_token(
         return q, torch.full((m, 1), MIN_SCALE, dtype=torch.float32, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     cfg = config if config is not None else row_config(k, m * k >= LARGE_LAUNCH)
-    index = _foreign_device(x)
-    if index >= 0:
-        with torch.cuda.device(index):
-            _launch_per_token(x, q, scale, fmax, cfg)
-    else:
-        _launch_per_token(x, q, scale, fmax, cfg)
+    _support.on_device(x.get_device(), _launch_per_token, x, q, scale, fmax, cfg)
     return q, scale
 
 
