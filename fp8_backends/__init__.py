@@ -54,6 +54,8 @@ _EXPORTS = {
     "list_platforms": "fp8_backends.registry.platform",
     "add_cli_args": "fp8_backends.cli",
     "fp8_linear": "fp8_backends.functional",
+    "quantize_model": "fp8_backends.convert",
+    "QuantizeSummary": "fp8_backends.convert",
     "backends_from_args": "fp8_backends.cli",
 }
 
@@ -86,6 +88,7 @@ if TYPE_CHECKING:
         UnknownBackendError,
         UnsupportedProblemError,
     )
+    from .convert import QuantizeSummary, quantize_model
     from .functional import fp8_linear
     from .registry.platform import Platform, detect_platform, list_platforms, simulate_platform
     from .registry.resolution import resolve_gemm_backend, resolve_norm_quant_backend

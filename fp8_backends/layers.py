@@ -28,6 +28,7 @@ from torch import nn
 
 from . import validation as V
 from .backend import Fp8GemmBackend, NormQuantBackend
+from .eager_plan import EagerPlan, bind_gemm, bind_quantizer
 from .errors import InvalidInputError, UnsupportedProblemError
 from .functional import apply_fp8_linear
 from .types import (
@@ -48,6 +49,10 @@ logger = logging.getLogger("fp8_backends")
 
 #: how a fused layer's differing shard scales are combined (see :meth:`Fp8Linear.from_fused_shards`)
 SHARD_SCALE_POLICIES = ("auto", "per_channel", "requantize")
+#: the bucket of a plan's only row: it serves every M
+_ANY_M = 1 << 62
+_compiling = torch.compiler.is_compiling
+_dispatch_modes = torch._C._len_torch_dispatch_stack
 
 
 def _model_dtype(dtype: object) -> torch.dtype:
@@ -208,6 +213,7 @@ class Fp8Linear(nn.Module):
         self.gemm_backend: Fp8GemmBackend | None = None
         self.prepared = None
         self._by_m: tuple[tuple[int, Fp8GemmBackend, Any], ...] = ()  # per-M-bucket providers (lockfile)
+        self._plan: EagerPlan | None = None  # the eager hot path, bound at processing
         self.problem: GemmProblem | None = None
 
     # ------------------------------------------------------------------------------ construction
@@ -389,7 +395,7 @@ class Fp8Linear(nn.Module):
 
     def _mark_loaded(self) -> None:
         if self.prepared is not None:  # new values: the prepared weight is stale
-            self.prepared = self.gemm_backend = None
+            self.prepared = self.gemm_backend = self._plan = None
             self._by_m = ()
 
     def _load_from_state_dict(self, state_dict, prefix, *args: Any, **kwargs: Any) -> None:
@@ -449,8 +455,18 @@ class Fp8Linear(nn.Module):
         self.prepared = backend.prepare_weight(self.weight, self.weight_scale)
         self.gemm_backend = backend
         self._by_m = self._providers_by_m(backend)
+        self._plan = self._eager_plan()
         logger.debug("Fp8Linear %dx%d prepared by %s (%s)", self.out_features, self.in_features, backend.label,
                      self.problem.describe())
+
+    def _eager_plan(self) -> EagerPlan:
+        """The eager hot path (:mod:`fp8_backends.eager_plan`): quantizer and GEMM(s) bound to this layer."""
+        rows = self._by_m or ((_ANY_M, self.gemm_backend, self.prepared),)
+        return EagerPlan(
+            k=self.in_features, n=self.out_features, dtype=self.dtype, device=self.weight.device,
+            quantize=bind_quantizer(self.act_scale, self.input_dtype.torch_dtype(), self.input_scale),
+            rows=[(bucket, bind_gemm(backend, prepared, self.dtype, self.bias)) for bucket, backend, prepared in rows],
+        )
 
     def _providers_by_m(self, default: Fp8GemmBackend) -> tuple[tuple[int, Fp8GemmBackend, Any], ...]:
         """With ``auto`` and a tuned lockfile that covers this weight: ``((bucket, provider, prepared), ...)``
@@ -520,7 +536,7 @@ class Fp8Linear(nn.Module):
         before = dict(self._buffers)
         super()._apply(_keeping_dtype(fn), recurse)
         if self.prepared is not None and any(self._buffers[n] is not b for n, b in before.items()):
-            self.prepared = self.gemm_backend = None
+            self.prepared = self.gemm_backend = self._plan = None
             self._by_m = ()
             self.process_weights_after_loading()
         return self
@@ -529,7 +545,15 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         """``x``: ``[..., K]`` in the model dtype (quantized here in ``act_scale`` mode) or a
         :class:`QuantizedActivation` in this layer's ``act_scale`` mode (used as is; its
-        ``orig_dtype`` must be the model dtype). Returns ``[..., N]`` in the model dtype."""
+        ``orig_dtype`` must be the model dtype). Returns ``[..., N]`` in the model dtype.
+
+        A plain eager call of a processed layer takes its :class:`~fp8_backends.eager_plan.EagerPlan` (load-time
+        bindings, per-call checks of the input only); compiled and every other call the general path."""
+        plan = self._plan
+        if plan is not None and not _compiling() and not _dispatch_modes():
+            y = plan(x)
+            if y is not None:
+                return y
         backend, prepared = self.gemm_backend, self.prepared
         if prepared is None:
             raise InvalidInputError("Fp8Linear: call process_weights_after_loading() before the first forward")

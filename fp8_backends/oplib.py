@@ -16,18 +16,41 @@ directly for plain eager calls and goes through the op otherwise. The dispatcher
 no tracing, no dispatch mode, no tensor subclass. Under ``torch.compile`` (``is_compiling()``), a dispatch
 mode (fake tensors, functionalization, FlopCounterMode, ...) or a tensor subclass as first argument, the op
 is called, so tracing sees it and its fake implementation.
+
+Ops whose kernels are Triton kernels are defined with :func:`torch.library.triton_op` instead
+(:class:`TritonOpSpec`): their traced body launches the kernels through :func:`torch.library.wrap_triton`,
+so under ``torch.compile`` AOTAutograd decomposes the op and Inductor launches the kernels from its own
+generated code (no Python body per call, fusion and scheduling around them). Plain eager calls still run the
+spec's ``eager`` implementation directly (:func:`eager_fast`), which launches the same kernels through the
+library's cached launcher.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 NAMESPACE = "fp8_backends"
 
 #: name -> (schema without the namespace, implementation, fake implementation)
 OpSpec = tuple[str, Callable[..., Any], Callable[..., Any]]
+
+
+class TritonOpSpec(NamedTuple):
+    """An op defined with :func:`torch.library.triton_op`.
+
+    - ``traced``: the op's body, with type hints (its schema is inferred from them). It launches its Triton
+      kernels through ``torch.library.wrap_triton(kernel)[grid](...)`` and must be traceable with fake tensors
+      (it is also the fake implementation): sizes, strides and dtypes only, no data reads.
+    - ``eager``: what a plain eager call runs (:func:`eager_fast`): same arguments, same semantics, typically
+      the same kernels through a faster launcher.
+    - ``mutates_args``: names of the arguments the op writes in place.
+    """
+
+    traced: Callable[..., Any]
+    eager: Callable[..., Any]
+    mutates_args: tuple[str, ...] = ()
 
 _libraries: list[Any] = []  # keep the fragments alive: dropping one unregisters its ops
 _impls: dict[str, Callable[..., Any]] = {}  # "namespace::name" -> implementation (for eager_fast)
@@ -44,25 +67,37 @@ def _defined(name: str) -> bool:
         return False
 
 
-def define_ops(specs: Mapping[str, OpSpec], dispatch_keys: Iterable[str]) -> dict[str, Any]:
-    """Define each op of ``specs`` (once per process) with its implementation registered for every key
-    of ``dispatch_keys`` (``"CUDA"``, ``"CPU"``) and its fake; return ``{name: OpOverload}``."""
+def define_ops(specs: Mapping[str, OpSpec | TritonOpSpec], dispatch_keys: Iterable[str]) -> dict[str, Any]:
+    """Define each op of ``specs`` (once per process); return ``{name: OpOverload}``.
+
+    An :data:`OpSpec` gets its implementation registered for every key of ``dispatch_keys`` (``"CUDA"``,
+    ``"CPU"``) and its fake; a :class:`TritonOpSpec` is defined with :func:`torch.library.triton_op` (every
+    device; its traced body is its fake)."""
     import torch
 
     keys = tuple(dispatch_keys)
     with _lock:
         pending = [name for name in specs if not _defined(name)]
-        if pending:
+        plain = [name for name in pending if not isinstance(specs[name], TritonOpSpec)]
+        if plain:
             lib = torch.library.Library(NAMESPACE, "FRAGMENT")
-            for name in pending:
+            for name in plain:
                 schema, impl, fake = specs[name]
                 lib.define(schema)
                 for key in keys:
                     lib.impl(name, impl, key)
                 torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=lib)
             _libraries.append(lib)
-        for name, (_, impl, _) in specs.items():
-            _impls[f"{NAMESPACE}::{name}"] = impl
+        for name in pending:
+            spec = specs[name]
+            if isinstance(spec, TritonOpSpec):
+                op_def = torch.library.triton_op(f"{NAMESPACE}::{name}", spec.traced, mutates_args=spec.mutates_args)
+                # eager calls through the dispatcher (a dispatch mode, a subclass) run the fast launcher too;
+                # tracing still decomposes the op into its wrap_triton kernels
+                op_def.register_kernel(tuple(key.lower() for key in keys), spec.eager)
+                _libraries.append(op_def)
+        for name, spec in specs.items():
+            _impls[f"{NAMESPACE}::{name}"] = spec.eager if isinstance(spec, TritonOpSpec) else spec[1]
         ns = getattr(torch.ops, NAMESPACE)
         return {name: getattr(ns, name).default for name in specs}
 
@@ -93,14 +128,25 @@ def eager_fast(op: Any) -> Callable[..., Any]:
 class LazyOps:
     """Ops defined on first use (so a provider module imports without torch's op machinery running):
     ``op(name)`` is the OpOverload (schemas, opcheck, tests), ``call(name)`` the :func:`eager_fast` callable the
-    hot path uses. ``dispatch_keys`` may be a callable, evaluated at definition time."""
+    hot path uses. ``specs`` and ``dispatch_keys`` may be callables, evaluated at definition time (a spec whose
+    traced body lives in a module that imports torch and triton is then only imported when the op is defined)."""
 
-    def __init__(self, specs: Mapping[str, OpSpec], dispatch_keys: Iterable[str] | Callable[[], Iterable[str]]) -> None:
-        self.specs = dict(specs)
+    def __init__(
+        self,
+        specs: Mapping[str, OpSpec | TritonOpSpec] | Callable[[], Mapping[str, OpSpec | TritonOpSpec]],
+        dispatch_keys: Iterable[str] | Callable[[], Iterable[str]],
+    ) -> None:
+        self._specs = specs if callable(specs) else dict(specs)
         self.dispatch_keys = dispatch_keys
         self._ops: dict[str, Any] | None = None
         self._calls: dict[str, Callable[..., Any]] = {}
         self._lock = threading.Lock()
+
+    @property
+    def specs(self) -> dict[str, OpSpec | TritonOpSpec]:
+        if callable(self._specs):
+            self._specs = dict(self._specs())
+        return self._specs
 
     def ops(self) -> dict[str, Any]:
         ops = self._ops
@@ -118,7 +164,7 @@ class LazyOps:
     def preload(self) -> None:
         """Define every op and its hot-path callable now (load time), so that a first call made inside
         ``torch.compile`` tracing only reads them: Dynamo cannot trace the definition (its lock)."""
-        for name in self.specs:
+        for name in self.ops():
             self.call(name)
 
     def call(self, name: str) -> Callable[..., Any]:
@@ -133,4 +179,4 @@ def gemm_fake(x: Any, w: Any, x_scale: Any, w_scale: Any, bias: Any, out_dtype: 
     return x.new_empty((x.shape[0], w.shape[0]), dtype=out_dtype)
 
 
-__all__ = ["NAMESPACE", "LazyOps", "OpSpec", "define_ops", "eager_fast", "gemm_fake"]
+__all__ = ["NAMESPACE", "LazyOps", "OpSpec", "TritonOpSpec", "define_ops", "eager_fast", "gemm_fake"]

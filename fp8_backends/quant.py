@@ -246,6 +246,13 @@ def _call(mode: ActScale) -> Any:
     return _OPS.call(_OP_NAMES[mode])
 
 
+def op_call(mode: ActScale | str) -> Any:
+    """The op for ``mode`` as a callable for hot paths that validated their input at load time: a plain eager
+    call runs the implementation directly (:func:`fp8_backends.oplib.eager_fast`), anything else goes through
+    the op. Static: ``(x, scale, fp8_dtype) -> q``; dynamic / per-token: ``(x, fp8_dtype) -> (q, scale)``."""
+    return _call(ActScale.of(mode))
+
+
 # ------------------------------------------------------------------------------------- public API
 def _check_x(x: object, what: str = "x") -> None:
     V.require_tensor(x, what)
@@ -334,6 +341,7 @@ def quantize(
 
 __all__ = [
     "default_quant_impl",
+    "op_call",
     "quant_op",
     "quantize",
     "quantize_dynamic",

@@ -1,7 +1,8 @@
-"""The torch side of the Triton GEMM: the ``fp8_backends::triton_gemm`` custom op and its launcher.
+"""The torch side of the Triton GEMM: the ``fp8_backends::triton_gemm`` op and its launcher.
 
-The op is defined on first use (:func:`fp8_backends.oplib.define_ops`) with a fake implementation
-(torch.compile traces it without running it). Its real implementation picks the tile config (``auto``:
+The op is defined on first use (:func:`fp8_backends.oplib.define_ops`) as a ``torch.library.triton_op``: under
+``torch.compile`` its body (:func:`.traced_ops.triton_gemm`) decomposes into the kernel launch, which Inductor
+makes from its generated code. Plain eager calls run :func:`launch` instead, which picks the tile config (``auto``:
 the M-bucket table, at run time, so compiled graphs carry no M guards), allocates the output and
 launches the kernel on torch's current stream through :class:`.launcher.KernelLauncher` (the compiled
 kernel, not Triton's Python launch path), with PDL where :func:`._support.pdl_on` allows. No
@@ -15,7 +16,7 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from fp8_backends.errors import InvalidInputError
-from fp8_backends.oplib import LazyOps, gemm_fake
+from fp8_backends.oplib import LazyOps, TritonOpSpec, gemm_fake
 
 from . import _support
 from .gemm_configs import CONFIGS, TileConfig, active_table
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
 
 OP_BASENAME = "triton_gemm"
 OP_NAME = f"fp8_backends::{OP_BASENAME}"
+#: the persistent TMA configs as an opaque op (what the traced ``triton_gemm`` calls for them)
+TMA_OP_BASENAME = "triton_gemm_tma"
 OP_SCHEMA = (
     "(Tensor x, Tensor w, Tensor x_scale, Tensor w_scale, Tensor? bias, ScalarType out_dtype, str config) -> Tensor"
 )
@@ -204,7 +207,19 @@ def _dispatch_keys() -> tuple[str, ...]:
     return ("CUDA", "CPU") if _support.interpreting() else ("CUDA",)
 
 
-_OPS = LazyOps({OP_BASENAME: (OP_BASENAME + OP_SCHEMA, launch, gemm_fake)}, _dispatch_keys)
+def _specs() -> dict[str, Any]:
+    """``triton_gemm`` as a ``triton_op`` (torch.compile launches its kernels itself; see :mod:`.traced_ops`),
+    beside the opaque ``triton_gemm_tma`` its traced body calls for the TMA configs. Under Triton's interpreter
+    (CPU tests) both are plain opaque ops: Inductor cannot launch interpreted kernels."""
+    if _support.interpreting():
+        return {name: (name + OP_SCHEMA, launch, gemm_fake) for name in (OP_BASENAME, TMA_OP_BASENAME)}
+    from . import traced_ops
+
+    return {OP_BASENAME: TritonOpSpec(traced_ops.triton_gemm, launch),
+            TMA_OP_BASENAME: (TMA_OP_BASENAME + OP_SCHEMA, launch, gemm_fake)}
+
+
+_OPS = LazyOps(_specs, _dispatch_keys)
 
 
 def _register() -> Any:

@@ -46,6 +46,8 @@ triton: import it lazily.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -154,18 +156,28 @@ def _launch(out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, w
                     rp.run(rp.g0, rp.g1, rp.g2, raw_stream(index), rp.function, rp.packed, None, None, None,
                            px, pr, pw, ps, po, t, h, sx, sr, so, sw, eps, *tail)
                 return
-    fmax = FMAX[out.dtype]
-    if loop:
-        kernel, grid = _norm_quant_loop_kernel, (t,)
-        args: tuple = (x, r, weight, scale, out, h, sx, sr, so, sw, eps, fmax, cfg.block, add, pdl)
-    else:
-        kernel, grid = _norm_quant_block_kernel, (-(-t // cfg.rows),)
-        args = (x, r, weight, scale, out, t, h, sx, sr, so, sw, eps, fmax, cfg.rows, cfg.block, add, pdl)
+    kernel, grid, args = kernel_args(cfg, out, x, residual, weight, scale, eps, pdl)
     kernel_launcher = launcher_for(kernel)
     options = {"num_warps": cfg.num_warps, "pdl": pdl, "device_index": index if index > 0 else 0}
     kernel_launcher(grid, args, **options)
     if key is not None:
         replays.record(key, kernel_launcher, grid, args, **options)
+
+
+def kernel_args(cfg: RowConfig, out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                weight: torch.Tensor, scale: torch.Tensor, eps: float, pdl: bool) -> tuple[Any, tuple, tuple]:
+    """``(kernel, grid, args)`` of a launch over ``x [T, H]`` with ``cfg``: every kernel parameter in order,
+    constexprs included. Sizes may be symbolic (the traced op builds the same launch under torch.compile)."""
+    t, h = x.shape
+    add = residual is not None
+    r = residual if add else x  # unused without ADD
+    strides = (x.stride(0), r.stride(0), out.stride(0), weight.stride(0))
+    fmax = FMAX[out.dtype]
+    if cfg.path == "loop":
+        return (_norm_quant_loop_kernel, (t,),
+                (x, r, weight, scale, out, h, *strides, eps, fmax, cfg.block, add, pdl))
+    return (_norm_quant_block_kernel, ((t + cfg.rows - 1) // cfg.rows,),
+            (x, r, weight, scale, out, t, h, *strides, eps, fmax, cfg.rows, cfg.block, add, pdl))
 
 
 #: the plain RMSNorm+quant over a large launch (T x H >= LARGE_LAUNCH_NORM) with rows of 1025-4096 elements runs
@@ -214,4 +226,4 @@ def fused_add_rmsnorm_quant(out: torch.Tensor, x: torch.Tensor, residual: torch.
     _run(out, x, residual, weight, scale, eps, config)
 
 
-__all__ = ["fused_add_rmsnorm_quant", "rmsnorm_quant"]
+__all__ = ["default_config", "fused_add_rmsnorm_quant", "kernel_args", "rmsnorm_quant"]

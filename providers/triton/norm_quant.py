@@ -12,8 +12,9 @@ above that. ``scale`` is read on the device (CUDA-graph safe; no host sync, no a
 output the base class makes). Launches use programmatic dependent launch on SM >= 9.0 unless
 ``FP8_BACKENDS_PDL=0``.
 
-Both calls run as ``torch.library`` ops with fake implementations (``torch.compile(fullgraph=True)``
-traces them), defined on first use through :func:`fp8_backends.oplib.define_ops`:
+Both calls run as ``torch.library`` ops, defined on first use through :func:`fp8_backends.oplib.define_ops` as
+``triton_op`` ops: under ``torch.compile`` they decompose into their kernel launches (:mod:`.traced_ops`), which
+Inductor makes from its generated code; plain eager calls take the cached launcher with PDL and replays:
 
 - ``fp8_backends::triton_rmsnorm_quant(Tensor(a!) out, Tensor x, Tensor weight, Tensor scale, float eps) -> ()``
 - ``fp8_backends::triton_fused_add_rmsnorm_quant(Tensor(a!) out, Tensor x, Tensor(b!) residual,
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from fp8_backends.backend import OpNormQuantBackend
 from fp8_backends.capabilities import NormQuantCapabilities
-from fp8_backends.oplib import LazyOps
+from fp8_backends.oplib import LazyOps, TritonOpSpec
 from fp8_backends.types import OutDtype
 
 from . import _support
@@ -83,8 +84,20 @@ def _dispatch_keys() -> tuple[str, ...]:
     return ("CUDA", "CPU") if _support.interpreting() else ("CUDA",)
 
 
-_OPS = LazyOps({NORM_OP: (SCHEMAS[NORM_OP], _rmsnorm_quant_impl, _fake),
-                ADD_NORM_OP: (SCHEMAS[ADD_NORM_OP], _fused_add_rmsnorm_quant_impl, _fake)}, _dispatch_keys)
+def _specs() -> dict[str, Any]:
+    """The two ops as ``triton_op`` ops (torch.compile launches the kernels itself, see :mod:`.traced_ops`), or, under
+    Triton's interpreter (CPU tests), as opaque ops: Inductor cannot launch interpreted kernels."""
+    if _support.interpreting():
+        return {NORM_OP: (SCHEMAS[NORM_OP], _rmsnorm_quant_impl, _fake),
+                ADD_NORM_OP: (SCHEMAS[ADD_NORM_OP], _fused_add_rmsnorm_quant_impl, _fake)}
+    from . import traced_ops
+
+    return {NORM_OP: TritonOpSpec(traced_ops.triton_rmsnorm_quant, _rmsnorm_quant_impl, ("out",)),
+            ADD_NORM_OP: TritonOpSpec(traced_ops.triton_fused_add_rmsnorm_quant, _fused_add_rmsnorm_quant_impl,
+                                      ("out", "residual"))}
+
+
+_OPS = LazyOps(_specs, _dispatch_keys)
 
 
 def load_ops() -> tuple[Any, Any]:

@@ -1,0 +1,233 @@
+"""``quantize_model``: swap the ``nn.Linear`` modules of any model for :class:`~fp8_backends.layers.Fp8Linear`, in place.
+
+Works on any ``nn.Module`` (a ``transformers`` model included) without model-specific code: it walks the module
+tree, quantizes each eligible ``nn.Linear`` (``Fp8Linear.from_linear``: per-tensor or per-channel weight scales),
+resolves its GEMM provider and prepares the weight once, and puts the new module where the old one was. The
+model's own code keeps calling ``self.q_proj(x)``; ``generate()`` and ``torch.compile`` keep working.
+
+What is skipped: modules matching ``skip`` (default: the output head ``lm_head`` and anything named like an
+embedding), linears a filter rejects, and, with ``backend="auto"``, linears no provider can serve (the summary
+says why, e.g. a K that is not a multiple of 16). A backend named explicitly that cannot serve a layer raises, as
+everywhere in the library.
+
+Static activation scales (``act_scale="per_tensor_static"``) come from ``input_scales`` (``{module name: float}``)
+or from calibration: ``calibration`` batches are run through the unmodified model with a hook on every linear
+to be swapped, which keeps the running ``amax(|x|)`` of its input on the device; the input scale is then
+``max(amax / fmax, 1e-12)``, the scale dynamic quantization would have computed for the largest batch seen.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .backend import Fp8GemmBackend
+from .errors import InvalidInputError, UnsupportedProblemError
+from .layers import Fp8Linear
+from .types import ActScale, Fp8Dtype, WeightScale
+
+logger = logging.getLogger("fp8_backends")
+
+#: default ``skip`` patterns: the output head and embedding-like modules (fnmatch, on the full name or its last part)
+DEFAULT_SKIP: tuple[str, ...] = ("lm_head", "*embed*")
+
+
+@dataclass
+class SwappedLayer:
+    """One ``nn.Linear`` replaced: its qualified name, ``N x K`` and the provider(s) it runs on."""
+
+    name: str
+    n: int
+    k: int
+    backends: str
+
+
+@dataclass
+class QuantizeSummary:
+    """What :func:`quantize_model` did. ``bytes_before`` / ``bytes_after``: weight bytes of the swapped layers
+    (bias and scales included after)."""
+
+    swapped: list[SwappedLayer] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    bytes_before: int = 0
+    bytes_after: int = 0
+    act_scale: str = ""
+    weight_scale: str = ""
+
+    @property
+    def count(self) -> int:
+        return len(self.swapped)
+
+    @property
+    def bytes_saved(self) -> int:
+        return self.bytes_before - self.bytes_after
+
+    def providers(self) -> dict[str, int]:
+        """``{provider label(s): number of layers}``."""
+        return dict(Counter(layer.backends for layer in self.swapped))
+
+    def __str__(self) -> str:
+        lines = [f"quantize_model: {self.count} nn.Linear -> Fp8Linear ({self.act_scale} activations, "
+                 f"{self.weight_scale} weights); weights {self.bytes_before / 2**20:.1f} MiB -> "
+                 f"{self.bytes_after / 2**20:.1f} MiB (saved {self.bytes_saved / 2**20:.1f} MiB)"]
+        for label, count in sorted(self.providers().items()):
+            lines.append(f"  {count:4d} layer(s) on {label}")
+        if self.skipped:
+            lines.append(f"  skipped {len(self.skipped)}:")
+            lines += [f"    {name}: {reason}" for name, reason in self.skipped]
+        return "\n".join(lines)
+
+
+def _matches(name: str, patterns: Sequence[str]) -> bool:
+    leaf = name.rsplit(".", 1)[-1]
+    return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(leaf, p) for p in patterns)
+
+
+def _targets(model: nn.Module, skip: Sequence[str], include: Callable[[str, nn.Linear], bool] | None,
+             summary: QuantizeSummary) -> list[tuple[str, nn.Linear]]:
+    found = []
+    for name, module in model.named_modules():
+        if type(module) is not nn.Linear:  # exactly nn.Linear: subclasses may change the forward
+            if isinstance(module, nn.Linear):
+                summary.skipped.append((name, f"{type(module).__name__} subclasses nn.Linear (its forward may differ)"))
+            continue
+        if _matches(name, skip):
+            summary.skipped.append((name, "matches skip"))
+        elif include is not None and not include(name, module):
+            summary.skipped.append((name, "rejected by include"))
+        elif module.weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            summary.skipped.append((name, f"weight dtype {module.weight.dtype}"))
+        else:
+            found.append((name, module))
+    return found
+
+
+def _run_batch(model: nn.Module, batch: Any) -> None:
+    if isinstance(batch, Mapping):
+        model(**batch)
+    elif isinstance(batch, (tuple, list)):
+        model(*batch)
+    else:
+        model(batch)
+
+
+def calibrate_input_amax(model: nn.Module, modules: Mapping[str, nn.Module], batches: Iterable[Any]) -> dict[str, float]:
+    """Run ``batches`` through ``model`` (no grad) and return ``{name: amax(|input|)}`` of each module in ``modules``
+    over every batch. A batch is passed as ``model(**batch)`` (a mapping), ``model(*batch)`` (a tuple or list) or
+    ``model(batch)``. The running maxima stay on the device; one sync at the end."""
+    amax: dict[str, torch.Tensor] = {}
+
+    def hook(name: str) -> Callable[..., None]:
+        def record(_module: nn.Module, args: tuple) -> None:
+            x = args[0]
+            if isinstance(x, torch.Tensor) and x.numel():
+                value = x.detach().abs().amax().float()
+                amax[name] = value if name not in amax else torch.maximum(amax[name], value)
+        return record
+
+    handles = [module.register_forward_pre_hook(hook(name)) for name, module in modules.items()]
+    seen = 0
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                _run_batch(model, batch)
+                seen += 1
+    finally:
+        for handle in handles:
+            handle.remove()
+    if not seen:
+        raise InvalidInputError("calibration got no batches")
+    return {name: float(value) for name, value in amax.items()}
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, leaf, module)
+
+
+def _weight_bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))
+               if t is not None)
+
+
+def quantize_model(
+    model: nn.Module,
+    *,
+    act_scale: ActScale | str = ActScale.PER_TENSOR_DYNAMIC,
+    weight_scale: WeightScale | str = WeightScale.PER_TENSOR,
+    backend: str | Fp8GemmBackend | None = None,
+    skip: Sequence[str] = DEFAULT_SKIP,
+    include: Callable[[str, nn.Linear], bool] | None = None,
+    calibration: Iterable[Any] | None = None,
+    input_scales: Mapping[str, float] | None = None,
+    weight_dtype: object = Fp8Dtype.E4M3FN,
+    input_dtype: object = Fp8Dtype.E4M3FN,
+) -> QuantizeSummary:
+    """Replace the model's ``nn.Linear`` modules by :class:`Fp8Linear` in place; return a :class:`QuantizeSummary`.
+
+    Args:
+        model: any ``nn.Module``; its linears keep their device and dtype (bf16/fp16/fp32 model dtype).
+        act_scale: ``"per_tensor_dynamic"`` (default), ``"per_token"`` or ``"per_tensor_static"`` (needs
+            ``calibration`` or ``input_scales``).
+        weight_scale: ``"per_tensor"`` (default) or ``"per_channel"``.
+        backend: GEMM provider for every layer: a name (``"auto"``, ``"triton"``, ``"DIST:NAME@opt=v"``), an
+            instance, or ``None`` (``FP8_GEMM_BACKEND``, else ``auto``).
+        skip: fnmatch patterns on the qualified module name or its last part (default :data:`DEFAULT_SKIP`).
+        include: optional ``(name, linear) -> bool`` filter applied after ``skip``.
+        calibration: batches run through the unmodified model to calibrate static input scales.
+        input_scales: static input scales by module name (override calibration where both are given).
+        weight_dtype / input_dtype: FP8 element types of weights and quantized activations.
+    """
+    if not isinstance(model, nn.Module):
+        raise InvalidInputError(f"quantize_model needs an nn.Module, got {type(model).__name__}")
+    try:
+        mode = ActScale(act_scale)
+        wmode = WeightScale(weight_scale)
+    except ValueError as exc:
+        raise InvalidInputError(str(exc)) from None
+    fp8_in = Fp8Dtype.of(input_dtype)
+    summary = QuantizeSummary(act_scale=mode.value, weight_scale=wmode.value)
+    targets = _targets(model, tuple(skip), include, summary)
+    scales: dict[str, float] = {}
+    if mode is ActScale.PER_TENSOR_STATIC:
+        if calibration is not None:
+            amax = calibrate_input_amax(model, dict(targets), calibration)
+            scales = {name: max(value / fp8_in.max, 1e-12) for name, value in amax.items()}
+        scales.update({name: float(v) for name, v in (input_scales or {}).items()})
+        missing = [name for name, _ in targets if name not in scales]
+        if missing:
+            raise InvalidInputError(
+                f"static activation scales need calibration batches or input_scales; none for {len(missing)} "
+                f"layer(s): {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} (a layer the calibration "
+                "batches never reached has no scale either)")
+    elif input_scales or calibration is not None:
+        raise InvalidInputError(f"calibration and input_scales are for act_scale='per_tensor_static', not {mode.value}")
+    explicit = backend not in (None, "auto") or isinstance(backend, Fp8GemmBackend)
+    for name, linear in targets:
+        try:
+            layer = Fp8Linear.from_linear(linear, act_scale=mode, weight_scale=wmode, input_scale=scales.get(name),
+                                          weight_dtype=weight_dtype, input_dtype=fp8_in, backend=backend)
+        except UnsupportedProblemError as exc:
+            if explicit:
+                raise
+            reason = "; ".join(exc.reasons) if getattr(exc, "reasons", None) else str(exc).splitlines()[0]
+            summary.skipped.append((name, f"no provider can serve it: {reason}"))
+            logger.warning("quantize_model: %s stays %s: %s", name, type(linear).__name__, reason)
+            continue
+        summary.bytes_before += _weight_bytes(linear)
+        summary.bytes_after += _weight_bytes(layer)
+        _set_module(model, name, layer)
+        summary.swapped.append(SwappedLayer(name, layer.out_features, layer.in_features, layer.backends_text))
+    logger.info("%s", summary)
+    return summary
+
+
+__all__ = ["DEFAULT_SKIP", "QuantizeSummary", "SwappedLayer", "calibrate_input_amax", "quantize_model"]

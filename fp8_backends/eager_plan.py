@@ -1,0 +1,110 @@
+"""The eager hot path of a processed :class:`~fp8_backends.layers.Fp8Linear`: everything known at load time, bound once.
+
+A layer's processing (``process_weights_after_loading``) builds one :class:`EagerPlan`: the provider(s) with their
+prepared weights, the output dtype, the bias, the activation quantizer of the layer's mode and the per-M provider
+table, each bound into a closure. A plain eager call then checks only what can change from call to call (the
+input's type, dtype, last dimension and device) and runs two closures: quantize, GEMM. Everything else the general
+path checks (scale shapes and dtypes, the prepared weight's owner, bias shape and dtype, the quantized input's
+layout) was fixed at load time and is guaranteed by construction: the plan quantizes the input itself.
+
+The general path (:func:`fp8_backends.functional.apply_fp8_linear`) still serves every other call: under
+``torch.compile`` (where it is what Dynamo traces: the quantization as torch ops Inductor fuses into the producer,
+the GEMM as the provider's op), under a dispatch mode or tensor subclass, a
+:class:`~fp8_backends.types.QuantizedActivation` input, an empty input, or anything the plan's checks refuse
+(which the general path then explains with the library's errors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from .types import ActScale
+
+if TYPE_CHECKING:
+    import torch
+
+    from .backend import Fp8GemmBackend
+    from .types import PreparedWeight
+
+#: ``(x_q [M, K] fp8, x_scale fp32 [1] or [M, 1]) -> y [M, N]``
+GemmCall = Callable[[Any, Any], Any]
+
+
+def bind_gemm(backend: Fp8GemmBackend, prepared: PreparedWeight, out_dtype: torch.dtype,
+              bias: torch.Tensor | None) -> GemmCall:
+    """``backend``'s GEMM hook with everything but the activation bound. Its inputs come from the plan's own
+    quantizer, so the per-call validation of :meth:`Fp8GemmBackend.gemm` is skipped (it was done for these
+    operands' types, shapes and devices when the layer was processed)."""
+
+    def gemm(x_q: Any, x_scale: Any) -> Any:
+        return backend.gemm_impl(x_q, prepared, x_scale, out_dtype, bias)
+
+    return gemm
+
+
+def bind_quantizer(mode: ActScale, fp8_dtype: torch.dtype, input_scale: torch.Tensor | None) -> Callable[[Any], Any]:
+    """``x [M, K] -> (x_q [M, K] fp8, x_scale)`` in ``mode`` through :mod:`fp8_backends.quant`'s ops (their
+    implementation is looked up at each call, so :func:`~fp8_backends.quant.register_quant_impl` still applies)."""
+    from . import quant
+
+    op = quant.op_call(mode)
+    if mode is ActScale.PER_TENSOR_STATIC:
+        assert input_scale is not None
+        scale = input_scale
+
+        def static(x: Any) -> Any:
+            return op(x, scale, fp8_dtype), scale
+
+        return static
+
+    def dynamic(x: Any) -> Any:
+        return op(x, fp8_dtype)
+
+    return dynamic
+
+
+class EagerPlan:
+    """One processed layer's eager call. ``rows``: ``((bucket, gemm), ...)`` by increasing bucket, the last row
+    serving every larger M (one row: one provider for every M)."""
+
+    __slots__ = ("device", "dtype", "gemm", "index", "k", "n", "quantize", "rows", "tensor")
+
+    def __init__(self, *, k: int, n: int, dtype: torch.dtype, device: torch.device, quantize: Callable[[Any], Any],
+                 rows: Sequence[tuple[int, GemmCall]]) -> None:
+        import torch
+
+        self.k, self.n, self.dtype, self.device = k, n, dtype, device
+        self.index = device.index if device.type == "cuda" else -1  # x.get_device() of an input on it
+        self.quantize = quantize
+        self.rows = tuple(rows)
+        self.gemm = self.rows[-1][1] if len(self.rows) == 1 else None
+        self.tensor = torch.Tensor
+
+    def __call__(self, x: Any) -> Any:
+        """``y [..., N]`` for a plain ``x [..., K]`` in the model dtype on the layer's device, or ``None`` when
+        the general path must take the call (see the module docstring)."""
+        if type(x) is not self.tensor or x.dtype is not self.dtype:
+            return None
+        index = x.get_device()  # -1 for every non-CUDA device: compare those by device
+        if index != self.index or (index < 0 and x.device != self.device):
+            return None
+        shape = x.shape
+        k = self.k
+        if not shape or shape[-1] != k:
+            return None
+        x2 = x.reshape(-1, k)
+        m = x2.shape[0]
+        if m == 0:
+            return None
+        gemm = self.gemm
+        if gemm is None:
+            for bucket, gemm in self.rows:  # noqa: B007 - the last row serves larger M
+                if m <= bucket:
+                    break
+        x_q, x_scale = self.quantize(x2)
+        y = gemm(x_q, x_scale)
+        return y if len(shape) == 2 else y.view(*shape[:-1], self.n)
+
+
+__all__ = ["EagerPlan", "bind_gemm", "bind_quantizer"]
