@@ -41,14 +41,16 @@ def default_out_dir(platform: Platform) -> Path:
     return RESULTS_ROOT / f"{_dt.date.today().isoformat()}-{slug(platform.name)}"
 
 
+def dist_version(dist: str) -> str | None:
+    """The installed version of distribution ``dist`` (None when it is not installed)."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def versions() -> dict[str, str | None]:
-    out: dict[str, str | None] = {}
-    for dist in VERSIONED:
-        try:
-            out[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            out[dist] = None
-    return out
+    return {dist: dist_version(dist) for dist in VERSIONED}
 
 
 def run_header(platform: Platform, device: str) -> dict[str, Any]:

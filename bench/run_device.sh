@@ -4,11 +4,11 @@
 #   source .device/setup.sh || exit 1; bash bench/run_device.sh [STAGE ...]
 #
 # Stages (default: all, in this order): install list tests build cutlass_cfg triton_cfg flashinfer host tune gemm
-# norm chain block; also norm_cfg (the norm-quant warps sweep) and profile (the decoder block kernel by kernel),
-# not in the default list
+# norm chain block; also norm_cfg (the norm-quant warps sweep), profile (the decoder block kernel by kernel) and
+# hf (a transformers model in bf16 / torchao / fp8-backends, bench/hf_model.py, HF_ARGS), not in the default list
 # Each stage has its own time limit (override: LIMIT_<stage>=seconds), logs to $OUT/logs/<stage>.log, and a
 # failing stage does not stop the others. TESTS_PATHS narrows the tests stage. Extra arguments per stage: TESTS_ARGS, TUNE_ARGS, GEMM_ARGS,
-# NORM_ARGS, BLOCK_ARGS, CUTLASS_ARGS, TRITON_ARGS, HOST_ARGS, CHAIN_ARGS, NORM_CFG_ARGS, PROFILE_ARGS (e.g. GEMM_ARGS="--models llama3-8b --m 1,16,256,4096").
+# NORM_ARGS, BLOCK_ARGS, CUTLASS_ARGS, TRITON_ARGS, HOST_ARGS, CHAIN_ARGS, NORM_CFG_ARGS, PROFILE_ARGS, HF_ARGS (e.g. GEMM_ARGS="--models llama3-8b --m 1,16,256,4096").
 # At the end everything under $OUT/work is packed into $OUT/results.tar.gz (the device tool returns at most
 # 8 files) and a summary of every stage is printed.
 set -uo pipefail
@@ -71,6 +71,9 @@ for stage in "${stages[@]}"; do
     block)
       [ -f bench/decoder_block.py ] && FP8_BACKENDS_LOCKFILE="$W/selection.lock.json" \
         run_stage block 900 python3 -m bench.decoder_block --out "$W/block" ${BLOCK_ARGS:-} ;;
+    hf)
+      # needs transformers (+ torchao for its baseline): ../shared/tools/make-device-bundle --hf
+      [ -f bench/hf_model.py ] && run_stage hf 900 python3 -m bench.hf_model --out "$W/hf" ${HF_ARGS:-} ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

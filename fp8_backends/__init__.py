@@ -79,6 +79,7 @@ if TYPE_CHECKING:
     from .backend import Fp8GemmBackend, NormQuantBackend, ProviderBase
     from .capabilities import Capabilities, GemmCapabilities, NormQuantCapabilities
     from .cli import add_cli_args, backends_from_args
+    from .convert import QuantizeSummary, quantize_model
     from .errors import (
         AmbiguousBackendError,
         BackendUnavailableError,
@@ -88,7 +89,6 @@ if TYPE_CHECKING:
         UnknownBackendError,
         UnsupportedProblemError,
     )
-    from .convert import QuantizeSummary, quantize_model
     from .functional import fp8_linear
     from .registry.platform import Platform, detect_platform, list_platforms, simulate_platform
     from .registry.resolution import resolve_gemm_backend, resolve_norm_quant_backend

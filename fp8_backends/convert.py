@@ -1,4 +1,4 @@
-"""``quantize_model``: swap the ``nn.Linear`` modules of any model for :class:`~fp8_backends.layers.Fp8Linear`, in place.
+"""``quantize_model``: swap the ``nn.Linear`` modules of a model for :class:`~fp8_backends.layers.Fp8Linear` in place.
 
 Works on any ``nn.Module`` (a ``transformers`` model included) without model-specific code: it walks the module
 tree, quantizes each eligible ``nn.Linear`` (``Fp8Linear.from_linear``: per-tensor or per-channel weight scales),
@@ -118,7 +118,8 @@ def _run_batch(model: nn.Module, batch: Any) -> None:
         model(batch)
 
 
-def calibrate_input_amax(model: nn.Module, modules: Mapping[str, nn.Module], batches: Iterable[Any]) -> dict[str, float]:
+def calibrate_input_amax(model: nn.Module, modules: Mapping[str, nn.Module],
+                         batches: Iterable[Any]) -> dict[str, float]:
     """Run ``batches`` through ``model`` (no grad) and return ``{name: amax(|input|)}`` of each module in ``modules``
     over every batch. A batch is passed as ``model(**batch)`` (a mapping), ``model(*batch)`` (a tuple or list) or
     ``model(batch)``. The running maxima stay on the device; one sync at the end."""

@@ -407,9 +407,33 @@ def test_gpu_torch_compile_inductor(per_token):
     def f(x, xs):
         return b.gemm(x, prepared, xs, out_dtype=torch.bfloat16) * 2
 
+    from torch._inductor.utils import run_and_get_code
+
     torch._dynamo.reset()
-    y = torch.compile(f, fullgraph=True)(x, xs)
+    y, codes = run_and_get_code(torch.compile(f, fullgraph=True), x, xs)
     assert _relerr(y, 2 * reference.fp8_gemm(x, w, xs, ws, torch.float32)) < 1e-2
+    code = "\n".join(codes)
+    # transparent: Inductor launches the Triton kernel from its own code, no opaque op with a Python body
+    assert "fp8_gemm_swap_kernel" in code, code[-3000:]
+    assert "fp8_backends.triton_gemm" not in code
+
+
+@pytest.mark.gpu
+def test_gpu_inductor_keeps_tma_configs_as_their_op():
+    """At prefill sizes the table picks a persistent TMA config: the traced op calls the opaque TMA op."""
+    from torch._inductor.utils import run_and_get_code
+
+    from fp8_backends import reference
+
+    b = TritonGemmBackend()
+    x, w, xs, ws = _data(4096, 1024, 2048)
+    prepared = b.prepare_weight(w, ws)
+    assert gemm_configs.CONFIGS[gemm_configs.active_table().pick(4096, 1024, 2048)].family == "tma"
+    torch._dynamo.reset()
+    y, codes = run_and_get_code(torch.compile(lambda x, s: b.gemm(x, prepared, s, out_dtype=torch.bfloat16),
+                                              fullgraph=True), x, xs)
+    assert _relerr(y, reference.fp8_gemm(x, w, xs, ws, torch.float32)) < 1e-2
+    assert "triton_gemm_tma" in "\n".join(codes)
 
 
 # ------------------------------------------------------------------------------------ launcher

@@ -1,0 +1,510 @@
+"""Benchmark: a Hugging Face ``transformers`` model in bf16, torchao float8 and fp8-backends, on the path users run.
+
+Models are built from configs at real layer sizes with random weights (nothing is downloaded):
+
+- ``llama``: Llama-3-8B layers (hidden 4096, intermediate 14336, 32 query / 8 KV heads), ``--layers`` of them;
+- ``qwen2``: Qwen2.5-7B layers (hidden 3584, intermediate 18944, 28 query / 4 KV heads, q/k/v biases).
+
+Both use a 32000-token vocabulary (the output head is the same bf16 GEMM for every variant). Variants, each a
+deep copy of one bf16 model:
+
+- ``bf16``: as built;
+- ``torchao``: ``torchao.quantization.quantize_(layers, Float8DynamicActivationFloat8WeightConfig(PerTensor()))``
+  (only when torchao imports);
+- ``fp8_dynamic``: ``fp8_backends.quantize_model(model)``: per-tensor dynamic activations, per-tensor weights,
+  provider ``auto``;
+- ``fp8_static``: ``quantize_model(model, act_scale="per_tensor_static", calibration=[one 512-token batch])``.
+
+``lm_head`` stays bf16 in every variant. Workloads: prefill of ``T`` tokens (``--prefill``, batch 1, logits of
+the last position only, as ``generate()`` asks) and one-token decode with a ``StaticCache`` (position ``--context``
+after a prefill of that many tokens). Modes:
+
+- ``eager``;
+- ``compiled``: ``torch.compile(model, dynamic=False)`` (Inductor, default mode), one call per step;
+- ``graph`` (decode only): the compiled step captured in a CUDA graph (``torch.cuda.graph``, as serving engines
+  capture their compiled decode step) and replayed.
+
+Each (workload, mode) times every variant in ``--rounds`` interleaved rounds of ``--iters`` calls (CUDA events
+around each call: host time the GPU waits for is included); medians reported, with the ratio to bf16 and to
+torchao from the same rounds. Also measured: host µs per call of one ``Fp8Linear(K, N)`` against ``nn.Linear``
+(dynamic and static activations, M = 1 and 512; the calls are enqueued in a loop while the GPU is kept busy, so
+the time is the host's alone), and the logits of the FP8 variants against bf16 (relative error, top-1 agreement)
+on a ``--check-tokens`` prefill.
+
+Writes ``hf_model_<model>.json`` and ``hf_model_<model>.md`` (+ ``hf_model_<model>.png``) into ``--out``.
+
+    python -m bench.hf_model --model llama --layers 8 --out bench/results/<date>-h200/hf
+    python -m bench.hf_model --device cpu --small --out /tmp/hf        # smoke test on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import gc
+import importlib.util
+import json
+import logging
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench import common
+
+VARIANTS = ("bf16", "torchao", "fp8_dynamic", "fp8_static")
+FP8_VARIANTS = ("fp8_dynamic", "fp8_static")
+
+#: model configs at real layer sizes; vocabulary cut to 32000 for every model (the head is not what is compared)
+MODELS: dict[str, dict[str, Any]] = {
+    "llama": {"arch": "LlamaForCausalLM", "config": "LlamaConfig", "hidden_size": 4096, "intermediate_size": 14336,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 500000.0, "rms_norm_eps": 1e-5},
+    "qwen2": {"arch": "Qwen2ForCausalLM", "config": "Qwen2Config", "hidden_size": 3584, "intermediate_size": 18944,
+              "num_attention_heads": 28, "num_key_value_heads": 4, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6},
+}
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
+VOCAB = 32000
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ models
+def build_model(name: str, layers: int, device: str, small: bool, max_positions: int) -> Any:
+    import transformers
+
+    spec = dict(MODELS[name])
+    arch, cfg_name = spec.pop("arch"), spec.pop("config")
+    if small:
+        spec.update(SMALL)
+    config = getattr(transformers, cfg_name)(num_hidden_layers=layers, vocab_size=VOCAB if not small else 256,
+                                             max_position_embeddings=max_positions, tie_word_embeddings=False, **spec)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = getattr(transformers, arch)(config).to(torch.bfloat16).eval()
+    return model
+
+
+def make_variants(base: Any, names: list[str], calib_ids: torch.Tensor) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``({variant: model}, {variant: notes})``; a variant that cannot be built is left out with its reason."""
+    from fp8_backends import quantize_model
+
+    models: dict[str, Any] = {}
+    notes: dict[str, Any] = {}
+    for name in names:
+        try:
+            if name == "bf16":
+                models[name] = base
+                continue
+            model = copy.deepcopy(base)
+            if name == "torchao":
+                from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerTensor, quantize_
+
+                quantize_(model.model.layers, Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor()))
+                notes[name] = {"config": "Float8DynamicActivationFloat8WeightConfig(PerTensor())"}
+            elif name == "fp8_dynamic":
+                summary = quantize_model(model)
+                notes[name] = {"swapped": summary.count, "providers": summary.providers(),
+                               "bytes_saved": summary.bytes_saved}
+            elif name == "fp8_static":
+                summary = quantize_model(model, act_scale="per_tensor_static", calibration=[calib_ids])
+                notes[name] = {"swapped": summary.count, "providers": summary.providers(),
+                               "bytes_saved": summary.bytes_saved}
+            models[name] = model
+        except Exception as exc:  # keep going: report the variant as missing
+            notes[name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+            log(f"variant {name}: {notes[name]['error']}")
+    return models, notes
+
+
+# ------------------------------------------------------------------------------------------------ timing
+def cuda_time_us(fn: Callable[[], Any], iters: int, device: str) -> float:
+    """Median µs of one call, CUDA events around each call (host time the GPU waits for included)."""
+    if device != "cuda":
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+        return statistics.median(times)
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+class Step:
+    """One (variant, workload, mode) call, ready to time: ``fn()`` runs one forward."""
+
+    def __init__(self, fn: Callable[[], Any], first_s: float) -> None:
+        self.fn = fn
+        self.first_s = first_s
+
+
+def prefill_step(model: Any, compiled: Any, ids: torch.Tensor, mode: str) -> Callable[[], Any]:
+    target = compiled if mode == "compiled" else model
+
+    def step() -> Any:
+        with torch.no_grad():
+            return target(ids, use_cache=False, logits_to_keep=1).logits
+
+    return step
+
+
+class DecodeState:
+    """A StaticCache filled by a prefill of ``context`` tokens and the static buffers of a one-token step."""
+
+    def __init__(self, model: Any, context: int, max_len: int, device: str) -> None:
+        import transformers
+
+        self.cache = transformers.StaticCache(config=model.config, max_cache_len=max_len)
+        g = torch.Generator(device="cpu").manual_seed(1)
+        ids = torch.randint(0, model.config.vocab_size, (1, context), generator=g).to(device)
+        with torch.no_grad():
+            model(ids, cache=self.cache, use_cache=True, logits_to_keep=1)
+        self.ids = torch.randint(0, model.config.vocab_size, (1, 1), generator=g).to(device)
+        self.pos = torch.full((1, 1), context, dtype=torch.long, device=device)
+
+    def step(self, target: Any) -> Callable[[], Any]:
+        def run() -> Any:
+            with torch.no_grad():
+                return target(self.ids, cache=self.cache, position_ids=self.pos, use_cache=True).logits
+
+        return run
+
+
+def capture(fn: Callable[[], Any], warmup: int = 3) -> Callable[[], Any]:
+    """``fn`` captured in a CUDA graph (after ``warmup`` calls on a side stream); returns the replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def build_steps(models: dict[str, Any], compiled: dict[str, Any], workload: str, mode: str, args: Any,
+                decode: dict[str, DecodeState], errors: dict[str, str]) -> dict[str, Callable[[], Any]]:
+    steps: dict[str, Callable[[], Any]] = {}
+    for name, model in models.items():
+        key = f"{name}/{workload}/{mode}"
+        try:
+            t0 = time.perf_counter()
+            if workload == "decode":
+                state = decode[name]
+                fn = state.step(compiled[name] if mode in ("compiled", "graph") else model)
+                for _ in range(2):  # compile (first call) and settle outside capture
+                    fn()
+                if mode == "graph":
+                    fn = capture(fn)
+            else:
+                t = int(workload.removeprefix("prefill"))
+                ids = torch.randint(0, model.config.vocab_size, (1, t), device=args.device)
+                fn = prefill_step(model, compiled[name], ids, mode)
+                for _ in range(2):
+                    fn()
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            log(f"  {key}: ready in {time.perf_counter() - t0:.1f} s")
+            steps[name] = fn
+        except Exception as exc:
+            errors[key] = f"{type(exc).__name__}: {exc}"[:500]
+            log(f"  {key}: ERROR {errors[key]}")
+            logging.debug(traceback.format_exc())
+    return steps
+
+
+def time_steps(steps: dict[str, Callable[[], Any]], args: Any, host: bool) -> tuple[dict[str, float], dict[str, float]]:
+    """``({variant: µs per call}, {variant: host µs per call})``: ``args.rounds`` interleaved rounds, the order
+    rotated each round; the host time (``host``: not for graph replays) is the enqueue time of ``--host-calls``
+    calls made while the GPU is kept busy."""
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    hosts: dict[str, list[float]] = {name: [] for name in steps}
+    for r in range(args.rounds):
+        order = list(steps)
+        order = order[r % len(order):] + order[:r % len(order)]
+        for name in order:
+            samples[name].append(cuda_time_us(steps[name], args.iters, args.device))
+            if host:
+                hosts[name].append(host_per_call_us(steps[name], args.step_host_calls, args.device))
+    med = {name: statistics.median(v) for name, v in samples.items() if v}
+    return med, {name: statistics.median(v) for name, v in hosts.items() if v}
+
+
+def kernel_profile(fn: Callable[[], Any], device: str) -> dict[str, Any] | None:
+    """Kernels one call launches (count, summed GPU µs, the 8 largest by total time), from torch.profiler."""
+    if device != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in ev.name.lower() \
+                and "memset" not in ev.name.lower():
+            kernels.setdefault(ev.name, []).append(ev.device_time_total if hasattr(ev, "device_time_total")
+                                                   else ev.cuda_time_total)
+    total = sum(sum(v) for v in kernels.values())
+    top = sorted(((sum(v), len(v), k) for k, v in kernels.items()), reverse=True)[:8]
+    return {"kernels": sum(len(v) for v in kernels.values()), "kernel_us": total,
+            "top": [{"name": k[:90], "count": c, "us": us} for us, c, k in top]}
+
+
+# ------------------------------------------------------------------------------------------------ host cost
+def host_per_call_us(fn: Callable[[], Any], calls: int, device: str) -> float:
+    """Host µs per call: ``calls`` calls enqueued back to back while the GPU is kept busy (no call waits for it)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(2e9))  # ~1 s of GPU work ahead of the calls: the queue never drains
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def host_cost(args: Any) -> tuple[list[dict[str, Any]], list[str]]:
+    from fp8_backends.layers import Fp8Linear
+
+    k, n = (64, 64) if args.small else (4096, 4096)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(k, n, bias=False, device=args.device, dtype=torch.bfloat16)
+    layers = {"nn.Linear": lin,
+              "Fp8Linear dynamic": Fp8Linear.from_linear(lin, act_scale="per_tensor_dynamic"),
+              "Fp8Linear static": Fp8Linear.from_linear(lin, act_scale="per_tensor_static", input_scale=0.02)}
+    rows: list[dict[str, Any]] = []
+    prof_rows: list[str] = []
+    with torch.no_grad():
+        for m in (1, 512):
+            x = torch.randn(m, k, device=args.device, dtype=torch.bfloat16)
+            for layer in layers.values():
+                for _ in range(5):
+                    layer(x)  # compile kernels, fill launch caches
+            samples: dict[str, list[float]] = {name: [] for name in layers}
+            for _ in range(args.host_rounds):
+                for name, layer in layers.items():
+                    call = functools.partial(layer, x)
+                    samples[name].append(host_per_call_us(call, args.host_calls, args.device))
+            if args.host_profile and m == 1:
+                for name, layer in layers.items():
+                    prof_rows.append(f"### {name}, M = {m}\n\n```\n{cprofile_text(functools.partial(layer, x))}```")
+            base = statistics.median(samples["nn.Linear"])
+            for name, values in samples.items():
+                us = statistics.median(values)
+                rows.append({"layer": name, "M": m, "K": k, "N": n, "host_us": us, "ratio_nn_linear": us / base,
+                             "backend": getattr(layers[name], "backends_text", "-")})
+    return rows, prof_rows
+
+
+def cprofile_text(fn: Callable[[], Any], calls: int = 300) -> str:
+    """The 20 functions with the most own time over ``calls`` calls of ``fn`` (cProfile)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(20)
+    return "\n".join(line for line in buf.getvalue().splitlines() if line.strip()) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------ accuracy
+def accuracy(models: dict[str, Any], tokens: int, device: str) -> dict[str, dict[str, float]]:
+    if "bf16" not in models:
+        return {}
+    ids = torch.randint(0, models["bf16"].config.vocab_size, (1, tokens), device=device)
+    with torch.no_grad():
+        ref = models["bf16"](ids, use_cache=False).logits.float()
+        out: dict[str, dict[str, float]] = {}
+        for name, model in models.items():
+            if name == "bf16":
+                continue
+            got = model(ids, use_cache=False).logits.float()
+            out[name] = {"rel_err": ((got - ref).norm() / ref.norm()).item(),
+                         "top1_agree": (got.argmax(-1) == ref.argmax(-1)).float().mean().item()}
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ report
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def render(result: dict[str, Any]) -> list[str]:
+    lines = common.header_markdown(result["header"], f"Hugging Face {result['model']} ({result['layers']} layers)")
+    lines += ["", "µs per forward (median of interleaved rounds; CUDA events around each call), with the host's "
+              "enqueue µs per call in parentheses (calls made while the GPU is kept busy). Ratios are to bf16 "
+              "and torchao float8 measured in the same rounds; < 1 is faster.", ""]
+    names = [v for v in VARIANTS if any(v in row["us"] for row in result["rows"])]
+    header = ["workload", "mode", *names]
+    for v in names:
+        if v not in ("bf16",):
+            header.append(f"{v}/bf16")
+    for v in FP8_VARIANTS:
+        if v in names and "torchao" in names:
+            header.append(f"{v}/torchao")
+    rows = []
+    for row in result["rows"]:
+        us = row["us"]
+        cells = [row["workload"], row["mode"], *[common.fmt(us.get(v), ".0f") for v in names]]
+        host = row.get("host_us") or {}
+        cells[2:] = [c + (f" (host {host[v]:.0f})" if v in host else "") for c, v in zip(cells[2:], names)]
+        cells += [common.fmt(ratio(us.get(v), us.get("bf16")), ".3f") for v in names if v != "bf16"]
+        cells += [common.fmt(ratio(us.get(v), us.get("torchao")), ".3f") for v in FP8_VARIANTS
+                  if v in names and "torchao" in names]
+        rows.append(cells)
+    lines += common.md_table(header, rows)
+    profiled = [r for r in result["rows"] if r.get("profile")]
+    if profiled:
+        lines += ["", "Kernels per step (torch.profiler, one call): count / summed GPU µs:", ""]
+        lines += common.md_table(["workload", "mode", *names],
+                                 [[r["workload"], r["mode"], *[
+                                     (f"{p['kernels']} / {p['kernel_us']:.0f}" if (p := r["profile"].get(v)) else "-")
+                                     for v in names]] for r in profiled])
+    if result.get("host"):
+        lines += ["", "Host µs per call of one linear layer (calls enqueued while the GPU is busy), median of rounds:",
+                  ""]
+        lines += common.md_table(["layer", "M", "K x N", "host µs", "ratio to nn.Linear", "provider"],
+                                 [[h["layer"], h["M"], f"{h['K']}x{h['N']}", common.fmt(h["host_us"], ".1f"),
+                                   common.fmt(h["ratio_nn_linear"], ".2f"), h["backend"]] for h in result["host"]])
+    if result.get("host_profile"):
+        lines += ["", "cProfile of the layer calls (300 calls, by own time):", "", *result["host_profile"]]
+    if result.get("accuracy"):
+        lines += ["", f"Logits against bf16 ({result['check_tokens']}-token prefill, every position):", ""]
+        lines += common.md_table(["variant", "relative error", "top-1 agreement"],
+                                 [[v, common.fmt(a["rel_err"], ".4f"), common.fmt(a["top1_agree"], ".3f")]
+                                  for v, a in result["accuracy"].items()])
+    if result.get("notes"):
+        lines += ["", "Variants:", ""] + [f"- `{v}`: {json.dumps(n)}" for v, n in result["notes"].items()]
+    if result.get("errors"):
+        lines += ["", "Errors:", ""] + [f"- `{k}`: {e}" for k, e in result["errors"].items()]
+    return lines
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = [r for r in result["rows"] if "bf16" in r["us"]]
+    variants = [v for v in VARIANTS if v != "bf16" and any(v in r["us"] for r in rows)]
+    if not rows or not variants:
+        return
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows)), 4))
+    width = 0.8 / len(variants)
+    for i, v in enumerate(variants):
+        ax.bar([j + i * width for j in range(len(rows))],
+               [ratio(r["us"].get(v), r["us"]["bf16"]) or 0 for r in rows], width, label=v)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
+    ax.set_xticklabels([f"{r['workload']}\n{r['mode']}" for r in rows], fontsize=8)
+    ax.set_ylabel("time / bf16 (lower is faster)")
+    ax.set_title(f"{result['model']}, {result['layers']} layers, {result['header']['gpu']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------------ main
+def parse_args(argv: list[str] | None) -> Any:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=sorted(MODELS), default="llama")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--prefill", nargs="*", type=int, default=[128, 512, 4096])
+    p.add_argument("--context", type=int, default=512, help="decode position (tokens already in the cache)")
+    p.add_argument("--modes", nargs="+", default=["eager", "compiled", "graph"], choices=["eager", "compiled", "graph"])
+    p.add_argument("--no-decode", action="store_true")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--host-rounds", type=int, default=7)
+    p.add_argument("--host-calls", type=int, default=200)
+    p.add_argument("--step-host-calls", type=int, default=3, help="calls per host-time sample of a model step")
+    p.add_argument("--profile", action="store_true", help="also list the kernels of one compiled/graph step")
+    p.add_argument("--host-profile", action="store_true", help="also cProfile the layer calls of the host table")
+    p.add_argument("--check-tokens", type=int, default=128)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--small", action="store_true", help="tiny layers (CPU smoke test)")
+    p.add_argument("--out", type=Path, required=True)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from fp8_backends.registry.platform import detect_platform
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    platform = detect_platform(args.device)
+    header = common.run_header(platform, args.device)
+    for dist in ("transformers", "torchao"):
+        header["versions"][dist] = common.dist_version(dist)
+    names = [v for v in args.variants if v != "torchao" or importlib.util.find_spec("torchao") is not None]
+    modes = [m for m in args.modes if m != "graph" or args.device == "cuda"]
+    max_len = max([*args.prefill, args.context + 1, args.check_tokens]) + 16
+    base = build_model(args.model, args.layers, args.device, args.small, max_len)
+    calib = torch.randint(0, base.config.vocab_size, (1, 512 if not args.small else 16), device=args.device)
+    models, notes = make_variants(base, names, calib)
+    result: dict[str, Any] = {"header": header, "model": args.model, "layers": args.layers, "small": args.small,
+                              "rows": [], "notes": notes, "errors": {}, "check_tokens": args.check_tokens}
+    log(f"variants: {', '.join(models)}; modes: {', '.join(modes)}")
+    result["accuracy"] = accuracy(models, args.check_tokens, args.device)
+    result["host"], result["host_profile"] = host_cost(args)
+    compiled = {name: torch.compile(model, dynamic=False) for name, model in models.items()}
+    decode = {}
+    if not args.no_decode:
+        for name, model in models.items():
+            decode[name] = DecodeState(model, args.context, max_len, args.device)
+    workloads = [f"prefill{t}" for t in args.prefill] + ([] if args.no_decode else ["decode"])
+    out_base = args.out / f"hf_model_{args.model}"
+    for workload in workloads:
+        for mode in modes:
+            if mode == "graph" and workload != "decode":
+                continue
+            log(f"{workload} / {mode}")
+            steps = build_steps(models, compiled, workload, mode, args, decode, result["errors"])
+            us, host = time_steps(steps, args, host=mode != "graph")
+            row = {"workload": workload, "mode": mode, "us": us, "host_us": host}
+            if args.profile and mode != "eager":
+                row["profile"] = {name: kernel_profile(fn, args.device) for name, fn in steps.items()}
+            result["rows"].append(row)
+            log("  " + ", ".join(f"{k} {v:.0f} µs (host {host.get(k, 0):.0f})" for k, v in us.items()))
+            del steps
+            gc.collect()
+            common.write_json(out_base.with_suffix(".json"), result)  # keep what was measured so far
+    common.write_json(out_base.with_suffix(".json"), result)
+    common.write_markdown(out_base.with_suffix(".md"), render(result))
+    plot(result, out_base.with_suffix(".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,298 @@
+"""``quantize_model`` on a tiny ``transformers`` Llama / Qwen2 (CPU), the eager plan of ``Fp8Linear``, and the compiled
+paths: a model quantized in place matches the same model whose linears compute the reference semantics
+(``fp8_backends.reference``), eager, under ``torch.compile`` (``aot_eager``) and through ``generate()``; no graph
+break; the Triton ops trace into their kernel launches (``triton_op`` + ``wrap_triton``)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from torch import nn  # noqa: E402
+
+from fp8_backends import QuantizeSummary, quantize_model, reference  # noqa: E402
+from fp8_backends.errors import InvalidInputError, UnsupportedProblemError  # noqa: E402
+from fp8_backends.layers import Fp8Linear  # noqa: E402
+from fp8_backends.types import ActScale  # noqa: E402
+
+
+def _tiny(arch: str = "llama", layers: int = 2, seed: int = 0) -> nn.Module:
+    kw = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "num_hidden_layers": layers, "vocab_size": 128, "max_position_embeddings": 128}
+    cfg = transformers.LlamaConfig(**kw) if arch == "llama" else transformers.Qwen2Config(**kw)
+    torch.manual_seed(seed)
+    return (transformers.LlamaForCausalLM(cfg) if arch == "llama" else transformers.Qwen2ForCausalLM(cfg)).to(
+        torch.bfloat16).eval()
+
+
+class RefFp8Linear(nn.Module):
+    """The semantics an ``Fp8Linear`` must compute, written with :mod:`fp8_backends.reference` only."""
+
+    def __init__(self, layer: Fp8Linear) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lay = self.layer
+        x2 = x.reshape(-1, lay.in_features)
+        x_q, x_s = reference.quantize(x2, lay.act_scale, lay.input_scale)
+        y = reference.fp8_gemm(x_q, lay.weight, x_s, lay.weight_scale, lay.dtype, lay.bias)
+        return y.reshape(*x.shape[:-1], lay.out_features)
+
+
+def _reference_twin(model: nn.Module) -> nn.Module:
+    """A copy of a quantized model whose every Fp8Linear computes through the reference."""
+    twin = copy.deepcopy(model)
+    for name, module in list(twin.named_modules()):
+        if isinstance(module, Fp8Linear):
+            parent, _, leaf = name.rpartition(".")
+            setattr(twin.get_submodule(parent) if parent else twin, leaf, RefFp8Linear(module))
+    return twin
+
+
+def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("mode", ["per_tensor_dynamic", "per_token", "per_tensor_static"])
+def test_quantize_model_matches_reference_twin(arch, mode):
+    model = _tiny(arch)
+    bf16 = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(1))
+    calib = [ids] if mode == "per_tensor_static" else None
+    summary = quantize_model(model, act_scale=mode, calibration=calib)
+    assert isinstance(summary, QuantizeSummary)
+    assert summary.count == 2 * 7  # q k v o gate up down per layer
+    assert ("lm_head", "matches skip") in summary.skipped
+    assert isinstance(model.model.layers[0].self_attn.q_proj, Fp8Linear)
+    assert type(model.lm_head) is nn.Linear
+    assert summary.bytes_saved > 0 and summary.bytes_after < summary.bytes_before
+    if arch == "qwen2":
+        assert model.model.layers[0].self_attn.q_proj.bias is not None  # Qwen2's q/k/v biases carried over
+    twin = _reference_twin(model)
+    with torch.no_grad():
+        got = model(ids, use_cache=False).logits
+        want = twin(ids, use_cache=False).logits
+        ref_bf16 = bf16(ids, use_cache=False).logits
+    assert _relerr(got, want) < 2e-2
+    assert _relerr(got, ref_bf16) < 0.2  # FP8 of random weights: close to bf16, not equal
+
+
+def test_compiled_and_generate_match_the_reference_twin():
+    model = _tiny("llama")
+    quantize_model(model, act_scale="per_tensor_dynamic")
+    twin = _reference_twin(model)
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(2))
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        with torch.no_grad():
+            got = compiled(ids, use_cache=False).logits
+            eager = model(ids, use_cache=False).logits
+            want = twin(ids, use_cache=False).logits
+    finally:
+        torch._dynamo.reset()
+    assert _relerr(got, eager) < 1e-2 and _relerr(got, want) < 2e-2
+    gen = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    a = model.generate(ids, **gen)
+    b = twin.generate(ids, **gen)
+    assert a.sequences.shape == (1, 12)
+    for la, lb in zip(a.logits, b.logits):
+        assert _relerr(la, lb) < 2e-2
+    assert torch.equal(a.sequences, b.sequences)
+
+
+def test_no_graph_break_in_a_quantized_model_or_layer():
+    model = _tiny("llama")
+    quantize_model(model, act_scale="per_token")
+    ids = torch.randint(0, 128, (1, 6))
+    with torch.no_grad():
+        explained = torch._dynamo.explain(model)(ids, use_cache=False)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    layer = Fp8Linear.from_linear(nn.Linear(64, 32, dtype=torch.bfloat16), act_scale="per_tensor_static",
+                                  input_scale=0.02)
+    explained = torch._dynamo.explain(layer)(torch.randn(3, 64, dtype=torch.bfloat16))
+    assert explained.graph_break_count == 0, explained.break_reasons
+
+
+def test_compiled_quantization_is_traced_as_torch_ops():
+    """Under torch.compile the layer's activation quantization is plain torch code (Inductor fuses it into the
+    producer) and torch_scaled_mm is torch._scaled_mm itself: no fp8_backends op in the graph."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    graphs = []
+
+    def capture(gm, inputs):
+        return aot_module_simplified(gm, inputs, fw_compiler=lambda g, _: graphs.append(g) or g)
+
+    for mode, scale in (("per_tensor_dynamic", None), ("per_token", None), ("per_tensor_static", 0.02)):
+        layer = Fp8Linear.from_linear(nn.Linear(64, 32, dtype=torch.bfloat16), act_scale=mode, input_scale=scale,
+                                      backend="torch_scaled_mm")
+        x = torch.randn(5, 64, dtype=torch.bfloat16)
+        torch._dynamo.reset()
+        try:
+            y = torch.compile(layer, backend=capture, fullgraph=True)(x)
+        finally:
+            torch._dynamo.reset()
+        assert _relerr(y, layer(x)) < 1e-2
+        code = graphs[-1].code
+        assert "fp8_backends" not in code and "_scaled_mm" in code, code
+        assert ("amax" in code) == (mode != "per_tensor_static"), code
+
+
+def test_skip_include_and_unservable_layers():
+    model = nn.Sequential()
+    model.add_module("proj", nn.Linear(64, 32, dtype=torch.bfloat16))
+    model.add_module("odd", nn.Linear(10, 32, dtype=torch.bfloat16))  # K = 10: no provider aligns it
+    model.add_module("embed_out", nn.Linear(64, 32, dtype=torch.bfloat16))
+    model.add_module("keep", nn.Linear(32, 16, dtype=torch.bfloat16))
+    summary = quantize_model(model, include=lambda name, lin: name != "keep")
+    assert [s.name for s in summary.swapped] == ["proj"]
+    reasons = dict(summary.skipped)
+    assert "no provider can serve it" in reasons["odd"] and "16" in reasons["odd"]
+    assert reasons["embed_out"] == "matches skip" and reasons["keep"] == "rejected by include"
+    assert "1 nn.Linear -> Fp8Linear" in str(summary)
+    with pytest.raises(UnsupportedProblemError):  # an explicit provider that cannot serve a layer fails loudly
+        quantize_model(nn.Sequential(nn.Linear(10, 32, dtype=torch.bfloat16)), backend="torch_scaled_mm")
+
+
+def test_static_needs_scales_and_explicit_scales_win():
+    model = nn.Sequential(nn.Linear(64, 32, dtype=torch.bfloat16))
+    with pytest.raises(InvalidInputError, match="calibration batches or input_scales"):
+        quantize_model(copy.deepcopy(model), act_scale="per_tensor_static")
+    with pytest.raises(InvalidInputError, match="per_tensor_static"):
+        quantize_model(copy.deepcopy(model), calibration=[torch.randn(2, 64, dtype=torch.bfloat16)])
+    x = torch.randn(4, 64, dtype=torch.bfloat16) * 3
+    calibrated = copy.deepcopy(model)
+    quantize_model(calibrated, act_scale="per_tensor_static", calibration=[x, x[:2] * 2])
+    want = max((x.float().abs().amax() / 448).item(), (x[:2].float().abs().amax() * 2 / 448).item())
+    assert calibrated[0].input_scale.item() == pytest.approx(want, rel=1e-6)
+    given = copy.deepcopy(model)
+    quantize_model(given, act_scale="per_tensor_static", calibration=[x], input_scales={"0": 0.5})
+    assert given[0].input_scale.item() == 0.5
+    with pytest.raises(InvalidInputError, match="nn.Module"):
+        quantize_model("not a model")
+
+
+def test_eager_plan_takes_plain_calls_and_leaves_the_rest_to_the_general_path(monkeypatch):
+    layer = Fp8Linear.from_linear(nn.Linear(64, 32, bias=True, dtype=torch.bfloat16), act_scale="per_tensor_dynamic")
+    plan = layer._plan
+    assert plan is not None
+    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    y = plan(x)
+    assert y is not None and y.shape == (2, 3, 32)
+    x_q, x_s = reference.quantize_dynamic_per_tensor(x.reshape(-1, 64))
+    want = reference.fp8_gemm(x_q, layer.weight, x_s, layer.weight_scale, torch.bfloat16, layer.bias)
+    assert _relerr(y.reshape(-1, 32), want) < 1e-2
+    # what the plan refuses: the general path takes it (and explains errors)
+    assert plan(x.float()) is None
+    assert plan(torch.randn(2, 48, dtype=torch.bfloat16)) is None
+    assert plan(torch.empty(0, 64, dtype=torch.bfloat16)) is None
+    assert plan(torch.empty(2, 64, dtype=torch.bfloat16, device="meta")) is None
+    assert layer(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 32)
+    # processing state changes drop the plan
+    layer.load_bias(torch.zeros(32, dtype=torch.bfloat16))
+    assert layer._plan is None
+    with pytest.raises(InvalidInputError, match="process_weights_after_loading"):
+        layer(x)
+    layer.process_weights_after_loading()
+    assert layer._plan is not None
+    # a registered quant implementation still applies to plan calls
+    from fp8_backends import quant
+
+    seen = []
+
+    def spy(x, fp8_dtype):
+        seen.append(tuple(x.shape))
+        return reference.quantize_dynamic_per_tensor(x, fp8_dtype)
+
+    previous = quant.register_quant_impl(ActScale.PER_TENSOR_DYNAMIC, "cpu", spy)
+    try:
+        layer(x)
+    finally:
+        quant.register_quant_impl(ActScale.PER_TENSOR_DYNAMIC, "cpu", previous)
+    assert seen == [(6, 64)]
+
+
+def test_triton_ops_trace_into_their_kernels_without_the_interpreter(tmp_path):
+    """Outside Triton's interpreter the triton GEMM and norm-quant ops are ``triton_op``\\ s: AOTAutograd
+    decomposes them into ``triton_kernel_wrapper_functional`` calls of the kernels (what Inductor launches from its
+    own code), with PDL off. Traced on the CPU with fake tensors; nothing runs."""
+    pytest.importorskip("triton")
+    script = textwrap.dedent("""
+        import torch
+        from torch._functorch.aot_autograd import aot_module_simplified
+        from fp8_backends.providers.triton import gemm_ops, norm_quant
+        gemm_ops._OPS.preload(); norm_quant._OPS.preload()
+        graphs = []
+        class Stop(Exception):
+            pass
+        def fw(g, inputs):
+            graphs.append(g.code)
+            raise Stop
+        def backend(gm, inputs):
+            return aot_module_simplified(gm, inputs, fw_compiler=fw)
+        gemm, nq = gemm_ops._OPS.call("triton_gemm"), norm_quant._OPS.call("triton_rmsnorm_quant")
+        def f(h, w, xs, ws, nw):
+            out = torch.empty_like(h, dtype=torch.float8_e4m3fn)
+            nq(out, h, nw, xs, 1e-6)
+            return gemm(out, w, xs, ws, None, torch.bfloat16, "auto")
+        h = torch.randn(4, 64, dtype=torch.bfloat16)
+        w = torch.randn(128, 64).to(torch.float8_e4m3fn)
+        try:
+            torch.compile(f, backend=backend, fullgraph=True)(h, w, torch.ones(1), torch.ones(1),
+                                                              torch.ones(64, dtype=torch.bfloat16))
+        except Exception as exc:
+            assert "Stop" in repr(exc), exc
+        print(graphs[0])
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    code = out.stdout
+    assert code.count("triton_kernel_wrapper_functional(") == 2, code
+    assert "fp8_backends" not in code, code
+    assert "'USE_PDL': False" in code and "'ROWS': 64" in code and "'BLOCK_M': 16" in code, code
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible to torch)")
+@pytest.mark.parametrize("mode", ["per_tensor_dynamic", "per_tensor_static"])
+def test_gpu_quantized_model_compiled_and_graphed(mode):
+    """On the GPU with ``auto`` (the triton decode kernels at small M): eager, Inductor, and the compiled decode
+    step captured in a CUDA graph all match the reference twin."""
+    model = _tiny("llama").cuda()
+    ids = torch.randint(0, 128, (1, 24), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    quantize_model(model, act_scale=mode, calibration=[ids] if mode == "per_tensor_static" else None)
+    twin = _reference_twin(model)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, fullgraph=True)
+        with torch.no_grad():
+            for t in (1, 24):
+                got = compiled(ids[:, :t], use_cache=False).logits
+                assert _relerr(got, twin(ids[:, :t], use_cache=False).logits) < 2e-2
+            one = ids[:, :1].clone()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                compiled(one, use_cache=False)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = compiled(one, use_cache=False).logits
+            one.copy_(ids[:, 5:6])
+            graph.replay()
+            assert _relerr(out, twin(one, use_cache=False).logits) < 2e-2
+    finally:
+        torch._dynamo.reset()
