@@ -20,7 +20,9 @@ the last position only, as ``generate()`` asks) and one-token decode with a ``St
 after a prefill of that many tokens). Modes:
 
 - ``eager``;
-- ``compiled``: ``torch.compile(model, dynamic=False)`` (Inductor, default mode), one call per step;
+- ``compiled``: ``torch.compile(model, dynamic=False)`` (Inductor, default mode), one call per step; with
+  ``--compile-scope layers`` each decoder layer is compiled instead (regional compilation: one compile serves every
+  layer, the embedding, final norm and head run eagerly);
 - ``graph`` (decode only): the compiled step captured in a CUDA graph (``torch.cuda.graph``, as serving engines
   capture their compiled decode step) and replayed.
 
@@ -152,6 +154,18 @@ class Step:
         self.first_s = first_s
 
 
+def compile_model(model: Any, scope: str) -> Any:
+    """``scope="model"``: ``torch.compile(model, dynamic=False)``. ``scope="layers"``: regional compilation (what
+    ``transformers`` recommends to cut compile time): every decoder layer is compiled in place (one compiled graph
+    serves all layers of a class), the rest of the model runs eagerly; returns a compiled copy of the model."""
+    if scope == "model":
+        return torch.compile(model, dynamic=False)
+    regional = copy.deepcopy(model)  # the eager variant stays as it is
+    for layer in regional.model.layers:
+        layer.compile(dynamic=False)
+    return regional
+
+
 def prefill_step(model: Any, compiled: Any, ids: torch.Tensor, mode: str) -> Callable[[], Any]:
     target = compiled if mode == "compiled" else model
 
@@ -231,8 +245,9 @@ def build_steps(models: dict[str, Any], compiled: dict[str, Any], workload: str,
 
 def time_steps(steps: dict[str, Callable[[], Any]], args: Any, host: bool) -> tuple[dict[str, float], dict[str, float]]:
     """``({variant: µs per call}, {variant: host µs per call})``: ``args.rounds`` interleaved rounds, the order
-    rotated each round; the host time (``host``: not for graph replays) is the enqueue time of ``--host-calls``
-    calls made while the GPU is kept busy."""
+    rotated each round; the host time (``host``: not for graph replays) is the time one call takes to return
+    after a sync (``--step-host-calls`` calls, averaged): the host's cost where the GPU is faster, the GPU's where a
+    step waits for it (a compiled prefill at large T, or any sync inside the step)."""
     samples: dict[str, list[float]] = {name: [] for name in steps}
     hosts: dict[str, list[float]] = {name: [] for name in steps}
     for r in range(args.rounds):
@@ -241,7 +256,7 @@ def time_steps(steps: dict[str, Callable[[], Any]], args: Any, host: bool) -> tu
         for name in order:
             samples[name].append(cuda_time_us(steps[name], args.iters, args.device))
             if host:
-                hosts[name].append(host_per_call_us(steps[name], args.step_host_calls, args.device))
+                hosts[name].append(host_per_call_us(steps[name], args.step_host_calls, args.device, busy=False))
     med = {name: statistics.median(v) for name, v in samples.items() if v}
     return med, {name: statistics.median(v) for name, v in hosts.items() if v}
 
@@ -270,11 +285,14 @@ def kernel_profile(fn: Callable[[], Any], device: str) -> dict[str, Any] | None:
 
 
 # ------------------------------------------------------------------------------------------------ host cost
-def host_per_call_us(fn: Callable[[], Any], calls: int, device: str) -> float:
-    """Host µs per call: ``calls`` calls enqueued back to back while the GPU is kept busy (no call waits for it)."""
+def host_per_call_us(fn: Callable[[], Any], calls: int, device: str, busy: bool = True) -> float:
+    """Host µs per call: ``calls`` calls enqueued back to back. ``busy``: while the GPU is kept busy, so that no
+    call waits for the GPU (only for code that never syncs: a call that syncs would wait for the busy GPU). Without
+    it, after a sync: the time until the calls return, which is the host's as long as the GPU keeps up."""
     if device == "cuda":
         torch.cuda.synchronize()
-        torch.cuda._sleep(int(2e9))  # ~1 s of GPU work ahead of the calls: the queue never drains
+        if busy:
+            torch.cuda._sleep(int(1e9))  # ~0.5 s of GPU work ahead of the calls: the queue never drains
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
@@ -357,9 +375,9 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def render(result: dict[str, Any]) -> list[str]:
     lines = common.header_markdown(result["header"], f"Hugging Face {result['model']} ({result['layers']} layers)")
-    lines += ["", "µs per forward (median of interleaved rounds; CUDA events around each call), with the host's "
-              "enqueue µs per call in parentheses (calls made while the GPU is kept busy). Ratios are to bf16 "
-              "and torchao float8 measured in the same rounds; < 1 is faster.", ""]
+    lines += ["", "µs per forward (median of interleaved rounds; CUDA events around each call), with the time one "
+              "call takes to return in parentheses (after a sync: the host's cost when the GPU keeps up). Ratios "
+              "are to bf16 and torchao float8 measured in the same rounds; < 1 is faster.", ""]
     names = [v for v in VARIANTS if any(v in row["us"] for row in result["rows"])]
     header = ["workload", "mode", *names]
     for v in names:
@@ -444,6 +462,8 @@ def parse_args(argv: list[str] | None) -> Any:
     p.add_argument("--context", type=int, default=512, help="decode position (tokens already in the cache)")
     p.add_argument("--modes", nargs="+", default=["eager", "compiled", "graph"], choices=["eager", "compiled", "graph"])
     p.add_argument("--no-decode", action="store_true")
+    p.add_argument("--compile-scope", choices=["layers", "model"], default="model",
+                   help="torch.compile the whole model (default) or each decoder layer (regional compilation)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--host-rounds", type=int, default=7)
@@ -478,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"variants: {', '.join(models)}; modes: {', '.join(modes)}")
     result["accuracy"] = accuracy(models, args.check_tokens, args.device)
     result["host"], result["host_profile"] = host_cost(args)
-    compiled = {name: torch.compile(model, dynamic=False) for name, model in models.items()}
+    compiled = {name: compile_model(model, args.compile_scope) for name, model in models.items()}
     decode = {}
     if not args.no_decode:
         for name, model in models.items():

@@ -459,6 +459,12 @@ class Fp8Linear(nn.Module):
         logger.debug("Fp8Linear %dx%d prepared by %s (%s)", self.out_features, self.in_features, backend.label,
                      self.problem.describe())
 
+    def __getstate__(self) -> dict[str, Any]:
+        # the plan's closures hold this layer's own tensors: a copy (deepcopy, pickle) binds its own at its first call
+        state = dict(self.__dict__)
+        state["_plan"] = None
+        return state
+
     def _eager_plan(self) -> EagerPlan:
         """The eager hot path (:mod:`fp8_backends.eager_plan`): quantizer and GEMM(s) bound to this layer."""
         rows = self._by_m or ((_ANY_M, self.gemm_backend, self.prepared),)
@@ -549,11 +555,14 @@ class Fp8Linear(nn.Module):
 
         A plain eager call of a processed layer takes its :class:`~fp8_backends.eager_plan.EagerPlan` (load-time
         bindings, per-call checks of the input only); compiled and every other call the general path."""
-        plan = self._plan
-        if plan is not None and not _compiling() and not _dispatch_modes():
-            y = plan(x)
-            if y is not None:
-                return y
+        if not _compiling() and not _dispatch_modes():
+            plan = self._plan
+            if plan is None and self.prepared is not None:  # a copy or an unpickled layer: bind again
+                plan = self._plan = self._eager_plan()
+            if plan is not None:
+                y = plan(x)
+                if y is not None:
+                    return y
         backend, prepared = self.gemm_backend, self.prepared
         if prepared is None:
             raise InvalidInputError("Fp8Linear: call process_weights_after_loading() before the first forward")

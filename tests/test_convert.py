@@ -296,3 +296,28 @@ def test_gpu_quantized_model_compiled_and_graphed(mode):
             assert _relerr(out, twin(one, use_cache=False).logits) < 2e-2
     finally:
         torch._dynamo.reset()
+
+
+def _saved_and_loaded(module: nn.Module) -> nn.Module:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(module, buf)  # plain pickle of an fp8 tensor fails inside torch itself (torch 2.13)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def test_a_copied_layer_binds_its_own_tensors():
+    layer = Fp8Linear.from_linear(nn.Linear(64, 32, bias=False, dtype=torch.bfloat16), act_scale="per_tensor_dynamic")
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    y = layer(x)
+    for twin in (copy.deepcopy(layer), _saved_and_loaded(layer)):
+        assert twin._plan is None
+        with torch.no_grad():
+            twin.weight.zero_()  # the copy's own weight: the original must not see it, the copy must
+        twin.process_weights_after_loading()
+        assert torch.count_nonzero(twin(x)) == 0
+    assert torch.equal(layer(x), y)
+    copied = copy.deepcopy(layer)
+    assert torch.equal(copied(x), y)  # rebound at its first call, to its own (equal) tensors
+    assert copied._plan is not None and copied._plan is not layer._plan
