@@ -441,3 +441,33 @@ def test_gpu_pdl_on_and_off_agree(monkeypatch):
         runs.append([t.view(torch.uint8) if t.element_size() == 1 else t for t in out])
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible to torch)")
+@pytest.mark.parametrize("shape", [(1, 4096), (16, 4096), (512, 4096), (300, 1000)])
+def test_gpu_replayed_quant_launches_stay_correct_and_skip_the_general_path(general_launches, shape):
+    """The second call of each mode at the same size replays the first launch(es): no general-path launch, and
+    the same codes and scales as the reference (the dynamic absmax partials included)."""
+    from fp8_backends import reference
+
+    fp8 = torch.float8_e4m3fn
+    x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 3
+    s = torch.tensor([0.05], device="cuda")
+    calls = {"static": lambda t: (qk.quant_static(t, s, fp8), s), "dynamic": lambda t: qk.quant_dynamic(t, fp8),
+             "per_token": lambda t: qk.quant_per_token(t, fp8)}
+    refs = {"static": lambda t: (reference.quantize_static(t, s, fp8), s),
+            "dynamic": lambda t: reference.quantize_dynamic_per_tensor(t, fp8),
+            "per_token": lambda t: reference.quantize_per_token(t, fp8)}
+    for mode, call in calls.items():
+        call(x)
+        torch.cuda.synchronize()
+        before = len(general_launches)
+        y = x * 0.5  # new data, same size and layout
+        q, sc = call(y)
+        torch.cuda.synchronize()
+        assert len(general_launches) == before, f"{mode}: the second call took the general path"
+        q_ref, s_ref = refs[mode](y)
+        assert torch.allclose(sc, s_ref, rtol=1e-6), mode
+        mismatch = (q.float() != q_ref.float()).float().mean().item()
+        assert mismatch < 1e-3, f"{mode}: {mismatch:.2%} of the codes differ"
