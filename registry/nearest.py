@@ -195,14 +195,17 @@ class LeaveOutRow:
 
 
 def leave_out(
-    model: NearestModel, group_of: Callable[[MeasuredShape], str], rank: Callable[[CandKey], tuple | None],
+    model: NearestModel, group_of: Callable[[MeasuredShape], str | None], rank: Callable[[CandKey], tuple | None],
     tie_margin: float,
 ) -> list[LeaveOutRow]:
-    """Predict every measured shape from the shapes outside its group (``group_of``, e.g. its model)."""
+    """Predict every measured shape from the shapes outside its group (``group_of``, e.g. its model). Shapes whose
+    group is None are not predicted (and stay in every prediction's data)."""
     rows = []
     for bucket in model.buckets:
         for shape in model.by_bucket[bucket]:
             group = group_of(shape)
+            if group is None:
+                continue
             pred = model.predict(shape.n, shape.k, bucket, exclude=lambda s, g=group: group_of(s) == g)
             picked = None if pred is None else choose(pred.scores, rank, tie_margin)
             if picked is None:

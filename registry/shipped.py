@@ -22,6 +22,7 @@ an H100-class GPU would run).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -46,6 +47,7 @@ _OFF = {"off", "none", "0", "false", "no"}
 _MAX_PICKS = 1 << 16
 
 
+@functools.lru_cache(maxsize=1)
 def packaged_dir() -> Path:
     """``fp8_backends/data/selection`` inside the installed package."""
     from importlib import resources
@@ -59,6 +61,7 @@ def _sm_text(platform: Platform) -> str | None:
 
 # ---------------------------------------------------------------------------------------- finding files
 _listing_cache: dict[tuple[str, int], list[str]] = {}
+_located: dict[tuple, tuple[Path | None, str]] = {}
 
 
 def _list_dir(folder: Path) -> list[str]:
@@ -81,7 +84,18 @@ def locate(platform: Platform) -> tuple[Path | None, str]:
     """``(file, "")`` for the data that may apply to ``platform`` (not yet parsed), or ``(None, why not)``.
 
     In a folder, the file for the platform's SM whose GPU slug equals the platform's name wins, else the first
-    by name. A file named by ``FP8_BACKENDS_SHIPPED`` is returned as is (its SM is checked when it loads)."""
+    by name. A file named by ``FP8_BACKENDS_SHIPPED`` is returned as is (its SM is checked when it loads). The
+    answer is cached per (variable, SM, GPU name): files are not expected to appear while a process runs."""
+    key = (settings.env_token(settings.SHIPPED_ENV), platform.sm, platform.name)
+    hit = _located.get(key)
+    if hit is None:
+        hit = _locate(platform)
+        if hit[0] is not None or "no such file" not in hit[1]:
+            _located[key] = hit
+    return hit
+
+
+def _locate(platform: Platform) -> tuple[Path | None, str]:
     sm = _sm_text(platform)
     if sm is None:
         return None, "no SM (CPU platform)"
@@ -204,6 +218,7 @@ def reset_state() -> None:
         _loaded.clear()
         _warned.clear()
     _listing_cache.clear()
+    _located.clear()
 
 
 # ---------------------------------------------------------------------------------------- the policies
