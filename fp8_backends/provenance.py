@@ -16,8 +16,8 @@ shards) add their run records to it::
 from __future__ import annotations
 
 import datetime as _dt
-import os
 import socket
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -80,7 +80,7 @@ def build_provenance(platform: Platform, argv: Sequence[str], grid: Mapping[str,
         "date": started,
         "command": canonical_command(argv),
         "grid": dict(grid),
-        "runs": [{"started": started, "host": socket.gethostname(), "pid": os.getpid(), "argv": list(argv)}],
+        "runs": [{"id": uuid.uuid4().hex[:12], "started": started, "host": socket.gethostname(), "argv": list(argv)}],
     }
 
 
@@ -92,8 +92,7 @@ def merge_provenance(old: Any, new: Mapping[str, Any], problems: int, seconds: f
     previous = old if isinstance(old, dict) else {}
     runs = [r for r in previous.get("runs", []) if isinstance(r, dict)]
     current = dict(new["runs"][-1], problems=problems, seconds=round(seconds, 1))
-    ident = (current.get("started"), current.get("host"), current.get("pid"))
-    runs = [r for r in runs if (r.get("started"), r.get("host"), r.get("pid")) != ident] + [current]
+    runs = [r for r in runs if r.get("id") != current.get("id")] + [current]
     merged["runs"] = runs
     merged["date"] = previous.get("date") or new["date"]
     merged["updated"] = now_iso()

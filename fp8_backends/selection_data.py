@@ -189,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("pack", help="make the shipped file from a --shipped-grid tuner lockfile")
     p.add_argument("lockfile")
-    p.add_argument("--out", default=None, help="file or folder (default: the package's data/selection folder)")
+    p.add_argument("--out", default=None, help="a .json (.json.gz) file or a folder (default: the package's "
+                                               "data/selection folder)")
     p.add_argument("--exclude-model", nargs="+", default=[], metavar="NAME", help="leave these models' shapes out")
     p.add_argument("--partial", action="store_true", help="pack even if the grid is not fully measured")
     c = sub.add_parser("check", help="validate shipped data files")
@@ -235,10 +236,16 @@ def _pack_cli(args: argparse.Namespace, argv: list[str]) -> int:
 
         out = packaged_dir() / name
     else:
-        out = Path(args.out)
-        out = out / name if out.is_dir() else out
+        out = Path(args.out)  # a folder (existing, or any name not ending in .json) or a file
+        out = out / name if out.is_dir() or not out.name.endswith((".json", ".json.gz")) else out
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(shipped_data.dumps_compact(packed), encoding="utf-8")
+    text = shipped_data.dumps_compact(packed)
+    if out.name.endswith(".gz"):
+        import gzip
+
+        out.write_bytes(gzip.compress(text.encode("utf-8"), mtime=0))
+    else:
+        out.write_text(text, encoding="utf-8")
     entries = len(shipped_data.the_section(packed)["entries"])
     print(f"{out}: {entries} entries, {prov['gpu']} SM {prov['sm']}, measured {prov['date']}"
           + (f", without {', '.join(args.exclude_model)}" if args.exclude_model else ""))
