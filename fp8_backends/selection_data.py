@@ -67,7 +67,8 @@ def pack(doc: Mapping[str, Any], *, exclude: Sequence[str] = (), partial: bool =
     """The shipped document made from a tuner lockfile with provenance (see the module docstring)."""
     problems = shipped_data.provenance_problems(doc.get("provenance"))
     if problems:
-        raise DataFileError("<lockfile>", problems + ["tune with --shipped-grid or --provenance"])
+        hint = ["tune with --shipped-grid or --provenance"] if not isinstance(doc.get("provenance"), dict) else []
+        raise DataFileError("<lockfile>", problems + hint)
     prov = dict(doc["provenance"])
     section = _section_for(doc, prov)
     entries = {k: {f: v for f, v in e.items() if f not in DROPPED_ENTRY_FIELDS}
