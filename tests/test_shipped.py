@@ -493,3 +493,13 @@ def test_lookup_time_per_layer_at_load(tmp_path, monkeypatch, with_fake, capsys)
               f"{1e3 * load_s:.0f} ms; per layer ({len(buckets)} buckets): exact {1e3 * timings['exact']:.2f} ms, "
               f"nearest {1e3 * timings['nearest']:.2f} ms")
     assert load_s < 5.0 and timings["exact"] < 0.25 and timings["nearest"] < 0.25
+
+
+def test_every_packaged_data_file_is_valid_and_named_after_its_provenance():
+    folder = shipped.packaged_dir()
+    assert folder.name == "selection" and folder.parent.name == "data" and (folder / "README.md").is_file()
+    for path in sorted(folder.glob("sm*.json*")):
+        doc = shipped_data.load_file(path)  # raises DataFileError listing every problem
+        prov = doc["provenance"]
+        assert path.name.split(".json")[0] == shipped_data.file_name(prov["sm"], prov["gpu"]).split(".json")[0]
+        assert prov["command"].startswith("python -m fp8_backends.tune")
