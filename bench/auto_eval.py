@@ -3,6 +3,7 @@
     python -m bench.auto_eval --model llama3-8b qwen2-7b --out DIR                  # points the data holds
     python -m bench.auto_eval --model gemma3-12b mistral-nemo-12b --data heldout.json --out DIR   # held out
     python -m bench.auto_eval --shapes-file my_model.csv --m 1,16,256 --out DIR
+    python -m bench.auto_eval --shipped-grid --shard 1/2 --out A; ...; python -m bench.auto_eval --merge A B --out C
 
 Per point (a model shape at a TP degree x M) every provider that can serve it is timed in one interleaved
 CUDA-graph measurement (:mod:`fp8_backends.timing`, through :func:`bench.common.run_grid`): the candidates the
@@ -48,6 +49,8 @@ class _Stop(Exception):
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.auto_eval", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", nargs="+", default=[], help="model shape tables (fp8_backends/models.py)")
+    ap.add_argument("--shipped-grid", action="store_true", help="every model of the shipped grid (grid.py)")
+    ap.add_argument("--exclude-model", nargs="+", default=[], help="leave these models' shapes out")
     ap.add_argument("--tp", nargs="+", type=int, default=list(grid.SHIPPED_TPS), help="TP degrees (default 1 2 4 8)")
     ap.add_argument("--shapes-file", nargs="+", default=[], help="JSON/CSV shapes files (see fp8_backends.grid)")
     ap.add_argument("--m", default=None, help="M values (default: the shipped grid's 1,4,16,64,256,1024,4096)")
@@ -71,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def templates(args: argparse.Namespace, device: str) -> list[tuple[str, GemmProblem]]:
     """``(label, problem)`` per deduplicated shape of the models x TP degrees and shapes files."""
-    shapes, notes = grid.model_shapes(args.model, args.tp) if args.model else ([], [])
+    models = list(args.model) or (list(grid.SHIPPED_MODELS) if args.shipped_grid else [])
+    shapes, notes = grid.model_shapes(models, args.tp, exclude=args.exclude_model) if models else ([], [])
     for note in notes:
         print(f"left out: {note}", file=sys.stderr)
     for path in args.shapes_file:
@@ -185,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     device = "cpu" if platform.kind.value == "cpu" else platform.torch_device
     if args.merge:
         return merge(args.merge, Path(args.out or "auto_eval"))
-    if not args.model and not args.shapes_file:
-        ap.error("name --model(s) or --shapes-file")
+    if not args.model and not args.shapes_file and not args.shipped_grid:
+        ap.error("name --model(s), --shipped-grid or --shapes-file")
     try:
         buckets = parse_m_list(args.m) if args.m else list(grid.SHIPPED_M_BUCKETS)
         points_in = templates(args, "cpu" if device == "cpu" else "cuda")
