@@ -183,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     os.environ["FP8_BACKENDS_LOCKFILE"] = args.lockfile
+    if args.data and not Path(args.data).exists():
+        ap.error(f"--data {args.data}: no such file or folder")
     if args.data:
         os.environ["FP8_BACKENDS_SHIPPED"] = str(Path(args.data).resolve())
     platform = detect_platform(args.device)
