@@ -63,7 +63,7 @@ def exclude_models(entries: Mapping[str, Mapping[str, Any]], models: Sequence[st
 
 
 def pack(doc: Mapping[str, Any], *, exclude: Sequence[str] = (), partial: bool = False,
-         command: str = "") -> dict[str, Any]:
+         command: str = "", neighbours: int | None = None) -> dict[str, Any]:
     """The shipped document made from a tuner lockfile with provenance (see the module docstring)."""
     problems = shipped_data.provenance_problems(doc.get("provenance"))
     if problems:
@@ -83,6 +83,8 @@ def pack(doc: Mapping[str, Any], *, exclude: Sequence[str] = (), partial: bool =
 
     prov["packed"] = {"date": now_iso(), "command": command, "excluded_models": list(exclude),
                       "entries": len(entries)}
+    if neighbours is not None:
+        prov["model"] = {"neighbours": int(neighbours)}
     out = {"schema": tuning.SCHEMA, "updated": doc.get("updated"), "provenance": prov,
            "sections": {tuning.key_digest(section["platform"]): {"platform": section["platform"], "entries": entries}}}
     problems = shipped_data.check_document(out)
@@ -132,6 +134,8 @@ def leave_out_report(doc: Mapping[str, Any], group: str = "model", neighbours: i
         return next(iter(owners)) if len(owners) == 1 else None
 
     out: dict[str, Any] = {"group": group, "neighbours": neighbours, "classes": []}
+    overall: dict[str, list[float]] = {"nearest": [], "priority": [], "global": []}
+    points = 0
     for cls, model in sorted(models.items()):
         rows = nearest.leave_out(model, group_of, rank, tuning.DEFAULT_TIE_MARGIN)
         per_bucket = []
@@ -150,15 +154,22 @@ def leave_out_report(doc: Mapping[str, Any], group: str = "model", neighbours: i
                 if g is not None:
                     speed["global"].append(1.0 / r.shape.ratios.get(g, model.missing_ratio))
             row: dict[str, Any] = {"m": bucket, "points": len(mine), "unmeasured_picks": unmeasured}
+            points += len(mine)
             for name, values in speed.items():
-                row[name] = {"geomean": _geomean(values), "min": min(values) if values else None,
-                             "at_least_0.95": sum(v >= 0.95 for v in values)}
+                row[name] = _stats(values)
+                overall[name] += values
             worst = sorted((r for r in mine if r.actual is not None), key=lambda r: r.actual, reverse=True)[:3]
             row["worst"] = [f"{r.shape.shape} ({r.group}): {nearest.cand_label(r.picked)} {1 / r.actual:.3f}"
                             for r in worst if r.picked is not None]
             per_bucket.append(row)
         out["classes"].append({"class": dict(cls), "buckets": per_bucket})
+    out["overall"] = {"points": points, **{name: _stats(values) for name, values in overall.items()}}
     return out
+
+
+def _stats(values: Sequence[float]) -> dict[str, Any]:
+    return {"geomean": _geomean(values), "min": min(values) if values else None,
+            "at_least_0.95": sum(v >= 0.95 for v in values)}
 
 
 def _fmt(value: float | None) -> str:
@@ -183,6 +194,18 @@ def leave_out_markdown(report: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def leave_out_comparison(reports: Sequence[Mapping[str, Any]]) -> str:
+    """One row per neighbour count: the speed relative to the fastest over every class and bucket."""
+    lines = ["| neighbours | points | nearest geomean / min | >= 0.95 | global per-M rule | static priority |",
+             "|---|---|---|---|---|---|"]
+    for r in reports:
+        n, g, p = (r["overall"][k] for k in ("nearest", "global", "priority"))
+        lines.append(f"| {r['neighbours']} | {r['overall']['points']} | {_fmt(n['geomean'])} / {_fmt(n['min'])} | "
+                     f"{n['at_least_0.95']} | {_fmt(g['geomean'])} / {_fmt(g['min'])} | "
+                     f"{_fmt(p['geomean'])} / {_fmt(p['min'])} |")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------- CLI
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m fp8_backends.selection_data",
@@ -194,12 +217,17 @@ def build_parser() -> argparse.ArgumentParser:
                                                "data/selection folder)")
     p.add_argument("--exclude-model", nargs="+", default=[], metavar="NAME", help="leave these models' shapes out")
     p.add_argument("--partial", action="store_true", help="pack even if the grid is not fully measured")
+    p.add_argument("--neighbours", type=int, default=None, metavar="K",
+                   help=f"record how many measured shapes vote for an unmeasured one (default "
+                        f"{nearest.DEFAULT_NEIGHBOURS}; compare values with loo --neighbours 1 2 4 8)")
     c = sub.add_parser("check", help="validate shipped data files")
     c.add_argument("files", nargs="+")
     e = sub.add_parser("loo", help="leave-one-out evaluation of the nearest-shape model on a data file")
     e.add_argument("file")
     e.add_argument("--group", choices=["model", "shape"], default="model")
-    e.add_argument("--neighbours", type=int, default=nearest.DEFAULT_NEIGHBOURS)
+    e.add_argument("--neighbours", type=int, nargs="+", default=None, metavar="K",
+                   help="neighbour counts to evaluate (default: the data's own, else "
+                        f"{nearest.DEFAULT_NEIGHBOURS})")
     e.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
     return ap
 
@@ -213,10 +241,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "check":
             return _check_cli(args.files)
         doc = shipped_data.load_file(args.file)
-        report = leave_out_report(doc, args.group, args.neighbours)
-        print(leave_out_markdown(report))
+        ks = args.neighbours or [shipped_data.neighbours(doc["provenance"], nearest.DEFAULT_NEIGHBOURS)]
+        reports = [leave_out_report(doc, args.group, k) for k in ks]
+        for report in reports:
+            print(leave_out_markdown(report))
+        if len(reports) > 1:
+            print(leave_out_comparison(reports))
         if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+            Path(args.json).write_text(json.dumps(reports if len(reports) > 1 else reports[0], indent=1) + "\n",
+                                       encoding="utf-8")
         return 0
     except DataFileError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -228,7 +261,7 @@ def _pack_cli(args: argparse.Namespace, argv: list[str]) -> int:
     doc, problem = tuning.read_document(src)
     if doc is None:
         raise DataFileError(src, [problem or "unreadable"])
-    packed = pack(doc, exclude=args.exclude_model, partial=args.partial,
+    packed = pack(doc, exclude=args.exclude_model, partial=args.partial, neighbours=args.neighbours,
                   command=" ".join(["python -m fp8_backends.selection_data", *argv]))
     prov = packed["provenance"]
     name = shipped_data.file_name(prov["sm"], prov["gpu"])

@@ -34,7 +34,7 @@ from typing import Any
 from fp8_backends.errors import DataFileError
 
 from . import resolution, settings, shipped_data, tuning
-from .nearest import CandKey, NearestModel, build_models, cand_label, choose, class_key
+from .nearest import DEFAULT_NEIGHBOURS, CandKey, NearestModel, build_models, cand_label, choose, class_key
 from .platform import Platform
 
 logger = logging.getLogger("fp8_backends")
@@ -150,7 +150,8 @@ class ShippedData:
         if self.models is None:
             with self.lock:
                 if self.models is None:
-                    self.models = build_models(self.index.entries)
+                    k = shipped_data.neighbours(self.provenance, DEFAULT_NEIGHBOURS)
+                    self.models = build_models(self.index.entries, neighbours=k)
         return self.models.get(class_key(fields))
 
 

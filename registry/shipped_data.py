@@ -88,6 +88,11 @@ def provenance_problems(prov: Any) -> list[str]:
             out.append(f"provenance.{name} is missing or empty")
     if isinstance(prov.get("sm"), str) and not re.fullmatch(r"\d+\.\d", prov["sm"]):
         out.append(f"provenance.sm {prov['sm']!r} is not like '9.0'")
+    model = prov.get("model", {})
+    if not isinstance(model, dict) or not (model.get("neighbours") is None or (
+            isinstance(model["neighbours"], int) and not isinstance(model["neighbours"], bool)
+            and model["neighbours"] >= 1)):
+        out.append("provenance.model.neighbours must be an integer >= 1")
     libs = prov.get("libraries")
     if not isinstance(libs, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in libs.items()):
         out.append("provenance.libraries is missing or not an object of name -> version strings")
@@ -182,6 +187,13 @@ def load_file(path: str | Path) -> dict[str, Any]:
     return doc
 
 
+def neighbours(prov: Mapping[str, Any], default: int) -> int:
+    """How many measured shapes vote for an unmeasured one: ``provenance.model.neighbours`` when the data says
+    (chosen by ``selection_data pack --neighbours``), else ``default``."""
+    value = (prov.get("model") or {}).get("neighbours")
+    return value if isinstance(value, int) and value >= 1 else default
+
+
 def the_section(doc: Mapping[str, Any]) -> dict[str, Any]:
     """The one section of a checked document."""
     (section,) = doc["sections"].values()
@@ -215,6 +227,7 @@ __all__ = [
     "dumps_compact",
     "file_name",
     "load_file",
+    "neighbours",
     "parse_file_name",
     "provenance_problems",
     "read_text",

@@ -464,6 +464,35 @@ def test_leave_out_evaluation_prefers_the_model_to_a_global_rule():
         assert row["global"]["min"] < 0.8 and row["priority"]["min"] == pytest.approx(0.8)
 
 
+def test_loo_cli_compares_neighbour_counts(tmp_path, capsys):
+    from fp8_backends import selection_data
+
+    labels = {shape: (f"model{i}/tp1/x",) for i, shape in enumerate(SMALL + LARGE)}
+    path = write_doc(tmp_path, make_doc(labels=labels))
+    out_json = tmp_path / "loo.json"
+    assert selection_data.main(["loo", str(path), "--neighbours", "1", "4", "--json", str(out_json)]) == 0
+    text = capsys.readouterr().out
+    assert "Leave-one-model-out, 1 neighbours" in text and "| neighbours | points |" in text
+    reports = json.loads(out_json.read_text())
+    assert [r["neighbours"] for r in reports] == [1, 4]
+    assert all(r["overall"]["points"] == len(SMALL + LARGE) * len(BUCKETS) for r in reports)
+    assert selection_data.main(["loo", str(path), "--group", "shape"]) == 0
+
+
+def test_the_data_can_say_how_many_neighbours_vote(tmp_path, monkeypatch, with_fake):
+    doc = make_doc()
+    doc["provenance"]["model"] = {"neighbours": 1}
+    folder = tmp_path / "k1"
+    write_doc(folder, doc)
+    monkeypatch.setenv("FP8_BACKENDS_SHIPPED", str(folder))
+    res = auto(gemm(2560, 2560, m=1))
+    assert res.source == "shipped-nearest" and res.note.count("(w ") == 1 and "(w 1.00)" in res.note
+    doc["provenance"]["model"] = {"neighbours": 0}
+    assert "provenance.model.neighbours must be an integer >= 1" in shipped_data.check_document(doc)
+    packed = pack(_tuner_lockfile(make_doc()), neighbours=2)
+    assert packed["provenance"]["model"] == {"neighbours": 2}
+
+
 # ------------------------------------------------------------------------------------------ lookup cost
 def test_lookup_time_per_layer_at_load(tmp_path, monkeypatch, with_fake, capsys):
     """A realistic data file (260 shapes x 7 buckets), and the time ``resolve_gemm_buckets`` (what ``Fp8Linear``
