@@ -623,7 +623,8 @@ def problems_from_args(args: argparse.Namespace, device: str) -> list[Any]:
     return plan_from_args(args, device).problems
 
 
-def _list_candidates(problems: list[Any], buckets: list[int], platform: Platform, providers, pins=None) -> str:
+def _list_candidates(problems: list[Any], buckets: list[int], platform: Platform, providers,
+                     pins=None) -> tuple[str, float]:
     lines = [f"platform: {platform.describe()}", f"M buckets: {', '.join(map(str, buckets))}"]
     total = 0
     for p in problems:
