@@ -15,7 +15,7 @@ import platform as _host
 import re
 import sys
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -215,10 +215,12 @@ def run_grid(
     show_progress: bool = True,
     on_point: Callable[[Point], None] | None = None,
     extra_entries: Sequence[Any] = (),
+    pins: Mapping[str, Mapping[str, str]] | None = None,
 ) -> list[Point]:
     """Measure every candidate (plus what ``auto`` picks, plus the ``baseline`` provider) on every
     ``(shape label, problem template)`` x M bucket. ``extra_entries``: benchmark-only providers
-    (e.g. :mod:`bench.compiled_baseline`) measured beside the discovered ones."""
+    (e.g. :mod:`bench.compiled_baseline`) measured beside the discovered ones. ``pins``: provider options held
+    at one value (see :func:`fp8_backends.workloads.expand_candidates`)."""
     from fp8_backends.registry.discovery import discover
 
     entries = [*discover(kind), *extra_entries] if extra_entries else None
@@ -238,7 +240,8 @@ def run_grid(
                     t0 = time.perf_counter()
                     problem = workload.problem(m)
                     only = None if providers is None else {*providers, *(e.name for e in extra_entries)}
-                    cands, skipped = expand_candidates(kind, problem, platform, only=only, entries=entries)
+                    cands, skipped = expand_candidates(kind, problem, platform, only=only, entries=entries,
+                                                       pins=pins)
                     auto, source, note, auto_error = _auto_candidate(kind, problem, platform)
                     labels = {c.label for c in cands}
                     if auto is not None and auto.label not in labels:

@@ -73,7 +73,8 @@ def _load(shapes, layers: int, ms: list[int], platform: Platform, device: str, p
             for m in ms:
                 problem = GemmProblem(n=n, k=k, m=m, device=device)
                 os.environ["FP8_BACKENDS_LOCKFILE"] = "off"
-                static.append(_resolve_us(problem, platform, ("auto", "measured-default")))
+                static.append(_resolve_us(problem, platform, ("priority", "measured-default", "shipped-exact",
+                                                                "shipped-nearest")))
                 os.environ["FP8_BACKENDS_LOCKFILE"] = str(path)
                 locked.append(_resolve_us(problem, platform, ("lockfile",)))
     return static, locked

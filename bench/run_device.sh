@@ -4,8 +4,11 @@
 #   source .device/setup.sh || exit 1; bash bench/run_device.sh [STAGE ...]
 #
 # Stages (default: all, in this order): install list tests build cutlass_cfg triton_cfg flashinfer host tune gemm
-# norm chain block; also norm_cfg (the norm-quant warps sweep), profile (the decoder block kernel by kernel) and
-# hf (a transformers model in bf16 / torchao / fp8-backends, bench/hf_model.py, HF_ARGS), not in the default list
+# norm chain block; also norm_cfg (the norm-quant warps sweep), profile (the decoder block kernel by kernel),
+# hf (a transformers model in bf16 / torchao / fp8-backends, bench/hf_model.py, HF_ARGS),
+# shipped (tune the shipped selection data grid, resumable: bench/shipped_data.sh; SHIPPED_FROM, SHIPPED_SHARDS),
+# heldout (bench.auto_eval on HELDOUT_MODELS against HELDOUT_DATA, the data packed without them) and auto_eval
+# (bench.auto_eval with EVAL_ARGS; EVAL_SHARDS=N splits both over N GPUs: bench/auto_eval.sh), not in the default list
 # Each stage has its own time limit (override: LIMIT_<stage>=seconds), logs to $OUT/logs/<stage>.log, and a
 # failing stage does not stop the others. TESTS_PATHS narrows the tests stage. Extra arguments per stage: TESTS_ARGS, TUNE_ARGS, GEMM_ARGS,
 # NORM_ARGS, BLOCK_ARGS, CUTLASS_ARGS, TRITON_ARGS, HOST_ARGS, CHAIN_ARGS, NORM_CFG_ARGS, PROFILE_ARGS, HF_ARGS (e.g. GEMM_ARGS="--models llama3-8b --m 1,16,256,4096").
@@ -68,6 +71,16 @@ for stage in "${stages[@]}"; do
         run_stage gemm 900 python3 -m bench.gemm --out "$W/gemm" ${GEMM_ARGS:-} ;;
     norm)
       [ -f bench/norm_quant.py ] && run_stage norm 600 python3 -m bench.norm_quant --out "$W/norm" ${NORM_ARGS:-} ;;
+    shipped)
+      lim=${LIMIT_shipped:-540}
+      run_stage shipped "$lim" bash bench/shipped_data.sh "$W/shipped" "$((lim - 45))" ;;
+    heldout)
+      # shellcheck disable=SC2086
+      run_stage heldout 600 bash bench/auto_eval.sh "$W/heldout" --data "${HELDOUT_DATA:-$W/shipped/heldout.json}" \
+        --model ${HELDOUT_MODELS:-gemma3-12b mistral-nemo-12b qwen2.5-3b phi3-mini} ${HELDOUT_ARGS:-} ;;
+    auto_eval)
+      # shellcheck disable=SC2086
+      run_stage auto_eval "${LIMIT_auto_eval:-600}" bash bench/auto_eval.sh "$W/auto_eval" ${EVAL_ARGS:---model llama3-8b} ;;
     block)
       [ -f bench/decoder_block.py ] && FP8_BACKENDS_LOCKFILE="$W/selection.lock.json" \
         run_stage block 900 python3 -m bench.decoder_block --out "$W/block" ${BLOCK_ARGS:-} ;;

@@ -66,10 +66,24 @@ class BuildError(Fp8BackendError, RuntimeError):
         super().__init__(message if log_path is None else f"{message} (compiler log: {log_path})")
 
 
+class DataFileError(Fp8BackendError, ValueError):
+    """A data file the library reads is malformed: shipped selection data, a tuner shapes file. The message
+    names the file and lists every problem found; ``problems`` holds them one by one."""
+
+    def __init__(self, path: object, problems: Iterable[str]) -> None:
+        self.path = str(path)
+        self.problems = list(problems) or ["unknown problem"]
+        shown = self.problems[:12]
+        more = len(self.problems) - len(shown)
+        text = "; ".join(shown) + (f"; ... and {more} more" if more > 0 else "")
+        super().__init__(f"{self.path}: {text}")
+
+
 __all__ = [
     "AmbiguousBackendError",
     "BackendUnavailableError",
     "BuildError",
+    "DataFileError",
     "Fp8BackendError",
     "InvalidInputError",
     "UnknownBackendError",

@@ -140,6 +140,7 @@ def collect(
             settings.LOCKFILE_ENV,
             settings.TUNE_ENV,
             settings.DEFAULTS_ENV,
+            settings.SHIPPED_ENV,
             settings.PDL_ENV,
         )
         if var in os.environ
@@ -152,6 +153,7 @@ def collect(
         "providers": providers,
         "resolution": {kind: _resolution_dict(res) for kind, res in resolutions.items()},
         "lockfile": _lockfile_dict(platform),
+        "shipped_data": _shipped_dict(platform),
         "measured_defaults": {kind: _defaults_list(kind, platform) for kind in ("gemm", "norm_quant")},
     }
 
@@ -175,6 +177,15 @@ def _lockfile_dict(platform: Platform) -> dict[str, Any]:
 
         return tuning.describe_lockfile(platform)
     except Exception as exc:  # the listing must print even if the lockfile code breaks
+        return {"path": None, "status": "error", "detail": f"{type(exc).__name__}: {exc}", "entries": 0}
+
+
+def _shipped_dict(platform: Platform) -> dict[str, Any]:
+    try:
+        from fp8_backends.registry import shipped
+
+        return shipped.describe(platform)
+    except Exception as exc:  # the listing must print even if the shipped-data code breaks
         return {"path": None, "status": "error", "detail": f"{type(exc).__name__}: {exc}", "entries": 0}
 
 
@@ -210,6 +221,9 @@ def render(data: dict[str, Any]) -> str:
     if lock:
         detail = f": {lock['detail']}" if lock["detail"] else ""
         out.append(f"lockfile: {lock['path'] or '-'} ({lock['status']}{detail})")
+    shipped = data.get("shipped_data")
+    if shipped:
+        out.append(f"shipped selection data: {shipped['path'] or '-'} ({shipped['status']}: {shipped['detail']})")
     for kind, title in (("gemm", "FP8 GEMM providers"), ("norm_quant", "RMSNorm+FP8-quant providers")):
         rows = []
         for pr in (x for x in data["providers"] if x["kind"] == kind):

@@ -8,6 +8,8 @@ Examples::
     python -m fp8_backends.tune --shapes 6144,4096 4096,14336 --m 1,16,256,4096 --lockfile sel.lock.json
     python -m fp8_backends.tune --kind norm_quant --model llama3-8b   # RMSNorm+quant, T buckets
     python -m fp8_backends.tune --model llama3-8b --list              # what would be timed, no GPU work
+    python -m fp8_backends.tune --shapes-file my_model.csv --m 1-4096   # an engine's own shapes
+    python -m fp8_backends.tune --shipped-grid --lockfile sm90.json --limit-seconds 480   # resumable chunks
 
 For each problem and M bucket, every provider that can serve it is a candidate, once per value
 combination of its ``tunable_options``. Each candidate is first run once and compared with
@@ -18,26 +20,34 @@ fastest, decided here and recorded, so reruns of ``auto`` never flip. Entries ar
 lockfile after each shape (safe with concurrent writers). A provider that fails is recorded and
 skipped; the run goes on.
 
-Exit status: 0 when at least one problem got a choice, 1 when none did, 2 on bad arguments.
+Runs resume: problems the lockfile already holds for this platform are skipped (``--retune`` measures them
+again), so a long grid can be tuned in chunks (``--limit-seconds``) or shards (``--shard I/N``, one process per
+GPU). ``--shipped-grid`` tunes the grid of the selection data that ships with the package and records its
+provenance (:mod:`fp8_backends.grid`, :mod:`fp8_backends.provenance`).
+
+Exit status: 0 when at least one problem got a choice (or none was left to do), 1 when none did, 2 on bad
+arguments, 3 when ``--limit-seconds`` (or SIGTERM) stopped the run with problems left (run it again to resume).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fp8_backends.registry import tuning
+from fp8_backends.registry.discovery import discover as discover_entries
 from fp8_backends.registry.platform import Platform, detect_platform
 from fp8_backends.timing import Measurement, Timer, TimerConfig, default_timer
 from fp8_backends.types import ActScale, GemmProblem, NormQuantProblem, WeightScale
-from fp8_backends.workloads import CandidateSpec, expand_candidates, kind_of, make_workload
+from fp8_backends.workloads import CandidateSpec, expand_candidates, kind_of, make_workload, option_combos
 
 logger = logging.getLogger("fp8_backends")
 
@@ -110,6 +120,7 @@ class ProblemResult:
     fastest: CandidateResult | None = None
     runner_up: CandidateResult | None = None
     seconds: float = 0.0
+    labels: list[str] = field(default_factory=list)
 
     def decide(self) -> ProblemResult:
         self.winner, self.fastest, self.runner_up = select_winner(self.results, self.tie_margin)
@@ -150,6 +161,7 @@ class ProblemResult:
             "skipped": [{"label": label, "reason": why} for label, why in self.skipped],
             "method": self.winner.measurement.method if self.winner.measurement else "",
             "tuned_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            **({"labels": list(self.labels)} if self.labels else {}),
         }
 
 
@@ -161,6 +173,11 @@ class TuneReport:
     lockfile: Path | None = None
     lockfile_entries_total: int | None = None
     write_errors: list[str] = field(default_factory=list)
+    provenance: Mapping[str, Any] | None = None
+    started: float = field(default_factory=time.perf_counter)
+    already_done: int = 0  # problems skipped because the lockfile had them
+    remaining: int = 0  # problems not measured when the run ended
+    stopped: str | None = None  # "time limit" or "interrupted" when the run ended early
 
     def lockfile_entries(self, problems: Iterable[ProblemResult] | None = None) -> dict[str, dict[str, Any]]:
         out = {}
@@ -200,6 +217,10 @@ def _device_for(problem: Any, platform: Platform) -> str:
     return platform.torch_device
 
 
+class _OutOfTime(Exception):
+    """The next problem would not finish before the deadline."""
+
+
 def tune(
     problems: Sequence[GemmProblem | NormQuantProblem],
     *,
@@ -214,13 +235,26 @@ def tune(
     progress: bool = True,
     seed: int = 0,
     on_result: Callable[[ProblemResult], None] | None = None,
+    pins: Mapping[str, Mapping[str, str]] | None = None,
+    labels: Mapping[str, Sequence[str]] | None = None,
+    skip: Collection[str] = (),
+    deadline: float | None = None,
+    provenance: Mapping[str, Any] | None = None,
 ) -> TuneReport:
     """Tune ``problems`` (their M is ignored) at every M in ``m_buckets``.
 
     - ``timer``: ``timer(runs) -> {label: Measurement}`` (default: CUDA graphs on a GPU, wall clock on
       the CPU; see :mod:`fp8_backends.timing`). Tests inject fake ones.
-    - ``lockfile``: when given, entries are merged into it after each problem shape.
+    - ``lockfile``: when given, entries are merged into it after each problem shape (and when the run stops).
     - ``providers``: provider names to consider (default: every discovered one).
+    - ``pins``: provider name -> options held at one value (e.g. ``{"cutlass": {"config": "auto"}}``).
+    - ``labels``: problem key (:func:`~fp8_backends.registry.tuning.problem_key`) -> where the shape comes from
+      (``"llama3-8b/tp2/o_proj"``), recorded in its entries.
+    - ``skip``: entry keys (:func:`~fp8_backends.registry.tuning.entry_key`) already measured: not tuned again.
+    - ``deadline``: a ``time.perf_counter()`` value; no problem is started that would not finish before it
+      (estimated from the last problem of the same M). ``report.stopped`` says why a run ended early; a
+      ``KeyboardInterrupt`` (or SIGTERM under :func:`main`) also stops it, keeping what was measured.
+    - ``provenance``: a run record to merge into the lockfile document's ``provenance`` (shipped data).
     Candidates are always verified against the reference before they are timed.
     """
     started = time.perf_counter()
@@ -242,54 +276,96 @@ def tune(
             raise RuntimeError("cannot tune while a CUDA graph is being captured")
     timer = timer or default_timer(device, timer_config)
     path = None if lockfile is None else Path(lockfile)
-    report = TuneReport(platform=platform, lockfile=path)
+    report = TuneReport(platform=platform, lockfile=path, provenance=provenance)
     shapes: dict[str, Any] = {}
     for p in problems:
         shapes.setdefault(tuning.problem_key(kind, tuning.problem_fields(kind, p)), p)
-    bar = _progress(len(shapes) * len(buckets), progress)
+    todo = {pk: [m for m in buckets if tuning.entry_key(kind, tuning.problem_fields(kind, base), m) not in skip]
+            for pk, base in shapes.items()}
+    report.already_done = sum(len(buckets) - len(ms) for ms in todo.values())
+    report.remaining = sum(len(ms) for ms in todo.values())
+    ctx = _ShapeContext(kind, platform, device, timer, tie_margin, rtol, providers, seed, report, on_result,
+                        dict(pins or {}), deadline)
+    bar = ctx.bar = _progress(report.remaining, progress)
+    pending: list[ProblemResult] = []
     try:
-        for base in shapes.values():
-            done = _tune_shape(kind, base, buckets, platform, device, timer, tie_margin, rtol, providers, seed,
-                               report, bar, on_result)
-            if path is not None and done:
-                _write(report, path, done)
+        for pk, base in shapes.items():
+            if todo[pk]:
+                _tune_shape(ctx, base, todo[pk], list((labels or {}).get(pk, ())), pending)
+                if path is not None and pending:
+                    _write(report, path, pending)
+                pending.clear()
+    except _OutOfTime:
+        report.stopped = "time limit"
+    except KeyboardInterrupt:
+        report.stopped = "interrupted"
     finally:
         bar.close()
+        if path is not None and pending:
+            _write(report, path, pending)
     report.seconds = time.perf_counter() - started
     return report
 
 
-def _tune_shape(kind, base, buckets, platform, device, timer, tie_margin, rtol, providers, seed, report, bar,
-                on_result) -> list[ProblemResult]:
-    done: list[ProblemResult] = []
-    kw = {"seed": seed} if rtol is None else {"seed": seed, "rtol": rtol}
+@dataclass
+class _ShapeContext:
+    kind: str
+    platform: Platform
+    device: str
+    timer: Timer
+    tie_margin: float
+    rtol: float | None
+    providers: Collection[str] | None
+    seed: int
+    report: TuneReport
+    on_result: Callable[[ProblemResult], None] | None
+    pins: dict[str, Mapping[str, str]]
+    deadline: float | None
+    bar: Any = None
+    last_seconds: dict[int, float] = field(default_factory=dict)
+
+    def check_time(self, m: int) -> None:
+        if self.deadline is None:
+            return
+        recent = self.last_seconds.get(m, max(self.last_seconds.values(), default=0.0))
+        if time.perf_counter() + 1.25 * recent > self.deadline:
+            raise _OutOfTime()
+
+
+def _tune_shape(ctx: _ShapeContext, base: Any, buckets: list[int], labels: list[str],
+                pending: list[ProblemResult]) -> None:
+    kind, device, report = ctx.kind, ctx.device, ctx.report
+    ctx.check_time(buckets[0])
+    kw = {"seed": ctx.seed} if ctx.rtol is None else {"seed": ctx.seed, "rtol": ctx.rtol}
     try:
         workload = make_workload(kind, base, device, **kw)
     except Exception as exc:
         logger.warning("cannot build inputs for %s: %s: %s", base.describe(), type(exc).__name__, exc)
         _free(device)
-        bar.update(len(buckets))
-        return done
+        ctx.bar.update(len(buckets))
+        report.remaining -= len(buckets)
+        return
     failed_prepare: dict[str, str] = {}
     try:
         for m in buckets:
+            ctx.check_time(m)
             t0 = time.perf_counter()
             problem = workload.problem(m)
-            cands, skipped = expand_candidates(kind, problem, platform, only=providers)
-            results = measure_candidates(workload, m, cands, timer, failed_prepare)
-            pr = ProblemResult(kind, problem, m, results, skipped, tie_margin).decide()
-            pr.seconds = time.perf_counter() - t0
+            cands, skipped = expand_candidates(kind, problem, ctx.platform, only=ctx.providers, pins=ctx.pins)
+            results = measure_candidates(workload, m, cands, ctx.timer, failed_prepare)
+            pr = ProblemResult(kind, problem, m, results, skipped, ctx.tie_margin, labels=labels).decide()
+            pr.seconds = ctx.last_seconds[m] = time.perf_counter() - t0
             report.problems.append(pr)
-            done.append(pr)
-            if on_result is not None:
-                on_result(pr)
-            bar.update(1)
-            bar.set_postfix_str(f"{pr.shape_text()} M={m}: {pr.winner.label if pr.winner else 'none'}")
+            report.remaining -= 1
+            pending.append(pr)
+            if ctx.on_result is not None:
+                ctx.on_result(pr)
+            ctx.bar.update(1)
+            ctx.bar.set_postfix_str(f"{pr.shape_text()} M={m}: {pr.winner.label if pr.winner else 'none'}")
             workload.release()
     finally:
         workload.close()
         _free(device)
-    return done
 
 
 def measure_candidates(
@@ -352,7 +428,17 @@ def _write(report: TuneReport, path: Path, done: list[ProblemResult]) -> None:
         return
     key, _ = tuning.current_key(report.platform)
     try:
-        report.lockfile_entries_total = tuning.write_entries(path, key, entries)
+        if report.provenance is None:
+            report.lockfile_entries_total = tuning.write_entries(path, key, entries)
+            return
+        from fp8_backends.provenance import merge_provenance
+
+        def mutate(doc: dict[str, Any]) -> None:
+            report.lockfile_entries_total = tuning.merge_entries(doc, key, entries)
+            doc["provenance"] = merge_provenance(doc.get("provenance"), report.provenance, len(report.problems),
+                                                 time.perf_counter() - report.started)
+
+        tuning.update_document(path, mutate)
     except Exception as exc:  # a full disk or a lock timeout must not lose the measurements printed later
         msg = f"could not write {path}: {type(exc).__name__}: {exc}"
         report.write_errors.append(msg)
@@ -455,6 +541,8 @@ def _parse_shape(text: str) -> tuple[int, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from fp8_backends.tune_plan import parse_pin, parse_scales, parse_shard
+
     ap = argparse.ArgumentParser(
         prog="python -m fp8_backends.tune",
         description="Time every FP8 provider on your problems and write the lockfile that `auto` reads.",
@@ -462,16 +550,29 @@ def build_parser() -> argparse.ArgumentParser:
     what = ap.add_argument_group("problems")
     what.add_argument("--kind", choices=["gemm", "norm_quant"], default="gemm")
     what.add_argument("--model", nargs="+", default=[], metavar="NAME",
-                      help="built-in linear-shape tables (llama3-8b, llama3-70b, qwen2-7b, mistral-7b, ...; "
-                           "default llama3-8b when no --shapes/--hidden)")
-    what.add_argument("--tp", type=int, default=1, help="tensor-parallel degree for --model shapes (default 1)")
+                      help="built-in linear-shape tables (llama3-8b, qwen2.5-14b, gemma3-12b, phi4, ...; "
+                           "default llama3-8b when no --shapes/--shapes-file/--hidden)")
+    what.add_argument("--tp", nargs="+", type=int, default=None, metavar="N",
+                      help="tensor-parallel degrees for --model shapes (default 1); degrees that do not divide a "
+                           "model's heads are skipped")
+    what.add_argument("--exclude-model", nargs="+", default=[], metavar="NAME",
+                      help="leave these models' shapes out (a held-out set); shapes another model shares stay")
     what.add_argument("--shapes", nargs="+", type=_parse_shape, default=[], metavar="N,K",
                       help="GEMM weight shapes [N, K]")
+    what.add_argument("--shapes-file", nargs="+", default=[], metavar="PATH",
+                      help="JSON or CSV of N, K (optional bias, model, tp, layer labels): an engine's own shapes")
+    what.add_argument("--shipped-grid", action="store_true",
+                      help="the grid of the shipped selection data (fp8_backends/grid.py: 25 models x TP 1/2/4/8 "
+                           "x M 1,4,16,64,256,1024,4096, kernel-config tables pinned to auto) with provenance")
     what.add_argument("--hidden", nargs="+", type=int, default=[], metavar="H", help="norm-quant hidden sizes")
     what.add_argument("--m", default=None, metavar="LIST",
                       help="M (token) buckets: '1,16,256' or '1-16384' (powers of two; default 1-16384)")
-    what.add_argument("--act-scale", nargs="+", default=["per_tensor_dynamic"], choices=[a.value for a in ActScale])
-    what.add_argument("--weight-scale", nargs="+", default=["per_tensor"], choices=[w.value for w in WeightScale])
+    what.add_argument("--act-scale", nargs="+", default=None, choices=[a.value for a in ActScale],
+                      help="activation scale modes (default per_tensor_dynamic); crossed with --weight-scale")
+    what.add_argument("--weight-scale", nargs="+", default=None, choices=[w.value for w in WeightScale])
+    what.add_argument("--scales", nargs="+", type=parse_scales, default=[], metavar="ACT:W",
+                      help="(activation, weight) scale pairs instead of the cross product, e.g. "
+                           "per_tensor_dynamic:per_tensor per_token:per_channel")
     what.add_argument("--input-dtype", default="e4m3fn", choices=["e4m3fn", "e5m2"])
     what.add_argument("--weight-dtype", default=None, choices=["e4m3fn", "e5m2"])
     what.add_argument("--out-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -481,6 +582,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="norm-quant: with the fused residual add, without, or both (default)")
     how = ap.add_argument_group("tuning")
     how.add_argument("--providers", default=None, help="comma-separated provider names (default: all discovered)")
+    how.add_argument("--pin", action="append", type=parse_pin, default=[], metavar="PROVIDER:OPTION=VALUE",
+                     help="hold a provider option at one value instead of timing each (e.g. cutlass:config=auto)")
+    how.add_argument("--no-pins", action="store_true", help="with --shipped-grid: time every kernel config")
     how.add_argument("--tie-margin", type=float, default=tuning.DEFAULT_TIE_MARGIN,
                      help="near-tie margin; near-ties go to the static-priority provider (default 0.02)")
     how.add_argument("--rtol", type=float, default=None, help="max relative error against the reference (1e-2)")
@@ -490,12 +594,23 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--quick", action="store_true", help=f"M buckets {QUICK_M_BUCKETS} and fewer repeats")
     how.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: the current GPU)")
     how.add_argument("--seed", type=int, default=0)
+    run = ap.add_argument_group("splitting and resuming")
+    run.add_argument("--retune", action="store_true",
+                     help="measure again problems the lockfile already holds (default: skip them, i.e. resume)")
+    run.add_argument("--limit-seconds", type=float, default=None, metavar="S",
+                     help="start no problem that would end after S seconds; exit 3 if problems are left")
+    run.add_argument("--shard", type=parse_shard, default=None, metavar="I/N",
+                     help="take shard I of N of the shapes (one process per GPU; they share the lockfile)")
     out = ap.add_argument_group("output")
     out.add_argument("--lockfile", default=None, metavar="PATH",
                      help="lockfile to merge into (default: $FP8_BACKENDS_LOCKFILE or the per-user cache)")
+    out.add_argument("--provenance", action="store_true",
+                     help="record provenance in the lockfile (GPU, versions, date, command): for shipped data "
+                          "(implied by --shipped-grid)")
     out.add_argument("--no-write", action="store_true", help="measure and print, write no lockfile")
     out.add_argument("--report", default=None, metavar="PATH", help="also write every measurement as JSON")
-    out.add_argument("--list", action="store_true", help="print the problems and candidates, time nothing")
+    out.add_argument("--list", action="store_true", help="print the problems, candidates and a time estimate; "
+                                                         "time nothing")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
     out.add_argument("-v", "--verbose", action="store_true", help="log at INFO (rejections, choices)")
     return ap
@@ -503,40 +618,58 @@ def build_parser() -> argparse.ArgumentParser:
 
 def problems_from_args(args: argparse.Namespace, device: str) -> list[Any]:
     """The problem templates (M unset) the arguments describe."""
-    from fp8_backends.models import hidden_size, linear_shapes
+    from fp8_backends.tune_plan import plan_from_args
 
-    models = args.model or ([] if (args.shapes or args.hidden) else ["llama3-8b"])
-    if args.kind == "norm_quant":
-        hiddens = list(dict.fromkeys([*args.hidden, *(hidden_size(m) for m in models)]))
-        residuals = {"both": [False, True], "yes": [True], "no": [False]}[args.residual]
-        return [NormQuantProblem(hidden=h, in_dtype=args.in_dtype, residual=r, device=device)
-                for h in hiddens for r in residuals]
-    shapes: list[tuple[int, int, bool]] = []
-    for model in models:
-        shapes += [(s.n, s.k, s.bias) for s in linear_shapes(model, args.tp)]
-    shapes += [(n, k, args.bias) for n, k in args.shapes]
-    out = []
-    for n, k, bias in dict.fromkeys(shapes):
-        for act in args.act_scale:
-            for ws in args.weight_scale:
-                out.append(GemmProblem(n=n, k=k, input_dtype=args.input_dtype,
-                                       weight_dtype=args.weight_dtype or args.input_dtype, out_dtype=args.out_dtype,
-                                       act_scale=act, weight_scale=ws, has_bias=bias, device=device))
-    return out
+    return plan_from_args(args, device).problems
 
 
-def _list_candidates(problems: list[Any], buckets: list[int], platform: Platform, providers) -> str:
+def _list_candidates(problems: list[Any], buckets: list[int], platform: Platform, providers,
+                     pins=None) -> tuple[str, float]:
     lines = [f"platform: {platform.describe()}", f"M buckets: {', '.join(map(str, buckets))}"]
+    total = 0
     for p in problems:
         kind = kind_of(p)
         probe = p.with_m(buckets[0]) if kind == "gemm" else p
-        cands, skipped = expand_candidates(kind, probe, platform, only=providers)
+        cands, skipped = expand_candidates(kind, probe, platform, only=providers, pins=pins)
+        total += len(cands)
         lines.append(f"{p.describe()}: {len(cands)} candidate(s): {', '.join(c.label for c in cands) or 'none'}")
         lines += [f"    skipped {label}: {why}" for label, why in skipped]
-    return "\n".join(lines)
+    return "\n".join(lines), total / max(1, len(problems))
+
+
+def _estimate_text(problems: int, per_problem: float) -> str:
+    from fp8_backends.grid import H200_SECONDS_PER_CANDIDATE, estimate_seconds
+
+    seconds = estimate_seconds(problems, per_problem)
+    return (f"estimate: {problems} problem(s) x {per_problem:.1f} candidate(s) x "
+            f"{1000 * H200_SECONDS_PER_CANDIDATE:.0f} ms (the H200's measured rate per candidate run) = "
+            f"{seconds:.0f} s ({seconds / 60:.1f} min)")
+
+
+@contextlib.contextmanager
+def _sigterm_to_interrupt() -> Iterator[None]:
+    """While tuning, a SIGTERM (``timeout``, a job scheduler) stops the run like Ctrl-C: what was measured is
+    written. The previous handler comes back afterwards."""
+    import signal
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: list[str] | None = None, *, timer: Timer | None = None) -> int:
+    from fp8_backends.tune_plan import done_keys, plan_from_args, select_shard
+
+    argv = list(sys.argv[1:] if argv is None else argv)
     ap = build_parser()
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -544,16 +677,21 @@ def main(argv: list[str] | None = None, *, timer: Timer | None = None) -> int:
     try:
         platform = detect_platform(args.device)
         device = "cpu" if platform.kind.value == "cpu" else "cuda"
-        if args.m:
-            buckets = parse_m_list(args.m)
-        else:
-            buckets = list(QUICK_M_BUCKETS if args.quick else tuning.DEFAULT_M_BUCKETS)
-        problems = problems_from_args(args, device)
+        plan = plan_from_args(args, device)
+        for provider, options in plan.pins.items():
+            for entry in (e for e in discover_entries(plan.kind) if e.name == provider and e.cls is not None):
+                option_combos(entry.cls, options)  # unknown option values: a clear error now
     except (ValueError, argparse.ArgumentTypeError) as exc:
         ap.error(str(exc))
+    if args.shard is not None:
+        plan = select_shard(plan, *args.shard)
+    for note in plan.notes:
+        print(f"left out: {note}", file=sys.stderr)
     providers = None if args.providers is None else {p.strip() for p in args.providers.split(",") if p.strip()}
     if args.list:
-        print(_list_candidates(problems, buckets, platform, providers))
+        text, per_problem = _list_candidates(plan.problems, plan.buckets, platform, providers, plan.pins)
+        print(text)
+        print(_estimate_text(len(plan.problems) * len(plan.buckets), per_problem))
         return 0
     if platform.simulated:
         ap.error(f"cannot time on a simulated platform ({platform.describe()}); --list shows its candidates")
@@ -571,10 +709,22 @@ def main(argv: list[str] | None = None, *, timer: Timer | None = None) -> int:
     if args.replays is not None:
         config.replays = max(1, args.replays)
     config.use_graphs = not args.eager
-    print(f"tuning {len(problems)} problem(s) x {len(buckets)} M bucket(s) on {platform.describe()}", file=sys.stderr)
-    report = tune(problems, m_buckets=buckets, platform=platform, timer=timer, timer_config=config,
-                  tie_margin=args.tie_margin, rtol=args.rtol, providers=providers, lockfile=path,
-                  progress=not args.no_progress, seed=args.seed)
+    skip = set() if args.retune else done_keys(path, platform)
+    provenance = None
+    if (args.shipped_grid or args.provenance) and path is not None:
+        from fp8_backends.provenance import build_provenance
+
+        provenance = build_provenance(platform, argv, plan.grid)
+    deadline = None if args.limit_seconds is None else time.perf_counter() + args.limit_seconds
+    print(f"tuning {len(plan.problems)} problem(s) x {len(plan.buckets)} M bucket(s) on {platform.describe()}"
+          + (f" (shard {args.shard[0]}/{args.shard[1]})" if args.shard else ""), file=sys.stderr)
+    with _sigterm_to_interrupt():
+        report = tune(plan.problems, m_buckets=plan.buckets, platform=platform, timer=timer, timer_config=config,
+                      tie_margin=args.tie_margin, rtol=args.rtol, providers=providers, lockfile=path,
+                      progress=not args.no_progress, seed=args.seed, pins=plan.pins, labels=plan.labels, skip=skip,
+                      deadline=deadline, provenance=provenance)
+    if report.already_done:
+        print(f"{report.already_done} problem(s) already in {path}: skipped (--retune measures them again)")
     print(format_summary(report))
     rejections = format_rejections(report)
     if rejections:
@@ -591,6 +741,13 @@ def main(argv: list[str] | None = None, *, timer: Timer | None = None) -> int:
         Path(args.report).expanduser().parent.mkdir(parents=True, exist_ok=True)
         Path(args.report).expanduser().write_text(json.dumps(report.to_json(), indent=1) + "\n", encoding="utf-8")
         print(f"report: {args.report}")
+    if report.stopped and report.remaining:
+        print(f"stopped ({report.stopped}) with {report.remaining} problem(s) left: run the same command again to "
+              "resume")
+        return 3
+    if not report.problems:
+        print("nothing to do: every problem is in the lockfile")
+        return 0
     return 0 if chosen else 1
 
 

@@ -1,7 +1,8 @@
 """What the tuner and the benchmarks run: candidates (provider x tunable option values) and inputs.
 
 - :func:`expand_candidates`: every discovered provider that can serve a problem, once per combination
-  of the values of its ``tunable_options`` (``"auto"`` values skipped; combinations whose ``supports()``
+  of the values of its ``tunable_options`` (``"auto"`` values skipped unless *pinned*: ``pins`` holds options
+  at one value, e.g. ``{"cutlass": {"config": "auto"}}``; combinations whose ``supports()``
   fails, or that ``auto`` may not pick for the problem, are skipped with their reasons), each with a
   *static rank*: the order ``auto`` would prefer without measurements (provider priority, then option
   values in declared order). Near-ties are broken by this rank.
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,16 +49,22 @@ class CandidateSpec:
         return self.entry.name
 
 
-def option_combos(cls: Any) -> list[dict[str, str]]:
+def option_combos(cls: Any, pinned: Mapping[str, str] | None = None) -> list[dict[str, str]]:
     """Every combination of the values of ``cls.tunable_options`` (``"auto"`` left out), in declared
-    order; ``[{}]`` when nothing is tunable."""
+    order; ``[{}]`` when nothing is tunable. ``pinned`` options take only their given value (tunable or not)."""
     options = getattr(cls, "options", {}) or {}
-    names = [n for n in getattr(cls, "tunable_options", ()) or () if n in options]
+    pinned = dict(pinned or {})
+    bad = [f"{k}={v}" for k, v in pinned.items() if str(v) not in options.get(k, ())]
+    if bad:
+        declared = ", ".join(f"{k}={'|'.join(v)}" for k, v in options.items()) or "none"
+        raise ValueError(f"{getattr(cls, 'name', cls)}: no option value {', '.join(bad)} (options: {declared})")
+    names = [n for n in getattr(cls, "tunable_options", ()) or () if n in options and n not in pinned]
     values = [[v for v in options[n] if v != "auto"] for n in names]
     if any(not v for v in values):
         names = [n for n, v in zip(names, values) if v]
         values = [v for v in values if v]
-    return [dict(zip(names, combo)) for combo in itertools.product(*values)]
+    fixed = {k: str(v) for k, v in pinned.items()}
+    return [{**dict(zip(names, combo)), **fixed} for combo in itertools.product(*values)]
 
 
 def _option_rank(cls: Any, options: dict[str, str]) -> tuple[int, ...]:
@@ -91,10 +98,12 @@ def expand_candidates(
     *,
     only: Collection[str] | None = None,
     entries: Sequence[ProviderEntry] | None = None,
+    pins: Mapping[str, Mapping[str, str]] | None = None,
 ) -> tuple[list[CandidateSpec], list[tuple[str, str]]]:
     """``(candidates in static-rank order, [(label, why skipped), ...])`` for one problem.
 
-    ``only``: provider names (or aliases) to keep; others are left out silently.
+    ``only``: provider names (or aliases) to keep; others are left out silently. ``pins``: provider name ->
+    options held at one value (see :func:`option_combos`).
     """
     ordered = sorted(entries if entries is not None else discover(kind), key=resolution._sort_key)
     counts: dict[str, int] = {}
@@ -109,7 +118,7 @@ def expand_candidates(
         if reason:
             skipped.append((entry.name, reason))
             continue
-        for combo in option_combos(entry.cls):
+        for combo in option_combos(entry.cls, (pins or {}).get(entry.name)):
             cand, why = make_candidate(entry, combo, problem, platform, order, qualified=counts[entry.name] > 1)
             if cand is not None:
                 why = cand.backend.explicit_only_reason(problem, platform) or ""

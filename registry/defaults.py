@@ -10,6 +10,10 @@ per SM range, an M bucket and the provider names preferred there (the first that
 can, static priorities decide). A tuned lockfile (:mod:`.tuning`) is asked first; ``FP8_BACKENDS_DEFAULTS=0``
 turns these defaults off.
 
+These global M rules are a fallback for GPUs the shipped selection data (:mod:`.shipped`) does not cover: where a
+data file exists for the GPU's SM, the per-shape data decides (a rule learnt on the four Llama-3-8B shapes loses to
+cuBLAS on others, e.g. 0.89x at N=4608 K=3584 M=1) and these rules step aside entirely.
+
 Only built-in providers are named here (a third-party provider that happens to be called ``triton`` is never
 picked by these rules). :func:`buckets` gives :class:`fp8_backends.layers.Fp8Linear` the M buckets to
 prepare one weight per provider for, as the lockfile's buckets do.
@@ -66,9 +70,17 @@ DEFAULTS: tuple[PlatformDefaults, ...] = (
 
 
 def defaults_for(kind: str, platform: Platform) -> PlatformDefaults | None:
+    """The rules for ``kind`` on ``platform``; None when turned off, when none apply, or when shipped selection
+    data covers the GPU."""
     if not settings.measured_defaults_enabled():
         return None
-    return next((d for d in DEFAULTS if d.covers(kind, platform)), None)
+    table = next((d for d in DEFAULTS if d.covers(kind, platform)), None)
+    if table is not None:
+        from . import shipped
+
+        if shipped.covers(platform):
+            return None
+    return table
 
 
 def measured_default_policy(

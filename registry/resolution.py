@@ -64,7 +64,7 @@ class Resolution:
 
     kind: str
     request: str
-    source: str  # "explicit", "env", "auto", or a policy's name (e.g. "lockfile")
+    source: str  # "explicit", "env" (a name from the environment), "priority", or the deciding policy's name
     platform: Platform
     problem: Any
     candidates: list[Candidate]
@@ -110,8 +110,9 @@ _policy_ranks: dict[str, int] = {}
 def register_selection_policy(name: str, policy: SelectionPolicy, rank: int = 0) -> None:
     """Add (or replace) an ``auto`` policy. Policies are asked by descending ``rank``, and among equal ranks
     the later registration first, whatever order their modules were imported in. The built-ins: the tuned
-    lockfile (rank 100: the user's own measurements, on their GPU and shapes) and the measured defaults
-    (rank -100: the library's measurements, which apply only where nothing else decides)."""
+    lockfile (rank 100: the user's own measurements, on their GPU and shapes), the shipped selection data (ranks
+    -10 and -20: the library's measurements per GPU family, exact then nearest shapes) and the measured defaults
+    (rank -100: for GPUs without shipped data). When none decides, the source is ``"priority"``."""
     _policies[:] = [(n, p) for n, p in _policies if n != name]
     _policy_ranks[name] = rank
     at = next((i for i, (n, _) in enumerate(_policies) if _policy_ranks.get(n, 0) <= rank), len(_policies))
@@ -122,13 +123,14 @@ _builtin_policies_loaded = False
 
 
 def _load_builtin_policies() -> None:
-    """Import the built-in policies once, on first resolution: the measured defaults (:mod:`.defaults`) and the
-    tuned lockfile (:mod:`.tuning`); their ranks, not this order, decide which is asked first."""
+    """Import the built-in policies once, on first resolution: the measured defaults (:mod:`.defaults`), the
+    shipped selection data (:mod:`.shipped`) and the tuned lockfile (:mod:`.tuning`); their ranks, not this
+    order, decide which is asked first."""
     global _builtin_policies_loaded
     if _builtin_policies_loaded:
         return
     _builtin_policies_loaded = True
-    for module in ("defaults", "tuning"):
+    for module in ("defaults", "shipped", "tuning"):
         try:
             importlib.import_module(f"{__package__}.{module}")  # each registers its policy
         except Exception as exc:  # a broken policy module must not break resolution
@@ -206,7 +208,7 @@ def explain(
         names_by_count[e.name] = names_by_count.get(e.name, 0) + 1
 
     if request.is_auto:
-        res.source = "auto" if source == "explicit" else source
+        res.source = "priority"  # unless a selection policy decides
         serving = [c for c in candidates if c.auto_ok]
         _load_builtin_policies()
         picked = _ask_policies(kind, problem, platform, serving)
@@ -372,7 +374,8 @@ def resolve_gemm_buckets(
     platform: Platform | None = None,
 ) -> list[tuple[int, Any]]:
     """For ``auto``: the provider for each M bucket the tuned lockfile covers for ``problem`` (its ``m``
-    ignored), else for each bucket of this GPU's measured defaults (:mod:`.defaults`), as
+    ignored), else for each bucket of the shipped selection data (:mod:`.shipped`), else for each bucket of this
+    GPU's measured defaults (:mod:`.defaults`), as
     ``[(bucket, provider), ...]`` ascending; a batch of ``M`` rows uses the first bucket ``>= M`` (the
     largest beyond them). ``[]`` for an explicit choice or when neither applies. Logs one INFO line per
     problem summarising the choices."""
@@ -384,12 +387,15 @@ def resolve_gemm_buckets(
         return []
     platform = _platform_for(problem, platform)
     _load_builtin_policies()
-    from . import defaults, tuning
+    from . import defaults, shipped, tuning
 
-    covered = tuning.covered_buckets("gemm", problem, platform)
-    source = "lockfile" if covered else "measured defaults"
+    covered, source = tuning.covered_buckets("gemm", problem, platform), "lockfile"
+    if not covered:
+        covered, source = shipped.buckets("gemm", problem, platform), "shipped data"
+    if not covered:
+        covered, source = defaults.buckets("gemm", platform), "measured defaults"
     table = []
-    for bucket in covered or defaults.buckets("gemm", platform):
+    for bucket in covered:
         res = explain("gemm", name, problem=problem.with_m(bucket), platform=platform)
         if res.error is not None:
             raise res.error

@@ -12,6 +12,7 @@
 | ``FP8_BACKENDS_TUNE`` | ``1``: ``auto`` tunes a problem the lockfile lacks at first use and stores the result |
 | ``FP8_BACKENDS_PDL`` | ``0``: never launch kernels with programmatic dependent launch (default: on where SM >= 9.0) |
 | ``FP8_BACKENDS_DEFAULTS`` | ``0``: ``auto`` ignores the measured per-GPU, per-M defaults (``registry/defaults.py``) |
+| ``FP8_BACKENDS_SHIPPED`` | ``off``: ``auto`` ignores the shipped per-GPU selection data; a file or folder: that data |
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ LOCKFILE_ENV = "FP8_BACKENDS_LOCKFILE"
 TUNE_ENV = "FP8_BACKENDS_TUNE"
 PDL_ENV = "FP8_BACKENDS_PDL"
 DEFAULTS_ENV = "FP8_BACKENDS_DEFAULTS"
+SHIPPED_ENV = "FP8_BACKENDS_SHIPPED"
 
 
 def _split(value: str | None) -> list[str]:

@@ -66,7 +66,7 @@ def test_auto_picks_highest_priority_plugin(thirdparty_plugin, caplog):
         backend = resolve_gemm_backend("auto", problem=problem)
     assert backend.name == "toy"
     infos = [r for r in caplog.records if r.levelno == logging.INFO]
-    assert len(infos) == 1 and "toy" in infos[0].getMessage() and "auto" in infos[0].getMessage()
+    assert len(infos) == 1 and "toy" in infos[0].getMessage() and "(priority)" in infos[0].getMessage()
     assert any(r.levelno == logging.DEBUG and "broken" in r.getMessage() for r in caplog.records)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="fp8_backends"):
@@ -259,7 +259,7 @@ def test_measured_default_prefers_triton_for_decode_on_sm90(monkeypatch):
     for m, platform in ((17, sm90), (4096, sm90), (1, simulate_platform("8.9")), (1, simulate_platform("10.0")),
                         (None, sm90)):
         res = resolution.explain("gemm", problem=GemmProblem(n=4096, k=4096, m=m), platform=platform)
-        assert res.backend.name == "torch_scaled_mm" and res.source == "auto", (m, platform.arch)
+        assert res.backend.name == "torch_scaled_mm" and res.source == "priority", (m, platform.arch)
     monkeypatch.setenv("FP8_BACKENDS_DEFAULTS", "0")
     assert resolve_gemm_backend(problem=GemmProblem(n=4096, k=4096, m=1), platform=sm90).name == "torch_scaled_mm"
     monkeypatch.setenv("FP8_BACKENDS_DEFAULTS", "1")

@@ -366,9 +366,9 @@ def test_auto_uses_the_lockfile_choice_with_options(lockpath, with_fake, monkeyp
     # not covered / unknown M / disabled: static priorities (torch_scaled_mm, default options)
     for problem in (gemm(m=None), gemm(n=48, m=5), gemm(m=5, out_dtype="float16")):
         res = resolution.explain("gemm", "auto", problem=problem, platform=CPU)
-        assert (res.source, res.backend.label) == ("auto", TORCH_F)
+        assert (res.source, res.backend.label) == ("priority", TORCH_F)
     monkeypatch.setenv("FP8_BACKENDS_LOCKFILE", "off")
-    assert resolution.explain("gemm", "auto", problem=gemm(m=5), platform=CPU).source == "auto"
+    assert resolution.explain("gemm", "auto", problem=gemm(m=5), platform=CPU).source == "priority"
     monkeypatch.setenv("FP8_BACKENDS_LOCKFILE", str(lockpath))
 
     # the tuned choice disabled here: the next of the ranking that can serve
@@ -388,7 +388,7 @@ def test_lockfile_from_another_platform_is_ignored_with_one_warning(lockpath, wi
     with caplog.at_level(logging.DEBUG, logger="fp8_backends"):
         for m in (1, 2, 8, 8):
             res = resolution.explain("gemm", "auto", problem=gemm(m=m), platform=CPU)
-            assert (res.source, res.backend.label) == ("auto", TORCH_F)
+            assert (res.source, res.backend.label) == ("priority", TORCH_F)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     assert "torch 1.0.0 (lockfile) vs" in warnings[0] and f"{FAKE_DIST} 0.9 (lockfile) vs 1.0 (here)" in warnings[0]
@@ -419,7 +419,7 @@ def test_corrupt_lockfile_is_reported_and_rebuilt(lockpath, with_fake, caplog, d
     if damage == "bad-entry":
         assert warnings == [] and res.source == "lockfile"  # the m=8 entry survived
         return
-    assert len(warnings) == 1 and "ignoring it" in warnings[0] and res.source == "auto"
+    assert len(warnings) == 1 and "ignoring it" in warnings[0] and res.source == "priority"
     assert tuning.describe_lockfile(CPU)["status"] == "corrupt"
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="fp8_backends"):

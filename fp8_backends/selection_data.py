@@ -1,0 +1,310 @@
+"""``python -m fp8_backends.selection_data``: check, pack and evaluate shipped selection data.
+
+    python -m fp8_backends.selection_data pack OUT/sm90.lock.json                 # -> fp8_backends/data/selection/
+    python -m fp8_backends.selection_data pack OUT/sm90.lock.json --exclude-model gemma3-12b mistral-nemo-12b \\
+        --out /tmp/heldout.json                                                    # data without held-out models
+    python -m fp8_backends.selection_data check fp8_backends/data/selection/*.json
+    python -m fp8_backends.selection_data loo fp8_backends/data/selection/sm90-nvidia-h200.json --group model
+
+- ``pack`` takes the lockfile ``python -m fp8_backends.tune --shipped-grid`` wrote (entries + provenance), keeps
+  the section the provenance describes, drops what ``auto`` never reads (per-entry skip lists and timestamps),
+  optionally leaves out models (entries whose every label is an excluded model: a held-out set), checks the result
+  (format in :mod:`fp8_backends.registry.shipped_data`), refuses an incomplete grid unless ``--partial``, and
+  writes the compact file named ``sm<SM>-<gpu>.json``.
+- ``check`` validates files (exit 1 when any is unusable, listing every problem).
+- ``loo`` measures the nearest-shape model (:mod:`fp8_backends.registry.nearest`) on the data itself: every
+  shape unique to one model (``--group model``) or every shape (``--group shape``) is predicted from the rest, and
+  the pick's measured time at that shape is compared with the fastest measured there, next to two rules that
+  ignore the shape: static priority (``torch_scaled_mm`` with default options) and one global choice per M bucket
+  (the candidate fastest on average over the other shapes). No GPU needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from fp8_backends.errors import DataFileError
+from fp8_backends.registry import nearest, shipped_data, tuning
+
+#: per-entry fields ``auto`` never reads: left out of the shipped file
+DROPPED_ENTRY_FIELDS = ("skipped", "tuned_at")
+
+
+# ---------------------------------------------------------------------------------------- pack
+def _section_for(doc: Mapping[str, Any], prov: Mapping[str, Any]) -> dict[str, Any]:
+    """The section measured on the platform the provenance describes."""
+    fields = ("gpu", "sm", "driver", "cuda", "libraries")
+    matches = [sec for sec in doc["sections"].values()
+               if all(sec.get("platform", {}).get(f) == prov.get(f) for f in fields)]
+    if len(matches) != 1:
+        raise DataFileError("<lockfile>", [f"{len(matches)} sections match the provenance's platform "
+                                           f"({prov.get('gpu')}, SM {prov.get('sm')}); expected 1"])
+    return matches[0]
+
+
+def exclude_models(entries: Mapping[str, Mapping[str, Any]], models: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """The entries without those whose every label names one of ``models`` (entries without labels stay)."""
+    from fp8_backends.models import model_spec
+
+    gone = {model_spec(m).name for m in models}
+    out = {}
+    for key, entry in entries.items():
+        owners = {str(label).split("/", 1)[0] for label in entry.get("labels") or ()}
+        if owners and owners <= gone:
+            continue
+        out[key] = dict(entry)
+    return out
+
+
+def pack(doc: Mapping[str, Any], *, exclude: Sequence[str] = (), partial: bool = False,
+         command: str = "", neighbours: int | None = None) -> dict[str, Any]:
+    """The shipped document made from a tuner lockfile with provenance (see the module docstring)."""
+    problems = shipped_data.provenance_problems(doc.get("provenance"))
+    if problems:
+        hint = ["tune with --shipped-grid or --provenance"] if not isinstance(doc.get("provenance"), dict) else []
+        raise DataFileError("<lockfile>", problems + hint)
+    prov = dict(doc["provenance"])
+    section = _section_for(doc, prov)
+    entries = {k: {f: v for f, v in e.items() if f not in DROPPED_ENTRY_FIELDS}
+               for k, e in section["entries"].items() if e.get("kind") == "gemm"}
+    expected = (prov.get("grid") or {}).get("problems")
+    if not partial and isinstance(expected, int) and len(entries) < expected:
+        raise DataFileError("<lockfile>", [f"the grid has {expected} problems but only {len(entries)} are measured: "
+                                           "resume the tuning (or pack --partial)"])
+    if exclude:
+        entries = exclude_models(entries, exclude)
+    from fp8_backends.provenance import now_iso
+
+    prov["packed"] = {"date": now_iso(), "command": command, "excluded_models": list(exclude),
+                      "entries": len(entries)}
+    if neighbours is not None:
+        prov["model"] = {"neighbours": int(neighbours)}
+    out = {"schema": tuning.SCHEMA, "updated": doc.get("updated"), "provenance": prov,
+           "sections": {tuning.key_digest(section["platform"]): {"platform": section["platform"], "entries": entries}}}
+    problems = shipped_data.check_document(out)
+    if problems:
+        raise DataFileError("<packed data>", problems)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- leave-one-out
+def _static_rank(priorities: Mapping[str, int]) -> Callable[[nearest.CandKey], tuple]:
+    def rank(ck: nearest.CandKey) -> tuple:
+        return (-priorities.get(ck[0], -999), ck[2])
+    return rank
+
+
+def _provider_priorities() -> dict[str, int]:
+    from fp8_backends.registry.discovery import discover
+
+    return {e.name: e.priority for e in discover("gemm")}
+
+
+def _global_pick(pool: Sequence[nearest.MeasuredShape], missing: float) -> nearest.CandKey | None:
+    """The candidate with the best geometric-mean relative time over ``pool`` (one choice for every shape)."""
+    keys = sorted({ck for s in pool for ck in s.ratios})
+    if not keys:
+        return None
+    return min(keys, key=lambda ck: (sum(math.log(s.ratios.get(ck, missing)) for s in pool), ck))
+
+
+def _geomean(values: Sequence[float]) -> float | None:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def leave_out_report(doc: Mapping[str, Any], group: str = "model", neighbours: int = nearest.DEFAULT_NEIGHBOURS,
+                     priorities: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """Per problem class and M bucket: speed of the pick relative to the fastest (fastest µs / pick µs, 1.0 =
+    the fastest) for the nearest model, static priority and a global per-bucket rule, on held-out shapes."""
+    entries = shipped_data.the_section(doc)["entries"]
+    models = nearest.build_models(entries, neighbours=neighbours)
+    rank = _static_rank(priorities if priorities is not None else _provider_priorities())
+    baseline_key = ("torch_scaled_mm", "fp8-backends", (("fast_accum", "false"),))
+
+    def group_of(s: nearest.MeasuredShape) -> str | None:
+        if group == "shape":
+            return s.shape
+        owners = {label.split("/", 1)[0] for label in s.labels}
+        return next(iter(owners)) if len(owners) == 1 else None
+
+    out: dict[str, Any] = {"group": group, "neighbours": neighbours, "classes": []}
+    overall: dict[str, list[float]] = {"nearest": [], "priority": [], "global": []}
+    points = 0
+    for cls, model in sorted(models.items()):
+        rows = nearest.leave_out(model, group_of, rank, tuning.DEFAULT_TIE_MARGIN)
+        per_bucket = []
+        for bucket in model.buckets:
+            mine = [r for r in rows if r.shape.m == bucket]
+            speed = {"nearest": [], "priority": [], "global": []}
+            unmeasured = 0
+            for r in mine:
+                pool = [s for s in model.by_bucket[bucket] if group_of(s) != r.group]
+                if r.actual is None:
+                    unmeasured += 1
+                else:
+                    speed["nearest"].append(1.0 / r.actual)
+                speed["priority"].append(1.0 / r.shape.ratios.get(baseline_key, model.missing_ratio))
+                g = _global_pick(pool, model.missing_ratio)
+                if g is not None:
+                    speed["global"].append(1.0 / r.shape.ratios.get(g, model.missing_ratio))
+            row: dict[str, Any] = {"m": bucket, "points": len(mine), "unmeasured_picks": unmeasured}
+            points += len(mine)
+            for name, values in speed.items():
+                row[name] = _stats(values)
+                overall[name] += values
+            worst = sorted((r for r in mine if r.actual is not None), key=lambda r: r.actual, reverse=True)[:3]
+            row["worst"] = [f"{r.shape.shape} ({r.group}): {nearest.cand_label(r.picked)} {1 / r.actual:.3f}"
+                            for r in worst if r.picked is not None]
+            per_bucket.append(row)
+        out["classes"].append({"class": dict(cls), "buckets": per_bucket})
+    out["overall"] = {"points": points, **{name: _stats(values) for name, values in overall.items()}}
+    return out
+
+
+def _stats(values: Sequence[float]) -> dict[str, Any]:
+    return {"geomean": _geomean(values), "min": min(values) if values else None,
+            "at_least_0.95": sum(v >= 0.95 for v in values)}
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def leave_out_markdown(report: Mapping[str, Any]) -> str:
+    lines = [f"Leave-one-{report['group']}-out, {report['neighbours']} neighbours: speed of the pick relative to the "
+             "fastest measured candidate at the held-out shape (1.000 = the fastest), geomean / min", ""]
+    for cls in report["classes"]:
+        c = cls["class"]
+        lines += [f"### {c.get('input_dtype')}x{c.get('weight_dtype')}->{c.get('out_dtype')} act={c.get('act_scale')} "
+                  f"w={c.get('weight_scale')} bias={int(bool(c.get('has_bias')))}", "",
+                  "| M | points | nearest | >= 0.95 | global per-M rule | static priority | worst (nearest) |",
+                  "|---|---|---|---|---|---|---|"]
+        for b in cls["buckets"]:
+            n, g, p = b["nearest"], b["global"], b["priority"]
+            lines.append(f"| {b['m']} | {b['points']} | {_fmt(n['geomean'])} / {_fmt(n['min'])} | "
+                         f"{n['at_least_0.95']} | {_fmt(g['geomean'])} / {_fmt(g['min'])} | "
+                         f"{_fmt(p['geomean'])} / {_fmt(p['min'])} | {'; '.join(b['worst'])} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def leave_out_comparison(reports: Sequence[Mapping[str, Any]]) -> str:
+    """One row per neighbour count: the speed relative to the fastest over every class and bucket."""
+    lines = ["| neighbours | points | nearest geomean / min | >= 0.95 | global per-M rule | static priority |",
+             "|---|---|---|---|---|---|"]
+    for r in reports:
+        n, g, p = (r["overall"][k] for k in ("nearest", "global", "priority"))
+        lines.append(f"| {r['neighbours']} | {r['overall']['points']} | {_fmt(n['geomean'])} / {_fmt(n['min'])} | "
+                     f"{n['at_least_0.95']} | {_fmt(g['geomean'])} / {_fmt(g['min'])} | "
+                     f"{_fmt(p['geomean'])} / {_fmt(p['min'])} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------- CLI
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m fp8_backends.selection_data",
+                                 description="Check, pack and evaluate shipped selection data.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("pack", help="make the shipped file from a --shipped-grid tuner lockfile")
+    p.add_argument("lockfile")
+    p.add_argument("--out", default=None, help="a .json (.json.gz) file or a folder (default: the package's "
+                                               "data/selection folder)")
+    p.add_argument("--exclude-model", nargs="+", default=[], metavar="NAME", help="leave these models' shapes out")
+    p.add_argument("--partial", action="store_true", help="pack even if the grid is not fully measured")
+    p.add_argument("--neighbours", type=int, default=None, metavar="K",
+                   help=f"record how many measured shapes vote for an unmeasured one (default "
+                        f"{nearest.DEFAULT_NEIGHBOURS}; compare values with loo --neighbours 1 2 4 8)")
+    c = sub.add_parser("check", help="validate shipped data files")
+    c.add_argument("files", nargs="+")
+    e = sub.add_parser("loo", help="leave-one-out evaluation of the nearest-shape model on a data file")
+    e.add_argument("file")
+    e.add_argument("--group", choices=["model", "shape"], default="model")
+    e.add_argument("--neighbours", type=int, nargs="+", default=None, metavar="K",
+                   help="neighbour counts to evaluate (default: the data's own, else "
+                        f"{nearest.DEFAULT_NEIGHBOURS})")
+    e.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "pack":
+            return _pack_cli(args, argv)
+        if args.command == "check":
+            return _check_cli(args.files)
+        doc = shipped_data.load_file(args.file)
+        ks = args.neighbours or [shipped_data.neighbours(doc["provenance"], nearest.DEFAULT_NEIGHBOURS)]
+        reports = [leave_out_report(doc, args.group, k) for k in ks]
+        for report in reports:
+            print(leave_out_markdown(report))
+        if len(reports) > 1:
+            print(leave_out_comparison(reports))
+        if args.json:
+            Path(args.json).write_text(json.dumps(reports if len(reports) > 1 else reports[0], indent=1) + "\n",
+                                       encoding="utf-8")
+        return 0
+    except DataFileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _pack_cli(args: argparse.Namespace, argv: list[str]) -> int:
+    src = Path(args.lockfile)
+    doc, problem = tuning.read_document(src)
+    if doc is None:
+        raise DataFileError(src, [problem or "unreadable"])
+    packed = pack(doc, exclude=args.exclude_model, partial=args.partial, neighbours=args.neighbours,
+                  command=" ".join(["python -m fp8_backends.selection_data", *argv]))
+    prov = packed["provenance"]
+    name = shipped_data.file_name(prov["sm"], prov["gpu"])
+    if args.out is None:
+        from fp8_backends.registry.shipped import packaged_dir
+
+        out = packaged_dir() / name
+    else:
+        out = Path(args.out)  # a folder (existing, or any name not ending in .json) or a file
+        out = out / name if out.is_dir() or not out.name.endswith((".json", ".json.gz")) else out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = shipped_data.dumps_compact(packed)
+    if out.name.endswith(".gz"):
+        import gzip
+
+        out.write_bytes(gzip.compress(text.encode("utf-8"), mtime=0))
+    else:
+        out.write_text(text, encoding="utf-8")
+    entries = len(shipped_data.the_section(packed)["entries"])
+    print(f"{out}: {entries} entries, {prov['gpu']} SM {prov['sm']}, measured {prov['date']}"
+          + (f", without {', '.join(args.exclude_model)}" if args.exclude_model else ""))
+    return 0
+
+
+def _check_cli(files: Sequence[str]) -> int:
+    bad = 0
+    for name in files:
+        try:
+            doc = shipped_data.load_file(name)
+        except DataFileError as exc:
+            bad += 1
+            print(f"{name}: UNUSABLE")
+            for problem in exc.problems:
+                print(f"  - {problem}")
+            continue
+        prov, entries = doc["provenance"], shipped_data.the_section(doc)["entries"]
+        classes = {nearest.class_key(e["problem"]) for e in entries.values()}
+        buckets = sorted({e["m"] for e in entries.values()})
+        print(f"{name}: ok: {len(entries)} entries, {len(classes)} problem class(es), M buckets {buckets}; "
+              f"{prov['gpu']} SM {prov['sm']}, driver {prov['driver']}, CUDA {prov['cuda']}, {prov['date']}; "
+              f"command: {prov['command']}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,371 @@
+"""The shipped selection data policy: ``auto`` on a GPU family the library has measured, without a user lockfile.
+
+Per GPU family (SM), the package ships the tuner's measurements of the dense linear shapes of common open
+models (:mod:`fp8_backends.grid`, format in :mod:`.shipped_data`). For a GEMM problem with a known M:
+
+1. ``shipped-exact``: the data holds this problem (N, K, dtypes, scale modes, bias) -> the tuned choice for its
+   M bucket (smallest covered bucket >= M, clamped to the largest); if that provider cannot serve here (not
+   installed, disabled), the next of the measured ranking that can.
+2. ``shipped-nearest``: the data holds the problem's class (dtypes, scale modes, bias) but not its (N, K) ->
+   the nearest measured shapes of this GPU family at this bucket vote (:mod:`.nearest`); the note names them.
+3. Otherwise (no data for this SM, class or kind; M unknown) the policies pass and the next one decides: the
+   measured defaults (:mod:`.defaults`, which apply only to GPUs without shipped data), then static priority.
+
+A user's tuned lockfile (rank 100) is asked before both (ranks -10 and -20); policies registered with the default
+rank 0 come in between. The data is found by file name (``sm90-<gpu>.json``: a GPU no file names costs one
+directory listing per process) and parsed on the first problem that needs it, then cached; answers are memoized
+per problem. ``FP8_BACKENDS_SHIPPED=off`` turns the data off; ``FP8_BACKENDS_SHIPPED=<file or folder>`` uses
+other data (e.g. a held-out subset for evaluation). A file that fails its checks is reported once (WARNING) and
+ignored. Unlike the lockfile, shipped data also applies to simulated platforms (``--simulate-sm 9.0`` shows what
+an H100-class GPU would run).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fp8_backends.errors import DataFileError
+
+from . import resolution, settings, shipped_data, tuning
+from .nearest import DEFAULT_NEIGHBOURS, CandKey, NearestModel, build_models, cand_label, choose, class_key
+from .platform import Platform
+
+logger = logging.getLogger("fp8_backends")
+
+POLICY_EXACT = "shipped-exact"
+POLICY_NEAREST = "shipped-nearest"
+RANK_EXACT = -10
+RANK_NEAREST = -20
+_OFF = {"off", "none", "0", "false", "no"}
+_MAX_PICKS = 1 << 16
+
+
+@functools.lru_cache(maxsize=1)
+def packaged_dir() -> Path:
+    """``fp8_backends/data/selection`` inside the installed package."""
+    from importlib import resources
+
+    return Path(str(resources.files("fp8_backends").joinpath("data", "selection")))
+
+
+def _sm_text(platform: Platform) -> str | None:
+    return None if platform.sm is None else f"{platform.sm[0]}.{platform.sm[1]}"
+
+
+# ---------------------------------------------------------------------------------------- finding files
+_listing_cache: dict[tuple[str, int], list[str]] = {}
+_located: dict[tuple, tuple[Path | None, str]] = {}
+
+
+def _list_dir(folder: Path) -> list[str]:
+    try:
+        stamp = folder.stat().st_mtime_ns
+    except OSError:
+        return []
+    key = (str(folder), stamp)
+    names = _listing_cache.get(key)
+    if names is None:
+        try:
+            names = sorted(os.listdir(folder))
+        except OSError:
+            names = []
+        _listing_cache[key] = names
+    return names
+
+
+def locate(platform: Platform) -> tuple[Path | None, str]:
+    """``(file, "")`` for the data that may apply to ``platform`` (not yet parsed), or ``(None, why not)``.
+
+    In a folder, the file for the platform's SM whose GPU slug equals the platform's name wins, else the first
+    by name. A file named by ``FP8_BACKENDS_SHIPPED`` is returned as is (its SM is checked when it loads). The
+    answer is cached per (variable, SM, GPU name): files are not expected to appear while a process runs."""
+    key = (settings.env_token(settings.SHIPPED_ENV), platform.sm, platform.name)
+    hit = _located.get(key)
+    if hit is None:
+        hit = _locate(platform)
+        if hit[0] is not None or "no such file" not in hit[1]:
+            _located[key] = hit
+    return hit
+
+
+def _locate(platform: Platform) -> tuple[Path | None, str]:
+    sm = _sm_text(platform)
+    if sm is None:
+        return None, "no SM (CPU platform)"
+    raw = os.environ.get(settings.SHIPPED_ENV, "").strip()
+    if raw.lower() in _OFF:
+        return None, f"{settings.SHIPPED_ENV}={raw}"
+    folder = packaged_dir()
+    if raw:
+        path = Path(raw).expanduser()
+        if path.is_file():
+            return path, ""
+        if not path.is_dir():
+            return None, f"{settings.SHIPPED_ENV}={raw}: no such file or folder"
+        folder = path
+    tag = shipped_data.sm_tag(platform.sm)  # type: ignore[arg-type]
+    matches = []
+    for name in _list_dir(folder):
+        parsed = shipped_data.parse_file_name(name)
+        if parsed is not None and parsed[0] == tag:
+            matches.append((parsed[1] != shipped_data.slug(platform.name), name))
+    if not matches:
+        return None, f"no shipped selection data for SM {sm} in {folder}"
+    return folder / min(matches)[1], ""
+
+
+# ---------------------------------------------------------------------------------------- loaded data
+@dataclass
+class ShippedData:
+    """One parsed, checked data file, indexed for exact lookups; nearest models are built per class on demand."""
+
+    path: Path
+    provenance: dict[str, Any]
+    index: tuning.SectionIndex
+    models: dict[tuple, NearestModel] | None = None
+    picks: dict[tuple, Any] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @classmethod
+    def from_document(cls, path: Path, doc: Mapping[str, Any]) -> ShippedData:
+        return cls(Path(path), dict(doc["provenance"]), tuning.SectionIndex.build(shipped_data.the_section(doc)))
+
+    @property
+    def sm(self) -> str:
+        return str(self.provenance["sm"])
+
+    @property
+    def label(self) -> str:
+        """``sm90-nvidia-h200.json (NVIDIA H200, 2026-12-01)``."""
+        return f"{self.path.name} ({self.provenance['gpu']}, {str(self.provenance['date'])[:10]})"
+
+    def model_for(self, fields: Mapping[str, Any]) -> NearestModel | None:
+        if self.models is None:
+            with self.lock:
+                if self.models is None:
+                    k = shipped_data.neighbours(self.provenance, DEFAULT_NEIGHBOURS)
+                    self.models = build_models(self.index.entries, neighbours=k)
+        return self.models.get(class_key(fields))
+
+
+_loaded: dict[str, tuple[tuple[int, int], ShippedData | None]] = {}
+_warned: set[tuple] = set()
+_state_lock = threading.Lock()
+
+
+def _warn_once(token: tuple, msg: str, *args: Any) -> None:
+    with _state_lock:
+        if token in _warned:
+            return
+        _warned.add(token)
+    logger.warning(msg, *args)
+
+
+def load(path: Path) -> ShippedData | None:
+    """The parsed file (cached until it changes on disk), or None (with one WARNING) when it fails its checks."""
+    try:
+        st = path.stat()
+        sig = (st.st_mtime_ns, st.st_size)
+    except OSError:
+        return None
+    hit = _loaded.get(str(path))
+    if hit is not None and hit[0] == sig:
+        return hit[1]
+    try:
+        data: ShippedData | None = ShippedData.from_document(path, shipped_data.load_file(path))
+    except DataFileError as exc:
+        _warn_once(("bad", str(path), sig), "shipped selection data %s is unusable and ignored (%d problem(s): %s)",
+                   path, len(exc.problems), "; ".join(exc.problems[:3]))
+        data = None
+    with _state_lock:
+        _loaded[str(path)] = (sig, data)
+    return data
+
+
+def data_for(platform: Platform) -> ShippedData | None:
+    """The shipped data that applies to ``platform`` (its SM), loading it on first use; None when there is none."""
+    path, why = locate(platform)
+    if path is None:
+        return None
+    data = load(path)
+    if data is not None and data.sm != _sm_text(platform):
+        logger.debug("shipped selection data %s is for SM %s, not SM %s", path, data.sm, _sm_text(platform))
+        return None
+    return data
+
+
+def covers(platform: Platform) -> bool:
+    """Whether shipped data exists for ``platform``'s SM (by file name; a file named by the environment is loaded
+    to read its SM). The measured defaults step aside on such GPUs."""
+    path, _ = locate(platform)
+    if path is None:
+        return False
+    raw = os.environ.get(settings.SHIPPED_ENV, "").strip()
+    if raw and Path(raw).expanduser().is_file():
+        return data_for(platform) is not None
+    return True
+
+
+def reset_state() -> None:
+    """Forget loaded files, directory listings and warnings (tests)."""
+    with _state_lock:
+        _loaded.clear()
+        _warned.clear()
+    _listing_cache.clear()
+    _located.clear()
+
+
+# ---------------------------------------------------------------------------------------- the policies
+def _option_rank(cls: Any, options: Mapping[str, str]) -> tuple[int, ...]:
+    declared = getattr(cls, "options", {}) or {}
+    return tuple(declared[k].index(v) if v in declared.get(k, ()) else 99 for k, v in sorted(options.items()))
+
+
+def _answer(kind: str, problem: Any, platform: Platform, serving: list[resolution.Candidate]) -> tuple | None:
+    """``(policy name, (entry, options, note))`` or None; computed once per problem and serving set."""
+    if kind != "gemm" or problem is None or not serving or getattr(problem, "m", None) is None:
+        return None
+    data = data_for(platform)
+    if data is None:
+        return None
+    memo = (problem, platform, tuple(id(c.entry) for c in serving))
+    answer = data.picks.get(memo, data)
+    if answer is not data and (answer is None or any(c.entry is answer[1][0] for c in serving)):
+        return answer
+    answer = _exact(kind, problem, platform, serving, data) or _nearest(kind, problem, platform, serving, data)
+    if len(data.picks) >= _MAX_PICKS:
+        data.picks.clear()
+    data.picks[memo] = answer
+    return answer
+
+
+def _exact(kind, problem, platform, serving, data: ShippedData) -> tuple | None:
+    hit = data.index.lookup(kind, problem)
+    if hit is None:
+        return None
+    bucket, record = hit
+    picked = tuning.pick_from_entry(kind, problem, platform, serving, record)
+    if picked is None:
+        logger.debug("shipped data %s: no measured choice for %s (bucket M=%d) can serve here", data.path,
+                     problem.describe(), bucket)
+        return None
+    entry, options, rank = picked
+    note = f"{data.label}, bucket M={bucket}"
+    if rank:
+        note += f", ranked #{rank + 1} (the measured choice cannot serve here)"
+    elif record.get("tie_break"):
+        margin = 100 * float(record.get("tie_margin", tuning.DEFAULT_TIE_MARGIN))
+        note += f", near-tie within {margin:g}% -> static priority"
+    return POLICY_EXACT, (entry, options, note)
+
+
+def _nearest(kind, problem, platform, serving, data: ShippedData) -> tuple | None:
+    fields = tuning.problem_fields(kind, problem)
+    model = data.model_for(fields)
+    if model is None:
+        logger.debug("shipped data %s has no %s problems like %s", data.path, kind, problem.describe())
+        return None
+    bucket = tuning.bucket_for(problem.m, model.buckets)
+    pred = model.predict(problem.n, problem.k, bucket) if bucket is not None else None
+    if pred is None:
+        return None
+    order = {id(c.entry): i for i, c in enumerate(serving)}
+    found: dict[CandKey, tuple] = {}
+
+    def rank(ck: CandKey) -> tuple | None:
+        picked = tuning.pick_from_entry(kind, problem, platform, serving, {"choice": pred.record(ck)})
+        if picked is None:
+            return None
+        found[ck] = picked
+        return order[id(picked[0])], _option_rank(picked[0].cls, picked[1])
+
+    won = choose(pred.scores, rank, tuning.DEFAULT_TIE_MARGIN)
+    if won is None:
+        logger.debug("shipped data %s: no candidate near %s can serve here", data.path, problem.describe())
+        return None
+    ck, score = won
+    entry, options, _ = found[ck]
+    note = (f"{data.label}, bucket M={bucket}, nearest: {pred.describe_neighbours()}; "
+            f"predicted {score:.3f}x the fastest")
+    logger.debug("shipped-nearest scores for %s: %s", problem.describe(),
+                 ", ".join(f"{cand_label(k)} {s:.3f}" for k, s in pred.scores))
+    return POLICY_NEAREST, (entry, options, note)
+
+
+def exact_policy(kind: str, problem: Any, platform: Platform, serving: list[resolution.Candidate]):
+    """``auto`` policy: the shipped data's measured choice for this exact problem and M bucket."""
+    answer = _answer(kind, problem, platform, serving)
+    return answer[1] if answer is not None and answer[0] == POLICY_EXACT else None
+
+
+def nearest_policy(kind: str, problem: Any, platform: Platform, serving: list[resolution.Candidate]):
+    """``auto`` policy: the nearest measured shapes' vote for a problem the shipped data does not hold."""
+    answer = _answer(kind, problem, platform, serving)
+    return answer[1] if answer is not None and answer[0] == POLICY_NEAREST else None
+
+
+def buckets(kind: str, problem: Any, platform: Platform) -> list[int]:
+    """The M buckets the shipped data distinguishes for ``problem`` (its own M ignored): the exact entry's, else
+    its class's; ``[]`` without data. Layers use them to pick a provider per bucket."""
+    if kind != "gemm" or problem is None:
+        return []
+    data = data_for(platform)
+    if data is None:
+        return []
+    fields = tuning.problem_fields(kind, problem)
+    exact = data.index.buckets.get(tuning.problem_key(kind, fields))
+    if exact:
+        return list(exact)
+    model = data.model_for(fields)
+    return list(model.buckets) if model is not None else []
+
+
+# ---------------------------------------------------------------------------------------- listing
+def describe(platform: Platform) -> dict[str, Any]:
+    """What the listing shows: the file for this SM and, once ``auto`` has loaded it, its provenance. Never
+    parses the file itself (the listing stays fast)."""
+    path, why = locate(platform)
+    if path is None:
+        raw = os.environ.get(settings.SHIPPED_ENV, "").strip()
+        status = "disabled" if raw and raw.lower() in _OFF else "none"
+        return {"path": None, "status": status, "detail": why, "entries": 0}
+    hit = _loaded.get(str(path))
+    if hit is None:
+        return {"path": str(path), "status": "found", "entries": 0,
+                "detail": "loads when auto first resolves a GEMM problem with a known M"}
+    data = hit[1]
+    if data is None:
+        return {"path": str(path), "status": "invalid", "entries": 0, "detail": "failed its checks (see the log)"}
+    if data.sm != _sm_text(platform):
+        return {"path": str(path), "status": "other-sm", "entries": 0, "detail": f"data for SM {data.sm}"}
+    prov = data.provenance
+    return {"path": str(path), "status": "ok", "entries": len(data.index.by_bucket),
+            "detail": f"{len(data.index.by_bucket)} entries measured on {prov['gpu']} {str(prov['date'])[:10]}",
+            "provenance": {k: prov.get(k) for k in ("gpu", "sm", "driver", "cuda", "libraries", "date", "command")}}
+
+
+resolution.register_selection_policy(POLICY_EXACT, exact_policy, rank=RANK_EXACT)
+resolution.register_selection_policy(POLICY_NEAREST, nearest_policy, rank=RANK_NEAREST)
+
+__all__ = [
+    "POLICY_EXACT",
+    "POLICY_NEAREST",
+    "ShippedData",
+    "buckets",
+    "covers",
+    "data_for",
+    "describe",
+    "exact_policy",
+    "load",
+    "locate",
+    "nearest_policy",
+    "packaged_dir",
+    "reset_state",
+]

@@ -1,0 +1,534 @@
+"""Shipped selection data: the format and its checks, exact / nearest / no-data lookups, precedence (lockfile >
+shipped > measured defaults > priority), determinism, simulated SMs, the listing, packing and the leave-out
+evaluation.
+
+The data here is SYNTHETIC (built by :func:`make_doc` from a made-up cost rule, never shipped): small shapes run
+fastest on ``fake_mm[variant=a]``, large ones on ``torch_scaled_mm``, so a correct model must answer by shape.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+from fp8_backends import reference
+from fp8_backends.backend import Fp8GemmBackend
+from fp8_backends.capabilities import GemmCapabilities
+from fp8_backends.errors import DataFileError, Fp8BackendError
+from fp8_backends.list import collect, render
+from fp8_backends.registry import discovery, nearest, resolution, shipped, shipped_data, tuning
+from fp8_backends.registry.discovery import LOADED, ProviderEntry
+from fp8_backends.registry.platform import DeviceKind, Platform, simulate_platform
+from fp8_backends.selection_data import leave_out_report, pack
+from fp8_backends.types import Fp8Dtype, GemmProblem, PreparedWeight
+
+
+class FakeMM(Fp8GemmBackend):
+    """A provider that serves on (simulated) CUDA and the CPU: the reference GEMM, two no-op variants."""
+
+    name: ClassVar[str] = "fake_mm"
+    options: ClassVar[dict[str, tuple[str, ...]]] = {"variant": ("auto", "a", "b")}
+    tunable_options: ClassVar[tuple[str, ...]] = ("variant",)
+    capabilities: ClassVar[GemmCapabilities] = GemmCapabilities(
+        devices=frozenset({DeviceKind.CUDA, DeviceKind.CPU}), priority=1)
+
+    def prepare_weight_impl(self, w_q, w_scale, weight_scale):
+        n, k = w_q.shape
+        return PreparedWeight(w_q, w_scale, n, k, Fp8Dtype.of(w_q.dtype), weight_scale, self.name)
+
+    def gemm_impl(self, x_q, prepared, x_scale, out_dtype, bias):
+        return reference.fp8_gemm(x_q, prepared.data, x_scale, prepared.scale, out_dtype, bias)
+
+
+FAKE_DIST = "fake-plugin"
+TORCH = {"provider": "torch_scaled_mm", "distribution": "fp8-backends", "options": {"fast_accum": "false"}}
+FAST_A = {"provider": "fake_mm", "distribution": FAKE_DIST, "options": {"variant": "a"}}
+FAST_B = {"provider": "fake_mm", "distribution": FAKE_DIST, "options": {"variant": "b"}}
+SM90 = simulate_platform("9.0", name="NVIDIA H200")
+BUCKETS = (1, 16, 256)
+SMALL = [(2048, 2048), (3072, 2048), (2048, 3072), (4096, 4096)]
+LARGE = [(16384, 4096), (28672, 4096), (16384, 8192), (32768, 8192)]
+
+
+def synthetic_us(n: int, k: int, m: int) -> dict[str, float]:
+    """Made-up timings: fake_mm[a] is 20% faster than torch on small weights, 30% slower on large ones."""
+    base = 1.0 + n * k / 4e6 + m * n * k / 1e12
+    small = n * k <= 2**24
+    return {"torch": base, "a": base * (0.8 if small else 1.3), "b": base * 1.1}
+
+
+def make_entry(n: int, k: int, m: int, *, bias: bool = False, act: str = "per_tensor",
+               labels: tuple[str, ...] = ()) -> tuple[str, dict]:
+    times = synthetic_us(n, k, m)
+    ranking = sorted([{**TORCH, "us": times["torch"]}, {**FAST_A, "us": times["a"]}, {**FAST_B, "us": times["b"]}],
+                     key=lambda r: r["us"])
+    fields = {"n": n, "k": k, "input_dtype": "e4m3fn", "weight_dtype": "e4m3fn", "out_dtype": "bfloat16",
+              "act_scale": act, "weight_scale": "per_tensor", "has_bias": bias}
+    entry = {"kind": "gemm", "problem": fields, "m": m, "choice": dict(ranking[0]), "ranking": ranking,
+             "tie_break": False, "tie_margin": 0.02, "rejected": [], "method": "synthetic"}
+    if labels:
+        entry["labels"] = list(labels)
+    return tuning.entry_key("gemm", fields, m), entry
+
+
+def make_doc(shapes=SMALL + LARGE, buckets=BUCKETS, *, gpu="NVIDIA H200", sm="9.0", labels=None) -> dict:
+    platform = {"device": "cuda", "gpu": gpu, "sm": sm, "driver": "13.0", "cuda": "13.0",
+                "libraries": {"fp8-backends": "0.1.0", "torch": "2.11.0"}}
+    entries = dict(make_entry(n, k, m, labels=(labels or {}).get((n, k), ())) for n, k in shapes for m in buckets)
+    prov = {"format": shipped_data.FORMAT, "gpu": gpu, "sm": sm, "driver": "13.0", "cuda": "13.0",
+            "libraries": dict(platform["libraries"]), "date": "2026-12-01T00:00:00Z",
+            "command": "python -m fp8_backends.tune --shipped-grid --lockfile sm90.json", "grid": {}}
+    return {"schema": tuning.SCHEMA, "updated": None, "provenance": prov,
+            "sections": {tuning.key_digest(platform): {"platform": platform, "entries": entries}}}
+
+
+def write_doc(folder: Path, doc: dict) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    prov = doc["provenance"]
+    path = folder / shipped_data.file_name(prov["sm"], prov["gpu"])
+    path.write_text(shipped_data.dumps_compact(doc), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _fresh_state(monkeypatch, tmp_path):
+    monkeypatch.setenv("FP8_BACKENDS_LOCKFILE", str(tmp_path / "no-lockfile.json"))
+    monkeypatch.delenv("FP8_BACKENDS_SHIPPED", raising=False)
+    monkeypatch.delenv("FP8_BACKENDS_DISABLED", raising=False)
+    shipped.reset_state()
+    tuning.reset_state()
+    resolution.reset_caches()
+    yield
+    shipped.reset_state()
+    tuning.reset_state()
+
+
+@pytest.fixture
+def with_fake(monkeypatch):
+    real = list(discovery.discover("gemm"))
+    fake = ProviderEntry(kind="gemm", name="fake_mm", target="tests:FakeMM", dist=FAKE_DIST, dist_version="1.0",
+                         status=LOADED, cls=FakeMM)
+    monkeypatch.setitem(discovery._cache, ("gemm", None), [*real, fake])
+    return fake
+
+
+@pytest.fixture
+def data_dir(tmp_path, monkeypatch, with_fake) -> Path:
+    folder = tmp_path / "shipped"
+    write_doc(folder, make_doc())
+    monkeypatch.setenv("FP8_BACKENDS_SHIPPED", str(folder))
+    return folder
+
+
+def gemm(n, k, m=None, **kw) -> GemmProblem:
+    return GemmProblem(n=n, k=k, m=m, **kw)
+
+
+def auto(problem, platform=SM90) -> resolution.Resolution:
+    res = resolution.explain("gemm", "auto", problem=problem, platform=platform)
+    assert res.error is None, res.error
+    return res
+
+
+# ------------------------------------------------------------------------------------------ format
+def test_file_names():
+    assert shipped_data.file_name("9.0", "NVIDIA H200") == "sm90-nvidia-h200.json"
+    assert shipped_data.file_name((10, 0), "NVIDIA B200") == "sm100-nvidia-b200.json"
+    assert shipped_data.parse_file_name("sm90-nvidia-h200.json") == ("90", "nvidia-h200")
+    assert shipped_data.parse_file_name("sm90-nvidia-h200.json.gz") == ("90", "nvidia-h200")
+    assert shipped_data.parse_file_name("selection.lock.json") is None
+
+
+def test_a_good_document_passes_and_round_trips(tmp_path):
+    doc = make_doc()
+    assert shipped_data.check_document(doc) == []
+    text = shipped_data.dumps_compact(doc)
+    assert json.loads(text) == doc and shipped_data.dumps_compact(json.loads(text)) == text  # deterministic
+    assert text.count("\n") >= len(SMALL + LARGE) * len(BUCKETS)  # one entry per line
+    path = write_doc(tmp_path, doc)
+    assert shipped_data.load_file(path) == doc
+    gz = tmp_path / "sm90-nvidia-h200.json.gz"
+    gz.write_bytes(gzip.compress(text.encode()))
+    assert shipped_data.load_file(gz) == doc
+
+
+def _damaged(kind: str) -> dict:
+    doc = make_doc()
+    section = shipped_data.the_section(doc)
+    first = sorted(section["entries"])[0]
+    if kind == "no-provenance":
+        del doc["provenance"]
+    elif kind == "format":
+        doc["provenance"]["format"] = "fp8_backends.shipped/99"
+    elif kind == "no-driver":
+        doc["provenance"]["driver"] = ""
+    elif kind == "no-torch-version":
+        del doc["provenance"]["libraries"]["torch"]
+    elif kind == "schema":
+        doc["schema"] = "fp8_backends.selection/0"
+    elif kind == "two-sections":
+        doc["sections"]["other"] = {"platform": {}, "entries": {}}
+    elif kind == "sm-mismatch":
+        doc["provenance"]["sm"] = "10.0"
+    elif kind == "key-mismatch":
+        section["entries"]["gemm/n=1/k=1/wrong"] = section["entries"].pop(first)
+    elif kind == "no-us":
+        del section["entries"][first]["ranking"][0]["us"]
+    elif kind == "bad-entry":
+        section["entries"][first]["m"] = "sixteen"
+    return doc
+
+
+@pytest.mark.parametrize(("kind", "needle"), [
+    ("no-provenance", "'provenance' is missing"),
+    ("format", "provenance format is 'fp8_backends.shipped/99'"),
+    ("no-driver", "provenance.driver is missing"),
+    ("no-torch-version", "provenance.libraries lacks torch"),
+    ("schema", "schema is 'fp8_backends.selection/0'"),
+    ("two-sections", "exactly one platform section, found 2"),
+    ("sm-mismatch", "provenance.sm '10.0' differs from the section's platform '9.0'"),
+    ("key-mismatch", "key does not match its problem and m"),
+    ("no-us", "has no measured µs > 0"),
+    ("bad-entry", "no integer 'm'"),
+])
+def test_bad_documents_are_rejected_with_clear_errors(tmp_path, kind, needle):
+    doc = _damaged(kind)
+    problems = shipped_data.check_document(doc)
+    assert any(needle in p for p in problems), problems
+    path = tmp_path / "sm90-x.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(DataFileError) as info:
+        shipped_data.load_file(path)
+    assert isinstance(info.value, Fp8BackendError) and isinstance(info.value, ValueError)
+    assert str(path) in str(info.value) and any(needle in p for p in info.value.problems)
+
+
+def test_unreadable_files_are_rejected(tmp_path):
+    bad = tmp_path / "sm90-a.json"
+    bad.write_text('{"schema": ')
+    with pytest.raises(DataFileError, match="not valid JSON"):
+        shipped_data.load_file(bad)
+    with pytest.raises(DataFileError, match="no such file"):
+        shipped_data.load_file(tmp_path / "missing.json")
+    gz = tmp_path / "sm90-b.json.gz"
+    gz.write_bytes(b"not gzip")
+    with pytest.raises(DataFileError, match="unreadable"):
+        shipped_data.load_file(gz)
+
+
+# ------------------------------------------------------------------------------------------ the model
+def _shape(n, k, m, ratios):
+    ratios = {nearest.cand_key(r): v for r, v in ratios}
+    return nearest.MeasuredShape(n, k, m, f"{n}x{k}", (), 10.0, ratios, {})
+
+
+def test_nearest_weights_distance_and_penalizes_missing_candidates():
+    close = _shape(4096, 4096, 1, [(TORCH, 1.2), (FAST_A, 1.0)])
+    far = [_shape(32768, 8192, 1, [(TORCH, 1.0), (FAST_A, 1.5)]), _shape(16384, 16384, 1, [(TORCH, 1.0)])]
+    model = nearest.NearestModel([close, *far], neighbours=3)
+    pred = model.predict(4200, 4096, 1)
+    assert pred.neighbours[0].shape is close and pred.neighbours[0].weight > 0.9
+    assert pred.scores[0][0] == nearest.cand_key(FAST_A)
+    # far away from the small shape the large shapes decide; the shape lacking fake_mm counts it as 2x slower
+    pred = model.predict(24000, 12000, 1)
+    assert pred.scores[0][0] == nearest.cand_key(TORCH)
+    scores = dict(pred.scores)
+    assert scores[nearest.cand_key(FAST_A)] > 1.3
+    assert model.predict(4096, 4096, 16) is None  # no data at that bucket
+    # the same data in any order gives the same prediction
+    shuffled = nearest.NearestModel(random.Random(3).sample([close, *far], 3), neighbours=3)
+    assert shuffled.predict(24000, 12000, 1) == pred
+
+
+def test_choose_breaks_near_ties_by_static_rank_and_skips_what_cannot_serve():
+    a, b, c = nearest.cand_key(FAST_A), nearest.cand_key(TORCH), nearest.cand_key(FAST_B)
+    scores = [(a, 1.00), (b, 1.015), (c, 1.10)]
+    ranks = {a: (2,), b: (0,), c: (1,)}
+    assert nearest.choose(scores, ranks.get, 0.02) == (b, 1.015)  # within 2%: static priority
+    assert nearest.choose(scores, ranks.get, 0.0) == (a, 1.0)
+    assert nearest.choose(scores, lambda ck: None if ck in (a, b) else ranks[ck], 0.02) == (c, 1.10)
+    assert nearest.choose(scores, lambda ck: None, 0.02) is None
+
+
+# ------------------------------------------------------------------------------------------ the policy
+def test_exact_hit(data_dir):
+    res = auto(gemm(28672, 4096, m=16))
+    assert res.source == "shipped-exact" and res.backend.label == "torch_scaled_mm[fast_accum=false]"
+    assert res.note == "sm90-nvidia-h200.json (NVIDIA H200, 2026-12-01), bucket M=16"
+    res = auto(gemm(4096, 4096, m=3))  # M=3 -> bucket 16; a small shape: the fake's variant a was fastest
+    assert res.source == "shipped-exact" and res.backend.name == "fake_mm" and res.backend.config == {"variant": "a"}
+    assert auto(gemm(4096, 4096, m=100000)).note.endswith("bucket M=256")  # beyond the largest bucket: clamp
+
+
+def test_nearest_answers_by_shape_not_by_a_global_rule(data_dir):
+    small, large = auto(gemm(2560, 2560, m=1)), auto(gemm(24576, 6144, m=1))
+    assert (small.source, large.source) == ("shipped-nearest", "shipped-nearest")
+    assert small.backend.label == "fake_mm[variant=a]" and large.backend.label == "torch_scaled_mm[fast_accum=false]"
+    assert "bucket M=1, nearest: 2048x3072 (w 0.32), 3072x2048 (w 0.32), 2048x2048 (w 0.28)" in small.note
+    assert "predicted 1.000x the fastest" in small.note
+    neighbours = large.note.split("nearest: ")[1]
+    assert {"28672x4096", "16384x8192"} <= {part.split(" ")[0] for part in neighbours.split(", ")}
+
+
+def test_no_data_for_the_gpu_defers_to_priority(data_dir):
+    for sm in ("10.0", "8.9"):
+        res = auto(gemm(4096, 4096, m=16), simulate_platform(sm))
+        assert res.source == "priority" and res.backend.name == "torch_scaled_mm", sm
+    assert shipped.describe(simulate_platform("10.0"))["status"] == "none"
+    assert auto(gemm(4096, 4096, m=None)).source == "priority"  # M unknown
+
+
+def test_a_class_without_data_defers_and_the_measured_default_steps_aside(data_dir):
+    # per-token activations: nothing measured for that class; SM 9.0 has data, so the global M rule does not apply
+    res = auto(gemm(4096, 4096, m=1, act_scale="per_token"))
+    assert res.source == "priority"
+    assert shipped.covers(SM90)
+
+
+def test_measured_defaults_still_serve_gpus_without_data(monkeypatch, with_fake):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("FP8_BACKENDS_SHIPPED", "off")
+    res = auto(gemm(4096, 4096, m=1))
+    assert res.source == "measured-default" and res.backend.name == "triton"
+    assert shipped.describe(SM90)["status"] == "disabled"
+
+
+def test_lockfile_beats_shipped_beats_priority(data_dir, tmp_path, monkeypatch):
+    gpu = Platform(kind=DeviceKind.CUDA, name="NVIDIA H200", sm=(9, 0), device_index=0, driver_version="13.0",
+                   cuda_runtime_version="13.0", library_versions=SM90.library_versions)
+    problem = gemm(28672, 4096, m=16)
+    assert auto(problem, gpu).source == "shipped-exact"  # a real (not simulated) GPU reads shipped data too
+    lock = tmp_path / "user.lock.json"
+    monkeypatch.setenv("FP8_BACKENDS_LOCKFILE", str(lock))
+    key, entry = make_entry(28672, 4096, 16)
+    entry["choice"] = dict(FAST_B)  # the user's own measurement says otherwise
+    tuning.write_entries(lock, tuning.current_key(gpu)[0], {key: entry})
+    tuning.reset_state()
+    res = auto(problem, gpu)
+    assert res.source == "lockfile" and res.backend.label == "fake_mm[variant=b]"
+    monkeypatch.setenv("FP8_BACKENDS_LOCKFILE", "off")
+    assert auto(problem, gpu).source == "shipped-exact"
+    monkeypatch.setenv("FP8_BACKENDS_SHIPPED", "off")
+    monkeypatch.setenv("FP8_BACKENDS_DEFAULTS", "0")  # no data for this GPU now: the measured defaults would decide
+    assert auto(problem, gpu).source == "priority"
+
+
+def test_the_next_measured_candidate_serves_when_the_choice_cannot(data_dir, monkeypatch):
+    monkeypatch.setenv("FP8_BACKENDS_DISABLED", "fake_mm")
+    res = auto(gemm(4096, 4096, m=16))  # exact: fake a, then torch
+    assert res.source == "shipped-exact" and res.backend.name == "torch_scaled_mm" and "ranked #2" in res.note
+    res = auto(gemm(2560, 2560, m=1))  # nearest: the best candidate that can serve here
+    assert res.source == "shipped-nearest" and res.backend.name == "torch_scaled_mm"
+
+
+def test_answers_are_deterministic(data_dir, tmp_path, monkeypatch):
+    problems = [gemm(n, k, m=m) for n, k in [(2560, 2560), (24576, 6144), (4096, 4096), (8192, 8192)]
+                for m in (1, 5, 300)]
+    first = [(r.source, r.backend.label, r.note) for r in map(auto, problems)]
+    assert [(r.source, r.backend.label, r.note) for r in map(auto, problems)] == first  # memoized path
+    # the same data with its entries in another order, re-read from disk
+    doc = make_doc()
+    section = shipped_data.the_section(doc)
+    items = list(section["entries"].items())
+    random.Random(7).shuffle(items)
+    section["entries"] = dict(items)
+    other = tmp_path / "shuffled"
+    other.mkdir()
+    (other / "sm90-nvidia-h200.json").write_text(json.dumps(doc))
+    monkeypatch.setenv("FP8_BACKENDS_SHIPPED", str(other))
+    shipped.reset_state()
+    resolution.reset_caches()
+    assert [(r.source, r.backend.label, r.note) for r in map(auto, problems)] == first
+
+
+def test_a_bad_data_file_warns_once_and_priority_decides(tmp_path, monkeypatch, with_fake, caplog):
+    folder = tmp_path / "bad"
+    folder.mkdir()
+    doc = _damaged("no-provenance")
+    (folder / "sm90-nvidia-h200.json").write_text(json.dumps(doc))
+    monkeypatch.setenv("FP8_BACKENDS_SHIPPED", str(folder))
+    with caplog.at_level(logging.WARNING, logger="fp8_backends"):
+        for m in (1, 16, 16):
+            assert auto(gemm(4096, 4096, m=m)).source == "priority"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "is unusable and ignored" in warnings[0] and "provenance" in warnings[0]
+    assert shipped.describe(SM90)["status"] == "invalid"
+
+
+def test_a_data_file_named_by_the_environment_applies_only_to_its_sm(tmp_path, monkeypatch, with_fake):
+    path = write_doc(tmp_path / "one", make_doc())
+    monkeypatch.setenv("FP8_BACKENDS_SHIPPED", str(path))
+    assert auto(gemm(4096, 4096, m=16)).source == "shipped-exact"
+    assert auto(gemm(4096, 4096, m=16), simulate_platform("10.0")).source == "priority"
+    monkeypatch.setenv("FP8_BACKENDS_SHIPPED", str(tmp_path / "nowhere"))
+    monkeypatch.setenv("FP8_BACKENDS_DEFAULTS", "0")
+    assert auto(gemm(4096, 4096, m=16)).source == "priority"
+
+
+def test_gpu_slug_prefers_the_matching_file(tmp_path, monkeypatch, with_fake):
+    folder = tmp_path / "two"
+    write_doc(folder, make_doc(gpu="NVIDIA H100 80GB HBM3"))
+    write_doc(folder, make_doc())
+    monkeypatch.setenv("FP8_BACKENDS_SHIPPED", str(folder))
+    assert shipped.locate(SM90)[0].name == "sm90-nvidia-h200.json"
+    h100 = simulate_platform("9.0", name="NVIDIA H100 80GB HBM3")
+    assert shipped.locate(h100)[0].name == "sm90-nvidia-h100-80gb-hbm3.json"
+    assert shipped.locate(simulate_platform("9.0"))[0].name == "sm90-nvidia-h100-80gb-hbm3.json"  # first by name
+
+
+def test_bucket_table_for_layers_follows_the_shipped_data(data_dir):
+    table = resolution.resolve_gemm_buckets("auto", problem=gemm(2560, 2560), platform=SM90)
+    assert [b for b, _ in table] == list(BUCKETS)
+    assert {be.label for _, be in table} == {"fake_mm[variant=a]"}
+    table = resolution.resolve_gemm_buckets("auto", problem=gemm(28672, 4096), platform=SM90)
+    assert {be.label for _, be in table} == {"torch_scaled_mm[fast_accum=false]"}
+    assert resolution.resolve_gemm_buckets("torch", problem=gemm(2560, 2560), platform=SM90) == []
+
+
+def test_listing_names_the_source_and_the_data(data_dir):
+    before = collect(SM90)
+    assert before["shipped_data"]["status"] == "found"  # not parsed by a plain listing
+    data = collect(SM90, gemm_problem=gemm(2560, 2560, m=1))
+    res = data["resolution"]["gemm"]
+    assert res["source"] == "shipped-nearest" and "2048x2048 (w 0.28)" in res["note"] and res["chosen"] == "fake_mm"
+    info = data["shipped_data"]
+    assert info["status"] == "ok" and info["entries"] == len(SMALL + LARGE) * len(BUCKETS)
+    assert info["provenance"]["gpu"] == "NVIDIA H200" and info["provenance"]["command"].startswith("python -m")
+    text = render(data)
+    assert "auto (shipped-nearest: sm90-nvidia-h200.json" in text
+    assert f"shipped selection data: {data_dir / 'sm90-nvidia-h200.json'} (ok:" in text
+
+
+def test_the_policy_modules_and_listing_stay_light(tmp_path):
+    code = ("import sys; import fp8_backends.registry.shipped as s, fp8_backends.registry.nearest; "
+            "assert 'torch' not in sys.modules, 'torch imported'; print(s.POLICY_EXACT)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
+# ------------------------------------------------------------------------------------------ pack + leave-out
+def _tuner_lockfile(doc: dict, grid_problems: int | None = None) -> dict:
+    """A document as the tuner writes it: extra per-entry fields, provenance with the grid size."""
+    lock = json.loads(json.dumps(doc))
+    for entry in shipped_data.the_section(lock)["entries"].values():
+        entry["skipped"] = [{"label": "x", "reason": "y"}]
+        entry["tuned_at"] = "2026-12-01T00:00:00Z"
+    lock["provenance"]["grid"] = {"problems": grid_problems or len(shipped_data.the_section(lock)["entries"])}
+    return lock
+
+
+def test_pack_strips_checks_and_holds_out_models():
+    labels = {(n, k): (f"small-{n}/tp1/qkv_proj",) for n, k in SMALL}
+    labels.update({(n, k): ("big/tp1/o_proj",) for n, k in LARGE})
+    labels[(4096, 4096)] = ("small-4096/tp1/qkv_proj", "big/tp8/o_proj")  # a shape two models share
+    lock = _tuner_lockfile(make_doc(labels=labels))
+    packed = pack(lock, command="python -m fp8_backends.selection_data pack x")
+    assert shipped_data.check_document(packed) == []
+    entries = shipped_data.the_section(packed)["entries"]
+    assert all("skipped" not in e and "tuned_at" not in e for e in entries.values())
+    assert packed["provenance"]["packed"]["command"] == "python -m fp8_backends.selection_data pack x"
+    with pytest.raises(DataFileError, match="only 24 are measured"):
+        pack(_tuner_lockfile(make_doc(), grid_problems=30))
+    assert pack(_tuner_lockfile(make_doc(), grid_problems=30), partial=True)
+    del lock["provenance"]
+    with pytest.raises(DataFileError, match="provenance"):
+        pack(lock)
+
+
+def test_pack_exclude_keeps_shapes_other_models_share(monkeypatch):
+    from fp8_backends import selection_data
+
+    labels = {(2048, 2048): ("llama3-8b/tp1/o_proj",), (4096, 4096): ("llama3-8b/tp1/o_proj", "mistral-7b/tp1/x"),
+              (28672, 4096): ("qwen2-7b/tp1/gate_up_proj",)}
+    entries = dict(make_entry(n, k, 1, labels=lab) for (n, k), lab in labels.items())
+    kept = selection_data.exclude_models(entries, ["llama3-8b"])
+    assert {e["problem"]["n"] for e in kept.values()} == {4096, 28672}
+
+
+def test_leave_out_evaluation_prefers_the_model_to_a_global_rule():
+    labels = {shape: (f"model{i}/tp1/x",) for i, shape in enumerate(SMALL + LARGE)}
+    report = leave_out_report(make_doc(labels=labels), "model", priorities={"torch_scaled_mm": 10, "fake_mm": 1})
+    (cls,) = report["classes"]
+    for row in cls["buckets"]:
+        assert row["points"] == len(SMALL + LARGE) and row["unmeasured_picks"] == 0
+        assert row["nearest"]["min"] == pytest.approx(1.0)  # every held-out shape: its fastest candidate
+        assert row["global"]["min"] < 0.8 and row["priority"]["min"] == pytest.approx(0.8)
+
+
+def test_loo_cli_compares_neighbour_counts(tmp_path, capsys):
+    from fp8_backends import selection_data
+
+    labels = {shape: (f"model{i}/tp1/x",) for i, shape in enumerate(SMALL + LARGE)}
+    path = write_doc(tmp_path, make_doc(labels=labels))
+    out_json = tmp_path / "loo.json"
+    assert selection_data.main(["loo", str(path), "--neighbours", "1", "4", "--json", str(out_json)]) == 0
+    text = capsys.readouterr().out
+    assert "Leave-one-model-out, 1 neighbours" in text and "| neighbours | points |" in text
+    reports = json.loads(out_json.read_text())
+    assert [r["neighbours"] for r in reports] == [1, 4]
+    assert all(r["overall"]["points"] == len(SMALL + LARGE) * len(BUCKETS) for r in reports)
+    assert selection_data.main(["loo", str(path), "--group", "shape"]) == 0
+
+
+def test_the_data_can_say_how_many_neighbours_vote(tmp_path, monkeypatch, with_fake):
+    doc = make_doc()
+    doc["provenance"]["model"] = {"neighbours": 1}
+    folder = tmp_path / "k1"
+    write_doc(folder, doc)
+    monkeypatch.setenv("FP8_BACKENDS_SHIPPED", str(folder))
+    res = auto(gemm(2560, 2560, m=1))
+    assert res.source == "shipped-nearest" and res.note.count("(w ") == 1 and "(w 1.00)" in res.note
+    doc["provenance"]["model"] = {"neighbours": 0}
+    assert "provenance.model.neighbours must be an integer >= 1" in shipped_data.check_document(doc)
+    packed = pack(_tuner_lockfile(make_doc()), neighbours=2)
+    assert packed["provenance"]["model"] == {"neighbours": 2}
+
+
+# ------------------------------------------------------------------------------------------ lookup cost
+def test_lookup_time_per_layer_at_load(tmp_path, monkeypatch, with_fake, capsys):
+    """A realistic data file (260 shapes x 7 buckets), and the time ``resolve_gemm_buckets`` (what ``Fp8Linear``
+    calls once per layer at load) takes per layer, for exact and for nearest shapes. Bounds are generous: the
+    number printed is what the README reports."""
+    rng = random.Random(0)
+    shapes = sorted({(16 * rng.randint(32, 2400), 16 * rng.randint(32, 2400)) for _ in range(260)})
+    buckets = (1, 4, 16, 64, 256, 1024, 4096)
+    folder = tmp_path / "big"
+    path = write_doc(folder, make_doc(shapes, buckets))
+    monkeypatch.setenv("FP8_BACKENDS_SHIPPED", str(folder))
+    t0 = time.perf_counter()
+    assert shipped.data_for(SM90) is not None
+    load_s = time.perf_counter() - t0
+    timings = {}
+    for kind, probe in (("exact", shapes), ("nearest", [(n + 16, k + 32) for n, k in shapes])):
+        layers = probe[:40]
+        t0 = time.perf_counter()
+        for n, k in layers:
+            table = resolution.resolve_gemm_buckets("auto", problem=gemm(n, k), platform=SM90)
+            assert [b for b, _ in table] == list(buckets)
+        timings[kind] = (time.perf_counter() - t0) / len(layers)
+    source = auto(gemm(shapes[0][0] + 16, shapes[0][1] + 32, m=1)).source
+    assert source == "shipped-nearest"
+    with capsys.disabled():
+        print(f"\nshipped data {path.stat().st_size / 1e6:.2f} MB, {len(shapes) * len(buckets)} entries: load "
+              f"{1e3 * load_s:.0f} ms; per layer ({len(buckets)} buckets): exact {1e3 * timings['exact']:.2f} ms, "
+              f"nearest {1e3 * timings['nearest']:.2f} ms")
+    assert load_s < 5.0 and timings["exact"] < 0.25 and timings["nearest"] < 0.25
+
+
+def test_every_packaged_data_file_is_valid_and_named_after_its_provenance():
+    folder = shipped.packaged_dir()
+    assert folder.name == "selection" and folder.parent.name == "data" and (folder / "README.md").is_file()
+    for path in sorted(folder.glob("sm*.json*")):
+        doc = shipped_data.load_file(path)  # raises DataFileError listing every problem
+        prov = doc["provenance"]
+        assert path.name.split(".json")[0] == shipped_data.file_name(prov["sm"], prov["gpu"]).split(".json")[0]
+        assert prov["command"].startswith("python -m fp8_backends.tune")
