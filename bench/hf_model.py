@@ -503,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_decode:
         for name, model in models.items():
             decode[name] = DecodeState(model, args.context, max_len, args.device)
-    workloads = [f"prefill{t}" for t in args.prefill] + ([] if args.no_decode else ["decode"])
+    workloads = ([] if args.no_decode else ["decode"]) + [f"prefill{t}" for t in args.prefill]
     out_base = args.out / f"hf_model_{args.model}"
     for workload in workloads:
         for mode in modes:
