@@ -72,7 +72,8 @@ def test_listing_problem_explains_rejections(capsys):
     assert "row-wise FP8 kernel writes bfloat16 only" in out
 
 
-def test_listing_states_the_measured_defaults(capsys):
+def test_listing_states_the_measured_defaults(capsys, monkeypatch):
+    monkeypatch.setenv("FP8_BACKENDS_SHIPPED", "off")  # the defaults serve GPUs without shipped data
     assert listing.main(["--simulate-sm", "9.0"]) == 0
     assert "measured default: M <= 16 -> triton" in capsys.readouterr().out
     assert listing.main(["--simulate-sm", "10.0"]) == 0

@@ -161,6 +161,7 @@ def test_autotune_env_default(monkeypatch: pytest.MonkeyPatch):
 
 def test_option_syntax_through_resolution(available, monkeypatch):
     monkeypatch.setenv("FP8_BACKENDS_DEFAULTS", "0")  # static priorities only (registry/defaults.py off)
+    monkeypatch.setenv("FP8_BACKENDS_SHIPPED", "off")  # and no shipped selection data
     res = resolution.resolve("gemm", "flashinfer@runner=cudnn", problem=gemm_problem(), platform=SM90)
     assert isinstance(res, FlashinferBmmBackend)
     assert res.label == "flashinfer_bmm[runner=cudnn,autotune=off]"

@@ -249,8 +249,14 @@ def test_disabled_accepts_any_spelling_of_the_distribution(monkeypatch):
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton installed")
 
 
+@pytest.fixture
+def no_shipped_data(monkeypatch):
+    """The measured defaults serve GPUs without shipped selection data: turn the SM 9.0 data off."""
+    monkeypatch.setenv("FP8_BACKENDS_SHIPPED", "off")
+
+
 @needs_triton
-def test_measured_default_prefers_triton_for_decode_on_sm90(monkeypatch):
+def test_measured_default_prefers_triton_for_decode_on_sm90(monkeypatch, no_shipped_data):
     sm90 = simulate_platform("9.0")
     for m in (1, 16):
         res = resolution.explain("gemm", problem=GemmProblem(n=4096, k=4096, m=m), platform=sm90)
@@ -268,7 +274,7 @@ def test_measured_default_prefers_triton_for_decode_on_sm90(monkeypatch):
 
 
 @needs_triton
-def test_measured_default_buckets_for_layers():
+def test_measured_default_buckets_for_layers(no_shipped_data):
     from fp8_backends.registry import defaults
 
     sm90 = simulate_platform("9.0")
@@ -279,7 +285,7 @@ def test_measured_default_buckets_for_layers():
     assert resolution.resolve_gemm_buckets("torch", problem=GemmProblem(n=4096, k=4096), platform=sm90) == []
 
 
-def test_measured_default_names_only_builtin_providers():
+def test_measured_default_names_only_builtin_providers(no_shipped_data):
     from types import SimpleNamespace
 
     from fp8_backends.registry import defaults
@@ -305,7 +311,7 @@ def test_describe_buckets_states_what_the_last_bucket_serves():
 
 
 @needs_triton
-def test_measured_default_buckets_are_logged_as_ranges(caplog):
+def test_measured_default_buckets_are_logged_as_ranges(caplog, no_shipped_data):
     import logging
 
     sm90 = simulate_platform("9.0")

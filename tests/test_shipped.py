@@ -532,3 +532,24 @@ def test_every_packaged_data_file_is_valid_and_named_after_its_provenance():
         prov = doc["provenance"]
         assert path.name.split(".json")[0] == shipped_data.file_name(prov["sm"], prov["gpu"]).split(".json")[0]
         assert prov["command"].startswith("python -m fp8_backends.tune")
+
+
+def test_the_packaged_h200_data_loads_and_decides_on_sm90():
+    """The data file that ships (measured on the H200) passes its checks and serves `auto` on a simulated H200:
+    an exact hit for a shape of its grid, the nearest shapes for one outside it, nothing on another SM."""
+    from fp8_backends.registry import resolution, shipped
+    from fp8_backends.registry.platform import simulate_platform
+    from fp8_backends.types import GemmProblem
+
+    shipped.reset_state()
+    h200 = simulate_platform("9.0")
+    path, why = shipped.locate(h200)
+    assert path is not None and path.name == "sm90-nvidia-h200.json", why
+    data = shipped.data_for(h200)
+    assert data is not None and data.provenance["gpu"] == "NVIDIA H200" and data.provenance["command"]
+    exact = resolution.explain("gemm", problem=GemmProblem(n=6144, k=4096, m=16), platform=h200)  # Llama-3-8B QKV
+    assert exact.source == "shipped-exact", (exact.source, exact.note)
+    unseen = resolution.explain("gemm", problem=GemmProblem(n=5008, k=3072, m=64), platform=h200)
+    assert unseen.source == "shipped-nearest" and "x" in unseen.note, (unseen.source, unseen.note)
+    other = resolution.explain("gemm", problem=GemmProblem(n=6144, k=4096, m=16), platform=simulate_platform("10.0"))
+    assert not other.source.startswith("shipped")
