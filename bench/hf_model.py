@@ -190,6 +190,15 @@ class DecodeState:
         self.ids = torch.randint(0, model.config.vocab_size, (1, 1), generator=g).to(device)
         self.pos = torch.full((1, 1), context, dtype=torch.long, device=device)
 
+        self.context = context
+        self.lengths = [layer.cumulative_length for layer in self.cache.layers]  # the cache's write positions
+
+    def rewind(self) -> None:
+        """Put every layer's write position back at ``context`` (each step appends one token: a step timed many
+        times would run past the cache's end). Called outside the timed calls."""
+        for length in self.lengths:
+            length.fill_(self.context)
+
     def step(self, target: Any) -> Callable[[], Any]:
         def run() -> Any:
             with torch.no_grad():
@@ -213,7 +222,10 @@ def capture(fn: Callable[[], Any], warmup: int = 3) -> Callable[[], Any]:
 
 
 def build_steps(models: dict[str, Any], compiled: dict[str, Any], workload: str, mode: str, args: Any,
-                decode: dict[str, DecodeState], errors: dict[str, str]) -> dict[str, Callable[[], Any]]:
+                decode: dict[str, DecodeState], errors: dict[str, str],
+                rewinds: dict[str, Callable[[], None]]) -> dict[str, Callable[[], Any]]:
+    """``{variant: step}`` ready to time (compiled, warmed up, captured); decode steps leave their cache rewinder
+    in ``rewinds``."""
     steps: dict[str, Callable[[], Any]] = {}
     for name, model in models.items():
         key = f"{name}/{workload}/{mode}"
@@ -224,8 +236,11 @@ def build_steps(models: dict[str, Any], compiled: dict[str, Any], workload: str,
                 fn = state.step(compiled[name] if mode in ("compiled", "graph") else model)
                 for _ in range(2):  # compile (first call) and settle outside capture
                     fn()
+                state.rewind()
                 if mode == "graph":
                     fn = capture(fn)
+                state.rewind()
+                rewinds[name] = state.rewind
             else:
                 t = int(workload.removeprefix("prefill"))
                 ids = torch.randint(0, model.config.vocab_size, (1, t), device=args.device)
@@ -243,7 +258,8 @@ def build_steps(models: dict[str, Any], compiled: dict[str, Any], workload: str,
     return steps
 
 
-def time_steps(steps: dict[str, Callable[[], Any]], args: Any, host: bool) -> tuple[dict[str, float], dict[str, float]]:
+def time_steps(steps: dict[str, Callable[[], Any]], args: Any, host: bool,
+               rewinds: dict[str, Callable[[], None]]) -> tuple[dict[str, float], dict[str, float]]:
     """``({variant: µs per call}, {variant: host µs per call})``: ``args.rounds`` interleaved rounds, the order
     rotated each round; the host time (``host``: not for graph replays) is the time one call takes to return
     after a sync (``--step-host-calls`` calls, averaged): the host's cost where the GPU is faster, the GPU's where a
@@ -254,11 +270,18 @@ def time_steps(steps: dict[str, Callable[[], Any]], args: Any, host: bool) -> tu
         order = list(steps)
         order = order[r % len(order):] + order[:r % len(order)]
         for name in order:
+            rewind = rewinds.get(name, _nothing)
+            rewind()
             samples[name].append(cuda_time_us(steps[name], args.iters, args.device))
             if host:
+                rewind()
                 hosts[name].append(host_per_call_us(steps[name], args.step_host_calls, args.device, busy=False))
     med = {name: statistics.median(v) for name, v in samples.items() if v}
     return med, {name: statistics.median(v) for name, v in hosts.items() if v}
+
+
+def _nothing() -> None:
+    return None
 
 
 def kernel_profile(fn: Callable[[], Any], device: str) -> dict[str, Any] | None:
@@ -489,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         header["versions"][dist] = common.dist_version(dist)
     names = [v for v in args.variants if v != "torchao" or importlib.util.find_spec("torchao") is not None]
     modes = [m for m in args.modes if m != "graph" or args.device == "cuda"]
-    max_len = max([*args.prefill, args.context + 1, args.check_tokens]) + 16
+    max_len = max([*args.prefill, args.context + 64, args.check_tokens]) + 16  # decode: rewound every <= 48 steps
     base = build_model(args.model, args.layers, args.device, args.small, max_len)
     calib = torch.randint(0, base.config.vocab_size, (1, 512 if not args.small else 16), device=args.device)
     models, notes = make_variants(base, names, calib)
@@ -510,11 +533,15 @@ def main(argv: list[str] | None = None) -> int:
             if mode == "graph" and workload != "decode":
                 continue
             log(f"{workload} / {mode}")
-            steps = build_steps(models, compiled, workload, mode, args, decode, result["errors"])
-            us, host = time_steps(steps, args, host=mode != "graph")
+            rewinds: dict[str, Callable[[], None]] = {}
+            steps = build_steps(models, compiled, workload, mode, args, decode, result["errors"], rewinds)
+            us, host = time_steps(steps, args, mode != "graph", rewinds)
             row = {"workload": workload, "mode": mode, "us": us, "host_us": host}
             if args.profile and mode != "eager":
-                row["profile"] = {name: kernel_profile(fn, args.device) for name, fn in steps.items()}
+                row["profile"] = {}
+                for name, fn in steps.items():
+                    rewinds.get(name, _nothing)()
+                    row["profile"][name] = kernel_profile(fn, args.device)
             result["rows"].append(row)
             log("  " + ", ".join(f"{k} {v:.0f} µs (host {host.get(k, 0):.0f})" for k, v in us.items()))
             del steps

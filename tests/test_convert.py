@@ -321,3 +321,28 @@ def test_a_copied_layer_binds_its_own_tensors():
     copied = copy.deepcopy(layer)
     assert torch.equal(copied(x), y)  # rebound at its first call, to its own (equal) tensors
     assert copied._plan is not None and copied._plan is not layer._plan
+
+
+def test_hf_model_bench_smoke_runs_on_cpu(tmp_path):
+    """bench/hf_model.py end to end on tiny layers: variants, eager and compiled, decode with its cache rewound,
+    the report."""
+    import importlib.util
+    import json
+
+    path = __import__("pathlib").Path(__file__).resolve().parents[1] / "bench" / "hf_model.py"
+    spec = importlib.util.spec_from_file_location("hf_model_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parents[1]))
+    try:
+        spec.loader.exec_module(mod)
+        assert mod.main(["--device", "cpu", "--small", "--layers", "1", "--out", str(tmp_path), "--prefill", "8",
+                         "--context", "8", "--rounds", "1", "--iters", "3", "--host-rounds", "1", "--host-calls", "3",
+                         "--check-tokens", "8", "--variants", "bf16", "fp8_dynamic", "--compile-scope", "layers"]) == 0
+    finally:
+        sys.path.remove(str(path.parents[1]))
+    result = json.loads((tmp_path / "hf_model_llama.json").read_text())
+    rows = {(r["workload"], r["mode"]): r["us"] for r in result["rows"]}
+    assert set(rows) == {("decode", "eager"), ("decode", "compiled"), ("prefill8", "eager"), ("prefill8", "compiled")}
+    assert all(set(us) == {"bf16", "fp8_dynamic"} for us in rows.values()), rows
+    assert not result["errors"] and result["accuracy"]["fp8_dynamic"]["top1_agree"] > 0.5
+    assert "| decode | eager |" in (tmp_path / "hf_model_llama.md").read_text()
