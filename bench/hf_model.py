@@ -22,7 +22,8 @@ after a prefill of that many tokens). Modes:
 - ``eager``;
 - ``compiled``: ``torch.compile(model, dynamic=False)`` (Inductor, default mode), one call per step; with
   ``--compile-scope layers`` each decoder layer is compiled instead (regional compilation: one compile serves every
-  layer, the embedding, final norm and head run eagerly);
+  layer of a prefill, the embedding, final norm and head run eagerly; with a ``StaticCache`` each layer's cache index
+  is a constant of its graph, so decode compiles once per layer);
 - ``graph`` (decode only): the compiled step captured in a CUDA graph (``torch.cuda.graph``, as serving engines
   capture their compiled decode step) and replayed.
 
@@ -489,12 +490,12 @@ def parse_args(argv: list[str] | None) -> Any:
                    help="torch.compile the whole model (default) or each decoder layer (regional compilation)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--host-rounds", type=int, default=7)
+    p.add_argument("--host-rounds", type=int, default=7, help="0: no host table")
     p.add_argument("--host-calls", type=int, default=200)
     p.add_argument("--step-host-calls", type=int, default=3, help="calls per host-time sample of a model step")
     p.add_argument("--profile", action="store_true", help="also list the kernels of one compiled/graph step")
     p.add_argument("--host-profile", action="store_true", help="also cProfile the layer calls of the host table")
-    p.add_argument("--check-tokens", type=int, default=128)
+    p.add_argument("--check-tokens", type=int, default=128, help="0: no logits check")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--small", action="store_true", help="tiny layers (CPU smoke test)")
     p.add_argument("--out", type=Path, required=True)
@@ -519,8 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"header": header, "model": args.model, "layers": args.layers, "small": args.small,
                               "rows": [], "notes": notes, "errors": {}, "check_tokens": args.check_tokens}
     log(f"variants: {', '.join(models)}; modes: {', '.join(modes)}")
-    result["accuracy"] = accuracy(models, args.check_tokens, args.device)
-    result["host"], result["host_profile"] = host_cost(args)
+    result["accuracy"] = accuracy(models, args.check_tokens, args.device) if args.check_tokens else {}
+    result["host"], result["host_profile"] = host_cost(args) if args.host_rounds else ([], [])
     compiled = {name: compile_model(model, args.compile_scope) for name, model in models.items()}
     decode = {}
     if not args.no_decode:
