@@ -412,10 +412,10 @@ def test_gpu_torch_compile_inductor(per_token):
     torch._dynamo.reset()
     y, codes = run_and_get_code(torch.compile(f, fullgraph=True), x, xs)
     assert _relerr(y, 2 * reference.fp8_gemm(x, w, xs, ws, torch.float32)) < 1e-2
-    code = "\n".join(codes)
+    code = "\n".join(line for line in "\n".join(codes).splitlines() if not line.lstrip().startswith("#"))
     # transparent: Inductor launches the Triton kernel from its own code, no opaque op with a Python body
     assert "fp8_gemm_swap_kernel" in code, code[-3000:]
-    assert "fp8_backends.triton_gemm" not in code
+    assert "torch.ops.fp8_backends" not in code
 
 
 @pytest.mark.gpu

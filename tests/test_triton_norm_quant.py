@@ -546,13 +546,14 @@ def test_gpu_torch_compile_fullgraph():
         plain = torch.compile(lambda x, w, s: nq.rmsnorm_quant(x, w, s).data, fullgraph=True)(x, w, s)
     finally:
         torch._dynamo.reset()
-    code = "\n".join(codes)
+    code = "\n".join(line for line in "\n".join(codes).splitlines() if not line.lstrip().startswith("#"))
     # transparent: Inductor launches the norm kernels itself (no opaque op with a Python body)
-    assert "_norm_quant_block_kernel" in code and "fp8_backends.triton_" not in code, code[-3000:]
+    assert "_norm_quant_block_kernel" in code, code[-3000:]
+    assert "torch.ops.fp8_backends" not in code, code[-3000:]
     assert torch.equal(res_c, res_eager), "the in-place residual update must survive torch.compile"
-    assert torch.equal(q1.view(torch.uint8), q1_e.view(torch.uint8))
-    assert torch.equal(q2.view(torch.uint8), q2_e.view(torch.uint8))
-    assert torch.equal(plain.view(torch.uint8), nq.rmsnorm_quant(x, w, s).data.view(torch.uint8))
+    assert torch.equal(q1.view(torch.uint8), q1_e.view(torch.uint8)), "fused add + norm + quant"
+    assert torch.equal(q2.view(torch.uint8), q2_e.view(torch.uint8)), "norm + quant of the updated residual"
+    assert torch.equal(plain.view(torch.uint8), nq.rmsnorm_quant(x, w, s).data.view(torch.uint8)), "plain norm"
 
 
 @pytest.mark.gpu

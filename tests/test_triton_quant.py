@@ -467,7 +467,10 @@ def test_gpu_replayed_quant_launches_stay_correct_and_skip_the_general_path(gene
         q, sc = call(y)
         torch.cuda.synchronize()
         assert len(general_launches) == before, f"{mode}: the second call took the general path"
-        q_ref, s_ref = refs[mode](y)
-        assert torch.allclose(sc, s_ref, rtol=1e-6), mode
+        _, s_ref = refs[mode](y)
+        # torch on CUDA divides amax by fmax as a product with 1/fmax: its scale may differ by an ulp, and an ulp
+        # moves codes that sit on a rounding tie; so compare the scale within 2 ulps and the codes for our scale
+        assert torch.allclose(sc, s_ref, rtol=2.5e-7, atol=0), mode
+        q_ref = reference.quantize_static(y, sc, fp8)
         mismatch = (q.float() != q_ref.float()).float().mean().item()
-        assert mismatch < 1e-3, f"{mode}: {mismatch:.2%} of the codes differ"
+        assert mismatch < 1e-4, f"{mode}: {mismatch:.3%} of the codes differ from the reference at this scale"
