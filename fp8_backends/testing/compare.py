@@ -14,7 +14,7 @@ The tolerances are stated here, once, and printed in every failure:
 - FP8 codes (:func:`assert_codes_close`, fused RMSNorm + quant): every code at most one FP8 step from the
   reference's, and at most ``max_fraction`` (default 0.5 %) of them different at all (a kernel that
   multiplies by ``1/scale`` where the reference divides, or sums squares in another order, lands on the
-  neighbouring code for values at a rounding boundary).
+  neighbouring code for values at a rounding boundary). ``max_fraction = 0`` asks for every code exactly.
 
 - Residual (:func:`assert_residual_close`): equal to the reference (``x + residual`` summed in fp32, rounded
   once to the residual's dtype), or within ``max_ulps`` units in the last place when a provider states so.
@@ -95,7 +95,8 @@ def assert_codes_close(
     worst = int(diff.max())
     off = int((diff > 0).sum())
     assert worst <= 1, f"{label}an FP8 code is {worst} steps from the reference"
-    assert off <= max(1, int(max_fraction * diff.numel())), (
+    allowed = max(1, int(max_fraction * diff.numel())) if max_fraction > 0 else 0  # 0: every code exact
+    assert off <= allowed, (
         f"{label}{off} of {diff.numel()} FP8 codes differ from the reference (at most {max_fraction:.2%} may)"
     )
 

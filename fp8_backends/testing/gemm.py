@@ -104,13 +104,6 @@ def reference_output(d: dict[str, Any]) -> Any:
     return reference.fp8_gemm(d["x"], d["w"], d["xs"], d["ws"], torch.float32, d["bias"])
 
 
-def default_case(caps: GemmCapabilities) -> GemmCase:
-    """The first combination of :func:`gemm_cases`, with a bias where the provider takes one."""
-    cases = gemm_cases(caps)
-    with_bias = [c for c in cases if c.bias]
-    return with_bias[0] if with_bias else cases[0]
-
-
 def gemm_cases(caps: GemmCapabilities) -> list[GemmCase]:
     """Every declared combination of activation scale kind x weight scale x output dtype x bias with the
     default FP8 pair (e4m3fn x e4m3fn where declared), then each other declared FP8 pair (mixed ones where
@@ -164,29 +157,52 @@ class GemmProviderContract(ContractBase):
     gpu_shapes: ClassVar[tuple[tuple[int, int, int], ...]] = (
         (1, 4096, 4096), (16, 6144, 4096), (257, 4096, 14336), (1000, 28672, 4096))
 
+    def include_case(self, case: GemmCase) -> bool:
+        """Whether to exercise this declared combination (default: all). Override to leave out combinations
+        that cost a kernel build each, and say why in your test module."""
+        return True
+
+    def cases(self, caps: GemmCapabilities) -> list[GemmCase]:
+        """:func:`gemm_cases` of the record, filtered by :meth:`include_case`."""
+        return [c for c in gemm_cases(caps) if self.include_case(c)]
+
+    def default_case(self, caps: GemmCapabilities) -> GemmCase:
+        """The first included combination, with a bias where the provider takes one."""
+        cases = self.cases(caps)
+        if not cases:
+            pytest.skip("include_case() leaves no declared combination to test")
+        return next((c for c in cases if c.bias), cases[0])
+
     # ------------------------------------------------------------------ parametrization
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         provider, error = self._collected_provider()
         caps = None if error is not None else provider.capabilities
         gpu = metafunc.definition.get_closest_marker("gpu") is not None
-        if "device" in metafunc.fixturenames:
-            metafunc.parametrize("device", self.device_params(gpu_only=gpu))
-        if "case" in metafunc.fixturenames:
-            cases = gemm_cases(caps) if isinstance(caps, GemmCapabilities) else []
+        names = metafunc.fixturenames
+        if "device" in names:
+            devices = self.device_params(gpu_only=gpu)
+            metafunc.parametrize("device", devices)
+            if not any(d.values[0] is not None for d in devices):  # skipped anyway: one test, one reason
+                for name in ("case", "shape", "gpu_shape", "bad"):
+                    if name in names:
+                        metafunc.parametrize(name, [None], ids=["-"])
+                return
+        if "case" in names:
+            cases = self.cases(caps) if isinstance(caps, GemmCapabilities) else []
             metafunc.parametrize("case", cases or [None], ids=[c.id for c in cases] or ["none"])
-        if "shape" in metafunc.fixturenames:
+        if "shape" in names:
             shapes = self._edge_shapes(caps) if isinstance(caps, GemmCapabilities) else [(1, 16, 16)]
             metafunc.parametrize("shape", shapes, ids=[f"M{m}-N{n}-K{k}" for m, n, k in shapes])
-        if "gpu_shape" in metafunc.fixturenames:
+        if "gpu_shape" in names:
             metafunc.parametrize("gpu_shape", self.gpu_shapes, ids=[f"M{m}-N{n}-K{k}" for m, n, k in self.gpu_shapes])
-        if "refusal" in metafunc.fixturenames:
+        if "refusal" in names:
             refusals = self._refusals(provider) if error is None else []
             if refusals:
                 metafunc.parametrize("refusal", refusals, ids=[r.id for r in refusals])
             else:
                 metafunc.parametrize("refusal", [pytest.param(None, id="none", marks=pytest.mark.skip(
                     reason="the provider declares every combination this kit knows"))])
-        if "bad" in metafunc.fixturenames:
+        if "bad" in names:
             metafunc.parametrize("bad", list(_BAD_INPUTS))
 
     def _base(self, caps: GemmCapabilities) -> tuple[int, int]:
@@ -267,7 +283,7 @@ class GemmProviderContract(ContractBase):
 
     def test_edge_shapes(self, device: str, shape: tuple[int, int, int]) -> None:
         """M = 0, 1, odd; N and K at their alignment (and odd multiples of it); default combination."""
-        self._run_case(device, default_case(self.make_provider().capabilities), *shape)
+        self._run_case(device, self.default_case(self.make_provider().capabilities), *shape)
 
     def test_scales_are_applied(self, device: str) -> None:
         """Doubling ``x_scale`` or ``w_scale`` doubles the output (exact in binary floating point): a kernel that
@@ -276,8 +292,9 @@ class GemmProviderContract(ContractBase):
         caps = provider.capabilities
         n, k = self._base(caps)
         platform = platform_for(device)
-        out = OutDtype.FP32 if OutDtype.FP32 in caps.out_dtypes else _first(caps.out_dtypes)
-        for case in gemm_cases(caps):
+        outs = {c.out for c in self.cases(caps)}
+        out = OutDtype.FP32 if OutDtype.FP32 in outs else min(outs, key=_OUT_ORDER.index, default=None)
+        for case in self.cases(caps):
             if case.out is not out or case.bias or case.x_dtype is not case.w_dtype:
                 continue
             if provider.supports(case.problem(caps, 7, n, k, device), platform):
@@ -347,7 +364,7 @@ class GemmProviderContract(ContractBase):
         n, k = self._base(caps)
         platform = platform_for(device)
         seen = set()
-        for case in gemm_cases(caps):
+        for case in self.cases(caps):
             key = (case.act, case.weight, case.out)
             if key in seen or case.x_dtype is not case.w_dtype or provider.supports(
                     case.problem(caps, 5, n, k, device), platform):
@@ -373,7 +390,7 @@ class GemmProviderContract(ContractBase):
         caps = provider.capabilities
         n, k = self._base(caps)
         case = self._served_case(provider, device, n, k)
-        d = case.data(9, n, k, device)
+        d = case.data(5, n, k, device)
         prepared = provider.prepare_weight(d["w"], d["ws"])
 
         def f(x: Any, xs: Any) -> Any:
@@ -395,8 +412,11 @@ class GemmProviderContract(ContractBase):
         provider = self.provider()
         caps = provider.capabilities
         n, k = _round_up(1024, caps.n_align), _round_up(2048, caps.k_align)
+        platform = platform_for(device)
         for case in self._gpu_cases(provider, n, k):
             for m in (1, 16, 300):
+                if provider.supports(case.problem(caps, m, n, k, device), platform):
+                    continue  # e.g. a small-M kernel forced by an option
                 d = case.data(m, n, k, device)
                 prepared = provider.prepare_weight(d["w"], d["ws"])
                 side = torch.cuda.Stream()
@@ -426,7 +446,7 @@ class GemmProviderContract(ContractBase):
         caps = provider.capabilities
         n, k = _round_up(1024, caps.n_align), _round_up(2048, caps.k_align)
         for case in self._gpu_cases(provider, n, k):
-            d = case.data(9, n, k, device)
+            d = case.data(5, n, k, device)
             prepared = provider.prepare_weight(d["w"], d["ws"])
 
             def f(x: Any, xs: Any, prepared: Any = prepared, d: dict[str, Any] = d) -> Any:
@@ -448,7 +468,7 @@ class GemmProviderContract(ContractBase):
         caps = provider.capabilities
         n, k = _round_up(1024, caps.n_align), _round_up(2048, caps.k_align)
         for case in self._gpu_cases(provider, n, k):
-            d = case.data(16, n, k, device)
+            d = case.data(5, n, k, device)
             prepared = provider.prepare_weight(d["w"], d["ws"])  # checks scale values: may sync (load time)
             provider.gemm(d["x"], prepared, d["xs"], out_dtype=d["out"], bias=d["bias"])
             torch.cuda.synchronize()
@@ -484,10 +504,11 @@ class GemmProviderContract(ContractBase):
         y = provider.gemm(d["x"], prepared, d["xs"], out_dtype=d["out"], bias=d["bias"])
         assert_gemm_close(y, reference_output(d), d["out"], self.rtol, f"{case.id} M={m} N={n} K={k}")
 
-    def _served_case(self, provider: Any, device: str, n: int, k: int) -> GemmCase:
+    def _served_case(self, provider: Any, device: str, n: int, k: int, m: int = 5) -> GemmCase:
+        """The first included combination the provider serves here, one with a bias if it can."""
         platform = platform_for(device)
-        for case in gemm_cases(provider.capabilities):
-            if not provider.supports(case.problem(provider.capabilities, 9, n, k, device), platform):
+        for case in sorted(self.cases(provider.capabilities), key=lambda c: not c.bias):
+            if not provider.supports(case.problem(provider.capabilities, m, n, k, device), platform):
                 return case
         pytest.skip(f"{provider.label} serves none of its declared combinations on {device}")
 
@@ -495,17 +516,13 @@ class GemmProviderContract(ContractBase):
         """The default combination and, where declared and served, per-token x per-channel with bias."""
         caps = provider.capabilities
         platform = platform_for("cuda")
-        cases = gemm_cases(caps)
+        cases = self.cases(caps)
         picked = [self._served_case(provider, "cuda", n, k)]
         rowwise = [c for c in cases if c.act == "token" and c.weight is WeightScale.PER_CHANNEL
-                   and not provider.supports(c.problem(caps, 16, n, k, "cuda"), platform)]
-        if rowwise:
+                   and not provider.supports(c.problem(caps, 5, n, k, "cuda"), platform)]
+        if rowwise and rowwise[0] is not picked[0]:
             picked.append(max(rowwise, key=lambda c: c.bias))
         return picked
-
-
-def _first(items: Any) -> Any:
-    return sorted(items, key=lambda v: v.value)[0]
 
 
 def _cuda_here() -> bool:
@@ -610,4 +627,4 @@ def _foreign(prepared: Any) -> Any:
     return dataclasses.replace(prepared, backend=f"not_{prepared.backend}")
 
 
-__all__ = ["GemmCase", "GemmProviderContract", "gemm_cases", "reference_output"]
+__all__ = ["GemmCase", "GemmProviderContract", "Refusal", "gemm_cases", "reference_output"]

@@ -79,6 +79,8 @@ class NormQuantProviderContract(ContractBase):
     #: hidden sizes x token counts run under the ``gpu`` marker
     gpu_hidden_sizes: ClassVar[tuple[int, ...]] = (4096, 5120, 8192)
     gpu_token_values: ClassVar[tuple[int, ...]] = (1, 32, 4096)
+    #: hidden sizes of the CUDA-graph test (64 tokens each)
+    gpu_graph_hidden_sizes: ClassVar[tuple[int, ...]] = (1024, 4096)
 
     # ------------------------------------------------------------------ parametrization
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
@@ -86,7 +88,13 @@ class NormQuantProviderContract(ContractBase):
         caps = provider.capabilities if error is None else None
         gpu = metafunc.definition.get_closest_marker("gpu") is not None
         if "device" in metafunc.fixturenames:
-            metafunc.parametrize("device", self.device_params(gpu_only=gpu))
+            devices = self.device_params(gpu_only=gpu)
+            metafunc.parametrize("device", devices)
+            if not any(d.values[0] is not None for d in devices):  # skipped anyway: one test, one reason
+                for name in ("dtype", "tokens", "hidden", "residual", "bad"):
+                    if name in metafunc.fixturenames:
+                        metafunc.parametrize(name, [None], ids=["-"])
+                return
         if "dtype" in metafunc.fixturenames:
             dtypes = [d for d in _DTYPE_ORDER if caps is None or d in caps.in_dtypes]
             metafunc.parametrize("dtype", dtypes, ids=[d.value for d in dtypes])
@@ -389,7 +397,7 @@ class NormQuantProviderContract(ContractBase):
 
         caps = self.make_provider().capabilities
         dtype = _first_dtype(caps)
-        for h0 in (1024, 4096):
+        for h0 in self.gpu_graph_hidden_sizes:
             h = self._hidden(caps, h0)
             provider = self._serving(device, dtype, h)
             x, r, w = norm_inputs(64, h, dtype, device, seed=14)
