@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import shutil
 import site
 import subprocess
@@ -74,9 +75,7 @@ def editable_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     return src, target
 
 
-def test_new_process_sees_an_entry_point_added_by_an_editable_reinstall(editable_plugin, monkeypatch):
-    import os
-
+def test_new_process_sees_an_entry_point_added_by_an_editable_reinstall(editable_plugin):
     src, target = editable_plugin
     env = dict(os.environ)
     before = _scan_in_new_process(target, env)
