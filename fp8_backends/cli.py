@@ -30,10 +30,13 @@ def backend_choices(kind: str) -> list[str]:
 
 
 def _usable_summary(kind: str) -> str:
-    parts = []
-    for e in discovery.discover(kind):
-        reason = e.unusable_reason()
-        parts.append(e.name + ("" if reason is None else " (unavailable)"))
+    """Each discovered provider once (as ``DIST:NAME`` where two distributions share the name), marked
+    ``(unavailable)`` unless it can serve on this machine: the same verdict as the listing's, so a provider
+    that is missing a library, disabled, blocked, failed to load, cannot run on this device, or whose support
+    check raises is not offered as usable."""
+    res = resolution.explain(kind, resolution.AUTO)
+    entries = [c.entry for c in res.candidates]
+    parts = [resolution.display_name(c.entry, entries) + ("" if c.ok else " (unavailable)") for c in res.candidates]
     return ", ".join(parts) or "none registered"
 
 

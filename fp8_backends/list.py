@@ -10,7 +10,10 @@ Options:
   --norm-quant-backend NAME
   --simulate-sm X.Y      pretend the GPU is SM X.Y (also: FP8_BACKENDS_SIMULATE_SM)
 
-Always exits 0 when it could print the listing (a machine without a GPU included); 2 on bad arguments.
+Exits 0 when it could print the listing (a machine without a GPU included) and every explicit choice
+(``--gemm-backend``, ``--norm-quant-backend``, or ``FP8_GEMM_BACKEND`` / ``FP8_NORM_QUANT_BACKEND``) resolved;
+1 when one of them did not (unknown, ambiguous, unusable or unable to serve the problem: the listing says
+why); 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -100,8 +103,8 @@ def collect(
         by_entry = {id(c.entry): c for c in res.candidates}
         for entry in sorted(discovery.discover(kind), key=resolution._sort_key):
             cand = by_entry.get(id(entry))
-            reason = entry.unusable_reason()
-            platform_reasons = cand.reasons if cand is not None else []
+            unusable = entry.unusable_reason()
+            reasons = cand.reasons if cand is not None else [unusable] if unusable else []
             avail = entry.availability()
             notes = [n for n in (avail.reason if avail.ok and avail.reason else None,
                                  None if cand is None or cand.explicit_only is None else cand.explicit_only) if n]
@@ -117,8 +120,8 @@ def collect(
                     "status": entry.status,
                     "disabled": entry.disabled,
                     "available": avail.ok,
-                    "usable": not platform_reasons,
-                    "reasons": platform_reasons if platform_reasons else ([reason] if reason else []),
+                    "usable": not reasons,
+                    "reasons": reasons,
                     "install_hint": avail.install_hint or None,
                     "note": "; ".join(notes) or None,
                     "description": getattr(entry.cls, "description", "") if entry.cls else "",
@@ -152,10 +155,19 @@ def collect(
         "env": env,
         "providers": providers,
         "resolution": {kind: _resolution_dict(res) for kind, res in resolutions.items()},
+        "clashes": {kind: _clashes_list(kind) for kind in ("gemm", "norm_quant")},
         "lockfile": _lockfile_dict(platform),
         "shipped_data": _shipped_dict(platform),
         "measured_defaults": {kind: _defaults_list(kind, platform) for kind in ("gemm", "norm_quant")},
     }
+
+
+def _clashes_list(kind: str) -> list[dict[str, Any]]:
+    """Provider names that several distributions register (neither disabled nor blocked), with the
+    qualified names that pick each."""
+    entries = [e for e in discovery.discover(kind) if e.status != discovery.BLOCKED and not e.disabled]
+    return [{"name": name, "distributions": [e.dist for e in group], "qualified": [e.qualified_name for e in group]}
+            for name, group in resolution.name_clashes(entries).items()]
 
 
 def _defaults_list(kind: str, platform: Platform) -> list[dict[str, Any]]:
@@ -259,6 +271,9 @@ def render(data: dict[str, Any]) -> str:
         for pr in data["providers"]:
             if pr["kind"] == kind and pr.get("note"):
                 out.append(f"  {pr['name']} ({pr['distribution']}): note: {pr['note']}")
+        for clash in data.get("clashes", {}).get(kind, []):
+            out.append(f"  name clash: {clash['name']!r} is registered by {', '.join(clash['distributions'])}; "
+                       f"auto ranks them all; pin one as {' or '.join(clash['qualified'])}")
         for rule in data.get("measured_defaults", {}).get(kind, []):
             out.append(f"  measured default: M <= {rule['max_m']} -> {', '.join(rule['prefer'])} where it can serve "
                        f"({rule['source']}; FP8_BACKENDS_DEFAULTS=0 turns it off)")
@@ -339,6 +354,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write("\n")
     else:
         print(render(data))
+    failed = [f"{kind}: {res['error']}" for kind, res in data["resolution"].items()
+              if res["error"] and res["request"].strip() != resolution.AUTO]
+    if failed:
+        print(f"error: {'; '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -78,18 +78,24 @@ def set_check_device_scales(enabled: bool) -> None:
 def check_scale_values(s: torch.Tensor, what: str, *, force: bool = False) -> None:
     """Refuse NaN, inf, zero or negative scales. Reads values only for CPU tensors unless ``force``
     or :func:`set_check_device_scales` (both sync with the device: use at load time or to debug).
-    Skipped while torch.compile traces (the check is data-dependent)."""
+    Skipped while torch.compile traces and for fake tensors (shape propagation: there are no values)."""
     if s.device.type != "cpu" and not (force or _CHECK_DEVICE_SCALES):
         return
     import torch
 
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _is_fake(s):
         return
 
     bad = ~(torch.isfinite(s) & (s > 0))
     if bool(bad.any()):
         sample = s[bad].flatten()[:4].tolist()
         raise InvalidInputError(f"{what} must be finite and > 0; got {sample}")
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
 
 
 _OUT_DTYPES: dict[object, OutDtype] = {}

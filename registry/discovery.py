@@ -8,8 +8,12 @@ is listed with its status and error, never hidden and never fatal.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.metadata
 import logging
+import os
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +47,7 @@ class ProviderEntry:
 
     @property
     def builtin(self) -> bool:
-        return self.dist is not None and settings.canonical_dist(self.dist) == BUILTIN_DIST
+        return self.dist is not None and _canonical(self.dist) == BUILTIN_DIST
 
     @property
     def qualified_name(self) -> str:
@@ -60,18 +64,14 @@ class ProviderEntry:
 
     @property
     def disabled(self) -> bool:
-        """Named in ``FP8_BACKENDS_DISABLED`` by name, alias or ``DIST:NAME`` (distribution names compared
-        after PEP 503 normalisation: ``fp8_backends:triton`` and ``fp8-backends:triton`` are the same)."""
-        off = settings.disabled_names()
-        if not off:
+        """Named in ``FP8_BACKENDS_DISABLED`` as ``[KIND:][DIST:]NAME`` by name or alias (distribution names
+        compared after PEP 503 normalisation: ``fp8_backends:triton`` and ``fp8-backends:triton`` are the same;
+        ``gemm:torch`` disables the GEMM provider only, plain ``torch`` every provider answering to it)."""
+        items = settings.disabled_items()
+        if not items:
             return False
         names = {self.name, *self.aliases}
-        mine = settings.canonical_dist(self.dist) if self.dist else None
-        for item in off:
-            dist, sep, name = item.rpartition(":")
-            if name in names and (not sep or settings.canonical_dist(dist) == mine):
-                return True
-        return False
+        return any(item.applies_to(self.kind, self.dist, names) for item in items)
 
     def matches(self, name: str, dist: str | None = None) -> bool:
         if dist is not None:
@@ -98,6 +98,11 @@ class ProviderEntry:
         return None
 
 
+@functools.lru_cache(maxsize=256)
+def _canonical(dist: str) -> str:
+    return settings.canonical_dist(dist)
+
+
 class _Blocked(Exception):
     pass
 
@@ -109,13 +114,21 @@ class _LoadFailed(Exception):
 
 
 class _ProviderManager(ExtensionManager):
-    """stevedore's manager with a gate before each import and every failure captured."""
+    """stevedore's manager over a given list of entry points, with a gate before each import and every
+    failure captured. The list comes from :mod:`importlib.metadata` at each scan: stevedore's own entry-point
+    caches (in-process, and on disk under ``$XDG_CACHE_HOME/python-entrypoints``, keyed on file times rounded
+    to float32, which hides a reinstall for minutes) are never consulted."""
 
-    def __init__(self, namespace: str, dist_of: dict[tuple[str, str], list[Any]], allowed: set[str] | None):
+    def __init__(self, namespace: str, entry_points: list[Any], dist_of: dict[tuple[str, str], list[Any]],
+                 allowed: set[str] | None):
+        self._entry_points = entry_points
         self._dist_of = dist_of
         self._allowed = allowed
         self.failures: dict[tuple[str, str], BaseException] = {}
         super().__init__(namespace, invoke_on_load=False, on_load_failure_callback=self._on_failure)
+
+    def list_entry_points(self) -> list[Any]:
+        return self._entry_points
 
     def _load_one_plugin(self, ep, invoke_on_load, invoke_args, invoke_kwds):
         if self._allowed is not None:
@@ -137,44 +150,85 @@ class _ProviderManager(ExtensionManager):
         manager.failures[(ep.name, ep.value)] = err
 
 
-def _distributions_by_entry_point(group: str) -> dict[tuple[str, str], list[Any]]:
-    out: dict[tuple[str, str], list[Any]] = {}
+def _read_entry_points(group: str) -> tuple[list[Any], dict[tuple[str, str], list[Any]]]:
+    """What :mod:`importlib.metadata` reports for ``group`` now: the distinct ``(name, value)`` entry points
+    in the order found, and the distributions that register each (one distribution once, even when it is
+    reachable through two ``sys.path`` entries)."""
+    unique: list[Any] = []
+    dist_of: dict[tuple[str, str], list[Any]] = {}
+    seen: set[tuple[str, str, str | None]] = set()
     for ep in importlib.metadata.entry_points(group=group):
-        out.setdefault((ep.name, ep.value), []).append(ep.dist)
-    return out
+        key = (ep.name, ep.value)
+        if key not in dist_of:
+            unique.append(ep)
+            dist_of[key] = []
+        dist = ep.dist
+        dist_name = settings.canonical_dist(dist.metadata["Name"]) if dist is not None else None
+        if (*key, dist_name) not in seen:
+            seen.add((*key, dist_name))
+            dist_of[key].append(dist)
+    return unique, dist_of
+
+
+def path_fingerprint() -> tuple[tuple[str, int, int], ...]:
+    """``sys.path`` with each entry's modification time (ns) and inode (``-1, -1`` when it does not exist): what
+    changes when a distribution is installed, removed or reinstalled (editable or not) into any folder the
+    interpreter searches, a ``.pth`` file adds a folder, ``sys.path`` is edited, or the working directory
+    (the ``""`` entry) changes. A few ``stat`` calls (about 1 µs each): cheap enough for every :func:`discover`."""
+    out = []
+    stat = os.stat
+    for entry in sys.path:
+        try:
+            st = stat(entry or os.curdir)
+        except OSError:
+            out.append((entry, -1, -1))
+        else:
+            out.append((entry, st.st_mtime_ns, st.st_ino))
+    return tuple(out)
 
 
 _lock = threading.Lock()
 _cache: dict[tuple[str, frozenset[str] | None], list[ProviderEntry]] = {}
+_fingerprints: dict[tuple[str, frozenset[str] | None], tuple] = {}
 
 
 def discover(kind: str) -> list[ProviderEntry]:
     """Every provider registered for ``kind`` (``"gemm"`` or ``"norm_quant"``), in entry-point order.
 
-    Cached per process (and per ``FP8_BACKENDS_PLUGINS`` value); :func:`refresh` forgets it.
+    The entry points are read from :mod:`importlib.metadata` (never from stevedore's disk cache), so a new
+    process always sees what is installed. Within a process the result is cached per value of
+    ``FP8_BACKENDS_PLUGINS`` and rescanned when :func:`path_fingerprint` changes (an install, uninstall or
+    editable reinstall into a ``sys.path`` folder); :func:`refresh` forces a rescan (e.g. after editing an
+    installed ``entry_points.txt`` in place, which no folder time records).
     """
     if kind not in GROUPS:
         raise ValueError(f"unknown provider kind {kind!r} (expected one of {', '.join(GROUPS)})")
     allowed = settings.allowed_plugin_dists()
     key = (kind, None if allowed is None else frozenset(allowed))
+    fingerprint = path_fingerprint()
     with _lock:
-        if key not in _cache:
+        if key not in _cache or _fingerprints.get(key) != fingerprint:
+            if key in _fingerprints:  # something was installed or removed since the last scan
+                importlib.invalidate_caches()
+                from fp8_backends.backend import clear_availability_cache
+
+                clear_availability_cache()
             _cache[key] = _scan(kind, allowed)
+            _fingerprints[key] = fingerprint
         return _cache[key]
 
 
 def _scan(kind: str, allowed: set[str] | None) -> list[ProviderEntry]:
     group = GROUPS[kind]
-    dist_of = _distributions_by_entry_point(group)
-    manager = _ProviderManager(group, dist_of, allowed)
+    unique, dist_of = _read_entry_points(group)
+    manager = _ProviderManager(group, unique, dist_of, allowed)
     loaded = {(ext.entry_point.name, ext.entry_point.value): ext.plugin for ext in manager.extensions}
     entries: list[ProviderEntry] = []
-    for ep in manager.list_entry_points():
-        dists = [d for d in dist_of.get((ep.name, ep.value), []) if d is not None] or [None]
-        for dist in dists:
+    for ep in unique:
+        key = (ep.name, ep.value)
+        for dist in dist_of.get(key) or [None]:
             dist_name = dist.metadata["Name"] if dist is not None else None
             dist_version = dist.version if dist is not None else None
-            key = (ep.name, ep.value)
             entry = ProviderEntry(kind=kind, name=ep.name, target=ep.value, dist=dist_name,
                                   dist_version=dist_version, status=LOADED)
             if key in manager.failures:
@@ -205,18 +259,13 @@ def _check_class(kind: str, ep_name: str, cls: Any) -> str | None:
 
 
 def refresh() -> None:
-    """Forget discovered providers (and stevedore's in-process entry-point cache): the next call
-    rescans, e.g. after installing a plugin into the running interpreter."""
+    """Forget discovered providers and cached availability: the next :func:`discover` rescans the entry
+    points (e.g. after installing a plugin into the running interpreter; an install into a ``sys.path``
+    folder is noticed without it)."""
     from fp8_backends.backend import clear_availability_cache
 
     clear_availability_cache()
+    importlib.invalidate_caches()
     with _lock:
         _cache.clear()
-        for group in GROUPS.values():
-            ExtensionManager.ENTRY_POINT_CACHE.pop(group, None)
-    try:
-        from stevedore import _cache as stevedore_cache
-
-        stevedore_cache._c._internal.clear()
-    except Exception:  # private API: best effort
-        pass
+        _fingerprints.clear()

@@ -4,10 +4,12 @@ Rules:
 - An explicit choice that cannot serve raises :class:`UnsupportedProblemError` with every reason and
   the names that could serve. Nothing falls back silently.
 - Unknown names raise :class:`UnknownBackendError` listing the valid ones.
-- A name registered by two distributions must be qualified as ``DIST:NAME``.
+- A name registered by two distributions must be qualified as ``DIST:NAME`` when requested explicitly
+  (entries disabled by ``FP8_BACKENDS_DISABLED`` or blocked by ``FP8_BACKENDS_PLUGINS`` do not count).
 - ``auto`` asks the selection policies first (e.g. a tuned lockfile), then takes the
-  highest-priority provider that can serve; the choice is logged once at INFO, the others' reasons
-  at DEBUG.
+  highest-priority provider that can serve (built-ins first on a tie); the choice is logged once at
+  INFO, the others' reasons at DEBUG. A name clash never stops ``auto``: it ranks every entry and logs
+  one WARNING naming the clash and how to pin or disable one.
 - Options follow ``@``: ``flashinfer_bmm@runner=cudnn`` (``key=value`` pairs separated by ``,``).
 """
 
@@ -157,9 +159,11 @@ def _platform_for(problem: Any, platform: Platform | None) -> Platform:
 
 
 def _consider(entry: ProviderEntry, problem: Any, platform: Platform, options=()) -> Candidate:
-    reason = entry.unusable_reason()
-    if reason:
-        return Candidate(entry, [reason])
+    if entry.disabled:
+        return Candidate(entry, [f"disabled by {settings.DISABLED_ENV}"])
+    avail = entry.availability()
+    if not avail.ok:
+        return Candidate(entry, _unavailable_reasons(entry, avail, problem, platform))
     explicit_only = None
     try:
         backend = _instance(entry, options)
@@ -169,6 +173,28 @@ def _consider(entry: ProviderEntry, problem: Any, platform: Platform, options=()
     except Exception as exc:  # a plugin's check must not break resolution
         reasons = [f"support check raised {type(exc).__name__}: {exc}"]
     return Candidate(entry, reasons, explicit_only)
+
+
+def _unavailable_reasons(entry: ProviderEntry, avail: Any, problem: Any, platform: Platform) -> list[str]:
+    """Why a provider that cannot run in this process cannot serve ``problem`` on ``platform``.
+
+    When its declared capabilities already rule the platform out (a CUDA-only provider on a CPU machine, an
+    SM it was not built for), those reasons come first and no install hint is given: installing its
+    extras would not help here. On a simulated platform the missing piece is still named (without the
+    hint), so ``--simulate-sm`` shows both. Otherwise the availability reason and its install hint."""
+    declared: list[str] = []
+    if entry.cls is not None:
+        try:
+            declared = list(entry.cls.capabilities.check(problem, platform))
+        except Exception as exc:  # a broken capability record must not break resolution
+            declared = [f"capability check raised {type(exc).__name__}: {exc}"]
+    elif platform.simulated:
+        return [avail.reason, "its supported architectures are unknown here (the provider class did not load)"]
+    if not declared:
+        return [avail.reason + (f" (install: {avail.install_hint})" if avail.install_hint else "")]
+    if platform.simulated:
+        return [*declared, f"also unavailable in this process: {avail.reason}"]
+    return declared
 
 
 def _sort_key(entry: ProviderEntry) -> tuple:
@@ -201,14 +227,12 @@ def explain(
     except UnknownBackendError as exc:
         res.error = exc
         return res
-    # a distribution blocked by FP8_BACKENDS_PLUGINS does not make a name ambiguous
-    selectable = [e for e in entries if e.status != BLOCKED]
-    names_by_count: dict[str, int] = {}
-    for e in selectable:
-        names_by_count[e.name] = names_by_count.get(e.name, 0) + 1
+    # entries blocked by FP8_BACKENDS_PLUGINS or disabled by FP8_BACKENDS_DISABLED take no part in ambiguity
+    selectable = [e for e in entries if e.status != BLOCKED and not e.disabled]
 
     if request.is_auto:
         res.source = "priority"  # unless a selection policy decides
+        _warn_clashes(kind, selectable)
         serving = [c for c in candidates if c.auto_ok]
         _load_builtin_policies()
         picked = _ask_policies(kind, problem, platform, serving)
@@ -224,19 +248,24 @@ def explain(
         if not serving:
             res.error = UnsupportedProblemError(
                 f"no {label} provider can serve {what} on {where} under auto:\n" + _format_reasons(candidates),
-                reasons=[f"{c.entry.name}: {r}" for c in candidates for r in c.reasons],
+                reasons=[f"{display_name(c.entry, entries)}: {r}" for c in candidates for r in c.reasons],
             )
             return res
-        best = serving[0]
-        if names_by_count[best.entry.name] > 1:
-            res.error = _ambiguous(kind, best.entry.name, selectable)
-            return res
+        best = serving[0]  # candidates are in rank order: priority, then built-ins first, then name
         res.chosen, res.backend = best, _instance(best.entry, ())
         return res
 
     matches = [e for e in selectable if e.matches(request.name, request.dist)]
     if not matches:
-        matches = [e for e in entries if e.matches(request.name, request.dist)]  # blocked ones
+        matches = [e for e in entries if e.matches(request.name, request.dist)]  # disabled or blocked ones
+        if len(matches) > 1:
+            res.error = BackendUnavailableError(
+                f"{label} backend {request.name!r} is not usable here: "
+                + "; ".join(f"{e.qualified_name}: {'; '.join(_consider(e, problem, platform).reasons)}"
+                            for e in matches)
+                + _alternatives_text(candidates, None, entries)
+            )
+            return res
     if not matches:
         valid = {e.name for e in entries} | {a for e in entries for a in e.aliases}
         res.error = UnknownBackendError(
@@ -247,12 +276,11 @@ def explain(
         res.error = _ambiguous(kind, request.name, matches)
         return res
     entry = matches[0]
-    cand = next(c for c in candidates if c.entry is entry)
-    reason = entry.unusable_reason()
-    if reason:
+    if entry.disabled or not entry.availability().ok:
+        reasons = _consider(entry, problem, platform).reasons
         res.error = BackendUnavailableError(
-            f"{label} backend {entry.name!r} ({entry.dist}) is not usable here: {reason}"
-            + _alternatives_text(candidates, entry)
+            f"{label} backend {entry.name!r} ({entry.dist}) is not usable here: {'; '.join(reasons)}"
+            + _alternatives_text(candidates, entry, entries)
         )
         return res
     try:
@@ -262,7 +290,7 @@ def explain(
         res.error = exc
         return res
     if cand.reasons:
-        alts = [c.entry.name for c in candidates if c.ok and c.entry is not entry]
+        alts = [display_name(c.entry, entries) for c in candidates if c.ok and c.entry is not entry]
         res.error = UnsupportedProblemError(
             f"{label} backend {backend.label!r} cannot serve {what} on {where}:\n"
             + "".join(f"  - {r}\n" for r in cand.reasons)
@@ -273,6 +301,44 @@ def explain(
         return res
     res.chosen, res.backend = cand, backend
     return res
+
+
+def display_name(entry: ProviderEntry, entries: Sequence[ProviderEntry]) -> str:
+    """``entry.name``, or ``DIST:NAME`` when another entry of ``entries`` carries the same name (so that
+    help texts and errors never show one name twice without saying which is which)."""
+    if any(e is not entry and e.name == entry.name for e in entries):
+        return entry.qualified_name
+    return entry.name
+
+
+def name_clashes(entries: Sequence[ProviderEntry]) -> dict[str, list[ProviderEntry]]:
+    """Names that several entries of ``entries`` register (by name, not alias), in rank order."""
+    if len({e.name for e in entries}) == len(entries):  # the usual case, at every resolution: no clash
+        return {}
+    by_name: dict[str, list[ProviderEntry]] = {}
+    for e in sorted(entries, key=_sort_key):
+        by_name.setdefault(e.name, []).append(e)
+    return {name: group for name, group in by_name.items() if len(group) > 1}
+
+
+def _warn_clashes(kind: str, selectable: Sequence[ProviderEntry]) -> None:
+    """One WARNING per clash and process: which distributions register the name, and how to pin or disable one."""
+    for name, group in name_clashes(selectable).items():
+        key = ("clash", kind, name, tuple(e.qualified_name for e in group))
+        with _lock:
+            if key in _logged:
+                continue
+            _logged.add(key)
+        dists = ", ".join(f"{e.dist} ({e.target})" for e in group)
+        pins = " or ".join(e.qualified_name for e in group)
+        other = next((e for e in reversed(group) if not e.builtin), group[-1])  # suggest disabling a plugin
+        off = f"{kind}:{other.qualified_name}"
+        logger.warning(
+            "%s provider name %r is registered by several distributions: %s. auto ranks each like any other "
+            "provider (priority, built-ins first on a tie); to choose one by name, pin it as %s, or disable "
+            "one with %s=%s",
+            KIND_LABEL[kind], name, dists, pins, settings.DISABLED_ENV, off,
+        )
 
 
 def _ask_policies(kind, problem, platform, serving):
@@ -301,24 +367,30 @@ def _ambiguous(kind: str, name: str, entries: list[ProviderEntry]) -> AmbiguousB
 
 
 def _format_reasons(candidates: list[Candidate]) -> str:
+    entries = [c.entry for c in candidates]
     lines = []
     for c in candidates:
         for r in c.reasons or ([c.explicit_only] if c.explicit_only else []):
-            lines.append(f"  - {c.entry.name}: {r}\n")
+            lines.append(f"  - {display_name(c.entry, entries)}: {r}\n")
     return "".join(lines) or "  (no providers are registered)\n"
 
 
-def _alternatives_text(candidates: list[Candidate], exclude: ProviderEntry) -> str:
-    alts = [c.entry.name for c in candidates if c.ok and c.entry is not exclude]
+def _alternatives_text(
+    candidates: list[Candidate], exclude: ProviderEntry | None, entries: Sequence[ProviderEntry]
+) -> str:
+    alts = [display_name(c.entry, entries) for c in candidates if c.ok and c.entry is not exclude]
     return f"; providers that can serve: {', '.join(alts)}" if alts else "; no other provider can serve it"
 
 
 def resolve(kind: str, name: str | None = None, *, problem: Any = None, platform: Platform | None = None) -> Any:
     """Resolve and return the provider instance, or raise the library error that explains why not."""
-    for _ in range(len(discover(kind)) + 1):
+    failed = 0
+    while True:
         res = explain(kind, name, problem=problem, platform=platform)
         if res.error is not None:
             raise res.error
+        if failed > len(res.candidates):  # each failure removes one candidate: cannot happen, but never loop
+            break
         try:
             res.backend.ensure_preloaded()  # load time: a compiled model's first call must find its ops defined
         except BackendUnavailableError as exc:
@@ -327,6 +399,7 @@ def resolve(kind: str, name: str | None = None, *, problem: Any = None, platform
             # ensure_preloaded marked the provider unavailable: auto resolves again without it
             logger.warning("%s backend %s failed to load and is skipped: %s", KIND_LABEL[kind], res.backend.label,
                            exc)
+            failed += 1
             continue
         _log_choice(res)
         return res.backend

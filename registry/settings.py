@@ -4,8 +4,8 @@
 |---|---|
 | ``FP8_GEMM_BACKEND`` | default GEMM backend name when the caller passes none (``auto`` if unset) |
 | ``FP8_NORM_QUANT_BACKEND`` | default norm-quant backend name |
-| ``FP8_BACKENDS_DISABLED`` | comma-separated provider names (or ``DIST:NAME``) to exclude everywhere |
-| ``FP8_BACKENDS_PLUGINS`` | comma-separated third-party distributions allowed to load (unset: all) |
+| ``FP8_BACKENDS_DISABLED`` | ``[KIND:][DIST:]NAME`` items to exclude (``gemm:torch``: the GEMM one only) |
+| ``FP8_BACKENDS_PLUGINS`` | comma-separated third-party distributions allowed to load (unset: all; empty: none) |
 | ``FP8_BACKENDS_SIMULATE_SM`` | pretend the GPU is this SM (e.g. ``10.0``) for resolution and listing |
 | ``FP8_BACKENDS_CHECK_SCALES`` | ``1``: also check device-resident scales for NaN/inf/zero at call time (syncs) |
 | ``FP8_BACKENDS_LOCKFILE`` | tuned lockfile ``auto`` reads (default ``~/.cache/fp8_backends/selection.lock.json``) |
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import NamedTuple
 
 GEMM_BACKEND_ENV = "FP8_GEMM_BACKEND"
 NORM_QUANT_BACKEND_ENV = "FP8_NORM_QUANT_BACKEND"
@@ -60,12 +61,64 @@ def env_token(name: str) -> object:
     return data.get(key)
 
 
+#: the provider kinds, as ``FP8_BACKENDS_DISABLED`` items may name them (``norm-quant`` also accepted)
+KIND_PREFIXES = {"gemm": "gemm", "norm_quant": "norm_quant", "norm-quant": "norm_quant"}
+
+
+class DisabledItem(NamedTuple):
+    """One ``FP8_BACKENDS_DISABLED`` item: ``[KIND:][DIST:]NAME``. ``kind`` and ``dist`` are ``None`` when
+    not given (any kind, any distribution); ``dist`` is PEP 503-normalised."""
+
+    kind: str | None
+    dist: str | None
+    name: str
+
+    def applies_to(self, kind: str, dist: str | None, names: set[str]) -> bool:
+        """Whether this item disables a provider of ``kind`` from ``dist`` that answers to ``names``."""
+        if self.name not in names or (self.kind is not None and self.kind != kind):
+            return False
+        return self.dist is None or (dist is not None and canonical_dist(dist) == self.dist)
+
+
+def parse_disabled_item(text: str) -> DisabledItem:
+    """``"torch"`` -> any kind, any distribution; ``"gemm:torch"`` -> the GEMM provider only;
+    ``"acme-fp8:torch_scaled_mm"`` -> that distribution's; ``"gemm:acme-fp8:torch_scaled_mm"`` -> both.
+    A first part that names a kind (``gemm``, ``norm_quant``, ``norm-quant``) is a kind; a distribution
+    literally called ``gemm`` is written with its kind in front (``gemm:gemm:NAME``)."""
+    parts = [p.strip() for p in text.split(":")]
+    kind = None
+    if len(parts) > 1 and parts[0].lower() in KIND_PREFIXES:
+        kind = KIND_PREFIXES[parts.pop(0).lower()]
+    name = parts.pop()
+    dist = ":".join(parts) if parts else None
+    return DisabledItem(kind, canonical_dist(dist) if dist else None, name)
+
+
+_disabled_memo: dict[object, tuple[DisabledItem, ...]] = {}
+
+
+def disabled_items() -> tuple[DisabledItem, ...]:
+    """``FP8_BACKENDS_DISABLED`` parsed (empty when unset); memoized per value of the variable (resolution
+    asks once per provider)."""
+    token = env_token(DISABLED_ENV)
+    items = _disabled_memo.get(token)
+    if items is None:
+        if len(_disabled_memo) > 64:
+            _disabled_memo.clear()
+        items = _disabled_memo[token] = tuple(
+            parse_disabled_item(item) for item in _split(os.environ.get(DISABLED_ENV))
+        )
+    return items
+
+
 def disabled_names() -> set[str]:
+    """The raw ``FP8_BACKENDS_DISABLED`` items (see :func:`disabled_items` for their meaning)."""
     return set(_split(os.environ.get(DISABLED_ENV)))
 
 
 def allowed_plugin_dists() -> set[str] | None:
-    """``None`` when every distribution may load; otherwise the canonical names allowed."""
+    """``None`` when every distribution may load (unset); otherwise the canonical names allowed. Set but
+    empty (``FP8_BACKENDS_PLUGINS=""``) allows none: only the built-in providers load."""
     raw = os.environ.get(PLUGINS_ENV)
     if raw is None:
         return None

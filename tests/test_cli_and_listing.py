@@ -53,8 +53,14 @@ def test_listing_shows_plugins_blocked_and_disabled(thirdparty_plugin, monkeypat
     assert by[("toy", "fp8-backends-testplugin")]["disabled"]
     assert by[("broken", "fp8-backends-testplugin")]["status"] == "failed"
     assert data["env"]["FP8_BACKENDS_DISABLED"] == "toy"
-    # with `toy` disabled, the clash with the built-in name decides `auto` on the CPU: refused loudly
-    assert "AmbiguousBackendError" in data["resolution"]["gemm"]["error"]
+    # with `toy` disabled, two entries named torch_scaled_mm can serve on the CPU: auto ranks them (the
+    # built-in wins on priority) and the listing names the clash
+    res = data["resolution"]["gemm"]
+    assert res["error"] is None and res["chosen"] == "torch_scaled_mm" and res["chosen_distribution"] == "fp8-backends"
+    assert data["clashes"]["gemm"] == [{"name": "torch_scaled_mm",
+                                        "distributions": ["fp8-backends", "fp8-backends-testplugin"],
+                                        "qualified": ["fp8-backends:torch_scaled_mm",
+                                                      "fp8-backends-testplugin:torch_scaled_mm"]}]
     monkeypatch.setenv("FP8_BACKENDS_PLUGINS", "")
     from fp8_backends.registry import discovery
 
@@ -80,6 +86,22 @@ def test_listing_states_the_measured_defaults(capsys, monkeypatch):
     assert "measured default" not in capsys.readouterr().out
 
 
+def test_listing_exits_non_zero_when_an_explicit_choice_fails(capsys, monkeypatch):
+    proc = _run_list("--gemm-backend", "nosuch")
+    assert proc.returncode == 1, proc.stdout
+    assert "FP8 GEMM providers" in proc.stdout  # the listing still prints, with the reason
+    assert "unknown GEMM backend 'nosuch'" in proc.stderr
+    assert listing.main(["--norm-quant-backend", "nosuch"]) == 1
+    assert listing.main(["--gemm-backend", "torch", "--norm-quant-backend", "torch"]) == 0
+    assert listing.main(["--gemm-backend", "torch", "--problem", "4,32,20"]) == 1  # K=20: cannot serve
+    monkeypatch.setenv("FP8_GEMM_BACKEND", "nosuch")
+    assert listing.main([]) == 1
+    monkeypatch.delenv("FP8_GEMM_BACKEND")
+    capsys.readouterr()
+    assert listing.main(["--simulate-sm", "8.0"]) == 0  # auto finding nothing is information, not an error
+    assert "needs SM >= 8.9" in capsys.readouterr().out
+
+
 def test_listing_bad_arguments_exit_2(capsys):
     with pytest.raises(SystemExit) as info:
         listing.main(["--problem", "1,2"])
@@ -101,6 +123,33 @@ def test_argparse_flag_choices_and_resolution(thirdparty_plugin):
         parser.parse_args(["--fp8-gemm-backend", "nope"])
     args = parser.parse_args([])
     assert args.fp8_gemm_backend is None  # env var / auto decide at resolution time
+
+
+def test_help_names_each_provider_once_with_its_distribution_where_names_clash(thirdparty_plugin, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "2000")  # argparse wraps long lines at hyphens (fp8-backends-...)
+    parser = argparse.ArgumentParser()
+    fp8_backends.add_cli_args(parser)
+    help_text = " ".join(parser.format_help().split())
+    here = help_text.split("Here: ")[1].split(". --fp8-norm-quant-backend")[0].split(", ")
+    assert "fp8-backends:torch_scaled_mm" in here and "fp8-backends-testplugin:torch_scaled_mm" in here
+    assert len([p for p in here if "torch_scaled_mm" in p]) == 2  # each once, qualified
+    assert len(here) == len(set(here))
+    # a provider whose support check raises, one that failed to load, one whose probe raises: not usable
+    for name in ("badcheck", "broken", "raising"):
+        assert f"{name} (unavailable)" in here, here
+    assert "toy" in here
+    choices = help_text.split("{")[1].split("}")[0].split(", ")
+    assert choices.count("torch_scaled_mm") == 1
+
+
+def test_help_marks_providers_that_cannot_run_on_this_machine():
+    parser = argparse.ArgumentParser()
+    fp8_backends.add_cli_args(parser)
+    help_text = " ".join(parser.format_help().split())
+    import torch
+
+    if not torch.cuda.is_available():
+        assert "cutlass (unavailable)" in help_text and "flashinfer_bmm (unavailable)" in help_text
 
 
 def test_flag_choice_that_cannot_serve_fails_loudly():

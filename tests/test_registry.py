@@ -98,10 +98,54 @@ def test_name_clash_needs_qualification(thirdparty_plugin):
     assert type(resolve_gemm_backend("torch", problem=problem)).__name__ == "TorchScaledMMBackend"
 
 
-def test_auto_refuses_ambiguous_winner(thirdparty_plugin, monkeypatch):
+def test_auto_ranks_a_name_clash_and_warns_once(thirdparty_plugin, monkeypatch, caplog):
+    """A plugin registering a built-in's name must not stop `auto` (an engine started with the default flag):
+    it ranks both entries like any others and logs one WARNING saying how to pin or disable one."""
+    monkeypatch.setenv("FP8_BACKENDS_DISABLED", "toy")  # else `toy` (priority 100) wins and hides the clash
+    with caplog.at_level(logging.WARNING, logger="fp8_backends"):
+        first = resolve_gemm_backend("auto", problem=GemmProblem(n=64, k=32, device="cpu"))
+        resolve_gemm_backend("auto", problem=GemmProblem(n=128, k=32, device="cpu"))
+        resolve_norm_quant_backend("auto", problem=NormQuantProblem(hidden=64, device="cpu"))
+    assert type(first).__name__ == "TorchScaledMMBackend"  # the built-in's priority 10 beats the plugin's 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    msg = warnings[0]
+    assert "'torch_scaled_mm' is registered by several distributions" in msg
+    assert "fp8-backends:torch_scaled_mm or fp8-backends-testplugin:torch_scaled_mm" in msg
+    assert "FP8_BACKENDS_DISABLED=gemm:fp8-backends-testplugin:torch_scaled_mm" in msg
+
+
+@pytest.mark.parametrize("priority, winner", [(10, "TorchScaledMMBackend"), (11, "ClashingGemmBackend")])
+def test_auto_ranks_clashing_entries_by_priority_built_ins_first_on_a_tie(thirdparty_plugin, monkeypatch,
+                                                                          priority, winner):
     monkeypatch.setenv("FP8_BACKENDS_DISABLED", "toy")
-    with pytest.raises(AmbiguousBackendError, match="torch_scaled_mm"):
-        resolve_gemm_backend("auto", problem=GemmProblem(n=64, k=32, device="cpu"))
+    theirs = _entry("gemm", "torch_scaled_mm", dist="fp8-backends-testplugin").cls
+    monkeypatch.setattr(theirs, "capabilities", dataclasses.replace(theirs.capabilities, priority=priority))
+    backend = resolve_gemm_backend("auto", problem=GemmProblem(n=64, k=32, device="cpu"))
+    assert type(backend).__name__ == winner
+
+
+@pytest.mark.parametrize("how", ["disabled", "blocked"])
+def test_disabled_or_blocked_entries_take_no_part_in_a_clash(thirdparty_plugin, monkeypatch, caplog, how):
+    if how == "disabled":
+        monkeypatch.setenv("FP8_BACKENDS_DISABLED", "toy,fp8_backends_testplugin:torch_scaled_mm")
+    else:
+        monkeypatch.setenv("FP8_BACKENDS_PLUGINS", "")
+    problem = GemmProblem(n=64, k=32, device="cpu")
+    with caplog.at_level(logging.WARNING, logger="fp8_backends"):
+        assert type(resolve_gemm_backend("auto", problem=problem)).__name__ == "TorchScaledMMBackend"
+        explicit = resolve_gemm_backend("torch_scaled_mm", problem=problem)  # no longer ambiguous
+    assert type(explicit).__name__ == "TorchScaledMMBackend"
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_explicit_request_for_two_disabled_entries_names_both(thirdparty_plugin, monkeypatch):
+    monkeypatch.setenv("FP8_BACKENDS_DISABLED", "torch_scaled_mm")
+    with pytest.raises(BackendUnavailableError) as info:
+        resolve_gemm_backend("torch_scaled_mm", problem=GemmProblem(n=64, k=32, device="cpu"))
+    msg = str(info.value)
+    assert "fp8-backends:torch_scaled_mm: disabled" in msg
+    assert "fp8-backends-testplugin:torch_scaled_mm: disabled" in msg
 
 
 def test_failed_plugin_explicit_choice(thirdparty_plugin):
@@ -400,3 +444,110 @@ def test_auto_skips_a_plugin_whose_preload_fails_and_lists_it_unavailable(monkey
         from fp8_backends.backend import clear_availability_cache
 
         clear_availability_cache()
+
+
+# --------------------------------------------------------------------------- FP8_BACKENDS_DISABLED by kind
+@pytest.mark.parametrize(
+    "text, item",
+    [
+        ("torch", (None, None, "torch")),
+        ("gemm:torch", ("gemm", None, "torch")),
+        ("norm_quant:torch", ("norm_quant", None, "torch")),
+        ("norm-quant:torch", ("norm_quant", None, "torch")),
+        ("FP8_Backends:torch_scaled_mm", (None, "fp8-backends", "torch_scaled_mm")),
+        ("gemm:acme.fp8:torch_scaled_mm", ("gemm", "acme-fp8", "torch_scaled_mm")),
+        ("gemm:gemm:x", ("gemm", "gemm", "x")),  # a distribution literally called gemm
+    ],
+)
+def test_disabled_item_syntax(text, item):
+    from fp8_backends.registry import settings
+
+    assert tuple(settings.parse_disabled_item(text)) == item
+
+
+def test_disabled_scoped_by_kind(monkeypatch):
+    gemm, norm = _entry("gemm", "torch_scaled_mm"), _entry("norm_quant", "torch")
+    cases = {  # value -> (GEMM torch_scaled_mm disabled, norm-quant torch disabled)
+        "torch": (True, True),  # a plain name keeps its meaning: every provider answering to it
+        "gemm:torch": (True, False),
+        "norm_quant:torch": (False, True),
+        "norm-quant:fp8-backends:reference": (False, True),
+        "gemm:fp8_backends:torch": (True, False),
+        "gemm:otherdist:torch": (False, False),
+        "norm_quant:torch_scaled_mm": (False, False),
+    }
+    for value, expected in cases.items():
+        monkeypatch.setenv("FP8_BACKENDS_DISABLED", value)
+        assert (gemm.disabled, norm.disabled) == expected, value
+    monkeypatch.setenv("FP8_BACKENDS_DISABLED", "gemm:torch")
+    # the CPU keeps its norm-quant provider when only the GEMM one is disabled
+    assert resolve_norm_quant_backend(problem=NormQuantProblem(hidden=64, device="cpu")).name == "torch"
+    with pytest.raises(UnsupportedProblemError, match="disabled"):
+        resolve_gemm_backend(problem=GemmProblem(n=32, k=32, device="cpu"))
+
+
+def test_empty_plugin_allow_list_blocks_every_plugin_and_keeps_the_built_ins(thirdparty_plugin, monkeypatch):
+    monkeypatch.setenv("FP8_BACKENDS_PLUGINS", "")
+    for kind in ("gemm", "norm_quant"):
+        entries = discovery.discover(kind)
+        assert {e.status for e in entries if not e.builtin} == {"blocked"}
+        assert {e.status for e in entries if e.builtin} == {"loaded"}
+
+
+# --------------------------------------------------------------------------- reasons people read
+def test_cpu_machine_reasons_never_ask_to_install_gpu_only_extras(monkeypatch):
+    from fp8_backends import list as listing
+    from fp8_backends.providers import _flashinfer_common as common
+
+    real = common._find_spec
+    monkeypatch.setattr(common, "_find_spec", lambda name: None if name == "flashinfer" else real(name))
+    for problem in (None, GemmProblem(n=64, k=64, device="cpu")):
+        res = resolution.explain("gemm", problem=problem, platform=cpu_platform())
+        flashinfer = next(c for c in res.candidates if c.entry.name == "flashinfer_bmm")
+        assert flashinfer.reasons and not any("install" in r for r in flashinfer.reasons), flashinfer.reasons
+        assert any("cuda" in r for r in flashinfer.reasons)
+    data = listing.collect(cpu_platform())
+    cuda_only = [p for p in data["providers"] if p["capabilities"].get("devices") == ["cuda"]]
+    assert cuda_only and all(p["reasons"] for p in cuda_only)
+    assert not [r for p in cuda_only for r in p["reasons"] if "install" in r], cuda_only
+    # on a GPU where the provider could run, the install hint is the useful answer
+    sm90 = resolution.explain("gemm", problem=GemmProblem(n=64, k=64), platform=simulate_platform("9.0"))
+    flashinfer = next(c for c in sm90.candidates if c.entry.name == "flashinfer_bmm")
+    assert flashinfer.reasons == ["missing Python module(s): flashinfer (install: pip install fp8-backends[flashinfer])"
+                                  ]
+
+
+def test_simulated_sm_shows_architecture_reasons_of_providers_not_installed_here(monkeypatch):
+    from fp8_backends.providers import _flashinfer_common as common
+
+    real = common._find_spec
+    monkeypatch.setattr(common, "_find_spec", lambda name: None if name == "flashinfer" else real(name))
+    res = resolution.explain("gemm", problem=GemmProblem(n=64, k=64), platform=simulate_platform("8.0"))
+    flashinfer = next(c for c in res.candidates if c.entry.name == "flashinfer_bmm")
+    assert flashinfer.reasons[0] == "needs SM >= 8.9; this GPU is SM 8.0"
+    assert flashinfer.reasons[1] == "also unavailable in this process: missing Python module(s): flashinfer"
+
+
+def test_simulated_sm_says_what_it_can_about_a_provider_that_failed_to_load(thirdparty_plugin):
+    res = resolution.explain("gemm", problem=GemmProblem(n=64, k=64), platform=simulate_platform("9.0"))
+    broken = next(c for c in res.candidates if c.entry.name == "broken")
+    assert "failed to load" in broken.reasons[0] and "architectures are unknown" in broken.reasons[1]
+
+
+def test_errors_name_clashing_providers_with_their_distribution(thirdparty_plugin, monkeypatch):
+    monkeypatch.setenv("FP8_BACKENDS_DISABLED", "toy")
+    with pytest.raises(UnsupportedProblemError) as info:  # CUDA tensors on the CPU: nobody can serve
+        resolve_gemm_backend(problem=GemmProblem(n=64, k=32, device="cuda"), platform=cpu_platform())
+    msg = str(info.value)
+    assert "- fp8-backends:torch_scaled_mm:" in msg and "- fp8-backends-testplugin:torch_scaled_mm:" in msg
+    assert "- torch_scaled_mm:" not in msg and "- cutlass:" in msg  # unique names stay short
+    assert any(r.startswith("fp8-backends-testplugin:torch_scaled_mm: ") for r in info.value.reasons)
+    with pytest.raises(BackendUnavailableError, match="providers that can serve: .*fp8-backends:torch_scaled_mm"):
+        resolve_gemm_backend("toy", problem=GemmProblem(n=64, k=32, device="cpu"))
+
+
+def test_a_provider_whose_support_check_raises_is_never_usable(thirdparty_plugin):
+    res = resolution.explain("gemm", problem=GemmProblem(n=64, k=32, device="cpu"))
+    bad = next(c for c in res.candidates if c.entry.name == "badcheck")
+    assert not bad.ok and bad.reasons == ["support check raised ZeroDivisionError: support check exploded"]
+    assert res.backend.name == "toy"

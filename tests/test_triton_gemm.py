@@ -7,8 +7,6 @@ GPU is visible) at small sizes; ``@pytest.mark.gpu`` tests run them compiled at 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -17,6 +15,7 @@ from fp8_backends.providers.triton import _support, gemm_configs
 from fp8_backends.providers.triton.gemm import TritonGemmBackend
 from fp8_backends.providers.triton.gemm_configs import CONFIGS, DEFAULT_TABLE, TileConfig, TritonTable
 from fp8_backends.registry.platform import simulate_platform
+from fp8_backends.testing import GemmProviderContract
 from fp8_backends.types import ActScale, GemmProblem, OutDtype, WeightScale
 
 torch = pytest.importorskip("torch")
@@ -29,15 +28,6 @@ needs_kernels = pytest.mark.skipif(
 
 
 # ------------------------------------------------------------------------------------ registration
-def test_provider_module_is_import_light():
-    code = (
-        "import sys; import fp8_backends.providers.triton.gemm as g; g.TritonGemmBackend.availability(); "
-        "print(sorted(m for m in ('torch', 'triton') if m in sys.modules))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
-    assert out.stdout.strip() == "[]"
-
-
 def test_entry_point_registered_and_resolvable_by_name():
     from fp8_backends.registry import discovery
     from fp8_backends.registry.resolution import resolve_gemm_backend
@@ -217,41 +207,6 @@ SMALL = {
 
 
 @needs_kernels
-@pytest.mark.parametrize("family", list(SMALL))
-@pytest.mark.parametrize("per_token, per_channel", [(False, False), (True, True), (False, True), (True, False)])
-def test_scale_modes_and_bias(family, per_token, per_channel):
-    m = 1 if family == "gemv" else 5
-    _check(TritonGemmBackend(config=SMALL[family]), m, 80, 96, per_token=per_token, per_channel=per_channel,
-           bias=per_token)
-
-
-@needs_kernels
-@pytest.mark.parametrize("family", list(SMALL))
-@pytest.mark.parametrize("out", ["float16", "float32"])
-def test_out_dtypes(family, out):
-    _check(TritonGemmBackend(config=SMALL[family]), 3 if family != "mm" else 70, 48, 64,
-           out_dtype=getattr(torch, out), bias=True)
-
-
-@needs_kernels
-@pytest.mark.parametrize("family", list(SMALL))
-def test_e5m2(family):
-    _check(TritonGemmBackend(config=SMALL[family]), 2, 32, 64, fp8=torch.float8_e5m2)
-
-
-@needs_kernels
-@pytest.mark.parametrize("m, n, k", [(1, 16, 16), (17, 144, 272), (65, 48, 528)])
-def test_auto_ragged_edges(m, n, k):
-    """M, N and K that are not multiples of any tile (K not a multiple of BLOCK_K: masked K tail)."""
-    _check(TritonGemmBackend(), m, n, k, bias=True)
-
-
-@needs_kernels
-def test_swap_covers_more_tokens_than_its_tile():
-    _check(TritonGemmBackend(config="swap_n64_m16_k256_s6_w4"), 40, 64, 64, per_token=True)
-
-
-@needs_kernels
 @pytest.mark.parametrize("persistent", [0, 1])
 def test_tma_family(persistent):
     """TMA-fed tiles, plain and persistent (the interpreter emulates the descriptors), ragged edges."""
@@ -282,41 +237,6 @@ def test_tma_config_with_misaligned_operand_uses_pointer_loads():
     assert _relerr(out, reference.fp8_gemm(x, w, xs, ws, torch.float32)) < 1e-2
 
 
-@needs_kernels
-def test_m_zero():
-    b = TritonGemmBackend()
-    x, w, xs, ws = _data(4, 64, 64)
-    assert b.gemm(x[:0], b.prepare_weight(w, ws), xs).shape == (0, 64)
-
-
-@needs_kernels
-def test_scales_are_applied_not_ignored():
-    """Doubling either scale doubles the output (a kernel that dropped a scale would fail this)."""
-    b = TritonGemmBackend(config=SMALL["swap"])
-    x, w, xs, ws = _data(4, 64, 64, per_token=True, per_channel=True)
-    p1 = b.prepare_weight(w, ws)
-    p2 = b.prepare_weight(w, ws * 2)
-    y1 = b.gemm(x, p1, xs, out_dtype=torch.float32)
-    assert _relerr(b.gemm(x, p2, xs, out_dtype=torch.float32), 2 * y1) < 1e-6
-    assert _relerr(b.gemm(x, p1, xs * 2, out_dtype=torch.float32), 2 * y1) < 1e-6
-
-
-@needs_kernels
-def test_torch_compile_fullgraph():
-    from fp8_backends import reference
-
-    b = TritonGemmBackend(config=SMALL["swap"])
-    x, w, xs, ws = _data(3, 64, 64, per_token=True)
-    prepared = b.prepare_weight(w, ws)
-
-    def f(x, xs):
-        return b.gemm(x, prepared, xs, out_dtype=torch.bfloat16) * 2
-
-    torch._dynamo.reset()
-    y = torch.compile(f, fullgraph=True, backend="aot_eager")(x, xs)
-    assert _relerr(y, 2 * reference.fp8_gemm(x, w, xs, ws, torch.float32)) < 1e-2
-
-
 # ------------------------------------------------------------------------------------ GPU, real sizes
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 MS = [1, 16, 64, 256, 1024, 4096]
@@ -339,30 +259,6 @@ def test_gpu_every_config_llama_shapes(name, m, n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 7, 33, 100, 257, 1001, 3000])
-def test_gpu_auto_odd_m(m):
-    _check(TritonGemmBackend(), m, 4096, 4096, bias=m % 2 == 1, per_token=m % 3 == 0)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("family", list(SMALL))
-@pytest.mark.parametrize("per_token, per_channel", [(True, True), (False, True), (True, False)])
-@pytest.mark.parametrize("out", ["bfloat16", "float16", "float32"])
-def test_gpu_scale_modes_out_dtypes(family, per_token, per_channel, out):
-    m = 1 if family == "gemv" else 77
-    _check(TritonGemmBackend(config=SMALL[family]), m, 1024, 2048, per_token=per_token, per_channel=per_channel,
-           out_dtype=getattr(torch, out), bias=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 16, 300])
-def test_gpu_e5m2(m):
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("FP8 needs SM >= 8.9")
-    _check(TritonGemmBackend(), m, 1024, 1024, fp8=torch.float8_e5m2)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 16, 2048])
 def test_gpu_pdl_on_and_off_agree(m, monkeypatch):
     b = TritonGemmBackend()
@@ -374,30 +270,54 @@ def test_gpu_pdl_on_and_off_agree(m, monkeypatch):
     assert torch.equal(y_pdl, y_plain)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8, 512])
-def test_gpu_cuda_graph_capture_and_replay(m):
-    from fp8_backends import reference
+# ------------------------------------------------------------------------------------ the conformance kit
+class TestTritonGemmContract(GemmProviderContract):
+    """``config=auto`` (the M-bucket table: GEMV at M = 1, swap-AB for small M, tiled above) through the kit:
+    every declared combination, edge shapes, refusals, bad inputs, fake tensors, torch.compile; on a GPU also
+    graphs, Inductor, no host sync and odd M at 4096 x 4096. On the CPU the kernels run on Triton's
+    interpreter (conftest.py sets TRITON_INTERPRET=1)."""
 
-    b = TritonGemmBackend()
-    x, w, xs, ws = _data(m, 6144, 4096)
-    prepared = b.prepare_weight(w, ws)
-    b.gemm(x, prepared, xs)  # compile outside capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = b.gemm(x, prepared, xs)
-    x2, _, _, _ = _data(m, 6144, 4096, seed=1)
-    x.copy_(x2)
-    xs.fill_(0.07)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert _relerr(y, reference.fp8_gemm(x2, w, xs, ws, torch.float32)) < 1e-2
+    gpu_shapes = tuple((m, 4096, 4096) for m in (1, 7, 33, 100, 257, 1001, 3000))
+
+    def make_provider(self):
+        return TritonGemmBackend()
+
+
+class TestTritonGemmGemvContract(GemmProviderContract):
+    """The GEMV family forced (it refuses M > 8)."""
+
+    m_values = (0, 1, 2, 7)
+    gpu_shapes = ((1, 4096, 4096), (8, 14336, 4096))
+
+    def make_provider(self):
+        return TritonGemmBackend(config=SMALL["gemv"])
+
+
+class TestTritonGemmSwapContract(GemmProviderContract):
+    """The swap-AB family forced: M past its 16-token tile (17, 65) loops over token tiles."""
+
+    gpu_shapes = ((16, 4096, 4096), (77, 1024, 2048), (300, 6144, 4096))
+
+    def make_provider(self):
+        return TritonGemmBackend(config=SMALL["swap"])
+
+
+class TestTritonGemmTiledContract(GemmProviderContract):
+    """The grouped tiled (prefill) family forced."""
+
+    gpu_shapes = ((77, 1024, 2048), (1024, 4096, 4096))
+
+    def make_provider(self):
+        return TritonGemmBackend(config=SMALL["mm"])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("per_token", [False, True])
-def test_gpu_torch_compile_inductor(per_token):
+def test_gpu_inductor_launches_the_kernel_itself(per_token):
+    """Transparent under torch.compile: the op is a triton_op, so Inductor launches the Triton kernel from its own
+    generated code (no opaque op with a Python body), with the same result."""
+    from torch._inductor.utils import run_and_get_code
+
     from fp8_backends import reference
 
     b = TritonGemmBackend()
@@ -407,13 +327,10 @@ def test_gpu_torch_compile_inductor(per_token):
     def f(x, xs):
         return b.gemm(x, prepared, xs, out_dtype=torch.bfloat16) * 2
 
-    from torch._inductor.utils import run_and_get_code
-
     torch._dynamo.reset()
     y, codes = run_and_get_code(torch.compile(f, fullgraph=True), x, xs)
     assert _relerr(y, 2 * reference.fp8_gemm(x, w, xs, ws, torch.float32)) < 1e-2
     code = "\n".join(line for line in "\n".join(codes).splitlines() if not line.lstrip().startswith("#"))
-    # transparent: Inductor launches the Triton kernel from its own code, no opaque op with a Python body
     assert "fp8_gemm_swap_kernel" in code, code[-3000:]
     assert "torch.ops.fp8_backends" not in code
 

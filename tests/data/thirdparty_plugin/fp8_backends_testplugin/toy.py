@@ -72,6 +72,16 @@ class RaisingGemmBackend(ToyGemmBackend):
         raise RuntimeError("probe exploded")
 
 
+class BadCheckGemmBackend(ToyGemmBackend):
+    """Its support check raises: never offered as usable, never breaks resolution."""
+
+    name: ClassVar[str] = "badcheck"
+    aliases: ClassVar[tuple[str, ...]] = ()
+
+    def extra_reasons(self, problem, platform) -> list[str]:
+        raise ZeroDivisionError("support check exploded")
+
+
 class ToyNormQuantBackend(NormQuantBackend):
     name: ClassVar[str] = "toy_norm"
     capabilities: ClassVar[NormQuantCapabilities] = NormQuantCapabilities(

@@ -1,0 +1,630 @@
+"""The FP8 GEMM provider contract: subclass :class:`GemmProviderContract` in a test module.
+
+::
+
+    from fp8_backends.testing import GemmProviderContract
+    from my_fp8_kernels.provider import MyGemmBackend
+
+
+    class TestMyGemm(GemmProviderContract):
+        def make_provider(self):
+            return MyGemmBackend()
+
+Every test reads what the provider declares (its :class:`~fp8_backends.GemmCapabilities`) and checks it:
+declared scale modes, FP8 types, output dtypes and bias match :func:`fp8_backends.reference.fp8_gemm` (see
+:mod:`fp8_backends.testing.compare` for the tolerances) on random data and edge shapes; everything undeclared
+is refused with reasons by ``supports()`` and with :class:`~fp8_backends.InvalidInputError` before any
+kernel runs; malformed inputs raise the library's errors; the module imports no heavy library; the entry
+point carries the class's name; shapes propagate under fake tensors and ``torch.compile(fullgraph=True)``;
+and, marked ``gpu``, CUDA-graph capture, Inductor and the absence of host syncs.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import pytest
+
+from fp8_backends.capabilities import GemmCapabilities
+from fp8_backends.types import ActScale, BiasMode, DeviceKind, Fp8Dtype, GemmProblem, OutDtype, WeightScale
+
+from ._base import ContractBase, expect_refusal, no_kernel_runs, platform_for
+from .compare import GEMM_RTOL, assert_gemm_close, relative_error
+
+_HOOKS = ("prepare_weight_impl", "gemm_impl")
+_OUT_ORDER = (OutDtype.BF16, OutDtype.FP16, OutDtype.FP32)
+_PER_TENSOR_SHAPES = ((), (1,), (1, 1))  # every shape a per-tensor scale may take
+
+
+def _round_up(value: int, align: int) -> int:
+    return -(-value // align) * align
+
+
+@dataclass(frozen=True)
+class GemmCase:
+    """One combination of what a GEMM provider may declare, and the scale shapes used for it."""
+
+    act: str  # "tensor" (one x_scale value) or "token" ([M, 1])
+    weight: WeightScale
+    x_dtype: Fp8Dtype
+    w_dtype: Fp8Dtype
+    out: OutDtype
+    bias: bool
+    shape_variant: int = 0  # rotates through the accepted scale shapes
+
+    @property
+    def id(self) -> str:
+        types = self.x_dtype.value if self.x_dtype is self.w_dtype else f"{self.x_dtype.value}x{self.w_dtype.value}"
+        return f"x-{self.act}_w-{self.weight.value.removeprefix('per_')}_{types}_{self.out.value}" + (
+            "_bias" if self.bias else "")
+
+    def act_scale(self, caps: GemmCapabilities) -> ActScale:
+        if self.act == "token":
+            return ActScale.PER_TOKEN
+        return ActScale.PER_TENSOR_DYNAMIC if ActScale.PER_TENSOR_DYNAMIC in caps.act_scales else (
+            ActScale.PER_TENSOR_STATIC)
+
+    def problem(self, caps: GemmCapabilities, m: int | None, n: int, k: int, device: str) -> GemmProblem:
+        return GemmProblem(n=n, k=k, m=m, input_dtype=self.x_dtype, weight_dtype=self.w_dtype, out_dtype=self.out,
+                           act_scale=self.act_scale(caps), weight_scale=self.weight, has_bias=self.bias,
+                           device=DeviceKind(device))
+
+    def data(self, m: int, n: int, k: int, device: str, seed: int = 0) -> dict[str, Any]:
+        """Random inputs: ``x [M, K]``, ``w [N, K]`` (FP8 from N(0, 2²)), scales in [0.01, 0.06], bias N(0, 4²)
+        in the output dtype. Drawn on the CPU with a seeded generator (the same data on every device)."""
+        import torch
+
+        g = torch.Generator().manual_seed(seed * 7919 + m * 131 + n * 17 + k)
+        x = (torch.randn(m, k, generator=g) * 2).to(self.x_dtype.torch_dtype())
+        w = (torch.randn(n, k, generator=g) * 2).to(self.w_dtype.torch_dtype())
+        if self.act == "token":
+            xs = torch.rand(m, 1, generator=g) * 0.05 + 0.01
+        else:
+            xs = torch.tensor(0.03).reshape(_PER_TENSOR_SHAPES[self.shape_variant % 3])
+        if self.weight is WeightScale.PER_CHANNEL:
+            ws = (torch.rand(n, generator=g) * 0.05 + 0.01).reshape((n,) if self.shape_variant % 2 == 0 else (n, 1))
+        else:
+            ws = torch.tensor(0.02).reshape(_PER_TENSOR_SHAPES[(self.shape_variant + 1) % 3])
+        bias = (torch.randn(n, generator=g) * 4).to(self.out.torch_dtype()) if self.bias else None
+        moved = {key: None if t is None else t.to(device) for key, t in
+                 (("x", x), ("w", w), ("xs", xs), ("ws", ws), ("bias", bias))}
+        return {**moved, "out": self.out.torch_dtype()}
+
+
+def reference_output(d: dict[str, Any]) -> Any:
+    """:func:`fp8_backends.reference.fp8_gemm` in fp32 for the inputs of :meth:`GemmCase.data`."""
+    import torch
+
+    from fp8_backends import reference
+
+    if d["x"].shape[0] == 0:
+        return torch.zeros(0, d["w"].shape[0], device=d["x"].device)
+    return reference.fp8_gemm(d["x"], d["w"], d["xs"], d["ws"], torch.float32, d["bias"])
+
+
+def gemm_cases(caps: GemmCapabilities) -> list[GemmCase]:
+    """Every declared combination of activation scale kind x weight scale x output dtype x bias with the
+    default FP8 pair (e4m3fn x e4m3fn where declared), then each other declared FP8 pair (mixed ones where
+    ``mixed_inputs``) once, rotating through those combinations."""
+    acts = [a for a, ok in (("tensor", bool(caps.act_scales & {ActScale.PER_TENSOR_STATIC,
+                                                                ActScale.PER_TENSOR_DYNAMIC})),
+                            ("token", ActScale.PER_TOKEN in caps.act_scales)) if ok]
+    weights = [w for w in (WeightScale.PER_TENSOR, WeightScale.PER_CHANNEL) if w in caps.weight_scales]
+    dtypes = [d for d in (Fp8Dtype.E4M3FN, Fp8Dtype.E5M2) if d in caps.input_dtypes]
+    pairs = [(d, d) for d in dtypes] + ([(a, b) for a in dtypes for b in dtypes if a is not b]
+                                        if caps.mixed_inputs else [])
+    outs = [o for o in _OUT_ORDER if o in caps.out_dtypes]
+    biases = [False, True] if caps.bias is not BiasMode.NONE else [False]
+    main = list(itertools.product(acts, weights, outs, biases))
+    if not main or not pairs:
+        return []
+    cases = [GemmCase(a, w, *pairs[0], o, b, i) for i, (a, w, o, b) in enumerate(main)]
+    for j, pair in enumerate(pairs[1:]):
+        a, w, o, b = main[(5 * j + 3) % len(main)]
+        cases.append(GemmCase(a, w, *pair, o, b, j))
+    return cases
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Something the provider does not declare, how to ask for it, and what ``supports()`` is shown."""
+
+    id: str
+    device: str  # where the call is made
+    problem: dict[str, Any]  # GemmProblem overrides
+    call: str  # "prepare" or "gemm"
+    override: dict[str, Any]  # what changes in the inputs (see GemmProviderContract._refused_call)
+
+
+class GemmProviderContract(ContractBase):
+    """Conformance tests for an FP8 GEMM provider (:class:`~fp8_backends.Fp8GemmBackend`).
+
+    Subclass it in a test module (name the subclass ``Test...``) and define :meth:`make_provider`
+    (or set :attr:`provider_spec`). The class attributes below tune the checks; the defaults suit a
+    provider that runs small problems quickly.
+    """
+
+    kind: ClassVar[str] = "gemm"
+    #: relative tolerance of :func:`~fp8_backends.testing.compare.assert_gemm_close`
+    rtol: ClassVar[float] = GEMM_RTOL
+    #: batch sizes of the edge-shape test (0 and 1 and odd ones; the kernels' M tails)
+    m_values: ClassVar[tuple[int, ...]] = (0, 1, 2, 17, 65)
+    #: (N, K) of most tests before alignment (rounded up to ``n_align`` / ``k_align``)
+    base_nk: ClassVar[tuple[int, int]] = (37, 71)
+    #: (M, N, K) run under the ``gpu`` marker at LLM sizes (Llama-3-8B projections)
+    gpu_shapes: ClassVar[tuple[tuple[int, int, int], ...]] = (
+        (1, 4096, 4096), (16, 6144, 4096), (257, 4096, 14336), (1000, 28672, 4096))
+
+    def include_case(self, case: GemmCase) -> bool:
+        """Whether to exercise this declared combination (default: all). Override to leave out combinations
+        that cost a kernel build each, and say why in your test module."""
+        return True
+
+    def cases(self, caps: GemmCapabilities) -> list[GemmCase]:
+        """:func:`gemm_cases` of the record, filtered by :meth:`include_case`."""
+        return [c for c in gemm_cases(caps) if self.include_case(c)]
+
+    def default_case(self, caps: GemmCapabilities) -> GemmCase:
+        """The first included combination, with a bias where the provider takes one."""
+        cases = self.cases(caps)
+        if not cases:
+            pytest.skip("include_case() leaves no declared combination to test")
+        return next((c for c in cases if c.bias), cases[0])
+
+    # ------------------------------------------------------------------ parametrization
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        provider, error = self._collected_provider()
+        caps = None if error is not None else provider.capabilities
+        gpu = metafunc.definition.get_closest_marker("gpu") is not None
+        names = metafunc.fixturenames
+        if "device" in names:
+            devices = self.device_params(gpu_only=gpu)
+            metafunc.parametrize("device", devices)
+            if not any(d.values[0] is not None for d in devices):  # skipped anyway: one test, one reason
+                for name in ("case", "shape", "gpu_shape", "bad"):
+                    if name in names:
+                        metafunc.parametrize(name, [None], ids=["-"])
+                return
+        if "case" in names:
+            cases = self.cases(caps) if isinstance(caps, GemmCapabilities) else []
+            metafunc.parametrize("case", cases or [None], ids=[c.id for c in cases] or ["none"])
+        if "shape" in names:
+            shapes = self._edge_shapes(caps) if isinstance(caps, GemmCapabilities) else [(1, 16, 16)]
+            metafunc.parametrize("shape", shapes, ids=[f"M{m}-N{n}-K{k}" for m, n, k in shapes])
+        if "gpu_shape" in names:
+            metafunc.parametrize("gpu_shape", self.gpu_shapes, ids=[f"M{m}-N{n}-K{k}" for m, n, k in self.gpu_shapes])
+        if "refusal" in names:
+            refusals = self._refusals(provider) if error is None else []
+            if refusals:
+                metafunc.parametrize("refusal", refusals, ids=[r.id for r in refusals])
+            else:
+                metafunc.parametrize("refusal", [pytest.param(None, id="none", marks=pytest.mark.skip(
+                    reason="the provider declares every combination this kit knows"))])
+        if "bad" in names:
+            metafunc.parametrize("bad", list(_BAD_INPUTS))
+
+    def _base(self, caps: GemmCapabilities) -> tuple[int, int]:
+        return _round_up(self.base_nk[0], caps.n_align), _round_up(self.base_nk[1], caps.k_align)
+
+    def _edge_shapes(self, caps: GemmCapabilities) -> list[tuple[int, int, int]]:
+        n, k = self._base(caps)
+        na, ka = caps.n_align, caps.k_align
+        nk_edges = [(na, ka), (3 * na, 5 * ka), (9 * na, 2 * ka)]
+        return [(m, n, k) for m in self.m_values] + [(3, en, ek) for en, ek in nk_edges if (en, ek) != (n, k)]
+
+    def _refusals(self, provider: Any) -> list[Refusal]:
+        """What the provider does not declare, each with a device where it can be asked."""
+        caps: GemmCapabilities = provider.capabilities
+        declared = [d.value for d in caps.devices]
+        run = [p.values[0] for p in self.device_params() if p.values[0] not in (None, "error")]
+        here = run[0] if run else None
+        out: list[Refusal] = []
+        if here is not None:
+            for od in _OUT_ORDER:
+                if od not in caps.out_dtypes:
+                    out.append(Refusal(f"out-{od.value}", here, {"out_dtype": od}, "gemm", {"out": od}))
+            if ActScale.PER_TOKEN not in caps.act_scales:
+                out.append(Refusal("act-per_token", here, {"act_scale": ActScale.PER_TOKEN}, "gemm",
+                                   {"act": "token"}))
+            if not caps.act_scales & {ActScale.PER_TENSOR_STATIC, ActScale.PER_TENSOR_DYNAMIC}:
+                out.append(Refusal("act-per_tensor", here, {"act_scale": ActScale.PER_TENSOR_DYNAMIC}, "gemm",
+                                   {"act": "tensor"}))
+            for ws in WeightScale:
+                if ws not in caps.weight_scales:
+                    out.append(Refusal(f"weight-{ws.value}", here, {"weight_scale": ws}, "prepare", {"weight": ws}))
+            for dt in Fp8Dtype:
+                if dt not in caps.input_dtypes:
+                    out.append(Refusal(f"weight-{dt.value}", here, {"weight_dtype": dt, "input_dtype": dt}, "prepare",
+                                       {"w_dtype": dt}))
+                    out.append(Refusal(f"input-{dt.value}", here, {"input_dtype": dt}, "gemm", {"x_dtype": dt}))
+            if not caps.mixed_inputs and len(caps.input_dtypes) > 1:
+                a, b = sorted(caps.input_dtypes, key=lambda d: d.value)
+                out.append(Refusal("mixed-fp8", here, {"input_dtype": a, "weight_dtype": b}, "gemm",
+                                   {"x_dtype": a, "w_dtype": b}))
+            if caps.bias is BiasMode.NONE:
+                out.append(Refusal("bias", here, {"has_bias": True}, "gemm", {"bias": True}))
+            if caps.k_align > 1:
+                k_bad = caps.k_align * 3 + max(1, caps.k_align // 2)
+                out.append(Refusal("k-misaligned", here, {"k": k_bad}, "prepare", {"k": k_bad}))
+            if caps.n_align > 1:
+                n_bad = caps.n_align * 3 + max(1, caps.n_align // 2)
+                out.append(Refusal("n-misaligned", here, {"n": n_bad}, "prepare", {"n": n_bad}))
+        for dev in ("cpu", "cuda"):
+            if dev not in declared and (dev == "cpu" or _cuda_here()):
+                out.append(Refusal(f"device-{dev}", dev, {"device": DeviceKind(dev)}, "prepare", {}))
+        return out
+
+    # ------------------------------------------------------------------ declaration and packaging
+    def test_module_is_import_light(self) -> None:
+        """Importing the provider's module (and calling ``availability()``) imports no heavy library."""
+        self.check_import_light()
+
+    def test_registered_under_its_name(self) -> None:
+        """An entry point of group ``fp8_backends.gemm`` names the class and carries its ``name``."""
+        self.check_registered()
+
+    def test_declaration(self) -> None:
+        """Identity, options, capability record and an ``availability()`` classmethod that answers."""
+        from fp8_backends.backend import Fp8GemmBackend
+
+        provider = self.check_identity(Fp8GemmBackend, GemmCapabilities)
+        caps = provider.capabilities
+        for field in ("act_scales", "weight_scales", "input_dtypes", "out_dtypes"):
+            assert getattr(caps, field), f"capabilities.{field} is empty: the provider could serve nothing"
+        assert isinstance(caps.bias, BiasMode)
+        assert isinstance(caps.k_align, int) and caps.k_align > 0 and isinstance(caps.n_align, int) and caps.n_align > 0
+
+    # ------------------------------------------------------------------ numerics
+    def test_matches_reference(self, device: str, case: GemmCase) -> None:
+        """Each declared combination, at ``M = 5`` and the base (N, K), against the reference."""
+        self._run_case(device, case, 5, *self._base(self.make_provider().capabilities))
+
+    def test_edge_shapes(self, device: str, shape: tuple[int, int, int]) -> None:
+        """M = 0, 1, odd; N and K at their alignment (and odd multiples of it); default combination."""
+        self._run_case(device, self.default_case(self.make_provider().capabilities), *shape)
+
+    def test_scales_are_applied(self, device: str) -> None:
+        """Doubling ``x_scale`` or ``w_scale`` doubles the output (exact in binary floating point): a kernel that
+        drops, swaps or caches a scale fails."""
+        provider = self.provider()
+        caps = provider.capabilities
+        n, k = self._base(caps)
+        platform = platform_for(device)
+        outs = {c.out for c in self.cases(caps)}
+        out = OutDtype.FP32 if OutDtype.FP32 in outs else min(outs, key=_OUT_ORDER.index, default=None)
+        for case in self.cases(caps):
+            if case.out is not out or case.bias or case.x_dtype is not case.w_dtype:
+                continue
+            if provider.supports(case.problem(caps, 7, n, k, device), platform):
+                continue
+            d = case.data(7, n, k, device, seed=3)
+            y1 = provider.gemm(d["x"], provider.prepare_weight(d["w"], d["ws"]), d["xs"], out_dtype=d["out"])
+            y_w = provider.gemm(d["x"], provider.prepare_weight(d["w"], d["ws"] * 2), d["xs"], out_dtype=d["out"])
+            y_x = provider.gemm(d["x"], provider.prepare_weight(d["w"], d["ws"]), d["xs"] * 2, out_dtype=d["out"])
+            for label, y2 in (("w_scale", y_w), ("x_scale", y_x)):
+                err = relative_error(y2, 2 * y1.float())
+                assert err <= 1e-6, f"{case.id}: doubling {label} changed the output by {err:.3g}, not 2x"
+
+    # ------------------------------------------------------------------ refusals
+    def test_undeclared_is_refused_before_any_kernel(self, refusal: Refusal) -> None:
+        """For everything undeclared: ``supports()`` gives reasons, and the call raises InvalidInputError
+        before ``prepare_weight_impl`` / ``gemm_impl`` run."""
+        provider = self.provider()
+        caps = provider.capabilities
+        n, k = self._base(caps)
+        problem_kw = {"n": n, "k": k, "m": 4, "device": DeviceKind(refusal.device), **refusal.problem}
+        reasons = provider.supports(GemmProblem(**problem_kw), platform_for(refusal.device))
+        assert reasons and all(isinstance(r, str) and r for r in reasons), (refusal.id, reasons)
+        if refusal.device != "cpu" and not _cuda_here():
+            return
+        ok_case = gemm_cases(caps)[0]
+        over = refusal.override
+        case = GemmCase(over.get("act", ok_case.act), over.get("weight", ok_case.weight),
+                        over.get("x_dtype", ok_case.x_dtype), over.get("w_dtype", ok_case.w_dtype),
+                        over.get("out", ok_case.out), over.get("bias", ok_case.bias))
+        d = case.data(4, over.get("n", n), over.get("k", k), refusal.device)
+        with no_kernel_runs(provider, _HOOKS) as calls:
+            if refusal.call == "prepare":
+                expect_refusal(lambda: provider.prepare_weight(d["w"], d["ws"]), calls, None, refusal.id)
+                return
+            good = ok_case.data(4, n, k, refusal.device)
+            w = d["w"] if case.w_dtype is not ok_case.w_dtype else good["w"]
+            prepared = provider.prepare_weight(w, good["ws"])
+            calls.clear()
+            expect_refusal(lambda: provider.gemm(d["x"], prepared, d["xs"], out_dtype=d["out"], bias=d["bias"]),
+                           calls, None, refusal.id)
+
+    def test_bad_inputs_raise_library_errors(self, device: str, bad: str) -> None:
+        """Malformed tensors raise :class:`~fp8_backends.InvalidInputError` naming the argument, before any
+        kernel."""
+        provider = self.provider()
+        caps = provider.capabilities
+        need, build, match = _BAD_INPUTS[bad]
+        if not need(caps, device):
+            pytest.skip(f"{bad}: not applicable to this provider on {device}")
+        case = gemm_cases(caps)[0]
+        n, k = self._base(caps)
+        d = case.data(4, n, k, device)
+        with no_kernel_runs(provider, _HOOKS) as calls:
+            prepared = provider.prepare_weight(d["w"], d["ws"])
+            calls.clear()
+            ctx = {"p": provider, "prepared": prepared, "device": device, "caps": caps, "n": n, "k": k, **d}
+            expect_refusal(build(ctx), calls, match, bad)
+
+    # ------------------------------------------------------------------ tracing
+    def test_fake_tensor_shapes(self, device: str) -> None:
+        """Under ``FakeTensorMode`` (what torch.compile propagates) the output has shape ``[M, N]``, the
+        requested dtype and the input's device, for each declared activation-scale kind and output dtype."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        provider = self.provider()
+        caps = provider.capabilities
+        n, k = self._base(caps)
+        platform = platform_for(device)
+        seen = set()
+        for case in self.cases(caps):
+            key = (case.act, case.weight, case.out)
+            if key in seen or case.x_dtype is not case.w_dtype or provider.supports(
+                    case.problem(caps, 5, n, k, device), platform):
+                continue
+            seen.add(key)
+            for m in (0, 1, 17) if case.act == "tensor" else (1, 17):
+                d = case.data(m, n, k, device)
+                prepared = provider.prepare_weight(d["w"], d["ws"])  # load time: eager, real tensors
+                mode = FakeTensorMode(allow_non_fake_inputs=False)
+                fake = _fakeify(mode, {**d, "prepared": prepared})
+                with mode:
+                    y = provider.gemm(fake["x"], fake["prepared"], fake["xs"], out_dtype=d["out"], bias=fake["bias"])
+                assert tuple(y.shape) == (m, n) and y.dtype == d["out"] and y.device == d["x"].device, (
+                    case.id, m, tuple(y.shape), y.dtype, y.device)
+        assert seen, "no declared combination was served here"
+
+    def test_torch_compile_fullgraph(self, device: str) -> None:
+        """``torch.compile(fullgraph=True)`` traces ``gemm`` without a graph break (AOT eager backend: no
+        compiler needed) and computes the same result."""
+        import torch
+
+        provider = self.provider()
+        caps = provider.capabilities
+        n, k = self._base(caps)
+        case = self._served_case(provider, device, n, k)
+        d = case.data(5, n, k, device)
+        prepared = provider.prepare_weight(d["w"], d["ws"])
+
+        def f(x: Any, xs: Any) -> Any:
+            return provider.gemm(x, prepared, xs, out_dtype=d["out"], bias=d["bias"]) * 2
+
+        torch._dynamo.reset()
+        try:
+            y = torch.compile(f, fullgraph=True, backend="aot_eager")(d["x"], d["xs"])
+        finally:
+            torch._dynamo.reset()
+        assert_gemm_close(y, 2 * reference_output(d), d["out"], self.rtol, case.id)
+
+    # ------------------------------------------------------------------ GPU
+    @pytest.mark.gpu
+    def test_gpu_cuda_graph_capture_and_replay(self, device: str) -> None:
+        """Captured after an eager warm-up, a replay reads new values written into the captured inputs."""
+        import torch
+
+        provider = self.provider()
+        caps = provider.capabilities
+        n, k = _round_up(1024, caps.n_align), _round_up(2048, caps.k_align)
+        platform = platform_for(device)
+        for case in self._gpu_cases(provider, n, k):
+            for m in (1, 16, 300):
+                if provider.supports(case.problem(caps, m, n, k, device), platform):
+                    continue  # e.g. a small-M kernel forced by an option
+                d = case.data(m, n, k, device)
+                prepared = provider.prepare_weight(d["w"], d["ws"])
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        provider.gemm(d["x"], prepared, d["xs"], out_dtype=d["out"], bias=d["bias"])
+                torch.cuda.current_stream().wait_stream(side)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    y = provider.gemm(d["x"], prepared, d["xs"], out_dtype=d["out"], bias=d["bias"])
+                new = case.data(m, n, k, device, seed=1)
+                d["x"].copy_(new["x"])
+                d["xs"].copy_(new["xs"])
+                graph.replay()
+                torch.cuda.synchronize()
+                assert_gemm_close(y, reference_output({**d, "x": new["x"], "xs": new["xs"]}), d["out"], self.rtol,
+                                  f"{case.id} M={m} (graph replay)")
+
+    @pytest.mark.gpu
+    def test_gpu_torch_compile_inductor(self, device: str) -> None:
+        """``torch.compile(fullgraph=True)`` with Inductor, on CUDA tensors."""
+        import torch
+
+        provider = self.provider()
+        caps = provider.capabilities
+        n, k = _round_up(1024, caps.n_align), _round_up(2048, caps.k_align)
+        for case in self._gpu_cases(provider, n, k):
+            d = case.data(5, n, k, device)
+            prepared = provider.prepare_weight(d["w"], d["ws"])
+
+            def f(x: Any, xs: Any, prepared: Any = prepared, d: dict[str, Any] = d) -> Any:
+                return provider.gemm(x, prepared, xs, out_dtype=d["out"], bias=d["bias"]) * 2
+
+            torch._dynamo.reset()
+            try:
+                y = torch.compile(f, fullgraph=True)(d["x"], d["xs"])
+            finally:
+                torch._dynamo.reset()
+            assert_gemm_close(y, 2 * reference_output(d), d["out"], self.rtol, f"{case.id} (inductor)")
+
+    @pytest.mark.gpu
+    def test_gpu_no_host_sync(self, device: str) -> None:
+        """After the first call of a shape, ``gemm`` never synchronizes with the host."""
+        import torch
+
+        provider = self.provider()
+        caps = provider.capabilities
+        n, k = _round_up(1024, caps.n_align), _round_up(2048, caps.k_align)
+        for case in self._gpu_cases(provider, n, k):
+            d = case.data(5, n, k, device)
+            prepared = provider.prepare_weight(d["w"], d["ws"])  # checks scale values: may sync (load time)
+            provider.gemm(d["x"], prepared, d["xs"], out_dtype=d["out"], bias=d["bias"])
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                provider.gemm(d["x"], prepared, d["xs"], out_dtype=d["out"], bias=d["bias"])
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize()
+
+    @pytest.mark.gpu
+    def test_gpu_llm_shapes(self, device: str, gpu_shape: tuple[int, int, int]) -> None:
+        """:attr:`gpu_shapes` against the reference (per-tensor, and per-token x per-channel where declared)."""
+        provider = self.provider()
+        caps = provider.capabilities
+        m, n, k = gpu_shape
+        n, k = _round_up(n, caps.n_align), _round_up(k, caps.k_align)
+        for case in self._gpu_cases(provider, n, k):
+            self._run_case(device, case, m, n, k, provider)
+
+    # ------------------------------------------------------------------ helpers
+    def _run_case(self, device: str, case: GemmCase, m: int, n: int, k: int, provider: Any = None) -> None:
+        provider = provider or self.provider()
+        caps = provider.capabilities
+        reasons = provider.supports(case.problem(caps, m, n, k, device), platform_for(device))
+        assert isinstance(reasons, list) and all(isinstance(r, str) for r in reasons), reasons
+        if reasons:
+            pytest.skip(f"{provider.label} refuses {case.id} at M={m} N={n} K={k} on {device}: {'; '.join(reasons)}")
+        d = case.data(m, n, k, device)
+        prepared = provider.prepare_weight(d["w"], d["ws"])
+        assert prepared.n == n and prepared.k == k and prepared.backend == provider.name
+        assert prepared.dtype is case.w_dtype and prepared.weight_scale is case.weight
+        y = provider.gemm(d["x"], prepared, d["xs"], out_dtype=d["out"], bias=d["bias"])
+        assert_gemm_close(y, reference_output(d), d["out"], self.rtol, f"{case.id} M={m} N={n} K={k}")
+
+    def _served_case(self, provider: Any, device: str, n: int, k: int, m: int = 5) -> GemmCase:
+        """The first included combination the provider serves here, one with a bias if it can."""
+        platform = platform_for(device)
+        for case in sorted(self.cases(provider.capabilities), key=lambda c: not c.bias):
+            if not provider.supports(case.problem(provider.capabilities, m, n, k, device), platform):
+                return case
+        pytest.skip(f"{provider.label} serves none of its declared combinations on {device}")
+
+    def _gpu_cases(self, provider: Any, n: int, k: int) -> list[GemmCase]:
+        """The default combination and, where declared and served, per-token x per-channel with bias."""
+        caps = provider.capabilities
+        platform = platform_for("cuda")
+        cases = self.cases(caps)
+        picked = [self._served_case(provider, "cuda", n, k)]
+        rowwise = [c for c in cases if c.act == "token" and c.weight is WeightScale.PER_CHANNEL
+                   and not provider.supports(c.problem(caps, 5, n, k, "cuda"), platform)]
+        if rowwise and rowwise[0] is not picked[0]:
+            picked.append(max(rowwise, key=lambda c: c.bias))
+        return picked
+
+
+def _cuda_here() -> bool:
+    from ._base import _cuda_visible
+
+    return _cuda_visible()
+
+
+def _fakeify(mode: Any, d: dict[str, Any]) -> dict[str, Any]:
+    """Fake copies of the inputs and of the prepared weight's tensors (its ``extra`` dict included)."""
+    import dataclasses
+
+    import torch
+
+    def fake(t: Any) -> Any:
+        return mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
+
+    prepared = d["prepared"]
+    fake_prepared = dataclasses.replace(prepared, data=fake(prepared.data), scale=fake(prepared.scale),
+                                        extra={key: fake(v) for key, v in prepared.extra.items()})
+    return {**{key: fake(v) for key, v in d.items() if key != "prepared"}, "prepared": fake_prepared}
+
+
+def _always(caps: GemmCapabilities, device: str) -> bool:
+    return True
+
+
+def _other_device(device: str) -> str | None:
+    if device == "cuda":
+        return "cpu"
+    return "cuda" if _cuda_here() else None
+
+
+# name -> (applies(caps, device), build(ctx) -> the failing call, message pattern)
+_BAD_INPUTS: dict[str, tuple[Any, Any, str]] = {
+    "w_q-not-fp8": (_always, lambda c: lambda: c["p"].prepare_weight(c["w"].float(), c["ws"]),
+                    "w_q must be float8_e4m3fn or float8_e5m2"),
+    "w_q-not-a-tensor": (_always, lambda c: lambda: c["p"].prepare_weight(c["w"].tolist(), c["ws"]),
+                         "w_q must be a torch.Tensor"),
+    "w_q-3d": (_always, lambda c: lambda: c["p"].prepare_weight(c["w"][None], c["ws"]), "w_q must be 2-D"),
+    "w_q-column-major": (_always, lambda c: lambda: c["p"].prepare_weight(c["w"].t().contiguous().t(), c["ws"]),
+                         "w_q must be row-major contiguous"),
+    "w_scale-fp64": (_always, lambda c: lambda: c["p"].prepare_weight(c["w"], c["ws"].double()),
+                     "w_scale must be a float32 tensor"),
+    "w_scale-python-float": (_always, lambda c: lambda: c["p"].prepare_weight(c["w"], 0.5),
+                             "w_scale must be a torch.Tensor"),
+    "w_scale-wrong-count": (_always, lambda c: lambda: c["p"].prepare_weight(
+        c["w"], c["ws"].new_ones(c["n"] + 1)), r"w_scale must have one value \(per-tensor\) or N="),
+    "w_scale-inf": (_always, lambda c: lambda: c["p"].prepare_weight(c["w"], c["ws"] * float("inf")),
+                    "w_scale must be finite and > 0"),
+    "w_scale-negative": (_always, lambda c: lambda: c["p"].prepare_weight(c["w"], -c["ws"]),
+                         "w_scale must be finite and > 0"),
+    "x_q-not-fp8": (_always, lambda c: lambda: c["p"].gemm(c["x"].float(), c["prepared"], c["xs"], out_dtype=c["out"]),
+                    "x_q must be float8_e4m3fn or float8_e5m2"),
+    "x_q-wrong-k": (_always, lambda c: lambda: c["p"].gemm(c["x"][:, : c["k"] // 2].contiguous(), c["prepared"],
+                                                           c["xs"], out_dtype=c["out"]), "x_q has K="),
+    "x_q-3d": (_always, lambda c: lambda: c["p"].gemm(c["x"][None], c["prepared"], c["xs"], out_dtype=c["out"]),
+               "x_q must be 2-D"),
+    "x_q-column-major": (_always, lambda c: lambda: c["p"].gemm(
+        c["x"].t().contiguous().t(), c["prepared"], c["xs"], out_dtype=c["out"]), "x_q must be row-major contiguous"),
+    "x_scale-bf16": (_always, lambda c: lambda: c["p"].gemm(c["x"], c["prepared"], c["xs"].bfloat16(),
+                                                            out_dtype=c["out"]), "x_scale must be a float32 tensor"),
+    "x_scale-python-float": (_always, lambda c: lambda: c["p"].gemm(c["x"], c["prepared"], 0.5, out_dtype=c["out"]),
+                             "x_scale must be a torch.Tensor"),
+    "x_scale-wrong-rows": (_always, lambda c: lambda: c["p"].gemm(
+        c["x"], c["prepared"], c["xs"].new_ones(c["x"].shape[0] + 1, 1), out_dtype=c["out"]),
+        r"x_scale must have one value \(per-tensor\) or shape \[M, 1\]"),
+    "x_scale-nan-on-cpu": (lambda caps, dev: dev == "cpu", lambda c: lambda: c["p"].gemm(
+        c["x"], c["prepared"], c["xs"] * float("nan"), out_dtype=c["out"]), "x_scale must be finite and > 0"),
+    "x_scale-zero-on-cpu": (lambda caps, dev: dev == "cpu", lambda c: lambda: c["p"].gemm(
+        c["x"], c["prepared"], c["xs"] * 0, out_dtype=c["out"]), "x_scale must be finite and > 0"),
+    "x_scale-other-device": (lambda caps, dev: _other_device(dev) is not None, lambda c: lambda: c["p"].gemm(
+        c["x"], c["prepared"], c["xs"].to(_other_device(c["device"])), out_dtype=c["out"]),
+        "x_scale is on .* but the operands are on"),
+    "x_q-other-device": (lambda caps, dev: _other_device(dev) is not None, lambda c: lambda: c["p"].gemm(
+        c["x"].to(_other_device(c["device"])), c["prepared"], c["xs"], out_dtype=c["out"]),
+        "is on .* but the operands are on|runs on .* tensors"),
+    "out_dtype-int8": (_always, lambda c: lambda: c["p"].gemm(c["x"], c["prepared"], c["xs"], out_dtype="int8"),
+                       "unsupported output dtype"),
+    "bias-wrong-shape": (lambda caps, dev: caps.bias is not BiasMode.NONE, lambda c: lambda: c["p"].gemm(
+        c["x"], c["prepared"], c["xs"], out_dtype=c["out"], bias=c["x"].new_zeros(c["n"] + 1, dtype=c["out"])),
+        r"bias must have shape \[N\]"),
+    "bias-wrong-dtype": (lambda caps, dev: caps.bias is not BiasMode.NONE, lambda c: lambda: c["p"].gemm(
+        c["x"], c["prepared"], c["xs"], out_dtype=c["out"],
+        bias=c["x"].new_zeros(c["n"], dtype=_other_float(c["out"]))), "bias must be"),
+    "prepared-not-prepared": (_always, lambda c: lambda: c["p"].gemm(c["x"], object(), c["xs"], out_dtype=c["out"]),
+                              "needs a weight prepared by"),
+    "prepared-by-another-provider": (_always, lambda c: lambda: c["p"].gemm(
+        c["x"], _foreign(c["prepared"]), c["xs"], out_dtype=c["out"]), "needs a weight prepared by"),
+}
+
+
+def _other_float(dtype: Any) -> Any:
+    import torch
+
+    return torch.float16 if dtype != torch.float16 else torch.bfloat16
+
+
+def _foreign(prepared: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(prepared, backend=f"not_{prepared.backend}")
+
+
+__all__ = ["GemmCase", "GemmProviderContract", "Refusal", "gemm_cases", "reference_output"]

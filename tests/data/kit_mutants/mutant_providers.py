@@ -1,0 +1,186 @@
+"""Providers with one deliberate bug each: the conformance kit must fail each on the test named in
+``EXPECTED_FAILURES`` (tests/test_testing_kit.py checks it). Import-light like a real provider module."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from fp8_backends import (
+    ActScale,
+    Availability,
+    BiasMode,
+    DeviceKind,
+    Fp8GemmBackend,
+    GemmCapabilities,
+    NormQuantBackend,
+    NormQuantCapabilities,
+    OutDtype,
+    WeightScale,
+)
+
+
+class GoodGemm(Fp8GemmBackend):
+    """Correct: dequantize in fp32, matmul, add bias (the reference), on the CPU."""
+
+    name: ClassVar[str] = "good_gemm"
+    capabilities: ClassVar[GemmCapabilities] = GemmCapabilities(
+        devices=frozenset({DeviceKind.CPU}), act_scales=frozenset(ActScale), weight_scales=frozenset(WeightScale),
+        out_dtypes=frozenset(OutDtype), bias=BiasMode.ADDED_AFTER, k_align=1, n_align=1,
+    )
+
+    def prepare_weight_impl(self, w_q, w_scale, weight_scale):
+        return self.prepare_k_major(w_q, w_scale, weight_scale)
+
+    def gemm_impl(self, x_q, prepared, x_scale, out_dtype, bias):
+        from fp8_backends import reference
+
+        return reference.fp8_gemm(x_q, prepared.data, x_scale, prepared.scale, out_dtype, bias)
+
+
+class IgnoresWeightScale(GoodGemm):
+    name: ClassVar[str] = "ignores_weight_scale"
+
+    def gemm_impl(self, x_q, prepared, x_scale, out_dtype, bias):
+        from fp8_backends import reference
+
+        return reference.fp8_gemm(x_q, prepared.data, x_scale, prepared.scale.new_ones(1), out_dtype, bias)
+
+
+class DropsBias(GoodGemm):
+    name: ClassVar[str] = "drops_bias"
+
+    def gemm_impl(self, x_q, prepared, x_scale, out_dtype, bias):
+        return super().gemm_impl(x_q, prepared, x_scale, out_dtype, None)
+
+
+class LosesLastRow(GoodGemm):
+    """Leaves the last row of odd batches unwritten (an M-tail bug)."""
+
+    name: ClassVar[str] = "loses_last_row"
+
+    def gemm_impl(self, x_q, prepared, x_scale, out_dtype, bias):
+        y = super().gemm_impl(x_q, prepared, x_scale, out_dtype, bias)
+        if y.shape[0] > 1 and y.shape[0] % 2:
+            y[-1] = 0
+        return y
+
+
+class FirstRowScaleOnly(GoodGemm):
+    """Declares per-token scales but applies the first row's to every row."""
+
+    name: ClassVar[str] = "first_row_scale_only"
+
+    def gemm_impl(self, x_q, prepared, x_scale, out_dtype, bias):
+        return super().gemm_impl(x_q, prepared, x_scale.reshape(-1)[:1], out_dtype, bias)
+
+
+class SkipsValidation(GoodGemm):
+    """Calls its kernel without the library's input checks."""
+
+    name: ClassVar[str] = "skips_validation"
+
+    def gemm(self, x_q, prepared, x_scale, *, out_dtype="bfloat16", bias=None):
+        import torch
+
+        return self.gemm_impl(x_q, prepared, x_scale, getattr(torch, str(out_dtype).removeprefix("torch.")), bias)
+
+
+class AcceptsUndeclared(GoodGemm):
+    """Declares bf16 output only, but its validation lets any output dtype through to the kernel."""
+
+    name: ClassVar[str] = "accepts_undeclared"
+    capabilities: ClassVar[GemmCapabilities] = GemmCapabilities(
+        devices=frozenset({DeviceKind.CPU}), out_dtypes=frozenset({OutDtype.BF16}), k_align=1, n_align=1,
+    )
+
+    def validate_gemm_inputs(self, x_q, prepared, x_scale, out_dtype, bias):
+        return OutDtype.of(out_dtype)
+
+
+class ReadsScaleOnHost(GoodGemm):
+    """Branches on a scale's value on the host: breaks fake tensors and torch.compile(fullgraph=True)."""
+
+    name: ClassVar[str] = "reads_scale_on_host"
+
+    def gemm_impl(self, x_q, prepared, x_scale, out_dtype, bias):
+        if bool((x_scale > 1e6).any()):
+            raise ValueError("scale out of range")
+        return super().gemm_impl(x_q, prepared, x_scale, out_dtype, bias)
+
+
+class InstanceAvailability(GoodGemm):
+    """Overrides availability() as an instance method (the README's first trap)."""
+
+    name: ClassVar[str] = "instance_availability"
+
+    def availability(self):  # type: ignore[override]
+        return Availability.yes()
+
+
+class NotRegistered(GoodGemm):
+    name: ClassVar[str] = "not_registered"
+
+
+class GoodNorm(NormQuantBackend):
+    """Correct: the reference, on the CPU."""
+
+    name: ClassVar[str] = "good_norm"
+    capabilities: ClassVar[NormQuantCapabilities] = NormQuantCapabilities(
+        devices=frozenset({DeviceKind.CPU}), in_dtypes=frozenset({OutDtype.BF16, OutDtype.FP16}),
+    )
+
+    def rmsnorm_quant_impl(self, out, x, weight, scale, eps):
+        from fp8_backends import reference
+
+        out.copy_(reference.rmsnorm_quant(x, weight, scale, eps))
+
+    def fused_add_rmsnorm_quant_impl(self, out, x, residual, weight, scale, eps):
+        from fp8_backends import reference
+
+        q, r = reference.fused_add_rmsnorm_quant(x, residual, weight, scale, eps)
+        out.copy_(q)
+        residual.copy_(r)
+
+
+class NormIgnoresWeight(GoodNorm):
+    name: ClassVar[str] = "norm_ignores_weight"
+
+    def rmsnorm_quant_impl(self, out, x, weight, scale, eps):
+        super().rmsnorm_quant_impl(out, x, weight.new_ones(weight.shape), scale, eps)
+
+
+class ResidualNotWritten(GoodNorm):
+    name: ClassVar[str] = "residual_not_written"
+
+    def fused_add_rmsnorm_quant_impl(self, out, x, residual, weight, scale, eps):
+        super().fused_add_rmsnorm_quant_impl(out, x, residual.clone(), weight, scale, eps)
+
+
+class WritesPastOut(GoodNorm):
+    """Writes a few bytes after ``out`` (an unmasked tail), when there is room in its storage."""
+
+    name: ClassVar[str] = "writes_past_out"
+
+    def rmsnorm_quant_impl(self, out, x, weight, scale, eps):
+        import torch
+
+        super().rmsnorm_quant_impl(out, x, weight, scale, eps)
+        raw = torch.empty(0, dtype=torch.uint8, device=out.device).set_(out.untyped_storage())
+        end = out.storage_offset() + out.numel()
+        raw[end:end + 4] = 0
+
+
+class IgnoresEps(GoodNorm):
+    name: ClassVar[str] = "ignores_eps"
+
+    def rmsnorm_quant_impl(self, out, x, weight, scale, eps):
+        super().rmsnorm_quant_impl(out, x, weight, scale, 1e-6)
+
+
+class MultipliesByScale(GoodNorm):
+    name: ClassVar[str] = "multiplies_by_scale"
+
+    def rmsnorm_quant_impl(self, out, x, weight, scale, eps):
+        from fp8_backends import reference
+
+        out.copy_(reference.quantize_static(reference.rmsnorm(x, weight, eps), 1 / scale))

@@ -1,0 +1,1 @@
+pytest_plugins = ["fp8_backends.testing.plugin"]  # the kit's `gpu` marker
