@@ -24,10 +24,7 @@ import pytest
 README = Path(__file__).resolve().parents[1] / "README.md"
 WRITING = "Writing a provider (third parties)"
 #: sections whose blocks are known not to run yet, with why: a strict xfail, so the entry must go when they run
-PENDING = {
-    "Layers: `Fp8Linear` and `RMSNormFp8Quant`": "a fragment (linear, w_gate, s_gate, model, x undefined); the "
-    "section is being rewritten with quantize_model (issue 14)",
-}
+PENDING: dict[str, str] = {}
 _FILE_LINE = re.compile(r"^# ([\w./-]+\.(?:py|toml))\s*$")
 
 
