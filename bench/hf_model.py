@@ -360,19 +360,11 @@ def host_cost(args: Any) -> tuple[list[dict[str, Any]], list[str]]:
 
 
 def cprofile_text(fn: Callable[[], Any], calls: int = 300) -> str:
-    """The 20 functions with the most own time over ``calls`` calls of ``fn`` (cProfile)."""
-    import cProfile
-    import io
-    import pstats
+    """The 20 functions with the most own time over ``calls`` calls of ``fn`` (cProfile), blank lines dropped."""
+    from bench.host_cost import profile_text
 
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    prof.disable()
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(20)
-    return "\n".join(line for line in buf.getvalue().splitlines() if line.strip()) + "\n"
+    text = profile_text(fn, calls, top=20)
+    return "\n".join(line for line in text.splitlines() if line.strip()) + "\n"
 
 
 # ------------------------------------------------------------------------------------------------ accuracy
