@@ -2,11 +2,11 @@
 
 The op is defined on first use (:func:`fp8_backends.oplib.define_ops`) as a ``torch.library.triton_op``: under
 ``torch.compile`` its body (:func:`.traced_ops.triton_gemm`) decomposes into the kernel launch, which Inductor
-makes from its generated code. Plain eager calls run :func:`launch` instead, which picks the tile config (``auto``:
-the M-bucket table, at run time, so compiled graphs carry no M guards), allocates the output and
-launches the kernel on torch's current stream through :class:`.launcher.KernelLauncher` (the compiled
-kernel, not Triton's Python launch path), with PDL where :func:`._support.pdl_on` allows. No
-host-device synchronisation.
+makes from its generated code (the traced body picks the tile config when it is traced: a graph with a dynamic M
+is guarded per M bucket). Plain eager calls run :func:`launch` instead, which picks the tile config (``auto``: the
+M-bucket table) per call, allocates the output and launches the kernel on torch's current stream through
+:class:`.launcher.KernelLauncher` (the compiled kernel, not Triton's Python launch path), with PDL where
+:func:`._support.pdl_on` allows. No host-device synchronisation.
 """
 
 from __future__ import annotations
