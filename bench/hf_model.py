@@ -147,14 +147,6 @@ def cuda_time_us(fn: Callable[[], Any], iters: int, device: str) -> float:
     return statistics.median(times)
 
 
-class Step:
-    """One (variant, workload, mode) call, ready to time: ``fn()`` runs one forward."""
-
-    def __init__(self, fn: Callable[[], Any], first_s: float) -> None:
-        self.fn = fn
-        self.first_s = first_s
-
-
 def compile_model(model: Any, scope: str) -> Any:
     """``scope="model"``: ``torch.compile(model, dynamic=False)``. ``scope="layers"``: regional compilation (what
     ``transformers`` recommends to cut compile time): every decoder layer is compiled in place (one compiled graph

@@ -107,6 +107,16 @@ class ContractBase:
         made = self.make_provider()
         return copy.copy(made)
 
+    # ------------------------------------------------------------------ tests both contracts run
+    def test_module_is_import_light(self) -> None:
+        """Importing the provider's module (and calling ``availability()``) imports no heavy library."""
+        self.check_import_light()
+
+    def test_registered_under_its_name(self) -> None:
+        """An entry point of the kind's group (``fp8_backends.gemm`` / ``fp8_backends.norm_quant``) names the
+        class and carries its ``name``."""
+        self.check_registered()
+
     # ------------------------------------------------------------------ shared checks
     def check_import_light(self) -> None:
         provider, error = self._collected_provider()

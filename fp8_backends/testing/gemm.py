@@ -257,14 +257,6 @@ class GemmProviderContract(ContractBase):
         return out
 
     # ------------------------------------------------------------------ declaration and packaging
-    def test_module_is_import_light(self) -> None:
-        """Importing the provider's module (and calling ``availability()``) imports no heavy library."""
-        self.check_import_light()
-
-    def test_registered_under_its_name(self) -> None:
-        """An entry point of group ``fp8_backends.gemm`` names the class and carries its ``name``."""
-        self.check_registered()
-
     def test_declaration(self) -> None:
         """Identity, options, capability record and an ``availability()`` classmethod that answers."""
         from fp8_backends.backend import Fp8GemmBackend
