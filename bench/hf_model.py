@@ -359,6 +359,14 @@ def cprofile_text(fn: Callable[[], Any], calls: int = 300) -> str:
     return "\n".join(line for line in text.splitlines() if line.strip()) + "\n"
 
 
+def step_profile_text(fn: Callable[[], Any], calls: int = 20) -> str:
+    """cProfile of ``calls`` calls of a model step (after 10 warm-up calls; a decode step appends one token per
+    call, so the caller rewinds its cache around this): the 30 functions with the most own time."""
+    from bench.host_cost import profile_text
+
+    return "\n".join(line for line in profile_text(fn, calls, top=30).splitlines() if line.strip()) + "\n"
+
+
 # ------------------------------------------------------------------------------------------------ accuracy
 def accuracy(models: dict[str, Any], tokens: int, device: str) -> dict[str, dict[str, float]]:
     if "bf16" not in models:
@@ -420,6 +428,10 @@ def render(result: dict[str, Any]) -> list[str]:
                                    common.fmt(h["ratio_nn_linear"], ".2f"), h["backend"]] for h in result["host"]])
     if result.get("host_profile"):
         lines += ["", "cProfile of the layer calls (300 calls, by own time):", "", *result["host_profile"]]
+    for row in result["rows"]:
+        for v, text in (row.get("step_profile") or {}).items():
+            title = f"### cProfile of 20 `{row['workload']}` / {row['mode']} steps: `{v}`"
+            lines += ["", title, "", "```", text, "```"]
     if result.get("accuracy"):
         lines += ["", f"Logits against bf16 ({result['check_tokens']}-token prefill, every position):", ""]
         lines += common.md_table(["variant", "relative error", "top-1 agreement"],
@@ -479,6 +491,8 @@ def parse_args(argv: list[str] | None) -> Any:
     p.add_argument("--step-host-calls", type=int, default=3, help="calls per host-time sample of a model step")
     p.add_argument("--profile", action="store_true", help="also list the kernels of one compiled/graph step")
     p.add_argument("--host-profile", action="store_true", help="also cProfile the layer calls of the host table")
+    p.add_argument("--step-profile", action="store_true",
+                   help="also cProfile 20 calls of each compiled (no graph) step: where the host time goes")
     p.add_argument("--check-tokens", type=int, default=128, help="0: no logits check")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--small", action="store_true", help="tiny layers (CPU smoke test)")
@@ -527,6 +541,12 @@ def main(argv: list[str] | None = None) -> int:
                 for name, fn in steps.items():
                     rewinds.get(name, _nothing)()
                     row["profile"][name] = kernel_profile(fn, args.device)
+            if args.step_profile and mode == "compiled":
+                row["step_profile"] = {}
+                for name, fn in steps.items():
+                    rewinds.get(name, _nothing)()
+                    row["step_profile"][name] = step_profile_text(fn)
+                    rewinds.get(name, _nothing)()
             result["rows"].append(row)
             log("  " + ", ".join(f"{k} {v:.0f} µs (host {host.get(k, 0):.0f})" for k, v in us.items()))
             del steps

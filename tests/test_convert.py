@@ -276,14 +276,20 @@ def test_gpu_quantized_model_compiled_and_graphed(mode):
     quantize_model(model, act_scale=mode, calibration=[ids] if mode == "per_tensor_static" else None)
     twin = _reference_twin(model)
     torch._dynamo.reset()
+    # Inductor keeps a fused producer's result in fp32 where eager rounds it to bf16 before the quantization, which
+    # moves FP8 codes (measured on the H200 at hidden 256: 4.4e-2 / 4.9e-2 relative on the logits, dynamic /
+    # static). Emulating eager's casts leaves only what the library does differently: the quantization as torch ops
+    # Inductor fuses (scales may still differ by an ulp and flip codes on rounding ties).
+    patch = torch._inductor.config.patch(emulate_precision_casts=True)
     try:
+        patch.__enter__()
         compiled = torch.compile(model)  # fullgraph is checked on the CPU (test_no_graph_break_...)
         with torch.no_grad():
             for t in (1, 24):
                 got = compiled(ids[:, :t], use_cache=False).logits
-                # Inductor's quantization and the eager reference's may pick scales an ulp apart, which moves the
-                # codes on rounding ties (measured on the H200 at hidden 64: 3.2e-2 relative on the logits)
-                assert _relerr(got, twin(ids[:, :t], use_cache=False).logits) < 3e-2
+                ref = twin(ids[:, :t], use_cache=False).logits
+                eager = _relerr(model(ids[:, :t], use_cache=False).logits, ref)
+                assert _relerr(got, ref) < 3e-2, f"compiled {_relerr(got, ref):.3g}, eager {eager:.3g} at T={t}"
             one = ids[:, :1].clone()
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -297,6 +303,7 @@ def test_gpu_quantized_model_compiled_and_graphed(mode):
             graph.replay()
             assert _relerr(out, twin(one, use_cache=False).logits) < 3e-2
     finally:
+        patch.__exit__(None, None, None)
         torch._dynamo.reset()
 
 

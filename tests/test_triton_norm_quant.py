@@ -19,6 +19,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -396,3 +397,35 @@ def test_interpreter_launches_take_the_general_path_every_time(general_launches)
     for n in (1, 2):
         assert_codes_close(nq.rmsnorm_quant(x, w, s).data, reference.rmsnorm_quant(x, w, s))
         assert len(general_launches) == n
+
+
+def test_norm_kernels_compile_with_inductors_argument_types():
+    """Inductor types a Python float argument as fp64 when it launches a user kernel (eager Triton: fp32); with an
+    fp64 ``eps`` the fp32 math turned fp64 and its cast to fp8 failed to lower ("Unsupported conversion from f64 to
+    f8E4M3FN", seen on the H200 under torch.compile). Both norm kernels, with and without the residual, must compile
+    for sm_90 with that signature (no GPU needed: Triton compiles for a target)."""
+    script = textwrap.dedent("""
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from fp8_backends.providers.triton import norm_kernels as nk
+
+        ptrs = {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "o_ptr": "*fp8e4nv"}
+        strides = {n: "i32" for n in ("stride_x", "stride_r", "stride_o", "stride_w")}
+        kernels = ((nk._norm_quant_block_kernel, {"T": "i32", "H": "i32"}, {"ROWS": 2, "BLOCK": 1024}),
+                   (nk._norm_quant_loop_kernel, {"H": "i32"}, {"BLOCK": 1024}))
+        for kernel, sizes, block in kernels:
+            for add in (False, True):
+                consts = {"FMAX": 448.0, **block, "ADD": add, "USE_PDL": False}
+                sig = {**ptrs, **sizes, **strides, "eps": "fp64", **{n: "constexpr" for n in consts}}
+                assert list(sig) == kernel.arg_names, (list(sig), kernel.arg_names)
+                src = ASTSource(fn=kernel, signature=sig,
+                                constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()})
+                triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        print("compiled")
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    if "ptxas" in out.stderr and "not found" in out.stderr.lower():
+        pytest.skip("this Triton has no ptxas to compile for sm_90")
+    assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]

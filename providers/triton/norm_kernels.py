@@ -63,6 +63,7 @@ def _norm_quant_block_kernel(
     FMAX: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """``ROWS`` whole rows (``BLOCK >= H``) per program, one pass."""
+    eps = tl.cast(eps, tl.float32)  # Inductor passes a Python float as fp64; fp64 math cannot be cast to fp8
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
@@ -92,6 +93,7 @@ def _norm_quant_loop_kernel(
     FMAX: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One row per program, two passes over it in ``BLOCK``-element chunks."""
+    eps = tl.cast(eps, tl.float32)  # as in _norm_quant_block_kernel
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     r_row = r_ptr + row * stride_r
