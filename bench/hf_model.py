@@ -94,7 +94,8 @@ def build_model(name: str, layers: int, device: str, small: bool, max_positions:
     return model
 
 
-def make_variants(base: Any, names: list[str], calib_ids: torch.Tensor) -> tuple[dict[str, Any], dict[str, Any]]:
+def make_variants(base: Any, names: list[str], calib_ids: torch.Tensor,
+                  static_launch: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
     """``({variant: model}, {variant: notes})``; a variant that cannot be built is left out with its reason."""
     from fp8_backends import quantize_model
 
@@ -112,11 +113,12 @@ def make_variants(base: Any, names: list[str], calib_ids: torch.Tensor) -> tuple
                 quantize_(model.model.layers, Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor()))
                 notes[name] = {"config": "Float8DynamicActivationFloat8WeightConfig(PerTensor())"}
             elif name == "fp8_dynamic":
-                summary = quantize_model(model)
+                summary = quantize_model(model, static_launch=static_launch)
                 notes[name] = {"swapped": summary.count, "providers": summary.providers(),
                                "bytes_saved": summary.bytes_saved}
             elif name == "fp8_static":
-                summary = quantize_model(model, act_scale="per_tensor_static", calibration=[calib_ids])
+                summary = quantize_model(model, act_scale="per_tensor_static", calibration=[calib_ids],
+                                         static_launch=static_launch)
                 notes[name] = {"swapped": summary.count, "providers": summary.providers(),
                                "bytes_saved": summary.bytes_saved}
             models[name] = model
@@ -359,6 +361,15 @@ def cprofile_text(fn: Callable[[], Any], calls: int = 300) -> str:
     return "\n".join(line for line in text.splitlines() if line.strip()) + "\n"
 
 
+def _inductor_static_launch() -> Any:
+    try:
+        from torch._inductor import config
+
+        return getattr(config, "static_launch_user_defined_triton_kernels", None)
+    except ImportError:
+        return None
+
+
 def step_profile_text(fn: Callable[[], Any], calls: int = 20) -> str:
     """cProfile of ``calls`` calls of a model step (after 10 warm-up calls; a decode step appends one token per
     call, so the caller rewinds its cache around this): the 30 functions with the most own time."""
@@ -491,6 +502,8 @@ def parse_args(argv: list[str] | None) -> Any:
     p.add_argument("--step-host-calls", type=int, default=3, help="calls per host-time sample of a model step")
     p.add_argument("--profile", action="store_true", help="also list the kernels of one compiled/graph step")
     p.add_argument("--host-profile", action="store_true", help="also cProfile the layer calls of the host table")
+    p.add_argument("--static-launch", choices=["on", "off"], default="on",
+                   help="quantize_model(static_launch=...): Inductor's static launcher for the Triton kernels")
     p.add_argument("--step-profile", action="store_true",
                    help="also cProfile 20 calls of each compiled (no graph) step: where the host time goes")
     p.add_argument("--check-tokens", type=int, default=128, help="0: no logits check")
@@ -514,7 +527,8 @@ def main(argv: list[str] | None = None) -> int:
     max_len = max([*args.prefill, args.context + 64, args.check_tokens]) + 16  # decode: rewound every <= 48 steps
     base = build_model(args.model, args.layers, args.device, args.small, max_len)
     calib = torch.randint(0, base.config.vocab_size, (1, 512 if not args.small else 16), device=args.device)
-    models, notes = make_variants(base, names, calib)
+    models, notes = make_variants(base, names, calib, args.static_launch == "on")
+    header["inductor_static_launch_user_kernels"] = _inductor_static_launch()
     result: dict[str, Any] = {"header": header, "model": args.model, "layers": args.layers, "small": args.small,
                               "rows": [], "notes": notes, "errors": {}, "check_tokens": args.check_tokens}
     log(f"variants: {', '.join(models)}; modes: {', '.join(modes)}")

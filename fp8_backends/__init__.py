@@ -57,6 +57,7 @@ _EXPORTS = {
     "fp8_linear": "fp8_backends.functional",
     "quantize_model": "fp8_backends.convert",
     "QuantizeSummary": "fp8_backends.convert",
+    "static_launch_triton_ops": "fp8_backends.inductor_setup",
     "backends_from_args": "fp8_backends.cli",
 }
 

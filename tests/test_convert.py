@@ -355,3 +355,20 @@ def test_hf_model_bench_smoke_runs_on_cpu(tmp_path):
     assert all(set(us) == {"bf16", "fp8_dynamic"} for us in rows.values()), rows
     assert not result["errors"] and result["accuracy"]["fp8_dynamic"]["top1_agree"] > 0.5
     assert "| decode | eager |" in (tmp_path / "hf_model_llama.md").read_text()
+
+
+def test_quantize_model_lets_inductor_launch_triton_ops_statically(monkeypatch):
+    """quantize_model turns on Inductor's static launcher for user-defined Triton kernels (the library's triton_ops)
+    unless ``static_launch=False``; a model with nothing to swap changes no setting."""
+    from torch._inductor import config
+
+    from fp8_backends.inductor_setup import static_launch_triton_ops
+
+    monkeypatch.setattr(config, "static_launch_user_defined_triton_kernels", False)
+    quantize_model(_tiny(), static_launch=False)
+    assert config.static_launch_user_defined_triton_kernels is False
+    quantize_model(nn.Sequential(nn.ReLU()))
+    assert config.static_launch_user_defined_triton_kernels is False, "nothing swapped: nothing to launch"
+    quantize_model(_tiny())
+    assert config.static_launch_user_defined_triton_kernels is True
+    assert static_launch_triton_ops(False) is True and config.static_launch_user_defined_triton_kernels is False
