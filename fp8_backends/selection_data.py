@@ -4,7 +4,8 @@
     python -m fp8_backends.selection_data pack OUT/sm90.lock.json --exclude-model gemma3-12b mistral-nemo-12b \\
         --out /tmp/heldout.json                                                    # data without held-out models
     python -m fp8_backends.selection_data check fp8_backends/data/selection/*.json
-    python -m fp8_backends.selection_data loo fp8_backends/data/selection/sm90-nvidia-h200.json --group model
+    python -m fp8_backends.selection_data loo fp8_backends/data/selection/sm90-nvidia-h200.json \\
+        --group model family tp shape --baseline
 
 - ``pack`` takes the lockfile ``python -m fp8_backends.tune --shipped-grid`` wrote (entries + provenance), keeps
   the section the provenance describes, drops what ``auto`` never reads (per-entry skip lists and timestamps),
@@ -13,17 +14,21 @@
   writes the compact file named ``sm<SM>-<gpu>.json``.
 - ``check`` validates files (exit 1 when any is unusable, listing every problem).
 - ``loo`` measures the nearest-shape model (:mod:`fp8_backends.registry.nearest`) on the data itself: every
-  shape unique to one model (``--group model``) or every shape (``--group shape``) is predicted from the rest, and
-  the pick's measured time at that shape is compared with the fastest measured there, next to two rules that
-  ignore the shape: static priority (``torch_scaled_mm`` with default options) and one global choice per M bucket
-  (the candidate fastest on average over the other shapes). No GPU needed.
+  shape unique to one model (``--group model``), one model family (``family``: llama, qwen, ...), one TP split
+  (``tp``), or every distinct shape (``shape``) is predicted from the rest, and the pick's measured time at that
+  shape is compared with the fastest measured there, next to two rules that ignore the shape: static priority
+  (``torch_scaled_mm`` with default options) and one global choice per M bucket (the candidate fastest on average
+  over the other shapes). ``--baseline`` adds the first model (log N, log K only) and a before/after table.
+  No GPU needed.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -63,7 +68,7 @@ def exclude_models(entries: Mapping[str, Mapping[str, Any]], models: Sequence[st
 
 
 def pack(doc: Mapping[str, Any], *, exclude: Sequence[str] = (), partial: bool = False,
-         command: str = "", neighbours: int | None = None) -> dict[str, Any]:
+         command: str = "", neighbours: int | None = None, sms: int | None = None) -> dict[str, Any]:
     """The shipped document made from a tuner lockfile with provenance (see the module docstring)."""
     problems = shipped_data.provenance_problems(doc.get("provenance"))
     if problems:
@@ -83,8 +88,9 @@ def pack(doc: Mapping[str, Any], *, exclude: Sequence[str] = (), partial: bool =
 
     prov["packed"] = {"date": now_iso(), "command": command, "excluded_models": list(exclude),
                       "entries": len(entries)}
-    if neighbours is not None:
-        prov["model"] = {"neighbours": int(neighbours)}
+    model = {"neighbours": neighbours, "sms": sms}
+    if any(v is not None for v in model.values()):
+        prov["model"] = {**(prov.get("model") or {}), **{k: int(v) for k, v in model.items() if v is not None}}
     out = {"schema": tuning.SCHEMA, "updated": doc.get("updated"), "provenance": prov,
            "sections": {tuning.key_digest(section["platform"]): {"platform": section["platform"], "entries": entries}}}
     problems = shipped_data.check_document(out)
@@ -118,51 +124,89 @@ def _geomean(values: Sequence[float]) -> float | None:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
 
 
-def leave_out_report(doc: Mapping[str, Any], group: str = "model", neighbours: int = nearest.DEFAULT_NEIGHBOURS,
-                     priorities: Mapping[str, int] | None = None) -> dict[str, Any]:
-    """Per problem class and M bucket: speed of the pick relative to the fastest (fastest µs / pick µs, 1.0 =
-    the fastest) for the nearest model, static priority and a global per-bucket rule, on held-out shapes."""
-    entries = shipped_data.the_section(doc)["entries"]
-    models = nearest.build_models(entries, neighbours=neighbours)
-    rank = _static_rank(priorities if priorities is not None else _provider_priorities())
-    baseline_key = ("torch_scaled_mm", "fp8-backends", (("fast_accum", "false"),))
+#: how ``loo`` holds data out: a group's shapes are predicted from the shapes of the other groups (a shape that
+#: belongs to more than one group stays in every prediction's data and is not predicted)
+GROUPS = ("model", "family", "tp", "shape")
+#: the models ``loo`` evaluates: name -> (metric, tie margin); "nearest" is the one ``auto`` uses
+MODELS: dict[str, tuple[nearest.Metric, float]] = {
+    "nearest": (nearest.DEFAULT_METRIC, nearest.TIE_MARGIN),
+    "baseline": (nearest.LOG_SHAPE_METRIC, tuning.DEFAULT_TIE_MARGIN),
+}
 
-    def group_of(s: nearest.MeasuredShape) -> str | None:
+
+def _group_of(group: str) -> Callable[[nearest.MeasuredShape], str | None]:
+    """The held-out group of a measured shape under ``group`` (None: shared by several groups)."""
+    if group not in GROUPS:
+        raise ValueError(f"group must be one of {', '.join(GROUPS)}")
+
+    def of(s: nearest.MeasuredShape) -> str | None:
         if group == "shape":
             return s.shape
-        owners = {label.split("/", 1)[0] for label in s.labels}
-        return next(iter(owners)) if len(owners) == 1 else None
+        parts = [str(label).split("/") for label in s.labels]
+        if group == "tp":
+            values = {p[1] for p in parts if len(p) > 1}
+        elif group == "family":  # the model name's leading letters: llama3.2-1b -> llama
+            values = {re.match(r"[a-z]*", p[0].lower()).group(0) or p[0] for p in parts}
+        else:
+            values = {p[0] for p in parts}
+        return next(iter(values)) if len(values) == 1 else None
+    return of
 
-    out: dict[str, Any] = {"group": group, "neighbours": neighbours, "classes": []}
-    overall: dict[str, list[float]] = {"nearest": [], "priority": [], "global": []}
+
+def leave_out_report(doc: Mapping[str, Any], group: str = "model", neighbours: int = nearest.DEFAULT_NEIGHBOURS,
+                     priorities: Mapping[str, int] | None = None, baseline: bool = False) -> dict[str, Any]:
+    """Per problem class and M bucket: speed of the pick relative to the fastest (fastest µs / pick µs, 1.0 =
+    the fastest) for the nearest model (and with ``baseline`` the first, log N / log K model), static priority
+    and a global per-bucket rule, on held-out shapes (``group``: see :data:`GROUPS`)."""
+    prov = doc.get("provenance") or {}
+    entries = shipped_data.the_section(doc)["entries"]
+    evaluated = {name: spec for name, spec in MODELS.items() if baseline or name == "nearest"}
+    sms = shipped_data.sms(prov, nearest.DEFAULT_METRIC.sms)
+    built = {name: nearest.build_models(entries, neighbours=neighbours, metric=dataclasses.replace(metric, sms=sms))
+             for name, (metric, _) in evaluated.items()}
+    rank = _static_rank(priorities if priorities is not None else _provider_priorities())
+    baseline_key = ("torch_scaled_mm", "fp8-backends", (("fast_accum", "false"),))
+    group_of = _group_of(group)
+    names = [*evaluated, "priority", "global"]
+
+    out: dict[str, Any] = {"group": group, "neighbours": neighbours, "models": list(evaluated), "classes": []}
+    overall: dict[str, list[float]] = {name: [] for name in names}
+    per_m: dict[int, dict[str, list[float]]] = {}
     points = 0
-    for cls, model in sorted(models.items()):
-        rows = nearest.leave_out(model, group_of, rank, tuning.DEFAULT_TIE_MARGIN)
+    for cls, model in sorted(built["nearest"].items()):
+        rows = {name: nearest.leave_out(built[name][cls], group_of, rank, evaluated[name][1]) for name in evaluated}
         per_bucket = []
         for bucket in model.buckets:
-            mine = [r for r in rows if r.shape.m == bucket]
-            speed = {"nearest": [], "priority": [], "global": []}
+            speed: dict[str, list[float]] = {name: [] for name in names}
             unmeasured = 0
-            for r in mine:
+            mine = {name: [r for r in rows[name] if r.shape.m == bucket and r.picked is not None] for name in rows}
+            for name, rs in mine.items():
+                for r in rs:
+                    if r.actual is None:
+                        unmeasured += name == "nearest"
+                    else:
+                        speed[name].append(1.0 / r.actual)
+            for r in mine["nearest"]:
                 pool = [s for s in model.by_bucket[bucket] if group_of(s) != r.group]
-                if r.actual is None:
-                    unmeasured += 1
-                else:
-                    speed["nearest"].append(1.0 / r.actual)
                 speed["priority"].append(1.0 / r.shape.ratios.get(baseline_key, model.missing_ratio))
                 g = _global_pick(pool, model.missing_ratio)
                 if g is not None:
                     speed["global"].append(1.0 / r.shape.ratios.get(g, model.missing_ratio))
-            row: dict[str, Any] = {"m": bucket, "points": len(mine), "unmeasured_picks": unmeasured}
-            points += len(mine)
+            row: dict[str, Any] = {"m": bucket, "points": len(mine["nearest"]), "unmeasured_picks": unmeasured}
+            points += len(mine["nearest"])
+            acc = per_m.setdefault(bucket, {name: [] for name in names})
             for name, values in speed.items():
                 row[name] = _stats(values)
                 overall[name] += values
-            worst = sorted((r for r in mine if r.actual is not None), key=lambda r: r.actual, reverse=True)[:3]
+                acc[name] += values
+            worst = sorted((r for r in mine["nearest"] if r.actual is not None), key=lambda r: r.actual,
+                           reverse=True)[:3]
             row["worst"] = [f"{r.shape.shape} ({r.group}): {nearest.cand_label(r.picked)} {1 / r.actual:.3f}"
                             for r in worst if r.picked is not None]
             per_bucket.append(row)
         out["classes"].append({"class": dict(cls), "buckets": per_bucket})
+    out["by_m"] = [{"m": m, **{name: _stats(values) for name, values in acc.items()}}
+                   for m, acc in sorted(per_m.items())]
     out["overall"] = {"points": points, **{name: _stats(values) for name, values in overall.items()}}
     return out
 
@@ -177,20 +221,45 @@ def _fmt(value: float | None) -> str:
 
 
 def leave_out_markdown(report: Mapping[str, Any]) -> str:
+    base = "baseline" in report.get("models", ())
     lines = [f"Leave-one-{report['group']}-out, {report['neighbours']} neighbours: speed of the pick relative to the "
              "fastest measured candidate at the held-out shape (1.000 = the fastest), geomean / min", ""]
     for cls in report["classes"]:
         c = cls["class"]
         lines += [f"### {c.get('input_dtype')}x{c.get('weight_dtype')}->{c.get('out_dtype')} act={c.get('act_scale')} "
                   f"w={c.get('weight_scale')} bias={int(bool(c.get('has_bias')))}", "",
-                  "| M | points | nearest | >= 0.95 | global per-M rule | static priority | worst (nearest) |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| M | points | nearest | >= 0.95 | " + ("baseline (log N, log K) | >= 0.95 | " if base else "")
+                  + "global per-M rule | static priority | worst (nearest) |",
+                  "|---|---|---|---|---|---|---|" + ("---|---|" if base else "")]
         for b in cls["buckets"]:
             n, g, p = b["nearest"], b["global"], b["priority"]
+            old = (f"{_fmt(b['baseline']['geomean'])} / {_fmt(b['baseline']['min'])} | "
+                   f"{b['baseline']['at_least_0.95']} | ") if base else ""
             lines.append(f"| {b['m']} | {b['points']} | {_fmt(n['geomean'])} / {_fmt(n['min'])} | "
-                         f"{n['at_least_0.95']} | {_fmt(g['geomean'])} / {_fmt(g['min'])} | "
+                         f"{n['at_least_0.95']} | {old}{_fmt(g['geomean'])} / {_fmt(g['min'])} | "
                          f"{_fmt(p['geomean'])} / {_fmt(p['min'])} | {'; '.join(b['worst'])} |")
         lines.append("")
+    return "\n".join(lines)
+
+
+def baseline_comparison(reports: Sequence[Mapping[str, Any]]) -> str:
+    """Per held-out split and M bucket (every problem class together): the first model against the current one,
+    geomean / min / points >= 0.95 of the fastest."""
+    lines = ["| held out | M | points | baseline: geomean / min / >= 0.95 | nearest: geomean / min / >= 0.95 |",
+             "|---|---|---|---|---|"]
+
+    def cell(st: Mapping[str, Any]) -> str:
+        return f"{_fmt(st['geomean'])} / {_fmt(st['min'])} / {st['at_least_0.95']}"
+
+    for r in reports:
+        if "baseline" not in r["overall"]:
+            continue
+        for row in [*r["by_m"], {"m": "all", **r["overall"]}]:
+            n = row["nearest"]
+            pts = r["overall"]["points"] if row["m"] == "all" else None
+            count = pts if pts is not None else sum(
+                b["points"] for c in r["classes"] for b in c["buckets"] if b["m"] == row["m"])
+            lines.append(f"| {r['group']} | {row['m']} | {count} | {cell(row['baseline'])} | {cell(n)} |")
     return "\n".join(lines)
 
 
@@ -220,11 +289,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--neighbours", type=int, default=None, metavar="K",
                    help=f"record how many measured shapes vote for an unmeasured one (default "
                         f"{nearest.DEFAULT_NEIGHBOURS}; compare values with loo --neighbours 1 2 4 8)")
+    p.add_argument("--sms", type=int, default=None, metavar="N",
+                   help="record the SM count of the GPU the data was measured on (the nearest model's wave feature; "
+                        f"default {nearest.DEFAULT_METRIC.sms}, the H100/H200 SXM)")
     c = sub.add_parser("check", help="validate shipped data files")
     c.add_argument("files", nargs="+")
     e = sub.add_parser("loo", help="leave-one-out evaluation of the nearest-shape model on a data file")
     e.add_argument("file")
-    e.add_argument("--group", choices=["model", "shape"], default="model")
+    e.add_argument("--group", choices=GROUPS, nargs="+", default=["model"],
+                   help="hold out by model, model family, TP split or distinct shape (several: one report each)")
+    e.add_argument("--baseline", action="store_true",
+                   help="also evaluate the first model (log N, log K only; 2%% tie margin) and compare")
     e.add_argument("--neighbours", type=int, nargs="+", default=None, metavar="K",
                    help="neighbour counts to evaluate (default: the data's own, else "
                         f"{nearest.DEFAULT_NEIGHBOURS})")
@@ -242,11 +317,13 @@ def main(argv: list[str] | None = None) -> int:
             return _check_cli(args.files)
         doc = shipped_data.load_file(args.file)
         ks = args.neighbours or [shipped_data.neighbours(doc["provenance"], nearest.DEFAULT_NEIGHBOURS)]
-        reports = [leave_out_report(doc, args.group, k) for k in ks]
+        reports = [leave_out_report(doc, g, k, baseline=args.baseline) for g in args.group for k in ks]
         for report in reports:
             print(leave_out_markdown(report))
-        if len(reports) > 1:
+        if len(ks) > 1:
             print(leave_out_comparison(reports))
+        if args.baseline:
+            print(baseline_comparison(reports))
         if args.json:
             Path(args.json).write_text(json.dumps(reports if len(reports) > 1 else reports[0], indent=1) + "\n",
                                        encoding="utf-8")
@@ -262,7 +339,7 @@ def _pack_cli(args: argparse.Namespace, argv: list[str]) -> int:
     if doc is None:
         raise DataFileError(src, [problem or "unreadable"])
     packed = pack(doc, exclude=args.exclude_model, partial=args.partial, neighbours=args.neighbours,
-                  command=" ".join(["python -m fp8_backends.selection_data", *argv]))
+                  sms=args.sms, command=" ".join(["python -m fp8_backends.selection_data", *argv]))
     prov = packed["provenance"]
     name = shipped_data.file_name(prov["sm"], prov["gpu"])
     if args.out is None:

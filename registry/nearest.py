@@ -3,14 +3,25 @@
 Data: for one GPU family, one problem class (dtypes, scale modes, bias) and one M bucket, a set of measured
 shapes ``(N, K)``, each with the µs of every candidate (provider + options) the tuner timed there.
 
-Model: the ``k`` measured shapes nearest to the asked ``(N, K)`` in ``(log2 N, log2 K)`` (same class, same
-bucket) vote. At each neighbour a candidate's *relative time* is its µs over that neighbour's fastest µs (1.0 for
+Model: the ``k`` measured shapes nearest to the asked ``(N, K)`` (same class, same bucket) vote. Distance is
+Euclidean over four features of a shape at a bucket M (:func:`features`, weights in :class:`Metric`):
+
+- ``log2 N`` and ``log2 K`` (a factor of 2 in N or K is 1.0);
+- the *wave fill* of a grid of 64x64 (N x M) tiles on the GPU's SMs (132 on the H100/H200 SXM the data was
+  measured on): tiles / (waves x SMs), 1.0 when the last wave is full, 0.55 for 144 tiles (one full wave and 12
+  tiles). The small-M kernels (Triton swap-AB, CUTLASS) tile N by 64, so a shape just past a whole number of
+  waves (N = 9216 at M <= 64: 144 tiles) behaves unlike its neighbour in log N (N = 8192: 128 tiles); weight 2;
+- K's alignment: how many times 2 divides K, capped at 7 (K a multiple of 128), over 7; weight 2. Masked K tails
+  slow the tiled kernels, not cuBLAS, so a shape with K = 3696 is a poor witness for K = 3584 or 3840.
+
+At each neighbour a candidate's *relative time* is its µs over that neighbour's fastest µs (1.0 for
 the fastest); a candidate the neighbour did not measure (it could not serve, failed its check, or was pruned)
 counts as :data:`MISSING_RATIO`. A candidate's score is the weighted geometric mean of its relative times with
 weights ``1 / (distance + EPS)^2`` (a neighbour at distance 0.05 outweighs one at 0.5 by 16x). The candidate
-with the lowest score wins; among those within the tie margin of it, the one static priorities rank first
-(the rule the tuner applies to measured near-ties). The score itself is the predicted time relative to the
-fastest candidate.
+with the lowest score wins; among those within :data:`TIE_MARGIN` (1%) of it, the one static priorities rank
+first. The score itself is the predicted time relative to the fastest candidate. ``Metric(wave_weight=0,
+align_weight=0)`` with a 2% tie margin is the first model (log N, log K only), kept for comparisons
+(``python -m fp8_backends.selection_data loo --baseline``).
 
 So the answer is always local: it comes from the data of this GPU family near this shape and M, never from a
 global rule. :func:`leave_out` runs the model on the data itself (each group of shapes predicted from the
@@ -21,6 +32,7 @@ Pure Python, no torch.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +44,8 @@ CandKey = tuple[str, str, tuple[tuple[str, str], ...]]
 DEFAULT_NEIGHBOURS = 4
 EPS = 0.1
 MISSING_RATIO = 2.0
+#: predicted scores this close to the best go to static priority (measured near-ties use the tuner's 2%)
+TIE_MARGIN = 0.01
 
 
 def cand_key(record: Mapping[str, Any]) -> CandKey:
@@ -50,6 +64,51 @@ def cand_label(key: CandKey) -> str:
 def class_key(fields: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
     """A problem's class: its fields without N and K (dtypes, scale modes, bias)."""
     return tuple(sorted((k, v) for k, v in fields.items() if k not in ("n", "k")))
+
+
+@dataclass(frozen=True)
+class Metric:
+    """What the distance between two shapes measures (module docstring). ``sms``: the SM count of the GPU the data
+    was measured on (``provenance.model.sms``; 132 on the H100/H200 SXM)."""
+
+    sms: int = 132
+    tile_n: int = 64
+    tile_m: int = 64
+    wave_weight: float = 2.0
+    align_weight: float = 2.0
+    align_cap: int = 7
+
+    def __post_init__(self) -> None:
+        if self.sms < 1 or self.tile_n < 1 or self.tile_m < 1 or self.align_cap < 1:
+            raise ValueError("sms, tile_n, tile_m and align_cap must be >= 1")
+        if self.wave_weight < 0 or self.align_weight < 0:
+            raise ValueError("feature weights must be >= 0")
+
+
+DEFAULT_METRIC = Metric()
+#: the first model: log N and log K only
+LOG_SHAPE_METRIC = Metric(wave_weight=0.0, align_weight=0.0)
+
+
+def twos(value: int, cap: int) -> int:
+    """How many times 2 divides ``value`` (``value`` >= 1), at most ``cap``."""
+    count = 0
+    while count < cap and value % 2 == 0:
+        value //= 2
+        count += 1
+    return count
+
+
+def wave_fill(n: int, m: int, metric: Metric = DEFAULT_METRIC) -> float:
+    """The fill of the last wave of ``ceil(N / tile_n) x ceil(M / tile_m)`` tiles on ``sms`` SMs (0-1]."""
+    tiles = -(-n // metric.tile_n) * -(-m // metric.tile_m)
+    return tiles / (-(-tiles // metric.sms) * metric.sms)
+
+
+def features(n: int, k: int, m: int, metric: Metric = DEFAULT_METRIC) -> tuple[float, float, float, float]:
+    """The weighted features of shape ``(n, k)`` at bucket ``m`` (module docstring)."""
+    return (math.log2(n), math.log2(k), metric.wave_weight * wave_fill(n, m, metric),
+            metric.align_weight * twos(k, metric.align_cap) / metric.align_cap)
 
 
 @dataclass(frozen=True)
@@ -115,15 +174,16 @@ class Prediction:
         return ", ".join(f"{nb.shape.shape} (w {nb.weight:.2f})" for nb in self.neighbours)
 
 
-def distance(n: int, k: int, shape: MeasuredShape) -> float:
-    return math.hypot(math.log2(n / shape.n), math.log2(k / shape.k))
+def distance(n: int, k: int, shape: MeasuredShape, metric: Metric = DEFAULT_METRIC) -> float:
+    """The distance from ``(n, k)`` to a measured shape, at that shape's bucket."""
+    return math.dist(features(n, k, shape.m, metric), features(shape.n, shape.k, shape.m, metric))
 
 
 class NearestModel:
     """Measured shapes of one problem class, by M bucket (see the module docstring)."""
 
     def __init__(self, shapes: Iterable[MeasuredShape], *, neighbours: int = DEFAULT_NEIGHBOURS, eps: float = EPS,
-                 missing_ratio: float = MISSING_RATIO) -> None:
+                 missing_ratio: float = MISSING_RATIO, metric: Metric = DEFAULT_METRIC) -> None:
         if neighbours < 1:
             raise ValueError("neighbours must be >= 1")
         self.by_bucket: dict[int, list[MeasuredShape]] = {}
@@ -132,7 +192,9 @@ class NearestModel:
         for values in self.by_bucket.values():
             values.sort(key=lambda s: (s.n, s.k, s.key))
         self.buckets = sorted(self.by_bucket)
-        self.neighbours, self.eps, self.missing_ratio = neighbours, eps, missing_ratio
+        self.neighbours, self.eps, self.missing_ratio, self.metric = neighbours, eps, missing_ratio, metric
+        # each bucket's shapes with their features, computed once
+        self._points = {b: [(features(s.n, s.k, b, metric), s) for s in v] for b, v in self.by_bucket.items()}
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.by_bucket.values())
@@ -140,11 +202,16 @@ class NearestModel:
     def predict(self, n: int, k: int, bucket: int,
                 exclude: Callable[[MeasuredShape], bool] | None = None) -> Prediction | None:
         """Scores for ``(n, k)`` at ``bucket`` (which must be one of :attr:`buckets`); None without data."""
-        pool = [s for s in self.by_bucket.get(bucket, ()) if exclude is None or not exclude(s)]
-        if not pool or n < 1 or k < 1:
+        if n < 1 or k < 1:
             return None
-        near = sorted(((distance(n, k, s), s) for s in pool), key=lambda t: (t[0], t[1].n, t[1].k, t[1].key))
-        near = near[: self.neighbours]
+        q = features(n, k, bucket, self.metric)
+        dist = math.dist
+        near = heapq.nsmallest(
+            self.neighbours,
+            ((dist(q, f), s) for f, s in self._points.get(bucket, ()) if exclude is None or not exclude(s)),
+            key=lambda t: (t[0], t[1].n, t[1].k, t[1].key))
+        if not near:
+            return None
         raw = [1.0 / (d + self.eps) ** 2 for d, _ in near]
         total = sum(raw)
         nbs = tuple(Neighbour(s, d, w / total) for (d, s), w in zip(near, raw))
@@ -216,9 +283,14 @@ def leave_out(
 
 
 __all__ = [
+    "DEFAULT_METRIC",
+    "DEFAULT_NEIGHBOURS",
+    "LOG_SHAPE_METRIC",
+    "TIE_MARGIN",
     "CandKey",
     "LeaveOutRow",
     "MeasuredShape",
+    "Metric",
     "NearestModel",
     "Neighbour",
     "Prediction",
@@ -227,5 +299,9 @@ __all__ = [
     "cand_label",
     "choose",
     "class_key",
+    "distance",
+    "features",
     "leave_out",
+    "twos",
+    "wave_fill",
 ]

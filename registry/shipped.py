@@ -34,7 +34,18 @@ from typing import Any
 from fp8_backends.errors import DataFileError
 
 from . import resolution, settings, shipped_data, tuning
-from .nearest import DEFAULT_NEIGHBOURS, CandKey, NearestModel, build_models, cand_label, choose, class_key
+from .nearest import (
+    DEFAULT_METRIC,
+    DEFAULT_NEIGHBOURS,
+    TIE_MARGIN,
+    CandKey,
+    Metric,
+    NearestModel,
+    build_models,
+    cand_label,
+    choose,
+    class_key,
+)
 from .platform import Platform
 
 logger = logging.getLogger("fp8_backends")
@@ -151,7 +162,8 @@ class ShippedData:
             with self.lock:
                 if self.models is None:
                     k = shipped_data.neighbours(self.provenance, DEFAULT_NEIGHBOURS)
-                    self.models = build_models(self.index.entries, neighbours=k)
+                    metric = Metric(sms=shipped_data.sms(self.provenance, DEFAULT_METRIC.sms))
+                    self.models = build_models(self.index.entries, neighbours=k, metric=metric)
         return self.models.get(class_key(fields))
 
 
@@ -286,7 +298,7 @@ def _nearest(kind, problem, platform, serving, data: ShippedData) -> tuple | Non
         found[ck] = picked
         return order[id(picked[0])], _option_rank(picked[0].cls, picked[1])
 
-    won = choose(pred.scores, rank, tuning.DEFAULT_TIE_MARGIN)
+    won = choose(pred.scores, rank, TIE_MARGIN)
     if won is None:
         logger.debug("shipped data %s: no candidate near %s can serve here", data.path, problem.describe())
         return None

@@ -89,10 +89,12 @@ def provenance_problems(prov: Any) -> list[str]:
     if isinstance(prov.get("sm"), str) and not re.fullmatch(r"\d+\.\d", prov["sm"]):
         out.append(f"provenance.sm {prov['sm']!r} is not like '9.0'")
     model = prov.get("model", {})
-    if not isinstance(model, dict) or not (model.get("neighbours") is None or (
-            isinstance(model["neighbours"], int) and not isinstance(model["neighbours"], bool)
-            and model["neighbours"] >= 1)):
-        out.append("provenance.model.neighbours must be an integer >= 1")
+    if not isinstance(model, dict):
+        out.append("provenance.model must be an object")
+    else:
+        out += [f"provenance.model.{name} must be an integer >= 1" for name in ("neighbours", "sms")
+                if not (model.get(name) is None or (isinstance(model[name], int) and not isinstance(model[name], bool)
+                                                    and model[name] >= 1))]
     libs = prov.get("libraries")
     if not isinstance(libs, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in libs.items()):
         out.append("provenance.libraries is missing or not an object of name -> version strings")
@@ -194,6 +196,13 @@ def neighbours(prov: Mapping[str, Any], default: int) -> int:
     return value if isinstance(value, int) and value >= 1 else default
 
 
+def sms(prov: Mapping[str, Any], default: int) -> int:
+    """The SM count of the GPU the data was measured on (the nearest model's wave feature):
+    ``provenance.model.sms`` when the data says (``selection_data pack --sms``), else ``default``."""
+    value = (prov.get("model") or {}).get("sms")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else default
+
+
 def the_section(doc: Mapping[str, Any]) -> dict[str, Any]:
     """The one section of a checked document."""
     (section,) = doc["sections"].values()
@@ -228,6 +237,7 @@ __all__ = [
     "file_name",
     "load_file",
     "neighbours",
+    "sms",
     "parse_file_name",
     "provenance_problems",
     "read_text",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import math
 import random
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from typing import ClassVar
 
 import pytest
 
-from fp8_backends import reference
+from fp8_backends import reference, selection_data
 from fp8_backends.backend import Fp8GemmBackend
 from fp8_backends.capabilities import GemmCapabilities
 from fp8_backends.errors import DataFileError, Fp8BackendError
@@ -553,3 +554,155 @@ def test_the_packaged_h200_data_loads_and_decides_on_sm90():
     assert unseen.source == "shipped-nearest" and "x" in unseen.note, (unseen.source, unseen.note)
     other = resolution.explain("gemm", problem=GemmProblem(n=6144, k=4096, m=16), platform=simulate_platform("10.0"))
     assert not other.source.startswith("shipped")
+
+
+# ------------------------------------------------------------------------------------------ the model's features
+TILED = ("tiled", "", ())
+CUBLAS = ("cublas", "", ())
+RANK = {CUBLAS: (0,), TILED: (1,)}.get
+H200_FILE = Path(__file__).resolve().parents[1] / "fp8_backends" / "data" / "selection" / "sm90-nvidia-h200.json"
+
+
+def shape(n: int, k: int, m: int, tiled: float, cublas: float = 1.0, labels: tuple[str, ...] = ()):
+    """A measured shape with the two candidates' µs (relative times follow)."""
+    us = {TILED: tiled, CUBLAS: cublas}
+    fastest = min(us.values())
+    return nearest.MeasuredShape(n, k, m, f"{n}x{k}", labels, fastest, {c: v / fastest for c, v in us.items()}, {})
+
+
+def pick(model: nearest.NearestModel, n: int, k: int, m: int) -> tuple:
+    pred = model.predict(n, k, m)
+    return nearest.choose(pred.scores, RANK, nearest.TIE_MARGIN)[0]
+
+
+def test_features():
+    assert nearest.twos(3696, 7) == 4 and nearest.twos(3584, 7) == 7 and nearest.twos(1376, 7) == 5
+    assert nearest.twos(7, 7) == 0
+    # 64-wide N tiles x 64-tall M tiles on 132 SMs
+    assert nearest.wave_fill(8192, 64) == pytest.approx(128 / 132)
+    assert nearest.wave_fill(9216, 64) == pytest.approx(144 / 264)  # one full wave and 12 tiles
+    assert nearest.wave_fill(8448, 64) == pytest.approx(1.0)
+    assert nearest.wave_fill(4096, 256) == pytest.approx(256 / 264)  # 64 N tiles x 4 M tiles
+    assert nearest.wave_fill(9216, 64, nearest.Metric(sms=144)) == pytest.approx(1.0)
+    log_only = nearest.features(9216, 3696, 64, nearest.LOG_SHAPE_METRIC)
+    assert log_only == (math.log2(9216), math.log2(3696), 0.0, 0.0)
+    f = nearest.features(9216, 3696, 64)
+    assert f[2] == pytest.approx(2 * 144 / 264) and f[3] == pytest.approx(2 * 4 / 7)
+    with pytest.raises(ValueError):
+        nearest.Metric(wave_weight=-1)
+    with pytest.raises(ValueError):
+        nearest.Metric(sms=0)
+
+
+def test_a_shape_past_a_full_wave_follows_shapes_with_the_same_wave_fill():
+    """N = 8960 at M = 64 is 140 tiles (one wave and 8 tiles): the tiled kernel is slow there like at 9216 and
+    10752, although 8192 (128 tiles, one full wave) is nearer in log N."""
+    data = [shape(8192, 4096, 64, 0.7), shape(7680, 4096, 64, 0.7), shape(8192, 5120, 64, 0.7),
+            shape(10752, 4096, 64, 1.3), shape(9216, 5120, 64, 1.3), shape(11264, 4096, 64, 1.3)]
+    assert pick(nearest.NearestModel(data, metric=nearest.LOG_SHAPE_METRIC), 8960, 4096, 64) == TILED
+    model = nearest.NearestModel(data)
+    assert pick(model, 8960, 4096, 64) == CUBLAS
+    assert pick(model, 8192, 4608, 64) == TILED  # full wave: the tiled kernel's shapes decide
+
+
+def test_a_less_aligned_k_is_a_poor_witness_for_an_aligned_one():
+    """K = 3696 (a multiple of 16 only) measured slow for the tiled kernel must not decide K = 3712 (x128)."""
+    data = [shape(8192, 3696, 4, 1.4), shape(8192, 3584, 4, 0.9), shape(8192, 4096, 4, 0.9),
+            shape(8192, 3072, 4, 0.9)]
+    assert pick(nearest.NearestModel(data, metric=nearest.LOG_SHAPE_METRIC), 8192, 3712, 4) == CUBLAS
+    assert pick(nearest.NearestModel(data), 8192, 3712, 4) == TILED
+
+
+def _h200_model() -> nearest.NearestModel:
+    doc = shipped_data.load_file(H200_FILE)
+    models = nearest.build_models(shipped_data.the_section(doc)["entries"])
+    return next(m for cls, m in models.items() if not dict(cls)["has_bias"])
+
+
+def test_on_the_shipped_data_it_is_deterministic_picks_measured_candidates_and_names_its_shapes():
+    model = _h200_model()
+    rng = random.Random(15)
+    queries = [(rng.randrange(256, 80000), rng.randrange(256, 40000), rng.choice(model.buckets)) for _ in range(200)]
+    shuffled = nearest.NearestModel(rng.sample([s for b in model.buckets for s in model.by_bucket[b]], len(model)))
+    measured = {(s.n, s.k) for b in model.buckets for s in model.by_bucket[b]}
+    for n, k, m in queries:
+        pred = model.predict(n, k, m)
+        assert pred == model.predict(n, k, m) == shuffled.predict(n, k, m)
+        assert len(pred.neighbours) == nearest.DEFAULT_NEIGHBOURS
+        assert sum(nb.weight for nb in pred.neighbours) == pytest.approx(1.0)
+        assert all((nb.shape.n, nb.shape.k) in measured and nb.shape.m == m for nb in pred.neighbours)
+        offered = {ck for nb in pred.neighbours for ck in nb.shape.ratios}
+        assert {ck for ck, _ in pred.scores} == offered
+        text = pred.describe_neighbours()
+        assert all(f"{nb.shape.shape} (w " in text for nb in pred.neighbours)
+        won, score = nearest.choose(pred.scores, lambda ck: (0,), nearest.TIE_MARGIN)
+        assert won in offered and score >= 1.0 - 1e-12
+
+
+def test_far_from_any_data_it_still_answers_from_the_nearest_measured_shapes():
+    model = _h200_model()
+    for n, k in ((1, 1), (3, 7), (1 << 20, 64), (64, 1 << 20), (1 << 22, 1 << 22)):
+        pred = model.predict(n, k, 1)
+        assert pred is not None and pred.scores and len(pred.neighbours) == nearest.DEFAULT_NEIGHBOURS
+        assert all(nb.distance > 1.0 for nb in pred.neighbours)  # over a factor of 2 away: the note shows it
+    assert model.predict(0, 4096, 1) is None and model.predict(4096, 4096, 3) is None  # no shape / no bucket
+
+
+def test_per_lookup_cost_stays_small():
+    """One prediction on the shipped H200 data (240 shapes per bucket); the bound is generous, the README and the
+    evaluation's README give the measured value (~80 µs)."""
+    model = _h200_model()
+    rng = random.Random(1)
+    queries = [(rng.randrange(256, 80000), rng.randrange(256, 40000), rng.choice(model.buckets)) for _ in range(300)]
+    t0 = time.perf_counter()
+    for q in queries:
+        model.predict(*q)
+    assert (time.perf_counter() - t0) / len(queries) < 2e-3
+
+
+def _labelled_doc():
+    labels = {s: (f"{fam}{i}-x/tp{1 << (i % 3)}/proj",) for i, (s, fam) in
+              enumerate(zip(SMALL + LARGE, ["llama", "qwen"] * 4))}
+    return make_doc(labels=labels)
+
+
+@pytest.mark.parametrize("group", selection_data.GROUPS)
+def test_leave_out_splits_and_the_baseline_comparison(group):
+    report = selection_data.leave_out_report(_labelled_doc(), group, priorities={"torch_scaled_mm": 10, "fake_mm": 1},
+                                             baseline=True)
+    assert report["models"] == ["nearest", "baseline"] and report["overall"]["points"] > 0
+    assert {row["m"] for row in report["by_m"]} == {1, 16, 256}
+    for row in report["by_m"]:
+        assert row["nearest"]["geomean"] is not None and row["baseline"]["geomean"] is not None
+    table = selection_data.baseline_comparison([report])
+    assert f"| {group} | all | {report['overall']['points']} |" in table
+    assert "baseline (log N, log K)" in selection_data.leave_out_markdown(report)
+
+
+def test_group_of_reads_model_family_and_tp_from_labels():
+    s = nearest.MeasuredShape(1, 1, 1, "k", ("qwen2.5-3b/tp2/o_proj", "qwen2-7b/tp2/o_proj"), 1.0, {}, {})
+    assert selection_data._group_of("model")(s) is None  # shared by two models: never held out
+    assert selection_data._group_of("family")(s) == "qwen"
+    assert selection_data._group_of("tp")(s) == "tp2"
+    assert selection_data._group_of("shape")(s) == "1x1"
+    with pytest.raises(ValueError):
+        selection_data._group_of("gpu")
+
+
+def test_loo_cli_writes_the_comparison(tmp_path, capsys):
+    path = write_doc(tmp_path, _labelled_doc())
+    out = tmp_path / "loo.json"
+    assert selection_data.main(["loo", str(path), "--group", "model", "tp", "--baseline", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| held out | M | points | baseline: geomean / min / >= 0.95 |" in text and "| tp | all |" in text
+    assert [r["group"] for r in json.loads(out.read_text())] == ["model", "tp"]
+
+
+def test_the_data_can_say_its_sm_count():
+    doc = make_doc()
+    assert shipped_data.sms(doc["provenance"], 132) == 132
+    doc["provenance"]["model"] = {"sms": 0}
+    assert "provenance.model.sms must be an integer >= 1" in shipped_data.check_document(doc)
+    packed = selection_data.pack(_tuner_lockfile(make_doc()), neighbours=2, sms=148)
+    assert packed["provenance"]["model"] == {"neighbours": 2, "sms": 148}
+    assert shipped_data.sms(packed["provenance"], 132) == 148
