@@ -276,20 +276,24 @@ def test_gpu_quantized_model_compiled_and_graphed(mode):
     quantize_model(model, act_scale=mode, calibration=[ids] if mode == "per_tensor_static" else None)
     twin = _reference_twin(model)
     torch._dynamo.reset()
-    # Inductor keeps a fused producer's result in fp32 where eager rounds it to bf16 before the quantization, which
-    # moves FP8 codes (measured on the H200 at hidden 256: 4.4e-2 / 4.9e-2 relative on the logits, dynamic /
-    # static). Emulating eager's casts leaves only what the library does differently: the quantization as torch ops
-    # Inductor fuses (scales may still differ by an ulp and flip codes on rounding ties).
+    # What Inductor itself does to a quantized model's numbers (its fp32 division is not IEEE's, it keeps fused
+    # values in fp32; one flipped FP8 code moves this small random model's logits by ~3%: on the H200 the eager
+    # model was 3.0e-2 from the twin at T=24, the compiled one 3.1e-2) is measured on the reference twin compiled
+    # the same way; the library's compiled model may differ from the eager twin by that, twice, plus 3e-2.
     patch = torch._inductor.config.patch(emulate_precision_casts=True)
     try:
         patch.__enter__()
         compiled = torch.compile(model)  # fullgraph is checked on the CPU (test_no_graph_break_...)
+        twin_compiled = torch.compile(twin)
         with torch.no_grad():
+            bounds = {}
             for t in (1, 24):
-                got = compiled(ids[:, :t], use_cache=False).logits
                 ref = twin(ids[:, :t], use_cache=False).logits
+                noise = _relerr(twin_compiled(ids[:, :t], use_cache=False).logits, ref)
+                bounds[t] = 3e-2 + 2 * noise
+                got = _relerr(compiled(ids[:, :t], use_cache=False).logits, ref)
                 eager = _relerr(model(ids[:, :t], use_cache=False).logits, ref)
-                assert _relerr(got, ref) < 3e-2, f"compiled {_relerr(got, ref):.3g}, eager {eager:.3g} at T={t}"
+                assert got < bounds[t], f"compiled {got:.3g}, eager {eager:.3g}, compiled twin {noise:.3g} at T={t}"
             one = ids[:, :1].clone()
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -301,7 +305,7 @@ def test_gpu_quantized_model_compiled_and_graphed(mode):
                 out = compiled(one, use_cache=False).logits
             one.copy_(ids[:, 5:6])
             graph.replay()
-            assert _relerr(out, twin(one, use_cache=False).logits) < 3e-2
+            assert _relerr(out, twin(one, use_cache=False).logits) < bounds[1]
     finally:
         patch.__exit__(None, None, None)
         torch._dynamo.reset()
