@@ -394,6 +394,28 @@ class Fp8GemmBackend(ProviderBase):
     ) -> torch.Tensor:
         """Provider hook behind :meth:`gemm`; inputs are already validated."""
 
+    #: activation modes :meth:`fused_quant_gemm_impl` may serve (empty: the provider never fuses)
+    fused_act_quant: ClassVar[frozenset[ActScale]] = frozenset()
+
+    def fused_quant_gemm_impl(
+        self,
+        x: torch.Tensor,
+        prepared: PreparedWeight,
+        act_scale: ActScale,
+        input_scale: torch.Tensor | None,
+        out_dtype: torch.dtype,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """Optional eager hook: ``y [M, N]`` for the *unquantized* ``x [M, K]`` (the model dtype, unit column
+        stride) quantized in ``act_scale`` to ``prepared``'s float8 type within the provider's own launch (one
+        kernel instead of quantize + GEMM), equal to :func:`fp8_backends.quant.quantize` followed by
+        :meth:`gemm_impl`; ``input_scale``: fp32 ``[1]`` for ``per_tensor_static``, else ``None``. Return ``None``
+        to decline a call (the caller then quantizes and calls :meth:`gemm_impl`). Called by a processed
+        :class:`~fp8_backends.layers.Fp8Linear`'s eager path for the modes in :attr:`fused_act_quant` (inputs
+        validated as for :meth:`gemm_impl`), never under ``torch.compile``, where the quantization stays torch
+        ops for Inductor to fuse into the producer."""
+        return None
+
     def problem_for(self, prepared: PreparedWeight, m: int | None = None, **kw: Any) -> GemmProblem:
         """The :class:`GemmProblem` a prepared weight stands for (convenience for callers)."""
         return GemmProblem(n=prepared.n, k=prepared.k, m=m, weight_dtype=prepared.dtype,

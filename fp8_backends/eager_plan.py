@@ -3,7 +3,10 @@
 A layer's processing (``process_weights_after_loading``) builds one :class:`EagerPlan`: the provider(s) with their
 prepared weights, the output dtype, the bias, the activation quantizer of the layer's mode and the per-M provider
 table, each bound into a closure. A plain eager call then checks only what can change from call to call (the
-input's type, dtype, last dimension and device) and runs two closures: quantize, GEMM. Everything else the general
+input's type, dtype, last dimension and device) and runs two closures: quantize, GEMM; or one, where the
+provider quantizes the activation inside its GEMM launch
+(:meth:`~fp8_backends.backend.Fp8GemmBackend.fused_quant_gemm_impl`: the ``triton`` swap-AB and GEMV kernels at
+small M). Everything else the general
 path checks (scale shapes and dtypes, the prepared weight's owner, bias shape and dtype, the quantized input's
 layout) was fixed at load time and is guaranteed by construction: the plan quantizes the input itself.
 
@@ -43,6 +46,36 @@ def bind_gemm(backend: Fp8GemmBackend, prepared: PreparedWeight, out_dtype: torc
     return gemm
 
 
+#: ``x [M, K]`` (model dtype) ``-> y [M, N]``: one bucket's whole linear
+LinearCall = Callable[[Any], Any]
+
+
+def bind_linear(backend: Fp8GemmBackend, prepared: PreparedWeight, out_dtype: torch.dtype,
+                bias: torch.Tensor | None, quantize: Callable[[Any], Any], mode: ActScale,
+                input_scale: torch.Tensor | None, fp8_dtype: torch.dtype) -> LinearCall:
+    """One provider's linear: its fused quantize+GEMM launch (:meth:`Fp8GemmBackend.fused_quant_gemm_impl`) where
+    it declares ``mode`` and the activation's float8 type is the weight's, falling back to ``quantize`` then
+    :func:`bind_gemm`'s call where it declines; else those two."""
+    gemm = bind_gemm(backend, prepared, out_dtype, bias)
+    if mode not in backend.fused_act_quant or prepared.data.dtype != fp8_dtype:
+        def linear(x: Any) -> Any:
+            x_q, x_scale = quantize(x)
+            return gemm(x_q, x_scale)
+
+        return linear
+    fused = backend.fused_quant_gemm_impl
+    scale = input_scale if mode is ActScale.PER_TENSOR_STATIC else None
+
+    def fused_linear(x: Any) -> Any:
+        y = fused(x, prepared, mode, scale, out_dtype, bias)
+        if y is None:
+            x_q, x_scale = quantize(x)
+            y = gemm(x_q, x_scale)
+        return y
+
+    return fused_linear
+
+
 def bind_quantizer(mode: ActScale, fp8_dtype: torch.dtype, input_scale: torch.Tensor | None) -> Callable[[Any], Any]:
     """``x [M, K] -> (x_q [M, K] fp8, x_scale)`` in ``mode`` through :mod:`fp8_backends.quant`'s ops (their
     implementation is looked up at each call, so :func:`~fp8_backends.quant.register_quant_impl` still applies)."""
@@ -65,20 +98,19 @@ def bind_quantizer(mode: ActScale, fp8_dtype: torch.dtype, input_scale: torch.Te
 
 
 class EagerPlan:
-    """One processed layer's eager call. ``rows``: ``((bucket, gemm), ...)`` by increasing bucket, the last row
-    serving every larger M (one row: one provider for every M)."""
+    """One processed layer's eager call. ``rows``: ``((bucket, linear), ...)`` by increasing bucket (each a
+    :func:`bind_linear` call), the last row serving every larger M (one row: one provider for every M)."""
 
-    __slots__ = ("device", "dtype", "gemm", "index", "k", "n", "quantize", "rows", "tensor")
+    __slots__ = ("device", "dtype", "index", "k", "linear", "n", "rows", "tensor")
 
-    def __init__(self, *, k: int, n: int, dtype: torch.dtype, device: torch.device, quantize: Callable[[Any], Any],
-                 rows: Sequence[tuple[int, GemmCall]]) -> None:
+    def __init__(self, *, k: int, n: int, dtype: torch.dtype, device: torch.device,
+                 rows: Sequence[tuple[int, LinearCall]]) -> None:
         import torch
 
         self.k, self.n, self.dtype, self.device = k, n, dtype, device
         self.index = device.index if device.type == "cuda" else -1  # x.get_device() of an input on it
-        self.quantize = quantize
         self.rows = tuple(rows)
-        self.gemm = self.rows[-1][1] if len(self.rows) == 1 else None
+        self.linear = self.rows[-1][1] if len(self.rows) == 1 else None
         self.tensor = torch.Tensor
 
     def __call__(self, x: Any) -> Any:
@@ -97,14 +129,13 @@ class EagerPlan:
         m = x2.shape[0]
         if m == 0:
             return None
-        gemm = self.gemm
-        if gemm is None:
-            for bucket, gemm in self.rows:  # noqa: B007 - the last row serves larger M
+        linear = self.linear
+        if linear is None:
+            for bucket, linear in self.rows:  # noqa: B007 - the last row serves larger M
                 if m <= bucket:
                     break
-        x_q, x_scale = self.quantize(x2)
-        y = gemm(x_q, x_scale)
+        y = linear(x2)
         return y if len(shape) == 2 else y.view(*shape[:-1], self.n)
 
 
-__all__ = ["EagerPlan", "bind_gemm", "bind_quantizer"]
+__all__ = ["EagerPlan", "bind_gemm", "bind_linear", "bind_quantizer"]

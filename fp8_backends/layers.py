@@ -28,7 +28,7 @@ from torch import nn
 
 from . import validation as V
 from .backend import Fp8GemmBackend, NormQuantBackend
-from .eager_plan import EagerPlan, bind_gemm, bind_quantizer
+from .eager_plan import EagerPlan, bind_linear, bind_quantizer
 from .errors import InvalidInputError, UnsupportedProblemError
 from .functional import apply_fp8_linear
 from .types import (
@@ -468,10 +468,12 @@ class Fp8Linear(nn.Module):
     def _eager_plan(self) -> EagerPlan:
         """The eager hot path (:mod:`fp8_backends.eager_plan`): quantizer and GEMM(s) bound to this layer."""
         rows = self._by_m or ((_ANY_M, self.gemm_backend, self.prepared),)
+        fp8 = self.input_dtype.torch_dtype()
+        quantize = bind_quantizer(self.act_scale, fp8, self.input_scale)
         return EagerPlan(
             k=self.in_features, n=self.out_features, dtype=self.dtype, device=self.weight.device,
-            quantize=bind_quantizer(self.act_scale, self.input_dtype.torch_dtype(), self.input_scale),
-            rows=[(bucket, bind_gemm(backend, prepared, self.dtype, self.bias)) for bucket, backend, prepared in rows],
+            rows=[(bucket, bind_linear(backend, prepared, self.dtype, self.bias, quantize, self.act_scale,
+                                       self.input_scale, fp8)) for bucket, backend, prepared in rows],
         )
 
     def _providers_by_m(self, default: Fp8GemmBackend) -> tuple[tuple[int, Fp8GemmBackend, Any], ...]:

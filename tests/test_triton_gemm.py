@@ -713,3 +713,83 @@ def test_replay_cache_keeps_the_tail_and_answers_only_without_hooks():
     cache.record("b", launch, (2,), (x, 48, 64), **opts)
     cache.record("c", launch, (2,), (x, 48, 64), **opts)  # full: emptied first
     assert len(cache) == 1 and cache.lookup("c") is not None and cache.lookup("a") is None
+
+
+# ------------------------------------------------------------------------------------ fused activation quant
+def _quantized(x, mode, static_scale):
+    from fp8_backends import quant
+
+    if mode is ActScale.PER_TENSOR_STATIC:
+        return quant.quantize_static(x, static_scale), static_scale
+    if mode is ActScale.PER_TENSOR_DYNAMIC:
+        return quant.quantize_dynamic(x)
+    return quant.quantize_per_token(x)
+
+
+@needs_kernels
+@pytest.mark.usefixtures("exact_interpreter_casts")
+@pytest.mark.parametrize("mode", list(ActScale))
+@pytest.mark.parametrize(("config", "m", "n", "k"), [
+    ("auto", 1, 64, 96), ("auto", 5, 32, 64), ("auto", 40, 64, 128),  # gemv, swap, declined above FUSED_MAX_M
+    ("mm_n128_m64_k128_s4_w4_g8", 8, 64, 128),  # declined: the mm kernels never fuse
+    ("swap_n64_m16_k128_s8_w4", 3, 48, 256), ("swap_n64_m16_k128_s8_w4", 16, 128, 112),
+    ("gemv_n4_k512_w4", 3, 48, 256),
+])
+def test_fused_activation_quant_is_the_unfused_path_bit_for_bit(mode, config, m, n, k):
+    """The swap-AB and GEMV kernels quantize an unquantized activation themselves (one launch per eager linear):
+    the same FP8 codes and the same products as quantize + GEMM, so the outputs are equal; per-channel weights and a
+    bias included. Where the picked config is another family, the hook declines (None)."""
+    be = TritonGemmBackend() if config == "auto" else TritonGemmBackend(config=config)
+    g = torch.Generator(device=DEVICE).manual_seed(m * 1000 + n + k)
+    w = (torch.randn(n, k, device=DEVICE, generator=g) * 0.1).to(torch.float8_e4m3fn)
+    prep = be.prepare_weight(w, torch.rand(n, device=DEVICE, generator=g) * 0.02 + 0.005)
+    x = (torch.randn(m, k, device=DEVICE, generator=g) * 3).to(torch.bfloat16)
+    x[0, 0] = 40.0  # a clear maximum: the dynamic scales are exact divisions of it
+    bias = torch.randn(n, device=DEVICE, generator=g).to(torch.bfloat16)
+    static = torch.tensor([0.05], device=DEVICE)
+    y = be.fused_quant_gemm_impl(x, prep, mode, static if mode is ActScale.PER_TENSOR_STATIC else None,
+                                 torch.bfloat16, bias)
+    from fp8_backends.providers.triton.gemm_ops import FUSED_MAX_M, pick_config
+
+    family = CONFIGS[pick_config(be.config["config"], m, n, k).name].family
+    if family not in ("swap", "gemv") or m > FUSED_MAX_M:
+        assert y is None
+        return
+    x_q, x_scale = _quantized(x, mode, static)
+    ref = be.gemm_impl(x_q, prep, x_scale, torch.bfloat16, bias)
+    assert y is not None and y.shape == (m, n) and y.dtype == torch.bfloat16
+    assert torch.equal(y, ref), (y.float() - ref.float()).abs().max()
+
+
+@needs_kernels
+def test_eager_layer_takes_the_fused_launch_and_matches_the_reference():
+    """A processed Fp8Linear on the triton provider runs one fused launch per small-M eager call (no separate
+    quantization kernel), and its output matches the reference within the usual FP8 tolerance."""
+    from fp8_backends import reference
+    from fp8_backends.layers import Fp8Linear
+
+    lin = torch.nn.Linear(128, 64, bias=True, device=DEVICE, dtype=torch.bfloat16)
+    for mode in ("per_tensor_dynamic", "per_token", "per_tensor_static"):
+        layer = Fp8Linear.from_linear(lin, act_scale=mode, backend="triton",
+                                      input_scale=0.02 if mode == "per_tensor_static" else None)
+        calls: list[bool] = []
+        real = TritonGemmBackend.fused_quant_gemm_impl
+
+        def spy(self, *a, _real=real, _calls=calls, **kw):
+            out = _real(self, *a, **kw)
+            _calls.append(out is not None)
+            return out
+
+        x = torch.randn(2, 3, 128, device=DEVICE, dtype=torch.bfloat16)
+        TritonGemmBackend.fused_quant_gemm_impl = spy
+        try:
+            layer._plan = None  # rebind with the spy
+            y = layer(x)
+        finally:
+            TritonGemmBackend.fused_quant_gemm_impl = real
+            layer._plan = None
+        assert calls == [True], (mode, calls)
+        x_q, x_scale = _quantized(x.reshape(-1, 128), ActScale(mode), layer.input_scale)
+        ref = reference.fp8_gemm(x_q, layer.weight, x_scale, layer.weight_scale, torch.bfloat16, lin.bias)
+        assert y.shape == (2, 3, 64)
+        torch.testing.assert_close(y.reshape(-1, 64).float(), ref.float(), rtol=2e-2, atol=2e-2)

@@ -120,5 +120,22 @@ class TritonGemmBackend(Fp8GemmBackend):
         self.require_contiguous_vectors(x_scale, bias)
         return triton_gemm(x_q, prepared.data, x_scale, prepared.scale, bias, out_dtype, self.config["config"])
 
+    # the swap-AB and GEMV kernels (small M) quantize the activation themselves: one launch per eager linear
+    fused_act_quant = frozenset({ActScale.PER_TENSOR_STATIC, ActScale.PER_TENSOR_DYNAMIC, ActScale.PER_TOKEN})
+
+    def fused_quant_gemm_impl(
+        self,
+        x: torch.Tensor,
+        prepared: PreparedWeight,
+        act_scale: ActScale,
+        input_scale: torch.Tensor | None,
+        out_dtype: torch.dtype,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        from .gemm_ops import fused_launch
+
+        return fused_launch(x, prepared.data, input_scale, prepared.scale, bias, out_dtype, self.config["config"],
+                            act_scale.value)
+
 
 __all__ = ["TritonGemmBackend"]

@@ -15,6 +15,12 @@ Shared contract of the three kernels (validated by the caller, not here):
   (``gdc_wait``) before its first read of ``x``/scales and then lets its own dependents launch
   (``gdc_launch_dependents``); the weight is not produced by an earlier kernel, so the first weight
   tile may be loaded before the wait.
+- ``X_QUANT`` (the ``swap`` and ``gemv`` kernels): ``x`` arrives unquantized (bf16/fp16/fp32) and the kernel
+  quantizes every tile it loads exactly as :mod:`fp8_backends.reference` does (``clamp(x / s, ±FMAX)`` with an
+  IEEE division, rounded to ``w``'s float8 type), so the products are those of the unfused path, bit for bit:
+  ``QUANT_STATIC`` with the scale at ``x_scale``; ``QUANT_DYNAMIC`` with ``s = max(amax(x) / FMAX, 1e-12)``
+  over all of ``x`` and ``QUANT_PER_TOKEN`` over each row, computed by each program from ``x`` itself (small M:
+  ``x`` is a few KB read from L2), the scale applied in the epilogue from registers (``x_scale`` not read).
 """
 
 from __future__ import annotations
@@ -22,14 +28,25 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+#: ``X_QUANT`` values: ``x`` already float8 / quantized in the kernel with a static scale / a dynamic per-tensor
+#: scale / dynamic per-token scales (the two dynamic modes are the codes from QUANT_DYNAMIC up)
+QUANT_NONE = tl.constexpr(0)
+QUANT_STATIC = tl.constexpr(1)
+QUANT_DYNAMIC = tl.constexpr(2)
+QUANT_PER_TOKEN = tl.constexpr(3)
+
 
 @triton.jit
 def _epilogue(acc, offs_m, offs_n, M, N, out_ptr, stride_om, x_scale_ptr, w_scale_ptr, bias_ptr,
-              X_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Scale, add bias and store a tile. ``offs_m``/``offs_n`` broadcast against ``acc``'s shape."""
+              X_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+              X_SCALED: tl.constexpr = False):
+    """Scale, add bias and store a tile. ``offs_m``/``offs_n`` broadcast against ``acc``'s shape.
+    ``X_SCALED``: ``acc`` already carries the activation scale (a dynamic scale computed in the kernel)."""
     in_m = offs_m < M
     in_n = offs_n < N
-    if X_PER_TOKEN:
+    if X_SCALED:
+        pass
+    elif X_PER_TOKEN:
         acc = acc * tl.load(x_scale_ptr + offs_m, mask=in_m, other=1.0)
     else:
         acc = acc * tl.load(x_scale_ptr)
@@ -40,6 +57,40 @@ def _epilogue(acc, offs_m, offs_n, M, N, out_ptr, stride_om, x_scale_ptr, w_scal
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=in_n, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=in_m & in_n)
+
+
+@triton.jit
+def _quantize(v, scale, FMAX: tl.constexpr, dtype: tl.constexpr):
+    """``clamp(v / scale, ±FMAX)`` (IEEE division, as the reference) rounded to ``dtype`` (float8)."""
+    return tl.clamp(tl.math.div_rn(v.to(tl.float32), scale), -FMAX, FMAX).to(dtype)
+
+
+@triton.jit
+def _dynamic_scale(amax, FMAX: tl.constexpr):
+    return tl.maximum(tl.math.div_rn(amax, FMAX), 1e-12)
+
+
+@triton.jit
+def _absmax_rows(x_ptr, offs_m, M, K, stride_xm, BLOCK_K: tl.constexpr):
+    """``max |x[r, :]|`` for each row ``r`` of ``offs_m`` (rows past ``M`` give 0), shape of ``offs_m``."""
+    offs_k = tl.arange(0, BLOCK_K)
+    row_mask = offs_m < M
+    rows = x_ptr + offs_m.to(tl.int64) * stride_xm
+    acc = tl.zeros(offs_m.shape, dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + offs_k
+        v = tl.load(rows[:, None] + cols[None, :], mask=row_mask[:, None] & (cols < K)[None, :], other=0.0)
+        acc = tl.maximum(acc, tl.max(tl.abs(v.to(tl.float32)), axis=1))
+    return acc
+
+
+@triton.jit
+def _absmax_all(x_ptr, M, K, stride_xm, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``max |x|`` over all ``M`` rows (read ``ROWS`` at a time)."""
+    amax = tl.zeros((ROWS,), dtype=tl.float32)
+    for r0 in range(0, M, ROWS):
+        amax = tl.maximum(amax, _absmax_rows(x_ptr, r0 + tl.arange(0, ROWS), M, K, stride_xm, BLOCK_K))
+    return tl.max(amax, axis=0)
 
 
 @triton.jit
@@ -94,10 +145,11 @@ def fp8_gemm_swap_kernel(
     M, N, K, stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     X_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, X_QUANT: tl.constexpr, FMAX: tl.constexpr,
 ):
     """Swap-AB GEMM for small M: ``accᵀ[BLOCK_N, BLOCK_M] = w_tile · x_tileᵀ``; the weight rows fill
-    the MMA's wide side. Grid: ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M))``."""
+    the MMA's wide side. Grid: ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M))``. ``X_QUANT``: see the module
+    docstring."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -111,6 +163,12 @@ def fp8_gemm_swap_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    if X_QUANT == QUANT_STATIC:
+        qscale = tl.load(x_scale_ptr)
+    elif X_QUANT == QUANT_DYNAMIC:
+        qscale = _dynamic_scale(_absmax_all(x_ptr, M, K, stride_xm, BLOCK_M, BLOCK_K), FMAX)
+    elif X_QUANT == QUANT_PER_TOKEN:
+        qscale = _dynamic_scale(_absmax_rows(x_ptr, rows_x, M, K, stride_xm, BLOCK_K), FMAX)[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
@@ -120,11 +178,15 @@ def fp8_gemm_swap_kernel(
             k_left = K - k * BLOCK_K
             a = tl.load(w_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             b = tl.load(x_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if X_QUANT != QUANT_NONE:
+            b = _quantize(b, qscale, FMAX, w_ptr.dtype.element_ty)
         acc = tl.dot(a, b, acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if X_QUANT >= QUANT_DYNAMIC:
+        acc = acc * qscale
     _epilogue(acc, offs_m[None, :], offs_n[:, None], M, N, out_ptr, stride_om, x_scale_ptr, w_scale_ptr,
-              bias_ptr, X_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS)
+              bias_ptr, X_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS, X_QUANT >= QUANT_DYNAMIC)
 
 
 @triton.jit
@@ -133,10 +195,11 @@ def fp8_gemv_kernel(
     M, N, K, stride_xm, stride_wn, stride_om,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     X_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, X_QUANT: tl.constexpr, FMAX: tl.constexpr,
 ):
     """CUDA-core GEMV: ``BLOCK_N`` weight rows against one token per program, fp32 products summed
-    over K. Grid: ``(cdiv(N, BLOCK_N), M)`` (the weight is streamed once per token)."""
+    over K. Grid: ``(cdiv(N, BLOCK_N), M)`` (the weight is streamed once per token). ``X_QUANT``: see the
+    module docstring."""
     pid_n = tl.program_id(0)
     m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -148,6 +211,13 @@ def fp8_gemv_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    if X_QUANT == QUANT_STATIC:
+        qscale = tl.load(x_scale_ptr)
+    elif X_QUANT == QUANT_DYNAMIC:
+        qscale = _dynamic_scale(_absmax_all(x_ptr, M, K, stride_xm, 1, BLOCK_K), FMAX)
+    elif X_QUANT == QUANT_PER_TOKEN:
+        qscale = _dynamic_scale(tl.max(_absmax_rows(x_ptr, tl.full((1,), 0, tl.int32) + m, M, K, stride_xm,
+                                                    BLOCK_K), axis=0), FMAX)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
@@ -157,13 +227,17 @@ def fp8_gemv_kernel(
             k_left = K - k * BLOCK_K
             wv = tl.load(w_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             xv = tl.load(x_ptrs, mask=offs_k < k_left, other=0.0)
+        if X_QUANT != QUANT_NONE:
+            xv = _quantize(xv, qscale, FMAX, w_ptr.dtype.element_ty)
         acc += wv.to(tl.float32) * xv.to(tl.float32)[None, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     total = tl.sum(acc, axis=1)[:, None]  # [BLOCK_N, 1]
+    if X_QUANT >= QUANT_DYNAMIC:
+        total = total * qscale
     offs_m = tl.full((1, 1), 0, tl.int32) + m
     _epilogue(total, offs_m, offs_n[:, None], M, N, out_ptr, stride_om, x_scale_ptr, w_scale_ptr,
-              bias_ptr, X_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS)
+              bias_ptr, X_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS, X_QUANT >= QUANT_DYNAMIC)
 
 
 @triton.jit

@@ -77,9 +77,11 @@ def run_config(
     bias: torch.Tensor | None,
     out: torch.Tensor,
     pdl: bool | None = None,
+    x_quant: int = 0,
 ) -> None:
     """Launch ``cfg``'s kernel writing ``out [M, N]`` (M >= 1). ``pdl``: force PDL on or off (benchmarks);
-    ``None`` follows :func:`._support.pdl_on`.
+    ``None`` follows :func:`._support.pdl_on`. ``x_quant``: the kernel quantizes an unquantized ``x`` itself
+    (:data:`.gemm_kernels.QUANT_STATIC` and siblings; ``swap`` and ``gemv`` configs only; see :func:`fused_launch`).
 
     The pointer kernels' hot path: a call whose key (config, M, N, K, row strides, dtypes, scale kinds, bias,
     PDL, device; every data pointer 16-byte aligned) was launched before replays that launch's compiled
@@ -98,7 +100,7 @@ def run_config(
             n = w.shape[0]
             sx, sw, so = x.stride(0), w.stride(0), out.stride(0)
             key = (cfg, m, n, k, sx, sw, so, x.dtype, w.dtype, out.dtype, b.dtype, x_scale.numel() > 1,
-                   w_scale.numel() > 1, bias is None, use_pdl, index)
+                   w_scale.numel() > 1, bias is None, use_pdl, index, x_quant)
             hit = _replays.lookup(key)
             if hit is not None and index == _support.current_device():
                 r, tail = hit[0], hit[1]
@@ -107,18 +109,18 @@ def run_config(
                 return
     if cfg.family == "tma" and (x.data_ptr() % 16 or w.data_ptr() % 16):
         cfg = _pointer_tiles(cfg)  # TMA needs 16-byte aligned bases (a view at an odd offset): same tiles
-    _support.on_device(index, _launch_general, cfg, x, w, x_scale, w_scale, bias, out, use_pdl, index, key)
+    _support.on_device(index, _launch_general, cfg, x, w, x_scale, w_scale, bias, out, use_pdl, index, key, x_quant)
 
 
 def _launch_general(cfg: TileConfig, x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
                     bias: torch.Tensor | None, out: torch.Tensor, use_pdl: bool, index: int,
-                    key: tuple | None) -> None:
+                    key: tuple | None, x_quant: int = 0) -> None:
     """run_config's general path (on x's device): the TMA family through Triton's JIT, the pointer kernels
     through their KernelLauncher, recording the replay under ``key`` (``None``: not replayable)."""
     if cfg.family == "tma":
         _launch_tma(cfg, x, w, x_scale, w_scale, bias, out, use_pdl)
         return
-    grid, args = pointer_kernel_args(cfg, x, w, x_scale, w_scale, bias, out, use_pdl)
+    grid, args = pointer_kernel_args(cfg, x, w, x_scale, w_scale, bias, out, use_pdl, x_quant)
     kernel_launcher = launcher_for(_kernel(cfg.family))
     options = {"num_warps": cfg.warps, "num_stages": cfg.stages, "pdl": use_pdl, "device_index": max(index, 0)}
     kernel_launcher(grid, args, **options)
@@ -128,14 +130,22 @@ def _launch_general(cfg: TileConfig, x: torch.Tensor, w: torch.Tensor, x_scale: 
 
 def pointer_kernel_args(cfg: TileConfig, x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor,
                         w_scale: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-                        use_pdl: bool) -> tuple[tuple[int, ...], tuple[Any, ...]]:
+                        use_pdl: bool, x_quant: int = 0) -> tuple[tuple[int, ...], tuple[Any, ...]]:
     """``(grid, args)`` of ``cfg``'s kernel (family ``mm``, ``swap`` or ``gemv``): every parameter in
-    declaration order, constexprs included, as :func:`.launcher.launch` takes them."""
+    declaration order, constexprs included, as :func:`.launcher.launch` takes them. ``x_quant`` (``swap`` and
+    ``gemv``): see :func:`run_config`."""
     m, k = x.shape
     n = w.shape[0]
     head = (x, w, out, x_scale, w_scale, out if bias is None else bias, m, n, k, x.stride(0), w.stride(0),
             out.stride(0))  # the arguments run_config's replays pass themselves
-    tail = (x_scale.numel() > 1, w_scale.numel() > 1, bias is not None, k % cfg.block_k == 0, use_pdl)
+    tail = (x_scale.numel() > 1 and not x_quant, w_scale.numel() > 1, bias is not None, k % cfg.block_k == 0,
+            use_pdl)
+    if cfg.family != "mm":
+        from .quant_kernels import FMAX  # the general path only (replays keep their tail)
+
+        tail = (*tail, x_quant, FMAX[w.dtype])
+    elif x_quant:
+        raise ValueError(f"config {cfg.name}: only the swap and gemv kernels quantize their input")
     if cfg.family == "mm":
         return (_cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n),), (*head, cfg.block_m, cfg.block_n, cfg.block_k,
                                                                    cfg.group_m, *tail)
@@ -144,6 +154,37 @@ def pointer_kernel_args(cfg: TileConfig, x: torch.Tensor, w: torch.Tensor, x_sca
         return (_cdiv(n, cfg.block_n), _cdiv(m, cfg.block_m)), (*head, cfg.block_m, cfg.block_n, cfg.block_k, *tail)
     _check_grid_y(m, cfg)
     return (_cdiv(n, cfg.block_n), m), (*head, cfg.block_n, cfg.block_k, *tail)
+
+
+#: the largest M :func:`fused_launch` serves: every program of a dynamic per-tensor launch reads all of ``x`` for
+#: its amax (M x K from L2, a few hundred KB at decode sizes), which stops paying off as M grows
+FUSED_MAX_M = 16
+
+#: the ``X_QUANT`` code of each activation mode (:mod:`.gemm_kernels`' ``QUANT_*``)
+_X_QUANT = {"per_tensor_static": 1, "per_tensor_dynamic": 2, "per_token": 3}
+
+
+def fused_launch(x: torch.Tensor, w: torch.Tensor, input_scale: torch.Tensor | None, w_scale: torch.Tensor,
+                 bias: torch.Tensor | None, out_dtype: torch.dtype, config: str, mode: str) -> torch.Tensor | None:
+    """``out[M, N]`` of the unquantized ``x [M, K]`` (bf16/fp16/fp32, unit column stride) quantized in ``mode``
+    (an :class:`~fp8_backends.types.ActScale` value; ``input_scale``: the static scale, fp32 ``[1]``) to ``w``'s
+    float8 type inside the GEMM kernel: the unfused path's result bit for bit, one launch instead of two or three.
+    ``None`` (nothing launched) where the config picked for this M is not a ``swap`` or ``gemv`` kernel, M = 0 or
+    M > :data:`FUSED_MAX_M`:
+    the caller quantizes and calls :func:`triton_gemm` then. Eager calls only (the compiled path keeps the
+    quantization as torch ops that Inductor fuses into the producer)."""
+    m, k = x.shape
+    if not 0 < m <= FUSED_MAX_M or x.stride(1) != 1:
+        return None
+    n = w.shape[0]
+    cfg = pick_config(config, m, n, k)
+    if cfg.family not in ("swap", "gemv"):
+        return None
+    x_quant = _X_QUANT[mode]
+    out = x.new_empty((m, n), dtype=out_dtype)
+    # dynamic modes: the kernel computes the scale and never reads x_scale; any fp32 pointer fills the slot
+    run_config(cfg, x, w, input_scale if x_quant == 1 else w_scale, w_scale, bias, out, x_quant=x_quant)
+    return out
 
 
 def _launch_tma(cfg: TileConfig, x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
@@ -242,4 +283,4 @@ def triton_gemm(
     return _OPS.call(OP_BASENAME)(x, w, x_scale, w_scale, bias, out_dtype, config)
 
 
-__all__ = ["OP_NAME", "launch", "pick_config", "pointer_kernel_args", "run_config", "triton_gemm"]
+__all__ = ["OP_NAME", "fused_launch", "launch", "pick_config", "pointer_kernel_args", "run_config", "triton_gemm"]
