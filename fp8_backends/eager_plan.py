@@ -3,7 +3,9 @@
 A layer's processing (``process_weights_after_loading``) builds one :class:`EagerPlan`: the provider(s) with their
 prepared weights, the output dtype, the bias, the activation quantizer of the layer's mode and the per-M provider
 table, each bound into a closure. A plain eager call then checks only what can change from call to call (the
-input's type, dtype, last dimension and device) and runs two closures: quantize, GEMM. Everything else the general
+input's type, dtype, last dimension and device) and runs two closures: quantize, GEMM; then it checks the provider's
+output contract (type, ``[M, N]``, dtype, device: a few attribute comparisons, see
+:mod:`fp8_backends.output_contract`). Everything else the general
 path checks (scale shapes and dtypes, the prepared weight's owner, bias shape and dtype, the quantized input's
 layout) was fixed at load time and is guaranteed by construction: the plan quantizes the input itself.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from . import output_contract
 from .types import ActScale
 
 if TYPE_CHECKING:
@@ -40,6 +43,7 @@ def bind_gemm(backend: Fp8GemmBackend, prepared: PreparedWeight, out_dtype: torc
     def gemm(x_q: Any, x_scale: Any) -> Any:
         return backend.gemm_impl(x_q, prepared, x_scale, out_dtype, bias)
 
+    gemm.backend = backend  # type: ignore[attr-defined]  # named by the output contract's error
     return gemm
 
 
@@ -104,6 +108,9 @@ class EagerPlan:
                     break
         x_q, x_scale = self.quantize(x2)
         y = gemm(x_q, x_scale)
+        # the provider's output contract (metadata only): a plain tensor [M, N] in the layer dtype on its device
+        if type(y) is not self.tensor or y.dtype is not self.dtype or y.shape != (m, self.n) or y.get_device() != index:
+            y = output_contract.gemm_output_failed(gemm.backend, y, x_q, self.n, self.dtype)
         return y if len(shape) == 2 else y.view(*shape[:-1], self.n)
 
 
