@@ -47,6 +47,7 @@ _EXPORTS = {
     "InvalidInputError": "fp8_backends.errors",
     "BuildError": "fp8_backends.errors",
     "DataFileError": "fp8_backends.errors",
+    "ProviderOutputError": "fp8_backends.errors",
     "resolve_gemm_backend": "fp8_backends.registry.resolution",
     "resolve_norm_quant_backend": "fp8_backends.registry.resolution",
     "Platform": "fp8_backends.registry.platform",
@@ -89,6 +90,7 @@ if TYPE_CHECKING:
         DataFileError,
         Fp8BackendError,
         InvalidInputError,
+        ProviderOutputError,
         UnknownBackendError,
         UnsupportedProblemError,
     )

@@ -25,6 +25,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from . import output_contract
 from . import validation as V
 from .capabilities import Capabilities, GemmCapabilities, NormQuantCapabilities
 from .errors import BackendUnavailableError, Fp8BackendError, InvalidInputError
@@ -169,6 +170,15 @@ class ProviderBase(ABC):
 
 
 _AVAILABILITY: dict[type, Availability] = {}
+#: ``[torch.Tensor]`` once torch is imported (the hot paths compare output types with it; this module stays torch-free)
+_TENSOR: list[Any] = [None]
+
+
+def _tensor_type() -> Any:
+    import torch
+
+    _TENSOR[0] = torch.Tensor
+    return torch.Tensor
 
 
 def clear_availability_cache() -> None:
@@ -236,6 +246,7 @@ class Fp8GemmBackend(ProviderBase):
         prepared.backend = self.name
         if self._fast is None:
             self._fast = _FastPath(self)
+            output_contract.preload()  # the op a wrong fake output reaches under torch.compile
         return prepared
 
     @abstractmethod
@@ -279,7 +290,16 @@ class Fp8GemmBackend(ProviderBase):
         out = self._accept_common_case(x_q, prepared, x_scale, out_dtype, bias)
         if out is None:
             out = self.validate_gemm_inputs(x_q, prepared, x_scale, out_dtype, bias).torch_dtype()
-        return self.gemm_impl(x_q, prepared, x_scale, out, bias)
+        y = self.gemm_impl(x_q, prepared, x_scale, out, bias)
+        # the output contract, from metadata (no sync): a plain tensor [M, N] in `out` on x_q's device
+        if (
+            type(y) is not (_TENSOR[0] or _tensor_type())
+            or y.dtype is not out
+            or y.shape != (x_q.shape[0], prepared.n)
+            or y.get_device() != x_q.get_device()
+        ):
+            return output_contract.gemm_output_failed(self, y, x_q, prepared.n, out)
+        return y
 
     def _accept_common_case(
         self, x_q: Any, prepared: Any, x_scale: Any, out_dtype: Any, bias: Any
@@ -549,7 +569,9 @@ class NormQuantBackend(ProviderBase):
         if not self._accept_common_case(x, weight, scale, eps):
             self._validate(x, weight, scale, eps)
         out = self._out_buffer(x, out)
-        self.rmsnorm_quant_impl(out, x, weight, scale, float(eps))
+        returned = self.rmsnorm_quant_impl(out, x, weight, scale, float(eps))
+        if returned is not None and returned is not out:  # the output contract: results go into `out`
+            output_contract.norm_quant_output_failed(self, returned, "rmsnorm_quant_impl")
         return QuantizedActivation(out, scale, x.dtype, ActScale.PER_TENSOR_STATIC)
 
     def fused_add_rmsnorm_quant(
@@ -564,7 +586,9 @@ class NormQuantBackend(ProviderBase):
         if not self._accept_common_case(x, weight, scale, eps, residual):
             self._validate(x, weight, scale, eps, residual)
         out = self._out_buffer(x, out)
-        self.fused_add_rmsnorm_quant_impl(out, x, residual, weight, scale, float(eps))
+        returned = self.fused_add_rmsnorm_quant_impl(out, x, residual, weight, scale, float(eps))
+        if returned is not None and returned is not out:
+            output_contract.norm_quant_output_failed(self, returned, "fused_add_rmsnorm_quant_impl")
         return QuantizedActivation(out, scale, x.dtype, ActScale.PER_TENSOR_STATIC), residual
 
     @staticmethod

@@ -6,7 +6,8 @@ table, each bound into a closure. A plain eager call then checks only what can c
 input's type, dtype, last dimension and device) and runs two closures: quantize, GEMM; or one, where the
 provider quantizes the activation inside its GEMM launch
 (:meth:`~fp8_backends.backend.Fp8GemmBackend.fused_quant_gemm_impl`: the ``triton`` swap-AB and GEMV kernels at
-small M). Everything else the general
+small M). Then it checks the provider's output contract (type, ``[M, N]``, dtype, device: a few attribute
+comparisons, see :mod:`fp8_backends.output_contract`). Everything else the general
 path checks (scale shapes and dtypes, the prepared weight's owner, bias shape and dtype, the quantized input's
 layout) was fixed at load time and is guaranteed by construction: the plan quantizes the input itself.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from . import output_contract
 from .types import ActScale
 
 if TYPE_CHECKING:
@@ -43,6 +45,7 @@ def bind_gemm(backend: Fp8GemmBackend, prepared: PreparedWeight, out_dtype: torc
     def gemm(x_q: Any, x_scale: Any) -> Any:
         return backend.gemm_impl(x_q, prepared, x_scale, out_dtype, bias)
 
+    gemm.backend = backend  # type: ignore[attr-defined]  # named by the output contract's error
     return gemm
 
 
@@ -62,6 +65,7 @@ def bind_linear(backend: Fp8GemmBackend, prepared: PreparedWeight, out_dtype: to
             x_q, x_scale = quantize(x)
             return gemm(x_q, x_scale)
 
+        linear.backend = backend  # type: ignore[attr-defined]  # named by the output contract's error
         return linear
     fused = backend.fused_quant_gemm_impl
     scale = input_scale if mode is ActScale.PER_TENSOR_STATIC else None
@@ -73,6 +77,7 @@ def bind_linear(backend: Fp8GemmBackend, prepared: PreparedWeight, out_dtype: to
             y = gemm(x_q, x_scale)
         return y
 
+    fused_linear.backend = backend  # type: ignore[attr-defined]
     return fused_linear
 
 
@@ -135,6 +140,9 @@ class EagerPlan:
                 if m <= bucket:
                     break
         y = linear(x2)
+        # the provider's output contract (metadata only): a plain tensor [M, N] in the layer dtype on its device
+        if type(y) is not self.tensor or y.dtype is not self.dtype or y.shape != (m, self.n) or y.get_device() != index:
+            y = output_contract.gemm_output_failed(linear.backend, y, x2, self.n, self.dtype)
         return y if len(shape) == 2 else y.view(*shape[:-1], self.n)
 
 

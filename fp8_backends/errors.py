@@ -89,3 +89,17 @@ __all__ = [
     "UnknownBackendError",
     "UnsupportedProblemError",
 ]
+
+
+class ProviderOutputError(Fp8BackendError, RuntimeError):
+    """A provider broke its output contract: its result has the wrong type, shape, dtype or device (checked from
+    metadata after every call, before the caller sees it). The message names the provider and its distribution;
+    ``provider`` and ``distribution`` hold them."""
+
+    def __init__(self, message: str, provider: str = "", distribution: str = "") -> None:
+        self.provider = provider
+        self.distribution = distribution
+        super().__init__(message)
+
+
+__all__.append("ProviderOutputError")

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp8_backends.errors import ProviderOutputError
 from fp8_backends.registry import tuning
 from fp8_backends.registry.discovery import discover as discover_entries
 from fp8_backends.registry.platform import Platform, detect_platform
@@ -67,6 +68,9 @@ class CandidateResult:
     measurement: Measurement | None = None
     error: float | None = None  # relative error against the reference
     reason: str | None = None  # why it cannot win (wrong output, crash, timing failure)
+    #: why its output was wrong, when it was: "output contract" (wrong type, shape, dtype or device: the provider
+    #: raised ProviderOutputError) or "reference" (wrong values, NaN/inf, or a shape the reference check refused)
+    wrong_output: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -84,6 +88,10 @@ class CandidateResult:
         if self.error is not None and self.error != float("inf"):
             out["error"] = float(f"{self.error:.3g}")
         return out
+
+
+#: CandidateResult.wrong_output -> how the summary and the log say it
+WRONG_OUTPUT_TEXT = {"output contract": "broke the output contract", "reference": "failed the reference check"}
 
 
 def select_winner(
@@ -390,12 +398,19 @@ def measure_candidates(
             if res.reason is None:
                 runs[cand.label] = workload.run(cand, m)
                 by_label[cand.label] = res
+            else:
+                res.wrong_output = "reference"
         except Exception as exc:
             res.reason = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+            if isinstance(exc, ProviderOutputError):
+                res.wrong_output = "output contract"
             if "prepare_weight" in _where(exc):
                 failed_prepare[cand.label] = res.reason
             _free(device)
-        if res.reason is not None:
+        if res.wrong_output == "output contract":  # a provider bug that the caller would have met: say so loudly
+            logger.warning("tuner: %s rejected for %s: its output %s: %s", cand.label, problem.describe(),
+                           WRONG_OUTPUT_TEXT[res.wrong_output], res.reason)
+        elif res.reason is not None:
             logger.info("%s rejected for %s: %s", cand.label, problem.describe(), res.reason)
     measured = timer(runs) if runs else {}
     runs.clear()
@@ -485,7 +500,9 @@ def format_summary(report: TuneReport) -> str:
             notes.append(f"tie -> static (fastest {pr.fastest.label})")
         rejected = [x for x in pr.results if not x.ok]
         if rejected:
-            notes.append(f"{len(rejected)} rejected")
+            wrong = [WRONG_OUTPUT_TEXT[kind] + f" ({n})" for kind in WRONG_OUTPUT_TEXT
+                     if (n := sum(x.wrong_output == kind for x in rejected))]
+            notes.append(f"{len(rejected)} rejected" + (f": {', '.join(wrong)}" if wrong else ""))
         rows.append([
             pr.shape_text(), str(pr.m),
             w.label if w else "NONE", f"{w.us:.2f}" if w else "-",

@@ -3,6 +3,7 @@
 - ``@pytest.mark.gpu`` tests are skipped (with a reason) where torch sees no CUDA device.
 - ``@pytest.mark.build`` tests compile CUDA code; they run only with ``--run-build`` (CI runs them once).
 - Every test starts with fresh registry caches and no fp8_backends environment variables.
+- ``fuzz_cases(label, n)`` counts fuzzed problems (tests/test_fuzz.py); the session ends with one line per label.
 """
 
 from __future__ import annotations
@@ -76,6 +77,28 @@ def _clean_registry(monkeypatch: pytest.MonkeyPatch):
     yield
     discovery.refresh()
     resolution.reset_caches()
+
+
+_FUZZ_CASES: dict[str, int] = {}
+
+
+@pytest.fixture
+def fuzz_cases():
+    """``count(label, n)``: add ``n`` fuzzed problems to ``label``'s total (reported at the end of the session)."""
+
+    def count(label: str, n: int) -> None:
+        _FUZZ_CASES[label] = _FUZZ_CASES.get(label, 0) + n
+
+    return count
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if not _FUZZ_CASES:
+        return
+    seed = os.environ.get("FP8_FUZZ_SEED", "20261130")
+    terminalreporter.section(f"fuzz cases (FP8_FUZZ_SEED={seed})")
+    for label, n in sorted(_FUZZ_CASES.items()):
+        terminalreporter.write_line(f"{label}: {n} cases")
 
 
 PLUGIN_SRC = __import__("pathlib").Path(__file__).parent / "data" / "thirdparty_plugin"

@@ -8,8 +8,9 @@ called through ctypes on torch's current stream.
 Cache: ``$FP8_BACKENDS_CUTLASS_CACHE`` or ``${XDG_CACHE_HOME:-~/.cache}/fp8_backends/cutlass``, one
 folder per library named ``<library>-<key>`` where the key hashes the kernel source, the macros, the
 flags, the arch, the nvcc version and the CUTLASS version. A file lock beside the folder makes
-parallel processes build once: the second waits and loads the first's result. Each folder keeps the
-compiler's ``build.log`` and a ``manifest.json``. A machine without nvcc or headers still loads a
+parallel processes build once: the second waits and loads the first's result. nvcc runs in its own process group
+and dies with its builder, and a build removes the temp files of builders that died (:mod:`.compiler`). Each
+folder keeps the compiler's ``build.log`` and a ``manifest.json``. A machine without nvcc or headers still loads a
 library prebuilt for the same source, macros and arch (``python -m fp8_backends.build cutlass``).
 
 Nothing here imports torch; nothing builds unless asked (:func:`build_library`, :func:`get_library`).
@@ -38,6 +39,7 @@ from typing import Any
 
 from fp8_backends.errors import BuildError
 
+from .compiler import run_compiler, sweep_stale_temps, temp_path
 from .configs import CONFIGS
 
 logger = logging.getLogger("fp8_backends")
@@ -405,9 +407,12 @@ def compile_command(spec: LibrarySpec, tc: Toolchain, output: Path) -> list[str]
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    tmp = temp_path(path, thread=True)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def build_library(spec: LibrarySpec, toolchain: Toolchain | None = None, *, force: bool = False) -> Path:
@@ -435,19 +440,20 @@ def build_library(spec: LibrarySpec, toolchain: Toolchain | None = None, *, forc
             logger.debug("cutlass: %s was built by another process meanwhile", spec.name)
             return lib
         folder.mkdir(parents=True, exist_ok=True)
+        sweep_stale_temps(folder.parent)  # what killed builders left (theirs or other libraries')
         log = folder / "build.log"
-        tmp = folder / f".lib{spec.name}.{os.getpid()}.so.tmp"
+        tmp = temp_path(lib)
         cmd = compile_command(spec, tc, tmp)
         logger.info("cutlass: building %s with nvcc %s (about %d s)", spec.name, tc.nvcc_version,
                     SECONDS_PER_LIBRARY)
         start = time.monotonic()
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-            rc, out, err = proc.returncode, proc.stdout, proc.stderr
-        except subprocess.TimeoutExpired as exc:
-            rc, out, err = -1, str(exc.stdout or ""), f"timed out after {BUILD_TIMEOUT_S} s"
+            rc, out, err = run_compiler(cmd, timeout=BUILD_TIMEOUT_S)  # nvcc dies with this process
         except OSError as exc:
             rc, out, err = -1, "", f"cannot run nvcc: {exc}"
+        except BaseException:  # KeyboardInterrupt, SystemExit: the compiler is already killed
+            tmp.unlink(missing_ok=True)
+            raise
         seconds = time.monotonic() - start
         log.write_text(
             f"$ {' '.join(cmd)}\n# exit {rc} after {seconds:.1f} s\n# stdout\n{out}\n# stderr\n{err}\n",
