@@ -45,6 +45,9 @@ _EXPORTS = {
     "BackendUnavailableError": "fp8_backends.errors",
     "UnsupportedProblemError": "fp8_backends.errors",
     "InvalidInputError": "fp8_backends.errors",
+    "InvalidTypeError": "fp8_backends.errors",
+    "BackendOptionError": "fp8_backends.errors",
+    "ConfigurationError": "fp8_backends.errors",
     "BuildError": "fp8_backends.errors",
     "DataFileError": "fp8_backends.errors",
     "resolve_gemm_backend": "fp8_backends.registry.resolution",
@@ -83,11 +86,14 @@ if TYPE_CHECKING:
     from .convert import QuantizeSummary, quantize_model
     from .errors import (
         AmbiguousBackendError,
+        BackendOptionError,
         BackendUnavailableError,
         BuildError,
+        ConfigurationError,
         DataFileError,
         Fp8BackendError,
         InvalidInputError,
+        InvalidTypeError,
         UnknownBackendError,
         UnsupportedProblemError,
     )

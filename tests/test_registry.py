@@ -10,6 +10,7 @@ import pytest
 
 from fp8_backends import (
     AmbiguousBackendError,
+    BackendOptionError,
     BackendUnavailableError,
     Fp8BackendError,
     GemmProblem,
@@ -234,8 +235,9 @@ def test_instances_are_cached_per_options():
 
 
 def test_bad_option_syntax():
-    with pytest.raises(UnknownBackendError, match="option"):
+    with pytest.raises(BackendOptionError, match="option") as info:
         resolve_gemm_backend("torch@fast_accum")
+    assert isinstance(info.value, LookupError) and isinstance(info.value, ValueError)  # as before, and a ValueError
 
 
 def test_selection_policy_hook_wins_and_is_reported():
