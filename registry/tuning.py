@@ -99,8 +99,9 @@ def _path_for(raw: str, xdg: str) -> Path | None:
 
 
 def tune_at_first_use() -> bool:
-    """``FP8_BACKENDS_TUNE=1``: tune problems the lockfile does not cover when ``auto`` first meets them."""
-    return os.environ.get(settings.TUNE_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+    """``FP8_BACKENDS_TUNE=1``: tune problems the lockfile does not cover when ``auto`` first meets them (strictly
+    parsed: an unknown value raises :class:`~fp8_backends.errors.ConfigurationError`)."""
+    return settings.tune_at_first_use()
 
 
 # ---------------------------------------------------------------------------------------- keys
