@@ -539,12 +539,15 @@ class Fp8Linear(nn.Module):
             backend = _resolve_gemm(self.backend_request, self._problem(WeightScale.PER_CHANNEL))
             return WeightScale.PER_CHANNEL, backend
         backend = _resolve_gemm(self.backend_request, self._problem(WeightScale.PER_TENSOR))
-        if policy == "auto" and WeightScale.PER_CHANNEL in backend.capabilities.weight_scales:
-            reasons = backend.supports(self._problem(WeightScale.PER_CHANNEL))
+        if policy == "auto":
+            reasons = (backend.supports(self._problem(WeightScale.PER_CHANNEL))
+                       if WeightScale.PER_CHANNEL in backend.capabilities.weight_scales
+                       else ["it takes per-tensor weight scales only"])
             if not reasons:
                 logger.debug("fused layer keeps per-shard scales per channel (%s)", backend.label)
                 return WeightScale.PER_CHANNEL, backend
-            logger.debug("fused layer requantizes: %s per-channel: %s", backend.label, "; ".join(reasons))
+            logger.info("fused layer requantizes its shards to one scale: %s cannot keep them per channel (%s)",
+                        backend.label, "; ".join(reasons))
         self._requantize_to_max()
         return WeightScale.PER_TENSOR, backend
 

@@ -318,3 +318,414 @@ def test_every_invalid_input_error_is_still_a_value_error():
     for cls in (InvalidTypeError, BackendOptionError, ConfigurationError):
         assert issubclass(cls, Fp8BackendError) and issubclass(cls, ValueError)
     assert issubclass(InvalidTypeError, TypeError) and issubclass(BackendOptionError, LookupError)
+
+
+# ------------------------------------------------------------------------------------------ probe faults (item 4)
+import json  # noqa: E402
+import logging  # noqa: E402
+from typing import ClassVar  # noqa: E402
+
+from fp8_backends.backend import Fp8GemmBackend  # noqa: E402
+from fp8_backends.capabilities import GemmCapabilities  # noqa: E402
+from fp8_backends.errors import BackendUnavailableError  # noqa: E402
+from fp8_backends.list import collect  # noqa: E402
+from fp8_backends.registry import discovery, resolution, tuning  # noqa: E402
+from fp8_backends.registry.discovery import LOADED, ProviderEntry  # noqa: E402
+from fp8_backends.registry.platform import cpu_platform  # noqa: E402
+from fp8_backends.types import DeviceKind  # noqa: E402
+
+
+class _Faulty(Fp8GemmBackend):
+    """A top-priority CPU provider that breaks in the way ``fault`` says (the reference GEMM otherwise)."""
+
+    fault: ClassVar[str] = ""
+    capabilities: ClassVar[GemmCapabilities] = GemmCapabilities(devices=frozenset({DeviceKind.CPU}), priority=99)
+
+    def __init__(self, **options: str) -> None:
+        super().__init__(**options)
+        if self.fault == "init":
+            raise RuntimeError("probe failed in __init__")
+
+    def supports(self, problem=None, platform=None):
+        if self.fault == "supports":
+            raise KeyError("probe failed in supports")
+        return super().supports(problem, platform)
+
+    def preload(self) -> None:
+        if self.fault == "preload":
+            raise ImportError("kernel module missing")
+
+    def prepare_weight_impl(self, w_q, w_scale, weight_scale):
+        return self.prepare_k_major(w_q, w_scale, weight_scale)
+
+    def gemm_impl(self, x_q, prepared, x_scale, out_dtype, bias):
+        return reference.fp8_gemm(x_q, prepared.data, x_scale, prepared.scale, out_dtype, bias)
+
+
+def _install(monkeypatch, fault: str) -> ProviderEntry:
+    cls = type(f"Faulty_{fault}", (_Faulty,), {"name": f"faulty_{fault}", "fault": fault})
+    real = list(discovery.discover("gemm"))
+    entry = ProviderEntry(kind="gemm", name=cls.name, target=f"tests:{cls.__name__}", dist="faulty-plugin",
+                          dist_version="1.0", status=LOADED, cls=cls)
+    monkeypatch.setitem(discovery._cache, ("gemm", None), [*real, entry])
+    return entry
+
+
+@pytest.mark.parametrize("fault", ["init", "supports", "preload"])
+def test_probe_faults_are_contained(fault, monkeypatch, caplog):
+    entry = _install(monkeypatch, fault)
+    problem = GemmProblem(n=32, k=32, m=4, device="cpu")
+    with caplog.at_level(logging.WARNING, logger="fp8_backends"):
+        chosen = resolve_gemm_backend("auto", problem=problem)
+    assert chosen.name == "torch_scaled_mm"  # auto passes over the faulty provider ...
+    assert any(entry.name in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING) or \
+        fault == "supports"  # ... saying so (a support check that raises is a reason, per problem)
+    # the listing marks exactly what auto resolves to
+    data = collect(cpu_platform(), gemm_problem=problem)
+    starred = [p["name"] for p in data["providers"] if p["kind"] == "gemm" and p["selected"]]
+    assert starred == [chosen.name]
+    listed = next(p for p in data["providers"] if p["name"] == entry.name)
+    assert not listed["usable"] and any("failed" in r or "raised" in r for r in listed["reasons"])
+    # naming it explicitly: BackendUnavailableError with the cause
+    with pytest.raises(BackendUnavailableError) as info:
+        resolve_gemm_backend(entry.name, problem=problem)
+    cause = {"init": "probe failed in __init__", "supports": "probe failed in supports",
+             "preload": "kernel module missing"}[fault]
+    assert cause in str(info.value)
+    assert isinstance(info.value, RuntimeError)
+
+
+def test_availability_that_raises_is_unavailable_with_the_cause(monkeypatch):
+    entry = _install(monkeypatch, "none")
+
+    def boom(cls):
+        raise OSError("driver probe crashed")
+
+    monkeypatch.setattr(entry.cls, "availability", classmethod(boom))
+    with pytest.raises(BackendUnavailableError, match="driver probe crashed"):
+        resolve_gemm_backend(entry.name, problem=CPU_GEMM)
+    assert resolve_gemm_backend("auto", problem=CPU_GEMM).name == "torch_scaled_mm"
+
+
+# ------------------------------------------------------------------------------------------ warnings (item 3)
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_disabled_item_matching_nothing_warns_once(monkeypatch, caplog):
+    monkeypatch.setenv("FP8_BACKENDS_DISABLED", "torch,trtion,gemm:flashinfer")
+    with caplog.at_level(logging.WARNING, logger="fp8_backends"):
+        for _ in range(3):
+            resolution.explain("gemm", "auto", problem=CPU_GEMM)
+            resolution.explain("norm_quant", "auto", problem=CPU_NORM)
+    warned = _warnings(caplog)
+    # 'trtion' is a typo; 'gemm:flashinfer' names the norm-quant provider's name under the wrong kind
+    # (flashinfer is an alias of flashinfer_bmm, so it does match a GEMM provider) -> only the typo warns
+    assert len(warned) == 1 and "'trtion'" in warned[0] and "FP8_BACKENDS_DISABLED" in warned[0]
+
+
+def test_ignored_policy_picks_warn_once_per_policy_with_a_count(monkeypatch, caplog):
+    real = [e for e in discovery.discover("gemm") if e.name == "cutlass"][0]  # cannot serve on the CPU
+
+    def stubborn(kind, problem, platform, serving):
+        return (real, {}, "always cutlass") if kind == "gemm" else None
+
+    resolution.register_selection_policy("stubborn", stubborn, rank=1000)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="fp8_backends"):
+            for m in (1, 2, 3):
+                res = resolution.explain("gemm", "auto", problem=GemmProblem(n=32, k=32, m=m, device="cpu"))
+                assert res.backend.name == "torch_scaled_mm"
+    finally:
+        resolution._policies[:] = [(n, p) for n, p in resolution._policies if n != "stubborn"]
+    warned = [m for m in _warnings(caplog) if "stubborn" in m]
+    assert len(warned) == 1 and "cannot serve" in warned[0] and "so far: 1" in warned[0]
+    assert resolution.ignored_picks["stubborn"] == 3
+
+
+# ------------------------------------------------------------------------------------------ lockfile (items 3, 5)
+@pytest.fixture
+def lockpath(tmp_path, monkeypatch):
+    path = tmp_path / "selection.lock.json"
+    monkeypatch.setenv("FP8_BACKENDS_LOCKFILE", str(path))
+    tuning.reset_state()
+    yield path
+    tuning.reset_state()
+
+
+def _write_lockfile(path, entries: dict, platform_key: dict | None = None) -> None:
+    key = platform_key if platform_key is not None else tuning.platform_key(cpu_platform())
+    doc = tuning.new_document()
+    doc["sections"][tuning.key_digest(key)] = {"platform": key, "entries": entries}
+    path.write_text(json.dumps(doc))
+
+
+def _entry(m=4, provider="torch_scaled_mm", options=None, **extra):
+    fields = tuning.problem_fields("gemm", GemmProblem(n=32, k=32, device="cpu"))
+    entry = {"kind": "gemm", "problem": fields, "m": m,
+             "choice": {"provider": provider, "distribution": "fp8-backends", "options": options or {}, "us": 1.0},
+             "ranking": []}
+    entry.update(extra)
+    return tuning.entry_key("gemm", fields, m if isinstance(m, int) else 0) + f"/{len(extra)}", entry
+
+
+MALFORMED = {
+    "m-string": {"m": "4"}, "m-float": {"m": 4.0}, "m-bool": {"m": True}, "kind": {"kind": 3},
+    "problem-list": {"problem": [32, 32]}, "problem-n-string": {"problem": {"n": "32"}},
+    "choice-string": {"choice": "torch"}, "options-list": {"choice": {"provider": "torch_scaled_mm",
+                                                                      "options": ["fast_accum"]}},
+    "distribution-int": {"choice": {"provider": "torch_scaled_mm", "distribution": 5}},
+    "ranking-none": {"ranking": None}, "ranking-string": {"ranking": "torch"}, "ranking-items": {"ranking": [3, {}]},
+    "tie-margin-string": {"tie_margin": "2%"}, "tie-break-string": {"tie_break": "yes"},
+}
+
+
+@pytest.mark.parametrize("damage", sorted(MALFORMED))
+def test_malformed_lockfile_fields_are_recovered_with_one_warning(damage, lockpath, caplog):
+    name_ok, good = _entry(m=8)
+    name_bad, bad = _entry(m=4)
+    change = MALFORMED[damage]
+    if "problem" in change and isinstance(change["problem"], dict):
+        bad["problem"] = {**bad["problem"], **change["problem"]}
+    else:
+        bad.update(change)
+    _write_lockfile(lockpath, {name_ok: good, name_bad: bad})
+    with caplog.at_level(logging.WARNING, logger="fp8_backends"):
+        for m in (4, 8, 8):
+            res = resolution.explain("gemm", "auto", problem=GemmProblem(n=32, k=32, m=m, device="cpu"))
+            assert res.error is None and res.backend.name == "torch_scaled_mm"
+        layer = Fp8Linear.from_linear(torch.nn.Linear(32, 32).to(torch.bfloat16))
+        assert layer(torch.randn(3, 32, dtype=torch.bfloat16)).shape == (3, 32)
+    warned = _warnings(caplog)
+    assert len(warned) == 1 and str(lockpath) in warned[0], warned
+
+
+@pytest.mark.parametrize("platform_damage", ["libraries-string", "libraries-numbers", "gpu-list", "not-object"])
+def test_malformed_platform_key_is_recovered_with_one_warning(platform_damage, lockpath, caplog):
+    key = tuning.platform_key(cpu_platform())
+    if platform_damage == "libraries-string":
+        key["libraries"] = "torch==2.13"
+    elif platform_damage == "libraries-numbers":
+        key["libraries"] = {"torch": 2.13}
+    elif platform_damage == "gpu-list":
+        key["gpu"] = ["CPU"]
+    else:
+        key = "cpu"
+    name, entry = _entry()
+    doc = tuning.new_document()
+    doc["sections"]["x"] = {"platform": key, "entries": {name: entry}}
+    lockpath.write_text(json.dumps(doc))
+    with caplog.at_level(logging.WARNING, logger="fp8_backends"):
+        for _ in range(2):
+            layer = Fp8Linear.from_linear(torch.nn.Linear(32, 32).to(torch.bfloat16))
+            assert layer(torch.randn(4, 32, dtype=torch.bfloat16)).shape == (4, 32)
+            assert resolution.explain("gemm", "auto", problem=GemmProblem(n=32, k=32, m=4, device="cpu")).error is None
+        collect(cpu_platform())  # the listing too
+    assert len(_warnings(caplog)) == 1, _warnings(caplog)
+
+
+def test_lockfile_choices_not_installed_or_stale_warn_once_with_counts(lockpath, caplog):
+    entries = dict([_entry(m=1, provider="not_installed_mm"), _entry(m=2, provider="not_installed_mm"),
+                    _entry(m=4, options={"fast_accum": "maybe"}), _entry(m=8)])
+    _write_lockfile(lockpath, entries)
+    with caplog.at_level(logging.WARNING, logger="fp8_backends"):
+        for m in (1, 2, 4, 8, 1):
+            res = resolution.explain("gemm", "auto", problem=GemmProblem(n=32, k=32, m=m, device="cpu"))
+            assert res.error is None and res.backend.name == "torch_scaled_mm"
+    warned = [w for w in _warnings(caplog) if "recorded choices" in w]
+    assert len(warned) == 1
+    assert "2 name not_installed_mm" in warned[0] and "1 carry options torch_scaled_mm[fast_accum=maybe]" in warned[0]
+
+
+# ------------------------------------------------------------------------------------------ the fallback catalogue
+def _lockfile_with(path, entries_by_m: dict[int, dict]) -> None:
+    entries = {}
+    for m, change in entries_by_m.items():
+        name, entry = _entry(m=m)
+        entry.update(change)
+        entries[name] = entry
+    _write_lockfile(path, entries)
+
+
+def _auto(m: int = 4):
+    return resolve_gemm_backend("auto", problem=GemmProblem(n=32, k=32, m=m, device="cpu"))
+
+
+def _fb_plugin_import_failure(ctx):
+    ctx.request.getfixturevalue("thirdparty_plugin")
+    discovery.discover("gemm")
+
+
+def _fb_preload_fails(ctx):
+    _install(ctx.monkeypatch, "preload")
+    _auto()
+
+
+def _fb_construction_fails(ctx):
+    _install(ctx.monkeypatch, "init")
+    _auto()
+
+
+def _fb_policy_raises(ctx):
+    def broken(kind, problem, platform, serving):
+        raise RuntimeError("policy bug")
+
+    resolution.register_selection_policy("catalogue-broken", broken, rank=1000)
+    ctx.cleanup.append(lambda: resolution._policies.remove(next(p for p in resolution._policies
+                                                                if p[0] == "catalogue-broken")))
+    _auto()
+
+
+def _fb_policy_pick_cannot_serve(ctx):
+    cutlass = next(e for e in discovery.discover("gemm") if e.name == "cutlass")
+    resolution.register_selection_policy("catalogue-cutlass", lambda *a: (cutlass, {}, "x"), rank=1000)
+    ctx.cleanup.append(lambda: resolution._policies.remove(next(p for p in resolution._policies
+                                                                if p[0] == "catalogue-cutlass")))
+    _auto()
+
+
+def _fb_lockfile_other_platform(ctx):
+    key = {**tuning.platform_key(cpu_platform()), "gpu": "another machine"}
+    _write_lockfile(ctx.lockpath, dict([_entry()]), key)
+    _auto()
+
+
+def _fb_lockfile_corrupt(ctx):
+    ctx.lockpath.write_text("{ not json")
+    _auto()
+
+
+def _fb_lockfile_malformed_entry(ctx):
+    _lockfile_with(ctx.lockpath, {4: {}, 8: {"m": "8"}})
+    _auto()
+
+
+def _fb_lockfile_choice_not_installed(ctx):
+    _lockfile_with(ctx.lockpath, {4: {"choice": {"provider": "gone_mm", "options": {}}}})
+    _auto()
+
+
+def _fb_lockfile_no_choice_can_serve(ctx):
+    _lockfile_with(ctx.lockpath, {4: {"choice": {"provider": "cutlass", "options": {}}}})
+    _auto()
+
+
+def _fb_lockfile_next_ranked(ctx):
+    _lockfile_with(ctx.lockpath, {4: {"choice": {"provider": "cutlass", "options": {}},
+                                      "ranking": [{"provider": "torch_scaled_mm", "options": {}}]}})
+    _auto()
+
+
+def _fb_shipped_other_sm(ctx):
+    from fp8_backends.registry import shipped
+
+    ctx.monkeypatch.setenv("FP8_BACKENDS_SHIPPED", str(shipped.packaged_dir() / "sm90-nvidia-h200.json"))
+    resolve_gemm_backend("auto", problem=GemmProblem(n=4096, k=4096, m=4), platform=simulate_platform("10.0"))
+
+
+def _fb_shipped_path_missing(ctx):
+    ctx.monkeypatch.setenv("FP8_BACKENDS_SHIPPED", str(ctx.lockpath.parent / "no-such-data"))
+    resolve_gemm_backend("auto", problem=GemmProblem(n=4096, k=4096, m=4), platform=simulate_platform("9.0"))
+
+
+def _fb_shipped_unusable(ctx):
+    bad = ctx.lockpath.parent / "sm90-broken.json"
+    bad.write_text("{}")
+    ctx.monkeypatch.setenv("FP8_BACKENDS_SHIPPED", str(bad))
+    resolve_gemm_backend("auto", problem=GemmProblem(n=4096, k=4096, m=4), platform=simulate_platform("9.0"))
+
+
+def _fb_name_clash(ctx):
+    ctx.request.getfixturevalue("thirdparty_plugin")
+    _auto()
+
+
+def _fb_disabled_typo(ctx):
+    ctx.monkeypatch.setenv("FP8_BACKENDS_DISABLED", "torch_scaled_mn")
+    _auto()
+
+
+def _fb_fused_layer_requantizes(ctx):
+    from fp8_backends.types import ActScale, OutDtype, WeightScale
+
+    class PerTensorOnly(_Faulty):
+        name: ClassVar[str] = "per_tensor_only"
+        fault: ClassVar[str] = ""
+        capabilities: ClassVar[GemmCapabilities] = GemmCapabilities(
+            devices=frozenset({DeviceKind.CPU}), act_scales=frozenset(ActScale), out_dtypes=frozenset(OutDtype),
+            weight_scales=frozenset({WeightScale.PER_TENSOR}))
+
+    shards = [(reference.quantize_dynamic_per_tensor(torch.randn(16, 32) * s)) for s in (1.0, 3.0)]
+    Fp8Linear.from_fused_shards(shards, dtype=torch.float32, backend=PerTensorOnly())
+
+
+def _fb_triton_tma_misaligned(ctx):
+    from fp8_backends.providers.triton import gemm_ops
+    from fp8_backends.providers.triton.gemm_configs import CONFIGS
+
+    gemm_ops._pointer_tiles.cache_clear()
+    gemm_ops._pointer_tiles(next(c for c in CONFIGS.values() if c.family == "tma"))
+
+
+def _fb_cuda_quant_reference(ctx):
+    quant.reset_default_impls()
+    ctx.cleanup.append(quant.reset_default_impls)
+    quant.default_quant_impl("per_token", "cuda")
+
+
+#: every fallback the library still makes (where it runs something other than the obvious first choice), how to
+#: trigger it on the CPU, the least level it logs at and what the message says. GPU-only fallbacks log as well
+#: (flashinfer_bmm's runner -> bmm_fp8 API: WARNING; its heuristic, cuBLASLt algorithm query and the norm
+#: module's direct call -> public API: INFO), but need flashinfer on a GPU to trigger.
+FALLBACKS = {
+    "a plugin that fails to import is left out": (_fb_plugin_import_failure, logging.WARNING, "failed to load"),
+    "auto skips a provider whose preload fails": (_fb_preload_fails, logging.WARNING, "failed to load and is skipped"),
+    "auto skips a provider whose construction raises": (_fb_construction_fails, logging.WARNING, "is unusable"),
+    "auto skips a selection policy that raises": (_fb_policy_raises, logging.WARNING, "catalogue-broken failed"),
+    "auto ignores a policy pick that cannot serve": (_fb_policy_pick_cannot_serve, logging.WARNING, "ignored"),
+    "a lockfile tuned on another platform is ignored": (_fb_lockfile_other_platform, logging.WARNING,
+                                                        "another platform"),
+    "a corrupt lockfile is ignored": (_fb_lockfile_corrupt, logging.WARNING, "ignoring it"),
+    "malformed lockfile entries are skipped": (_fb_lockfile_malformed_entry, logging.WARNING, "1 of 2 entries"),
+    "lockfile choices of missing providers are passed over": (_fb_lockfile_choice_not_installed, logging.WARNING,
+                                                              "not installed here"),
+    "a lockfile entry no recorded choice of which can serve": (_fb_lockfile_no_choice_can_serve, logging.WARNING,
+                                                              "static priorities decide"),
+    "the next ranked lockfile choice serves": (_fb_lockfile_next_ranked, logging.INFO, "ranked #2"),
+    "shipped data for another SM is ignored": (_fb_shipped_other_sm, logging.WARNING, "not SM 10.0"),
+    "a missing FP8_BACKENDS_SHIPPED path disables the data": (_fb_shipped_path_missing, logging.WARNING,
+                                                              "no such file"),
+    "unusable shipped data is ignored": (_fb_shipped_unusable, logging.WARNING, "unusable and ignored"),
+    "auto ranks clashing provider names": (_fb_name_clash, logging.WARNING, "registered by several"),
+    "an FP8_BACKENDS_DISABLED item that matches nothing": (_fb_disabled_typo, logging.WARNING, "disables nothing"),
+    "a fused layer requantizes shards to one scale": (_fb_fused_layer_requantizes, logging.INFO, "requantizes"),
+    "an auto TMA config runs without TMA on misaligned operands": (_fb_triton_tma_misaligned, logging.INFO,
+                                                                   "not 16-byte aligned"),
+    "CUDA quantization uses the reference without the Triton kernels": (_fb_cuda_quant_reference, logging.INFO,
+                                                                        "CUDA default is the reference"),
+}
+
+
+class _Ctx:
+    def __init__(self, request, monkeypatch, lockpath):
+        self.request, self.monkeypatch, self.lockpath = request, monkeypatch, lockpath
+        self.cleanup: list = []
+
+
+@pytest.mark.parametrize("name", sorted(FALLBACKS))
+def test_every_fallback_logs(name, request, monkeypatch, lockpath, caplog):
+    from fp8_backends.registry import shipped
+
+    trigger, level, text = FALLBACKS[name]
+    shipped.reset_state()
+    ctx = _Ctx(request, monkeypatch, lockpath)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="fp8_backends"):
+            trigger(ctx)
+    finally:
+        for undo in ctx.cleanup:
+            undo()
+        shipped.reset_state()
+    logged = [r for r in caplog.records if text in r.getMessage()]
+    assert logged, f"{name}: nothing logged containing {text!r}: {[r.getMessage() for r in caplog.records]}"
+    assert max(r.levelno for r in logged) >= level, f"{name}: logged below {logging.getLevelName(level)}"

@@ -108,7 +108,8 @@ def test_auto_ranks_a_name_clash_and_warns_once(thirdparty_plugin, monkeypatch, 
         resolve_gemm_backend("auto", problem=GemmProblem(n=128, k=32, device="cpu"))
         resolve_norm_quant_backend("auto", problem=NormQuantProblem(hidden=64, device="cpu"))
     assert type(first).__name__ == "TorchScaledMMBackend"  # the built-in's priority 10 beats the plugin's 1
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+                and "failed to load" not in r.getMessage()]  # the plugin's deliberately broken provider says so
     assert len(warnings) == 1, warnings
     msg = warnings[0]
     assert "'torch_scaled_mm' is registered by several distributions" in msg
@@ -137,7 +138,7 @@ def test_disabled_or_blocked_entries_take_no_part_in_a_clash(thirdparty_plugin, 
         assert type(resolve_gemm_backend("auto", problem=problem)).__name__ == "TorchScaledMMBackend"
         explicit = resolve_gemm_backend("torch_scaled_mm", problem=problem)  # no longer ambiguous
     assert type(explicit).__name__ == "TorchScaledMMBackend"
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "failed to load" not in r.getMessage()]
 
 
 def test_explicit_request_for_two_disabled_entries_names_both(thirdparty_plugin, monkeypatch):
