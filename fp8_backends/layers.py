@@ -69,6 +69,18 @@ def _positive_int(value: object, what: str) -> int:
     return number
 
 
+def _device(device: object) -> torch.device | None:
+    """``device`` as a torch.device (None stays None), or the library's error for one torch does not know."""
+    if device is None or isinstance(device, torch.device):
+        return device
+    if not isinstance(device, (str, int)) or isinstance(device, bool):
+        raise InvalidTypeError(f"device must be a torch.device, a string or an index, got {type(device).__name__}")
+    try:
+        return torch.device(device)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise InvalidInputError(f"unsupported device {device!r}: {exc}") from None
+
+
 def _check_backend_request(backend: object, base: type) -> None:
     """At construction: a backend must be None, a request string (parsed now: malformed options fail here, not at
     processing) or a ``base`` instance."""
@@ -209,14 +221,19 @@ class Fp8Linear(nn.Module):
         self.dtype = _model_dtype(dtype)
         self.out_dtype = OutDtype.of(self.dtype)
         self.backend_request = backend
+        if not isinstance(bias, bool) and bias not in (0, 1):
+            raise InvalidTypeError(f"bias must be a bool, got {type(bias).__name__} {bias!r}")
+        device = _device(device)
         if shard_scales not in SHARD_SCALE_POLICIES:
             raise InvalidInputError(
                 f"shard_scales must be one of {', '.join(SHARD_SCALE_POLICIES)}, got {shard_scales!r}"
             )
         self.shard_scales = shard_scales
         if shard_sizes is not None:
-            sizes = [int(s) for s in shard_sizes]
-            if not sizes or any(s <= 0 for s in sizes) or sum(sizes) != self.out_features:
+            if isinstance(shard_sizes, (str, bytes)) or not hasattr(shard_sizes, "__iter__"):
+                raise InvalidTypeError(f"shard_sizes must be a sequence of ints, got {type(shard_sizes).__name__}")
+            sizes = [_positive_int(s, "shard_sizes item") for s in shard_sizes]
+            if not sizes or sum(sizes) != self.out_features:
                 raise InvalidInputError(
                     f"shard_sizes must be positive and sum to out_features={self.out_features}, got {sizes}"
                 )
@@ -685,6 +702,7 @@ class RMSNormFp8Quant(nn.Module):
         super().__init__()
         self.hidden_size = _positive_int(hidden_size, "hidden_size")
         self.eps = V.require_eps(eps)
+        device = _device(device)
         self.weight = nn.Parameter(torch.ones(self.hidden_size, dtype=_model_dtype(dtype), device=device),
                                    requires_grad=False)
         _check_backend_request(backend, NormQuantBackend)

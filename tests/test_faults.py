@@ -729,3 +729,47 @@ def test_every_fallback_logs(name, request, monkeypatch, lockpath, caplog):
     logged = [r for r in caplog.records if text in r.getMessage()]
     assert logged, f"{name}: nothing logged containing {text!r}: {[r.getMessage() for r in caplog.records]}"
     assert max(r.levelno for r in logged) >= level, f"{name}: logged below {logging.getLevelName(level)}"
+
+
+# ------------------------------------------------------------------------------------------ more entry points
+@pytest.mark.parametrize("kw", [
+    {"act_scale": "bogus"}, {"weight_scale": None}, {"backend": 123}, {"backend": "torch@fast_accum"},
+    {"backend": "auto@fast_accum=true"}, {"skip": 5}, {"skip": [1]}, {"include": "yes"}, {"input_dtype": "bogus"},
+    {"weight_dtype": "int8"}, {"calibration": 5}, {"act_scale": "per_tensor_static", "input_scales": 5},
+    {"act_scale": "per_tensor_static", "input_scales": {"0": "a", "2": 1.0}},
+    {"act_scale": "per_tensor_static", "input_scales": {"0": float("inf"), "2": 1.0}},
+])
+def test_quantize_model_refuses_bad_arguments(kw):
+    from fp8_backends import quantize_model
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32))
+    raises_library((ValueError, TypeError), lambda: quantize_model(model, **kw))
+    assert all(type(m) is not Fp8Linear for m in model.modules())  # refused before any layer was swapped
+
+
+def test_quantize_model_takes_one_skip_pattern_as_a_string():
+    from fp8_backends import quantize_model
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+    summary = quantize_model(model, skip="0", backend="torch")
+    assert [s.name for s in summary.swapped] == ["1"]
+
+
+@pytest.mark.parametrize("kw", [{"device": "tpu"}, {"device": 1.5}, {"shard_sizes": "ab"}, {"shard_sizes": [2, 0]},
+                                {"bias": "yes"}])
+def test_layer_constructors_refuse_bad_arguments(kw):
+    raises_library((ValueError, TypeError), lambda: Fp8Linear(4, 4, **kw))
+    if "device" in kw:
+        raises_library((ValueError, TypeError), lambda: RMSNormFp8Quant(4, **kw))
+
+
+def test_cli_arguments():
+    import argparse
+
+    from fp8_backends import add_cli_args
+
+    raises_library(TypeError, lambda: add_cli_args(None))
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    with pytest.raises(SystemExit):  # argparse reports the library's explanation and exits 2
+        parser.parse_args(["--fp8-gemm-backend", "torch@fast_accum=true,fast_accum=false"])
