@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from typing import Any
@@ -351,11 +352,20 @@ def main(argv: list[str] | None = None) -> int:
                                             residual=args.residual, device=device)
     except (ValueError, argparse.ArgumentTypeError) as exc:
         ap.error(str(exc))
+    # the library's warnings while listing (a plugin that fails to load, an FP8_BACKENDS_DISABLED item that matches
+    # nothing, a lockfile it cannot use) go to stderr: the listing is where a user looks for them
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("warning: %(message)s"))
+    logger = logging.getLogger("fp8_backends")
+    logger.addHandler(handler)
     try:
         data = collect(platform, gemm_problem, norm_problem, args.gemm_backend, args.norm_quant_backend)
-    except Fp8BackendError as exc:  # e.g. a bad FP8_BACKENDS_SIMULATE_SM: say so, no traceback
+    except Fp8BackendError as exc:  # e.g. a bad FP8_BACKENDS_PDL: say so, no traceback
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    finally:
+        logger.removeHandler(handler)
     if args.json:
         json.dump(data, sys.stdout, indent=2, sort_keys=False)
         sys.stdout.write("\n")

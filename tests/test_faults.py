@@ -773,3 +773,16 @@ def test_cli_arguments():
     add_cli_args(parser)
     with pytest.raises(SystemExit):  # argparse reports the library's explanation and exits 2
         parser.parse_args(["--fp8-gemm-backend", "torch@fast_accum=true,fast_accum=false"])
+
+
+def test_the_listing_shows_the_warnings_and_fails_on_a_bad_variable(monkeypatch, capsys):
+    from fp8_backends.list import main
+
+    monkeypatch.setenv("FP8_BACKENDS_DISABLED", "trtion")
+    assert main([]) == 0
+    assert "warning: FP8_BACKENDS_DISABLED item 'trtion'" in capsys.readouterr().err
+    monkeypatch.delenv("FP8_BACKENDS_DISABLED")
+    monkeypatch.setenv("FP8_BACKENDS_SHIPPED", "off")
+    monkeypatch.setenv("FP8_BACKENDS_DEFAULTS", "disable")
+    assert main(["--simulate-sm", "9.0", "--problem", "8,32,32"]) == 1
+    assert "FP8_BACKENDS_DEFAULTS='disable'" in capsys.readouterr().err
