@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from . import output_contract
 from . import validation as V
 from .capabilities import Capabilities, GemmCapabilities, NormQuantCapabilities
-from .errors import BackendUnavailableError, Fp8BackendError, InvalidInputError
+from .errors import BackendOptionError, BackendUnavailableError, Fp8BackendError, InvalidInputError
 from .types import (
     ActScale,
     Availability,
@@ -68,9 +68,9 @@ class ProviderBase(ABC):
         for key, value in options.items():
             if key not in self.options:
                 valid = ", ".join(self.options) or "none"
-                raise InvalidInputError(f"{self.name}: unknown option {key!r} (options: {valid})")
+                raise BackendOptionError(f"{self.name}: unknown option {key!r} (options: {valid})")
             if str(value) not in self.options[key]:
-                raise InvalidInputError(
+                raise BackendOptionError(
                     f"{self.name}: option {key}={value!r} not one of {', '.join(self.options[key])}"
                 )
             config[key] = str(value)
@@ -170,6 +170,7 @@ class ProviderBase(ABC):
 
 
 _AVAILABILITY: dict[type, Availability] = {}
+_INF = float("inf")
 #: ``[torch.Tensor]`` once torch is imported (the hot paths compare output types with it; this module stays torch-free)
 _TENSOR: list[Any] = [None]
 
@@ -221,6 +222,8 @@ class Fp8GemmBackend(ProviderBase):
         self._require_device(w_q, "w_q")
         self.ensure_preloaded()
         n, k = w_q.shape
+        if n == 0 or k == 0:
+            raise InvalidInputError(f"w_q must have N >= 1 and K >= 1, got [N, K] = [{n}, {k}]")
         caps = self.capabilities
         if dtype not in caps.input_dtypes:
             raise InvalidInputError(f"{self.name} does not support weight dtype {dtype.value}")
@@ -290,6 +293,8 @@ class Fp8GemmBackend(ProviderBase):
         out = self._accept_common_case(x_q, prepared, x_scale, out_dtype, bias)
         if out is None:
             out = self.validate_gemm_inputs(x_q, prepared, x_scale, out_dtype, bias).torch_dtype()
+            if x_q.shape[0] == 0:  # M = 0 (any scale mode): the empty result, without asking the kernel
+                return x_q.new_empty((0, prepared.n), dtype=out)
         y = self.gemm_impl(x_q, prepared, x_scale, out, bias)
         # the output contract, from metadata (no sync): a plain tensor [M, N] in `out` on x_q's device
         if (
@@ -325,7 +330,7 @@ class Fp8GemmBackend(ProviderBase):
             or x_scale.numel() != 1
             or x_scale.dim() > 2
             or not fast.per_tensor_ok
-            or V._CHECK_DEVICE_SCALES
+            or V.device_scale_checks()
         ):
             return None
         device = x_q.get_device()  # -1 for CPU tensors: they take the full path (scale values checked)
@@ -498,6 +503,8 @@ class NormQuantBackend(ProviderBase):
         if dt not in self.capabilities.in_dtypes:
             raise InvalidInputError(f"{self.name} does not support input dtype {dt.value}")
         hidden = x.shape[1]
+        if hidden == 0:
+            raise InvalidInputError("x must have a hidden size H >= 1, got [T, 0] (RMSNorm of an empty row)")
         if hidden % self.capabilities.hidden_align:
             raise InvalidInputError(
                 f"{self.name} needs the hidden size to be a multiple of {self.capabilities.hidden_align}, "
@@ -514,16 +521,15 @@ class NormQuantBackend(ProviderBase):
             raise InvalidInputError(f"scale must hold one value (static per-tensor), got shape {tuple(scale.shape)}")
         V.require_same_device(scale, "scale", x.device)
         V.check_scale_values(scale, "scale")
-        if not isinstance(eps, (float, int)) or not eps > 0:
-            raise InvalidInputError(f"eps must be a positive float, got {eps!r}")
+        V.require_eps(eps)
         if residual is not None:
             V.require_matching_residual(residual, x)
 
     _fast: Any = None  # hot-path check tables, built at the first call
 
     def _accept_common_case(self, x: Any, weight: Any, scale: Any, eps: Any, residual: Any = None) -> bool:
-        """One-pass check of the common call (contiguous GPU ``x`` in a supported dtype, matching
-        ``weight`` and ``residual``, one fp32 ``scale`` on the same device, float ``eps > 0``); ``False``
+        """One-pass check of the common call (contiguous GPU ``x`` in a supported dtype with H >= 1, matching
+        ``weight`` and ``residual``, one fp32 ``scale`` on the same device, finite float ``eps > 0``); ``False``
         sends the call through :meth:`_validate`, which accepts it or raises the library error."""
         fast = self._fast
         if fast is None:
@@ -541,6 +547,7 @@ class NormQuantBackend(ProviderBase):
             or x.dim() != 2
             or not x.is_contiguous()
             or x.shape[1] % align
+            or not x.shape[1]
             or weight.dtype is not dtype
             or weight.dim() != 1
             or weight.shape[0] != x.shape[1]
@@ -548,8 +555,8 @@ class NormQuantBackend(ProviderBase):
             or scale.numel() != 1
             or scale.dim() > 2
             or type(eps) is not float
-            or not eps > 0
-            or V._CHECK_DEVICE_SCALES
+            or not 0.0 < eps < _INF
+            or V.device_scale_checks()
         ):
             return False
         device = x.get_device()  # -1 for CPU: the full path checks scale values there

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from fp8_backends.errors import InvalidInputError, InvalidTypeError
 from fp8_backends.registry import discovery, resolution
 
 
@@ -47,7 +48,10 @@ class _BackendChoice:
         self.kind = kind
 
     def __call__(self, text: str) -> str:
-        request = resolution.BackendRequest.parse(text)
+        try:
+            request = resolution.BackendRequest.parse(text)
+        except InvalidInputError as exc:  # malformed options: argparse shows the library's explanation
+            raise argparse.ArgumentTypeError(str(exc)) from None
         if request.name not in backend_choices(self.kind):
             raise argparse.ArgumentTypeError(
                 f"invalid choice {request.name!r} (choose from {', '.join(backend_choices(self.kind))})"
@@ -60,6 +64,8 @@ def add_cli_args(parser: argparse.ArgumentParser, *, gemm: bool = True, norm_qua
 
     Defaults come from ``FP8_GEMM_BACKEND`` / ``FP8_NORM_QUANT_BACKEND`` at resolution time
     (``None`` here means "not given on the command line")."""
+    if not isinstance(parser, argparse.ArgumentParser):
+        raise InvalidTypeError(f"add_cli_args needs an argparse.ArgumentParser, got {type(parser).__name__}")
     group = parser.add_argument_group("FP8 backends (fp8_backends)")
     if gemm:
         group.add_argument(

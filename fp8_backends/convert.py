@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 
 from .backend import Fp8GemmBackend
-from .errors import InvalidInputError, UnsupportedProblemError
+from .errors import InvalidInputError, InvalidTypeError, UnsupportedProblemError
 from .layers import Fp8Linear
 from .types import ActScale, Fp8Dtype, WeightScale
 
@@ -159,6 +160,35 @@ def _weight_bytes(module: nn.Module) -> int:
                if t is not None)
 
 
+def _patterns(skip: object) -> tuple[str, ...]:
+    """``skip`` as a tuple of fnmatch patterns (one string is one pattern)."""
+    if isinstance(skip, str):
+        return (skip,)
+    try:
+        patterns = tuple(skip)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidTypeError(f"skip must be a sequence of fnmatch patterns, got {type(skip).__name__}") from None
+    if not all(isinstance(p, str) for p in patterns):
+        raise InvalidTypeError(f"skip patterns must be strings, got {patterns!r}")
+    return patterns
+
+
+def _input_scales(values: object) -> dict[str, float]:
+    """``input_scales`` checked: module name -> a finite float > 0."""
+    if values is None:
+        return {}
+    if not isinstance(values, Mapping):
+        raise InvalidTypeError(f"input_scales must be a mapping of module name -> scale, got {type(values).__name__}")
+    out = {}
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidTypeError(f"input_scales[{name!r}] must be a float, got {type(value).__name__} {value!r}")
+        if not 0.0 < value < math.inf:
+            raise InvalidInputError(f"input_scales[{name!r}] must be finite and > 0, got {value!r}")
+        out[str(name)] = float(value)
+    return out
+
+
 def quantize_model(
     model: nn.Module,
     *,
@@ -192,13 +222,26 @@ def quantize_model(
             setting, set once here; ``False`` leaves Inductor's settings as they are).
     """
     if not isinstance(model, nn.Module):
-        raise InvalidInputError(f"quantize_model needs an nn.Module, got {type(model).__name__}")
+        raise InvalidTypeError(f"quantize_model needs an nn.Module, got {type(model).__name__}")
+    mode = ActScale.of(act_scale)
     try:
-        mode = ActScale(act_scale)
         wmode = WeightScale(weight_scale)
-    except ValueError as exc:
-        raise InvalidInputError(str(exc)) from None
+    except (ValueError, TypeError):
+        raise InvalidInputError(f"weight_scale must be per_tensor or per_channel, got {weight_scale!r}") from None
     fp8_in = Fp8Dtype.of(input_dtype)
+    Fp8Dtype.of(weight_dtype)
+    skip = _patterns(skip)
+    if include is not None and not callable(include):
+        raise InvalidTypeError(f"include must be a callable (name, linear) -> bool, got {type(include).__name__}")
+    if calibration is not None and (isinstance(calibration, (str, bytes)) or not hasattr(calibration, "__iter__")):
+        raise InvalidTypeError(f"calibration must be an iterable of batches, got {type(calibration).__name__}")
+    input_scales = _input_scales(input_scales)
+    if backend is not None and not isinstance(backend, (str, Fp8GemmBackend)):
+        raise InvalidTypeError(f"backend must be a name, an Fp8GemmBackend or None, got {type(backend).__name__}")
+    if isinstance(backend, str):
+        from .registry.resolution import BackendRequest
+
+        BackendRequest.parse(backend)  # malformed options fail here, before any layer is touched
     summary = QuantizeSummary(act_scale=mode.value, weight_scale=wmode.value)
     targets = _targets(model, tuple(skip), include, summary)
     scales: dict[str, float] = {}
@@ -206,7 +249,7 @@ def quantize_model(
         if calibration is not None:
             amax = calibrate_input_amax(model, dict(targets), calibration)
             scales = {name: max(value / fp8_in.max, 1e-12) for name, value in amax.items()}
-        scales.update({name: float(v) for name, v in (input_scales or {}).items()})
+        scales.update(input_scales)
         missing = [name for name, _ in targets if name not in scales]
         if missing:
             raise InvalidInputError(

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
+from fp8_backends.errors import ConfigurationError
 from fp8_backends.registry import settings
 
 Buckets = tuple[tuple[int | None, str], ...]
@@ -115,8 +116,9 @@ T = TypeVar("T", bound=BucketTable)
 class TableSource(Generic[T]):
     """The table a provider's ``auto`` uses: the JSON file named by ``env`` if set, else ``builtin``.
 
-    The file is re-read when its path or modification time changes; a broken file raises ``ValueError``
-    naming the variable, so the provider can report itself unavailable with that reason.
+    The file is re-read when its path or modification time changes; a broken file raises
+    :class:`~fp8_backends.errors.ConfigurationError` (a ``ValueError``) naming the variable, so the provider can
+    report itself unavailable with that reason.
     """
 
     def __init__(self, env: str, builtin: T, what: str) -> None:
@@ -134,7 +136,7 @@ class TableSource(Generic[T]):
         try:
             mtime = os.stat(path).st_mtime
         except OSError as exc:
-            raise ValueError(f"{self.env}={path}: cannot read the {self.what} ({exc})") from None
+            raise ConfigurationError(self.env, path, f"a readable {self.what} file (JSON)", str(exc)) from None
         loaded = self._loaded
         if loaded is not None and loaded[0] == path and loaded[1] == mtime:
             return loaded[2]
@@ -142,7 +144,8 @@ class TableSource(Generic[T]):
             with open(path, encoding="utf-8") as f:
                 table = type(self.builtin).from_json(json.load(f))
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"{self.env}={path}: invalid {self.what}: {exc}") from None
+            raise ConfigurationError(self.env, path, f"a readable {self.what} file (JSON)",
+                                     f"invalid {self.what}: {exc}") from None
         self._loaded = (path, mtime, table)  # type: ignore[assignment]
         return table  # type: ignore[return-value]
 

@@ -58,6 +58,30 @@ class InvalidInputError(Fp8BackendError, ValueError):
     """A tensor handed to a provider or layer has the wrong dtype, shape, layout, device or value."""
 
 
+class InvalidTypeError(InvalidInputError, TypeError):
+    """An argument of the wrong type (a ``dict`` where a :class:`~fp8_backends.types.GemmProblem` belongs, a
+    number as a backend name, a string as a platform). Also a ``TypeError`` (and, as an
+    :class:`InvalidInputError`, a ``ValueError``)."""
+
+
+class BackendOptionError(InvalidInputError, LookupError):
+    """A backend request's options are malformed or refused: ``NAME@key`` without ``=``, a key given twice,
+    options on ``auto``, an unknown key or value. Also a ``ValueError`` and (as malformed requests were
+    reported before as unknown names) a ``LookupError``."""
+
+
+class ConfigurationError(Fp8BackendError, ValueError):
+    """An environment variable holds a value the library does not accept. ``variable``, ``value`` and
+    ``accepted`` (a description of the valid values) say which and why."""
+
+    def __init__(self, variable: str, value: str, accepted: str, detail: str = "") -> None:
+        self.variable = variable
+        self.value = value
+        self.accepted = accepted
+        extra = f" ({detail})" if detail else ""
+        super().__init__(f"{variable}={value!r} is not valid{extra}; accepted: {accepted}")
+
+
 class BuildError(Fp8BackendError, RuntimeError):
     """A just-in-time kernel build failed; ``log_path`` points at the compiler's output."""
 
@@ -81,11 +105,14 @@ class DataFileError(Fp8BackendError, ValueError):
 
 __all__ = [
     "AmbiguousBackendError",
+    "BackendOptionError",
     "BackendUnavailableError",
     "BuildError",
+    "ConfigurationError",
     "DataFileError",
     "Fp8BackendError",
     "InvalidInputError",
+    "InvalidTypeError",
     "UnknownBackendError",
     "UnsupportedProblemError",
 ]

@@ -19,6 +19,7 @@ a processed module re-processes itself after one.
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -29,7 +30,7 @@ from torch import nn
 from . import validation as V
 from .backend import Fp8GemmBackend, NormQuantBackend
 from .eager_plan import EagerPlan, bind_linear, bind_quantizer
-from .errors import InvalidInputError, UnsupportedProblemError
+from .errors import InvalidInputError, InvalidTypeError, UnsupportedProblemError
 from .functional import apply_fp8_linear
 from .types import (
     ActScale,
@@ -53,6 +54,43 @@ SHARD_SCALE_POLICIES = ("auto", "per_channel", "requantize")
 _ANY_M = 1 << 62
 _compiling = torch.compiler.is_compiling
 _dispatch_modes = torch._C._len_torch_dispatch_stack
+
+
+def _positive_int(value: object, what: str) -> int:
+    """``value`` as an int >= 1 (any integer type, not a bool); else the library's error."""
+    if isinstance(value, bool):
+        raise InvalidTypeError(f"{what} must be a positive integer, got {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise InvalidTypeError(f"{what} must be a positive integer, got {type(value).__name__} {value!r}") from None
+    if number <= 0:
+        raise InvalidInputError(f"{what} must be positive, got {number}")
+    return number
+
+
+def _device(device: object) -> torch.device | None:
+    """``device`` as a torch.device (None stays None), or the library's error for one torch does not know."""
+    if device is None or isinstance(device, torch.device):
+        return device
+    if not isinstance(device, (str, int)) or isinstance(device, bool):
+        raise InvalidTypeError(f"device must be a torch.device, a string or an index, got {type(device).__name__}")
+    try:
+        return torch.device(device)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise InvalidInputError(f"unsupported device {device!r}: {exc}") from None
+
+
+def _check_backend_request(backend: object, base: type) -> None:
+    """At construction: a backend must be None, a request string (parsed now: malformed options fail here, not at
+    processing) or a ``base`` instance."""
+    if backend is None or isinstance(backend, base):
+        return
+    if not isinstance(backend, str):
+        raise InvalidTypeError(f"backend must be a name, a {base.__name__} or None, got {type(backend).__name__}")
+    from .registry.resolution import BackendRequest
+
+    BackendRequest.parse(backend)
 
 
 def _model_dtype(dtype: object) -> torch.dtype:
@@ -104,7 +142,7 @@ def _resolve(kind: str, backend: Any, problem: Any) -> Any:
         backend.ensure_preloaded()
         return backend
     if backend is not None and not isinstance(backend, str):
-        raise InvalidInputError(f"backend must be a name, a {base.__name__} or None, got {type(backend).__name__}")
+        raise InvalidTypeError(f"backend must be a name, a {base.__name__} or None, got {type(backend).__name__}")
     resolve = resolution.resolve_gemm_backend if kind == "gemm" else resolution.resolve_norm_quant_backend
     return resolve(backend, problem=problem)
 
@@ -170,27 +208,32 @@ class Fp8Linear(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        if int(in_features) <= 0 or int(out_features) <= 0:
-            raise InvalidInputError(f"in_features and out_features must be positive, got {in_features}, {out_features}")
-        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.in_features = _positive_int(in_features, "in_features")
+        self.out_features = _positive_int(out_features, "out_features")
+        self.act_scale = ActScale.of(act_scale)
         try:
-            self.act_scale = ActScale(act_scale)
             self.weight_scale_mode = WeightScale(weight_scale)
-        except ValueError as exc:
-            raise InvalidInputError(str(exc)) from None
+        except (ValueError, TypeError):
+            raise InvalidInputError(f"weight_scale must be per_tensor or per_channel, got {weight_scale!r}") from None
+        _check_backend_request(backend, Fp8GemmBackend)
         self.weight_dtype = _fp8_dtype(weight_dtype, "weight_dtype")
         self.input_dtype = _fp8_dtype(input_dtype, "input_dtype")
         self.dtype = _model_dtype(dtype)
         self.out_dtype = OutDtype.of(self.dtype)
         self.backend_request = backend
+        if not isinstance(bias, bool) and bias not in (0, 1):
+            raise InvalidTypeError(f"bias must be a bool, got {type(bias).__name__} {bias!r}")
+        device = _device(device)
         if shard_scales not in SHARD_SCALE_POLICIES:
             raise InvalidInputError(
                 f"shard_scales must be one of {', '.join(SHARD_SCALE_POLICIES)}, got {shard_scales!r}"
             )
         self.shard_scales = shard_scales
         if shard_sizes is not None:
-            sizes = [int(s) for s in shard_sizes]
-            if not sizes or any(s <= 0 for s in sizes) or sum(sizes) != self.out_features:
+            if isinstance(shard_sizes, (str, bytes)) or not hasattr(shard_sizes, "__iter__"):
+                raise InvalidTypeError(f"shard_sizes must be a sequence of ints, got {type(shard_sizes).__name__}")
+            sizes = [_positive_int(s, "shard_sizes item") for s in shard_sizes]
+            if not sizes or sum(sizes) != self.out_features:
                 raise InvalidInputError(
                     f"shard_sizes must be positive and sum to out_features={self.out_features}, got {sizes}"
                 )
@@ -515,12 +558,15 @@ class Fp8Linear(nn.Module):
             backend = _resolve_gemm(self.backend_request, self._problem(WeightScale.PER_CHANNEL))
             return WeightScale.PER_CHANNEL, backend
         backend = _resolve_gemm(self.backend_request, self._problem(WeightScale.PER_TENSOR))
-        if policy == "auto" and WeightScale.PER_CHANNEL in backend.capabilities.weight_scales:
-            reasons = backend.supports(self._problem(WeightScale.PER_CHANNEL))
+        if policy == "auto":
+            reasons = (backend.supports(self._problem(WeightScale.PER_CHANNEL))
+                       if WeightScale.PER_CHANNEL in backend.capabilities.weight_scales
+                       else ["it takes per-tensor weight scales only"])
             if not reasons:
                 logger.debug("fused layer keeps per-shard scales per channel (%s)", backend.label)
                 return WeightScale.PER_CHANNEL, backend
-            logger.debug("fused layer requantizes: %s per-channel: %s", backend.label, "; ".join(reasons))
+            logger.info("fused layer requantizes its shards to one scale: %s cannot keep them per channel (%s)",
+                        backend.label, "; ".join(reasons))
         self._requantize_to_max()
         return WeightScale.PER_TENSOR, backend
 
@@ -656,13 +702,12 @@ class RMSNormFp8Quant(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        if int(hidden_size) <= 0:
-            raise InvalidInputError(f"hidden_size must be positive, got {hidden_size}")
-        if not isinstance(eps, (int, float)) or not eps > 0:
-            raise InvalidInputError(f"eps must be a positive float, got {eps!r}")
-        self.hidden_size, self.eps = int(hidden_size), float(eps)
+        self.hidden_size = _positive_int(hidden_size, "hidden_size")
+        self.eps = V.require_eps(eps)
+        device = _device(device)
         self.weight = nn.Parameter(torch.ones(self.hidden_size, dtype=_model_dtype(dtype), device=device),
                                    requires_grad=False)
+        _check_backend_request(backend, NormQuantBackend)
         self.backend_request = backend
         self.norm_backend: NormQuantBackend | None = None
         self._residual_backend: NormQuantBackend | None = None

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from typing import Any
 
+from fp8_backends.errors import ConfigurationError, Fp8BackendError
 from fp8_backends.registry import discovery, resolution, settings
 from fp8_backends.registry.platform import Platform, detect_platform, list_platforms, simulate_platform
 from fp8_backends.types import ActScale, GemmProblem, NormQuantProblem, WeightScale
@@ -93,9 +95,11 @@ def collect(
     norm_request: str | None = None,
 ) -> dict[str, Any]:
     """Everything the listing shows, as a JSON-ready dict (schema ``fp8_backends.list/1``)."""
+    # explain_loaded, as resolve does: the `*` marks exactly what auto resolves to (a provider that fails to load
+    # is passed over by both)
     resolutions = {
-        "gemm": resolution.explain("gemm", gemm_request, problem=gemm_problem, platform=platform),
-        "norm_quant": resolution.explain("norm_quant", norm_request, problem=norm_problem, platform=platform),
+        "gemm": resolution.explain_loaded("gemm", gemm_request, problem=gemm_problem, platform=platform),
+        "norm_quant": resolution.explain_loaded("norm_quant", norm_request, problem=norm_problem, platform=platform),
     }
     providers = []
     for kind in ("gemm", "norm_quant"):
@@ -348,14 +352,30 @@ def main(argv: list[str] | None = None) -> int:
                                             residual=args.residual, device=device)
     except (ValueError, argparse.ArgumentTypeError) as exc:
         ap.error(str(exc))
-    data = collect(platform, gemm_problem, norm_problem, args.gemm_backend, args.norm_quant_backend)
+    # the library's warnings while listing (a plugin that fails to load, an FP8_BACKENDS_DISABLED item that matches
+    # nothing, a lockfile it cannot use) go to stderr: the listing is where a user looks for them
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("warning: %(message)s"))
+    logger = logging.getLogger("fp8_backends")
+    logger.addHandler(handler)
+    try:
+        data = collect(platform, gemm_problem, norm_problem, args.gemm_backend, args.norm_quant_backend)
+    except Fp8BackendError as exc:  # e.g. a bad FP8_BACKENDS_PDL: say so, no traceback
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        logger.removeHandler(handler)
     if args.json:
         json.dump(data, sys.stdout, indent=2, sort_keys=False)
         sys.stdout.write("\n")
     else:
         print(render(data))
+    # an explicit choice that cannot be resolved fails the listing; so does a configuration error (a bad
+    # environment variable), whatever the request
     failed = [f"{kind}: {res['error']}" for kind, res in data["resolution"].items()
-              if res["error"] and res["request"].strip() != resolution.AUTO]
+              if res["error"] and (res["request"].strip() != resolution.AUTO
+                                   or res["error"].startswith(ConfigurationError.__name__))]
     if failed:
         print(f"error: {'; '.join(failed)}", file=sys.stderr)
         return 1

@@ -169,7 +169,8 @@ def _resolve_default(mode: ActScale, device_type: str) -> QuantImpl:
                     chosen.update(quant_kernels.impls())
                     logger.debug("quant: CUDA default is the Triton kernels")
                 else:
-                    logger.debug("quant: CUDA default is the reference (%s)", reason)
+                    logger.info("quant: the CUDA default is the reference torch code, not the Triton kernels (%s)",
+                                reason)
             except Exception as exc:  # a broken triton install must not break quantization
                 logger.warning("quant: Triton quant kernels unusable (%s: %s); using the reference on CUDA",
                                type(exc).__name__, exc)

@@ -57,16 +57,28 @@ def quantize_static(x: torch.Tensor, scale: torch.Tensor, dtype: object = "e4m3f
 def quantize_dynamic_per_tensor(
     x: torch.Tensor, dtype: object = "e4m3fn"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-tensor dynamic quantization: ``scale = max(amax(x) / max, 1e-12)`` as a ``[1]`` fp32 tensor."""
+    """Per-tensor dynamic quantization: ``scale = max(amax(x) / max, 1e-12)`` as a ``[1]`` fp32 tensor (an empty
+    ``x`` gets ``1e-12``, as an all-zero one does)."""
+    import torch
+
     _, fmax = _fp8(dtype)
-    scale = (x.detach().abs().amax().float() / fmax).clamp_min(MIN_DYNAMIC_SCALE).reshape(1)
+    if x.numel() == 0:
+        scale = torch.full((1,), MIN_DYNAMIC_SCALE, dtype=torch.float32, device=x.device)
+    else:
+        scale = (x.detach().abs().amax().float() / fmax).clamp_min(MIN_DYNAMIC_SCALE).reshape(1)
     return quantize_static(x, scale, dtype), scale
 
 
 def quantize_per_token(x: torch.Tensor, dtype: object = "e4m3fn") -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token (row) dynamic quantization of ``x: [M, K]``; ``scale: [M, 1]`` fp32."""
+    """Per-token (row) dynamic quantization of ``x: [M, K]``; ``scale: [M, 1]`` fp32 (rows of an ``x`` with
+    K = 0 get ``1e-12``)."""
+    import torch
+
     _, fmax = _fp8(dtype)
-    scale = (x.detach().abs().amax(dim=-1, keepdim=True).float() / fmax).clamp_min(MIN_DYNAMIC_SCALE)
+    if x.shape[-1] == 0:
+        scale = torch.full((*x.shape[:-1], 1), MIN_DYNAMIC_SCALE, dtype=torch.float32, device=x.device)
+    else:
+        scale = (x.detach().abs().amax(dim=-1, keepdim=True).float() / fmax).clamp_min(MIN_DYNAMIC_SCALE)
     return quantize_static(x, scale, dtype), scale
 
 
@@ -77,7 +89,9 @@ def quantize(
     mode = ActScale.of(mode)
     if mode is ActScale.PER_TENSOR_STATIC:
         if scale is None:
-            raise ValueError("static quantization needs a scale")
+            from .errors import InvalidInputError
+
+            raise InvalidInputError("static quantization needs a scale")
         return quantize_static(x, scale, dtype), scale
     if mode is ActScale.PER_TENSOR_DYNAMIC:
         return quantize_dynamic_per_tensor(x, dtype)

@@ -7,8 +7,11 @@ machines where importing torch (or any kernel library) would be slow or impossib
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
+
+from .errors import InvalidInputError, InvalidTypeError
 
 if TYPE_CHECKING:
     import torch
@@ -38,13 +41,57 @@ class ActScale(str, enum.Enum):
         return _member(cls, mode, "activation scale mode")
 
 
+def _weight_scale_of(mode: Any) -> WeightScale:
+    return mode if isinstance(mode, WeightScale) else _member(WeightScale, mode, "weight scale mode")
+
+
 def _member(cls: type[enum.Enum], value: Any, what: str) -> Any:
-    """``cls(value)`` through the value map: torch.compile traces a dict lookup, not an Enum call."""
-    member = cls._value2member_map_.get(value)
+    """``cls(value)`` through the value map: torch.compile traces a dict lookup, not an Enum call. An unknown
+    value raises :class:`~fp8_backends.errors.InvalidInputError` (a ``ValueError``); an unhashable one
+    :class:`~fp8_backends.errors.InvalidTypeError`."""
+    try:
+        member = cls._value2member_map_.get(value)
+    except TypeError:  # unhashable (a list, a dict)
+        valid = ", ".join(str(m.value) for m in cls)
+        raise InvalidTypeError(
+            f"{type(value).__name__} {value!r} is not a valid {what} (expected one of {valid})"
+        ) from None
     if member is None:
         valid = ", ".join(str(m.value) for m in cls)
-        raise ValueError(f"{value!r} is not a valid {what} (expected one of {valid})")
+        raise InvalidInputError(f"{value!r} is not a valid {what} (expected one of {valid})")
     return member
+
+
+def _int_field(owner: str, name: str, value: Any, minimum: int) -> int:
+    """``value`` as an ``int >= minimum`` (any integer type: Python, NumPy, torch's symbolic ints), or the
+    library error: :class:`InvalidTypeError` for a non-integer (floats, strings, ``None``, ``bool``),
+    :class:`InvalidInputError` for one out of range."""
+    if isinstance(value, bool):
+        raise InvalidTypeError(f"{owner}.{name} must be an integer, got the bool {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise InvalidTypeError(
+            f"{owner}.{name} must be an integer, got {type(value).__name__} {value!r}"
+        ) from None
+    if number < minimum:
+        bound = "positive" if minimum == 1 else f">= {minimum}"
+        raise InvalidInputError(f"{owner}.{name} must be {bound}, got {number}")
+    return number
+
+
+def _flag_field(owner: str, name: str, value: Any) -> bool:
+    """``value`` as a bool: ``True``/``False`` (or ``1``/``0``, NumPy bools); anything else (``"yes"``,
+    ``None``) is an :class:`InvalidTypeError`."""
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, str):
+        try:
+            if value in (0, 1):
+                return bool(value)
+        except Exception:  # noqa: BLE001 - e.g. an array with no single truth value
+            pass
+    raise InvalidTypeError(f"{owner}.{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
 class WeightScale(str, enum.Enum):
@@ -78,7 +125,7 @@ class Fp8Dtype(str, enum.Enum):
         text = str(dtype).removeprefix("torch.").removeprefix("float8_")
         member = cls._value2member_map_.get(text)
         if member is None:
-            raise ValueError(f"not an FP8 dtype: {dtype!r} (expected e4m3fn or e5m2)")
+            raise InvalidInputError(f"not an FP8 dtype: {dtype!r} (expected e4m3fn or e5m2)")
         return member
 
 
@@ -104,7 +151,7 @@ class OutDtype(str, enum.Enum):
                 "float": "float32"}.get(text, text)
         member = cls._value2member_map_.get(text)
         if member is None:
-            raise ValueError(f"unsupported output dtype {dtype!r} (expected bfloat16, float16 or float32)")
+            raise InvalidInputError(f"unsupported output dtype {dtype!r} (expected bfloat16, float16 or float32)")
         return member
 
 
@@ -126,11 +173,15 @@ class DeviceKind(str, enum.Enum):
         """Accept ``"cuda"``, ``"cuda:1"``, ``"cpu"``, a ``torch.device`` or an instance."""
         if isinstance(device, cls):
             return device
-        kind = getattr(device, "type", None) or str(device).split(":")[0]
-        try:
-            return cls(kind)
-        except ValueError:
-            raise ValueError(f"unsupported device {device!r} (expected cpu or cuda)") from None
+        kind = getattr(device, "type", None)
+        if kind is None:
+            kind, sep, index = str(device).partition(":")
+            if sep and not (kind == "cuda" and index.isdigit()):
+                raise InvalidInputError(f"unsupported device {device!r} (expected cpu, cuda or cuda:N)")
+        member = cls._value2member_map_.get(kind)
+        if member is None:
+            raise InvalidInputError(f"unsupported device {device!r} (expected cpu or cuda)")
+        return member
 
 
 @dataclass(frozen=True)
@@ -153,18 +204,20 @@ class GemmProblem:
     device: DeviceKind = DeviceKind.CUDA
 
     def __post_init__(self) -> None:
-        # normalise loose inputs ("bf16", torch dtypes, plain strings) into the enums
-        object.__setattr__(self, "input_dtype", Fp8Dtype.of(self.input_dtype))
-        object.__setattr__(self, "weight_dtype", Fp8Dtype.of(self.weight_dtype))
-        object.__setattr__(self, "out_dtype", OutDtype.of(self.out_dtype))
-        object.__setattr__(self, "act_scale", ActScale(self.act_scale))
-        object.__setattr__(self, "weight_scale", WeightScale(self.weight_scale))
-        object.__setattr__(self, "device", DeviceKind.of(self.device))
-        for dim in ("n", "k"):
-            if int(getattr(self, dim)) <= 0:
-                raise ValueError(f"GemmProblem.{dim} must be positive, got {getattr(self, dim)}")
-        if self.m is not None and self.m < 0:
-            raise ValueError(f"GemmProblem.m must be >= 0, got {self.m}")
+        # normalise loose inputs ("bf16", torch dtypes, plain strings, NumPy ints) into ints, bools and the
+        # enums; anything else raises InvalidTypeError / InvalidInputError (TypeError / ValueError)
+        setattr_ = object.__setattr__
+        setattr_(self, "n", _int_field("GemmProblem", "n", self.n, 1))
+        setattr_(self, "k", _int_field("GemmProblem", "k", self.k, 1))
+        if self.m is not None:
+            setattr_(self, "m", _int_field("GemmProblem", "m", self.m, 0))
+        setattr_(self, "input_dtype", Fp8Dtype.of(self.input_dtype))
+        setattr_(self, "weight_dtype", Fp8Dtype.of(self.weight_dtype))
+        setattr_(self, "out_dtype", OutDtype.of(self.out_dtype))
+        setattr_(self, "act_scale", ActScale.of(self.act_scale))
+        setattr_(self, "weight_scale", _weight_scale_of(self.weight_scale))
+        setattr_(self, "has_bias", _flag_field("GemmProblem", "has_bias", self.has_bias))
+        setattr_(self, "device", DeviceKind.of(self.device))
 
     def with_m(self, m: int | None) -> GemmProblem:
         return replace(self, m=m)
@@ -190,11 +243,14 @@ class NormQuantProblem:
     device: DeviceKind = DeviceKind.CUDA
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "in_dtype", OutDtype.of(self.in_dtype))
-        object.__setattr__(self, "out_fp8", Fp8Dtype.of(self.out_fp8))
-        object.__setattr__(self, "device", DeviceKind.of(self.device))
-        if self.hidden <= 0:
-            raise ValueError(f"NormQuantProblem.hidden must be positive, got {self.hidden}")
+        setattr_ = object.__setattr__
+        setattr_(self, "hidden", _int_field("NormQuantProblem", "hidden", self.hidden, 1))
+        if self.tokens is not None:
+            setattr_(self, "tokens", _int_field("NormQuantProblem", "tokens", self.tokens, 0))
+        setattr_(self, "in_dtype", OutDtype.of(self.in_dtype))
+        setattr_(self, "out_fp8", Fp8Dtype.of(self.out_fp8))
+        setattr_(self, "residual", _flag_field("NormQuantProblem", "residual", self.residual))
+        setattr_(self, "device", DeviceKind.of(self.device))
 
     def describe(self) -> str:
         t = "?" if self.tokens is None else self.tokens

@@ -8,11 +8,12 @@ free: for CPU tensors, and at load time (``prepare_weight``, layer construction)
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
-from fp8_backends.registry.settings import check_scales_at_call
+from fp8_backends.registry.settings import check_scales_flag
 
-from .errors import InvalidInputError
+from .errors import InvalidInputError, InvalidTypeError
 from .types import Fp8Dtype, OutDtype
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ def require_tensor(t: object, what: str) -> None:
     import torch
 
     if not isinstance(t, torch.Tensor):
-        raise InvalidInputError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+        raise InvalidTypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
 
 
 def require_row_major_2d(t: torch.Tensor, what: str, shape_doc: str) -> None:
@@ -65,21 +66,36 @@ def is_scalar_shape(s: torch.Tensor) -> bool:
     return s.numel() == 1 and s.dim() <= 2
 
 
-_CHECK_DEVICE_SCALES = check_scales_at_call()
+#: set by :func:`set_check_device_scales` (None: follow ``FP8_BACKENDS_CHECK_SCALES``)
+_FORCED_DEVICE_SCALES: bool | None = None
 
 
-def set_check_device_scales(enabled: bool) -> None:
-    """Also check device-resident per-call scales (syncs; for debugging). Default: the
-    ``FP8_BACKENDS_CHECK_SCALES`` environment variable at import."""
-    global _CHECK_DEVICE_SCALES
-    _CHECK_DEVICE_SCALES = bool(enabled)
+def device_scale_checks() -> bool:
+    """Whether per-call device-resident scales are checked: :func:`set_check_device_scales` if called, else
+    ``FP8_BACKENDS_CHECK_SCALES`` read now (strictly; about 0.15 µs: see
+    :class:`~fp8_backends.registry.settings.EnvFlag`)."""
+    forced = _FORCED_DEVICE_SCALES
+    return check_scales_flag() if forced is None else forced
+
+
+# torch.compile takes its value when it traces (scale values are never checked in compiled code): what
+# torch._dynamo.assume_constant_result(device_scale_checks) sets, without importing torch in this light module
+device_scale_checks._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def set_check_device_scales(enabled: bool | None) -> None:
+    """Also check device-resident per-call scales (syncs; for debugging). ``None``: follow the
+    ``FP8_BACKENDS_CHECK_SCALES`` environment variable again (the default, read at each call)."""
+    global _FORCED_DEVICE_SCALES
+    _FORCED_DEVICE_SCALES = None if enabled is None else bool(enabled)
 
 
 def check_scale_values(s: torch.Tensor, what: str, *, force: bool = False) -> None:
     """Refuse NaN, inf, zero or negative scales. Reads values only for CPU tensors unless ``force``
     or :func:`set_check_device_scales` (both sync with the device: use at load time or to debug).
     Skipped while torch.compile traces and for fake tensors (shape propagation: there are no values)."""
-    if s.device.type != "cpu" and not (force or _CHECK_DEVICE_SCALES):
+    checks = device_scale_checks()  # read even for CPU scales: a bad FP8_BACKENDS_CHECK_SCALES never goes unseen
+    if s.device.type != "cpu" and not (force or checks):
         return
     import torch
 
@@ -106,14 +122,21 @@ def out_dtype_of(out_dtype: object) -> OutDtype:
     try:
         parsed = _OUT_DTYPES.get(out_dtype)
     except TypeError:  # unhashable
-        raise InvalidInputError(f"unsupported output dtype {out_dtype!r}") from None
+        raise InvalidTypeError(f"unsupported output dtype {out_dtype!r}") from None
     if parsed is None:
-        try:
-            parsed = OutDtype.of(out_dtype)
-        except ValueError as exc:
-            raise InvalidInputError(str(exc)) from None
+        parsed = OutDtype.of(out_dtype)  # raises InvalidInputError
         _OUT_DTYPES[out_dtype] = parsed
     return parsed
+
+
+def require_eps(eps: object, what: str = "eps") -> float:
+    """``eps`` as a float: a finite number > 0 (an ``int`` or ``float``, not a ``bool``); otherwise
+    :class:`InvalidTypeError` (a string, ``None``) or :class:`InvalidInputError` (zero, negative, inf, NaN)."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise InvalidTypeError(f"{what} must be a positive float, got {type(eps).__name__} {eps!r}")
+    if not 0.0 < eps < math.inf:
+        raise InvalidInputError(f"{what} must be a positive float (finite, > 0), got {eps!r}")
+    return float(eps)
 
 
 def require_matching_residual(residual: object, x: torch.Tensor) -> None:

@@ -178,11 +178,14 @@ def autotune_cache_path(sm: tuple[int, int] | None) -> Path:
 
 
 def autotune_default() -> str:
-    """The ``autotune`` mode from :data:`AUTOTUNE_ENV` (``off`` when unset). Raises ``ValueError``
-    for a value that is not a mode."""
+    """The ``autotune`` mode from :data:`AUTOTUNE_ENV` (``off`` when unset). Raises
+    :class:`~fp8_backends.errors.ConfigurationError` (a ``ValueError``) for a value that is not a mode."""
     value = os.environ.get(AUTOTUNE_ENV, "").strip().lower()
     if not value:
         return "off"
     if value not in AUTOTUNE_MODES:
-        raise ValueError(f"{AUTOTUNE_ENV}={value!r} is not one of {', '.join(AUTOTUNE_MODES)}")
+        from fp8_backends.errors import ConfigurationError
+
+        raise ConfigurationError(AUTOTUNE_ENV, os.environ.get(AUTOTUNE_ENV, ""),
+                                 f"{', '.join(AUTOTUNE_MODES)} (unset or empty: off)")
     return value

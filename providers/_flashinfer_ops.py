@@ -349,7 +349,7 @@ def _runner_names(state: GemmDevice, runner: str, a3, b3, sa, sb, out3) -> list[
             if names:
                 return names
         except Exception as exc:
-            logger.debug("flashinfer _heuristic_func_bmm_fp8 failed (%s); using our own order", exc)
+            logger.info("flashinfer _heuristic_func_bmm_fp8 failed (%s); using our own order", exc)
     return [cutlass if s == "cutlass" else s for s in suitable]
 
 
@@ -416,7 +416,7 @@ def _cublaslt_algo(state: GemmDevice, tactic: Any, a3, b3, sa, sb, out3) -> torc
     try:
         count = int(state.get_algos(a3, b3, out3, sa, sb, state.workspace, algos))
     except Exception as exc:
-        logger.debug("bmm_fp8_get_algos failed (%s); per-call heuristic instead", exc)
+        logger.info("flashinfer_bmm: bmm_fp8_get_algos failed (%s); per-call heuristic instead", exc)
         return None
     if index >= count:
         return None
@@ -454,7 +454,8 @@ def _build_plan(state: GemmDevice, name: str, tactic: Any, a3, b3, sa, sb, out3)
     try:
         return _RunnerPlan(_runner_object(state, name), tactic, state.workspace), fallbacks
     except Exception as exc:
-        logger.debug("flashinfer runner %s not constructible (%s); using flashinfer.bmm_fp8", name, exc)
+        logger.warning("flashinfer runner %s not constructible (%s); using flashinfer.bmm_fp8 (slower host path)",
+                       name, exc)
         return _ApiPlan(state.fi, api_backend), []
 
 
@@ -539,7 +540,7 @@ class NormDevice:
                 self.rq, self.arq = module.rmsnorm_quant, module.fused_add_rmsnorm_quant
                 self.kind = "direct"
         except Exception as exc:
-            logger.debug("flashinfer norm: compiled module not callable directly (%s); using the public API", exc)
+            logger.info("flashinfer norm: compiled module not callable directly (%s); using the public API", exc)
 
 
 _NORM_DEVICES: dict[int, NormDevice] = {}

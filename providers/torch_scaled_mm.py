@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from fp8_backends.backend import Fp8GemmBackend
 from fp8_backends.capabilities import GemmCapabilities
+from fp8_backends.errors import InvalidInputError
 from fp8_backends.types import (
     ActScale,
     BiasMode,
@@ -26,6 +27,10 @@ if TYPE_CHECKING:
     import torch
 
     from fp8_backends.registry.platform import Platform
+
+
+#: the option does nothing there (torch's CPU _scaled_mm accumulates in fp32 whatever it says): refused, not ignored
+_CPU_FAST_ACCUM = "fast_accum=true has no effect on the CPU (torch's CPU _scaled_mm ignores it); use fast_accum=false"
 
 
 class TorchScaledMMBackend(Fp8GemmBackend):
@@ -53,6 +58,8 @@ class TorchScaledMMBackend(Fp8GemmBackend):
     )
 
     def extra_reasons(self, problem: GemmProblem | None, platform: Platform) -> list[str]:
+        if problem is not None and problem.device is DeviceKind.CPU and self.config["fast_accum"] == "true":
+            return [_CPU_FAST_ACCUM]
         if problem is None or problem.device is DeviceKind.CPU:
             return []
         reasons = []
@@ -69,6 +76,8 @@ class TorchScaledMMBackend(Fp8GemmBackend):
     def prepare_weight_impl(
         self, w_q: torch.Tensor, w_scale: torch.Tensor, weight_scale: WeightScale
     ) -> PreparedWeight:
+        if w_q.device.type == "cpu" and self.config["fast_accum"] == "true":
+            raise InvalidInputError(_CPU_FAST_ACCUM)
         n, k = w_q.shape
         # row-wise B scale [1, N], used whenever either operand is scaled per row; built once here
         row_scale = w_scale.reshape(-1).expand(n).reshape(1, n).contiguous()
@@ -93,7 +102,7 @@ class TorchScaledMMBackend(Fp8GemmBackend):
     ) -> torch.Tensor:
         import torch
 
-        if x_scale.numel() > 1 or prepared.weight_scale is WeightScale.PER_CHANNEL:
+        if x_scale.numel() != 1 or prepared.weight_scale is WeightScale.PER_CHANNEL:
             # row-wise path: scale_a [M, 1], scale_b [1, N]. A per-tensor x_scale with a
             # per-channel weight is broadcast to [M, 1] here (M floats, the only per-call copy).
             a_scale = x_scale if x_scale.numel() > 1 else x_scale.reshape(1, 1).expand(x_q.shape[0], 1).contiguous()

@@ -237,7 +237,8 @@ def _scan(kind: str, allowed: set[str] | None) -> list[ProviderEntry]:
                     entry.status, entry.error = BLOCKED, f"blocked: {err}"
                 else:
                     entry.status, entry.error = FAILED, str(err)
-                    logger.debug("provider %s (%s) failed to load: %s", ep.name, ep.value, err)
+                    logger.warning("%s provider %s (%s) failed to load and cannot be used: %s", kind, ep.name,
+                                   ep.value, err)
             else:
                 entry.cls = loaded.get(key)
                 problem = _check_class(kind, ep.name, entry.cls)

@@ -16,6 +16,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 
+from fp8_backends.errors import ConfigurationError, InvalidInputError, InvalidTypeError
 from fp8_backends.types import DeviceKind
 
 from . import settings
@@ -83,7 +84,10 @@ class Platform:
 
 
 def parse_sm(text: str) -> tuple[int, int]:
-    """Parse ``"9.0"``, ``"9.0a"``, ``"sm_90a"``, ``"90"``, ``"10.0"``, ``"100"`` into ``(major, minor)``."""
+    """Parse ``"9.0"``, ``"9.0a"``, ``"sm_90a"``, ``"90"``, ``"10.0"``, ``"100"`` into ``(major, minor)``;
+    anything else raises :class:`~fp8_backends.errors.InvalidInputError`."""
+    if not isinstance(text, str):
+        raise InvalidTypeError(f"an SM version is a string such as '9.0', got {type(text).__name__} {text!r}")
     raw = text.strip().lower().removeprefix("sm_").removeprefix("sm").rstrip("af")
     match = re.fullmatch(r"(\d+)\.(\d)", raw)
     if match:
@@ -91,7 +95,7 @@ def parse_sm(text: str) -> tuple[int, int]:
     match = re.fullmatch(r"(\d+)(\d)", raw)
     if match:
         return int(match.group(1)), int(match.group(2))
-    raise ValueError(f"cannot parse SM version {text!r} (expected e.g. 9.0, 10.0, sm_90a)")
+    raise InvalidInputError(f"cannot parse SM version {text!r} (expected e.g. 9.0, 10.0, sm_90a)")
 
 
 def library_versions() -> dict[str, str]:
@@ -134,7 +138,15 @@ def cpu_platform() -> Platform:
 
 def simulate_platform(sm: str | tuple[int, int], name: str | None = None) -> Platform:
     """A CUDA platform that does not exist here: ``simulate_platform("10.0")`` asks what would run on SM 10.0."""
-    major_minor = parse_sm(sm) if isinstance(sm, str) else (int(sm[0]), int(sm[1]))
+    if isinstance(sm, str):
+        major_minor = parse_sm(sm)
+    elif (isinstance(sm, tuple) and len(sm) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in sm)
+          and sm[0] >= 0 and sm[1] >= 0):
+        major_minor = (int(sm[0]), int(sm[1]))
+    else:
+        raise InvalidTypeError(f"simulate_platform needs an SM as '9.0' or (9, 0), got {type(sm).__name__} {sm!r}")
+    if name is not None and not isinstance(name, str):
+        raise InvalidTypeError(f"simulate_platform's name must be a string, got {type(name).__name__}")
     return Platform(
         kind=DeviceKind.CUDA,
         name=name or f"simulated SM {major_minor[0]}.{major_minor[1]}",
@@ -253,9 +265,15 @@ def detect_platform(device: object = None, *, simulate: str | None = None) -> Pl
     kind, index = _parse_device(device)
     if kind is DeviceKind.CPU:
         return cpu_platform()
-    sim = simulate or settings.simulated_sm()
+    if simulate:
+        return simulate_platform(simulate)
+    sim = settings.simulated_sm()
     if sim:
-        return simulate_platform(sim)
+        try:
+            return simulate_platform(sim)
+        except InvalidInputError:
+            raise ConfigurationError(settings.SIMULATE_SM_ENV, sim, "an SM version such as 9.0, 10.0 or sm_90a "
+                                     "(unset or empty: the real device)") from None
     platforms = [p for p in list_platforms() if p.is_cuda]
     if not platforms:
         if kind is DeviceKind.CUDA and device is not None:
@@ -267,7 +285,7 @@ def detect_platform(device: object = None, *, simulate: str | None = None) -> Pl
     for p in platforms:
         if p.device_index == index:
             return p
-    raise ValueError(f"no CUDA device with index {index} (found {len(platforms)})")
+    raise InvalidInputError(f"no CUDA device with index {index} (found {len(platforms)})")
 
 
 def _current_cuda_index() -> int:
@@ -282,16 +300,20 @@ def _current_cuda_index() -> int:
 def _parse_device(device: object) -> tuple[DeviceKind | None, int | None]:
     if device is None:
         return None, None
+    if isinstance(device, bool) or (isinstance(device, int) and device < 0):
+        raise InvalidInputError(f"unsupported device {device!r} (expected cpu, cuda, cuda:N or a device index >= 0)")
     if isinstance(device, int):
         return DeviceKind.CUDA, device
     if isinstance(device, DeviceKind):
         return device, None
-    text = str(device)  # str or torch.device
-    kind, _, idx = text.partition(":")
-    try:
-        dk = DeviceKind(kind)
-    except ValueError:
-        raise ValueError(f"unsupported device {device!r} (expected cpu, cuda or cuda:N)") from None
+    if not isinstance(device, str) and type(device).__name__ != "device":  # a str or a torch.device
+        raise InvalidTypeError(f"a device is 'cpu', 'cuda', 'cuda:N', an index or a torch.device, got "
+                               f"{type(device).__name__} {device!r}")
+    text = str(device)
+    kind, sep, idx = text.partition(":")
+    dk = DeviceKind._value2member_map_.get(kind)
+    if dk is None or (sep and not (dk is DeviceKind.CUDA and idx.isdigit())):
+        raise InvalidInputError(f"unsupported device {device!r} (expected cpu, cuda or cuda:N)")
     return dk, int(idx) if idx else None
 
 

@@ -10,7 +10,10 @@ Rules:
   highest-priority provider that can serve (built-ins first on a tie); the choice is logged once at
   INFO, the others' reasons at DEBUG. A name clash never stops ``auto``: it ranks every entry and logs
   one WARNING naming the clash and how to pin or disable one.
-- Options follow ``@``: ``flashinfer_bmm@runner=cudnn`` (``key=value`` pairs separated by ``,``).
+- Options follow ``@``: ``flashinfer_bmm@runner=cudnn`` (``key=value`` pairs separated by ``,``). A part without
+  ``=``, a key given twice, nothing after ``@`` and options on ``auto`` raise :class:`BackendOptionError`.
+- A provider whose construction or support check raises (a plugin bug) cannot serve: ``auto`` passes over it with
+  the cause among its reasons, and naming it raises :class:`BackendUnavailableError` with that cause.
 """
 
 from __future__ import annotations
@@ -25,11 +28,16 @@ from typing import Any
 
 from fp8_backends.errors import (
     AmbiguousBackendError,
+    BackendOptionError,
     BackendUnavailableError,
+    ConfigurationError,
+    Fp8BackendError,
+    InvalidInputError,
+    InvalidTypeError,
     UnknownBackendError,
     UnsupportedProblemError,
 )
-from fp8_backends.types import GemmProblem, NormQuantProblem
+from fp8_backends.types import Availability, GemmProblem, NormQuantProblem
 
 from . import settings
 from .discovery import BLOCKED, ProviderEntry, discover
@@ -50,6 +58,8 @@ class Candidate:
     reasons: list[str] = field(default_factory=list)
     #: why ``auto`` passes over a provider that could serve (it serves only when named), or None
     explicit_only: str | None = None
+    #: the exception the provider's construction or support check raised (a fault, not a reason), or None
+    fault: BaseException | None = None
 
     @property
     def ok(self) -> bool:
@@ -86,16 +96,39 @@ class BackendRequest:
 
     @classmethod
     def parse(cls, text: str) -> BackendRequest:
+        """Parse ``[DIST:]NAME[@key=value,...]``; raises :class:`InvalidTypeError` for a non-string and
+        :class:`BackendOptionError` for malformed options (no ``=``, an empty key, a key given twice, nothing
+        after ``@``, options on ``auto``). Option keys and values are checked by the provider."""
+        if not isinstance(text, str):
+            raise InvalidTypeError(
+                "a backend request is a string ('auto', 'NAME', 'DIST:NAME' or 'NAME@key=value'), got "
+                f"{type(text).__name__} {text!r}"
+            )
         raw = text.strip()
-        spec, _, opts = raw.partition("@")
+        spec, at, opts = raw.partition("@")
         dist, sep, name = spec.rpartition(":")
-        options = []
-        for part in filter(None, (p.strip() for p in opts.split(","))):
-            key, eq, value = part.partition("=")
-            if not eq or not key:
-                raise UnknownBackendError(raw, "backend option", [])
-            options.append((key.strip(), value.strip()))
-        return cls(name=name.strip(), dist=dist.strip() if sep else None, options=tuple(options))
+        name = name.strip()
+        options: list[tuple[str, str]] = []
+        if at:
+            parts = [p.strip() for p in opts.split(",")]
+            if not any(parts):
+                raise BackendOptionError(f"backend request {raw!r}: no options after '@' (write NAME@key=value)")
+            for part in filter(None, parts):
+                key, eq, value = part.partition("=")
+                key, value = key.strip(), value.strip()
+                if not eq or not key:
+                    raise BackendOptionError(
+                        f"backend request {raw!r}: option {part!r} is not key=value (e.g. torch@fast_accum=true)"
+                    )
+                if any(k == key for k, _ in options):
+                    raise BackendOptionError(f"backend request {raw!r}: option {key!r} is given twice")
+                options.append((key, value))
+        if options and name == AUTO and not sep:
+            raise BackendOptionError(
+                f"backend request {raw!r}: auto takes no options (they would be dropped); name a provider to pass "
+                "options, e.g. torch_scaled_mm@fast_accum=true"
+            )
+        return cls(name=name, dist=dist.strip() if sep else None, options=tuple(options))
 
     @property
     def is_auto(self) -> bool:
@@ -159,6 +192,10 @@ def _platform_for(problem: Any, platform: Platform | None) -> Platform:
 
 
 def _consider(entry: ProviderEntry, problem: Any, platform: Platform, options=()) -> Candidate:
+    """Whether ``entry`` (with ``options``) can serve ``problem`` on ``platform``. Never raises: a library error
+    from the provider (bad options, a bad environment variable) becomes its reason and stays in ``fault``; any
+    other exception from its construction or support check is a fault of the provider (a plugin bug), given as
+    the reason, and one from its default construction marks the provider unavailable for this process."""
     if entry.disabled:
         return Candidate(entry, [f"disabled by {settings.DISABLED_ENV}"])
     avail = entry.availability()
@@ -167,12 +204,34 @@ def _consider(entry: ProviderEntry, problem: Any, platform: Platform, options=()
     explicit_only = None
     try:
         backend = _instance(entry, options)
+    except Fp8BackendError as exc:  # bad options or configuration: the caller's to fix, reported as such
+        return Candidate(entry, [str(exc)], fault=exc)
+    except Exception as exc:  # noqa: BLE001 - a plugin's constructor must not break resolution
+        reason = f"construction raised {type(exc).__name__}: {exc}"
+        if not options:  # the default construction failed: the provider cannot be used at all here
+            _mark_unavailable(entry, reason)
+        return Candidate(entry, [reason], fault=exc)
+    try:
         reasons = list(backend.supports(problem, platform))
         if not reasons:
             explicit_only = backend.explicit_only_reason(problem, platform)
-    except Exception as exc:  # a plugin's check must not break resolution
-        reasons = [f"support check raised {type(exc).__name__}: {exc}"]
+    except ConfigurationError as exc:
+        return Candidate(entry, [str(exc)], fault=exc)
+    except Exception as exc:  # noqa: BLE001 - a plugin's check must not break resolution
+        return Candidate(entry, [f"support check raised {type(exc).__name__}: {exc}"], fault=exc)
     return Candidate(entry, reasons, explicit_only)
+
+
+def _mark_unavailable(entry: ProviderEntry, reason: str) -> None:
+    """Record that ``entry``'s provider cannot be used in this process (its construction failed): the listing
+    and every later resolution give ``reason``; ``discovery.refresh()`` forgets it."""
+    if entry.cls is None:
+        return
+    from fp8_backends.backend import _AVAILABILITY
+
+    _AVAILABILITY[entry.cls] = Availability.no(reason)
+    logger.warning("%s provider %s (%s) is unusable: %s", KIND_LABEL.get(entry.kind, entry.kind), entry.name,
+                   entry.dist, reason)
 
 
 def _unavailable_reasons(entry: ProviderEntry, avail: Any, problem: Any, platform: Platform) -> list[str]:
@@ -209,13 +268,17 @@ def explain(
     platform: Platform | None = None,
 ) -> Resolution:
     """Resolve without raising: a :class:`Resolution` with every candidate's reasons and either
-    ``chosen``/``backend`` set or ``error`` holding the exception :func:`resolve` would raise."""
+    ``chosen``/``backend`` set or ``error`` holding the exception :func:`resolve` would raise. Arguments of the
+    wrong type (a number as ``name``, a ``dict`` as ``problem``, a string as ``platform``) raise
+    :class:`InvalidTypeError` at once, and a bad ``FP8_BACKENDS_SIMULATE_SM`` :class:`ConfigurationError`."""
+    check_arguments(kind, name, problem, platform)
     source = "explicit"
     if name is None:
         env_value = os.environ.get(ENV_FOR_KIND[kind], "").strip()
         name, source = (env_value, "env") if env_value else (AUTO, "auto")
     platform = _platform_for(problem, platform)
     entries = discover(kind)
+    _warn_unmatched_disabled()
     candidates = [_consider(e, problem, platform) for e in sorted(entries, key=_sort_key)]
     res = Resolution(kind=kind, request=name, source=source, platform=platform, problem=problem,
                      candidates=candidates)
@@ -224,7 +287,7 @@ def explain(
     where = platform.describe()
     try:
         request = BackendRequest.parse(name)
-    except UnknownBackendError as exc:
+    except InvalidInputError as exc:
         res.error = exc
         return res
     # entries blocked by FP8_BACKENDS_PLUGINS or disabled by FP8_BACKENDS_DISABLED take no part in ambiguity
@@ -235,15 +298,16 @@ def explain(
         _warn_clashes(kind, selectable)
         serving = [c for c in candidates if c.auto_ok]
         _load_builtin_policies()
-        picked = _ask_policies(kind, problem, platform, serving)
+        try:
+            picked = _ask_policies(kind, problem, platform, serving)
+        except ConfigurationError as exc:  # a bad variable a policy reads (FP8_BACKENDS_TUNE, ...): never ignored
+            res.error = exc
+            return res
         if picked is not None:
-            entry, options, policy_name, note = picked
+            entry, options, policy_name, note, backend = picked
             res.source, res.note = policy_name, note
             res.chosen = next(c for c in serving if c.entry is entry)
-            try:
-                res.backend = _instance(entry, tuple(options.items()))
-            except Exception as exc:
-                res.error = exc
+            res.backend = backend
             return res
         if not serving:
             res.error = UnsupportedProblemError(
@@ -283,12 +347,18 @@ def explain(
             + _alternatives_text(candidates, entry, entries)
         )
         return res
-    try:
-        cand = _consider(entry, problem, platform, request.options)
-        backend = _instance(entry, request.options)
-    except Exception as exc:
-        res.error = exc
+    cand = _consider(entry, problem, platform, request.options)
+    if isinstance(cand.fault, Fp8BackendError):  # bad options or configuration: that error, as raised
+        res.error = cand.fault
         return res
+    if cand.fault is not None:  # the provider itself failed: it is unusable, and says why
+        res.error = BackendUnavailableError(
+            f"{label} backend {entry.name!r} ({entry.dist}) is not usable here: {'; '.join(cand.reasons)}"
+            + _alternatives_text(candidates, entry, entries)
+        )
+        res.error.__cause__ = cand.fault
+        return res
+    backend = _instance(entry, request.options)  # made (and cached) by _consider
     if cand.reasons:
         alts = [display_name(c.entry, entries) for c in candidates if c.ok and c.entry is not entry]
         res.error = UnsupportedProblemError(
@@ -341,19 +411,53 @@ def _warn_clashes(kind: str, selectable: Sequence[ProviderEntry]) -> None:
         )
 
 
+#: per policy: how many of its picks were ignored because they could not serve (see :func:`_ignore_pick`)
+ignored_picks: dict[str, int] = {}
+
+
 def _ask_policies(kind, problem, platform, serving):
+    """The first policy's usable pick as ``(entry, options, policy name, note, backend)``, or None. A policy that
+    raises is skipped with a WARNING (a :class:`ConfigurationError` propagates: a bad variable is the user's to
+    fix); a pick that cannot serve, or whose options the provider refuses, is ignored (:func:`_ignore_pick`)."""
     for policy_name, policy in list(_policies):
         try:
             picked = policy(kind, problem, platform, serving)
+        except ConfigurationError:
+            raise
         except Exception as exc:
             logger.warning("selection policy %s failed (%s); using static priorities", policy_name, exc)
             continue
-        if picked is not None:
-            entry, options, note = picked
-            if any(c.entry is entry for c in serving):
-                return entry, options, policy_name, note
-            logger.debug("policy %s picked %s, which cannot serve; ignoring it", policy_name, entry.name)
+        if picked is None:
+            continue
+        entry, options, note = picked
+        if not any(c.entry is entry for c in serving):
+            _ignore_pick(policy_name, entry, problem, "it cannot serve this problem here")
+            continue
+        try:
+            backend = _instance(entry, tuple(dict(options).items()))
+        except Exception as exc:  # noqa: BLE001 - options the provider refuses (a stale policy), or a broken plugin
+            _ignore_pick(policy_name, entry, problem, f"{type(exc).__name__}: {exc}")
+            continue
+        return entry, options, policy_name, note, backend
     return None
+
+
+def _ignore_pick(policy_name: str, entry: Any, problem: Any, why: str) -> None:
+    """Count an ignored pick of ``policy_name``: the first one per policy and process is a WARNING (with the
+    count so far), later ones are DEBUG lines with the running count (:data:`ignored_picks`)."""
+    with _lock:
+        count = ignored_picks[policy_name] = ignored_picks.get(policy_name, 0) + 1
+        first = ("ignored-pick", policy_name) not in _logged
+        _logged.add(("ignored-pick", policy_name))
+    what = problem.describe() if problem is not None else "any problem"
+    name = getattr(entry, "name", entry)
+    if first:
+        logger.warning("selection policy %s picked %s for %s, but %s; the pick is ignored (the next policy or "
+                       "static priorities decide). Ignored picks of this policy so far: %d (later ones are logged "
+                       "at DEBUG)", policy_name, name, what, why, count)
+    else:
+        logger.debug("selection policy %s picked %s for %s, but %s; ignored (%d ignored picks so far)",
+                     policy_name, name, what, why, count)
 
 
 def _ambiguous(kind: str, name: str, entries: list[ProviderEntry]) -> AmbiguousBackendError:
@@ -382,28 +486,90 @@ def _alternatives_text(
     return f"; providers that can serve: {', '.join(alts)}" if alts else "; no other provider can serve it"
 
 
-def resolve(kind: str, name: str | None = None, *, problem: Any = None, platform: Platform | None = None) -> Any:
-    """Resolve and return the provider instance, or raise the library error that explains why not."""
+def explain_loaded(
+    kind: str, name: str | None = None, *, problem: Any = None, platform: Platform | None = None
+) -> Resolution:
+    """:func:`explain`, then load the chosen provider (:meth:`~fp8_backends.backend.ProviderBase.ensure_preloaded`)
+    as :func:`resolve` does: when it fails to load, ``auto`` resolves again without it (one WARNING each) and an
+    explicit choice gets the :class:`BackendUnavailableError`. The listing marks this resolution's choice, so its
+    ``*`` is exactly what :func:`resolve` returns."""
     failed = 0
     while True:
         res = explain(kind, name, problem=problem, platform=platform)
         if res.error is not None:
-            raise res.error
+            return res
         if failed > len(res.candidates):  # each failure removes one candidate: cannot happen, but never loop
-            break
+            res.error = BackendUnavailableError(f"no {KIND_LABEL[kind]} provider could be loaded")
+            res.chosen = res.backend = None
+            return res
         try:
             res.backend.ensure_preloaded()  # load time: a compiled model's first call must find its ops defined
         except BackendUnavailableError as exc:
             if res.request != AUTO:
-                raise
+                res.error, res.chosen, res.backend = exc, None, None
+                return res
             # ensure_preloaded marked the provider unavailable: auto resolves again without it
             logger.warning("%s backend %s failed to load and is skipped: %s", KIND_LABEL[kind], res.backend.label,
                            exc)
             failed += 1
             continue
-        _log_choice(res)
-        return res.backend
-    raise BackendUnavailableError(f"no {KIND_LABEL[kind]} provider could be loaded")
+        return res
+
+
+def resolve(kind: str, name: str | None = None, *, problem: Any = None, platform: Platform | None = None) -> Any:
+    """Resolve and return the provider instance, or raise the library error that explains why not."""
+    res = explain_loaded(kind, name, problem=problem, platform=platform)
+    if res.error is not None:
+        raise res.error
+    _log_choice(res)
+    return res.backend
+
+
+_PROBLEM_TYPES = {"gemm": GemmProblem, "norm_quant": NormQuantProblem}
+
+
+def check_arguments(kind: str, name: Any, problem: Any, platform: Any) -> None:
+    """Raise :class:`InvalidTypeError` for a resolution argument of the wrong type (cheap ``isinstance`` checks)."""
+    if kind not in _PROBLEM_TYPES:
+        raise InvalidInputError(f"unknown provider kind {kind!r} (expected gemm or norm_quant)")
+    if name is not None and not isinstance(name, str):
+        BackendRequest.parse(name)  # raises InvalidTypeError
+    wanted = _PROBLEM_TYPES[kind]
+    if problem is not None and not isinstance(problem, wanted):
+        raise InvalidTypeError(
+            f"a {KIND_LABEL[kind]} resolution's problem must be a {wanted.__name__} (or None), got "
+            f"{type(problem).__name__}"
+        )
+    if platform is not None and not isinstance(platform, Platform):
+        raise InvalidTypeError(
+            "platform must be a Platform (detect_platform(...), simulate_platform('9.0')) or None, got "
+            f"{type(platform).__name__} {platform!r}"
+        )
+
+
+def _warn_unmatched_disabled() -> None:
+    """One WARNING per ``FP8_BACKENDS_DISABLED`` item (and value of the variable) that matches no registered
+    provider of any kind: a typo there would otherwise disable nothing, silently. Costs a dict lookup once
+    checked."""
+    token = settings.env_token(settings.DISABLED_ENV)
+    if not token:
+        return
+    key = ("disabled-checked", token)
+    if key in _logged:
+        return
+    items = settings.disabled_items()
+    entries = [*discover("gemm"), *discover("norm_quant")]
+    for item in items:
+        if not any(item.applies_to(e.kind, e.dist, {e.name, *e.aliases}) for e in entries):
+            known = sorted({e.name for e in entries} | {a for e in entries for a in e.aliases})
+            logger.warning("%s item %r matches no registered provider and disables nothing (known names: %s; "
+                           "write [KIND:][DIST:]NAME)", settings.DISABLED_ENV, _item_text(item), ", ".join(known))
+    with _lock:
+        _logged.add(key)
+
+
+def _item_text(item: settings.DisabledItem) -> str:
+    return ":".join(p for p in (item.kind, item.dist, item.name) if p)
 
 
 def _log_choice(res: Resolution) -> None:
@@ -452,11 +618,14 @@ def resolve_gemm_buckets(
     ``[(bucket, provider), ...]`` ascending; a batch of ``M`` rows uses the first bucket ``>= M`` (the
     largest beyond them). ``[]`` for an explicit choice or when neither applies. Logs one INFO line per
     problem summarising the choices."""
+    check_arguments("gemm", name, problem, platform)
+    if problem is None:
+        raise InvalidTypeError("resolve_gemm_buckets needs a GemmProblem")
     text = name if name is not None else (os.environ.get(ENV_FOR_KIND["gemm"], "").strip() or AUTO)
     try:
         if not BackendRequest.parse(text).is_auto:
             return []
-    except UnknownBackendError:
+    except InvalidInputError:
         return []
     platform = _platform_for(problem, platform)
     _load_builtin_policies()
@@ -512,3 +681,4 @@ def reset_caches() -> None:
     with _lock:
         _instances.clear()
         _logged.clear()
+        ignored_picks.clear()

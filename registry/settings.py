@@ -13,6 +13,11 @@
 | ``FP8_BACKENDS_PDL`` | ``0``: never launch kernels with programmatic dependent launch (default: on where SM >= 9.0) |
 | ``FP8_BACKENDS_DEFAULTS`` | ``0``: ``auto`` ignores the measured per-GPU, per-M defaults (``registry/defaults.py``) |
 | ``FP8_BACKENDS_SHIPPED`` | ``off``: ``auto`` ignores the shipped per-GPU selection data; a file or folder: that data |
+
+Boolean variables (``CHECK_SCALES``, ``TUNE``, ``PDL``, ``DEFAULTS``) take ``1/0``, ``true/false``, ``yes/no`` or
+``on/off`` (any case; unset or empty: the default) and are read where they are used, not once at import; any other
+value raises :class:`~fp8_backends.errors.ConfigurationError` naming the variable and the accepted values, never a
+silent default. :func:`env_int` parses integer variables as strictly.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from __future__ import annotations
 import os
 import re
 from typing import NamedTuple
+
+from fp8_backends.errors import ConfigurationError
 
 GEMM_BACKEND_ENV = "FP8_GEMM_BACKEND"
 NORM_QUANT_BACKEND_ENV = "FP8_NORM_QUANT_BACKEND"
@@ -126,19 +133,105 @@ def allowed_plugin_dists() -> set[str] | None:
 
 
 def simulated_sm() -> str | None:
+    """``FP8_BACKENDS_SIMULATE_SM`` as set (None when unset or empty); checked where it is used
+    (:func:`fp8_backends.registry.platform.detect_platform` raises :class:`ConfigurationError` for a value that
+    is not an SM version)."""
     value = os.environ.get(SIMULATE_SM_ENV, "").strip()
     return value or None
 
 
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+FLAG_VALUES = "1, true, yes, on / 0, false, no, off (any case; unset or empty: the default)"
+
+
+def parse_flag(name: str, raw: str | None, default: bool) -> bool:
+    """A boolean variable's value ``raw`` (``None``: unset): ``default`` when unset or empty, else one of
+    :data:`FLAG_VALUES`; anything else raises :class:`ConfigurationError` naming ``name``."""
+    if raw is None:
+        return default
+    text = raw.strip().lower()
+    if not text:
+        return default
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ConfigurationError(name, raw, FLAG_VALUES)
+
+
+class EnvFlag:
+    """A boolean variable read at each call (strictly: see :func:`parse_flag`), for hot paths: the parsed value
+    is kept with the raw value it came from, so a call whose variable did not change costs one environment
+    lookup and one comparison (about 0.15 µs). A bad value raises at every call until it is fixed."""
+
+    __slots__ = ("_key", "_token", "_value", "default", "name")
+
+    def __init__(self, name: str, default: bool) -> None:
+        self.name, self.default = name, default
+        encode = getattr(os.environ, "encodekey", None)
+        self._key = encode(name) if encode is not None else name
+        self._token: object = _UNREAD
+        self._value = default
+
+    def __call__(self) -> bool:
+        data = getattr(os.environ, "_data", None)  # env_token(), inlined: this runs on hot paths
+        token = data.get(self._key) if data is not None else os.environ.get(self.name)
+        if token is self._token or token == self._token:
+            return self._value
+        value = parse_flag(self.name, os.environ.get(self.name), self.default)
+        self._token, self._value = token, value
+        return value
+
+
+_UNREAD = object()
+_flags: dict[tuple[str, bool], EnvFlag] = {}
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """Boolean variable ``name`` read now (strictly: see :func:`parse_flag`); cheap on repeated calls."""
+    flag = _flags.get((name, default))
+    if flag is None:
+        flag = _flags[(name, default)] = EnvFlag(name, default)
+    return flag()
+
+
+def env_int(name: str, default: int, *, minimum: int = 1) -> int:
+    """Integer variable ``name`` read now: ``default`` when unset or empty, else a decimal integer
+    ``>= minimum``; anything else (``abc``, ``0`` where ``minimum`` is 1, ``-2``) raises
+    :class:`ConfigurationError` naming the variable."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    text = raw.strip()
+    try:
+        value = int(text, 10)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise ConfigurationError(name, raw, f"an integer >= {minimum} (unset or empty: {default})")
+    return value
+
+
+#: ``FP8_BACKENDS_CHECK_SCALES`` as a hot-path flag (:class:`EnvFlag`)
+check_scales_flag = EnvFlag(CHECK_SCALES_ENV, False)
+
+
 def check_scales_at_call() -> bool:
-    return os.environ.get(CHECK_SCALES_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+    """``FP8_BACKENDS_CHECK_SCALES`` (default off): also check device-resident per-call scales."""
+    return check_scales_flag()
+
+
+def tune_at_first_use() -> bool:
+    """``FP8_BACKENDS_TUNE`` (default off): ``auto`` tunes problems the lockfile lacks at first use."""
+    return env_flag(TUNE_ENV, False)
 
 
 def measured_defaults_enabled() -> bool:
-    """False when ``FP8_BACKENDS_DEFAULTS`` is ``0``/``false``/``off``/``no``."""
-    return os.environ.get(DEFAULTS_ENV, "").strip().lower() not in {"0", "false", "no", "off"}
+    """``FP8_BACKENDS_DEFAULTS`` (default on): ``auto`` consults the measured per-GPU, per-M defaults."""
+    return env_flag(DEFAULTS_ENV, True)
 
 
 def pdl_allowed() -> bool:
-    """False when ``FP8_BACKENDS_PDL`` is ``0``/``false``/``off``/``no`` (read at each call: cheap)."""
-    return os.environ.get(PDL_ENV, "").strip().lower() not in {"0", "false", "no", "off"}
+    """``FP8_BACKENDS_PDL`` (default on): launch kernels with programmatic dependent launch where SM >= 9.0."""
+    return env_flag(PDL_ENV, True)

@@ -205,10 +205,13 @@ def data_for(platform: Platform) -> ShippedData | None:
     """The shipped data that applies to ``platform`` (its SM), loading it on first use; None when there is none."""
     path, why = locate(platform)
     if path is None:
+        if why.startswith(settings.SHIPPED_ENV) and "no such file" in why:  # a typo there would disable it silently
+            _warn_once(("missing", why), "%s; the shipped selection data is not used", why)
         return None
     data = load(path)
     if data is not None and data.sm != _sm_text(platform):
-        logger.debug("shipped selection data %s is for SM %s, not SM %s", path, data.sm, _sm_text(platform))
+        _warn_once(("other-sm", str(path), data.sm, _sm_text(platform)),
+                   "shipped selection data %s is for SM %s, not SM %s; ignored", path, data.sm, _sm_text(platform))
         return None
     return data
 

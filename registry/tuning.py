@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp8_backends.errors import ConfigurationError
 from fp8_backends.types import ActScale, GemmProblem, NormQuantProblem
 
 from . import resolution, settings
@@ -99,8 +100,9 @@ def _path_for(raw: str, xdg: str) -> Path | None:
 
 
 def tune_at_first_use() -> bool:
-    """``FP8_BACKENDS_TUNE=1``: tune problems the lockfile does not cover when ``auto`` first meets them."""
-    return os.environ.get(settings.TUNE_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+    """``FP8_BACKENDS_TUNE=1``: tune problems the lockfile does not cover when ``auto`` first meets them (strictly
+    parsed: an unknown value raises :class:`~fp8_backends.errors.ConfigurationError`)."""
+    return settings.tune_at_first_use()
 
 
 # ---------------------------------------------------------------------------------------- keys
@@ -230,22 +232,76 @@ def validate_document(doc: Any) -> list[str]:
     return problems
 
 
+#: the problem fields of an entry, by kind, with their JSON types (what :func:`problem_fields` writes)
+PROBLEM_FIELD_TYPES: dict[str, dict[str, type]] = {
+    "gemm": {"n": int, "k": int, "input_dtype": str, "weight_dtype": str, "out_dtype": str, "act_scale": str,
+             "weight_scale": str, "has_bias": bool},
+    "norm_quant": {"hidden": int, "in_dtype": str, "out_fp8": str, "residual": bool},
+}
+_SCALARS = (str, int, float, bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def choice_problems(choice: Any) -> list[str]:
+    """Why one recorded candidate (an entry's ``choice`` or a ``ranking`` item) is unusable (empty: fine)."""
+    if not isinstance(choice, dict):
+        return ["not an object"]
+    out = []
+    if not isinstance(choice.get("provider"), str) or not choice["provider"]:
+        out.append("no 'provider' name")
+    if choice.get("distribution") is not None and not isinstance(choice["distribution"], str):
+        out.append("'distribution' is not a string")
+    options = choice.get("options", {})
+    if not (isinstance(options, dict) and all(isinstance(v, _SCALARS) for v in options.values())):
+        out.append("'options' is not an object of plain values")
+    return out
+
+
 def entry_problems(entry: Any) -> list[str]:
-    """Why one entry is unusable (empty: fine)."""
+    """Why one entry is unusable (empty: fine): any field of the wrong type or out of range (optional fields may
+    be left out, not set to null)."""
     if not isinstance(entry, dict):
         return ["not an object"]
     out = []
-    if entry.get("kind") not in ("gemm", "norm_quant"):
-        out.append(f"kind {entry.get('kind')!r}")
-    if not isinstance(entry.get("problem"), dict):
+    kind = entry.get("kind")
+    if kind not in PROBLEM_FIELD_TYPES:
+        out.append(f"kind {kind!r}")
+    problem = entry.get("problem")
+    if not isinstance(problem, dict):
         out.append("no 'problem'")
-    if not isinstance(entry.get("m"), int) or entry["m"] < 0:
+    elif kind in PROBLEM_FIELD_TYPES:
+        for name, typ in PROBLEM_FIELD_TYPES[kind].items():
+            value = problem.get(name)
+            if not (isinstance(value, typ) and (typ is not int or _is_int(value))):
+                out.append(f"problem field {name!r} is not a {typ.__name__}")
+    if not _is_int(entry.get("m")) or entry["m"] < 0:
         out.append("no integer 'm'")
-    choice = entry.get("choice")
-    if not isinstance(choice, dict) or not isinstance(choice.get("provider"), str):
-        out.append("no 'choice.provider'")
-    elif not isinstance(choice.get("options", {}), dict):
-        out.append("'choice.options' is not an object")
+    bad_choice = choice_problems(entry.get("choice"))
+    if bad_choice:
+        out.append("'choice': " + ", ".join(bad_choice))
+    if not isinstance(entry.get("ranking", []), list):
+        out.append("'ranking' is not a list")
+    if not isinstance(entry.get("tie_break", False), bool):
+        out.append("'tie_break' is not a bool")
+    margin = entry.get("tie_margin", DEFAULT_TIE_MARGIN)
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)):
+        out.append("'tie_margin' is not a number")
+    return out
+
+
+def platform_problems(platform: Any) -> list[str]:
+    """Why a section's ``platform`` key is unusable (empty: fine): every field a string (or null) and
+    ``libraries`` an object of strings."""
+    if not isinstance(platform, dict):
+        return ["'platform' is not an object"]
+    out = [f"platform field {name!r} is not a string" for name in ("device", "gpu", "sm", "driver", "cuda")
+           if platform.get(name) is not None and not isinstance(platform[name], str)]
+    libs = platform.get("libraries", {})
+    if not isinstance(libs, dict) or not all(isinstance(v, str) for v in libs.values()):
+        out.append("'platform.libraries' is not an object of version strings")
     return out
 
 
@@ -379,9 +435,15 @@ class SectionIndex:
     buckets: dict[str, list[int]] = field(default_factory=dict)
     by_bucket: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
     skipped: int = 0
+    #: why entries were skipped or trimmed: problem text -> count (see :func:`entry_problems`)
+    problems: dict[str, int] = field(default_factory=dict)
+    #: whether :func:`audit_section` looked at this section (it warns once per loaded file and section)
+    audited: bool = False
 
     @classmethod
     def build(cls, section: Mapping[str, Any]) -> SectionIndex:
+        """Index the section's well-formed entries; a malformed one is skipped and a malformed ``ranking`` item
+        dropped, each counted in ``problems`` (the caller warns once per file) and logged at DEBUG."""
         idx = cls(key=dict(section["platform"]), entries=dict(section["entries"]))
         for name, entry in idx.entries.items():
             bad = entry_problems(entry)
@@ -392,8 +454,16 @@ class SectionIndex:
                     bad = [f"problem fields: {exc}"]
             if bad:
                 idx.skipped += 1
+                for why in bad:
+                    idx.problems[why] = idx.problems.get(why, 0) + 1
                 logger.debug("lockfile entry %s skipped: %s", name, "; ".join(bad))
                 continue
+            ranking = entry.get("ranking") or []
+            good = [r for r in ranking if not choice_problems(r)]
+            if len(good) != len(ranking):
+                why = "malformed 'ranking' items dropped"
+                idx.problems[why] = idx.problems.get(why, 0) + len(ranking) - len(good)
+                entry = {**entry, "ranking": good}
             idx.by_bucket[(pk, entry["m"])] = entry
             idx.buckets.setdefault(pk, []).append(entry["m"])
         for values in idx.buckets.values():
@@ -418,6 +488,8 @@ class LoadedLockfile:
     sections: dict[str, SectionIndex] = field(default_factory=dict)
     #: (kind, problem, platform, serving entries) -> the policy's answer; dropped with this object on reload
     picks: dict[tuple, Any] = field(default_factory=dict)
+    #: problems the file covers for which no recorded choice can serve here (the first one is a WARNING)
+    unserved: int = 0
 
 
 class _Store:
@@ -447,20 +519,42 @@ class _Store:
             if hit is not None and hit[0] == sig:
                 self._checked[name] = now
                 return hit[1]
-        loaded = self._parse(Path(path)) if sig is not None else LoadedLockfile(Path(path), "missing")
+        loaded = self._parse(Path(path), sig) if sig is not None else LoadedLockfile(Path(path), "missing")
         with self._lock:
             self._cache[name] = (sig, loaded)
             self._checked[name] = now
         return loaded
 
     @staticmethod
-    def _parse(path: Path) -> LoadedLockfile:
-        doc, problem = read_document(path)
-        if doc is None:
-            return LoadedLockfile(path, problem)
-        sections = {}
-        for sec in doc["sections"].values():
-            sections[key_digest(sec["platform"])] = SectionIndex.build(sec)
+    def _parse(path: Path, sig: object = None) -> LoadedLockfile:
+        """Read and index ``path``. Malformed sections (their platform key) and entries (any field) are left
+        out, with ONE warning per file version giving the counts; never raises."""
+        try:
+            doc, problem = read_document(path)
+            if doc is None:
+                return LoadedLockfile(path, problem)
+            sections = {}
+            dropped: dict[str, int] = {}
+            total = skipped = 0
+            for sec in doc["sections"].values():
+                bad = platform_problems(sec["platform"])
+                if bad:
+                    for why in bad:
+                        dropped[f"section: {why}"] = dropped.get(f"section: {why}", 0) + 1
+                    continue
+                index = SectionIndex.build(sec)
+                sections[key_digest(sec["platform"])] = index
+                total += len(index.entries)
+                skipped += index.skipped
+                for why, count in index.problems.items():
+                    dropped[why] = dropped.get(why, 0) + count
+        except Exception as exc:  # noqa: BLE001 - a lockfile must never break auto or the layers
+            return LoadedLockfile(path, f"corrupt: {type(exc).__name__}: {exc}")
+        if dropped:
+            _warn_once(("malformed", str(path), sig),
+                       "lockfile %s has malformed parts, left out: %d of %d entries skipped (%s); the rest is used "
+                       "(the next tune rewrites the file)",
+                       path, skipped, total, "; ".join(f"{n}x {why}" for why, n in sorted(dropped.items())))
         return LoadedLockfile(path, None, sections)
 
     def forget(self, path: Path | None = None) -> None:
@@ -526,13 +620,18 @@ def covered_buckets(kind: str, problem: Any, platform: Platform) -> list[int]:
     path = lockfile_path()
     if path is None:
         return []
-    loaded = _store.load(path)
-    if loaded.error is not None:
+    try:
+        loaded = _store.load(path)
+        if loaded.error is not None:
+            return []
+        section = find_section(loaded, platform)
+        if section is None:
+            return []
+        return list(section.buckets.get(problem_key(kind, problem_fields(kind, problem)), ()))
+    except Exception as exc:  # noqa: BLE001 - a lockfile must never break the layers
+        _warn_once(("failed", str(path), type(exc).__name__), "lockfile %s could not be used (%s: %s); ignoring it",
+                   path, type(exc).__name__, exc)
         return []
-    section = find_section(loaded, platform)
-    if section is None:
-        return []
-    return list(section.buckets.get(problem_key(kind, problem_fields(kind, problem)), ()))
 
 
 def find_section(loaded: LoadedLockfile, platform: Platform, *, warn: bool = True) -> SectionIndex | None:
@@ -540,6 +639,8 @@ def find_section(loaded: LoadedLockfile, platform: Platform, *, warn: bool = Tru
     when the file holds only other platforms' sections)."""
     key, digest = current_key(platform)
     section = loaded.sections.get(digest)
+    if section is not None and not section.audited:
+        audit_section(loaded.path, section)
     if section is None and loaded.sections and warn:
         closest = _closest_section(loaded.sections, key)
         diffs = key_differences(closest.key, key)
@@ -550,6 +651,31 @@ def find_section(loaded: LoadedLockfile, platform: Platform, *, warn: bool = Tru
             loaded.path, "; ".join(diffs) or "unknown",
         )
     return section
+
+
+def audit_section(path: Path, section: SectionIndex) -> None:
+    """ONE warning per loaded file and section when recorded choices name providers not installed here or
+    carry options their provider no longer takes (the next ranked candidate, or static priorities, decide for
+    those; lookups log each at DEBUG)."""
+    section.audited = True
+    missing: dict[str, int] = {}
+    stale: dict[str, int] = {}
+    for entry in section.by_bucket.values():
+        choice = entry["choice"]
+        provider, options = choice["provider"], {str(k): str(v) for k, v in (choice.get("options") or {}).items()}
+        found = [e for e in discover(entry["kind"]) if e.name == provider
+                 and _dist_matches(e, choice.get("distribution"))]
+        label = candidate_label(provider, options)
+        if not found:
+            missing[provider] = missing.get(provider, 0) + 1
+        elif not any(_options_ok(e, options) for e in found):
+            stale[label] = stale.get(label, 0) + 1
+    if missing or stale:
+        parts = [f"{n} name {name}, which is not installed here" for name, n in sorted(missing.items())]
+        parts += [f"{n} carry options {label} no longer takes" for label, n in sorted(stale.items())]
+        logger.warning("lockfile %s: of %d recorded choices for this platform, %s; the next ranked candidate that "
+                       "can serve (else static priorities) decides for those. Re-run python -m fp8_backends.tune "
+                       "to refresh it.", path, len(section.by_bucket), "; ".join(parts))
 
 
 # ---------------------------------------------------------------------------------------- the policy
@@ -570,7 +696,7 @@ def pick_from_entry(
     """The first of the entry's ``choice`` then ``ranking`` that can serve here:
     ``(provider entry, options, rank)`` (rank 0 = the recorded choice)."""
     seen = []
-    ordered = [record["choice"], *[r for r in record.get("ranking", []) if isinstance(r, dict)]]
+    ordered = [record["choice"], *[r for r in record.get("ranking") or [] if isinstance(r, dict)]]
     for choice in ordered:
         provider = choice.get("provider")
         options = {str(k): str(v) for k, v in (choice.get("options") or {}).items()}
@@ -608,7 +734,22 @@ _MAX_PICKS = 1 << 16
 def lockfile_policy(
     kind: str, problem: Any, platform: Platform, serving: list[resolution.Candidate]
 ) -> tuple[ProviderEntry, dict[str, str], str] | None:
-    """The ``auto`` policy: the lockfile's choice for this problem's M bucket, or None (static priorities)."""
+    """The ``auto`` policy: the lockfile's choice for this problem's M bucket, or None (static priorities). A
+    lockfile it cannot use is ignored with one WARNING; only a bad ``FP8_BACKENDS_TUNE`` value raises."""
+    try:
+        return _lockfile_policy(kind, problem, platform, serving)
+    except ConfigurationError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a lockfile must never break auto
+        path = lockfile_path()
+        _warn_once(("failed", str(path), type(exc).__name__), "lockfile %s could not be used (%s: %s); ignoring it",
+                   path, type(exc).__name__, exc)
+        return None
+
+
+def _lockfile_policy(
+    kind: str, problem: Any, platform: Platform, serving: list[resolution.Candidate]
+) -> tuple[ProviderEntry, dict[str, str], str] | None:
     if problem is None or not serving:
         return None
     m = problem_m(kind, problem)
@@ -657,15 +798,21 @@ def _answer(kind, problem, platform, serving, path, loaded, section, tune, m):
     bucket, record = hit
     picked = pick_from_entry(kind, problem, platform, serving, record)
     if picked is None:
-        logger.debug("lockfile %s: no recorded choice for %s (bucket M=%d) can serve here; static priorities",
-                     path, problem.describe(), bucket)
+        loaded.unserved += 1
+        text = "lockfile %s: no recorded choice for %s (bucket M=%d) can serve here; static priorities decide"
+        if loaded.unserved == 1:
+            logger.warning(text + " (logged once per file; later ones at DEBUG)", path, problem.describe(), bucket)
+        else:
+            logger.debug(text + " (%d problems so far)", path, problem.describe(), bucket, loaded.unserved)
         return None
     entry, options, rank = picked
     note = f"{path}, bucket M={bucket}"
     if rank:
         note += f", ranked #{rank + 1} (the tuned choice cannot serve here)"
     elif record.get("tie_break"):
-        note += f", near-tie within {100 * float(record.get('tie_margin', DEFAULT_TIE_MARGIN)):g}% -> static priority"
+        margin = record.get("tie_margin")
+        margin = DEFAULT_TIE_MARGIN if margin is None else float(margin)
+        note += f", near-tie within {100 * margin:g}% -> static priority"
     return entry, options, note
 
 

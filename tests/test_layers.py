@@ -149,8 +149,11 @@ def test_quantized_activation_in_another_mode_fails_loudly(layer_mode, act_mode)
 def test_backend_by_name_env_and_instance(monkeypatch):
     lin = _linear()
     assert Fp8Linear.from_linear(lin, backend="torch").gemm_backend.name == "torch_scaled_mm"  # alias
-    monkeypatch.setenv("FP8_GEMM_BACKEND", "torch_scaled_mm@fast_accum=true")
-    assert Fp8Linear.from_linear(lin).gemm_backend.config == {"fast_accum": "true"}
+    monkeypatch.setenv("FP8_GEMM_BACKEND", "torch_scaled_mm@fast_accum=false")
+    assert Fp8Linear.from_linear(lin).gemm_backend.config == {"fast_accum": "false"}
+    monkeypatch.setenv("FP8_GEMM_BACKEND", "torch_scaled_mm@fast_accum=true")  # does nothing on the CPU: refused
+    with pytest.raises(UnsupportedProblemError, match="no effect on the CPU"):
+        Fp8Linear.from_linear(lin)
     mine = TorchScaledMMBackend()
     assert Fp8Linear.from_linear(lin, backend=mine).gemm_backend is mine
     monkeypatch.setenv("FP8_GEMM_BACKEND", "no_such_gemm")

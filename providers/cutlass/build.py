@@ -481,10 +481,11 @@ def build_library(spec: LibrarySpec, toolchain: Toolchain | None = None, *, forc
 
 
 def default_jobs(n: int) -> int:
-    env = os.environ.get(JOBS_ENV, "").strip()
-    if env.isdigit() and int(env) > 0:
-        return min(n, int(env))
-    return max(1, min(n, os.cpu_count() or 1))
+    """Parallel nvcc jobs for ``n`` builds: ``FP8_BACKENDS_BUILD_JOBS`` (an integer >= 1; anything else raises
+    :class:`~fp8_backends.errors.ConfigurationError`), else the CPU count, never more than ``n``."""
+    from fp8_backends.registry.settings import env_int
+
+    return max(1, min(n, env_int(JOBS_ENV, os.cpu_count() or 1)))
 
 
 def build_many(

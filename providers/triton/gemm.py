@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from fp8_backends.backend import Fp8GemmBackend
 from fp8_backends.capabilities import GemmCapabilities
+from fp8_backends.errors import InvalidInputError
 from fp8_backends.types import (
     ActScale,
     Availability,
@@ -68,6 +69,29 @@ class TritonGemmBackend(Fp8GemmBackend):
         n_align=16,
         priority=6,
     )
+
+    def __init__(self, **options: str) -> None:
+        super().__init__(**options)
+        config = self.config["config"]
+        if config != "auto" and CONFIGS[config].family == "tma":
+            # a forced TMA config never runs another kernel family: misaligned operands are refused (auto's own
+            # TMA picks fall back to the same tiles without TMA). An instance attribute, so that no other config
+            # pays for the check on the hot path.
+            self.gemm_impl = self._forced_tma_gemm  # type: ignore[method-assign]
+
+    def _forced_tma_gemm(
+        self, x_q: torch.Tensor, prepared: PreparedWeight, x_scale: torch.Tensor, out_dtype: torch.dtype,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``gemm_impl`` of a forced TMA config: refuse operands TMA cannot address (16-byte aligned bases)."""
+        for what, t in (("x_q", x_q), ("the prepared weight", prepared.data)):
+            if t.data_ptr() % 16:
+                raise InvalidInputError(
+                    f"triton@config={self.config['config']}: {what} starts at an address that is not 16-byte "
+                    "aligned, which TMA cannot load; pass an aligned tensor (e.g. .clone()) or use config=auto "
+                    "(which runs these tiles without TMA then)"
+                )
+        return TritonGemmBackend.gemm_impl(self, x_q, prepared, x_scale, out_dtype, bias)
 
     @classmethod
     def availability(cls) -> Availability:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import TYPE_CHECKING, Any
 
 from fp8_backends.errors import InvalidInputError
@@ -24,6 +25,8 @@ from .launcher import ReplayCache, launcher_for, raw_stream
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger("fp8_backends")
 
 OP_BASENAME = "triton_gemm"
 OP_NAME = f"fp8_backends::{OP_BASENAME}"
@@ -108,7 +111,9 @@ def run_config(
                       px, pw, po, psx, psw, pb, m, n, k, sx, sw, so, *tail)
                 return
     if cfg.family == "tma" and (x.data_ptr() % 16 or w.data_ptr() % 16):
-        cfg = _pointer_tiles(cfg)  # TMA needs 16-byte aligned bases (a view at an odd offset): same tiles
+        # TMA needs 16-byte aligned bases (a view at an odd offset): the same tiles without TMA. Only auto's picks
+        # get here (a forced TMA config refuses such operands: TritonGemmBackend._forced_tma_gemm)
+        cfg = _pointer_tiles(cfg)
     _support.on_device(index, _launch_general, cfg, x, w, x_scale, w_scale, bias, out, use_pdl, index, key, x_quant)
 
 
@@ -220,8 +225,11 @@ def _kernel(family: str) -> Any:
 
 @functools.lru_cache(maxsize=64)
 def _pointer_tiles(cfg: TileConfig) -> TileConfig:
-    """The ``mm`` config with ``cfg``'s tiles (for operands TMA cannot address)."""
-    return dataclasses.replace(cfg, family="mm", persistent=0)
+    """The ``mm`` config with ``cfg``'s tiles (for operands TMA cannot address); logged once per config (INFO)."""
+    twin = dataclasses.replace(cfg, family="mm", persistent=0)
+    logger.info("triton GEMM: an operand is not 16-byte aligned, so TMA config %s runs as %s (same tiles, "
+                "pointer loads); logged once per config", cfg.name, twin.name)
+    return twin
 
 
 @functools.lru_cache(maxsize=64)
