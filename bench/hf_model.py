@@ -502,7 +502,7 @@ def parse_args(argv: list[str] | None) -> Any:
     p.add_argument("--step-host-calls", type=int, default=3, help="calls per host-time sample of a model step")
     p.add_argument("--profile", action="store_true", help="also list the kernels of one compiled/graph step")
     p.add_argument("--host-profile", action="store_true", help="also cProfile the layer calls of the host table")
-    p.add_argument("--static-launch", choices=["on", "off"], default="on",
+    p.add_argument("--static-launch", choices=["on", "off"], default="off",
                    help="quantize_model(static_launch=...): Inductor's static launcher for the Triton kernels")
     p.add_argument("--step-profile", action="store_true",
                    help="also cProfile 20 calls of each compiled (no graph) step: where the host time goes")

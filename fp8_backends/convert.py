@@ -201,7 +201,7 @@ def quantize_model(
     input_scales: Mapping[str, float] | None = None,
     weight_dtype: object = Fp8Dtype.E4M3FN,
     input_dtype: object = Fp8Dtype.E4M3FN,
-    static_launch: bool = True,
+    static_launch: bool = False,
 ) -> QuantizeSummary:
     """Replace the model's ``nn.Linear`` modules by :class:`Fp8Linear` in place; return a :class:`QuantizeSummary`.
 
@@ -217,9 +217,9 @@ def quantize_model(
         calibration: batches run through the unmodified model to calibrate static input scales.
         input_scales: static input scales by module name (override calibration where both are given).
         weight_dtype / input_dtype: FP8 element types of weights and quantized activations.
-        static_launch: let Inductor launch the Triton kernels of the library's ops with its static CUDA launcher
-            under ``torch.compile`` (:func:`fp8_backends.inductor_setup.static_launch_triton_ops`: a global Inductor
-            setting, set once here; ``False`` leaves Inductor's settings as they are).
+        static_launch: also let Inductor launch the Triton kernels of the library's ops with its static CUDA
+            launcher under ``torch.compile`` (:func:`fp8_backends.inductor_setup.static_launch_triton_ops`: a global
+            Inductor setting; off by default: its effect on a whole model is not measured yet).
     """
     if not isinstance(model, nn.Module):
         raise InvalidTypeError(f"quantize_model needs an nn.Module, got {type(model).__name__}")

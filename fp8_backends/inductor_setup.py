@@ -10,7 +10,8 @@ is the host time that separated FP8 from bf16 (``bench/hf_model.py --step-profil
 :func:`static_launch_triton_ops` turns that setting on. It is global (it applies to every user-defined Triton
 kernel Inductor compiles afterwards, not only this library's), read when Inductor compiles a kernel, and Inductor
 falls back to Triton's launcher for any kernel its static launcher cannot launch.
-:func:`fp8_backends.quantize_model` calls it unless told not to.
+:func:`fp8_backends.quantize_model` calls it when asked (``static_launch=True``). It is opt-in: the profile shows
+where the launches go, but the effect on a whole model's step has not been measured yet.
 """
 
 from __future__ import annotations
