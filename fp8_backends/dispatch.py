@@ -19,8 +19,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
+from fp8_backends import settings
 from fp8_backends.errors import ConfigurationError
-from fp8_backends.registry import settings
 
 Buckets = tuple[tuple[int | None, str], ...]
 

@@ -25,8 +25,9 @@ import os
 import sys
 from typing import Any
 
+from fp8_backends import settings
 from fp8_backends.errors import ConfigurationError, Fp8BackendError
-from fp8_backends.registry import discovery, resolution, settings
+from fp8_backends.registry import discovery, resolution
 from fp8_backends.registry.platform import Platform, detect_platform, list_platforms, simulate_platform
 from fp8_backends.types import ActScale, GemmProblem, NormQuantProblem, WeightScale
 
@@ -136,22 +137,7 @@ def collect(
                     "selected": res.chosen is not None and res.chosen.entry is entry,
                 }
             )
-    env = {
-        var: os.environ[var]
-        for var in (
-            settings.GEMM_BACKEND_ENV,
-            settings.NORM_QUANT_BACKEND_ENV,
-            settings.DISABLED_ENV,
-            settings.PLUGINS_ENV,
-            settings.SIMULATE_SM_ENV,
-            settings.LOCKFILE_ENV,
-            settings.TUNE_ENV,
-            settings.DEFAULTS_ENV,
-            settings.SHIPPED_ENV,
-            settings.PDL_ENV,
-        )
-        if var in os.environ
-    }
+    env = {var.name: os.environ[var.name] for var in settings.ENV_VARS if var.name in os.environ}
     return {
         "schema": SCHEMA,
         "platform": _platform_dict(platform),

@@ -7,8 +7,8 @@
 - The support tables of flashinfer 0.7's ``bmm_fp8`` runners (``supported_compute_capability`` of
   its ``_cublas/_cudnn/_cutlass_bmm_fp8_requirement``), as data: :func:`runner_reasons`.
 - :func:`cache_dir` / :func:`autotune_cache_path`: where flashinfer's autotuning results live
-  (``$FP8_BACKENDS_CACHE_DIR``, else ``$XDG_CACHE_HOME/fp8_backends``, else
-  ``~/.cache/fp8_backends``), beside the project's own tuning data.
+  (:func:`fp8_backends.settings.cache_dir`: ``$FP8_BACKENDS_CACHE_DIR``, else ``$XDG_CACHE_HOME/fp8_backends``,
+  else ``~/.cache/fp8_backends``), beside the project's own tuning data.
 
 Nothing here imports torch or flashinfer at module level: stevedore imports the provider modules
 (and so this one) during discovery.
@@ -24,6 +24,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from fp8_backends import settings
 from fp8_backends.types import Availability, Fp8Dtype
 
 logger = logging.getLogger("fp8_backends")
@@ -32,9 +33,9 @@ INSTALL_HINT = "pip install fp8-backends[flashinfer]"
 DIST_NAME = "flashinfer-python"
 
 #: default of the GEMM provider's ``autotune`` option when the option is not given
-AUTOTUNE_ENV = "FP8_BACKENDS_FLASHINFER_AUTOTUNE"
+AUTOTUNE_ENV = settings.FLASHINFER_AUTOTUNE_ENV
 AUTOTUNE_MODES = ("off", "cache", "tune")
-CACHE_DIR_ENV = "FP8_BACKENDS_CACHE_DIR"
+CACHE_DIR_ENV = settings.CACHE_DIR_ENV
 
 RUNNERS = ("cublas", "cudnn", "cutlass", "auto")
 
@@ -58,7 +59,6 @@ def _sm_text(sms: frozenset[tuple[int, int]]) -> str:
 
 def cuda_present() -> bool:
     """A CUDA device is visible (asked through the driver, torch is not imported), or one is simulated."""
-    from fp8_backends.registry import settings
     from fp8_backends.registry.platform import list_platforms
 
     if settings.simulated_sm():
@@ -158,14 +158,8 @@ def runner_reasons(
     return reasons
 
 
-def cache_dir() -> Path:
-    """The per-user cache folder of fp8_backends (not created here)."""
-    explicit = os.environ.get(CACHE_DIR_ENV, "").strip()
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "fp8_backends"
+#: the per-user cache folder of fp8_backends (not created here)
+cache_dir = settings.cache_dir
 
 
 def autotune_cache_path(sm: tuple[int, int] | None) -> Path:

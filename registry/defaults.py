@@ -25,7 +25,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from . import resolution, settings
+from fp8_backends import settings
+
+from . import resolution
 from .platform import Platform
 
 logger = logging.getLogger("fp8_backends")

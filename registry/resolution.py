@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from fp8_backends import settings
 from fp8_backends.errors import (
     AmbiguousBackendError,
     BackendOptionError,
@@ -39,7 +40,6 @@ from fp8_backends.errors import (
 )
 from fp8_backends.types import Availability, GemmProblem, NormQuantProblem
 
-from . import settings
 from .discovery import BLOCKED, ProviderEntry, discover
 from .platform import Platform, detect_platform
 

@@ -31,9 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp8_backends import settings
 from fp8_backends.errors import DataFileError
 
-from . import resolution, settings, shipped_data, tuning
+from . import resolution, shipped_data, tuning
 from .nearest import (
     DEFAULT_METRIC,
     DEFAULT_NEIGHBOURS,

@@ -58,10 +58,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp8_backends import settings
 from fp8_backends.errors import ConfigurationError
 from fp8_backends.types import ActScale, GemmProblem, NormQuantProblem
 
-from . import resolution, settings
+from . import resolution
 from .discovery import ProviderEntry, discover
 from .platform import Platform
 
@@ -79,21 +80,20 @@ _OFF = {"off", "none", "0", "false", "no"}
 
 # ---------------------------------------------------------------------------------------- paths
 def default_lockfile_path() -> Path:
-    """``$XDG_CACHE_HOME/fp8_backends/selection.lock.json`` (``~/.cache`` when unset or relative)."""
-    base = os.environ.get("XDG_CACHE_HOME", "")
-    root = Path(base) if base and os.path.isabs(base) else Path.home() / ".cache"
-    return root / "fp8_backends" / "selection.lock.json"
+    """``selection.lock.json`` in the cache folder (:func:`fp8_backends.settings.cache_dir`:
+    ``$FP8_BACKENDS_CACHE_DIR``, else ``$XDG_CACHE_HOME/fp8_backends``, ``~/.cache`` when unset or relative)."""
+    return settings.cache_dir() / "selection.lock.json"
 
 
 def lockfile_path() -> Path | None:
     """The lockfile ``auto`` reads: ``FP8_BACKENDS_LOCKFILE``, else the default; None when set to ``off``."""
     raw = os.environ.get(settings.LOCKFILE_ENV, "").strip()
-    xdg = "" if raw else os.environ.get("XDG_CACHE_HOME", "")
-    return _path_for(raw, xdg)
+    where = ("", "") if raw else (os.environ.get(settings.CACHE_DIR_ENV, ""), os.environ.get("XDG_CACHE_HOME", ""))
+    return _path_for(raw, where)
 
 
 @functools.lru_cache(maxsize=16)
-def _path_for(raw: str, xdg: str) -> Path | None:
+def _path_for(raw: str, where: tuple[str, str]) -> Path | None:
     if raw.lower() in _OFF:
         return None
     return Path(raw).expanduser() if raw else default_lockfile_path()

@@ -250,7 +250,7 @@ def test_forced_tma_config_refuses_misaligned_operands():
     ("FP8_BACKENDS_TUNE", "enable"), ("FP8_BACKENDS_DEFAULTS", "disable"),
 ])
 def test_boolean_variables_are_parsed_strictly(var, value, monkeypatch):
-    from fp8_backends.registry import settings
+    from fp8_backends import settings
 
     getter = {"FP8_BACKENDS_CHECK_SCALES": settings.check_scales_at_call, "FP8_BACKENDS_PDL": settings.pdl_allowed,
               "FP8_BACKENDS_TUNE": settings.tune_at_first_use,
@@ -297,7 +297,7 @@ def test_env_variables_in_resolution(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("value", ["abc", "0", "-2", "1.5"])
 def test_integer_variables_are_parsed_strictly(value, monkeypatch):
-    from fp8_backends.registry import settings
+    from fp8_backends import settings
 
     monkeypatch.setenv("FP8_TEST_JOBS", value)
     raises_library(ValueError, lambda: settings.env_int("FP8_TEST_JOBS", 4), match="FP8_TEST_JOBS")

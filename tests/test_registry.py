@@ -463,7 +463,7 @@ def test_auto_skips_a_plugin_whose_preload_fails_and_lists_it_unavailable(monkey
     ],
 )
 def test_disabled_item_syntax(text, item):
-    from fp8_backends.registry import settings
+    from fp8_backends import settings
 
     assert tuple(settings.parse_disabled_item(text)) == item
 

@@ -18,9 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from fp8_backends import settings
 from fp8_backends.dispatch import BucketTable, TableSource
 
-TABLE_ENV = "FP8_BACKENDS_CUTLASS_TABLE"
+TABLE_ENV = settings.CUTLASS_TABLE_ENV
 
 SCHEDULES = {"ws": 0, "pingpong": 1, "cooperative": 2}
 
