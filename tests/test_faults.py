@@ -308,7 +308,7 @@ def test_integer_variables_are_parsed_strictly(value, monkeypatch):
 
 
 def test_flashinfer_autotune_variable(monkeypatch):
-    from fp8_backends.providers import _flashinfer_common as common
+    from fp8_backends.providers.flashinfer import common
 
     monkeypatch.setenv("FP8_BACKENDS_FLASHINFER_AUTOTUNE", "sometimes")
     raises_library(ValueError, common.autotune_default, match="FP8_BACKENDS_FLASHINFER_AUTOTUNE")

@@ -500,7 +500,7 @@ def test_empty_plugin_allow_list_blocks_every_plugin_and_keeps_the_built_ins(thi
 # --------------------------------------------------------------------------- reasons people read
 def test_cpu_machine_reasons_never_ask_to_install_gpu_only_extras(monkeypatch):
     from fp8_backends import list as listing
-    from fp8_backends.providers import _flashinfer_common as common
+    from fp8_backends.providers.flashinfer import common
 
     real = common._find_spec
     monkeypatch.setattr(common, "_find_spec", lambda name: None if name == "flashinfer" else real(name))
@@ -521,7 +521,7 @@ def test_cpu_machine_reasons_never_ask_to_install_gpu_only_extras(monkeypatch):
 
 
 def test_simulated_sm_shows_architecture_reasons_of_providers_not_installed_here(monkeypatch):
-    from fp8_backends.providers import _flashinfer_common as common
+    from fp8_backends.providers.flashinfer import common
 
     real = common._find_spec
     monkeypatch.setattr(common, "_find_spec", lambda name: None if name == "flashinfer" else real(name))

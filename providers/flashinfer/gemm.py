@@ -23,11 +23,11 @@ Options (``flashinfer_bmm@runner=cudnn,autotune=cache``):
   for serving). The default comes from ``FP8_BACKENDS_FLASHINFER_AUTOTUNE`` when the option is not
   given. The file is ``<cache dir>/flashinfer/autotune-<flashinfer version>-sm<XY>.json`` with the
   cache dir ``$FP8_BACKENDS_CACHE_DIR``, else ``$XDG_CACHE_HOME/fp8_backends``, else
-  ``~/.cache/fp8_backends`` (see ``_flashinfer_common.autotune_cache_path``). ``tune`` enters
+  ``~/.cache/fp8_backends`` (see ``common.autotune_cache_path``). ``tune`` enters
   flashinfer's ``autotune(True, cache=...)`` context, which replaces the file-loaded configs of
   flashinfer's process-wide AutoTuner; ``cache`` only merges the file into them.
 
-Host path: see ``_flashinfer_ops``. The first call for each new M with ``runner`` other than
+Host path: see ``gemm_ops``. The first call for each new M with ``runner`` other than
 ``cublas`` or with ``autotune`` on builds a plan (cuDNN graph, tactic lookup): run each M once
 eagerly before capturing a CUDA graph (capture of an unplanned M raises with that advice). All
 calls share flashinfer's per-device bmm_fp8 workspace, so do not run them concurrently on two
@@ -53,7 +53,7 @@ from fp8_backends.types import (
     WeightScale,
 )
 
-from . import _flashinfer_common as common
+from . import common
 
 if TYPE_CHECKING:
     import torch
@@ -118,9 +118,9 @@ class FlashinferBmmBackend(Fp8GemmBackend):
     def _load_op(self) -> Any:
         from fp8_backends.oplib import eager_fast
 
-        from . import _flashinfer_ops
+        from . import gemm_ops
 
-        self._op = eager_fast(_flashinfer_ops.gemm_op)
+        self._op = eager_fast(gemm_ops.gemm_op)
         return self._op
 
     def prepare_weight_impl(
@@ -128,13 +128,13 @@ class FlashinferBmmBackend(Fp8GemmBackend):
     ) -> PreparedWeight:
         """Checks the runner against the weight's GPU, loads flashinfer's gemm module and workspace
         for that device, and returns the ``[1, K, N]`` column-major view of ``w_q`` (no copy)."""
-        from . import _flashinfer_ops
+        from . import gemm_ops
 
         n, k = w_q.shape
         dtype = Fp8Dtype.of(w_q.dtype)
         if w_q.data_ptr() % 16:
             raise InvalidInputError(f"{self.name} needs w_q's data pointer 16-byte aligned")
-        state = _flashinfer_ops.gemm_device(w_q.device)  # the real GPU, whatever is simulated
+        state = gemm_ops.gemm_device(w_q.device)  # the real GPU, whatever is simulated
         reasons = common.runner_reasons(self.config["runner"], state.sm, dtype, dtype)
         # an e5m2 weight is fine as long as x_q is e4m3fn: refuse only what no x_q could fix
         reasons = [r for r in reasons if "e5m2 x e5m2" not in r]

@@ -1,19 +1,16 @@
-"""torch.library ops around flashinfer's compiled kernels, and the cached per-problem call plans.
+"""The torch.library op around flashinfer's compiled ``bmm_fp8`` kernels, and the cached per-problem call plans.
 
-Importing this module imports torch and registers three ops in the ``fp8_backends`` namespace
-(the providers import it lazily: at ``prepare_weight`` or at the first norm-quant call):
+Importing this module imports torch and registers one op in the ``fp8_backends`` namespace (the GEMM provider
+imports it lazily, at ``prepare_weight``; the norm-quant ops are in :mod:`.norm_ops`):
 
 - ``fp8_backends::flashinfer_bmm_fp8(Tensor x, Tensor w, Tensor x_scale, Tensor w_scale,
   ScalarType out_dtype, str mode) -> Tensor``: ``x [M, K]`` row-major fp8, ``w`` the prepared
   ``[1, K, N]`` column-major view of an ``[N, K]`` weight, scalar fp32 scales; returns ``[M, N]``
   in ``out_dtype`` (bf16/fp16). ``mode`` is ``"<runner>/<autotune>"``, e.g. ``"cublas/off"``.
-- ``fp8_backends::flashinfer_rmsnorm_quant(Tensor(a!) out, Tensor x, Tensor weight, Tensor scale,
-  float eps) -> ()`` and ``fp8_backends::flashinfer_fused_add_rmsnorm_quant(Tensor(a!) out, Tensor x,
-  Tensor(b!) residual, Tensor weight, Tensor scale, float eps) -> ()``.
 
-Each op has a fake (meta) implementation, so ``torch.compile(fullgraph=True)`` traces through it.
-They are defined with :func:`fp8_backends.oplib.define_ops` (``Library.define`` + ``impl(..., "CUDA")``,
-not the ``custom_op`` decorator and its per-call Python wrapper); they are inference-only.
+The op has a fake (meta) implementation, so ``torch.compile(fullgraph=True)`` traces through it.
+It is defined with :func:`fp8_backends.oplib.define_ops` (``Library.define`` + ``impl(..., "CUDA")``,
+not the ``custom_op`` decorator and its per-call Python wrapper); it is inference-only.
 
 Host cost. flashinfer's public ``bmm_fp8`` spends 90-275 us of Python per call (requirement checks,
 runner-list building, the autotuner lookup, cuDNN graph lookup). Here the work is split:
@@ -42,55 +39,25 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from fp8_backends.errors import BackendUnavailableError, InvalidInputError, UnsupportedProblemError
+from fp8_backends.errors import BackendUnavailableError, InvalidInputError
 from fp8_backends.oplib import define_ops
 
-from . import _flashinfer_common as common
+from . import _support as support
+from . import common
 
 logger = logging.getLogger("fp8_backends")
 
 BMM_OP = "flashinfer_bmm_fp8"
-NORM_OP = "flashinfer_rmsnorm_quant"
-ADD_NORM_OP = "flashinfer_fused_add_rmsnorm_quant"
 FAST_MODE = "cublas/off"
 
 _CUBLASLT_MAX_ALGOS = 100
 _CUBLASLT_ALGO_BYTES = 64
 _OWN_WORKSPACE_BYTES = 40 * 1024 * 1024
-
-_lock = threading.RLock()
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_current_stream_capturing()
-
-
-def _refuse_in_capture(what: str) -> None:
-    if _capturing():
-        raise UnsupportedProblemError(
-            f"{what} must happen outside CUDA graph capture; call the op once eagerly with this shape "
-            "(and runner) before capturing",
-            reasons=[f"{what} during CUDA graph capture"],
-        )
-
-
-def _require_flashinfer(features: tuple[str, ...]) -> Any:
-    missing = common.missing_features(features)
-    if isinstance(missing, str):
-        raise BackendUnavailableError(f"flashinfer is not usable: {missing}")
-    if missing:
-        raise BackendUnavailableError(
-            f"this flashinfer ({common.flashinfer_version()}) lacks {', '.join(missing)}"
-        )
-    module, _ = common.import_flashinfer()
-    return module
 
 
 # --------------------------------------------------------------------------------------------- GEMM
@@ -99,7 +66,7 @@ class GemmDevice:
     shared workspace, the SM."""
 
     def __init__(self, device: torch.device) -> None:
-        self.fi = _require_flashinfer(("bmm_fp8",))
+        self.fi = support.require_flashinfer(("bmm_fp8",))
         try:
             from flashinfer.gemm import gemm_base
         except Exception as exc:
@@ -147,22 +114,10 @@ class GemmDevice:
 _GEMM_DEVICES: dict[int, GemmDevice] = {}
 
 
-def _per_device(cache: dict[int, Any], factory: Callable[[torch.device], Any], device: torch.device, what: str) -> Any:
-    """The state ``factory`` builds for ``device``, built once per device (never during graph capture)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    state = cache.get(index)
-    if state is None:
-        with _lock:
-            state = cache.get(index)
-            if state is None:
-                _refuse_in_capture(what)
-                state = cache[index] = factory(torch.device("cuda", index))
-    return state
-
 
 def gemm_device(device: torch.device) -> GemmDevice:
     """Load (once) what the GEMM op needs on ``device``. Called at prepare_weight time."""
-    return _per_device(_GEMM_DEVICES, GemmDevice, device, "loading flashinfer's gemm module")
+    return support.per_device(_GEMM_DEVICES, GemmDevice, device, "loading flashinfer's gemm module")
 
 
 class _Plan:
@@ -289,7 +244,7 @@ class _GuardedPlan(_Plan):
             try:
                 plan(a3, b3, out3, sa, sb)
             except Exception as exc:
-                if not self.fallbacks or _capturing():
+                if not self.fallbacks or support.capturing():
                     raise
                 nxt = self.fallbacks.pop(0)()
                 logger.warning(
@@ -320,7 +275,7 @@ def plan_kinds() -> dict[str, str]:
 def reset_plans() -> None:
     """Forget cached plans (tests, benchmarks). CUDA graphs already captured keep their kernels:
     the cuDNN graphs they use are also held by flashinfer's own caches."""
-    with _lock:
+    with support.lock:
         _PLANS.clear()
 
 
@@ -461,12 +416,13 @@ def _build_plan(state: GemmDevice, name: str, tactic: Any, a3, b3, sa, sb, out3)
 
 def _make_plan(key: tuple, mode: str, x: torch.Tensor, w: torch.Tensor, sa, sb, out: torch.Tensor) -> _Plan:
     runner, _, autotune = mode.partition("/")
-    with _lock:
+    with support.lock:
         plan = _PLANS.get(key)
         if plan is not None:
             return plan
         if mode != FAST_MODE:  # cuBLASLt's algorithm query is host-only: fine under capture; the rest is not
-            _refuse_in_capture(f"flashinfer_bmm's first call for {_describe_key(key)} (runner choice / plan build)")
+            support.refuse_in_capture(
+                f"flashinfer_bmm's first call for {_describe_key(key)} (runner choice / plan build)")
         state = _GEMM_DEVICES.get(key[1]) or gemm_device(x.device)
         a3, out3 = x.unsqueeze(0), out.unsqueeze(0)
         names = _runner_names(state, runner, a3, w, sa, sb, out3)
@@ -481,9 +437,6 @@ def _make_plan(key: tuple, mode: str, x: torch.Tensor, w: torch.Tensor, sa, sb, 
         _PLANS[key] = plan
         return plan
 
-
-def _misaligned(t: torch.Tensor, nbytes: int) -> bool:
-    return t.data_ptr() % nbytes != 0
 
 
 def _bmm_impl(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
@@ -516,84 +469,6 @@ def bmm_plan_for(x: torch.Tensor, w: torch.Tensor, x_scale, w_scale, out_dtype: 
     return _PLANS.get(key, plan).kind
 
 
-# ---------------------------------------------------------------------------------------- norm-quant
-class NormDevice:
-    """Per-device entry points of flashinfer's norm+quant kernels and whether PDL is on."""
-
-    FEATURES = ("rmsnorm_quant", "fused_add_rmsnorm_quant")
-
-    def __init__(self, device: torch.device) -> None:
-        fi = _require_flashinfer(self.FEATURES)
-        self.index = device.index if device.index is not None else torch.cuda.current_device()
-        self.pdl = tuple(torch.cuda.get_device_capability(self.index)) >= (9, 0)
-        self.kind = "api"
-        self.rq: Callable[..., Any] = lambda out, x, w, s, eps, pdl: fi.rmsnorm_quant(out, x, w, s, eps, pdl)
-        self.arq: Callable[..., Any] = lambda out, x, r, w, s, eps, pdl: fi.fused_add_rmsnorm_quant(
-            out, x, r, w, s, eps, pdl
-        )
-        try:
-            from flashinfer import norm as fi_norm
-
-            dev = torch.device("cuda", self.index)
-            if fi_norm._use_cuda_norm(dev):
-                module = fi_norm.get_norm_module()
-                self.rq, self.arq = module.rmsnorm_quant, module.fused_add_rmsnorm_quant
-                self.kind = "direct"
-        except Exception as exc:
-            logger.info("flashinfer norm: compiled module not callable directly (%s); using the public API", exc)
-
-
-_NORM_DEVICES: dict[int, NormDevice] = {}
-
-
-def norm_device(device: torch.device) -> NormDevice:
-    """Load (once) what the norm-quant ops need on ``device``."""
-    return _per_device(_NORM_DEVICES, NormDevice, device, "loading flashinfer's norm module")
-
-
-def _norm_check_alignment(x: torch.Tensor, out: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> None:
-    # the kernels load gcd(16 / itemsize, H) elements per vector access
-    vec = math.gcd(16 // x.element_size(), x.shape[1])
-    nbytes = vec * x.element_size()
-    for t in tensors:
-        if _misaligned(t, nbytes):
-            raise InvalidInputError(
-                f"flashinfer norm-quant needs {nbytes}-byte aligned data pointers for H={x.shape[1]}"
-            )
-    if _misaligned(out, vec):
-        raise InvalidInputError(f"flashinfer norm-quant needs out's data pointer {vec}-byte aligned")
-
-
-def _scale_1d(scale: torch.Tensor) -> torch.Tensor:
-    return scale if scale.dim() == 1 else scale.reshape(1)
-
-
-def _rmsnorm_quant_impl(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                        eps: float) -> None:
-    if x.shape[0] == 0:
-        return
-    state = _NORM_DEVICES.get(x.get_device()) or norm_device(x.device)
-    _norm_check_alignment(x, out, (x, weight))
-    state.rq(out, x, weight, _scale_1d(scale), eps, state.pdl)
-
-
-def _fused_add_rmsnorm_quant_impl(out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor,
-                                  weight: torch.Tensor, scale: torch.Tensor, eps: float) -> None:
-    if x.shape[0] == 0:
-        return
-    state = _NORM_DEVICES.get(x.get_device()) or norm_device(x.device)
-    _norm_check_alignment(x, out, (x, residual, weight))
-    state.arq(out, x, residual, weight, _scale_1d(scale), eps, state.pdl)
-
-
-def _rmsnorm_quant_fake(out, x, weight, scale, eps) -> None:
-    return None
-
-
-def _fused_add_rmsnorm_quant_fake(out, x, residual, weight, scale, eps) -> None:
-    return None
-
-
 # ------------------------------------------------------------------------------------- registration
 _SCHEMAS = {
     BMM_OP: (
@@ -601,20 +476,9 @@ _SCHEMAS = {
         "str mode) -> Tensor",
         _bmm_impl, _bmm_fake,
     ),
-    NORM_OP: (
-        "flashinfer_rmsnorm_quant(Tensor(a!) out, Tensor x, Tensor weight, Tensor scale, float eps) -> ()",
-        _rmsnorm_quant_impl, _rmsnorm_quant_fake,
-    ),
-    ADD_NORM_OP: (
-        "flashinfer_fused_add_rmsnorm_quant(Tensor(a!) out, Tensor x, Tensor(b!) residual, Tensor weight, "
-        "Tensor scale, float eps) -> ()",
-        _fused_add_rmsnorm_quant_impl, _fused_add_rmsnorm_quant_fake,
-    ),
 }
 
 
 _OPS = define_ops(_SCHEMAS, ("CUDA",))
 
 gemm_op = _OPS[BMM_OP]
-rmsnorm_quant_op = _OPS[NORM_OP]
-fused_add_rmsnorm_quant_op = _OPS[ADD_NORM_OP]

@@ -6,7 +6,7 @@
   as the NormQuantBackend contract asks), then the same on the fp32 sum (kept in shared memory).
 
 Both run as ``torch.library`` ops (``fp8_backends::flashinfer_rmsnorm_quant`` /
-``fp8_backends::flashinfer_fused_add_rmsnorm_quant``, see ``_flashinfer_ops``) that call flashinfer's
+``fp8_backends::flashinfer_fused_add_rmsnorm_quant``, see ``norm_ops``) that call flashinfer's
 compiled norm module directly when flashinfer uses its CUDA norm kernels (``FLASHINFER_USE_CUDA_NORM=1``
 or no CuTe DSL for the GPU), else ``flashinfer.rmsnorm_quant`` / ``flashinfer.fused_add_rmsnorm_quant``.
 ``scale`` goes to the kernel as a ``(1,)`` fp32 device tensor (read on the device: CUDA-graph safe).
@@ -32,7 +32,7 @@ from fp8_backends.types import (
     OutDtype,
 )
 
-from . import _flashinfer_common as common
+from . import common
 
 if TYPE_CHECKING:
 
@@ -103,6 +103,6 @@ class FlashinferNormQuantBackend(OpNormQuantBackend):
         return []
 
     def load_ops(self) -> tuple[Any, Any]:
-        from . import _flashinfer_ops
+        from . import norm_ops
 
-        return _flashinfer_ops.rmsnorm_quant_op, _flashinfer_ops.fused_add_rmsnorm_quant_op
+        return norm_ops.rmsnorm_quant_op, norm_ops.fused_add_rmsnorm_quant_op
