@@ -20,3 +20,48 @@ def test_registry_settings_shim():
         old = _fresh_import("fp8_backends.registry.settings")
     assert old.cache_dir is settings.cache_dir and old.env_flag is settings.env_flag
     assert old.LOCKFILE_ENV == settings.LOCKFILE_ENV and old.EnvFlag is settings.EnvFlag
+
+
+@pytest.mark.parametrize(("old", "new", "names"), [
+    ("fp8_backends.providers.flashinfer_bmm", "fp8_backends.providers.flashinfer.gemm", ["FlashinferBmmBackend"]),
+    ("fp8_backends.providers.flashinfer_norm_quant", "fp8_backends.providers.flashinfer.norm_quant",
+     ["FlashinferNormQuantBackend", "fused_add_smem_bytes"]),
+    ("fp8_backends.providers._flashinfer_common", "fp8_backends.providers.flashinfer.common",
+     ["cache_dir", "base_availability", "AUTOTUNE_ENV", "RUNNERS"]),
+])
+def test_flashinfer_provider_shims(old, new, names):
+    module = importlib.import_module(new)
+    with pytest.warns(DeprecationWarning, match=new):
+        shim = _fresh_import(old)
+    for name in names:
+        assert getattr(shim, name) is getattr(module, name)
+
+
+def test_flashinfer_ops_shim():
+    pytest.importorskip("torch")
+    from fp8_backends.providers.flashinfer import gemm_ops, norm_ops
+
+    with pytest.warns(DeprecationWarning, match="gemm_ops"):
+        shim = _fresh_import("fp8_backends.providers._flashinfer_ops")
+    assert shim.gemm_op is gemm_ops.gemm_op and shim.rmsnorm_quant_op is norm_ops.rmsnorm_quant_op
+    assert shim.fused_add_rmsnorm_quant_op is norm_ops.fused_add_rmsnorm_quant_op
+    assert shim.reset_plans is gemm_ops.reset_plans
+
+
+def test_entry_point_names_unchanged():
+    from importlib.metadata import entry_points
+
+    def names(group):
+        return {ep.name: ep.value for ep in entry_points(group=group) if ep.value.startswith("fp8_backends.")}
+
+    assert names("fp8_backends.gemm") == {
+        "torch_scaled_mm": "fp8_backends.providers.torch_scaled_mm:TorchScaledMMBackend",
+        "cutlass": "fp8_backends.providers.cutlass.backend:CutlassSm90Backend",
+        "flashinfer_bmm": "fp8_backends.providers.flashinfer.gemm:FlashinferBmmBackend",
+        "triton": "fp8_backends.providers.triton.gemm:TritonGemmBackend",
+    }
+    assert names("fp8_backends.norm_quant") == {
+        "torch": "fp8_backends.providers.torch_norm_quant:TorchNormQuantBackend",
+        "flashinfer": "fp8_backends.providers.flashinfer.norm_quant:FlashinferNormQuantBackend",
+        "triton": "fp8_backends.providers.triton.norm_quant:TritonNormQuantBackend",
+    }
