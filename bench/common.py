@@ -22,6 +22,7 @@ from typing import Any
 
 from fp8_backends.registry import resolution
 from fp8_backends.registry.platform import Platform
+from fp8_backends.text_table import text_table
 from fp8_backends.timing import Timer, measure_copy_bandwidth
 from fp8_backends.tune import CandidateResult, measure_candidates
 from fp8_backends.types import GemmProblem
@@ -110,12 +111,8 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
     return lines
 
 
-def console_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
-    lines += [fmt.format(*(str(c) for c in r)) for r in rows]
-    return "\n".join(line.rstrip() for line in lines)
+#: the library's plain-text table (header, rows) -> str
+console_table = text_table
 
 
 def fmt(value: float | None, spec: str = ".2f", missing: str = "-") -> str:

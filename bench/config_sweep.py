@@ -2,7 +2,7 @@
 
 A sweep times every kernel config of one provider, plus ``torch._scaled_mm`` (plain and fast
 accumulation), on the Llama-3-8B GEMM shapes at several M, and turns the timings into an M-bucket
-dispatch table (:class:`fp8_backends.dispatch.BucketTable` JSON) and a markdown report.
+dispatch table (:class:`fp8_backends.bucket_tables.BucketTable` JSON) and a markdown report.
 
 - :func:`measure_point`: one ``(N, K, M)``; candidates interleaved in CUDA graphs over input copies
   rotated past 4x L2 (:class:`fp8_backends.timing.CudaGraphTimer`), every output checked against

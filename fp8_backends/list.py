@@ -29,6 +29,7 @@ from fp8_backends import settings
 from fp8_backends.errors import ConfigurationError, Fp8BackendError
 from fp8_backends.registry import discovery, resolution
 from fp8_backends.registry.platform import Platform, detect_platform, list_platforms, simulate_platform
+from fp8_backends.text_table import text_table
 from fp8_backends.types import ActScale, GemmProblem, NormQuantProblem, WeightScale
 
 SCHEMA = "fp8_backends.list/1"
@@ -191,14 +192,6 @@ def _shipped_dict(platform: Platform) -> dict[str, Any]:
         return {"path": None, "status": "error", "detail": f"{type(exc).__name__}: {exc}", "entries": 0}
 
 
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
-    lines += [fmt.format(*(str(c) for c in r)) for r in rows]
-    return "\n".join(line.rstrip() for line in lines)
-
-
 def _short(values: list[str] | None) -> str:
     abbrev = {
         "per_tensor_static": "tensor-static", "per_tensor_dynamic": "tensor-dyn", "per_token": "token",
@@ -250,8 +243,8 @@ def render(data: dict[str, Any]) -> str:
             ])
         out.append("")
         out.append(title + ":")
-        out.append(_table(rows, ["auto", "name", "distribution", "usable", "arch", "PDL", "scales",
-                                 "dtypes", "prio"]))
+        out.append(text_table(["auto", "name", "distribution", "usable", "arch", "PDL", "scales",
+                               "dtypes", "prio"], rows))
         reasons = [
             (pr["name"], pr["distribution"], r, pr["install_hint"])
             for pr in data["providers"] if pr["kind"] == kind for r in pr["reasons"]

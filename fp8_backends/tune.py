@@ -46,6 +46,7 @@ from fp8_backends.errors import ProviderOutputError
 from fp8_backends.registry import tuning
 from fp8_backends.registry.discovery import discover as discover_entries
 from fp8_backends.registry.platform import Platform, detect_platform
+from fp8_backends.text_table import text_table
 from fp8_backends.timing import Measurement, Timer, TimerConfig, default_timer
 from fp8_backends.types import ActScale, GemmProblem, NormQuantProblem, WeightScale
 from fp8_backends.workloads import CandidateSpec, expand_candidates, kind_of, make_workload, option_combos
@@ -482,14 +483,6 @@ def _progress(total: int, enabled: bool) -> Any:
 
 
 # ---------------------------------------------------------------------------------------- output
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
-    lines += [fmt.format(*(str(c) for c in r)) for r in rows]
-    return "\n".join(line.rstrip() for line in lines)
-
-
 def format_summary(report: TuneReport) -> str:
     """The end-of-run table: winner, runner-up and margin per problem and M."""
     rows = []
@@ -510,7 +503,7 @@ def format_summary(report: TuneReport) -> str:
             f"{100 * pr.margin:+.1f}%" if pr.margin is not None else "-",
             "; ".join(notes),
         ])
-    return _table(rows, ["problem", "M", "winner", "µs", "runner-up", "µs", "margin", "notes"])
+    return text_table(["problem", "M", "winner", "µs", "runner-up", "µs", "margin", "notes"], rows)
 
 
 def format_rejections(report: TuneReport) -> str:

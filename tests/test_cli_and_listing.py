@@ -218,3 +218,11 @@ def test_cache_dir_is_shared(monkeypatch, tmp_path):
         mine / "selection.lock.json", mine / "cutlass", mine)
     monkeypatch.setenv(settings.CUTLASS_CACHE_ENV, str(tmp_path / "cut"))
     assert build.cache_dir() == tmp_path / "cut"
+
+
+def test_text_table():
+    from bench.common import console_table
+    from fp8_backends.text_table import text_table
+
+    assert console_table is text_table
+    assert text_table(["a", "long"], [["xyz", 1], ["", None]]) == "a    long\n---  ----\nxyz  1\n     None"

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fp8_backends import settings
-from fp8_backends.dispatch import BucketTable, TableSource
+from fp8_backends.bucket_tables import BucketTable, TableSource
 
 TABLE_ENV = settings.TRITON_TABLE_ENV
 FAMILIES = ("gemv", "swap", "mm", "tma")

@@ -1,4 +1,4 @@
-"""M-bucket dispatch tables: which kernel config a provider runs for a problem ``(M, N, K)``.
+"""Per-provider M-bucket config tables: which kernel config a provider runs for a problem ``(M, N, K)``.
 
 A table maps a problem to a config name: per ``(N, K)`` where the table lists that weight shape, else
 its ``default`` buckets. Each bucket is ``(max_m, name)`` with ``max_m`` inclusive and increasing; the
