@@ -65,3 +65,11 @@ def test_entry_point_names_unchanged():
         "flashinfer": "fp8_backends.providers.flashinfer.norm_quant:FlashinferNormQuantBackend",
         "triton": "fp8_backends.providers.triton.norm_quant:TritonNormQuantBackend",
     }
+
+
+def test_dispatch_shim():
+    from fp8_backends import bucket_tables
+
+    with pytest.warns(DeprecationWarning, match="bucket_tables"):
+        old = _fresh_import("fp8_backends.dispatch")
+    assert old.BucketTable is bucket_tables.BucketTable and old.TableSource is bucket_tables.TableSource
