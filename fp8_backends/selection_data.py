@@ -55,7 +55,7 @@ def _section_for(doc: Mapping[str, Any], prov: Mapping[str, Any]) -> dict[str, A
 
 def exclude_models(entries: Mapping[str, Mapping[str, Any]], models: Sequence[str]) -> dict[str, dict[str, Any]]:
     """The entries without those whose every label names one of ``models`` (entries without labels stay)."""
-    from fp8_backends.models import model_spec
+    from fp8_backends.tuning.models import model_spec
 
     gone = {model_spec(m).name for m in models}
     out = {}

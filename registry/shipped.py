@@ -1,7 +1,7 @@
 """The shipped selection data policy: ``auto`` on a GPU family the library has measured, without a user lockfile.
 
 Per GPU family (SM), the package ships the tuner's measurements of the dense linear shapes of common open
-models (:mod:`fp8_backends.grid`, format in :mod:`.shipped_data`). For a GEMM problem with a known M:
+models (:mod:`fp8_backends.tuning.grid`, format in :mod:`.shipped_data`). For a GEMM problem with a known M:
 
 1. ``shipped-exact``: the data holds this problem (N, K, dtypes, scale modes, bias) -> the tuned choice for its
    M bucket (smallest covered bucket >= M, clamped to the largest); if that provider cannot serve here (not

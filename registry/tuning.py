@@ -825,7 +825,7 @@ def _tune_missing(
         return None
     _tuning_now.active = True
     try:
-        from fp8_backends import tune as tuner
+        from fp8_backends.tuning import engine as tuner
 
         with locked(path):
             _store.forget(path)
@@ -834,7 +834,7 @@ def _tune_missing(
             hit = section.lookup(kind, problem) if section is not None else None
             if hit is not None and hit[0] == bucket:
                 return hit
-            from fp8_backends.timing import TimerConfig
+            from fp8_backends.tuning.timing import TimerConfig
 
             report = tuner.tune([problem], m_buckets=[bucket], platform=platform, progress=False,
                                 timer_config=TimerConfig.quick())

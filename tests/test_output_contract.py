@@ -15,7 +15,6 @@ from typing import ClassVar
 import pytest
 
 from fp8_backends import fp8_linear, reference
-from fp8_backends import tune as tuner
 from fp8_backends.backend import Fp8GemmBackend, NormQuantBackend
 from fp8_backends.capabilities import GemmCapabilities, NormQuantCapabilities
 from fp8_backends.errors import Fp8BackendError, ProviderOutputError
@@ -23,7 +22,8 @@ from fp8_backends.layers import Fp8Linear
 from fp8_backends.registry import discovery, tuning
 from fp8_backends.registry.discovery import LOADED, ProviderEntry
 from fp8_backends.registry.platform import cpu_platform
-from fp8_backends.timing import Measurement
+from fp8_backends.tuning import engine as tuner
+from fp8_backends.tuning.timing import Measurement
 from fp8_backends.types import ActScale, DeviceKind, GemmProblem, OutDtype, WeightScale
 
 torch = pytest.importorskip("torch")

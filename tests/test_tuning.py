@@ -19,15 +19,17 @@ from typing import ClassVar
 import pytest
 
 from fp8_backends import reference
-from fp8_backends import tune as tuner
+from fp8_backends import tune as tune_cli
 from fp8_backends.backend import Fp8GemmBackend
 from fp8_backends.capabilities import GemmCapabilities
 from fp8_backends.list import collect, render
-from fp8_backends.models import linear_shapes, model_spec
 from fp8_backends.registry import discovery, resolution, tuning
 from fp8_backends.registry.discovery import LOADED, ProviderEntry
 from fp8_backends.registry.platform import cpu_platform
-from fp8_backends.timing import CpuTimer, Measurement, Run, TimerConfig, rotation_count
+from fp8_backends.tuning import engine as tuner
+from fp8_backends.tuning.models import linear_shapes, model_spec
+from fp8_backends.tuning.plan import parse_m_list
+from fp8_backends.tuning.timing import CpuTimer, Measurement, Run, TimerConfig, rotation_count
 from fp8_backends.types import DeviceKind, GemmProblem, NormQuantProblem, PreparedWeight
 
 
@@ -135,10 +137,10 @@ def test_bucket_mapping(m, covered, expected):
 
 def test_default_buckets_and_m_lists():
     assert tuning.DEFAULT_M_BUCKETS == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-    assert tuner.parse_m_list("1-16384") == list(tuning.DEFAULT_M_BUCKETS)
-    assert tuner.parse_m_list("3-20,100") == [4, 8, 16, 100]
+    assert parse_m_list("1-16384") == list(tuning.DEFAULT_M_BUCKETS)
+    assert parse_m_list("3-20,100") == [4, 8, 16, 100]
     with pytest.raises(ValueError):
-        tuner.parse_m_list("0,4")
+        parse_m_list("0,4")
 
 
 def _result(label, us, rank, ok=True):
@@ -277,7 +279,7 @@ def test_graph_replayer_logic_with_a_fake_cuda():
 
     import torch
 
-    from fp8_backends import timing
+    from fp8_backends.tuning import timing
 
     fake = types.SimpleNamespace(cuda=_FakeCuda, Tensor=torch.Tensor, uint8=torch.uint8)
     expected = torch.arange(4.0)
@@ -500,17 +502,17 @@ def test_norm_quant_tuning_and_auto(lockpath):
 
 def test_cli_on_cpu(tmp_path, capsys):
     path, report_path = tmp_path / "sel.json", tmp_path / "report.json"
-    rc = tuner.main(["--device", "cpu", "--shapes", "32,64", "--m", "1,2", "--lockfile", str(path),
+    rc = tune_cli.main(["--device", "cpu", "--shapes", "32,64", "--m", "1,2", "--lockfile", str(path),
                      "--no-progress", "--rounds", "1", "--replays", "1", "--report", str(report_path)])
     out = capsys.readouterr().out
     assert rc == 0 and "winner" in out and f"lockfile: {path} (2 entries" in out
     assert tuning.read_document(path)[1] is None
     assert json.loads(report_path.read_text())["schema"] == "fp8_backends.tune-report/1"
-    assert tuner.main(["--device", "cpu", "--model", "llama3-8b", "--list"]) == 0
+    assert tune_cli.main(["--device", "cpu", "--model", "llama3-8b", "--list"]) == 0
     listing = capsys.readouterr().out
     assert "N=28672 K=4096" in listing and "N=4096 K=14336" in listing and TORCH_T in listing
     with pytest.raises(SystemExit):
-        tuner.main(["--device", "cpu", "--m", "0"])
+        tune_cli.main(["--device", "cpu", "--m", "0"])
 
 
 def test_policy_module_is_light():
@@ -526,7 +528,7 @@ def test_tune_end_to_end_on_gpu(tmp_path, monkeypatch):
     import torch
 
     from fp8_backends.registry.platform import detect_platform
-    from fp8_backends.timing import measure_copy_bandwidth
+    from fp8_backends.tuning.timing import measure_copy_bandwidth
 
     path = tmp_path / "sel.json"
     monkeypatch.setenv("FP8_BACKENDS_LOCKFILE", str(path))

@@ -1,7 +1,7 @@
 """What one ``python -m fp8_backends.tune`` run covers: problem templates with their labels, M buckets, option
 pins, the shard of the work this process takes, and which problems the output already holds (resuming).
 
-Kept apart from :mod:`fp8_backends.tune` (which measures) so that the grid logic is testable without timing
+Kept apart from :mod:`.engine` (which measures) so that the grid logic is testable without timing
 anything. Every function here is pure Python (no torch).
 """
 
@@ -13,10 +13,37 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp8_backends import grid
 from fp8_backends.registry import tuning
 from fp8_backends.registry.platform import Platform
+from fp8_backends.tuning import grid
 from fp8_backends.types import GemmProblem, NormQuantProblem
+
+#: the M buckets of ``--quick`` (the tuner and the benchmarks)
+QUICK_M_BUCKETS = (1, 16, 256, 4096)
+
+
+def parse_m_list(text: str) -> list[int]:
+    """``"1,16,256"``, or ``"1-16384"`` (every power of two in the range), or a mix: ``"1-8,100"``."""
+    out: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if "-" in part:
+            lo_text, _, hi_text = part.partition("-")
+            lo, hi = int(lo_text), int(hi_text)
+            if lo < 1 or hi < lo:
+                raise ValueError(f"bad M range {part!r}")
+            v = 1
+            while v <= hi:
+                if v >= lo:
+                    out.add(v)
+                v *= 2
+        else:
+            v = int(part)
+            if v < 1:
+                raise ValueError(f"M must be >= 1, got {v}")
+            out.add(v)
+    if not out:
+        raise ValueError(f"no M values in {text!r}")
+    return sorted(out)
 
 
 @dataclass
@@ -103,8 +130,7 @@ def gemm_problems(shapes: Sequence[grid.ShapeSpec], scales: Sequence[tuple[str, 
 
 def plan_from_args(args: argparse.Namespace, device: str) -> TunePlan:
     """The plan the tuner's arguments describe (see ``python -m fp8_backends.tune --help``)."""
-    from fp8_backends.models import hidden_size
-    from fp8_backends.tune import QUICK_M_BUCKETS, parse_m_list
+    from fp8_backends.tuning.models import hidden_size
 
     shipped = bool(getattr(args, "shipped_grid", False))
     explicit = args.shapes or args.shapes_file or args.hidden
@@ -131,7 +157,7 @@ def plan_from_args(args: argparse.Namespace, device: str) -> TunePlan:
     for path in args.shapes_file or ():
         shapes += grid.read_shapes_file(path)
     if args.exclude_model:
-        from fp8_backends.models import model_spec
+        from fp8_backends.tuning.models import model_spec
 
         gone = {model_spec(m).name for m in args.exclude_model}
         shapes = [s for s in shapes if not s.labels or not s.models <= gone]

@@ -27,7 +27,7 @@ from fp8_backends.registry import resolution
 from fp8_backends.registry.discovery import ProviderEntry, discover
 from fp8_backends.registry.platform import Platform
 from fp8_backends.registry.tuning import candidate_label
-from fp8_backends.timing import Run, l2_cache_bytes, rotation_count
+from fp8_backends.tuning.timing import Run, l2_cache_bytes, rotation_count
 from fp8_backends.types import ActScale, GemmProblem, NormQuantProblem, WeightScale
 
 DEFAULT_RTOL = 1e-2  # relative Frobenius error vs the fp32 reference (bf16 output rounding gives ~2-3e-3)

@@ -1,6 +1,6 @@
 """The GEMM shapes a tuning run covers: model tables x tensor-parallel splits, shapes files, and the shipped grid.
 
-- :func:`model_shapes`: the linear weights of models (:mod:`fp8_backends.models`) at several tensor-parallel
+- :func:`model_shapes`: the linear weights of models (:mod:`fp8_backends.tuning.models`) at several tensor-parallel
   degrees, deduplicated across models (Mistral-7B and Llama-3-8B share every shape), each shape labelled
   ``"model/tpN/layer"`` with every place it comes from. A degree that does not divide a model's heads or
   intermediate size is skipped, and so is a weight whose N or K is not a multiple of 16 (the alignment every
@@ -30,7 +30,7 @@ from typing import Any
 
 from fp8_backends.errors import DataFileError
 
-#: the models whose shapes the shipped selection data covers (names of :data:`fp8_backends.models.MODELS`)
+#: the models whose shapes the shipped selection data covers (names of :data:`fp8_backends.tuning.models.MODELS`)
 SHIPPED_MODELS: tuple[str, ...] = (
     "llama3.2-1b", "llama3.2-3b", "llama3-8b", "llama3-70b",
     "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2-72b",
@@ -83,7 +83,7 @@ def model_shapes(
 ) -> tuple[list[ShapeSpec], list[str]]:
     """``(shapes, skipped)``: the deduplicated weights of ``models`` at every degree in ``tps`` (models in
     ``exclude`` left out, names or aliases), and one line per (model, TP) or weight that was skipped and why."""
-    from fp8_backends.models import linear_shapes, model_spec
+    from fp8_backends.tuning.models import linear_shapes, model_spec
 
     excluded = {model_spec(name).name for name in exclude}
     specs: list[ShapeSpec] = []

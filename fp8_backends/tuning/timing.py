@@ -1,4 +1,4 @@
-"""Timing primitives shared by the tuner (:mod:`fp8_backends.tune`) and the benchmarks (``bench/``).
+"""Timing primitives shared by the tuner (:mod:`.engine`) and the benchmarks (``bench/``).
 
 Method (CUDA): each candidate is a :class:`Run`: ``fn(i)`` does one call on input set ``i``; the sets are
 copies of the same data, enough of them to rotate the working set past L2 (:func:`rotation_count`).
