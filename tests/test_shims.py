@@ -73,3 +73,28 @@ def test_dispatch_shim():
     with pytest.warns(DeprecationWarning, match="bucket_tables"):
         old = _fresh_import("fp8_backends.dispatch")
     assert old.BucketTable is bucket_tables.BucketTable and old.TableSource is bucket_tables.TableSource
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ("fp8_backends.timing", "fp8_backends.tuning.timing"),
+    ("fp8_backends.workloads", "fp8_backends.tuning.workloads"),
+    ("fp8_backends.models", "fp8_backends.tuning.models"),
+    ("fp8_backends.tune_plan", "fp8_backends.tuning.plan"),
+    ("fp8_backends.grid", "fp8_backends.tuning.grid"),
+])
+def test_tuning_module_shims(old, new):
+    """The moved tuning modules answer at their old names: the same module object."""
+    module = importlib.import_module(new)
+    with pytest.warns(DeprecationWarning, match=new):
+        shim = _fresh_import(old)
+    assert shim is module
+
+
+def test_tune_cli_keeps_the_engine_names():
+    from fp8_backends import tune
+    from fp8_backends.tuning import engine, plan
+
+    for name in ("tune", "measure_candidates", "select_winner", "CandidateResult", "ProblemResult", "TuneReport",
+                 "format_summary", "format_rejections"):
+        assert getattr(tune, name) is getattr(engine, name)
+    assert tune.parse_m_list is plan.parse_m_list and tune.QUICK_M_BUCKETS == plan.QUICK_M_BUCKETS
