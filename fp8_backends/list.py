@@ -176,9 +176,9 @@ def _defaults_list(kind: str, platform: Platform) -> list[dict[str, Any]]:
 
 def _lockfile_dict(platform: Platform) -> dict[str, Any]:
     try:
-        from fp8_backends.registry import tuning
+        from fp8_backends.registry import lockfile
 
-        return tuning.describe_lockfile(platform)
+        return lockfile.describe_lockfile(platform)
     except Exception as exc:  # the listing must print even if the lockfile code breaks
         return {"path": None, "status": "error", "detail": f"{type(exc).__name__}: {exc}", "entries": 0}
 

@@ -41,7 +41,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from fp8_backends.registry import tuning
+from fp8_backends.registry import lockfile
 from fp8_backends.registry.discovery import discover as discover_entries
 from fp8_backends.registry.platform import Platform, detect_platform
 from fp8_backends.tuning.engine import (  # noqa: F401 (the engine's public names, importable here as before)
@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--pin", action="append", type=parse_pin, default=[], metavar="PROVIDER:OPTION=VALUE",
                      help="hold a provider option at one value instead of timing each (e.g. cutlass:config=auto)")
     how.add_argument("--no-pins", action="store_true", help="with --shipped-grid: time every kernel config")
-    how.add_argument("--tie-margin", type=float, default=tuning.DEFAULT_TIE_MARGIN,
+    how.add_argument("--tie-margin", type=float, default=lockfile.DEFAULT_TIE_MARGIN,
                      help="near-tie margin; near-ties go to the static-priority provider (default 0.02)")
     how.add_argument("--rtol", type=float, default=None, help="max relative error against the reference (1e-2)")
     how.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 5; --quick 3)")
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None, *, timer: Timer | None = None) -> int:
     elif args.lockfile:
         path = Path(args.lockfile).expanduser()
     else:
-        path = tuning.lockfile_path() or tuning.default_lockfile_path()
+        path = lockfile.lockfile_path() or lockfile.default_lockfile_path()
     config = TimerConfig.quick() if args.quick else TimerConfig()
     if args.rounds is not None:
         config.rounds = max(1, args.rounds)

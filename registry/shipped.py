@@ -34,7 +34,7 @@ from typing import Any
 from fp8_backends import settings
 from fp8_backends.errors import DataFileError
 
-from . import resolution, shipped_data, tuning
+from . import lockfile, lockfile_policy, resolution, shipped_data
 from .nearest import (
     DEFAULT_METRIC,
     DEFAULT_NEIGHBOURS,
@@ -140,14 +140,14 @@ class ShippedData:
 
     path: Path
     provenance: dict[str, Any]
-    index: tuning.SectionIndex
+    index: lockfile.SectionIndex
     models: dict[tuple, NearestModel] | None = None
     picks: dict[tuple, Any] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
     def from_document(cls, path: Path, doc: Mapping[str, Any]) -> ShippedData:
-        return cls(Path(path), dict(doc["provenance"]), tuning.SectionIndex.build(shipped_data.the_section(doc)))
+        return cls(Path(path), dict(doc["provenance"]), lockfile.SectionIndex.build(shipped_data.the_section(doc)))
 
     @property
     def sm(self) -> str:
@@ -267,7 +267,7 @@ def _exact(kind, problem, platform, serving, data: ShippedData) -> tuple | None:
     if hit is None:
         return None
     bucket, record = hit
-    picked = tuning.pick_from_entry(kind, problem, platform, serving, record)
+    picked = lockfile_policy.pick_from_entry(kind, problem, platform, serving, record)
     if picked is None:
         logger.debug("shipped data %s: no measured choice for %s (bucket M=%d) can serve here", data.path,
                      problem.describe(), bucket)
@@ -277,18 +277,18 @@ def _exact(kind, problem, platform, serving, data: ShippedData) -> tuple | None:
     if rank:
         note += f", ranked #{rank + 1} (the measured choice cannot serve here)"
     elif record.get("tie_break"):
-        margin = 100 * float(record.get("tie_margin", tuning.DEFAULT_TIE_MARGIN))
+        margin = 100 * float(record.get("tie_margin", lockfile.DEFAULT_TIE_MARGIN))
         note += f", near-tie within {margin:g}% -> static priority"
     return POLICY_EXACT, (entry, options, note)
 
 
 def _nearest(kind, problem, platform, serving, data: ShippedData) -> tuple | None:
-    fields = tuning.problem_fields(kind, problem)
+    fields = lockfile.problem_fields(kind, problem)
     model = data.model_for(fields)
     if model is None:
         logger.debug("shipped data %s has no %s problems like %s", data.path, kind, problem.describe())
         return None
-    bucket = tuning.bucket_for(problem.m, model.buckets)
+    bucket = lockfile.bucket_for(problem.m, model.buckets)
     pred = model.predict(problem.n, problem.k, bucket) if bucket is not None else None
     if pred is None:
         return None
@@ -296,7 +296,7 @@ def _nearest(kind, problem, platform, serving, data: ShippedData) -> tuple | Non
     found: dict[CandKey, tuple] = {}
 
     def rank(ck: CandKey) -> tuple | None:
-        picked = tuning.pick_from_entry(kind, problem, platform, serving, {"choice": pred.record(ck)})
+        picked = lockfile_policy.pick_from_entry(kind, problem, platform, serving, {"choice": pred.record(ck)})
         if picked is None:
             return None
         found[ck] = picked
@@ -335,8 +335,8 @@ def buckets(kind: str, problem: Any, platform: Platform) -> list[int]:
     data = data_for(platform)
     if data is None:
         return []
-    fields = tuning.problem_fields(kind, problem)
-    exact = data.index.buckets.get(tuning.problem_key(kind, fields))
+    fields = lockfile.problem_fields(kind, problem)
+    exact = data.index.buckets.get(lockfile.problem_key(kind, fields))
     if exact:
         return list(exact)
     model = data.model_for(fields)

@@ -202,19 +202,19 @@ def test_cache_dir_is_shared(monkeypatch, tmp_path):
     from fp8_backends import settings
     from fp8_backends.providers.cutlass import build
     from fp8_backends.providers.flashinfer import common as flashinfer_common
-    from fp8_backends.registry import tuning
+    from fp8_backends.registry import lockfile
 
     monkeypatch.delenv(settings.CUTLASS_CACHE_ENV, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.delenv(settings.CACHE_DIR_ENV, raising=False)
     home = tmp_path / "home" / ".cache" / "fp8_backends"
-    assert (tuning.default_lockfile_path(), build.cache_dir(), flashinfer_common.cache_dir()) == (
+    assert (lockfile.default_lockfile_path(), build.cache_dir(), flashinfer_common.cache_dir()) == (
         home / "selection.lock.json", home / "cutlass", home)
     monkeypatch.setenv(settings.CACHE_DIR_ENV, str(tmp_path / "mine"))
     monkeypatch.setenv(settings.LOCKFILE_ENV, "")
     mine = tmp_path / "mine"
-    assert (tuning.lockfile_path(), build.cache_dir(), flashinfer_common.cache_dir()) == (
+    assert (lockfile.lockfile_path(), build.cache_dir(), flashinfer_common.cache_dir()) == (
         mine / "selection.lock.json", mine / "cutlass", mine)
     monkeypatch.setenv(settings.CUTLASS_CACHE_ENV, str(tmp_path / "cut"))
     assert build.cache_dir() == tmp_path / "cut"

@@ -19,7 +19,7 @@ from fp8_backends.backend import Fp8GemmBackend
 from fp8_backends.capabilities import GemmCapabilities
 from fp8_backends.errors import DataFileError
 from fp8_backends.provenance import build_provenance, canonical_command
-from fp8_backends.registry import discovery, resolution, shipped, shipped_data, tuning
+from fp8_backends.registry import discovery, lockfile, resolution, shipped, shipped_data
 from fp8_backends.registry.discovery import LOADED, ProviderEntry
 from fp8_backends.registry.platform import Platform, cpu_platform, simulate_platform
 from fp8_backends.tuning import engine as tuner
@@ -54,7 +54,7 @@ TORCH_F = "torch_scaled_mm[fast_accum=false]"
 def _fresh(monkeypatch, tmp_path):
     monkeypatch.setenv("FP8_BACKENDS_LOCKFILE", str(tmp_path / "unused.json"))
     monkeypatch.delenv("FP8_BACKENDS_SHIPPED", raising=False)
-    tuning.reset_state()
+    lockfile.reset_state()
     shipped.reset_state()
     resolution.reset_caches()
     real = list(discovery.discover("gemm"))
@@ -62,7 +62,7 @@ def _fresh(monkeypatch, tmp_path):
                          status=LOADED, cls=FakeMM)
     monkeypatch.setitem(discovery._cache, ("gemm", None), [*real, fake])
     yield
-    tuning.reset_state()
+    lockfile.reset_state()
     shipped.reset_state()
 
 
@@ -267,7 +267,7 @@ FAKE_GPU = Platform(kind=DeviceKind.CPU, name="Test GPU", sm=(9, 0), driver_vers
 def _tune_with_provenance(path: Path, problems, buckets, times, argv, total=6):
     plan_grid = {"models": ["mine"], "m_buckets": list(buckets), "problems": total}
     prov = build_provenance(FAKE_GPU, argv, plan_grid)
-    labels = {tuning.problem_key("gemm", tuning.problem_fields("gemm", p)): [f"mine/tp1/l{p.n}"] for p in problems}
+    labels = {lockfile.problem_key("gemm", lockfile.problem_fields("gemm", p)): [f"mine/tp1/l{p.n}"] for p in problems}
     return tuner.tune(problems, m_buckets=buckets, platform=FAKE_GPU, timer=fake_timer(times), lockfile=path,
                       progress=False, provenance=prov, labels=labels, providers={"fake_mm", "torch_scaled_mm"})
 
@@ -309,7 +309,7 @@ def test_tuner_lockfile_to_shipped_data_to_auto(tmp_path, monkeypatch):
 
 def test_check_cli_reports_bad_files(tmp_path, capsys):
     bad = tmp_path / "sm90-bad.json"
-    bad.write_text(json.dumps({"schema": tuning.SCHEMA, "sections": {}}))
+    bad.write_text(json.dumps({"schema": lockfile.SCHEMA, "sections": {}}))
     assert selection_data.main(["check", str(bad)]) == 1
     out = capsys.readouterr().out
     assert "UNUSABLE" in out and "'provenance' is missing" in out

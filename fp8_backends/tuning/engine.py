@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8_backends.errors import ProviderOutputError
-from fp8_backends.registry import tuning
+from fp8_backends.registry import lockfile as lockfile_io
 from fp8_backends.registry.platform import Platform, detect_platform
 from fp8_backends.text_table import text_table
 from fp8_backends.tuning.timing import Measurement, Timer, TimerConfig, default_timer
@@ -122,7 +122,7 @@ class ProblemResult:
         return self.runner_up.us / self.winner.us - 1.0
 
     def shape_text(self) -> str:
-        f = tuning.problem_fields(self.kind, self.problem)
+        f = lockfile_io.problem_fields(self.kind, self.problem)
         return f"{f['n']}x{f['k']}" if self.kind == "gemm" else f"H={f['hidden']}{'+res' if f['residual'] else ''}"
 
     def lockfile_entry(self) -> dict[str, Any] | None:
@@ -132,7 +132,7 @@ class ProblemResult:
         ranking = sorted((r for r in self.results if r.ok), key=lambda r: (r.us, r.rank))
         return {
             "kind": self.kind,
-            "problem": tuning.problem_fields(self.kind, self.problem),
+            "problem": lockfile_io.problem_fields(self.kind, self.problem),
             "m": int(self.m),
             "choice": self.winner.choice_json(),
             "ranking": [r.choice_json() for r in ranking],
@@ -168,18 +168,18 @@ class TuneReport:
         for pr in self.problems if problems is None else problems:
             entry = pr.lockfile_entry()
             if entry is not None:
-                out[tuning.entry_key(pr.kind, entry["problem"], pr.m)] = entry
+                out[lockfile_io.entry_key(pr.kind, entry["problem"], pr.m)] = entry
         return out
 
     def to_json(self) -> dict[str, Any]:
         return {
             "schema": "fp8_backends.tune-report/1",
-            "platform": tuning.platform_key(self.platform),
+            "platform": lockfile_io.platform_key(self.platform),
             "seconds": round(self.seconds, 3),
             "lockfile": None if self.lockfile is None else str(self.lockfile),
             "problems": [
                 {
-                    "key": tuning.entry_key(pr.kind, tuning.problem_fields(pr.kind, pr.problem), pr.m),
+                    "key": lockfile_io.entry_key(pr.kind, lockfile_io.problem_fields(pr.kind, pr.problem), pr.m),
                     "winner": None if pr.winner is None else pr.winner.label,
                     "tie_break": pr.tie_break,
                     "candidates": [
@@ -208,11 +208,11 @@ class _OutOfTime(Exception):
 def tune(
     problems: Sequence[GemmProblem | NormQuantProblem],
     *,
-    m_buckets: Sequence[int] = tuning.DEFAULT_M_BUCKETS,
+    m_buckets: Sequence[int] = lockfile_io.DEFAULT_M_BUCKETS,
     platform: Platform | None = None,
     timer: Timer | None = None,
     timer_config: TimerConfig | None = None,
-    tie_margin: float = tuning.DEFAULT_TIE_MARGIN,
+    tie_margin: float = lockfile_io.DEFAULT_TIE_MARGIN,
     rtol: float | None = None,
     providers: Collection[str] | None = None,
     lockfile: Path | str | None = None,
@@ -232,9 +232,9 @@ def tune(
     - ``lockfile``: when given, entries are merged into it after each problem shape (and when the run stops).
     - ``providers``: provider names to consider (default: every discovered one).
     - ``pins``: provider name -> options held at one value (e.g. ``{"cutlass": {"config": "auto"}}``).
-    - ``labels``: problem key (:func:`~fp8_backends.registry.tuning.problem_key`) -> where the shape comes from
+    - ``labels``: problem key (:func:`~fp8_backends.registry.lockfile.problem_key`) -> where the shape comes from
       (``"llama3-8b/tp2/o_proj"``), recorded in its entries.
-    - ``skip``: entry keys (:func:`~fp8_backends.registry.tuning.entry_key`) already measured: not tuned again.
+    - ``skip``: entry keys (:func:`~fp8_backends.registry.lockfile.entry_key`) already measured: not tuned again.
     - ``deadline``: a ``time.perf_counter()`` value; no problem is started that would not finish before it
       (estimated from the last problem of the same M). ``report.stopped`` says why a run ended early; a
       ``KeyboardInterrupt`` (or SIGTERM under :func:`main`) also stops it, keeping what was measured.
@@ -263,8 +263,9 @@ def tune(
     report = TuneReport(platform=platform, lockfile=path, provenance=provenance)
     shapes: dict[str, Any] = {}
     for p in problems:
-        shapes.setdefault(tuning.problem_key(kind, tuning.problem_fields(kind, p)), p)
-    todo = {pk: [m for m in buckets if tuning.entry_key(kind, tuning.problem_fields(kind, base), m) not in skip]
+        shapes.setdefault(lockfile_io.problem_key(kind, lockfile_io.problem_fields(kind, p)), p)
+    todo = {pk: [m for m in buckets
+                 if lockfile_io.entry_key(kind, lockfile_io.problem_fields(kind, base), m) not in skip]
             for pk, base in shapes.items()}
     report.already_done = sum(len(buckets) - len(ms) for ms in todo.values())
     report.remaining = sum(len(ms) for ms in todo.values())
@@ -417,19 +418,19 @@ def _write(report: TuneReport, path: Path, done: list[ProblemResult]) -> None:
     entries = report.lockfile_entries(done)
     if not entries:
         return
-    key, _ = tuning.current_key(report.platform)
+    key, _ = lockfile_io.current_key(report.platform)
     try:
         if report.provenance is None:
-            report.lockfile_entries_total = tuning.write_entries(path, key, entries)
+            report.lockfile_entries_total = lockfile_io.write_entries(path, key, entries)
             return
         from fp8_backends.provenance import merge_provenance
 
         def mutate(doc: dict[str, Any]) -> None:
-            report.lockfile_entries_total = tuning.merge_entries(doc, key, entries)
+            report.lockfile_entries_total = lockfile_io.merge_entries(doc, key, entries)
             doc["provenance"] = merge_provenance(doc.get("provenance"), report.provenance, len(report.problems),
                                                  time.perf_counter() - report.started)
 
-        tuning.update_document(path, mutate)
+        lockfile_io.update_document(path, mutate)
     except Exception as exc:  # a full disk or a lock timeout must not lose the measurements printed later
         msg = f"could not write {path}: {type(exc).__name__}: {exc}"
         report.write_errors.append(msg)

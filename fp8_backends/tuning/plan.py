@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp8_backends.registry import tuning
+from fp8_backends.registry import lockfile
 from fp8_backends.registry.platform import Platform
 from fp8_backends.tuning import grid
 from fp8_backends.types import GemmProblem, NormQuantProblem
@@ -66,8 +66,8 @@ class TunePlan:
         """Every entry key the plan covers (problem x bucket)."""
         out = []
         for p in self.problems:
-            fields = tuning.problem_fields(self.kind, p)
-            out += [tuning.entry_key(self.kind, fields, m) for m in self.buckets]
+            fields = lockfile.problem_fields(self.kind, p)
+            out += [lockfile.entry_key(self.kind, fields, m) for m in self.buckets]
         return out
 
 
@@ -121,7 +121,7 @@ def gemm_problems(shapes: Sequence[grid.ShapeSpec], scales: Sequence[tuple[str, 
         for act, weight in scales:
             p = GemmProblem(n=s.n, k=s.k, input_dtype=input_dtype, weight_dtype=weight_dtype, out_dtype=out_dtype,
                             act_scale=act, weight_scale=weight, has_bias=s.bias, device=device)
-            pk = tuning.problem_key("gemm", tuning.problem_fields("gemm", p))
+            pk = lockfile.problem_key("gemm", lockfile.problem_fields("gemm", p))
             if pk not in labels:
                 problems.append(p)
                 labels[pk] = list(s.labels)
@@ -141,7 +141,7 @@ def plan_from_args(args: argparse.Namespace, device: str) -> TunePlan:
     elif shipped:
         buckets = list(grid.SHIPPED_M_BUCKETS)
     else:
-        buckets = list(QUICK_M_BUCKETS if args.quick else tuning.DEFAULT_M_BUCKETS)
+        buckets = list(QUICK_M_BUCKETS if args.quick else lockfile.DEFAULT_M_BUCKETS)
     base_pins = grid.SHIPPED_PINS if shipped and not args.no_pins else {}
     pins = pins_from(args.pin or [], base_pins)
     if args.kind == "norm_quant":
@@ -193,10 +193,10 @@ def done_keys(path: Path | None, platform: Platform) -> set[str]:
     """Entry keys the lockfile at ``path`` already holds for ``platform`` (empty when there is no usable file)."""
     if path is None:
         return set()
-    doc, _ = tuning.read_document(path)
+    doc, _ = lockfile.read_document(path)
     if doc is None:
         return set()
-    _, digest = tuning.current_key(platform)
+    _, digest = lockfile.current_key(platform)
     section = doc["sections"].get(digest)
     return set(section["entries"]) if isinstance(section, dict) else set()
 

@@ -25,8 +25,8 @@ from typing import Any
 
 from fp8_backends.registry import resolution
 from fp8_backends.registry.discovery import ProviderEntry, discover
+from fp8_backends.registry.lockfile import candidate_label
 from fp8_backends.registry.platform import Platform
-from fp8_backends.registry.tuning import candidate_label
 from fp8_backends.tuning.timing import Run, l2_cache_bytes, rotation_count
 from fp8_backends.types import ActScale, GemmProblem, NormQuantProblem, WeightScale
 

@@ -1,8 +1,7 @@
-"""The tuned selection lockfile: schema, keying, safe reading and writing, and the ``auto`` policy.
+"""The tuned selection lockfile: format, keys, locking, atomic writes, and cached, validated reading.
 
 ``python -m fp8_backends.tune`` times every provider that can serve a problem and writes the winner
-here; ``auto`` then reads it (this module registers the ``"lockfile"`` selection policy with
-:mod:`.resolution` on import, which resolution does on first use).
+here; ``auto`` then reads it through the ``"lockfile"`` selection policy (:mod:`.lockfile_policy`).
 
 File (JSON, schema ``fp8_backends.selection/1``)::
 
@@ -59,17 +58,14 @@ from pathlib import Path
 from typing import Any
 
 from fp8_backends import settings
-from fp8_backends.errors import ConfigurationError
 from fp8_backends.types import ActScale, GemmProblem, NormQuantProblem
 
-from . import resolution
 from .discovery import ProviderEntry, discover
 from .platform import Platform
 
 logger = logging.getLogger("fp8_backends")
 
 SCHEMA = "fp8_backends.selection/1"
-POLICY_NAME = "lockfile"
 DEFAULT_M_BUCKETS: tuple[int, ...] = tuple(2**i for i in range(15))  # 1 ... 16384
 DEFAULT_TIE_MARGIN = 0.02
 DEFAULT_LOCK_TIMEOUT_S = 600.0
@@ -97,12 +93,6 @@ def _path_for(raw: str, where: tuple[str, str]) -> Path | None:
     if raw.lower() in _OFF:
         return None
     return Path(raw).expanduser() if raw else default_lockfile_path()
-
-
-def tune_at_first_use() -> bool:
-    """``FP8_BACKENDS_TUNE=1``: tune problems the lockfile does not cover when ``auto`` first meets them (strictly
-    parsed: an unknown value raises :class:`~fp8_backends.errors.ConfigurationError`)."""
-    return settings.tune_at_first_use()
 
 
 # ---------------------------------------------------------------------------------------- keys
@@ -678,7 +668,7 @@ def audit_section(path: Path, section: SectionIndex) -> None:
                        "to refresh it.", path, len(section.by_bucket), "; ".join(parts))
 
 
-# ---------------------------------------------------------------------------------------- the policy
+# ---------------------------------------------------------------------------------------- recorded choices
 def _options_ok(entry: ProviderEntry, options: Mapping[str, str]) -> bool:
     allowed = getattr(entry.cls, "options", {}) or {}
     return all(k in allowed and str(v) in allowed[k] for k, v in options.items())
@@ -688,171 +678,6 @@ def _dist_matches(entry: ProviderEntry, dist: str | None) -> bool:
     if not dist or entry.dist is None:
         return True
     return settings.canonical_dist(entry.dist) == settings.canonical_dist(dist)
-
-
-def pick_from_entry(
-    kind: str, problem: Any, platform: Platform, serving: Sequence[resolution.Candidate], record: Mapping[str, Any]
-) -> tuple[ProviderEntry, dict[str, str], int] | None:
-    """The first of the entry's ``choice`` then ``ranking`` that can serve here:
-    ``(provider entry, options, rank)`` (rank 0 = the recorded choice)."""
-    seen = []
-    ordered = [record["choice"], *[r for r in record.get("ranking") or [] if isinstance(r, dict)]]
-    for choice in ordered:
-        provider = choice.get("provider")
-        options = {str(k): str(v) for k, v in (choice.get("options") or {}).items()}
-        ident = (provider, choice.get("distribution"), tuple(sorted(options.items())))
-        if ident in seen or not isinstance(provider, str):
-            continue
-        seen.append(ident)
-        for cand in serving:
-            e = cand.entry
-            if e.name != provider or not _dist_matches(e, choice.get("distribution")):
-                continue
-            if not _options_ok(e, options):
-                logger.debug("lockfile choice %s: options no longer valid", candidate_label(provider, options))
-                break
-            try:
-                backend = resolution._instance(e, tuple(sorted(options.items())))
-                # ``e`` is serving, so it is available: check what the options may change (not the
-                # availability probe ``supports()`` repeats on every call)
-                reasons = list(backend.capabilities.check(problem, platform))
-                reasons += backend.extra_reasons(problem, platform)
-            except Exception as exc:
-                reasons = [f"{type(exc).__name__}: {exc}"]
-            if reasons:
-                logger.debug("lockfile choice %s cannot serve: %s", candidate_label(provider, options),
-                             "; ".join(reasons))
-                break
-            return e, options, len(seen) - 1
-    return None
-
-
-_tuning_now = threading.local()
-_MAX_PICKS = 1 << 16
-
-
-def lockfile_policy(
-    kind: str, problem: Any, platform: Platform, serving: list[resolution.Candidate]
-) -> tuple[ProviderEntry, dict[str, str], str] | None:
-    """The ``auto`` policy: the lockfile's choice for this problem's M bucket, or None (static priorities). A
-    lockfile it cannot use is ignored with one WARNING; only a bad ``FP8_BACKENDS_TUNE`` value raises."""
-    try:
-        return _lockfile_policy(kind, problem, platform, serving)
-    except ConfigurationError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a lockfile must never break auto
-        path = lockfile_path()
-        _warn_once(("failed", str(path), type(exc).__name__), "lockfile %s could not be used (%s: %s); ignoring it",
-                   path, type(exc).__name__, exc)
-        return None
-
-
-def _lockfile_policy(
-    kind: str, problem: Any, platform: Platform, serving: list[resolution.Candidate]
-) -> tuple[ProviderEntry, dict[str, str], str] | None:
-    if problem is None or not serving:
-        return None
-    m = problem_m(kind, problem)
-    if m is None:
-        logger.debug("lockfile not consulted for %s: M unknown (static priorities decide)", problem.describe())
-        return None
-    if platform.simulated:
-        logger.debug("lockfile not consulted on simulated platform %s", platform.describe())
-        return None
-    path = lockfile_path()
-    if path is None:
-        return None
-    loaded = _store.load(path)
-    tune = tune_at_first_use() and not getattr(_tuning_now, "active", False)
-    memo = None
-    if loaded.error is None and not tune:
-        memo = (kind, problem, platform, tuple(id(c.entry) for c in serving))
-        answer = loaded.picks.get(memo, loaded)
-        if answer is not loaded and (answer is None or any(c.entry is answer[0] for c in serving)):
-            return answer  # the warm path: the same answer as last time, no work
-    if loaded.error is not None and loaded.error != "missing":
-        _warn_once(("corrupt", str(path), loaded.error),
-                   "lockfile %s is %s; ignoring it (static priorities decide; the next tune rebuilds it)",
-                   path, loaded.error)
-    section = find_section(loaded, platform) if loaded.error is None else None
-    answer = _answer(kind, problem, platform, serving, path, loaded, section, tune, m)
-    if memo is not None:
-        if len(loaded.picks) >= _MAX_PICKS:
-            loaded.picks.clear()
-        loaded.picks[memo] = answer
-    return answer
-
-
-def _answer(kind, problem, platform, serving, path, loaded, section, tune, m):
-    hit = section.lookup(kind, problem) if section is not None else None
-    if tune:
-        wanted = bucket_for(m, DEFAULT_M_BUCKETS)
-        if hit is None or hit[0] != wanted:  # tune the problem's own bucket, not a neighbour's
-            hit = _tune_missing(kind, problem, platform, path, wanted) or hit
-    if hit is None:
-        why = (f"lockfile {path} {loaded.error}" if loaded.error else
-               f"lockfile {path} has no section for this platform" if section is None else
-               f"lockfile {path} does not cover this problem")
-        logger.debug("%s for %s: static priorities decide", why, problem.describe())
-        return None
-    bucket, record = hit
-    picked = pick_from_entry(kind, problem, platform, serving, record)
-    if picked is None:
-        loaded.unserved += 1
-        text = "lockfile %s: no recorded choice for %s (bucket M=%d) can serve here; static priorities decide"
-        if loaded.unserved == 1:
-            logger.warning(text + " (logged once per file; later ones at DEBUG)", path, problem.describe(), bucket)
-        else:
-            logger.debug(text + " (%d problems so far)", path, problem.describe(), bucket, loaded.unserved)
-        return None
-    entry, options, rank = picked
-    note = f"{path}, bucket M={bucket}"
-    if rank:
-        note += f", ranked #{rank + 1} (the tuned choice cannot serve here)"
-    elif record.get("tie_break"):
-        margin = record.get("tie_margin")
-        margin = DEFAULT_TIE_MARGIN if margin is None else float(margin)
-        note += f", near-tie within {100 * margin:g}% -> static priority"
-    return entry, options, note
-
-
-def _tune_missing(
-    kind: str, problem: Any, platform: Platform, path: Path, bucket: int
-) -> tuple[int, dict[str, Any]] | None:
-    """``FP8_BACKENDS_TUNE=1``: tune this problem at ``bucket``, store it, and return the lookup. Holds the
-    file lock while tuning so that concurrent ranks tune it once and all use the same result."""
-    if not platform.is_cuda and problem.device.value != "cpu":
-        return None
-    _tuning_now.active = True
-    try:
-        from fp8_backends.tuning import engine as tuner
-
-        with locked(path):
-            _store.forget(path)
-            loaded = _store.load(path)
-            section = find_section(loaded, platform, warn=False) if loaded.error is None else None
-            hit = section.lookup(kind, problem) if section is not None else None
-            if hit is not None and hit[0] == bucket:
-                return hit
-            from fp8_backends.tuning.timing import TimerConfig
-
-            report = tuner.tune([problem], m_buckets=[bucket], platform=platform, progress=False,
-                                timer_config=TimerConfig.quick())
-            entries = report.lockfile_entries()
-            if not entries:
-                logger.warning("tuning %s at first use found no working provider", problem.describe())
-                return None
-            key, _ = current_key(platform)
-            write_entries(path, key, entries, already_locked=True)
-            logger.info("tuned %s at first use (bucket M=%d) into %s", problem.describe(), bucket, path)
-        loaded = _store.load(path)
-        section = find_section(loaded, platform, warn=False) if loaded.error is None else None
-        return section.lookup(kind, problem) if section is not None else None
-    except Exception as exc:  # tuning must never break resolution
-        logger.warning("tuning at first use failed for %s (%s: %s)", problem.describe(), type(exc).__name__, exc)
-        return None
-    finally:
-        _tuning_now.active = False
 
 
 # ---------------------------------------------------------------------------------------- listing
@@ -881,8 +706,6 @@ def describe_lockfile(platform: Platform) -> dict[str, Any]:
             "detail": f"{len(section.by_bucket)} entries for {problems} problems on this platform"}
 
 
-resolution.register_selection_policy(POLICY_NAME, lockfile_policy, rank=100)
-
 __all__ = [
     "DEFAULT_M_BUCKETS",
     "DEFAULT_TIE_MARGIN",
@@ -892,7 +715,6 @@ __all__ = [
     "describe_lockfile",
     "entry_key",
     "lockfile_path",
-    "lockfile_policy",
     "platform_key",
     "problem_fields",
     "problem_key",
