@@ -98,3 +98,20 @@ def test_tune_cli_keeps_the_engine_names():
                  "format_summary", "format_rejections"):
         assert getattr(tune, name) is getattr(engine, name)
     assert tune.parse_m_list is plan.parse_m_list and tune.QUICK_M_BUCKETS == plan.QUICK_M_BUCKETS
+
+
+def test_registry_tuning_shim():
+    """The old lockfile-and-policy module answers with both halves' names."""
+    from fp8_backends.registry import lockfile, lockfile_policy
+    from fp8_backends.tuning import first_use
+
+    with pytest.warns(DeprecationWarning, match="lockfile_policy"):
+        old = _fresh_import("fp8_backends.registry.tuning")
+    for name in ("SCHEMA", "DEFAULT_M_BUCKETS", "DEFAULT_TIE_MARGIN", "bucket_for", "default_lockfile_path",
+                 "describe_lockfile", "entry_key", "lockfile_path", "platform_key", "problem_fields", "problem_key",
+                 "read_document", "update_document", "validate_document", "write_entries", "SectionIndex",
+                 "current_key", "reset_state", "covered_buckets", "new_document", "key_digest", "_store"):
+        assert getattr(old, name) is getattr(lockfile, name), name
+    for name in ("POLICY_NAME", "lockfile_policy", "pick_from_entry", "tune_at_first_use"):
+        assert getattr(old, name) is getattr(lockfile_policy, name), name
+    assert not first_use.active()
