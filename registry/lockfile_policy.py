@@ -171,16 +171,21 @@ def _answer(kind, problem, platform, serving, path, loaded, section, tune, m):
             logger.debug(text + " (%d problems so far)", path, problem.describe(), bucket, loaded.unserved)
         return None
     entry, options, rank = picked
-    note = f"{path}, bucket M={bucket}"
+    return entry, options, choice_note(f"{path}, bucket M={bucket}", rank, record, "tuned")
+
+
+def choice_note(note: str, rank: int, record: Mapping[str, Any], chosen: str) -> str:
+    """``note`` plus why a recorded entry's pick (:func:`pick_from_entry`'s ``rank``) won: a later-ranked candidate
+    because the ``chosen`` ("tuned", "measured") one cannot serve here, or a near-tie broken by static priority."""
     if rank:
-        note += f", ranked #{rank + 1} (the tuned choice cannot serve here)"
+        note += f", ranked #{rank + 1} (the {chosen} choice cannot serve here)"
     elif record.get("tie_break"):
         margin = record.get("tie_margin")
         margin = DEFAULT_TIE_MARGIN if margin is None else float(margin)
         note += f", near-tie within {100 * margin:g}% -> static priority"
-    return entry, options, note
+    return note
 
 
 resolution.register_selection_policy(POLICY_NAME, lockfile_policy, rank=100)
 
-__all__ = ["POLICY_NAME", "lockfile_policy", "pick_from_entry", "tune_at_first_use"]
+__all__ = ["POLICY_NAME", "choice_note", "lockfile_policy", "pick_from_entry", "tune_at_first_use"]

@@ -273,13 +273,8 @@ def _exact(kind, problem, platform, serving, data: ShippedData) -> tuple | None:
                      problem.describe(), bucket)
         return None
     entry, options, rank = picked
-    note = f"{data.label}, bucket M={bucket}"
-    if rank:
-        note += f", ranked #{rank + 1} (the measured choice cannot serve here)"
-    elif record.get("tie_break"):
-        margin = 100 * float(record.get("tie_margin", lockfile.DEFAULT_TIE_MARGIN))
-        note += f", near-tie within {margin:g}% -> static priority"
-    return POLICY_EXACT, (entry, options, note)
+    return POLICY_EXACT, (entry, options, lockfile_policy.choice_note(f"{data.label}, bucket M={bucket}", rank, record,
+                                                                      "measured"))
 
 
 def _nearest(kind, problem, platform, serving, data: ShippedData) -> tuple | None:

@@ -470,15 +470,7 @@ def bmm_plan_for(x: torch.Tensor, w: torch.Tensor, x_scale, w_scale, out_dtype: 
 
 
 # ------------------------------------------------------------------------------------- registration
-_SCHEMAS = {
-    BMM_OP: (
-        "flashinfer_bmm_fp8(Tensor x, Tensor w, Tensor x_scale, Tensor w_scale, ScalarType out_dtype, "
-        "str mode) -> Tensor",
-        _bmm_impl, _bmm_fake,
-    ),
-}
+_SCHEMA = ("flashinfer_bmm_fp8(Tensor x, Tensor w, Tensor x_scale, Tensor w_scale, ScalarType out_dtype, "
+           "str mode) -> Tensor")
 
-
-_OPS = define_ops(_SCHEMAS, ("CUDA",))
-
-gemm_op = _OPS[BMM_OP]
+gemm_op = define_ops({BMM_OP: (_SCHEMA, _bmm_impl, _bmm_fake)}, ("CUDA",))[BMM_OP]
