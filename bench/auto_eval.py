@@ -6,7 +6,7 @@
     python -m bench.auto_eval --shipped-grid --shard 1/2 --out A; ...; python -m bench.auto_eval --merge A B --out C
 
 Per point (a model shape at a TP degree x M) every provider that can serve it is timed in one interleaved
-CUDA-graph measurement (:mod:`fp8_backends.timing`, through :func:`bench.common.run_grid`): the candidates the
+CUDA-graph measurement (:mod:`fp8_backends.tuning.timing`, through :func:`bench.common.run_grid`): the candidates the
 shipped grid tunes (kernel-config tables pinned to ``auto``; ``--no-pins``: every config), what ``auto`` picks and
 ``torch._scaled_mm`` with its default options. ``FP8_BACKENDS_LOCKFILE`` is off during the run; ``--data`` points
 ``auto`` at other shipped data (``FP8_BACKENDS_SHIPPED``), e.g. a file packed without the held-out models.
@@ -30,9 +30,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fp8_backends import grid
 from fp8_backends.registry.platform import detect_platform
-from fp8_backends.tune import parse_m_list
+from fp8_backends.tuning import grid
+from fp8_backends.tuning.plan import parse_m_list
 from fp8_backends.types import GemmProblem
 
 from . import common
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--shipped-grid", action="store_true", help="every model of the shipped grid (grid.py)")
     ap.add_argument("--exclude-model", nargs="+", default=[], help="leave these models' shapes out")
     ap.add_argument("--tp", nargs="+", type=int, default=list(grid.SHIPPED_TPS), help="TP degrees (default 1 2 4 8)")
-    ap.add_argument("--shapes-file", nargs="+", default=[], help="JSON/CSV shapes files (see fp8_backends.grid)")
+    ap.add_argument("--shapes-file", nargs="+", default=[], help="JSON/CSV shapes files (see fp8_backends.tuning.grid)")
     ap.add_argument("--m", default=None, help="M values (default: the shipped grid's 1,4,16,64,256,1024,4096)")
     ap.add_argument("--data", default=None, help="shipped data file or folder for auto (FP8_BACKENDS_SHIPPED)")
     ap.add_argument("--lockfile", default="off", help="lockfile auto reads (default off)")
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         buckets = parse_m_list(args.m) if args.m else list(grid.SHIPPED_M_BUCKETS)
         points_in = templates(args, "cpu" if device == "cpu" else "cuda")
         if args.shard:
-            from fp8_backends.tune_plan import parse_shard
+            from fp8_backends.tuning.plan import parse_shard
 
             index, count = parse_shard(args.shard)
             points_in = [t for i, t in enumerate(points_in) if i % count == index - 1]

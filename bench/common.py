@@ -1,6 +1,6 @@
 """Shared benchmark code: run header, output folder, ceilings, the measured grid, and tables.
 
-Timing comes from :mod:`fp8_backends.timing` (the same code the tuner uses): one CUDA graph per
+Timing comes from :mod:`fp8_backends.tuning.timing` (the same code the tuner uses): one CUDA graph per
 candidate over input copies rotated past L2, candidates interleaved over several rounds, median per
 call. Every candidate is checked against :mod:`fp8_backends.reference` before it is timed; a candidate
 that fails is recorded with its reason and the run goes on.
@@ -22,10 +22,11 @@ from typing import Any
 
 from fp8_backends.registry import resolution
 from fp8_backends.registry.platform import Platform
-from fp8_backends.timing import Timer, measure_copy_bandwidth
-from fp8_backends.tune import CandidateResult, measure_candidates
+from fp8_backends.text_table import text_table
+from fp8_backends.tuning.engine import CandidateResult, measure_candidates
+from fp8_backends.tuning.timing import Timer, measure_copy_bandwidth
+from fp8_backends.tuning.workloads import CandidateSpec, GemmWorkload, expand_candidates, make_candidate, make_workload
 from fp8_backends.types import GemmProblem
-from fp8_backends.workloads import CandidateSpec, GemmWorkload, expand_candidates, make_candidate, make_workload
 
 RESULTS_ROOT = Path(__file__).resolve().parent / "results"
 VERSIONED = ("fp8-backends", "torch", "triton", "flashinfer-python", "nvidia-cutlass", "cuda-python")
@@ -110,12 +111,8 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
     return lines
 
 
-def console_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
-    lines += [fmt.format(*(str(c) for c in r)) for r in rows]
-    return "\n".join(line.rstrip() for line in lines)
+#: the library's plain-text table (header, rows) -> str
+console_table = text_table
 
 
 def fmt(value: float | None, spec: str = ".2f", missing: str = "-") -> str:
@@ -220,7 +217,7 @@ def run_grid(
     """Measure every candidate (plus what ``auto`` picks, plus the ``baseline`` provider) on every
     ``(shape label, problem template)`` x M bucket. ``extra_entries``: benchmark-only providers
     (e.g. :mod:`bench.compiled_baseline`) measured beside the discovered ones. ``pins``: provider options held
-    at one value (see :func:`fp8_backends.workloads.expand_candidates`)."""
+    at one value (see :func:`fp8_backends.tuning.workloads.expand_candidates`)."""
     from fp8_backends.registry.discovery import discover
 
     entries = [*discover(kind), *extra_entries] if extra_entries else None
@@ -307,7 +304,7 @@ def failures_text(points: Sequence[Point]) -> list[str]:
 
 def timer_from_args(args: Any, device: str) -> Any:
     """The timer the ``--quick`` / ``--rounds`` / ``--replays`` options of a bench CLI ask for."""
-    from fp8_backends.timing import TimerConfig, default_timer
+    from fp8_backends.tuning.timing import TimerConfig, default_timer
 
     config = TimerConfig.quick() if args.quick else TimerConfig()
     if args.rounds:

@@ -2,10 +2,10 @@
 
 A sweep times every kernel config of one provider, plus ``torch._scaled_mm`` (plain and fast
 accumulation), on the Llama-3-8B GEMM shapes at several M, and turns the timings into an M-bucket
-dispatch table (:class:`fp8_backends.dispatch.BucketTable` JSON) and a markdown report.
+dispatch table (:class:`fp8_backends.bucket_tables.BucketTable` JSON) and a markdown report.
 
 - :func:`measure_point`: one ``(N, K, M)``; candidates interleaved in CUDA graphs over input copies
-  rotated past 4x L2 (:class:`fp8_backends.timing.CudaGraphTimer`), every output checked against
+  rotated past 4x L2 (:class:`fp8_backends.tuning.timing.CudaGraphTimer`), every output checked against
   :func:`fp8_backends.reference.fp8_gemm`; the caller supplies the provider's runs.
 - :func:`summarize`: best config per point, the measured table (per shape, plus a ``default`` with the best
   geometric-mean speed over the shapes; bucket bounds at the geometric midpoints of the measured M), and
@@ -57,7 +57,7 @@ def add_sweep_args(parser: Any, configs_default: str, ms: list[int]) -> None:
 
 def grid_and_timer(args: Any, device: str) -> tuple[list[int], list[tuple[int, int]], Any]:
     """``(ms, shapes, timer)`` from :func:`add_sweep_args`' options (the timer: interleaved CUDA graphs)."""
-    from fp8_backends.timing import CudaGraphTimer, TimerConfig
+    from fp8_backends.tuning.timing import CudaGraphTimer, TimerConfig
 
     ms = [int(v) for v in args.ms.split(",")]
     shapes = [(int(n), int(k)) for n, _, k in (s.partition("x") for s in args.shapes.split(","))]
@@ -96,7 +96,7 @@ def measure_point(n: int, k: int, m: int, runs_for: Callable[..., dict[str, Any]
     import torch
 
     from fp8_backends import reference
-    from fp8_backends.timing import Run, rotation_count
+    from fp8_backends.tuning.timing import Run, rotation_count
 
     fp8 = torch.float8_e4m3fn
     n_sets = rotation_count(n * k + m * k + 2 * m * n, l2)

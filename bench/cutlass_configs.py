@@ -6,7 +6,7 @@
 What it does, per (N, K) in (6144,4096) (4096,4096) (28672,4096) (4096,14336) and per M:
 - builds (once, in parallel) and loads every config's per-tensor bf16 library;
 - times each config and torch._scaled_mm (use_fast_accum False and True) with
-  :class:`fp8_backends.timing.CudaGraphTimer`: one CUDA graph per candidate over input copies rotated past
+  :class:`fp8_backends.tuning.timing.CudaGraphTimer`: one CUDA graph per candidate over input copies rotated past
   4x L2, candidates interleaved over several rounds, median per call;
 - checks every candidate's graph output against :func:`fp8_backends.reference.fp8_gemm` (fp32);
 - measures, in a fresh process, how long loading the cached libraries takes (import + dlopen + first call).
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from fp8_backends.errors import BuildError
     from fp8_backends.providers.cutlass import build, configs
-    from fp8_backends.timing import l2_cache_bytes
+    from fp8_backends.tuning.timing import l2_cache_bytes
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -173,7 +173,7 @@ def cutlass_runs(names: list[str], fast: bool) -> Any:
         import torch
 
         from fp8_backends.providers.cutlass.ops import cutlass_gemm
-        from fp8_backends.timing import Run
+        from fp8_backends.tuning.timing import Run
 
         def run(name: str) -> Run:
             return Run(lambda i: cutlass_gemm(xsets[i], wsets[i], xs, ws, None, torch.bfloat16, name, fast),

@@ -66,7 +66,7 @@ def copy_bandwidth_gbs(device: str) -> float | None:
     """Device-to-device copy bandwidth (GB/s, bytes read + written); None on the CPU."""
     if device != "cuda":
         return None
-    from fp8_backends.timing import measure_copy_bandwidth
+    from fp8_backends.tuning.timing import measure_copy_bandwidth
 
     return measure_copy_bandwidth(device)
 

@@ -82,7 +82,7 @@ GEMM_NAMES = ["ours_cublas", "fi_cublas", "ours_cudnn", "fi_cudnn", "torch_scale
 
 
 def gemm_section(args, log) -> tuple[list[dict], dict]:
-    from fp8_backends.providers.flashinfer_bmm import FlashinferBmmBackend
+    from fp8_backends.providers.flashinfer.gemm import FlashinferBmmBackend
     from fp8_backends.providers.torch_scaled_mm import TorchScaledMMBackend
 
     ours = {r: FlashinferBmmBackend(runner=r) for r in ("cublas", "cudnn")}
@@ -134,7 +134,7 @@ def _gemm_call(name, ours, tsm, setup, i, x, sx, a3, out3):
 
 
 def gemm_row(args, ours, tsm, setup, n, k, m) -> tuple[dict, dict]:
-    from fp8_backends.providers import _flashinfer_ops as ops
+    from fp8_backends.providers.flashinfer import gemm_ops as ops
 
     x, sx = fp8(torch.randn(m, k, device="cuda"))
     a3 = x.unsqueeze(0)
@@ -171,7 +171,7 @@ def host_breakdown(args, backend, prepared, x, sx, weight, b3, out3) -> dict:
     """Where ours' per-call host time goes (M=16, N=K=4096, runner=cublas)."""
     import flashinfer
 
-    from fp8_backends.providers import _flashinfer_ops as ops
+    from fp8_backends.providers.flashinfer import gemm_ops as ops
 
     state = ops.gemm_device(x.device)
     w, sw = weight
@@ -235,8 +235,8 @@ def norm_section(args, log) -> list[dict]:
     from flashinfer import norm as fi_norm
 
     from fp8_backends import reference
-    from fp8_backends.providers import _flashinfer_ops as ops
-    from fp8_backends.providers.flashinfer_norm_quant import FlashinferNormQuantBackend
+    from fp8_backends.providers.flashinfer import norm_ops as ops
+    from fp8_backends.providers.flashinfer.norm_quant import FlashinferNormQuantBackend
 
     nq = FlashinferNormQuantBackend()
     h = 4096
@@ -336,7 +336,7 @@ def main() -> int:
     def log(*a):
         print(*a, flush=True)
 
-    from fp8_backends.providers import _flashinfer_common as common
+    from fp8_backends.providers.flashinfer import common
 
     meta = {
         "date": time.strftime("%Y-%m-%d"),

@@ -7,7 +7,7 @@
 
 Per grid point (shape, M) every provider that can serve it is measured (once per value of its tunable
 options), plus what ``auto`` picks (lockfile included) and ``torch._scaled_mm`` (the baseline), all
-in one interleaved CUDA-graph timing (see :mod:`fp8_backends.timing`). Ceilings are measured in the
+in one interleaved CUDA-graph timing (see :mod:`fp8_backends.tuning.timing`). Ceilings are measured in the
 same run: device-to-device copy bandwidth and the best FP8 GEMM rate at 8192^3 among the providers.
 
 Columns: µs (median per call), TFLOP/s, GB/s (x + w + y bytes), % of the roofline ceiling at that
@@ -24,10 +24,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fp8_backends.models import linear_shapes
-from fp8_backends.registry import tuning
+from fp8_backends.registry import lockfile
 from fp8_backends.registry.platform import detect_platform
-from fp8_backends.tune import QUICK_M_BUCKETS, parse_m_list
+from fp8_backends.tuning.models import linear_shapes
+from fp8_backends.tuning.plan import QUICK_M_BUCKETS, parse_m_list
 from fp8_backends.types import GemmProblem
 
 from . import common, plot
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("no CUDA device: on the CPU pass small --shapes (and --models none)")
     try:
         buckets = parse_m_list(args.m) if args.m else list(QUICK_M_BUCKETS if args.quick else
-                                                          tuning.DEFAULT_M_BUCKETS)
+                                                          lockfile.DEFAULT_M_BUCKETS)
         templates = _templates(args, "cpu" if device == "cpu" else "cuda")
     except ValueError as exc:
         ap.error(str(exc))
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     timer = common.timer_from_args(args, device)
     out = Path(args.out) if args.out else common.default_out_dir(platform)
     header = common.run_header(platform, device)
-    header["lockfile"] = tuning.describe_lockfile(platform)
+    header["lockfile"] = lockfile.describe_lockfile(platform)
     print(f"bench.gemm on {platform.describe()}: {len(templates)} shapes x {len(buckets)} M -> {out}", file=sys.stderr)
 
     ceilings: dict[str, Any] = {"copy_gbps": None, "gemm_peak": None}

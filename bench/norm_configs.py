@@ -7,7 +7,7 @@ For each (H, T) and each variant (``rmsnorm_quant``, ``fused_add_rmsnorm_quant``
 kernel with every ``--warps`` value (and, with ``--rows 1,2,...``, programs of several whole rows: labels
 ``r2w4`` = 2 rows, 4 warps), plus the config :func:`providers.triton.quant_kernels.row_config`
 picks (``auto``), in CUDA graphs over input copies rotated past 4x L2, interleaved
-(:class:`fp8_backends.timing.CudaGraphTimer`). The copy bandwidth is measured at the start; % copy = bytes
+(:class:`fp8_backends.tuning.timing.CudaGraphTimer`). The copy bandwidth is measured at the start; % copy = bytes
 moved (x read, fp8 written; the add variant also reads and writes the residual) / time / copy GB/s.
 Outputs of ``rmsnorm_quant`` are compared with ``auto``'s (the warps change the order of the fp32 sum of
 squares, so fewer than 0.1% of the fp8 codes may differ).
@@ -36,7 +36,7 @@ def measure(h: int, t: int, add: bool, warps: list[int], timer: Any, l2: int,
 
     from fp8_backends.providers.triton import norm_kernels
     from fp8_backends.providers.triton.quant_kernels import RowConfig
-    from fp8_backends.timing import Run, rotation_count
+    from fp8_backends.tuning.timing import Run, rotation_count
 
     device = "cuda"
     nbytes = t * h * (2 + 1 + (4 if add else 0))
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.common import copy_ceiling, header_markdown, md_table, progress, run_header, write_json, write_markdown
     from fp8_backends.registry.platform import detect_platform
-    from fp8_backends.timing import CudaGraphTimer, TimerConfig, l2_cache_bytes
+    from fp8_backends.tuning.timing import CudaGraphTimer, TimerConfig, l2_cache_bytes
 
     device = "cuda"
     header = run_header(detect_platform(device), device)

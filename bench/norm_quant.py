@@ -21,10 +21,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fp8_backends.models import hidden_size
-from fp8_backends.registry import tuning
+from fp8_backends.registry import lockfile
 from fp8_backends.registry.platform import detect_platform
-from fp8_backends.tune import QUICK_M_BUCKETS, parse_m_list
+from fp8_backends.tuning.models import hidden_size
+from fp8_backends.tuning.plan import QUICK_M_BUCKETS, parse_m_list
 from fp8_backends.types import NormQuantProblem
 
 from . import common, compiled_baseline, plot
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("no CUDA device: on the CPU pass a small --hidden (and --models none)")
     try:
         buckets = parse_m_list(args.tokens) if args.tokens else list(QUICK_M_BUCKETS if args.quick else
-                                                                    tuning.DEFAULT_M_BUCKETS)
+                                                                    lockfile.DEFAULT_M_BUCKETS)
         templates = _templates(args, "cpu" if device == "cpu" else "cuda")
     except ValueError as exc:
         ap.error(str(exc))
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     timer = common.timer_from_args(args, device)
     out = Path(args.out) if args.out else common.default_out_dir(platform)
     header = common.run_header(platform, device)
-    header["lockfile"] = tuning.describe_lockfile(platform)
+    header["lockfile"] = lockfile.describe_lockfile(platform)
     print(f"bench.norm_quant on {platform.describe()}: {len(templates)} ops x {len(buckets)} T -> {out}",
           file=sys.stderr)
     copy_gbps = common.copy_ceiling(device)

@@ -12,7 +12,7 @@ Each "layer" is the norm -> quant -> GEMM hand-off of a decoder block, on the ``
 Every layer has its own weight; weight sets rotate past 4x L2. Each chain is captured twice, once with PDL
 (the default on SM >= 9.0) and once with ``FP8_BACKENDS_PDL=0`` (the launches are recorded into the graph,
 so the setting at capture time is what replays), and the two are timed interleaved
-(:class:`fp8_backends.timing.CudaGraphTimer`). Reported: µs per layer and the saving per layer. The
+(:class:`fp8_backends.tuning.timing.CudaGraphTimer`). Reported: µs per layer and the saving per layer. The
 outputs of both captures are compared (they must be bit-identical: PDL changes scheduling, not math).
 Writes ``pdl_chain.json`` and ``pdl_chain.md``.
 """
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     from fp8_backends.providers.triton.gemm import TritonGemmBackend
     from fp8_backends.providers.triton.norm_quant import TritonNormQuantBackend
     from fp8_backends.registry.platform import detect_platform
-    from fp8_backends.timing import CudaGraphTimer, Run, TimerConfig, l2_cache_bytes, rotation_count
+    from fp8_backends.tuning.timing import CudaGraphTimer, Run, TimerConfig, l2_cache_bytes, rotation_count
 
     device = "cuda"
     header = run_header(detect_platform(device), device)

@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fp8_backends.models import linear_shapes
-from fp8_backends.registry import resolution, tuning
+from fp8_backends.registry import lockfile, resolution
 from fp8_backends.registry.platform import Platform, detect_platform
+from fp8_backends.tuning.models import linear_shapes
+from fp8_backends.tuning.workloads import expand_candidates
 from fp8_backends.types import GemmProblem
-from fp8_backends.workloads import expand_candidates
 
 from . import common
 
@@ -37,20 +37,20 @@ def synthetic_lockfile(path: Path, platform: Platform, shapes: list[tuple[int, i
     """Entries for every shape x default bucket; the choice is the statically last-ranked candidate."""
     entries = {}
     for n, k in shapes:
-        for m in tuning.DEFAULT_M_BUCKETS:
+        for m in lockfile.DEFAULT_M_BUCKETS:
             problem = GemmProblem(n=n, k=k, m=m, device=device)
             cands, _ = expand_candidates("gemm", problem, platform)
             if not cands:
                 continue
             pick = max(cands, key=lambda c: c.rank)
-            fields = tuning.problem_fields("gemm", problem)
+            fields = lockfile.problem_fields("gemm", problem)
             choice = {"provider": pick.provider, "distribution": pick.entry.dist, "options": pick.options, "us": 1.0}
-            entries[tuning.entry_key("gemm", fields, m)] = {
+            entries[lockfile.entry_key("gemm", fields, m)] = {
                 "kind": "gemm", "problem": fields, "m": m, "choice": choice, "ranking": [choice],
-                "tie_break": False, "tie_margin": tuning.DEFAULT_TIE_MARGIN, "method": "synthetic",
+                "tie_break": False, "tie_margin": lockfile.DEFAULT_TIE_MARGIN, "method": "synthetic",
             }
-    key, _ = tuning.current_key(platform)
-    return tuning.write_entries(path, key, entries)
+    key, _ = lockfile.current_key(platform)
+    return lockfile.write_entries(path, key, entries)
 
 
 def _resolve_us(problem: GemmProblem, platform: Platform, expect: tuple[str, ...]) -> float:
@@ -96,14 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "selection.lock.json"
         os.environ["FP8_BACKENDS_LOCKFILE"] = str(path)
-        tuning.reset_state()
+        lockfile.reset_state()
         count = synthetic_lockfile(path, platform, all_shapes, device)
         results["lockfile_entries"] = count
-        one_m, every_m = [16], list(tuning.DEFAULT_M_BUCKETS)
+        one_m, every_m = [16], list(lockfile.DEFAULT_M_BUCKETS)
         try:
             for model, shapes in per_model.items():
                 for ms_name, ms in (("one M", one_m), ("every M bucket", every_m)):
-                    tuning.reset_state()
+                    lockfile.reset_state()
                     os.environ["FP8_BACKENDS_LOCKFILE"] = str(path)
                     t0 = time.perf_counter()
                     _resolve_us(GemmProblem(n=shapes[0][0], k=shapes[0][1], m=ms[0], device=device), platform,
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 os.environ.pop("FP8_BACKENDS_LOCKFILE", None)
             else:
                 os.environ["FP8_BACKENDS_LOCKFILE"] = saved
-            tuning.reset_state()
+            lockfile.reset_state()
     rows = [[name, r["resolutions_per_layer"], f"{r['static_us_per_resolution']:.1f}",
              f"{r['lockfile_us_per_resolution']:.1f}", f"{r['static_us_per_layer']:.0f}",
              f"{r['lockfile_us_per_layer']:.0f}", f"{r['added_us_per_layer']:.0f}",

@@ -88,7 +88,7 @@ def triton_runs(cfgs: dict[str, Any], m: int, nopdl_of: str | None = None) -> An
         import torch
 
         from fp8_backends.providers.triton.gemm_ops import run_config
-        from fp8_backends.timing import Run
+        from fp8_backends.tuning.timing import Run
 
         n = wsets[0].shape[0]
         outs = [torch.empty((m, n), dtype=torch.bfloat16, device=xsets[0].device) for _ in range(n_sets)]
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     from fp8_backends.providers.triton import _support
     from fp8_backends.providers.triton.gemm_configs import CONFIG_LIST, CONFIGS
     from fp8_backends.registry.platform import detect_platform
-    from fp8_backends.timing import l2_cache_bytes
+    from fp8_backends.tuning.timing import l2_cache_bytes
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

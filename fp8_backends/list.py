@@ -25,9 +25,11 @@ import os
 import sys
 from typing import Any
 
+from fp8_backends import settings
 from fp8_backends.errors import ConfigurationError, Fp8BackendError
-from fp8_backends.registry import discovery, resolution, settings
+from fp8_backends.registry import discovery, resolution
 from fp8_backends.registry.platform import Platform, detect_platform, list_platforms, simulate_platform
+from fp8_backends.text_table import text_table
 from fp8_backends.types import ActScale, GemmProblem, NormQuantProblem, WeightScale
 
 SCHEMA = "fp8_backends.list/1"
@@ -136,22 +138,7 @@ def collect(
                     "selected": res.chosen is not None and res.chosen.entry is entry,
                 }
             )
-    env = {
-        var: os.environ[var]
-        for var in (
-            settings.GEMM_BACKEND_ENV,
-            settings.NORM_QUANT_BACKEND_ENV,
-            settings.DISABLED_ENV,
-            settings.PLUGINS_ENV,
-            settings.SIMULATE_SM_ENV,
-            settings.LOCKFILE_ENV,
-            settings.TUNE_ENV,
-            settings.DEFAULTS_ENV,
-            settings.SHIPPED_ENV,
-            settings.PDL_ENV,
-        )
-        if var in os.environ
-    }
+    env = {var.name: os.environ[var.name] for var in settings.ENV_VARS if var.name in os.environ}
     return {
         "schema": SCHEMA,
         "platform": _platform_dict(platform),
@@ -189,9 +176,9 @@ def _defaults_list(kind: str, platform: Platform) -> list[dict[str, Any]]:
 
 def _lockfile_dict(platform: Platform) -> dict[str, Any]:
     try:
-        from fp8_backends.registry import tuning
+        from fp8_backends.registry import lockfile
 
-        return tuning.describe_lockfile(platform)
+        return lockfile.describe_lockfile(platform)
     except Exception as exc:  # the listing must print even if the lockfile code breaks
         return {"path": None, "status": "error", "detail": f"{type(exc).__name__}: {exc}", "entries": 0}
 
@@ -203,14 +190,6 @@ def _shipped_dict(platform: Platform) -> dict[str, Any]:
         return shipped.describe(platform)
     except Exception as exc:  # the listing must print even if the shipped-data code breaks
         return {"path": None, "status": "error", "detail": f"{type(exc).__name__}: {exc}", "entries": 0}
-
-
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
-    lines += [fmt.format(*(str(c) for c in r)) for r in rows]
-    return "\n".join(line.rstrip() for line in lines)
 
 
 def _short(values: list[str] | None) -> str:
@@ -264,8 +243,8 @@ def render(data: dict[str, Any]) -> str:
             ])
         out.append("")
         out.append(title + ":")
-        out.append(_table(rows, ["auto", "name", "distribution", "usable", "arch", "PDL", "scales",
-                                 "dtypes", "prio"]))
+        out.append(text_table(["auto", "name", "distribution", "usable", "arch", "PDL", "scales",
+                               "dtypes", "prio"], rows))
         reasons = [
             (pr["name"], pr["distribution"], r, pr["install_hint"])
             for pr in data["providers"] if pr["kind"] == kind for r in pr["reasons"]

@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fp8_backends.registry import shipped_data, tuning
+from fp8_backends.registry import lockfile, shipped_data
 from fp8_backends.registry.platform import Platform
 
 #: tuner flags that only change how a run goes (left out of the regenerating command), and whether they take a value
@@ -67,7 +67,7 @@ def toolchain_versions() -> dict[str, str]:
 
 def build_provenance(platform: Platform, argv: Sequence[str], grid: Mapping[str, Any]) -> dict[str, Any]:
     """A new provenance block (with this run's record) for ``platform``."""
-    key = tuning.platform_key(platform)
+    key = lockfile.platform_key(platform)
     started = now_iso()
     return {
         "format": shipped_data.FORMAT,

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8_backends.errors import DataFileError
-from fp8_backends.registry import nearest, shipped_data, tuning
+from fp8_backends.registry import lockfile, nearest, shipped_data
 
 #: per-entry fields ``auto`` never reads: left out of the shipped file
 DROPPED_ENTRY_FIELDS = ("skipped", "tuned_at")
@@ -55,7 +55,7 @@ def _section_for(doc: Mapping[str, Any], prov: Mapping[str, Any]) -> dict[str, A
 
 def exclude_models(entries: Mapping[str, Mapping[str, Any]], models: Sequence[str]) -> dict[str, dict[str, Any]]:
     """The entries without those whose every label names one of ``models`` (entries without labels stay)."""
-    from fp8_backends.models import model_spec
+    from fp8_backends.tuning.models import model_spec
 
     gone = {model_spec(m).name for m in models}
     out = {}
@@ -91,8 +91,9 @@ def pack(doc: Mapping[str, Any], *, exclude: Sequence[str] = (), partial: bool =
     model = {"neighbours": neighbours, "sms": sms}
     if any(v is not None for v in model.values()):
         prov["model"] = {**(prov.get("model") or {}), **{k: int(v) for k, v in model.items() if v is not None}}
-    out = {"schema": tuning.SCHEMA, "updated": doc.get("updated"), "provenance": prov,
-           "sections": {tuning.key_digest(section["platform"]): {"platform": section["platform"], "entries": entries}}}
+    out = {"schema": lockfile.SCHEMA, "updated": doc.get("updated"), "provenance": prov,
+           "sections": {lockfile.key_digest(section["platform"]): {"platform": section["platform"],
+                                                                   "entries": entries}}}
     problems = shipped_data.check_document(out)
     if problems:
         raise DataFileError("<packed data>", problems)
@@ -130,7 +131,7 @@ GROUPS = ("model", "family", "tp", "shape")
 #: the models ``loo`` evaluates: name -> (metric, tie margin); "nearest" is the one ``auto`` uses
 MODELS: dict[str, tuple[nearest.Metric, float]] = {
     "nearest": (nearest.DEFAULT_METRIC, nearest.TIE_MARGIN),
-    "baseline": (nearest.LOG_SHAPE_METRIC, tuning.DEFAULT_TIE_MARGIN),
+    "baseline": (nearest.LOG_SHAPE_METRIC, lockfile.DEFAULT_TIE_MARGIN),
 }
 
 
@@ -335,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _pack_cli(args: argparse.Namespace, argv: list[str]) -> int:
     src = Path(args.lockfile)
-    doc, problem = tuning.read_document(src)
+    doc, problem = lockfile.read_document(src)
     if doc is None:
         raise DataFileError(src, [problem or "unreadable"])
     packed = pack(doc, exclude=args.exclude_model, partial=args.partial, neighbours=args.neighbours,

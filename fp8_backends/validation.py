@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from fp8_backends.registry.settings import check_scales_flag
+from fp8_backends.settings import check_scales_flag
 
 from .errors import InvalidInputError, InvalidTypeError
 from .types import Fp8Dtype, OutDtype

@@ -3,5 +3,5 @@
 - :mod:`.platform`: what GPU (or CPU) a problem runs on, real or simulated.
 - :mod:`.discovery`: stevedore entry points -> :class:`~.discovery.ProviderEntry` records, never raising.
 - :mod:`.resolution`: explicit names, aliases, env vars and ``auto`` -> a provider instance.
-- :mod:`.settings`: the environment variables the registry reads.
+- the environment variables it reads are in :mod:`fp8_backends.settings`.
 """

@@ -7,7 +7,7 @@ decode point measured: 1.12x ``torch._scaled_mm`` geomean at M <= 16 over the Ll
 ``bench/results/2026-11-29-h200-triton/triton_configs.md``), while cuBLAS stays ahead at M 64-256 and the
 providers are within a few percent of each other above. This module holds such measured preferences as data:
 per SM range, an M bucket and the provider names preferred there (the first that can serve wins; where none
-can, static priorities decide). A tuned lockfile (:mod:`.tuning`) is asked first; ``FP8_BACKENDS_DEFAULTS=0``
+can, static priorities decide). A tuned lockfile (:mod:`.lockfile_policy`) is asked first; ``FP8_BACKENDS_DEFAULTS=0``
 turns these defaults off.
 
 These global M rules are a fallback for GPUs the shipped selection data (:mod:`.shipped`) does not cover: where a
@@ -25,7 +25,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from . import resolution, settings
+from fp8_backends import settings
+
+from . import resolution
 from .platform import Platform
 
 logger = logging.getLogger("fp8_backends")

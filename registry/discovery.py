@@ -20,9 +20,8 @@ from typing import Any
 
 from stevedore import ExtensionManager
 
+from fp8_backends import settings
 from fp8_backends.types import Availability
-
-from . import settings
 
 logger = logging.getLogger("fp8_backends")
 

@@ -16,10 +16,9 @@ import re
 import sys
 from dataclasses import dataclass, field
 
+from fp8_backends import settings
 from fp8_backends.errors import ConfigurationError, InvalidInputError, InvalidTypeError
 from fp8_backends.types import DeviceKind
-
-from . import settings
 
 logger = logging.getLogger("fp8_backends")
 

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from fp8_backends import settings
 from fp8_backends.errors import (
     AmbiguousBackendError,
     BackendOptionError,
@@ -39,7 +40,6 @@ from fp8_backends.errors import (
 )
 from fp8_backends.types import Availability, GemmProblem, NormQuantProblem
 
-from . import settings
 from .discovery import BLOCKED, ProviderEntry, discover
 from .platform import Platform, detect_platform
 
@@ -159,13 +159,13 @@ _builtin_policies_loaded = False
 
 def _load_builtin_policies() -> None:
     """Import the built-in policies once, on first resolution: the measured defaults (:mod:`.defaults`), the
-    shipped selection data (:mod:`.shipped`) and the tuned lockfile (:mod:`.tuning`); their ranks, not this
+    shipped selection data (:mod:`.shipped`) and the tuned lockfile (:mod:`.lockfile_policy`); their ranks, not this
     order, decide which is asked first."""
     global _builtin_policies_loaded
     if _builtin_policies_loaded:
         return
     _builtin_policies_loaded = True
-    for module in ("defaults", "shipped", "tuning"):
+    for module in ("defaults", "shipped", "lockfile_policy"):
         try:
             importlib.import_module(f"{__package__}.{module}")  # each registers its policy
         except Exception as exc:  # a broken policy module must not break resolution
@@ -629,9 +629,9 @@ def resolve_gemm_buckets(
         return []
     platform = _platform_for(problem, platform)
     _load_builtin_policies()
-    from . import defaults, shipped, tuning
+    from . import defaults, lockfile, shipped
 
-    covered, source = tuning.covered_buckets("gemm", problem, platform), "lockfile"
+    covered, source = lockfile.covered_buckets("gemm", problem, platform), "lockfile"
     if not covered:
         covered, source = shipped.buckets("gemm", problem, platform), "shipped data"
     if not covered:

@@ -1,7 +1,7 @@
 """The shipped selection data policy: ``auto`` on a GPU family the library has measured, without a user lockfile.
 
 Per GPU family (SM), the package ships the tuner's measurements of the dense linear shapes of common open
-models (:mod:`fp8_backends.grid`, format in :mod:`.shipped_data`). For a GEMM problem with a known M:
+models (:mod:`fp8_backends.tuning.grid`, format in :mod:`.shipped_data`). For a GEMM problem with a known M:
 
 1. ``shipped-exact``: the data holds this problem (N, K, dtypes, scale modes, bias) -> the tuned choice for its
    M bucket (smallest covered bucket >= M, clamped to the largest); if that provider cannot serve here (not
@@ -31,9 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp8_backends import settings
 from fp8_backends.errors import DataFileError
 
-from . import resolution, settings, shipped_data, tuning
+from . import lockfile, lockfile_policy, resolution, shipped_data
 from .nearest import (
     DEFAULT_METRIC,
     DEFAULT_NEIGHBOURS,
@@ -139,14 +140,14 @@ class ShippedData:
 
     path: Path
     provenance: dict[str, Any]
-    index: tuning.SectionIndex
+    index: lockfile.SectionIndex
     models: dict[tuple, NearestModel] | None = None
     picks: dict[tuple, Any] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
     def from_document(cls, path: Path, doc: Mapping[str, Any]) -> ShippedData:
-        return cls(Path(path), dict(doc["provenance"]), tuning.SectionIndex.build(shipped_data.the_section(doc)))
+        return cls(Path(path), dict(doc["provenance"]), lockfile.SectionIndex.build(shipped_data.the_section(doc)))
 
     @property
     def sm(self) -> str:
@@ -266,28 +267,23 @@ def _exact(kind, problem, platform, serving, data: ShippedData) -> tuple | None:
     if hit is None:
         return None
     bucket, record = hit
-    picked = tuning.pick_from_entry(kind, problem, platform, serving, record)
+    picked = lockfile_policy.pick_from_entry(kind, problem, platform, serving, record)
     if picked is None:
         logger.debug("shipped data %s: no measured choice for %s (bucket M=%d) can serve here", data.path,
                      problem.describe(), bucket)
         return None
     entry, options, rank = picked
-    note = f"{data.label}, bucket M={bucket}"
-    if rank:
-        note += f", ranked #{rank + 1} (the measured choice cannot serve here)"
-    elif record.get("tie_break"):
-        margin = 100 * float(record.get("tie_margin", tuning.DEFAULT_TIE_MARGIN))
-        note += f", near-tie within {margin:g}% -> static priority"
-    return POLICY_EXACT, (entry, options, note)
+    return POLICY_EXACT, (entry, options, lockfile_policy.choice_note(f"{data.label}, bucket M={bucket}", rank, record,
+                                                                      "measured"))
 
 
 def _nearest(kind, problem, platform, serving, data: ShippedData) -> tuple | None:
-    fields = tuning.problem_fields(kind, problem)
+    fields = lockfile.problem_fields(kind, problem)
     model = data.model_for(fields)
     if model is None:
         logger.debug("shipped data %s has no %s problems like %s", data.path, kind, problem.describe())
         return None
-    bucket = tuning.bucket_for(problem.m, model.buckets)
+    bucket = lockfile.bucket_for(problem.m, model.buckets)
     pred = model.predict(problem.n, problem.k, bucket) if bucket is not None else None
     if pred is None:
         return None
@@ -295,7 +291,7 @@ def _nearest(kind, problem, platform, serving, data: ShippedData) -> tuple | Non
     found: dict[CandKey, tuple] = {}
 
     def rank(ck: CandKey) -> tuple | None:
-        picked = tuning.pick_from_entry(kind, problem, platform, serving, {"choice": pred.record(ck)})
+        picked = lockfile_policy.pick_from_entry(kind, problem, platform, serving, {"choice": pred.record(ck)})
         if picked is None:
             return None
         found[ck] = picked
@@ -334,8 +330,8 @@ def buckets(kind: str, problem: Any, platform: Platform) -> list[int]:
     data = data_for(platform)
     if data is None:
         return []
-    fields = tuning.problem_fields(kind, problem)
-    exact = data.index.buckets.get(tuning.problem_key(kind, fields))
+    fields = lockfile.problem_fields(kind, problem)
+    exact = data.index.buckets.get(lockfile.problem_key(kind, fields))
     if exact:
         return list(exact)
     model = data.model_for(fields)

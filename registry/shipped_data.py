@@ -1,7 +1,7 @@
 """The format of the per-GPU-family selection data that ships with the package, and its strict checks.
 
 A shipped data file IS a selection lockfile document (schema ``fp8_backends.selection/1``, see
-:mod:`.tuning`: one section, entries keyed by problem and M bucket, each with the tuned ``choice`` and the
+:mod:`.lockfile`: one section, entries keyed by problem and M bucket, each with the tuned ``choice`` and the
 measured ``ranking`` of every candidate with its µs) plus a required ``provenance`` object::
 
     {"schema": "fp8_backends.selection/1",
@@ -34,7 +34,7 @@ from typing import Any
 
 from fp8_backends.errors import DataFileError
 
-from . import tuning
+from . import lockfile
 
 FORMAT = "fp8_backends.shipped/1"
 SUPPORTED_FORMATS = frozenset({FORMAT})
@@ -125,7 +125,7 @@ def check_document(doc: Any) -> list[str]:
     """Every reason ``doc`` is not usable shipped selection data (empty: usable)."""
     if not isinstance(doc, dict):
         return [f"top level is a {type(doc).__name__}, not an object"]
-    out = tuning.validate_document(doc)
+    out = lockfile.validate_document(doc)
     out += provenance_problems(doc.get("provenance"))
     sections = doc.get("sections")
     if not isinstance(sections, dict):
@@ -145,10 +145,10 @@ def check_document(doc: Any) -> list[str]:
     if not entries:
         out.append("the section has no entries")
     for name, entry in entries.items():
-        bad = tuning.entry_problems(entry)
+        bad = lockfile.entry_problems(entry)
         if not bad:
             try:
-                expected = tuning.entry_key(entry["kind"], entry["problem"], entry["m"])
+                expected = lockfile.entry_key(entry["kind"], entry["problem"], entry["m"])
             except (KeyError, TypeError, ValueError) as exc:
                 bad = [f"problem fields: {exc}"]
             else:

@@ -13,22 +13,15 @@ import os
 
 import pytest
 
+from fp8_backends import settings
+
 # tests/data holds test subjects (a plugin distribution with its own tests, the kit's deliberately broken
 # providers): other tests run them in subprocesses with the right sys.path
 collect_ignore_glob = ["data/*"]
 
-ENV_VARS = (
-    "FP8_GEMM_BACKEND",
-    "FP8_NORM_QUANT_BACKEND",
-    "FP8_BACKENDS_DISABLED",
-    "FP8_BACKENDS_PLUGINS",
-    "FP8_BACKENDS_SIMULATE_SM",
-    "FP8_BACKENDS_CHECK_SCALES",
-    "FP8_BACKENDS_LOCKFILE",
-    "FP8_BACKENDS_TUNE",
-    "FP8_BACKENDS_PDL",
-    "FP8_BACKENDS_DEFAULTS",
-)
+#: what the library's environment variables select (settings.ENV_VARS); the setup ones (folders, headers, nvcc jobs)
+#: keep the developer's values
+ENV_VARS = tuple(var.name for var in settings.ENV_VARS if not var.setup)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -169,3 +169,60 @@ def test_import_is_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_one_registry_of_environment_variables(monkeypatch, capsys):
+    """Every ``FP8_*`` variable the library's code names is in ``settings.ENV_VARS``, the README's table names each,
+    and the listing's ``env`` shows each one that is set."""
+    import re
+    from pathlib import Path
+
+    from fp8_backends import settings
+
+    root = Path(__file__).resolve().parents[1]
+    names = {var.name for var in settings.ENV_VARS}
+    assert len(names) == len(settings.ENV_VARS)
+    for folder in ("fp8_backends", "registry", "providers"):
+        for path in (root / folder).rglob("*.py"):
+            for name in re.findall(r"""["'](FP8_[A-Z_]+)["']""", path.read_text()):
+                assert name in names, f"{path}: {name} is not in fp8_backends.settings.ENV_VARS"
+    readme = (root / "README.md").read_text()
+    assert not [name for name in names if f"`{name}" not in readme and f", `{name}`" not in readme]
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(settings.TRITON_TABLE_ENV, "/nowhere/table.json")
+    monkeypatch.setenv(settings.BUILD_JOBS_ENV, "2")
+    assert listing.main(["--json"]) == 0
+    env = json.loads(capsys.readouterr().out)["env"]
+    assert env == {settings.TRITON_TABLE_ENV: "/nowhere/table.json", settings.BUILD_JOBS_ENV: "2"}
+
+
+def test_cache_dir_is_shared(monkeypatch, tmp_path):
+    """One cache folder (``FP8_BACKENDS_CACHE_DIR``) for the lockfile, CUTLASS builds and flashinfer."""
+    from fp8_backends import settings
+    from fp8_backends.providers.cutlass import build
+    from fp8_backends.providers.flashinfer import common as flashinfer_common
+    from fp8_backends.registry import lockfile
+
+    monkeypatch.delenv(settings.CUTLASS_CACHE_ENV, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv(settings.CACHE_DIR_ENV, raising=False)
+    home = tmp_path / "home" / ".cache" / "fp8_backends"
+    assert (lockfile.default_lockfile_path(), build.cache_dir(), flashinfer_common.cache_dir()) == (
+        home / "selection.lock.json", home / "cutlass", home)
+    monkeypatch.setenv(settings.CACHE_DIR_ENV, str(tmp_path / "mine"))
+    monkeypatch.setenv(settings.LOCKFILE_ENV, "")
+    mine = tmp_path / "mine"
+    assert (lockfile.lockfile_path(), build.cache_dir(), flashinfer_common.cache_dir()) == (
+        mine / "selection.lock.json", mine / "cutlass", mine)
+    monkeypatch.setenv(settings.CUTLASS_CACHE_ENV, str(tmp_path / "cut"))
+    assert build.cache_dir() == tmp_path / "cut"
+
+
+def test_text_table():
+    from bench.common import console_table
+    from fp8_backends.text_table import text_table
+
+    assert console_table is text_table
+    assert text_table(["a", "long"], [["xyz", 1], ["", None]]) == "a    long\n---  ----\nxyz  1\n     None"

@@ -463,7 +463,7 @@ def test_options():
     with pytest.raises(InvalidInputError):
         CutlassSm90Backend(config="nope")
     assert set(CutlassSm90Backend.options["config"]) == {"auto", *CONFIGS}
-    from fp8_backends.workloads import option_combos
+    from fp8_backends.tuning.workloads import option_combos
 
     assert option_combos(CutlassSm90Backend) == [{"config": name} for name in configs.CONFIG_NAMES]
 

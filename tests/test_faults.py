@@ -250,7 +250,7 @@ def test_forced_tma_config_refuses_misaligned_operands():
     ("FP8_BACKENDS_TUNE", "enable"), ("FP8_BACKENDS_DEFAULTS", "disable"),
 ])
 def test_boolean_variables_are_parsed_strictly(var, value, monkeypatch):
-    from fp8_backends.registry import settings
+    from fp8_backends import settings
 
     getter = {"FP8_BACKENDS_CHECK_SCALES": settings.check_scales_at_call, "FP8_BACKENDS_PDL": settings.pdl_allowed,
               "FP8_BACKENDS_TUNE": settings.tune_at_first_use,
@@ -297,7 +297,7 @@ def test_env_variables_in_resolution(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("value", ["abc", "0", "-2", "1.5"])
 def test_integer_variables_are_parsed_strictly(value, monkeypatch):
-    from fp8_backends.registry import settings
+    from fp8_backends import settings
 
     monkeypatch.setenv("FP8_TEST_JOBS", value)
     raises_library(ValueError, lambda: settings.env_int("FP8_TEST_JOBS", 4), match="FP8_TEST_JOBS")
@@ -308,7 +308,7 @@ def test_integer_variables_are_parsed_strictly(value, monkeypatch):
 
 
 def test_flashinfer_autotune_variable(monkeypatch):
-    from fp8_backends.providers import _flashinfer_common as common
+    from fp8_backends.providers.flashinfer import common
 
     monkeypatch.setenv("FP8_BACKENDS_FLASHINFER_AUTOTUNE", "sometimes")
     raises_library(ValueError, common.autotune_default, match="FP8_BACKENDS_FLASHINFER_AUTOTUNE")
@@ -329,7 +329,7 @@ from fp8_backends.backend import Fp8GemmBackend  # noqa: E402
 from fp8_backends.capabilities import GemmCapabilities  # noqa: E402
 from fp8_backends.errors import BackendUnavailableError  # noqa: E402
 from fp8_backends.list import collect  # noqa: E402
-from fp8_backends.registry import discovery, resolution, tuning  # noqa: E402
+from fp8_backends.registry import discovery, lockfile, resolution  # noqa: E402
 from fp8_backends.registry.discovery import LOADED, ProviderEntry  # noqa: E402
 from fp8_backends.registry.platform import cpu_platform  # noqa: E402
 from fp8_backends.types import DeviceKind  # noqa: E402
@@ -448,25 +448,25 @@ def test_ignored_policy_picks_warn_once_per_policy_with_a_count(monkeypatch, cap
 def lockpath(tmp_path, monkeypatch):
     path = tmp_path / "selection.lock.json"
     monkeypatch.setenv("FP8_BACKENDS_LOCKFILE", str(path))
-    tuning.reset_state()
+    lockfile.reset_state()
     yield path
-    tuning.reset_state()
+    lockfile.reset_state()
 
 
 def _write_lockfile(path, entries: dict, platform_key: dict | None = None) -> None:
-    key = platform_key if platform_key is not None else tuning.platform_key(cpu_platform())
-    doc = tuning.new_document()
-    doc["sections"][tuning.key_digest(key)] = {"platform": key, "entries": entries}
+    key = platform_key if platform_key is not None else lockfile.platform_key(cpu_platform())
+    doc = lockfile.new_document()
+    doc["sections"][lockfile.key_digest(key)] = {"platform": key, "entries": entries}
     path.write_text(json.dumps(doc))
 
 
 def _entry(m=4, provider="torch_scaled_mm", options=None, **extra):
-    fields = tuning.problem_fields("gemm", GemmProblem(n=32, k=32, device="cpu"))
+    fields = lockfile.problem_fields("gemm", GemmProblem(n=32, k=32, device="cpu"))
     entry = {"kind": "gemm", "problem": fields, "m": m,
              "choice": {"provider": provider, "distribution": "fp8-backends", "options": options or {}, "us": 1.0},
              "ranking": []}
     entry.update(extra)
-    return tuning.entry_key("gemm", fields, m if isinstance(m, int) else 0) + f"/{len(extra)}", entry
+    return lockfile.entry_key("gemm", fields, m if isinstance(m, int) else 0) + f"/{len(extra)}", entry
 
 
 MALFORMED = {
@@ -502,7 +502,7 @@ def test_malformed_lockfile_fields_are_recovered_with_one_warning(damage, lockpa
 
 @pytest.mark.parametrize("platform_damage", ["libraries-string", "libraries-numbers", "gpu-list", "not-object"])
 def test_malformed_platform_key_is_recovered_with_one_warning(platform_damage, lockpath, caplog):
-    key = tuning.platform_key(cpu_platform())
+    key = lockfile.platform_key(cpu_platform())
     if platform_damage == "libraries-string":
         key["libraries"] = "torch==2.13"
     elif platform_damage == "libraries-numbers":
@@ -512,7 +512,7 @@ def test_malformed_platform_key_is_recovered_with_one_warning(platform_damage, l
     else:
         key = "cpu"
     name, entry = _entry()
-    doc = tuning.new_document()
+    doc = lockfile.new_document()
     doc["sections"]["x"] = {"platform": key, "entries": {name: entry}}
     lockpath.write_text(json.dumps(doc))
     with caplog.at_level(logging.WARNING, logger="fp8_backends"):
@@ -585,7 +585,7 @@ def _fb_policy_pick_cannot_serve(ctx):
 
 
 def _fb_lockfile_other_platform(ctx):
-    key = {**tuning.platform_key(cpu_platform()), "gpu": "another machine"}
+    key = {**lockfile.platform_key(cpu_platform()), "gpu": "another machine"}
     _write_lockfile(ctx.lockpath, dict([_entry()]), key)
     _auto()
 

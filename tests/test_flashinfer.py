@@ -13,9 +13,9 @@ import types
 import pytest
 
 from fp8_backends.errors import InvalidInputError, UnsupportedProblemError
-from fp8_backends.providers import _flashinfer_common as common
-from fp8_backends.providers.flashinfer_bmm import FlashinferBmmBackend
-from fp8_backends.providers.flashinfer_norm_quant import FlashinferNormQuantBackend, fused_add_smem_bytes
+from fp8_backends.providers.flashinfer import common
+from fp8_backends.providers.flashinfer.gemm import FlashinferBmmBackend
+from fp8_backends.providers.flashinfer.norm_quant import FlashinferNormQuantBackend, fused_add_smem_bytes
 from fp8_backends.registry import discovery, resolution
 from fp8_backends.registry.platform import cpu_platform, simulate_platform
 from fp8_backends.testing import GemmProviderContract, NormQuantProviderContract
@@ -282,7 +282,8 @@ def _fake_inputs(mode):
 def test_fake_implementations():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fp8_backends.providers import _flashinfer_ops as ops
+    from fp8_backends.providers.flashinfer import gemm_ops as ops
+    from fp8_backends.providers.flashinfer import norm_ops
 
     with FakeTensorMode():
         x, w, s = _fake_inputs(None)
@@ -292,13 +293,13 @@ def test_fake_implementations():
         out = torch.empty(8, 64, dtype=torch.float8_e4m3fn, device="cuda")
         wt = torch.empty(64, dtype=torch.bfloat16, device="cuda")
         r = torch.empty(8, 64, dtype=torch.bfloat16, device="cuda")
-        assert ops.rmsnorm_quant_op(out, h, wt, s, 1e-6) is None
-        assert ops.fused_add_rmsnorm_quant_op(out, h, r, wt, s, 1e-6) is None
-    for name in (ops.BMM_OP, ops.NORM_OP, ops.ADD_NORM_OP):
+        assert norm_ops.rmsnorm_quant_op(out, h, wt, s, 1e-6) is None
+        assert norm_ops.fused_add_rmsnorm_quant_op(out, h, r, wt, s, 1e-6) is None
+    for name in (ops.BMM_OP, norm_ops.NORM_OP, norm_ops.ADD_NORM_OP):
         schema = str(getattr(torch.ops.fp8_backends, name).default._schema)
         assert schema.startswith(f"fp8_backends::{name}(")
-    assert "Tensor(a!) out" in str(ops.rmsnorm_quant_op._schema)
-    assert "Tensor(b!) residual" in str(ops.fused_add_rmsnorm_quant_op._schema)
+    assert "Tensor(a!) out" in str(norm_ops.rmsnorm_quant_op._schema)
+    assert "Tensor(b!) residual" in str(norm_ops.fused_add_rmsnorm_quant_op._schema)
 
 
 def test_fullgraph_trace_over_fake_tensors():
@@ -411,7 +412,7 @@ def _act(m, k, dtype="e4m3fn", seed=0):
 def test_gemm_matches_reference(runner, nk):
     _gpu_ready()
     from fp8_backends import reference
-    from fp8_backends.providers import _flashinfer_ops as ops
+    from fp8_backends.providers.flashinfer import gemm_ops as ops
 
     n, k = nk
     b = FlashinferBmmBackend(runner=runner)
@@ -437,7 +438,7 @@ def test_fast_path_agrees_with_full_validation():
     """The base class's one-pass hot-path check accepts what full validation accepts and routes
     everything else to it."""
     _gpu_ready()
-    from fp8_backends.providers import _flashinfer_ops as ops
+    from fp8_backends.providers.flashinfer import gemm_ops as ops
 
     b = FlashinferBmmBackend()
     w_q, w_s = _weight(4096, 4096)
@@ -475,7 +476,7 @@ def test_fast_path_agrees_with_full_validation():
 def test_autotune_cache_mode_without_file(monkeypatch: pytest.MonkeyPatch, tmp_path, caplog):
     _gpu_ready()
     from fp8_backends import reference
-    from fp8_backends.providers import _flashinfer_ops as ops
+    from fp8_backends.providers.flashinfer import gemm_ops as ops
 
     monkeypatch.setenv(common.CACHE_DIR_ENV, str(tmp_path))
     w_q, w_s = _weight(2048, 1024)
@@ -495,7 +496,7 @@ def test_autotune_cache_mode_without_file(monkeypatch: pytest.MonkeyPatch, tmp_p
 def test_autotune_tune_then_cache(monkeypatch: pytest.MonkeyPatch, tmp_path):
     _gpu_ready()
     from fp8_backends import reference
-    from fp8_backends.providers import _flashinfer_ops as ops
+    from fp8_backends.providers.flashinfer import gemm_ops as ops
 
     monkeypatch.setenv(common.CACHE_DIR_ENV, str(tmp_path))
     w_q, w_s = _weight(2048, 1024)
@@ -536,7 +537,7 @@ def test_norm_quant_runs_flashinfers_compiled_module():
     _gpu_ready()
     if not FlashinferNormQuantBackend.availability().ok:
         pytest.skip(FlashinferNormQuantBackend.availability().reason)
-    from fp8_backends.providers import _flashinfer_ops as ops
+    from fp8_backends.providers.flashinfer import norm_ops as ops
 
     nq = FlashinferNormQuantBackend()
     x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
@@ -654,9 +655,10 @@ class _FakeGemmState:
 
 @pytest.fixture
 def fake_state(monkeypatch: pytest.MonkeyPatch):
-    from fp8_backends.providers import _flashinfer_ops as ops
+    from fp8_backends.providers.flashinfer import _support
+    from fp8_backends.providers.flashinfer import gemm_ops as ops
 
-    monkeypatch.setattr(ops, "_capturing", lambda: False)
+    monkeypatch.setattr(_support, "capturing", lambda: False)
     ops.reset_plans()
 
     def install(**kw):
@@ -678,7 +680,7 @@ def _cpu_problem(m=5, n=32, k=64):
 
 @pytest.mark.parametrize("mode", ["cublas/off", "auto/off"])
 def test_impl_direct_paths(fake_state, mode):
-    from fp8_backends.providers import _flashinfer_ops as ops
+    from fp8_backends.providers.flashinfer import gemm_ops as ops
 
     state = fake_state()
     x_q, w_q, x_s, w_s, ref = _cpu_problem()
@@ -692,7 +694,7 @@ def test_impl_direct_paths(fake_state, mode):
 
 
 def test_impl_cached_algorithm_path(fake_state, caplog):
-    from fp8_backends.providers import _flashinfer_ops as ops
+    from fp8_backends.providers.flashinfer import gemm_ops as ops
 
     state = fake_state()
     seen = []
@@ -728,7 +730,7 @@ def test_impl_cached_algorithm_path(fake_state, caplog):
 
 
 def test_impl_falls_back_to_the_public_api(fake_state, caplog):
-    from fp8_backends.providers import _flashinfer_ops as ops
+    from fp8_backends.providers.flashinfer import gemm_ops as ops
 
     state = fake_state(bmm_fails=True)
     x_q, w_q, x_s, w_s, ref = _cpu_problem()
@@ -744,7 +746,7 @@ def test_impl_falls_back_to_the_public_api(fake_state, caplog):
 
 
 def test_impl_cutlass_without_runner_factory_uses_api(fake_state):
-    from fp8_backends.providers import _flashinfer_ops as ops
+    from fp8_backends.providers.flashinfer import gemm_ops as ops
 
     state = fake_state(sm=(10, 0))
     x_q, w_q, x_s, w_s, ref = _cpu_problem()
@@ -754,7 +756,7 @@ def test_impl_cutlass_without_runner_factory_uses_api(fake_state):
 
 
 def test_impl_refuses_misaligned_x(fake_state):
-    from fp8_backends.providers import _flashinfer_ops as ops
+    from fp8_backends.providers.flashinfer import gemm_ops as ops
 
     fake_state()
     _, w_q, x_s, w_s, _ = _cpu_problem()

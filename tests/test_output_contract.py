@@ -15,15 +15,15 @@ from typing import ClassVar
 import pytest
 
 from fp8_backends import fp8_linear, reference
-from fp8_backends import tune as tuner
 from fp8_backends.backend import Fp8GemmBackend, NormQuantBackend
 from fp8_backends.capabilities import GemmCapabilities, NormQuantCapabilities
 from fp8_backends.errors import Fp8BackendError, ProviderOutputError
 from fp8_backends.layers import Fp8Linear
-from fp8_backends.registry import discovery, tuning
+from fp8_backends.registry import discovery, lockfile
 from fp8_backends.registry.discovery import LOADED, ProviderEntry
 from fp8_backends.registry.platform import cpu_platform
-from fp8_backends.timing import Measurement
+from fp8_backends.tuning import engine as tuner
+from fp8_backends.tuning.timing import Measurement
 from fp8_backends.types import ActScale, DeviceKind, GemmProblem, OutDtype, WeightScale
 
 torch = pytest.importorskip("torch")
@@ -105,10 +105,10 @@ def registered(monkeypatch):
     for kind, entry in entries.items():
         monkeypatch.setitem(discovery._cache, (kind, None), [*discovery.discover(kind), entry])
     output_contract.distribution_of.cache_clear()
-    tuning.reset_state()
+    lockfile.reset_state()
     yield
     output_contract.distribution_of.cache_clear()
-    tuning.reset_state()
+    lockfile.reset_state()
 
 
 def _operands(m=5, n=32, k=64, per_token=False):

@@ -371,7 +371,7 @@ def test_measured_default_buckets_are_logged_as_ranges(caplog, no_shipped_data):
 def test_lockfile_is_asked_before_the_measured_defaults_whatever_the_import_order():
     """The measured defaults registering after the lockfile policy (their module imported later) must not
     shadow a tuned lockfile: ranks, not registration order, decide."""
-    from fp8_backends.registry import defaults, tuning
+    from fp8_backends.registry import defaults, lockfile_policy
 
     resolution._load_builtin_policies()
     saved = list(resolution._policies)
@@ -379,10 +379,10 @@ def test_lockfile_is_asked_before_the_measured_defaults_whatever_the_import_orde
         resolution.register_selection_policy(defaults.POLICY_NAME, defaults.measured_default_policy, rank=-100)
         resolution.register_selection_policy("third-party", lambda *_: None)  # rank 0: between the two
         names = [n for n, _ in resolution._policies]
-        assert names.index(tuning.POLICY_NAME) < names.index("third-party") < names.index(defaults.POLICY_NAME)
-        resolution.register_selection_policy(tuning.POLICY_NAME, tuning.lockfile_policy, rank=100)
+        assert names.index(lockfile_policy.POLICY_NAME) < names.index("third-party") < names.index(defaults.POLICY_NAME)
+        resolution.register_selection_policy(lockfile_policy.POLICY_NAME, lockfile_policy.lockfile_policy, rank=100)
         names = [n for n, _ in resolution._policies]
-        assert names.index(tuning.POLICY_NAME) == 0 and names[-1] == defaults.POLICY_NAME
+        assert names.index(lockfile_policy.POLICY_NAME) == 0 and names[-1] == defaults.POLICY_NAME
     finally:
         resolution._policies[:] = saved
 
@@ -463,7 +463,7 @@ def test_auto_skips_a_plugin_whose_preload_fails_and_lists_it_unavailable(monkey
     ],
 )
 def test_disabled_item_syntax(text, item):
-    from fp8_backends.registry import settings
+    from fp8_backends import settings
 
     assert tuple(settings.parse_disabled_item(text)) == item
 
@@ -500,7 +500,7 @@ def test_empty_plugin_allow_list_blocks_every_plugin_and_keeps_the_built_ins(thi
 # --------------------------------------------------------------------------- reasons people read
 def test_cpu_machine_reasons_never_ask_to_install_gpu_only_extras(monkeypatch):
     from fp8_backends import list as listing
-    from fp8_backends.providers import _flashinfer_common as common
+    from fp8_backends.providers.flashinfer import common
 
     real = common._find_spec
     monkeypatch.setattr(common, "_find_spec", lambda name: None if name == "flashinfer" else real(name))
@@ -521,7 +521,7 @@ def test_cpu_machine_reasons_never_ask_to_install_gpu_only_extras(monkeypatch):
 
 
 def test_simulated_sm_shows_architecture_reasons_of_providers_not_installed_here(monkeypatch):
-    from fp8_backends.providers import _flashinfer_common as common
+    from fp8_backends.providers.flashinfer import common
 
     real = common._find_spec
     monkeypatch.setattr(common, "_find_spec", lambda name: None if name == "flashinfer" else real(name))

@@ -26,7 +26,7 @@ from fp8_backends.backend import Fp8GemmBackend
 from fp8_backends.capabilities import GemmCapabilities
 from fp8_backends.errors import DataFileError, Fp8BackendError
 from fp8_backends.list import collect, render
-from fp8_backends.registry import discovery, nearest, resolution, shipped, shipped_data, tuning
+from fp8_backends.registry import discovery, lockfile, nearest, resolution, shipped, shipped_data
 from fp8_backends.registry.discovery import LOADED, ProviderEntry
 from fp8_backends.registry.platform import DeviceKind, Platform, simulate_platform
 from fp8_backends.selection_data import leave_out_report, pack
@@ -78,7 +78,7 @@ def make_entry(n: int, k: int, m: int, *, bias: bool = False, act: str = "per_te
              "tie_break": False, "tie_margin": 0.02, "rejected": [], "method": "synthetic"}
     if labels:
         entry["labels"] = list(labels)
-    return tuning.entry_key("gemm", fields, m), entry
+    return lockfile.entry_key("gemm", fields, m), entry
 
 
 def make_doc(shapes=SMALL + LARGE, buckets=BUCKETS, *, gpu="NVIDIA H200", sm="9.0", labels=None) -> dict:
@@ -88,8 +88,8 @@ def make_doc(shapes=SMALL + LARGE, buckets=BUCKETS, *, gpu="NVIDIA H200", sm="9.
     prov = {"format": shipped_data.FORMAT, "gpu": gpu, "sm": sm, "driver": "13.0", "cuda": "13.0",
             "libraries": dict(platform["libraries"]), "date": "2026-12-01T00:00:00Z",
             "command": "python -m fp8_backends.tune --shipped-grid --lockfile sm90.json", "grid": {}}
-    return {"schema": tuning.SCHEMA, "updated": None, "provenance": prov,
-            "sections": {tuning.key_digest(platform): {"platform": platform, "entries": entries}}}
+    return {"schema": lockfile.SCHEMA, "updated": None, "provenance": prov,
+            "sections": {lockfile.key_digest(platform): {"platform": platform, "entries": entries}}}
 
 
 def write_doc(folder: Path, doc: dict) -> Path:
@@ -106,11 +106,11 @@ def _fresh_state(monkeypatch, tmp_path):
     monkeypatch.delenv("FP8_BACKENDS_SHIPPED", raising=False)
     monkeypatch.delenv("FP8_BACKENDS_DISABLED", raising=False)
     shipped.reset_state()
-    tuning.reset_state()
+    lockfile.reset_state()
     resolution.reset_caches()
     yield
     shipped.reset_state()
-    tuning.reset_state()
+    lockfile.reset_state()
 
 
 @pytest.fixture
@@ -312,8 +312,8 @@ def test_lockfile_beats_shipped_beats_priority(data_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("FP8_BACKENDS_LOCKFILE", str(lock))
     key, entry = make_entry(28672, 4096, 16)
     entry["choice"] = dict(FAST_B)  # the user's own measurement says otherwise
-    tuning.write_entries(lock, tuning.current_key(gpu)[0], {key: entry})
-    tuning.reset_state()
+    lockfile.write_entries(lock, lockfile.current_key(gpu)[0], {key: entry})
+    lockfile.reset_state()
     res = auto(problem, gpu)
     assert res.source == "lockfile" and res.backend.label == "fake_mm[variant=b]"
     monkeypatch.setenv("FP8_BACKENDS_LOCKFILE", "off")

@@ -118,7 +118,7 @@ def test_forced_small_m_configs_refuse_large_m():
 
 
 def test_options_and_tuner_candidates():
-    from fp8_backends.workloads import option_combos
+    from fp8_backends.tuning.workloads import option_combos
 
     assert TritonGemmBackend().config == {"config": "auto"}
     with pytest.raises(InvalidInputError):
@@ -647,7 +647,7 @@ def test_bench_sweep_summary_builds_a_loadable_triton_table(monkeypatch):
 @pytest.mark.skipif(not _support.interpreting(), reason="needs TRITON_INTERPRET=1 (the CPU-only case)")
 def test_tuner_does_not_time_interpreter_only_candidates():
     from fp8_backends.registry.platform import cpu_platform
-    from fp8_backends.workloads import expand_candidates
+    from fp8_backends.tuning.workloads import expand_candidates
 
     cands, skipped = expand_candidates("gemm", GemmProblem(n=64, k=64, m=4, device="cpu"), cpu_platform())
     assert cands and all(c.provider != "triton" for c in cands)

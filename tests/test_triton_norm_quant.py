@@ -188,7 +188,7 @@ def test_capabilities_and_identity():
     assert TritonNormQuantBackend.requires == _support.REQUIRES
     assert TritonNormQuantBackend.install_hint == _support.INSTALL_HINT
     assert TritonNormQuantBackend.description
-    from fp8_backends.providers.flashinfer_norm_quant import FlashinferNormQuantBackend
+    from fp8_backends.providers.flashinfer.norm_quant import FlashinferNormQuantBackend
 
     assert caps.priority > FlashinferNormQuantBackend.capabilities.priority
 

@@ -13,19 +13,21 @@ from typing import ClassVar
 
 import pytest
 
-from fp8_backends import grid, models, reference, selection_data
-from fp8_backends import tune as tuner
+from fp8_backends import reference, selection_data
+from fp8_backends import tune as tune_cli
 from fp8_backends.backend import Fp8GemmBackend
 from fp8_backends.capabilities import GemmCapabilities
 from fp8_backends.errors import DataFileError
 from fp8_backends.provenance import build_provenance, canonical_command
-from fp8_backends.registry import discovery, resolution, shipped, shipped_data, tuning
+from fp8_backends.registry import discovery, lockfile, resolution, shipped, shipped_data
 from fp8_backends.registry.discovery import LOADED, ProviderEntry
 from fp8_backends.registry.platform import Platform, cpu_platform, simulate_platform
-from fp8_backends.timing import Measurement
-from fp8_backends.tune_plan import parse_pin, select_shard
+from fp8_backends.tuning import engine as tuner
+from fp8_backends.tuning import grid, models
+from fp8_backends.tuning.plan import parse_pin, select_shard
+from fp8_backends.tuning.timing import Measurement
+from fp8_backends.tuning.workloads import expand_candidates
 from fp8_backends.types import DeviceKind, Fp8Dtype, GemmProblem, PreparedWeight
-from fp8_backends.workloads import expand_candidates
 
 
 class FakeMM(Fp8GemmBackend):
@@ -52,7 +54,7 @@ TORCH_F = "torch_scaled_mm[fast_accum=false]"
 def _fresh(monkeypatch, tmp_path):
     monkeypatch.setenv("FP8_BACKENDS_LOCKFILE", str(tmp_path / "unused.json"))
     monkeypatch.delenv("FP8_BACKENDS_SHIPPED", raising=False)
-    tuning.reset_state()
+    lockfile.reset_state()
     shipped.reset_state()
     resolution.reset_caches()
     real = list(discovery.discover("gemm"))
@@ -60,7 +62,7 @@ def _fresh(monkeypatch, tmp_path):
                          status=LOADED, cls=FakeMM)
     monkeypatch.setitem(discovery._cache, ("gemm", None), [*real, fake])
     yield
-    tuning.reset_state()
+    lockfile.reset_state()
     shipped.reset_state()
 
 
@@ -181,7 +183,7 @@ def test_pins_hold_options_at_one_value():
 def test_cli_plan_pins_labels_and_list(tmp_path, capsys):
     csv_path = write_csv(tmp_path / "mine.csv", ["32,64,0,mine,1,qkv_proj", "64,32,0,mine,1,o_proj"])
     lock = tmp_path / "sel.json"
-    rc = tuner.main(["--device", "cpu", "--shapes-file", str(csv_path), "--m", "1,2", "--lockfile", str(lock),
+    rc = tune_cli.main(["--device", "cpu", "--shapes-file", str(csv_path), "--m", "1,2", "--lockfile", str(lock),
                      "--no-progress", "--pin", "fake_mm:variant=b", "--providers", "fake_mm,torch_scaled_mm"],
                     timer=fake_timer({FAKE_B: 10.0}))
     assert rc == 0, capsys.readouterr()
@@ -193,18 +195,18 @@ def test_cli_plan_pins_labels_and_list(tmp_path, capsys):
         assert len([r for r in entry["ranking"] if r["provider"] == "fake_mm"]) == 1
     assert "provenance" not in json.loads(lock.read_text())  # only with --provenance / --shipped-grid
     capsys.readouterr()
-    assert tuner.main(["--device", "cpu", "--shipped-grid", "--list", "--model", "llama3-8b", "--tp", "1"]) == 0
+    assert tune_cli.main(["--device", "cpu", "--shipped-grid", "--list", "--model", "llama3-8b", "--tp", "1"]) == 0
     out = capsys.readouterr().out
     assert "M buckets: 1, 4, 16, 64, 256, 1024, 4096" in out and "estimate: 28 problem(s)" in out
     with pytest.raises(SystemExit):
-        tuner.main(["--device", "cpu", "--shapes", "32,64", "--pin", "fake_mm:variant=zzz", "--list"])
+        tune_cli.main(["--device", "cpu", "--shapes", "32,64", "--pin", "fake_mm:variant=zzz", "--list"])
     with pytest.raises(SystemExit):
-        tuner.main(["--device", "cpu", "--model", "qwen2-7b", "--tp", "8", "--list"])
+        tune_cli.main(["--device", "cpu", "--model", "qwen2-7b", "--tp", "8", "--list"])
 
 
 def test_shards_split_the_work_deterministically():
-    args = tuner.build_parser().parse_args(["--shipped-grid", "--device", "cpu"])
-    from fp8_backends.tune_plan import plan_from_args
+    args = tune_cli.build_parser().parse_args(["--shipped-grid", "--device", "cpu"])
+    from fp8_backends.tuning.plan import plan_from_args
 
     plan = plan_from_args(args, "cpu")
     assert len(plan.problems) == 260 and plan.total == 1820 and plan.pins == grid.SHIPPED_PINS
@@ -212,7 +214,7 @@ def test_shards_split_the_work_deterministically():
     keys = [set(p.keys()) for p in parts]
     assert sum(len(k) for k in keys) == 1820 and set().union(*keys) == set(plan.keys())
     assert [p.keys() for p in parts] == [select_shard(plan, i, 3).keys() for i in (1, 2, 3)]
-    excluded = plan_from_args(tuner.build_parser().parse_args(
+    excluded = plan_from_args(tune_cli.build_parser().parse_args(
         ["--shipped-grid", "--device", "cpu", "--exclude-model", "gemma3-12b"]), "cpu")
     assert len(excluded.problems) == 260 - 15 and excluded.grid["excluded_models"] == ["gemma3-12b"]
 
@@ -220,7 +222,7 @@ def test_shards_split_the_work_deterministically():
 # ------------------------------------------------------------------------------------------ resuming and stopping
 def _cli(tmp_path, *extra, timer=None):
     csv_path = write_csv(tmp_path / "mine.csv", [f"{n},64,0,mine,1,l{n}" for n in (16, 32, 48)])
-    return tuner.main(["--device", "cpu", "--shapes-file", str(csv_path), "--m", "1,2", "--lockfile",
+    return tune_cli.main(["--device", "cpu", "--shapes-file", str(csv_path), "--m", "1,2", "--lockfile",
                        str(tmp_path / "sel.json"), "--no-progress", "--providers", "fake_mm", *extra], timer=timer)
 
 
@@ -265,7 +267,7 @@ FAKE_GPU = Platform(kind=DeviceKind.CPU, name="Test GPU", sm=(9, 0), driver_vers
 def _tune_with_provenance(path: Path, problems, buckets, times, argv, total=6):
     plan_grid = {"models": ["mine"], "m_buckets": list(buckets), "problems": total}
     prov = build_provenance(FAKE_GPU, argv, plan_grid)
-    labels = {tuning.problem_key("gemm", tuning.problem_fields("gemm", p)): [f"mine/tp1/l{p.n}"] for p in problems}
+    labels = {lockfile.problem_key("gemm", lockfile.problem_fields("gemm", p)): [f"mine/tp1/l{p.n}"] for p in problems}
     return tuner.tune(problems, m_buckets=buckets, platform=FAKE_GPU, timer=fake_timer(times), lockfile=path,
                       progress=False, provenance=prov, labels=labels, providers={"fake_mm", "torch_scaled_mm"})
 
@@ -307,7 +309,7 @@ def test_tuner_lockfile_to_shipped_data_to_auto(tmp_path, monkeypatch):
 
 def test_check_cli_reports_bad_files(tmp_path, capsys):
     bad = tmp_path / "sm90-bad.json"
-    bad.write_text(json.dumps({"schema": tuning.SCHEMA, "sections": {}}))
+    bad.write_text(json.dumps({"schema": lockfile.SCHEMA, "sections": {}}))
     assert selection_data.main(["check", str(bad)]) == 1
     out = capsys.readouterr().out
     assert "UNUSABLE" in out and "'provenance' is missing" in out

@@ -19,15 +19,17 @@ from typing import ClassVar
 import pytest
 
 from fp8_backends import reference
-from fp8_backends import tune as tuner
+from fp8_backends import tune as tune_cli
 from fp8_backends.backend import Fp8GemmBackend
 from fp8_backends.capabilities import GemmCapabilities
 from fp8_backends.list import collect, render
-from fp8_backends.models import linear_shapes, model_spec
-from fp8_backends.registry import discovery, resolution, tuning
+from fp8_backends.registry import discovery, lockfile, resolution
 from fp8_backends.registry.discovery import LOADED, ProviderEntry
 from fp8_backends.registry.platform import cpu_platform
-from fp8_backends.timing import CpuTimer, Measurement, Run, TimerConfig, rotation_count
+from fp8_backends.tuning import engine as tuner
+from fp8_backends.tuning.models import linear_shapes, model_spec
+from fp8_backends.tuning.plan import parse_m_list
+from fp8_backends.tuning.timing import CpuTimer, Measurement, Run, TimerConfig, rotation_count
 from fp8_backends.types import DeviceKind, GemmProblem, NormQuantProblem, PreparedWeight
 
 
@@ -60,9 +62,9 @@ FAKE_DIST = "fake-plugin"
 
 @pytest.fixture(autouse=True)
 def _fresh_tuning_state():
-    tuning.reset_state()
+    lockfile.reset_state()
     yield
-    tuning.reset_state()
+    lockfile.reset_state()
 
 
 @pytest.fixture
@@ -79,7 +81,7 @@ def with_fake(monkeypatch):
     fake = ProviderEntry(kind="gemm", name="fake_mm", target="tests:FakeMM", dist=FAKE_DIST, dist_version="1.0",
                          status=LOADED, cls=FakeMM)
     monkeypatch.setitem(discovery._cache, ("gemm", None), [*real, fake])
-    tuning.reset_state()
+    lockfile.reset_state()
     return fake
 
 
@@ -116,13 +118,13 @@ def tune_fake(path, times, buckets=(1, 8), problems=None, **kw):
 @pytest.mark.parametrize(
     ("m", "covered", "expected"),
     [
-        (1, tuning.DEFAULT_M_BUCKETS, 1),
-        (0, tuning.DEFAULT_M_BUCKETS, 1),
-        (3, tuning.DEFAULT_M_BUCKETS, 4),
-        (16, tuning.DEFAULT_M_BUCKETS, 16),
-        (17, tuning.DEFAULT_M_BUCKETS, 32),
-        (16384, tuning.DEFAULT_M_BUCKETS, 16384),
-        (50000, tuning.DEFAULT_M_BUCKETS, 16384),
+        (1, lockfile.DEFAULT_M_BUCKETS, 1),
+        (0, lockfile.DEFAULT_M_BUCKETS, 1),
+        (3, lockfile.DEFAULT_M_BUCKETS, 4),
+        (16, lockfile.DEFAULT_M_BUCKETS, 16),
+        (17, lockfile.DEFAULT_M_BUCKETS, 32),
+        (16384, lockfile.DEFAULT_M_BUCKETS, 16384),
+        (50000, lockfile.DEFAULT_M_BUCKETS, 16384),
         (1, (16, 256), 16),
         (17, (16, 256), 256),
         (300, (16, 256), 256),
@@ -130,15 +132,15 @@ def tune_fake(path, times, buckets=(1, 8), problems=None, **kw):
     ],
 )
 def test_bucket_mapping(m, covered, expected):
-    assert tuning.bucket_for(m, list(covered)) == expected
+    assert lockfile.bucket_for(m, list(covered)) == expected
 
 
 def test_default_buckets_and_m_lists():
-    assert tuning.DEFAULT_M_BUCKETS == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-    assert tuner.parse_m_list("1-16384") == list(tuning.DEFAULT_M_BUCKETS)
-    assert tuner.parse_m_list("3-20,100") == [4, 8, 16, 100]
+    assert lockfile.DEFAULT_M_BUCKETS == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+    assert parse_m_list("1-16384") == list(lockfile.DEFAULT_M_BUCKETS)
+    assert parse_m_list("3-20,100") == [4, 8, 16, 100]
     with pytest.raises(ValueError):
-        tuner.parse_m_list("0,4")
+        parse_m_list("0,4")
 
 
 def _result(label, us, rank, ok=True):
@@ -166,39 +168,39 @@ def test_tie_break_prefers_static_rank_and_is_order_independent():
 
 
 def test_platform_and_problem_keys():
-    key = tuning.platform_key(CPU)
+    key = lockfile.platform_key(CPU)
     assert set(key) == {"device", "gpu", "sm", "driver", "cuda", "libraries"}
     assert key["gpu"] == "CPU" and key["sm"] is None
     assert "torch" in key["libraries"] and "stevedore" not in key["libraries"]
-    assert tuning.key_digest(key) == tuning.key_digest(json.loads(json.dumps(key)))
+    assert lockfile.key_digest(key) == lockfile.key_digest(json.loads(json.dumps(key)))
     other = {**key, "libraries": {**key["libraries"], "torch": "0.0.1"}}
-    assert tuning.key_digest(other) != tuning.key_digest(key)
-    assert any("torch 0.0.1 (lockfile)" in d for d in tuning.key_differences(other, key))
+    assert lockfile.key_digest(other) != lockfile.key_digest(key)
+    assert any("torch 0.0.1 (lockfile)" in d for d in lockfile.key_differences(other, key))
 
-    dyn = tuning.problem_fields("gemm", gemm(act_scale="per_tensor_dynamic", m=3))
-    static = tuning.problem_fields("gemm", gemm(act_scale="per_tensor_static", m=9))
-    token = tuning.problem_fields("gemm", gemm(act_scale="per_token", out_dtype="bfloat16"))
+    dyn = lockfile.problem_fields("gemm", gemm(act_scale="per_tensor_dynamic", m=3))
+    static = lockfile.problem_fields("gemm", gemm(act_scale="per_tensor_static", m=9))
+    token = lockfile.problem_fields("gemm", gemm(act_scale="per_token", out_dtype="bfloat16"))
     assert dyn == static and dyn != token  # static/dynamic per-tensor share entries; M is not in the fields
-    assert tuning.entry_key("gemm", dyn, 16) == (
+    assert lockfile.entry_key("gemm", dyn, 16) == (
         "gemm/n=32/k=64/e4m3fn.e4m3fn->bfloat16/act=per_tensor/w=per_tensor/bias=0/m=16"
     )
-    assert tuning.problem_key("gemm", tuning.problem_fields("gemm", gemm(has_bias=True))).endswith("bias=1")
-    nq = tuning.problem_fields("norm_quant", NormQuantProblem(hidden=4096, tokens=7, residual=True, device="cpu"))
-    assert tuning.entry_key("norm_quant", nq, 8) == "norm_quant/h=4096/bfloat16->e4m3fn/residual=1/m=8"
+    assert lockfile.problem_key("gemm", lockfile.problem_fields("gemm", gemm(has_bias=True))).endswith("bias=1")
+    nq = lockfile.problem_fields("norm_quant", NormQuantProblem(hidden=4096, tokens=7, residual=True, device="cpu"))
+    assert lockfile.entry_key("norm_quant", nq, 8) == "norm_quant/h=4096/bfloat16->e4m3fn/residual=1/m=8"
 
 
 def test_plugin_versions_are_part_of_the_key(with_fake):
-    assert tuning.platform_key(CPU)["libraries"][FAKE_DIST] == "1.0"
+    assert lockfile.platform_key(CPU)["libraries"][FAKE_DIST] == "1.0"
 
 
 def test_default_path_follows_xdg(monkeypatch, tmp_path):
     monkeypatch.delenv("FP8_BACKENDS_LOCKFILE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert tuning.lockfile_path() == tmp_path / "fp8_backends" / "selection.lock.json"
+    assert lockfile.lockfile_path() == tmp_path / "fp8_backends" / "selection.lock.json"
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")
-    assert tuning.default_lockfile_path() == Path.home() / ".cache" / "fp8_backends" / "selection.lock.json"
+    assert lockfile.default_lockfile_path() == Path.home() / ".cache" / "fp8_backends" / "selection.lock.json"
     monkeypatch.setenv("FP8_BACKENDS_LOCKFILE", "off")
-    assert tuning.lockfile_path() is None
+    assert lockfile.lockfile_path() is None
 
 
 def test_models():
@@ -277,7 +279,7 @@ def test_graph_replayer_logic_with_a_fake_cuda():
 
     import torch
 
-    from fp8_backends import timing
+    from fp8_backends.tuning import timing
 
     fake = types.SimpleNamespace(cuda=_FakeCuda, Tensor=torch.Tensor, uint8=torch.uint8)
     expected = torch.arange(4.0)
@@ -315,13 +317,13 @@ def test_tune_writes_a_valid_lockfile_and_verifies_before_timing(lockpath, with_
     report = tuner.tune([gemm()], m_buckets=[1, 8], platform=CPU, timer=fake_timer(times, calls),
                         lockfile=lockpath, progress=False)
     assert FAKE_BROKEN not in calls  # wrong output: never timed, cannot win
-    doc, problem = tuning.read_document(lockpath)
-    assert problem is None and tuning.validate_document(doc) == []
-    assert doc["schema"] == tuning.SCHEMA
+    doc, problem = lockfile.read_document(lockpath)
+    assert problem is None and lockfile.validate_document(doc) == []
+    assert doc["schema"] == lockfile.SCHEMA
     (section,) = doc["sections"].values()
-    assert section["platform"] == tuning.platform_key(CPU)
-    assert lockpath.read_text() == tuning.dumps(doc)  # deterministic serialisation
-    key = tuning.entry_key("gemm", tuning.problem_fields("gemm", gemm()), 8)
+    assert section["platform"] == lockfile.platform_key(CPU)
+    assert lockpath.read_text() == lockfile.dumps(doc)  # deterministic serialisation
+    key = lockfile.entry_key("gemm", lockfile.problem_fields("gemm", gemm()), 8)
     entry = section["entries"][key]
     assert entry["choice"] == {"provider": "fake_mm", "distribution": FAKE_DIST, "options": {"variant": "b"},
                                "us": 50.0, "error": entry["choice"]["error"]}
@@ -339,7 +341,7 @@ def test_near_tie_recorded_and_reruns_do_not_flip(lockpath, with_fake):
     for jitter in (0.0, 0.5, -0.5):
         times = {TORCH_F: 100.0 + jitter, TORCH_T: 110.0, FAKE_A: 99.0, FAKE_B: 120.0}
         tune_fake(lockpath, times, buckets=[4])
-        tuning.reset_state()
+        lockfile.reset_state()
         res = resolution.explain("gemm", "auto", problem=gemm(m=4), platform=CPU)
         assert (res.source, res.backend.label) == ("lockfile", TORCH_F)
         assert "near-tie within 2%" in res.note
@@ -384,7 +386,7 @@ def test_lockfile_from_another_platform_is_ignored_with_one_warning(lockpath, wi
     section["platform"]["libraries"]["torch"] = "1.0.0"
     section["platform"]["libraries"][FAKE_DIST] = "0.9"
     lockpath.write_text(json.dumps(doc))
-    tuning.reset_state()
+    lockfile.reset_state()
     with caplog.at_level(logging.DEBUG, logger="fp8_backends"):
         for m in (1, 2, 8, 8):
             res = resolution.explain("gemm", "auto", problem=gemm(m=m), platform=CPU)
@@ -392,7 +394,7 @@ def test_lockfile_from_another_platform_is_ignored_with_one_warning(lockpath, wi
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     assert "torch 1.0.0 (lockfile) vs" in warnings[0] and f"{FAKE_DIST} 0.9 (lockfile) vs 1.0 (here)" in warnings[0]
-    assert tuning.describe_lockfile(CPU)["status"] == "other-platform"
+    assert lockfile.describe_lockfile(CPU)["status"] == "other-platform"
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "schema", "bad-entry"])
@@ -410,7 +412,7 @@ def test_corrupt_lockfile_is_reported_and_rebuilt(lockpath, with_fake, caplog, d
         entries = next(iter(doc["sections"].values()))["entries"]
         entries[next(iter(sorted(entries)))] = {"kind": "gemm", "m": "x"}
         lockpath.write_text(json.dumps(doc))
-    tuning.reset_state()
+    lockfile.reset_state()
     with caplog.at_level(logging.WARNING, logger="fp8_backends"):
         for _ in range(2):
             res = resolution.explain("gemm", "auto", problem=gemm(m=8), platform=CPU)
@@ -421,14 +423,14 @@ def test_corrupt_lockfile_is_reported_and_rebuilt(lockpath, with_fake, caplog, d
         assert res.source == "lockfile"
         return
     assert len(warnings) == 1 and "ignoring it" in warnings[0] and res.source == "priority"
-    assert tuning.describe_lockfile(CPU)["status"] == "corrupt"
+    assert lockfile.describe_lockfile(CPU)["status"] == "corrupt"
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="fp8_backends"):
         tune_fake(lockpath, {FAKE_B: 50.0})
     assert any("rebuilding it" in r.getMessage() for r in caplog.records)
     assert lockpath.with_name(lockpath.name + ".corrupt").exists()
-    doc, problem = tuning.read_document(lockpath)
-    assert problem is None and tuning.validate_document(doc) == []
+    doc, problem = lockfile.read_document(lockpath)
+    assert problem is None and lockfile.validate_document(doc) == []
     assert resolution.explain("gemm", "auto", problem=gemm(m=8), platform=CPU).source == "lockfile"
 
 
@@ -436,7 +438,7 @@ WRITER = textwrap.dedent(
     """
     import sys
     from pathlib import Path
-    from fp8_backends.registry import tuning
+    from fp8_backends.registry import lockfile
 
     path, wid, count = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     key = {"device": "cpu", "gpu": "CPU", "sm": None, "driver": None, "cuda": None, "libraries": {"torch": "x"}}
@@ -446,7 +448,7 @@ WRITER = textwrap.dedent(
                   "has_bias": False}
         entry = {"kind": "gemm", "problem": fields, "m": i + 1, "ranking": [{"pad": "x" * 2000}],
                  "choice": {"provider": "p%d" % wid, "options": {}}}
-        tuning.write_entries(path, key, {tuning.entry_key("gemm", fields, i + 1): entry}, timeout=60)
+        lockfile.write_entries(path, key, {lockfile.entry_key("gemm", fields, i + 1): entry}, timeout=60)
     """
 )
 
@@ -462,14 +464,14 @@ def test_concurrent_writers_merge_without_torn_files(tmp_path):
     reads = 0
     deadline = time.monotonic() + 120
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        doc, problem = tuning.read_document(path)
+        doc, problem = lockfile.read_document(path)
         assert problem in (None, "missing"), problem  # never a torn file
         reads += doc is not None
     for p in procs:
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err.decode()
-    doc, problem = tuning.read_document(path)
-    assert problem is None and tuning.validate_document(doc) == []
+    doc, problem = lockfile.read_document(path)
+    assert problem is None and lockfile.validate_document(doc) == []
     (section,) = doc["sections"].values()
     assert len(section["entries"]) == writers * count
     assert {e["choice"]["provider"] for e in section["entries"].values()} == {f"p{w}" for w in range(writers)}
@@ -500,22 +502,22 @@ def test_norm_quant_tuning_and_auto(lockpath):
 
 def test_cli_on_cpu(tmp_path, capsys):
     path, report_path = tmp_path / "sel.json", tmp_path / "report.json"
-    rc = tuner.main(["--device", "cpu", "--shapes", "32,64", "--m", "1,2", "--lockfile", str(path),
+    rc = tune_cli.main(["--device", "cpu", "--shapes", "32,64", "--m", "1,2", "--lockfile", str(path),
                      "--no-progress", "--rounds", "1", "--replays", "1", "--report", str(report_path)])
     out = capsys.readouterr().out
     assert rc == 0 and "winner" in out and f"lockfile: {path} (2 entries" in out
-    assert tuning.read_document(path)[1] is None
+    assert lockfile.read_document(path)[1] is None
     assert json.loads(report_path.read_text())["schema"] == "fp8_backends.tune-report/1"
-    assert tuner.main(["--device", "cpu", "--model", "llama3-8b", "--list"]) == 0
+    assert tune_cli.main(["--device", "cpu", "--model", "llama3-8b", "--list"]) == 0
     listing = capsys.readouterr().out
     assert "N=28672 K=4096" in listing and "N=4096 K=14336" in listing and TORCH_T in listing
     with pytest.raises(SystemExit):
-        tuner.main(["--device", "cpu", "--m", "0"])
+        tune_cli.main(["--device", "cpu", "--m", "0"])
 
 
 def test_policy_module_is_light():
-    code = ("import sys; import fp8_backends.registry.tuning as t; "
-            "assert 'torch' not in sys.modules, 'torch imported'; print(t.SCHEMA)")
+    code = ("import sys; import fp8_backends.registry.lockfile_policy as p, fp8_backends.registry.lockfile as t; "
+            "assert 'torch' not in sys.modules, 'torch imported'; print(t.SCHEMA, p.POLICY_NAME)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
 
@@ -526,7 +528,7 @@ def test_tune_end_to_end_on_gpu(tmp_path, monkeypatch):
     import torch
 
     from fp8_backends.registry.platform import detect_platform
-    from fp8_backends.timing import measure_copy_bandwidth
+    from fp8_backends.tuning.timing import measure_copy_bandwidth
 
     path = tmp_path / "sel.json"
     monkeypatch.setenv("FP8_BACKENDS_LOCKFILE", str(path))

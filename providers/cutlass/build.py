@@ -5,7 +5,7 @@ mode), compiled from ``fp8_gemm_sm90.cu`` with ``-D`` macros. The library links 
 statically and not torch: it exports ``fp8b_gemm`` (raw pointers, sizes and a ``cudaStream_t``),
 called through ctypes on torch's current stream.
 
-Cache: ``$FP8_BACKENDS_CUTLASS_CACHE`` or ``${XDG_CACHE_HOME:-~/.cache}/fp8_backends/cutlass``, one
+Cache: ``$FP8_BACKENDS_CUTLASS_CACHE`` or ``cutlass`` in the cache folder (:func:`fp8_backends.settings.cache_dir`), one
 folder per library named ``<library>-<key>`` where the key hashes the kernel source, the macros, the
 flags, the arch, the nvcc version and the CUTLASS version. A file lock beside the folder makes
 parallel processes build once: the second waits and loads the first's result. nvcc runs in its own process group
@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp8_backends import settings
 from fp8_backends.errors import BuildError
 
 from .compiler import run_compiler, sweep_stale_temps, temp_path
@@ -53,9 +54,9 @@ OUT_DTYPES: dict[str, int] = {"bfloat16": 0, "float16": 1, "float32": 2}
 _OUT_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 DEFAULT_NVCC = Path("/usr/local/cuda/bin/nvcc")
-CACHE_ENV = "FP8_BACKENDS_CUTLASS_CACHE"
-CUTLASS_DIR_ENV = "FP8_BACKENDS_CUTLASS_DIR"
-JOBS_ENV = "FP8_BACKENDS_BUILD_JOBS"
+CACHE_ENV = settings.CUTLASS_CACHE_ENV
+CUTLASS_DIR_ENV = settings.CUTLASS_DIR_ENV
+JOBS_ENV = settings.BUILD_JOBS_ENV
 
 #: nvcc flags shared by every library (the gencode flag is added per arch)
 NVCC_FLAGS: tuple[str, ...] = (
@@ -347,8 +348,7 @@ def cache_dir() -> Path:
     env = os.environ.get(CACHE_ENV, "").strip()
     if env:
         return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "fp8_backends" / "cutlass"
+    return settings.cache_dir() / "cutlass"
 
 
 def key_material(spec: LibrarySpec, *, src_hash: str, nvcc_ver: str | None, cutlass_ver: str | None) -> dict:
@@ -483,9 +483,8 @@ def build_library(spec: LibrarySpec, toolchain: Toolchain | None = None, *, forc
 def default_jobs(n: int) -> int:
     """Parallel nvcc jobs for ``n`` builds: ``FP8_BACKENDS_BUILD_JOBS`` (an integer >= 1; anything else raises
     :class:`~fp8_backends.errors.ConfigurationError`), else the CPU count, never more than ``n``."""
-    from fp8_backends.registry.settings import env_int
 
-    return max(1, min(n, env_int(JOBS_ENV, os.cpu_count() or 1)))
+    return max(1, min(n, settings.env_int(JOBS_ENV, os.cpu_count() or 1)))
 
 
 def build_many(

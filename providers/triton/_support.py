@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from fp8_backends.registry import settings
+from fp8_backends import settings
 from fp8_backends.types import DeviceKind
 
 T = TypeVar("T")

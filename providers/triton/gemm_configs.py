@@ -23,9 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from fp8_backends.dispatch import BucketTable, TableSource
+from fp8_backends import settings
+from fp8_backends.bucket_tables import BucketTable, TableSource
 
-TABLE_ENV = "FP8_BACKENDS_TRITON_TABLE"
+TABLE_ENV = settings.TRITON_TABLE_ENV
 FAMILIES = ("gemv", "swap", "mm", "tma")
 
 
