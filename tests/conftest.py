@@ -3,6 +3,7 @@
 - ``@pytest.mark.gpu`` tests are skipped (with a reason) where torch sees no CUDA device.
 - ``@pytest.mark.build`` tests compile CUDA code; they run only with ``--run-build`` (CI runs them once).
 - Every test starts with fresh registry caches and no fp8_backends environment variables.
+- Helper modules beside the tests (``fake_provider``) are importable by name.
 - ``fuzz_cases(label, n)`` counts fuzzed problems (tests/test_fuzz.py); the session ends with one line per label.
 """
 
@@ -10,10 +11,16 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
 from fp8_backends import settings
+
+# shared test helpers (fake_provider.py) import as top-level modules: --import-mode=importlib puts no test folder
+# on sys.path
+sys.path.insert(0, str(Path(__file__).parent))
 
 # tests/data holds test subjects (a plugin distribution with its own tests, the kit's deliberately broken
 # providers): other tests run them in subprocesses with the right sys.path

@@ -17,40 +17,18 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import ClassVar
 
 import pytest
+from fake_provider import FAKE_DIST, install_fake
 
-from fp8_backends import reference, selection_data
-from fp8_backends.backend import Fp8GemmBackend
-from fp8_backends.capabilities import GemmCapabilities
+from fp8_backends import selection_data
 from fp8_backends.errors import DataFileError, Fp8BackendError
 from fp8_backends.list import collect, render
-from fp8_backends.registry import discovery, lockfile, nearest, resolution, shipped, shipped_data
-from fp8_backends.registry.discovery import LOADED, ProviderEntry
+from fp8_backends.registry import lockfile, nearest, resolution, shipped, shipped_data
 from fp8_backends.registry.platform import DeviceKind, Platform, simulate_platform
 from fp8_backends.selection_data import leave_out_report, pack
-from fp8_backends.types import Fp8Dtype, GemmProblem, PreparedWeight
+from fp8_backends.types import GemmProblem
 
-
-class FakeMM(Fp8GemmBackend):
-    """A provider that serves on (simulated) CUDA and the CPU: the reference GEMM, two no-op variants."""
-
-    name: ClassVar[str] = "fake_mm"
-    options: ClassVar[dict[str, tuple[str, ...]]] = {"variant": ("auto", "a", "b")}
-    tunable_options: ClassVar[tuple[str, ...]] = ("variant",)
-    capabilities: ClassVar[GemmCapabilities] = GemmCapabilities(
-        devices=frozenset({DeviceKind.CUDA, DeviceKind.CPU}), priority=1)
-
-    def prepare_weight_impl(self, w_q, w_scale, weight_scale):
-        n, k = w_q.shape
-        return PreparedWeight(w_q, w_scale, n, k, Fp8Dtype.of(w_q.dtype), weight_scale, self.name)
-
-    def gemm_impl(self, x_q, prepared, x_scale, out_dtype, bias):
-        return reference.fp8_gemm(x_q, prepared.data, x_scale, prepared.scale, out_dtype, bias)
-
-
-FAKE_DIST = "fake-plugin"
 TORCH = {"provider": "torch_scaled_mm", "distribution": "fp8-backends", "options": {"fast_accum": "false"}}
 FAST_A = {"provider": "fake_mm", "distribution": FAKE_DIST, "options": {"variant": "a"}}
 FAST_B = {"provider": "fake_mm", "distribution": FAKE_DIST, "options": {"variant": "b"}}
@@ -115,11 +93,7 @@ def _fresh_state(monkeypatch, tmp_path):
 
 @pytest.fixture
 def with_fake(monkeypatch):
-    real = list(discovery.discover("gemm"))
-    fake = ProviderEntry(kind="gemm", name="fake_mm", target="tests:FakeMM", dist=FAKE_DIST, dist_version="1.0",
-                         status=LOADED, cls=FakeMM)
-    monkeypatch.setitem(discovery._cache, ("gemm", None), [*real, fake])
-    return fake
+    return install_fake(monkeypatch)
 
 
 @pytest.fixture

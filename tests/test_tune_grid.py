@@ -9,41 +9,22 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import ClassVar
 
 import pytest
+from fake_provider import install_fake
 
-from fp8_backends import reference, selection_data
+from fp8_backends import selection_data
 from fp8_backends import tune as tune_cli
-from fp8_backends.backend import Fp8GemmBackend
-from fp8_backends.capabilities import GemmCapabilities
 from fp8_backends.errors import DataFileError
 from fp8_backends.provenance import build_provenance, canonical_command
-from fp8_backends.registry import discovery, lockfile, resolution, shipped, shipped_data
-from fp8_backends.registry.discovery import LOADED, ProviderEntry
+from fp8_backends.registry import lockfile, resolution, shipped, shipped_data
 from fp8_backends.registry.platform import Platform, cpu_platform, simulate_platform
 from fp8_backends.tuning import engine as tuner
 from fp8_backends.tuning import grid, models
 from fp8_backends.tuning.plan import parse_pin, select_shard
 from fp8_backends.tuning.timing import Measurement
 from fp8_backends.tuning.workloads import expand_candidates
-from fp8_backends.types import DeviceKind, Fp8Dtype, GemmProblem, PreparedWeight
-
-
-class FakeMM(Fp8GemmBackend):
-    name: ClassVar[str] = "fake_mm"
-    options: ClassVar[dict[str, tuple[str, ...]]] = {"variant": ("auto", "a", "b")}
-    tunable_options: ClassVar[tuple[str, ...]] = ("variant",)
-    capabilities: ClassVar[GemmCapabilities] = GemmCapabilities(
-        devices=frozenset({DeviceKind.CUDA, DeviceKind.CPU}), priority=1)
-
-    def prepare_weight_impl(self, w_q, w_scale, weight_scale):
-        n, k = w_q.shape
-        return PreparedWeight(w_q, w_scale, n, k, Fp8Dtype.of(w_q.dtype), weight_scale, self.name)
-
-    def gemm_impl(self, x_q, prepared, x_scale, out_dtype, bias):
-        return reference.fp8_gemm(x_q, prepared.data, x_scale, prepared.scale, out_dtype, bias)
-
+from fp8_backends.types import DeviceKind, GemmProblem
 
 CPU = cpu_platform()
 FAKE_A, FAKE_B = "fake_mm[variant=a]", "fake_mm[variant=b]"
@@ -57,10 +38,7 @@ def _fresh(monkeypatch, tmp_path):
     lockfile.reset_state()
     shipped.reset_state()
     resolution.reset_caches()
-    real = list(discovery.discover("gemm"))
-    fake = ProviderEntry(kind="gemm", name="fake_mm", target="tests:FakeMM", dist="fake-plugin", dist_version="1.0",
-                         status=LOADED, cls=FakeMM)
-    monkeypatch.setitem(discovery._cache, ("gemm", None), [*real, fake])
+    install_fake(monkeypatch)
     yield
     lockfile.reset_state()
     shipped.reset_state()

@@ -16,48 +16,33 @@ import time
 from pathlib import Path
 from typing import ClassVar
 
+import fake_provider
 import pytest
+from fake_provider import FAKE_DIST, install_fake
 
 from fp8_backends import reference
 from fp8_backends import tune as tune_cli
-from fp8_backends.backend import Fp8GemmBackend
 from fp8_backends.capabilities import GemmCapabilities
 from fp8_backends.list import collect, render
-from fp8_backends.registry import discovery, lockfile, resolution
-from fp8_backends.registry.discovery import LOADED, ProviderEntry
+from fp8_backends.registry import lockfile, resolution
 from fp8_backends.registry.platform import cpu_platform
 from fp8_backends.tuning import engine as tuner
 from fp8_backends.tuning.models import linear_shapes, model_spec
 from fp8_backends.tuning.plan import parse_m_list
 from fp8_backends.tuning.timing import CpuTimer, Measurement, Run, TimerConfig, rotation_count
-from fp8_backends.types import DeviceKind, GemmProblem, NormQuantProblem, PreparedWeight
+from fp8_backends.types import DeviceKind, GemmProblem, NormQuantProblem
 
 
 # ------------------------------------------------------------------------------------------ fixtures
-class FakeMM(Fp8GemmBackend):
-    """A CPU test provider: the reference GEMM, with a tunable no-op option and one wrong variant."""
+class FakeMM(fake_provider.FakeMM):
+    """The shared fake on the CPU only, with one wrong variant (``broken``: 1.5x the reference)."""
 
-    name: ClassVar[str] = "fake_mm"
     options: ClassVar[dict[str, tuple[str, ...]]] = {"variant": ("auto", "a", "b", "broken")}
-    tunable_options: ClassVar[tuple[str, ...]] = ("variant",)
     capabilities: ClassVar[GemmCapabilities] = GemmCapabilities(devices=frozenset({DeviceKind.CPU}), priority=1)
 
-    def prepare_weight_impl(self, w_q, w_scale, weight_scale):
-        n, k = w_q.shape
-        return PreparedWeight(w_q, w_scale, n, k, self.capabilities_dtype(w_q), weight_scale, self.name)
-
-    @staticmethod
-    def capabilities_dtype(w_q):
-        from fp8_backends.types import Fp8Dtype
-
-        return Fp8Dtype.of(w_q.dtype)
-
     def gemm_impl(self, x_q, prepared, x_scale, out_dtype, bias):
-        y = reference.fp8_gemm(x_q, prepared.data, x_scale, prepared.scale, out_dtype, bias)
+        y = super().gemm_impl(x_q, prepared, x_scale, out_dtype, bias)
         return y * 1.5 if self.config["variant"] == "broken" else y
-
-
-FAKE_DIST = "fake-plugin"
 
 
 @pytest.fixture(autouse=True)
@@ -77,10 +62,7 @@ def lockpath(tmp_path, monkeypatch) -> Path:
 @pytest.fixture
 def with_fake(monkeypatch):
     """The real GEMM providers plus FakeMM (as a third-party plugin, distribution fake-plugin 1.0)."""
-    real = list(discovery.discover("gemm"))
-    fake = ProviderEntry(kind="gemm", name="fake_mm", target="tests:FakeMM", dist=FAKE_DIST, dist_version="1.0",
-                         status=LOADED, cls=FakeMM)
-    monkeypatch.setitem(discovery._cache, ("gemm", None), [*real, fake])
+    fake = install_fake(monkeypatch, FakeMM)
     lockfile.reset_state()
     return fake
 
