@@ -3,5 +3,7 @@
 - :mod:`.platform`: what GPU (or CPU) a problem runs on, real or simulated.
 - :mod:`.discovery`: stevedore entry points -> :class:`~.discovery.ProviderEntry` records, never raising.
 - :mod:`.resolution`: explicit names, aliases, env vars and ``auto`` -> a provider instance.
+- :mod:`.policy`: the selection-policy contract of ``auto`` (``pick``, ``buckets``) and its ranked register; the
+  built-in policies are :mod:`.lockfile_policy`, :mod:`.shipped` and :mod:`.defaults`.
 - the environment variables it reads are in :mod:`fp8_backends.settings`.
 """

@@ -22,13 +22,14 @@ prepare one weight per provider for, as the lockfile's buckets do.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from fp8_backends import settings
 
-from . import resolution
 from .platform import Platform
+from .policy import SelectionPolicy, register_selection_policy
 
 logger = logging.getLogger("fp8_backends")
 
@@ -112,7 +113,21 @@ def buckets(kind: str, platform: Platform) -> list[int]:
     return [r.max_m for r in table.rules] + [table.rules[-1].max_m + 1]
 
 
-resolution.register_selection_policy(POLICY_NAME, measured_default_policy, rank=-100)
+class MeasuredDefaultPolicy(SelectionPolicy):
+    """The measured defaults as ``auto``'s last policy rung (rank -100): :func:`measured_default_policy` picks, and
+    the buckets are the rules' (:func:`buckets`: ``[16, 17]`` on SM 9.0 without shipped data)."""
 
-__all__ = ["DEFAULTS", "MRule", "POLICY_NAME", "PlatformDefaults", "buckets", "defaults_for",
-           "measured_default_policy"]
+    name = POLICY_NAME
+    rank = -100
+
+    def pick(self, kind: str, problem: Any, platform: Platform, serving: Sequence[Any]):
+        return measured_default_policy(kind, problem, platform, list(serving))
+
+    def buckets(self, kind: str, problem: Any, platform: Platform) -> list[int]:
+        return buckets(kind, platform)
+
+
+POLICY = register_selection_policy(MeasuredDefaultPolicy())
+
+__all__ = ["DEFAULTS", "POLICY", "MRule", "MeasuredDefaultPolicy", "POLICY_NAME", "PlatformDefaults", "buckets",
+           "defaults_for", "measured_default_policy"]

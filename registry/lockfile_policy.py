@@ -1,8 +1,8 @@
 """The ``"lockfile"`` selection policy of ``auto``: the tuned lockfile's choice (:mod:`.lockfile`) for a
 problem's M bucket, the next ranked candidate when that one cannot serve here, else nothing (the next policy, or
 static priorities, decide). With ``FP8_BACKENDS_TUNE=1`` a problem the lockfile lacks is tuned at first use
-(:mod:`fp8_backends.tuning.first_use`). Registered with :mod:`.resolution` on import, which resolution does on
-first use.
+(:mod:`fp8_backends.tuning.first_use`). :data:`POLICY` (a :class:`LockfilePolicy`, rank 100) is registered on
+import, which resolution does on first use; its M buckets are the ones the lockfile holds for a weight.
 """
 
 from __future__ import annotations
@@ -26,11 +26,13 @@ from .lockfile import (
     _warn_once,
     bucket_for,
     candidate_label,
+    covered_buckets,
     find_section,
     lockfile_path,
     problem_m,
 )
 from .platform import Platform
+from .policy import SelectionPolicy, register_selection_policy
 
 logger = logging.getLogger("fp8_backends")
 
@@ -78,7 +80,7 @@ def pick_from_entry(
                 logger.debug("lockfile choice %s: options no longer valid", candidate_label(provider, options))
                 break
             try:
-                backend = resolution._instance(e, tuple(sorted(options.items())))
+                backend = resolution.provider_instance(e, tuple(sorted(options.items())))
                 # ``e`` is serving, so it is available: check what the options may change (not the
                 # availability probe ``supports()`` repeats on every call)
                 reasons = list(backend.capabilities.check(problem, platform))
@@ -186,6 +188,21 @@ def choice_note(note: str, rank: int, record: Mapping[str, Any], chosen: str) ->
     return note
 
 
-resolution.register_selection_policy(POLICY_NAME, lockfile_policy, rank=100)
+class LockfilePolicy(SelectionPolicy):
+    """The tuned lockfile as ``auto``'s first rung: :func:`lockfile_policy` picks, and the buckets are those the
+    lockfile's section for this platform holds for the weight (:func:`~.lockfile.covered_buckets`)."""
 
-__all__ = ["POLICY_NAME", "choice_note", "lockfile_policy", "pick_from_entry", "tune_at_first_use"]
+    name = POLICY_NAME
+    rank = 100
+
+    def pick(self, kind: str, problem: Any, platform: Platform, serving: Sequence[resolution.Candidate]):
+        return lockfile_policy(kind, problem, platform, list(serving))
+
+    def buckets(self, kind: str, problem: Any, platform: Platform) -> list[int]:
+        return covered_buckets(kind, problem, platform)
+
+
+POLICY = register_selection_policy(LockfilePolicy())
+
+__all__ = ["POLICY", "POLICY_NAME", "LockfilePolicy", "choice_note", "lockfile_policy", "pick_from_entry",
+           "tune_at_first_use"]

@@ -6,10 +6,13 @@ Rules:
 - Unknown names raise :class:`UnknownBackendError` listing the valid ones.
 - A name registered by two distributions must be qualified as ``DIST:NAME`` when requested explicitly
   (entries disabled by ``FP8_BACKENDS_DISABLED`` or blocked by ``FP8_BACKENDS_PLUGINS`` do not count).
-- ``auto`` asks the selection policies first (e.g. a tuned lockfile), then takes the
-  highest-priority provider that can serve (built-ins first on a tie); the choice is logged once at
-  INFO, the others' reasons at DEBUG. A name clash never stops ``auto``: it ranks every entry and logs
-  one WARNING naming the clash and how to pin or disable one.
+- An explicit name evaluates (constructs, probes) only the entries it names; the others are evaluated only when
+  an error lists the providers that could serve instead.
+- ``auto`` evaluates every provider and climbs one ladder (:func:`_auto_ladder`): the selection policies by rank
+  (:mod:`.policy`: the tuned lockfile, the shipped data, the measured defaults), then the highest-priority provider
+  that can serve (built-ins first on a tie); the choice is logged once at INFO, the others' reasons at DEBUG. A
+  name clash never stops ``auto``: it ranks every entry and logs one WARNING naming the clash and how to pin or
+  disable one.
 - Options follow ``@``: ``flashinfer_bmm@runner=cudnn`` (``key=value`` pairs separated by ``,``). A part without
   ``=``, a key given twice, nothing after ``@`` and options on ``auto`` raise :class:`BackendOptionError`.
 - A provider whose construction or support check raises (a plugin bug) cannot serve: ``auto`` passes over it with
@@ -18,13 +21,12 @@ Rules:
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from fp8_backends import settings
 from fp8_backends.errors import (
@@ -42,6 +44,16 @@ from fp8_backends.types import Availability, GemmProblem, NormQuantProblem
 
 from .discovery import BLOCKED, ProviderEntry, discover
 from .platform import Platform, detect_platform
+
+# the policy contract, re-exported here (its public home before policies were objects); the built-in policies
+# import this module, never the reverse
+from .policy import CallablePolicy as CallablePolicy
+from .policy import PolicyPick as PolicyPick
+from .policy import SelectionPolicy as SelectionPolicy
+from .policy import load_builtins as load_builtin_policies
+from .policy import ordered as selection_policies
+from .policy import register_selection_policy as register_selection_policy
+from .policy import unregister_selection_policy as unregister_selection_policy
 
 logger = logging.getLogger("fp8_backends")
 
@@ -72,18 +84,42 @@ class Candidate:
 
 @dataclass
 class Resolution:
-    """The full story of one resolution, for the listing and for error messages."""
+    """The full story of one resolution, for the listing and for error messages.
+
+    :attr:`candidates` is every registered provider's verdict (in rank order) with default options. ``auto``
+    evaluates them all to choose; an explicit name evaluates only the entries it names (stevedore's ``named``
+    loads only what was named), and the others are evaluated when something reads :attr:`candidates`: the error
+    listing the alternatives, the listing (``python -m fp8_backends.list``), the argparse help."""
 
     kind: str
     request: str
     source: str  # "explicit", "env" (a name from the environment), "priority", or the deciding policy's name
     platform: Platform
     problem: Any
-    candidates: list[Candidate]
+    #: every registered entry of ``kind`` (``discover(kind)``), in discovery order
+    entries: Sequence[ProviderEntry] = ()
     chosen: Candidate | None = None
     backend: Any = None
     error: Exception | None = None
     note: str = ""
+    _verdicts: dict[int, Candidate] = field(default_factory=dict, repr=False)
+
+    def verdict(self, entry: ProviderEntry) -> Candidate:
+        """Whether ``entry`` (default options) can serve this resolution's problem: evaluated once, then kept."""
+        cand = self._verdicts.get(id(entry))
+        if cand is None:
+            cand = self._verdicts[id(entry)] = _consider(entry, self.problem, self.platform)
+        return cand
+
+    @property
+    def candidates(self) -> list[Candidate]:
+        """Every entry's :meth:`verdict`, in rank order (priority, then built-ins first, then name)."""
+        return [self.verdict(e) for e in sorted(self.entries, key=_sort_key)]
+
+    @property
+    def evaluated(self) -> list[Candidate]:
+        """The verdicts evaluated so far (all of them for ``auto``; for an explicit name, the named entries)."""
+        return [c for e in sorted(self.entries, key=_sort_key) if (c := self._verdicts.get(id(e))) is not None]
 
 
 @dataclass(frozen=True)
@@ -135,54 +171,23 @@ class BackendRequest:
         return self.name == AUTO and self.dist is None
 
 
-#: ``auto`` policies consulted in order before static priorities. A policy gets
-#: ``(kind, problem, platform, serving_candidates)`` and returns ``(entry, options, note)`` or None.
-SelectionPolicy = Callable[[str, Any, Platform, list[Candidate]], "tuple[ProviderEntry, dict[str, str], str] | None"]
-_policies: list[tuple[str, SelectionPolicy]] = []  # in asking order
-_policy_ranks: dict[str, int] = {}
-
-
-def register_selection_policy(name: str, policy: SelectionPolicy, rank: int = 0) -> None:
-    """Add (or replace) an ``auto`` policy. Policies are asked by descending ``rank``, and among equal ranks
-    the later registration first, whatever order their modules were imported in. The built-ins: the tuned
-    lockfile (rank 100: the user's own measurements, on their GPU and shapes), the shipped selection data (ranks
-    -10 and -20: the library's measurements per GPU family, exact then nearest shapes) and the measured defaults
-    (rank -100: for GPUs without shipped data). When none decides, the source is ``"priority"``."""
-    _policies[:] = [(n, p) for n, p in _policies if n != name]
-    _policy_ranks[name] = rank
-    at = next((i for i, (n, _) in enumerate(_policies) if _policy_ranks.get(n, 0) <= rank), len(_policies))
-    _policies.insert(at, (name, policy))
-
-
-_builtin_policies_loaded = False
-
-
-def _load_builtin_policies() -> None:
-    """Import the built-in policies once, on first resolution: the measured defaults (:mod:`.defaults`), the
-    shipped selection data (:mod:`.shipped`) and the tuned lockfile (:mod:`.lockfile_policy`); their ranks, not this
-    order, decide which is asked first."""
-    global _builtin_policies_loaded
-    if _builtin_policies_loaded:
-        return
-    _builtin_policies_loaded = True
-    for module in ("defaults", "shipped", "lockfile_policy"):
-        try:
-            importlib.import_module(f"{__package__}.{module}")  # each registers its policy
-        except Exception as exc:  # a broken policy module must not break resolution
-            logger.warning("%s selection policy unavailable (%s: %s)", module, type(exc).__name__, exc)
-
-
 _instances: dict[tuple[str, str, tuple[tuple[str, str], ...]], Any] = {}
 _logged: set[tuple] = set()
 _lock = threading.Lock()
 
 
-def _instance(entry: ProviderEntry, options: tuple[tuple[str, str], ...]) -> Any:
+def provider_instance(entry: ProviderEntry, options: Sequence[tuple[str, str]] = ()) -> Any:
+    """The provider instance of ``entry`` with ``options`` (``(key, value)`` pairs), made once per process and
+    reused (resolution, the policies and the tuner share it). Bad options raise
+    :class:`~fp8_backends.errors.InvalidInputError`; whatever else the provider's constructor raises propagates."""
     key = (entry.kind, entry.qualified_name, tuple(sorted(options)))
     with _lock:
         if key not in _instances:
             _instances[key] = entry.cls(**dict(options))  # bad options raise InvalidInputError
         return _instances[key]
+
+
+_instance = provider_instance  # the name before it was public
 
 
 def _platform_for(problem: Any, platform: Platform | None) -> Platform:
@@ -203,7 +208,7 @@ def _consider(entry: ProviderEntry, problem: Any, platform: Platform, options=()
         return Candidate(entry, _unavailable_reasons(entry, avail, problem, platform))
     explicit_only = None
     try:
-        backend = _instance(entry, options)
+        backend = provider_instance(entry, options)
     except Fp8BackendError as exc:  # bad options or configuration: the caller's to fix, reported as such
         return Candidate(entry, [str(exc)], fault=exc)
     except Exception as exc:  # noqa: BLE001 - a plugin's constructor must not break resolution
@@ -267,9 +272,9 @@ def explain(
     problem: Any = None,
     platform: Platform | None = None,
 ) -> Resolution:
-    """Resolve without raising: a :class:`Resolution` with every candidate's reasons and either
-    ``chosen``/``backend`` set or ``error`` holding the exception :func:`resolve` would raise. Arguments of the
-    wrong type (a number as ``name``, a ``dict`` as ``problem``, a string as ``platform``) raise
+    """Resolve without raising: a :class:`Resolution` with ``chosen``/``backend`` set or ``error`` holding the
+    exception :func:`resolve` would raise, and every candidate's reasons (:attr:`Resolution.candidates`). Arguments
+    of the wrong type (a number as ``name``, a ``dict`` as ``problem``, a string as ``platform``) raise
     :class:`InvalidTypeError` at once, and a bad ``FP8_BACKENDS_SIMULATE_SM`` :class:`ConfigurationError`."""
     check_arguments(kind, name, problem, platform)
     source = "explicit"
@@ -279,12 +284,7 @@ def explain(
     platform = _platform_for(problem, platform)
     entries = discover(kind)
     _warn_unmatched_disabled()
-    candidates = [_consider(e, problem, platform) for e in sorted(entries, key=_sort_key)]
-    res = Resolution(kind=kind, request=name, source=source, platform=platform, problem=problem,
-                     candidates=candidates)
-    label = KIND_LABEL[kind]
-    what = problem.describe() if problem is not None else "any problem"
-    where = platform.describe()
+    res = Resolution(kind=kind, request=name, source=source, platform=platform, problem=problem, entries=entries)
     try:
         request = BackendRequest.parse(name)
     except InvalidInputError as exc:
@@ -292,42 +292,72 @@ def explain(
         return res
     # entries blocked by FP8_BACKENDS_PLUGINS or disabled by FP8_BACKENDS_DISABLED take no part in ambiguity
     selectable = [e for e in entries if e.status != BLOCKED and not e.disabled]
-
     if request.is_auto:
-        res.source = "priority"  # unless a selection policy decides
         _warn_clashes(kind, selectable)
-        serving = [c for c in candidates if c.auto_ok]
-        _load_builtin_policies()
-        try:
-            picked = _ask_policies(kind, problem, platform, serving)
-        except ConfigurationError as exc:  # a bad variable a policy reads (FP8_BACKENDS_TUNE, ...): never ignored
-            res.error = exc
-            return res
-        if picked is not None:
-            entry, options, policy_name, note, backend = picked
-            res.source, res.note = policy_name, note
-            res.chosen = next(c for c in serving if c.entry is entry)
-            res.backend = backend
-            return res
-        if not serving:
-            res.error = UnsupportedProblemError(
-                f"no {label} provider can serve {what} on {where} under auto:\n" + _format_reasons(candidates),
-                reasons=[f"{display_name(c.entry, entries)}: {r}" for c in candidates for r in c.reasons],
-            )
-            return res
-        best = serving[0]  # candidates are in rank order: priority, then built-ins first, then name
-        res.chosen, res.backend = best, _instance(best.entry, ())
-        return res
+        return _explain_auto(res)
+    return _explain_named(res, request, selectable)
 
+
+class _Choice(NamedTuple):
+    """Who serves under ``auto`` and why: the deciding policy's name (or ``"priority"``), its note, the candidate
+    and the provider instance."""
+
+    source: str
+    note: str
+    candidate: Candidate
+    backend: Any
+
+
+def _explain_auto(res: Resolution) -> Resolution:
+    """``auto``: evaluate every provider, then climb :func:`_auto_ladder`."""
+    serving = [c for c in res.candidates if c.auto_ok]
+    res.source = "priority"
+    try:
+        choice = _auto_ladder(res.kind, res.problem, res.platform, serving)
+    except ConfigurationError as exc:  # a bad variable a policy reads (FP8_BACKENDS_TUNE, ...): never ignored
+        res.error = exc
+        return res
+    if choice is None:
+        label, entries = KIND_LABEL[res.kind], res.entries
+        what = res.problem.describe() if res.problem is not None else "any problem"
+        res.error = UnsupportedProblemError(
+            f"no {label} provider can serve {what} on {res.platform.describe()} under auto:\n"
+            + _format_reasons(res.candidates),
+            reasons=[f"{display_name(c.entry, entries)}: {r}" for c in res.candidates for r in c.reasons],
+        )
+        return res
+    res.source, res.note, res.chosen, res.backend = choice
+    return res
+
+
+def _auto_ladder(kind: str, problem: Any, platform: Platform, serving: list[Candidate]) -> _Choice | None:
+    """``auto``'s choice among ``serving``, one rung after the other: the selection policies by rank (the tuned
+    lockfile, policies others registered, the shipped data's exact then nearest answer, the measured defaults;
+    :mod:`.policy`), then the highest static priority. None: nothing can serve."""
+    load_builtin_policies()
+    return _ask_policies(kind, problem, platform, serving) or _by_priority(serving)
+
+
+def _by_priority(serving: list[Candidate]) -> _Choice | None:
+    """The last rung: the first serving candidate (candidates are in rank order: priority, built-ins first on a
+    tie, then name), with default options."""
+    if not serving:
+        return None
+    return _Choice("priority", "", serving[0], provider_instance(serving[0].entry))
+
+
+def _explain_named(res: Resolution, request: BackendRequest, selectable: list[ProviderEntry]) -> Resolution:
+    """An explicit request: evaluate only the entries it names; the others only for an error's alternatives."""
+    kind, problem, platform, entries = res.kind, res.problem, res.platform, res.entries
+    label = KIND_LABEL[kind]
     matches = [e for e in selectable if e.matches(request.name, request.dist)]
     if not matches:
         matches = [e for e in entries if e.matches(request.name, request.dist)]  # disabled or blocked ones
         if len(matches) > 1:
             res.error = BackendUnavailableError(
                 f"{label} backend {request.name!r} is not usable here: "
-                + "; ".join(f"{e.qualified_name}: {'; '.join(_consider(e, problem, platform).reasons)}"
-                            for e in matches)
-                + _alternatives_text(candidates, None, entries)
+                + "; ".join(f"{e.qualified_name}: {'; '.join(res.verdict(e).reasons)}" for e in matches)
+                + _alternatives_text(res.candidates, None, entries)
             )
             return res
     if not matches:
@@ -341,28 +371,29 @@ def explain(
         return res
     entry = matches[0]
     if entry.disabled or not entry.availability().ok:
-        reasons = _consider(entry, problem, platform).reasons
+        reasons = res.verdict(entry).reasons
         res.error = BackendUnavailableError(
             f"{label} backend {entry.name!r} ({entry.dist}) is not usable here: {'; '.join(reasons)}"
-            + _alternatives_text(candidates, entry, entries)
+            + _alternatives_text(res.candidates, entry, entries)
         )
         return res
-    cand = _consider(entry, problem, platform, request.options)
+    cand = res.verdict(entry) if not request.options else _consider(entry, problem, platform, request.options)
     if isinstance(cand.fault, Fp8BackendError):  # bad options or configuration: that error, as raised
         res.error = cand.fault
         return res
     if cand.fault is not None:  # the provider itself failed: it is unusable, and says why
         res.error = BackendUnavailableError(
             f"{label} backend {entry.name!r} ({entry.dist}) is not usable here: {'; '.join(cand.reasons)}"
-            + _alternatives_text(candidates, entry, entries)
+            + _alternatives_text(res.candidates, entry, entries)
         )
         res.error.__cause__ = cand.fault
         return res
-    backend = _instance(entry, request.options)  # made (and cached) by _consider
+    backend = provider_instance(entry, request.options)  # made (and cached) by _consider
     if cand.reasons:
-        alts = [display_name(c.entry, entries) for c in candidates if c.ok and c.entry is not entry]
+        what = problem.describe() if problem is not None else "any problem"
+        alts = [display_name(c.entry, entries) for c in res.candidates if c.ok and c.entry is not entry]
         res.error = UnsupportedProblemError(
-            f"{label} backend {backend.label!r} cannot serve {what} on {where}:\n"
+            f"{label} backend {backend.label!r} cannot serve {what} on {platform.describe()}:\n"
             + "".join(f"  - {r}\n" for r in cand.reasons)
             + (f"providers that can: {', '.join(alts)}" if alts else "no other provider can serve it either"),
             reasons=cand.reasons,
@@ -415,31 +446,55 @@ def _warn_clashes(kind: str, selectable: Sequence[ProviderEntry]) -> None:
 ignored_picks: dict[str, int] = {}
 
 
-def _ask_policies(kind, problem, platform, serving):
-    """The first policy's usable pick as ``(entry, options, policy name, note, backend)``, or None. A policy that
-    raises is skipped with a WARNING (a :class:`ConfigurationError` propagates: a bad variable is the user's to
-    fix); a pick that cannot serve, or whose options the provider refuses, is ignored (:func:`_ignore_pick`)."""
-    for policy_name, policy in list(_policies):
+def _ask_policies(kind: str, problem: Any, platform: Platform, serving: list[Candidate]) -> _Choice | None:
+    """The first policy's usable pick, or None. A policy that raises is skipped with a WARNING (a
+    :class:`ConfigurationError` propagates: a bad variable is the user's to fix); a pick that cannot serve, or whose
+    options the provider refuses, is ignored (:func:`_ignore_pick`)."""
+    for pol in selection_policies():
         try:
-            picked = policy(kind, problem, platform, serving)
+            picked = pol.pick(kind, problem, platform, serving)
         except ConfigurationError:
             raise
         except Exception as exc:
-            logger.warning("selection policy %s failed (%s); using static priorities", policy_name, exc)
+            logger.warning("selection policy %s failed (%s); using static priorities", pol.name, exc)
             continue
         if picked is None:
             continue
         entry, options, note = picked
-        if not any(c.entry is entry for c in serving):
-            _ignore_pick(policy_name, entry, problem, "it cannot serve this problem here")
+        cand = next((c for c in serving if c.entry is entry), None)
+        if cand is None:
+            _ignore_pick(pol.name, entry, problem, "it cannot serve this problem here")
             continue
         try:
-            backend = _instance(entry, tuple(dict(options).items()))
+            backend = provider_instance(entry, tuple(dict(options).items()))
         except Exception as exc:  # noqa: BLE001 - options the provider refuses (a stale policy), or a broken plugin
-            _ignore_pick(policy_name, entry, problem, f"{type(exc).__name__}: {exc}")
+            _ignore_pick(pol.name, entry, problem, f"{type(exc).__name__}: {exc}")
             continue
-        return entry, options, policy_name, note, backend
+        return _Choice(pol.name, note, cand, backend)
     return None
+
+
+def _ask_buckets(kind: str, problem: Any, platform: Platform) -> tuple[str, list[int]]:
+    """``(policy name, buckets)`` of the first policy (by rank) that distinguishes M buckets for ``problem``, or
+    ``("", [])``. A policy whose :meth:`~.policy.SelectionPolicy.buckets` raises is skipped with a WARNING (once per
+    policy and error type; later ones at DEBUG; a :class:`ConfigurationError` propagates)."""
+    for pol in selection_policies():
+        try:
+            found = sorted({int(b) for b in pol.buckets(kind, problem, platform) or ()})
+        except ConfigurationError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a policy's bug must not break the layers
+            key = ("buckets-failed", pol.name, type(exc).__name__)
+            with _lock:
+                first = key not in _logged
+                _logged.add(key)
+            (logger.warning if first else logger.debug)(
+                "selection policy %s could not give its M buckets (%s: %s); asking the next", pol.name,
+                type(exc).__name__, exc)
+            continue
+        if found:
+            return pol.name, found
+    return "", []
 
 
 def _ignore_pick(policy_name: str, entry: Any, problem: Any, why: str) -> None:
@@ -498,7 +553,7 @@ def explain_loaded(
         res = explain(kind, name, problem=problem, platform=platform)
         if res.error is not None:
             return res
-        if failed > len(res.candidates):  # each failure removes one candidate: cannot happen, but never loop
+        if failed > len(res.entries):  # each failure removes one candidate: cannot happen, but never loop
             res.error = BackendUnavailableError(f"no {KIND_LABEL[kind]} provider could be loaded")
             res.chosen = res.backend = None
             return res
@@ -523,6 +578,28 @@ def resolve(kind: str, name: str | None = None, *, problem: Any = None, platform
         raise res.error
     _log_choice(res)
     return res.backend
+
+
+def resolve_or_check(kind: str, backend: Any, problem: Any, platform: Platform | None = None) -> Any:
+    """A provider for ``problem``: a given provider instance (checked: it must serve ``problem``, then loaded with
+    :meth:`~fp8_backends.backend.ProviderBase.ensure_preloaded`), else a request string or None (env var, else
+    ``auto``) resolved by :func:`resolve`. Raises the library's errors."""
+    from fp8_backends.backend import Fp8GemmBackend, NormQuantBackend
+
+    base = Fp8GemmBackend if kind == "gemm" else NormQuantBackend
+    if isinstance(backend, base):
+        reasons = backend.supports(problem, platform)
+        if reasons:
+            raise UnsupportedProblemError(
+                f"{KIND_LABEL[kind]} backend {backend.label!r} cannot serve {problem.describe()}:\n"
+                + "".join(f"  - {r}\n" for r in reasons),
+                reasons=reasons,
+            )
+        backend.ensure_preloaded()
+        return backend
+    if backend is not None and not isinstance(backend, str):
+        raise InvalidTypeError(f"backend must be a name, a {base.__name__} or None, got {type(backend).__name__}")
+    return resolve(kind, backend, problem=problem, platform=platform)
 
 
 _PROBLEM_TYPES = {"gemm": GemmProblem, "norm_quant": NormQuantProblem}
@@ -585,7 +662,7 @@ def _log_choice(res: Resolution) -> None:
         what, res.platform.describe(),
     )
     if logger.isEnabledFor(logging.DEBUG):
-        for c in res.candidates:
+        for c in res.evaluated:  # an explicit name evaluated no others: none are made up for the log
             if c is not res.chosen:
                 logger.debug("  %s: %s", c.entry.name, "; ".join(c.reasons) or "could serve (lower rank)")
 
@@ -612,12 +689,12 @@ def resolve_gemm_buckets(
     problem: GemmProblem,
     platform: Platform | None = None,
 ) -> list[tuple[int, Any]]:
-    """For ``auto``: the provider for each M bucket the tuned lockfile covers for ``problem`` (its ``m``
-    ignored), else for each bucket of the shipped selection data (:mod:`.shipped`), else for each bucket of this
-    GPU's measured defaults (:mod:`.defaults`), as
-    ``[(bucket, provider), ...]`` ascending; a batch of ``M`` rows uses the first bucket ``>= M`` (the
-    largest beyond them). ``[]`` for an explicit choice or when neither applies. Logs one INFO line per
-    problem summarising the choices."""
+    """For ``auto``: the provider for each M bucket that the first selection policy distinguishing any (by rank:
+    the tuned lockfile's buckets for ``problem``, its ``m`` ignored, else the shipped selection data's, else this
+    GPU's measured defaults'; :meth:`~.policy.SelectionPolicy.buckets`) names, as ``[(bucket, provider), ...]``
+    ascending; a batch of ``M`` rows uses the first bucket ``>= M`` (the largest beyond them). ``[]`` for an
+    explicit choice or when no policy distinguishes buckets. Logs one INFO line per problem summarising the
+    choices. :mod:`.per_m` turns the table into one weight's per-M provider."""
     check_arguments("gemm", name, problem, platform)
     if problem is None:
         raise InvalidTypeError("resolve_gemm_buckets needs a GemmProblem")
@@ -628,14 +705,8 @@ def resolve_gemm_buckets(
     except InvalidInputError:
         return []
     platform = _platform_for(problem, platform)
-    _load_builtin_policies()
-    from . import defaults, lockfile, shipped
-
-    covered, source = lockfile.covered_buckets("gemm", problem, platform), "lockfile"
-    if not covered:
-        covered, source = shipped.buckets("gemm", problem, platform), "shipped data"
-    if not covered:
-        covered, source = defaults.buckets("gemm", platform), "measured defaults"
+    load_builtin_policies()
+    source, covered = _ask_buckets("gemm", problem.with_m(None), platform)
     table = []
     for bucket in covered:
         res = explain("gemm", name, problem=problem.with_m(bucket), platform=platform)

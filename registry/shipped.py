@@ -26,7 +26,7 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,7 @@ from .nearest import (
     class_key,
 )
 from .platform import Platform
+from .policy import SelectionPolicy, register_selection_policy
 
 logger = logging.getLogger("fp8_backends")
 
@@ -322,20 +323,63 @@ def nearest_policy(kind: str, problem: Any, platform: Platform, serving: list[re
     return answer[1] if answer is not None and answer[0] == POLICY_NEAREST else None
 
 
+def exact_buckets(kind: str, problem: Any, platform: Platform) -> list[int]:
+    """The M buckets the shipped data measured for ``problem`` itself (its own M ignored); ``[]`` when the data
+    does not hold its shape (or there is no data)."""
+    data = _data_for_problem(kind, problem, platform)
+    if data is None:
+        return []
+    return list(data.index.buckets.get(lockfile.problem_key(kind, lockfile.problem_fields(kind, problem)), ()))
+
+
+def nearest_buckets(kind: str, problem: Any, platform: Platform) -> list[int]:
+    """The M buckets of the nearest-shapes model of ``problem``'s class (dtypes, scale modes, bias); ``[]`` when
+    the data holds no problem of that class."""
+    data = _data_for_problem(kind, problem, platform)
+    if data is None:
+        return []
+    model = data.model_for(lockfile.problem_fields(kind, problem))
+    return list(model.buckets) if model is not None else []
+
+
 def buckets(kind: str, problem: Any, platform: Platform) -> list[int]:
     """The M buckets the shipped data distinguishes for ``problem`` (its own M ignored): the exact entry's, else
     its class's; ``[]`` without data. Layers use them to pick a provider per bucket."""
+    return exact_buckets(kind, problem, platform) or nearest_buckets(kind, problem, platform)
+
+
+def _data_for_problem(kind: str, problem: Any, platform: Platform) -> ShippedData | None:
     if kind != "gemm" or problem is None:
-        return []
-    data = data_for(platform)
-    if data is None:
-        return []
-    fields = lockfile.problem_fields(kind, problem)
-    exact = data.index.buckets.get(lockfile.problem_key(kind, fields))
-    if exact:
-        return list(exact)
-    model = data.model_for(fields)
-    return list(model.buckets) if model is not None else []
+        return None
+    return data_for(platform)
+
+
+class ShippedExactPolicy(SelectionPolicy):
+    """``shipped-exact`` (rank -10): the measured choice for this exact problem and M bucket
+    (:func:`exact_policy`); its buckets are the ones measured for the weight (:func:`exact_buckets`)."""
+
+    name = POLICY_EXACT
+    rank = RANK_EXACT
+
+    def pick(self, kind: str, problem: Any, platform: Platform, serving: Sequence[resolution.Candidate]):
+        return exact_policy(kind, problem, platform, list(serving))
+
+    def buckets(self, kind: str, problem: Any, platform: Platform) -> list[int]:
+        return exact_buckets(kind, problem, platform)
+
+
+class ShippedNearestPolicy(SelectionPolicy):
+    """``shipped-nearest`` (rank -20): the nearest measured shapes' vote (:func:`nearest_policy`); its buckets are
+    those of the class's model (:func:`nearest_buckets`)."""
+
+    name = POLICY_NEAREST
+    rank = RANK_NEAREST
+
+    def pick(self, kind: str, problem: Any, platform: Platform, serving: Sequence[resolution.Candidate]):
+        return nearest_policy(kind, problem, platform, list(serving))
+
+    def buckets(self, kind: str, problem: Any, platform: Platform) -> list[int]:
+        return nearest_buckets(kind, problem, platform)
 
 
 # ---------------------------------------------------------------------------------------- listing
@@ -362,20 +406,26 @@ def describe(platform: Platform) -> dict[str, Any]:
             "provenance": {k: prov.get(k) for k in ("gpu", "sm", "driver", "cuda", "libraries", "date", "command")}}
 
 
-resolution.register_selection_policy(POLICY_EXACT, exact_policy, rank=RANK_EXACT)
-resolution.register_selection_policy(POLICY_NEAREST, nearest_policy, rank=RANK_NEAREST)
+EXACT = register_selection_policy(ShippedExactPolicy())
+NEAREST = register_selection_policy(ShippedNearestPolicy())
 
 __all__ = [
+    "EXACT",
+    "NEAREST",
     "POLICY_EXACT",
     "POLICY_NEAREST",
     "ShippedData",
+    "ShippedExactPolicy",
+    "ShippedNearestPolicy",
     "buckets",
     "covers",
     "data_for",
     "describe",
+    "exact_buckets",
     "exact_policy",
     "load",
     "locate",
+    "nearest_buckets",
     "nearest_policy",
     "packaged_dir",
     "reset_state",

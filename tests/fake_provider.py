@@ -3,7 +3,8 @@
 
 :class:`FakeMM` computes through :func:`fp8_backends.reference.fp8_gemm` on the CPU and on a simulated CUDA
 device, with a tunable option whose values change nothing; :func:`install_fake` lists it beside the real GEMM
-providers as distribution ``fake-plugin 1.0``, for one test.
+providers as distribution ``fake-plugin 1.0``, for one test. :class:`SplitAt8` is a selection policy that splits
+M between ``fake_mm`` and ``torch_scaled_mm`` (per-M tests on the CPU, without a lockfile or shipped data).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, ClassVar
 from fp8_backends import reference
 from fp8_backends.backend import Fp8GemmBackend
 from fp8_backends.capabilities import GemmCapabilities
-from fp8_backends.registry import discovery
+from fp8_backends.registry import discovery, policy, resolution
 from fp8_backends.registry.discovery import LOADED, ProviderEntry
 from fp8_backends.types import DeviceKind, Fp8Dtype, PreparedWeight
 
@@ -44,3 +45,30 @@ def install_fake(monkeypatch: Any, cls: type[Fp8GemmBackend] = FakeMM) -> Provid
                          dist_version="1.0", status=LOADED, cls=cls)
     monkeypatch.setitem(discovery._cache, ("gemm", None), [*real, fake])
     return fake
+
+
+class SplitAt8(resolution.SelectionPolicy):
+    """``fake_mm`` for M <= 8, ``torch_scaled_mm`` above (rank 1000: before every built-in); its M buckets are 8 and
+    9. Needs :func:`install_fake`; :func:`install_split` registers it for one test."""
+
+    name = "split-at-8"
+    rank = 1000
+
+    def pick(self, kind, problem, platform, serving):
+        m = getattr(problem, "m", None)
+        if kind != "gemm" or m is None:
+            return None
+        want = "fake_mm" if m <= 8 else "torch_scaled_mm"
+        entry = next((c.entry for c in serving if c.entry.name == want), None)
+        return None if entry is None else resolution.PolicyPick(entry, {}, f"{want} for M={m}")
+
+    def buckets(self, kind, problem, platform):
+        return [8, 9] if kind == "gemm" else []
+
+
+def install_split(monkeypatch: Any) -> SplitAt8:
+    """:func:`install_fake`, and :class:`SplitAt8` registered until the test ends (the register is restored)."""
+    install_fake(monkeypatch)
+    resolution.load_builtin_policies()  # first, so that they register into the register that stays
+    monkeypatch.setattr(policy, "_registered", list(policy._registered))
+    return resolution.register_selection_policy(SplitAt8())

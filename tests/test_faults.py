@@ -437,7 +437,7 @@ def test_ignored_policy_picks_warn_once_per_policy_with_a_count(monkeypatch, cap
                 res = resolution.explain("gemm", "auto", problem=GemmProblem(n=32, k=32, m=m, device="cpu"))
                 assert res.backend.name == "torch_scaled_mm"
     finally:
-        resolution._policies[:] = [(n, p) for n, p in resolution._policies if n != "stubborn"]
+        resolution.unregister_selection_policy("stubborn")
     warned = [m for m in _warnings(caplog) if "stubborn" in m]
     assert len(warned) == 1 and "cannot serve" in warned[0] and "so far: 1" in warned[0]
     assert resolution.ignored_picks["stubborn"] == 3
@@ -571,16 +571,14 @@ def _fb_policy_raises(ctx):
         raise RuntimeError("policy bug")
 
     resolution.register_selection_policy("catalogue-broken", broken, rank=1000)
-    ctx.cleanup.append(lambda: resolution._policies.remove(next(p for p in resolution._policies
-                                                                if p[0] == "catalogue-broken")))
+    ctx.cleanup.append(lambda: resolution.unregister_selection_policy("catalogue-broken"))
     _auto()
 
 
 def _fb_policy_pick_cannot_serve(ctx):
     cutlass = next(e for e in discovery.discover("gemm") if e.name == "cutlass")
     resolution.register_selection_policy("catalogue-cutlass", lambda *a: (cutlass, {}, "x"), rank=1000)
-    ctx.cleanup.append(lambda: resolution._policies.remove(next(p for p in resolution._policies
-                                                                if p[0] == "catalogue-cutlass")))
+    ctx.cleanup.append(lambda: resolution.unregister_selection_policy("catalogue-cutlass"))
     _auto()
 
 

@@ -256,7 +256,7 @@ def test_selection_policy_hook_wins_and_is_reported():
         assert res.source == "test" and res.note == "test policy says so"
         assert res.backend.config["fast_accum"] == "true"
     finally:
-        resolution._policies[:] = [(n, p) for n, p in resolution._policies if n != "test"]
+        resolution.unregister_selection_policy("test")
 
 
 def test_broken_policy_falls_back_with_warning(caplog):
@@ -269,7 +269,7 @@ def test_broken_policy_falls_back_with_warning(caplog):
             b = resolve_gemm_backend("auto", problem=GemmProblem(n=32, k=32, device="cpu"))
         assert b.name == "torch_scaled_mm" and "bad lockfile" in caplog.text
     finally:
-        resolution._policies[:] = [(n, p) for n, p in resolution._policies if n != "bad"]
+        resolution.unregister_selection_policy("bad")
 
 
 def test_resolution_without_problem_uses_platform_only():
@@ -371,20 +371,26 @@ def test_measured_default_buckets_are_logged_as_ranges(caplog, no_shipped_data):
 def test_lockfile_is_asked_before_the_measured_defaults_whatever_the_import_order():
     """The measured defaults registering after the lockfile policy (their module imported later) must not
     shadow a tuned lockfile: ranks, not registration order, decide."""
-    from fp8_backends.registry import defaults, lockfile_policy
+    from fp8_backends.registry import defaults, lockfile_policy, policy
 
-    resolution._load_builtin_policies()
-    saved = list(resolution._policies)
+    resolution.load_builtin_policies()
+    saved = list(policy._registered)
     try:
-        resolution.register_selection_policy(defaults.POLICY_NAME, defaults.measured_default_policy, rank=-100)
+        resolution.register_selection_policy(defaults.POLICY)
         resolution.register_selection_policy("third-party", lambda *_: None)  # rank 0: between the two
-        names = [n for n, _ in resolution._policies]
+        names = [p.name for p in resolution.selection_policies()]
         assert names.index(lockfile_policy.POLICY_NAME) < names.index("third-party") < names.index(defaults.POLICY_NAME)
-        resolution.register_selection_policy(lockfile_policy.POLICY_NAME, lockfile_policy.lockfile_policy, rank=100)
-        names = [n for n, _ in resolution._policies]
+        resolution.register_selection_policy(lockfile_policy.POLICY)
+        names = [p.name for p in resolution.selection_policies()]
         assert names.index(lockfile_policy.POLICY_NAME) == 0 and names[-1] == defaults.POLICY_NAME
+        # the bare-callable form of before still registers (wrapped: it distinguishes no buckets)
+        wrapped = resolution.register_selection_policy(defaults.POLICY_NAME, defaults.measured_default_policy,
+                                                       rank=-100)
+        assert isinstance(wrapped, resolution.CallablePolicy) and wrapped.rank == -100
+        assert resolution.selection_policies()[-1] is wrapped
+        assert wrapped.buckets("gemm", GemmProblem(n=4096, k=4096), simulate_platform("9.0")) == []
     finally:
-        resolution._policies[:] = saved
+        policy._registered[:] = saved
 
 
 def test_a_provider_whose_preload_fails_is_reported_unavailable_by_name():

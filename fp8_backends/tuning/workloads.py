@@ -78,7 +78,7 @@ def make_candidate(
 ) -> tuple[CandidateSpec | None, str]:
     """A candidate for ``entry`` with ``options``, or ``(None, reasons)`` when it cannot serve."""
     try:
-        backend = resolution._instance(entry, tuple(sorted(options.items())))
+        backend = resolution.provider_instance(entry, tuple(sorted(options.items())))
         reasons = list(backend.supports(problem, platform))
     except Exception as exc:
         return None, f"{type(exc).__name__}: {exc}"
