@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> None:
     from fp8_backends import reference
     from fp8_backends.backend import Fp8GemmBackend
     from fp8_backends.capabilities import GemmCapabilities
-    from fp8_backends.eager_plan import EagerPlan, bind_gemm
+    from fp8_backends.eager_plan import EagerPlan, bind_linear
     from fp8_backends.types import ActScale, DeviceKind
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -49,8 +49,9 @@ def main(argv: list[str] | None = None) -> None:
     prepared = backend.prepare_weight(w_q, w_s)
     x = torch.randn(m, k, dtype=torch.bfloat16)
     x_q, x_s = reference.quantize_dynamic_per_tensor(x.float())
-    plan = EagerPlan(k=k, n=n, dtype=torch.bfloat16, device=torch.device("cpu"), quantize=lambda _x: (x_q, x_s),
-                     rows=[(1 << 62, bind_gemm(backend, prepared, torch.bfloat16, None))])
+    linear = bind_linear(backend, prepared, torch.bfloat16, None, lambda _x: (x_q, x_s), ActScale.PER_TENSOR_DYNAMIC,
+                         None, x_q.dtype)
+    plan = EagerPlan(k=k, n=n, dtype=torch.bfloat16, device=torch.device("cpu"), rows=[(1 << 62, linear)])
     assert plan(x) is y or plan(x).shape == (m, n)
     tensor, bf16 = torch.Tensor, torch.bfloat16
     cases = {

@@ -53,6 +53,8 @@ _EXPORTS = {
     "ProviderOutputError": "fp8_backends.errors",
     "resolve_gemm_backend": "fp8_backends.registry.resolution",
     "resolve_norm_quant_backend": "fp8_backends.registry.resolution",
+    "init_fp8_gemm": "fp8_backends.registry.per_m",
+    "PerMGemm": "fp8_backends.registry.per_m",
     "Platform": "fp8_backends.registry.platform",
     "detect_platform": "fp8_backends.registry.platform",
     "simulate_platform": "fp8_backends.registry.platform",
@@ -101,6 +103,7 @@ if TYPE_CHECKING:
         UnsupportedProblemError,
     )
     from .functional import fp8_linear
+    from .registry.per_m import PerMGemm, init_fp8_gemm
     from .registry.platform import Platform, detect_platform, list_platforms, simulate_platform
     from .registry.resolution import resolve_gemm_backend, resolve_norm_quant_backend
     from .types import (

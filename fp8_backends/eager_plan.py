@@ -1,8 +1,9 @@
 """The eager hot path of a processed :class:`~fp8_backends.layers.Fp8Linear`: everything known at load time, bound once.
 
-A layer's processing (``process_weights_after_loading``) builds one :class:`EagerPlan`: the provider(s) with their
-prepared weights, the output dtype, the bias, the activation quantizer of the layer's mode and the per-M provider
-table, each bound into a closure. A plain eager call then checks only what can change from call to call (the
+A layer's processing (``process_weights_after_loading``) builds one :class:`EagerPlan` (:func:`bind_per_m`): the
+rows of the layer's per-M composite provider (:class:`~fp8_backends.registry.per_m.PerMGemm`: each bucket's provider
+with its prepared weight), the output dtype, the bias and the activation quantizer of the layer's mode, each bound
+into a closure. A plain eager call then checks only what can change from call to call (the
 input's type, dtype, last dimension and device) and runs two closures: quantize, GEMM; or one, where the
 provider quantizes the activation inside its GEMM launch
 (:meth:`~fp8_backends.backend.Fp8GemmBackend.fused_quant_gemm_impl`: the ``triton`` swap-AB and GEMV kernels at
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     import torch
 
     from .backend import Fp8GemmBackend
+    from .registry.per_m import PerMGemm
     from .types import PreparedWeight
 
 #: ``(x_q [M, K] fp8, x_scale fp32 [1] or [M, 1]) -> y [M, N]``
@@ -146,4 +148,16 @@ class EagerPlan:
         return y if len(shape) == 2 else y.view(*shape[:-1], self.n)
 
 
-__all__ = ["EagerPlan", "bind_gemm", "bind_linear", "bind_quantizer"]
+def bind_per_m(kernel: PerMGemm, *, k: int, n: int, dtype: torch.dtype, device: torch.device,
+               bias: torch.Tensor | None, mode: ActScale, input_scale: torch.Tensor | None,
+               fp8_dtype: torch.dtype) -> EagerPlan:
+    """The eager plan of a linear over ``kernel``: one quantizer of ``mode`` (``input_scale`` for static), and each
+    of the kernel's rows bound once (:func:`bind_linear`), so that a call costs what it did before the rows were a
+    composite (the bucket loop, and no more)."""
+    quantize = bind_quantizer(mode, fp8_dtype, input_scale)
+    rows = [(row.bucket, bind_linear(row.backend, row.prepared, dtype, bias, quantize, mode, input_scale, fp8_dtype))
+            for row in kernel.rows]
+    return EagerPlan(k=k, n=n, dtype=dtype, device=device, rows=rows)
+
+
+__all__ = ["EagerPlan", "bind_gemm", "bind_linear", "bind_per_m", "bind_quantizer"]

@@ -12,6 +12,13 @@ Per call::
 
 or ``fp8_linear(x, layer)`` with an :class:`~fp8_backends.layers.Fp8Linear`. A raw fp8 weight is
 refused: preparing it per call would convert (and check) the weight on the hot path.
+
+Per-M choice (``auto`` picking one provider for decode batches and another for prefill, as ``Fp8Linear`` does):
+choose and prepare once with :func:`~fp8_backends.registry.per_m.init_fp8_gemm`, then pass the composite::
+
+    kernel = init_fp8_gemm(w_q, w_scale, problem=GemmProblem(n=N, k=K, act_scale="per_tensor_static",
+                                                           device="cuda"))   # backend: auto (or a name)
+    y = fp8_linear(x, kernel, input_scale=s_in, bias=b)      # the provider of x's M bucket serves
 """
 
 from __future__ import annotations
@@ -27,12 +34,13 @@ if TYPE_CHECKING:
     import torch
 
     from .layers import Fp8Linear
+    from .registry.per_m import PerMGemm
 
 
 def apply_fp8_linear(
     x: torch.Tensor | QuantizedActivation,
-    backend: Fp8GemmBackend,
-    prepared: PreparedWeight,
+    backend: Fp8GemmBackend | PerMGemm,
+    prepared: PreparedWeight | None = None,
     *,
     act_scale: ActScale,
     input_scale: torch.Tensor | None = None,
@@ -42,6 +50,9 @@ def apply_fp8_linear(
 ) -> torch.Tensor:
     """The shared forward of :class:`~fp8_backends.layers.Fp8Linear` and :func:`fp8_linear`.
 
+    - ``backend`` and ``prepared``: a provider and the weight it prepared; or a per-M composite
+      (:class:`~fp8_backends.registry.per_m.PerMGemm`) alone, ``prepared`` None: the provider of the batch's M
+      bucket serves, with its prepared weight.
     - ``x``: ``[..., K]`` high-precision (bf16/fp16/fp32; quantized here in ``act_scale`` mode) or a
       :class:`QuantizedActivation` whose ``data`` is ``[..., K]`` fp8 (used as is; its ``mode`` must
       equal ``act_scale``).
@@ -51,7 +62,12 @@ def apply_fp8_linear(
     """
     from . import quant
 
-    k, n = prepared.k, prepared.n
+    kernel = None
+    if prepared is None:  # a per-M composite: its row for this batch's M is picked below
+        kernel = backend
+        k, n = kernel.k, kernel.n
+    else:
+        k, n = prepared.k, prepared.n
     if isinstance(x, QuantizedActivation):
         data, scale, orig_dtype, mode = x
         if ActScale.of(mode) is not act_scale:  # .of: a dict lookup, safe while torch.compile traces
@@ -92,6 +108,8 @@ def apply_fp8_linear(
         import torch
 
         return torch.empty((*lead, n), dtype=out.torch_dtype(), device=x_q.device)
+    if kernel is not None:
+        _, backend, prepared = kernel.pick(x_q.shape[0])
     y = backend.gemm(x_q, prepared, scale, out_dtype=out, bias=bias)
     return y.reshape(*lead, n)
 
@@ -110,7 +128,7 @@ def _out_dtype(dtype: torch.dtype, expected: OutDtype | None, what: str) -> OutD
 
 def fp8_linear(
     x: torch.Tensor | QuantizedActivation,
-    layer_or_weight: Fp8Linear | PreparedWeight,
+    layer_or_weight: Fp8Linear | PerMGemm | PreparedWeight,
     *,
     backend: Fp8GemmBackend | None = None,
     input_scale: torch.Tensor | None = None,
@@ -122,7 +140,9 @@ def fp8_linear(
     """``y = x @ Wᵀ (+ bias)`` through an FP8 GEMM provider.
 
     - ``layer_or_weight``: an :class:`~fp8_backends.layers.Fp8Linear` (then no other keyword may be
-      given: the layer holds them), or a :class:`PreparedWeight` from ``backend.prepare_weight``.
+      given: the layer holds them), a per-M composite from
+      :func:`~fp8_backends.registry.per_m.init_fp8_gemm` (each batch runs on its M bucket's provider, as in
+      ``Fp8Linear``; no ``backend``: it holds them), or a :class:`PreparedWeight` from ``backend.prepare_weight``.
     - ``backend``: the provider instance that prepared the weight (required with a PreparedWeight).
     - ``input_scale``: fp32 one value; its presence selects static per-tensor quantization unless
       ``act_scale`` says otherwise (default without it: dynamic per-tensor).
@@ -131,6 +151,7 @@ def fp8_linear(
       activation's ``orig_dtype``).
     """
     from .layers import Fp8Linear
+    from .registry.per_m import PerMGemm
 
     if isinstance(layer_or_weight, Fp8Linear):
         given = {k: v for k, v in (("backend", backend), ("input_scale", input_scale), ("bias", bias),
@@ -140,12 +161,18 @@ def fp8_linear(
                 f"fp8_linear(x, layer) takes its settings from the layer; got {', '.join(given)}"
             )
         return layer_or_weight(x)
-    if not isinstance(layer_or_weight, PreparedWeight):
+    kernel = layer_or_weight if isinstance(layer_or_weight, PerMGemm) else None
+    if kernel is not None:
+        if backend is not None:
+            raise InvalidInputError("fp8_linear(x, kernel) takes its providers from the kernel (init_fp8_gemm); "
+                                    "got backend= too")
+    elif not isinstance(layer_or_weight, PreparedWeight):
         raise InvalidInputError(
-            "fp8_linear needs an Fp8Linear or a PreparedWeight (backend.prepare_weight(w_q, w_scale), once at "
-            f"load time); got {type(layer_or_weight).__name__}"
+            "fp8_linear needs an Fp8Linear, a kernel from init_fp8_gemm(w_q, w_scale, problem=...) or a "
+            "PreparedWeight (backend.prepare_weight(w_q, w_scale)), made once at load time; got "
+            f"{type(layer_or_weight).__name__}"
         )
-    if not isinstance(backend, Fp8GemmBackend):
+    elif not isinstance(backend, Fp8GemmBackend):
         raise InvalidInputError(
             f"fp8_linear with a PreparedWeight needs backend= (the {layer_or_weight.backend!r} provider "
             "instance that prepared it)"
@@ -165,6 +192,9 @@ def fp8_linear(
         fp8_in = Fp8Dtype.of(input_dtype)
     except ValueError as exc:
         raise InvalidInputError(str(exc)) from None
+    if kernel is not None:
+        return apply_fp8_linear(x, kernel, act_scale=mode, input_scale=input_scale, bias=bias, out_dtype=out,
+                                input_dtype=fp8_in)
     return apply_fp8_linear(x, backend, layer_or_weight, act_scale=mode, input_scale=input_scale, bias=bias,
                             out_dtype=out, input_dtype=fp8_in)
 

@@ -29,9 +29,10 @@ from torch import nn
 
 from . import validation as V
 from .backend import Fp8GemmBackend, NormQuantBackend
-from .eager_plan import EagerPlan, bind_linear, bind_quantizer
+from .eager_plan import EagerPlan, bind_per_m
 from .errors import InvalidInputError, InvalidTypeError, UnsupportedProblemError
 from .functional import apply_fp8_linear
+from .registry.per_m import PerMGemm, init_fp8_gemm
 from .types import (
     ActScale,
     DeviceKind,
@@ -39,6 +40,7 @@ from .types import (
     GemmProblem,
     NormQuantProblem,
     OutDtype,
+    PreparedWeight,
     QuantizedActivation,
     WeightScale,
 )
@@ -50,8 +52,6 @@ logger = logging.getLogger("fp8_backends")
 
 #: how a fused layer's differing shard scales are combined (see :meth:`Fp8Linear.from_fused_shards`)
 SHARD_SCALE_POLICIES = ("auto", "per_channel", "requantize")
-#: the bucket of a plan's only row: it serves every M
-_ANY_M = 1 << 62
 _compiling = torch.compiler.is_compiling
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 
@@ -128,23 +128,9 @@ def _check_values(t: torch.Tensor, what: str) -> None:
 def _resolve(kind: str, backend: Any, problem: Any) -> Any:
     """A provider for ``problem``: a given instance (checked: it must serve it), else a name or None
     resolved by the registry (``None``: env var or ``auto``). Raises the library's errors."""
-    from .registry import resolution
+    from .registry.resolution import resolve_or_check
 
-    base = Fp8GemmBackend if kind == "gemm" else NormQuantBackend
-    if isinstance(backend, base):
-        reasons = backend.supports(problem)
-        if reasons:
-            raise UnsupportedProblemError(
-                f"{resolution.KIND_LABEL[kind]} backend {backend.label!r} cannot serve {problem.describe()}:\n"
-                + "".join(f"  - {r}\n" for r in reasons),
-                reasons=reasons,
-            )
-        backend.ensure_preloaded()
-        return backend
-    if backend is not None and not isinstance(backend, str):
-        raise InvalidTypeError(f"backend must be a name, a {base.__name__} or None, got {type(backend).__name__}")
-    resolve = resolution.resolve_gemm_backend if kind == "gemm" else resolution.resolve_norm_quant_backend
-    return resolve(backend, problem=problem)
+    return resolve_or_check(kind, backend, problem)
 
 
 def _resolve_gemm(backend: str | Fp8GemmBackend | None, problem: GemmProblem) -> Fp8GemmBackend:
@@ -253,9 +239,7 @@ class Fp8Linear(nn.Module):
         self.register_buffer("bias", torch.zeros(n, dtype=self.dtype, device=device) if bias else None)
         # set by process_weights_after_loading
         self._raw = True  # scales still in their loaded form (per-row / per-shard)
-        self.gemm_backend: Fp8GemmBackend | None = None
-        self.prepared = None
-        self._by_m: tuple[tuple[int, Fp8GemmBackend, Any], ...] = ()  # per-M-bucket providers (lockfile)
+        self.kernel: PerMGemm | None = None  # the weight's provider(s) per M bucket, with their prepared weights
         self._plan: EagerPlan | None = None  # the eager hot path, bound at processing
         self.problem: GemmProblem | None = None
 
@@ -437,9 +421,8 @@ class Fp8Linear(nn.Module):
             self.input_scale[index].copy_(s.reshape(()))
 
     def _mark_loaded(self) -> None:
-        if self.prepared is not None:  # new values: the prepared weight is stale
-            self.prepared = self.gemm_backend = self._plan = None
-            self._by_m = ()
+        if self.kernel is not None:  # new values: the prepared weight is stale
+            self.kernel = self._plan = None
 
     def _load_from_state_dict(self, state_dict, prefix, *args: Any, **kwargs: Any) -> None:
         # a processed layer's state dict holds the final scale shapes ([1] after requantizing or
@@ -458,7 +441,17 @@ class Fp8Linear(nn.Module):
     # ------------------------------------------------------------------------------ processing
     @property
     def is_processed(self) -> bool:
-        return self.prepared is not None
+        return self.kernel is not None
+
+    @property
+    def gemm_backend(self) -> Fp8GemmBackend | None:
+        """The provider resolved for this weight with M unknown (``kernel.backend``); None before processing."""
+        return None if self.kernel is None else self.kernel.backend
+
+    @property
+    def prepared(self) -> PreparedWeight | None:
+        """``gemm_backend``'s prepared weight; None before processing."""
+        return None if self.kernel is None else self.kernel.prepared
 
     def _problem(self, weight_scale: WeightScale) -> GemmProblem:
         return GemmProblem(
@@ -495,12 +488,11 @@ class Fp8Linear(nn.Module):
         self._raw = False
         self.weight_scale_mode = mode
         self.problem = self._problem(mode)
-        self.prepared = backend.prepare_weight(self.weight, self.weight_scale)
-        self.gemm_backend = backend
-        self._by_m = self._providers_by_m(backend)
+        self.kernel = init_fp8_gemm(self.weight, self.weight_scale, problem=self.problem,
+                                    backend=self.backend_request, default=backend)
         self._plan = self._eager_plan()
-        logger.debug("Fp8Linear %dx%d prepared by %s (%s)", self.out_features, self.in_features, backend.label,
-                     self.problem.describe())
+        logger.debug("Fp8Linear %dx%d prepared by %s (%s)", self.out_features, self.in_features,
+                     self.kernel.describe(), self.problem.describe())
 
     def __getstate__(self) -> dict[str, Any]:
         # the plan's closures hold this layer's own tensors: a copy (deepcopy, pickle) binds its own at its first call
@@ -509,34 +501,11 @@ class Fp8Linear(nn.Module):
         return state
 
     def _eager_plan(self) -> EagerPlan:
-        """The eager hot path (:mod:`fp8_backends.eager_plan`): quantizer and GEMM(s) bound to this layer."""
-        rows = self._by_m or ((_ANY_M, self.gemm_backend, self.prepared),)
-        fp8 = self.input_dtype.torch_dtype()
-        quantize = bind_quantizer(self.act_scale, fp8, self.input_scale)
-        return EagerPlan(
-            k=self.in_features, n=self.out_features, dtype=self.dtype, device=self.weight.device,
-            rows=[(bucket, bind_linear(backend, prepared, self.dtype, self.bias, quantize, self.act_scale,
-                                       self.input_scale, fp8)) for bucket, backend, prepared in rows],
-        )
-
-    def _providers_by_m(self, default: Fp8GemmBackend) -> tuple[tuple[int, Fp8GemmBackend, Any], ...]:
-        """With ``auto`` and a tuned lockfile that covers this weight: ``((bucket, provider, prepared), ...)``
-        so that each batch size runs on its measured winner. The weight is prepared once per distinct
-        provider (the built-ins prepare views: no copies). Empty: ``default`` serves every M."""
-        if isinstance(self.backend_request, Fp8GemmBackend):
-            return ()
-        from .registry.resolution import resolve_gemm_buckets
-
-        table = resolve_gemm_buckets(self.backend_request, problem=self.problem)
-        if all(b is default for _, b in table):
-            return ()
-        prepared = {id(default): self.prepared}
-        rows = []
-        for bucket, b in table:
-            if id(b) not in prepared:
-                prepared[id(b)] = b.prepare_weight(self.weight, self.weight_scale)
-            rows.append((bucket, b, prepared[id(b)]))
-        return tuple(rows)
+        """The eager hot path (:mod:`fp8_backends.eager_plan`): quantizer and the kernel's rows bound to this layer."""
+        assert self.kernel is not None
+        return bind_per_m(self.kernel, k=self.in_features, n=self.out_features, dtype=self.dtype,
+                          device=self.weight.device, bias=self.bias, mode=self.act_scale,
+                          input_scale=self.input_scale, fp8_dtype=self.input_dtype.torch_dtype())
 
     def _check_shards(self) -> None:
         assert self.shard_sizes is not None
@@ -589,9 +558,8 @@ class Fp8Linear(nn.Module):
         processed layer whose tensors moved is processed again (the prepared weight is stale)."""
         before = dict(self._buffers)
         super()._apply(_keeping_dtype(fn), recurse)
-        if self.prepared is not None and any(self._buffers[n] is not b for n, b in before.items()):
-            self.prepared = self.gemm_backend = self._plan = None
-            self._by_m = ()
+        if self.kernel is not None and any(self._buffers[n] is not b for n, b in before.items()):
+            self.kernel = self._plan = None
             self.process_weights_after_loading()
         return self
 
@@ -605,25 +573,20 @@ class Fp8Linear(nn.Module):
         bindings, per-call checks of the input only); compiled and every other call the general path."""
         if not _compiling() and not _dispatch_modes():
             plan = self._plan
-            if plan is None and self.prepared is not None:  # a copy or an unpickled layer: bind again
+            if plan is None and self.kernel is not None:  # a copy or an unpickled layer: bind again
                 plan = self._plan = self._eager_plan()
             if plan is not None:
                 y = plan(x)
                 if y is not None:
                     return y
-        backend, prepared = self.gemm_backend, self.prepared
-        if prepared is None:
+        kernel = self.kernel
+        if kernel is None:
             raise InvalidInputError("Fp8Linear: call process_weights_after_loading() before the first forward")
         data = x.data if isinstance(x, QuantizedActivation) else x
         if isinstance(data, torch.Tensor) and data.device != self.weight.device:
             raise InvalidInputError(f"input is on {data.device} but the layer's weight is on {self.weight.device}")
-        if self._by_m and isinstance(data, torch.Tensor):
-            m = data.numel() // self.in_features  # rows of the GEMM
-            for bucket, backend, prepared in self._by_m:  # noqa: B007 - the last row serves larger M
-                if m <= bucket:
-                    break
-        return apply_fp8_linear(x, backend, prepared, act_scale=self.act_scale, input_scale=self.input_scale,
-                                bias=self.bias, out_dtype=self.out_dtype, input_dtype=self.input_dtype)
+        return apply_fp8_linear(x, kernel, act_scale=self.act_scale, input_scale=self.input_scale, bias=self.bias,
+                                out_dtype=self.out_dtype, input_dtype=self.input_dtype)
 
     def extra_repr(self) -> str:
         parts = [f"in_features={self.in_features}", f"out_features={self.out_features}",
@@ -631,18 +594,15 @@ class Fp8Linear(nn.Module):
                  f"dtype={OutDtype.of(self.dtype).value}"]
         if self.shard_sizes is not None:
             parts.append(f"shards={self.shard_sizes}")
-        parts.append(("backends=" if self._by_m else "backend=") + self.backends_text)
+        parts.append(("backends=" if self.kernel is not None and self.kernel.per_m else "backend=")
+                     + self.backends_text)
         return ", ".join(parts)
 
     @property
     def backends_text(self) -> str:
         """The provider(s) this layer runs on: one label, or ``"M<=16:triton,M>16:torch_scaled_mm[...]"`` when
-        batch sizes are split between providers (a lockfile or a measured default)."""
-        if self._by_m:
-            from .registry.resolution import describe_buckets
-
-            return describe_buckets([(b, be.label) for b, be, _ in self._by_m])
-        return self.gemm_backend.label if self.gemm_backend is not None else "(unprocessed)"
+        batch sizes are split between providers (a lockfile, the shipped data or a measured default)."""
+        return self.kernel.describe() if self.kernel is not None else "(unprocessed)"
 
 
 def _keeping_dtype(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:

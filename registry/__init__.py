@@ -5,5 +5,6 @@
 - :mod:`.resolution`: explicit names, aliases, env vars and ``auto`` -> a provider instance.
 - :mod:`.policy`: the selection-policy contract of ``auto`` (``pick``, ``buckets``) and its ranked register; the
   built-in policies are :mod:`.lockfile_policy`, :mod:`.shipped` and :mod:`.defaults`.
+- :mod:`.per_m`: one weight's composite provider per M bucket (what a layer or ``fp8_linear`` runs).
 - the environment variables it reads are in :mod:`fp8_backends.settings`.
 """

@@ -172,14 +172,14 @@ def test_process_resolves_once_and_prepares_once(monkeypatch):
 
     import fp8_backends.registry.resolution as resolution
 
-    real_resolve = resolution.resolve_gemm_backend
+    real_resolve = resolution.resolve
 
     def counting_resolve(*a, **kw):
         calls["resolve"] += 1
         return real_resolve(*a, **kw)
 
     monkeypatch.setattr(TorchScaledMMBackend, "prepare_weight", counting_prepare)
-    monkeypatch.setattr(resolution, "resolve_gemm_backend", counting_resolve)
+    monkeypatch.setattr(resolution, "resolve", counting_resolve)
     layer.process_weights_after_loading()
     for _ in range(3):
         layer(_x(2, 64))

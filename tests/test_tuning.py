@@ -549,16 +549,17 @@ def test_fp8linear_runs_each_batch_size_on_its_tuned_provider(lockpath, monkeypa
     tune_fake(lockpath, {TORCH_F: 50.0, FAKE_A: 100.0}, buckets=[8])
     linear = torch.nn.Linear(64, 32, bias=False, dtype=torch.bfloat16)
     layer = Fp8Linear.from_linear(linear, act_scale="per_tensor_dynamic")
-    assert [(b, be.label) for b, be, _ in layer._by_m] == [(1, FAKE_A), (8, TORCH_F)]
+    assert layer.kernel.per_m and [(b, be.label) for b, be, _ in layer.kernel.rows] == [(1, FAKE_A), (8, TORCH_F)]
     assert layer.backends_text == f"M<=1:{FAKE_A},M>1:{TORCH_F}"
     assert f"backends=M<=1:{FAKE_A}" in repr(layer)
-    assert layer._by_m[0][2].data.data_ptr() == layer._by_m[1][2].data.data_ptr()  # views, no weight copy
+    rows = layer.kernel.rows
+    assert rows[0].prepared.data.data_ptr() == rows[1].prepared.data.data_ptr()  # views, no weight copy
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")  # the dispatch traces (M is static)
     for m in (1, 5):
         x = torch.randn(m, 64, dtype=torch.bfloat16)
         assert torch.equal(compiled(x), layer(x))
     used = []
-    for _, backend, _ in layer._by_m:
+    for _, backend, _ in layer.kernel.rows:
         orig = backend.gemm_impl
         monkeypatch.setattr(backend, "gemm_impl",
                             lambda *a, _o=orig, _l=backend.label: used.append(_l) or _o(*a))
@@ -571,5 +572,5 @@ def test_fp8linear_runs_each_batch_size_on_its_tuned_provider(lockpath, monkeypa
     assert used == [FAKE_A, TORCH_F, TORCH_F]
     # an explicit choice ignores the lockfile
     explicit = Fp8Linear.from_linear(linear, act_scale="per_tensor_dynamic", backend="torch_scaled_mm")
-    assert explicit._by_m == ()
+    assert not explicit.kernel.per_m and len(explicit.kernel.rows) == 1
     assert explicit.backends_text == explicit.gemm_backend.label
