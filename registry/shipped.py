@@ -26,7 +26,7 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -312,15 +312,14 @@ def _nearest(kind, problem, platform, serving, data: ShippedData) -> tuple | Non
 
 
 def exact_policy(kind: str, problem: Any, platform: Platform, serving: list[resolution.Candidate]):
-    """``auto`` policy: the shipped data's measured choice for this exact problem and M bucket."""
-    answer = _answer(kind, problem, platform, serving)
-    return answer[1] if answer is not None and answer[0] == POLICY_EXACT else None
+    """``auto`` policy: the shipped data's measured choice for this exact problem and M bucket (:data:`EXACT`)."""
+    return EXACT.pick(kind, problem, platform, serving)
 
 
 def nearest_policy(kind: str, problem: Any, platform: Platform, serving: list[resolution.Candidate]):
-    """``auto`` policy: the nearest measured shapes' vote for a problem the shipped data does not hold."""
-    answer = _answer(kind, problem, platform, serving)
-    return answer[1] if answer is not None and answer[0] == POLICY_NEAREST else None
+    """``auto`` policy: the nearest measured shapes' vote for a problem the shipped data does not hold
+    (:data:`NEAREST`)."""
+    return NEAREST.pick(kind, problem, platform, serving)
 
 
 def exact_buckets(kind: str, problem: Any, platform: Platform) -> list[int]:
@@ -354,32 +353,21 @@ def _data_for_problem(kind: str, problem: Any, platform: Platform) -> ShippedDat
     return data_for(platform)
 
 
-class ShippedExactPolicy(SelectionPolicy):
-    """``shipped-exact`` (rank -10): the measured choice for this exact problem and M bucket
-    (:func:`exact_policy`); its buckets are the ones measured for the weight (:func:`exact_buckets`)."""
+class ShippedPolicy(SelectionPolicy):
+    """One of the shipped data's two rungs: ``shipped-exact`` (rank -10: the measured choice for this exact problem
+    and M bucket; its buckets are the ones measured for the weight, :func:`exact_buckets`) or ``shipped-nearest``
+    (rank -20: the nearest measured shapes' vote; its buckets are the class model's, :func:`nearest_buckets`). Both
+    read one answer per problem (:func:`_answer`, memoized), which names the rung that decides."""
 
-    name = POLICY_EXACT
-    rank = RANK_EXACT
-
-    def pick(self, kind: str, problem: Any, platform: Platform, serving: Sequence[resolution.Candidate]):
-        return exact_policy(kind, problem, platform, list(serving))
-
-    def buckets(self, kind: str, problem: Any, platform: Platform) -> list[int]:
-        return exact_buckets(kind, problem, platform)
-
-
-class ShippedNearestPolicy(SelectionPolicy):
-    """``shipped-nearest`` (rank -20): the nearest measured shapes' vote (:func:`nearest_policy`); its buckets are
-    those of the class's model (:func:`nearest_buckets`)."""
-
-    name = POLICY_NEAREST
-    rank = RANK_NEAREST
+    def __init__(self, name: str, rank: int, buckets: Callable[[str, Any, Platform], list[int]]) -> None:
+        self.name, self.rank, self._buckets = name, rank, buckets
 
     def pick(self, kind: str, problem: Any, platform: Platform, serving: Sequence[resolution.Candidate]):
-        return nearest_policy(kind, problem, platform, list(serving))
+        answer = _answer(kind, problem, platform, list(serving))
+        return answer[1] if answer is not None and answer[0] == self.name else None
 
     def buckets(self, kind: str, problem: Any, platform: Platform) -> list[int]:
-        return nearest_buckets(kind, problem, platform)
+        return self._buckets(kind, problem, platform)
 
 
 # ---------------------------------------------------------------------------------------- listing
@@ -406,8 +394,8 @@ def describe(platform: Platform) -> dict[str, Any]:
             "provenance": {k: prov.get(k) for k in ("gpu", "sm", "driver", "cuda", "libraries", "date", "command")}}
 
 
-EXACT = register_selection_policy(ShippedExactPolicy())
-NEAREST = register_selection_policy(ShippedNearestPolicy())
+EXACT = register_selection_policy(ShippedPolicy(POLICY_EXACT, RANK_EXACT, exact_buckets))
+NEAREST = register_selection_policy(ShippedPolicy(POLICY_NEAREST, RANK_NEAREST, nearest_buckets))
 
 __all__ = [
     "EXACT",
@@ -415,8 +403,7 @@ __all__ = [
     "POLICY_EXACT",
     "POLICY_NEAREST",
     "ShippedData",
-    "ShippedExactPolicy",
-    "ShippedNearestPolicy",
+    "ShippedPolicy",
     "buckets",
     "covers",
     "data_for",
