@@ -22,7 +22,7 @@ import contextlib
 import importlib.util
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from . import output_contract
@@ -101,6 +101,24 @@ class ProviderBase(ABC):
                 cached = Availability.no(f"availability() raised {type(exc).__name__}: {exc}")
             _AVAILABILITY[cls] = cached
         return cached
+
+    #: device types (``"cuda"``, ...) for which :meth:`activation_quant_kernels` supplies the default implementation
+    #: of :mod:`fp8_backends.quant`'s ops (empty: none, the default)
+    activation_quant_devices: ClassVar[frozenset[str]] = frozenset()
+
+    @classmethod
+    def activation_quant_kernels(cls, device_type: str) -> Mapping[ActScale, Callable[..., Any]]:
+        """The activation-quantization kernels this provider supplies for tensors of ``device_type`` (one of
+        :attr:`activation_quant_devices`), ``{ActScale: fn}`` with the signatures of
+        :func:`fp8_backends.quant.register_quant_impl`: ``fn(x, scale, fp8_dtype) -> q`` (static),
+        ``fn(x, fp8_dtype) -> (q, scale)`` (dynamic per-tensor, per-token); the modes left out keep the reference.
+
+        :mod:`fp8_backends.quant` asks the providers that declare ``device_type`` once per process, at the first
+        quantization on that device type when nothing is registered for it, in ``auto``'s order (priority, built-ins
+        first), and takes the first answer; providers that are disabled, blocked or unavailable are not asked.
+        Raise :class:`~fp8_backends.errors.BackendUnavailableError` with the reason when the kernels cannot run here
+        (an old GPU): the reason is logged and the next provider is asked. The default supplies none."""
+        return {}
 
     def preload(self) -> None:
         """Load-time work that must not first happen inside ``torch.compile`` tracing or CUDA-graph
