@@ -57,6 +57,10 @@ _EXPORTS = {
     "detect_platform": "fp8_backends.registry.platform",
     "simulate_platform": "fp8_backends.registry.platform",
     "list_platforms": "fp8_backends.registry.platform",
+    "register_provider": "fp8_backends.registry.registration",
+    "unregister_provider": "fp8_backends.registry.registration",
+    "registered_providers": "fp8_backends.registry.registration",
+    "Registration": "fp8_backends.registry.registration",
     "add_cli_args": "fp8_backends.cli",
     "fp8_linear": "fp8_backends.functional",
     "quantize_model": "fp8_backends.convert",
@@ -102,6 +106,7 @@ if TYPE_CHECKING:
     )
     from .functional import fp8_linear
     from .registry.platform import Platform, detect_platform, list_platforms, simulate_platform
+    from .registry.registration import Registration, register_provider, registered_providers, unregister_provider
     from .registry.resolution import resolve_gemm_backend, resolve_norm_quant_backend
     from .types import (
         ActScale,
