@@ -25,6 +25,8 @@ _EXPORTS = {
     "Fp8GemmBackend": "fp8_backends.backend",
     "NormQuantBackend": "fp8_backends.backend",
     "ProviderBase": "fp8_backends.backend",
+    "OpGemmBackend": "fp8_backends.backend",
+    "OpNormQuantBackend": "fp8_backends.backend",
     "Capabilities": "fp8_backends.capabilities",
     "GemmCapabilities": "fp8_backends.capabilities",
     "NormQuantCapabilities": "fp8_backends.capabilities",
@@ -86,7 +88,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from .backend import Fp8GemmBackend, NormQuantBackend, ProviderBase
+    from .backend import Fp8GemmBackend, NormQuantBackend, OpGemmBackend, OpNormQuantBackend, ProviderBase
     from .capabilities import Capabilities, GemmCapabilities, NormQuantCapabilities
     from .cli import add_cli_args, backends_from_args
     from .convert import QuantizeSummary, quantize_model

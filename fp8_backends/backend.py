@@ -493,6 +493,88 @@ class _FastPath:
         return data.get_device() if hasattr(data, "get_device") else -2
 
 
+class OpGemmBackend(Fp8GemmBackend):
+    """A GEMM provider whose ``gemm_impl`` is one call of a torch op (the twin of :class:`OpNormQuantBackend`).
+
+    The op takes the prepared weight's data and scale and, after the output dtype, the provider's own arguments
+    (:meth:`op_arguments`, from ``self.config``)::
+
+        op(x_q, prepared.data, x_scale, prepared.scale, bias, out_dtype, *op_args)   # capabilities.bias FUSED
+        op(x_q, prepared.data, x_scale, prepared.scale, out_dtype, *op_args)         # otherwise (no bias argument;
+                                                                                   # ADDED_AFTER: the base adds it)
+
+    and returns ``[M, N]`` in ``out_dtype``. Subclasses implement :meth:`load_op` (called once per instance, at
+    :meth:`preload`, so heavy imports stay lazy) and inherit :meth:`preload`, ``gemm_impl`` and a
+    ``prepare_weight_impl`` that keeps the ``[N, K]`` weight as it is (:meth:`Fp8GemmBackend.prepare_k_major`;
+    override it for another layout). The op may be an ``OpOverload`` of :func:`fp8_backends.oplib.define_ops` /
+    :class:`~fp8_backends.oplib.LazyOps` (plain eager calls then run its implementation directly,
+    :func:`fp8_backends.oplib.eager_fast`, while ``torch.compile`` traces the op: a ``triton_op``'s kernels, a plain
+    op's fake), a ``torch.library.custom_op`` or any callable with that signature.
+    """
+
+    #: the kernel indexes a per-token ``x_scale [M, 1]`` and the bias with unit stride: refuse strided ones
+    contiguous_vectors: ClassVar[bool] = False
+    _op: Any = None
+
+    def __init__(self, **options: str) -> None:
+        super().__init__(**options)
+        #: the op's trailing arguments, fixed by the options (computed once)
+        self.op_args: tuple[Any, ...] = tuple(self.op_arguments())
+        self._bias_in_op = self.capabilities.bias is BiasMode.FUSED
+
+    @abstractmethod
+    def load_op(self) -> Any:
+        """The GEMM op (define it here if needed: this runs at load time, never while ``torch.compile`` traces)."""
+
+    def op_arguments(self) -> tuple[Any, ...]:
+        """The op's arguments after ``out_dtype``, from ``self.config`` (default: none)."""
+        return ()
+
+    def preload(self) -> None:
+        self._loaded_op()
+
+    def _loaded_op(self) -> Callable[..., Any]:
+        op = self._op
+        if op is None:
+            op = self._op = _hot_callable(self.load_op())
+        return op
+
+    def prepare_weight_impl(
+        self, w_q: torch.Tensor, w_scale: torch.Tensor, weight_scale: WeightScale
+    ) -> PreparedWeight:
+        return self.prepare_k_major(w_q, w_scale, weight_scale)
+
+    def gemm_impl(
+        self,
+        x_q: torch.Tensor,
+        prepared: PreparedWeight,
+        x_scale: torch.Tensor,
+        out_dtype: torch.dtype,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        op = self._op
+        if op is None:
+            op = self._loaded_op()
+        if self.contiguous_vectors:
+            self.require_contiguous_vectors(x_scale, bias)
+        if self._bias_in_op:
+            return op(x_q, prepared.data, x_scale, prepared.scale, bias, out_dtype, *self.op_args)
+        y = op(x_q, prepared.data, x_scale, prepared.scale, out_dtype, *self.op_args)
+        if bias is not None:
+            y.add_(bias)  # BiasMode.ADDED_AFTER: one more kernel
+        return y
+
+
+def _hot_callable(op: Any) -> Callable[..., Any]:
+    """``op`` as the hot path calls it: an ``OpOverload`` through :func:`fp8_backends.oplib.eager_fast` (its
+    implementation directly in plain eager calls, where the library defined it), anything else as it is."""
+    from torch._ops import OpOverload
+
+    from .oplib import eager_fast
+
+    return eager_fast(op) if isinstance(op, OpOverload) else op
+
+
 class NormQuantBackend(ProviderBase):
     """A fused RMSNorm + static per-tensor FP8 quant provider.
 
@@ -696,4 +778,4 @@ class OpNormQuantBackend(NormQuantBackend):
         self._loaded_ops()[1](out, x, residual, weight, scale, eps)
 
 
-__all__ = ["Fp8Dtype", "Fp8GemmBackend", "NormQuantBackend", "OpNormQuantBackend", "ProviderBase"]
+__all__ = ["Fp8Dtype", "Fp8GemmBackend", "NormQuantBackend", "OpGemmBackend", "OpNormQuantBackend", "ProviderBase"]

@@ -128,9 +128,10 @@ def _run(
 _OPS = LazyOps({OP_BASENAME: (OP_BASENAME + OP_SCHEMA, _run, gemm_fake)}, ("CUDA",))
 
 
-def _register() -> Any:
-    """The op's OpOverload (defined on first use)."""
+def load_op() -> Any:
+    """The op's OpOverload, defined on the first call (what the provider's ``load_op`` returns)."""
     return _OPS.op(OP_BASENAME)
+
 
 
 def cutlass_gemm(
@@ -152,4 +153,4 @@ def cutlass_gemm(
     return _OPS.call(OP_BASENAME)(x, w, x_scale, w_scale, bias, out_dtype, config, fast_accum)
 
 
-__all__ = ["OP_NAME", "CutlassKernelError", "cutlass_gemm", "library_for"]
+__all__ = ["OP_NAME", "CutlassKernelError", "cutlass_gemm", "library_for", "load_op"]

@@ -271,9 +271,11 @@ def _specs() -> dict[str, Any]:
 _OPS = LazyOps(_specs, _dispatch_keys)
 
 
-def _register() -> Any:
-    """The op's OpOverload (defined on first use)."""
+def load_op() -> Any:
+    """The op's OpOverload (what the provider's ``load_op`` returns), defined on the first call together with
+    ``triton_gemm_tma``, which its traced body calls."""
     return _OPS.op(OP_BASENAME)
+
 
 
 def triton_gemm(
@@ -291,4 +293,6 @@ def triton_gemm(
     return _OPS.call(OP_BASENAME)(x, w, x_scale, w_scale, bias, out_dtype, config)
 
 
-__all__ = ["OP_NAME", "fused_launch", "launch", "pick_config", "pointer_kernel_args", "run_config", "triton_gemm"]
+__all__ = [
+    "OP_NAME", "fused_launch", "launch", "load_op", "pick_config", "pointer_kernel_args", "run_config", "triton_gemm",
+]
