@@ -14,6 +14,10 @@ and implements ``prepare_weight_impl`` + ``gemm_impl`` (GEMM) or ``rmsnorm_quant
 (metadata only: no host-device sync) and then call the ``*_impl`` hooks, so a provider's kernel
 never sees a malformed tensor. Keep provider modules import-light: stevedore imports every module
 it scans, so import torch and kernel libraries inside methods.
+
+A provider whose calls are torch ops subclasses :class:`OpGemmBackend` (implement ``load_op``) or
+:class:`OpNormQuantBackend` (implement ``load_ops``) and inherits the hooks. Any provider may also supply the default
+activation-quant kernels of :mod:`fp8_backends.quant` (:meth:`ProviderBase.activation_quant_kernels`).
 """
 
 from __future__ import annotations
@@ -509,7 +513,8 @@ class OpGemmBackend(Fp8GemmBackend):
     override it for another layout). The op may be an ``OpOverload`` of :func:`fp8_backends.oplib.define_ops` /
     :class:`~fp8_backends.oplib.LazyOps` (plain eager calls then run its implementation directly,
     :func:`fp8_backends.oplib.eager_fast`, while ``torch.compile`` traces the op: a ``triton_op``'s kernels, a plain
-    op's fake), a ``torch.library.custom_op`` or any callable with that signature.
+    op's fake), a ``torch.library.custom_op`` or any callable with that signature
+    (:func:`fp8_backends.oplib.gemm_schema` and :func:`~fp8_backends.oplib.gemm_fake` give the first's schema and fake).
     """
 
     #: the kernel indexes a per-token ``x_scale [M, 1]`` and the bias with unit stride: refuse strided ones
@@ -544,14 +549,9 @@ class OpGemmBackend(Fp8GemmBackend):
     ) -> PreparedWeight:
         return self.prepare_k_major(w_q, w_scale, weight_scale)
 
-    def gemm_impl(
-        self,
-        x_q: torch.Tensor,
-        prepared: PreparedWeight,
-        x_scale: torch.Tensor,
-        out_dtype: torch.dtype,
-        bias: torch.Tensor | None,
-    ) -> torch.Tensor:
+    def gemm_impl(self, x_q: torch.Tensor, prepared: PreparedWeight, x_scale: torch.Tensor, out_dtype: torch.dtype,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+        """``op(x_q, prepared.data, x_scale, prepared.scale, [bias,] out_dtype, *op_args)`` (see the class)."""
         op = self._op
         if op is None:
             op = self._loaded_op()

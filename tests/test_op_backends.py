@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 from fake_provider import install  # noqa: E402
 from op_gemm_provider import OP_DIST, CustomOpGemm, LibraryOpGemm  # noqa: E402
 
-from fp8_backends import InvalidInputError, OpGemmBackend, reference  # noqa: E402
+from fp8_backends import BiasMode, InvalidInputError, OpGemmBackend, reference  # noqa: E402
 from fp8_backends.testing import GemmProviderContract, assert_gemm_close  # noqa: E402
 
 
@@ -138,8 +138,13 @@ def test_the_built_in_op_providers():
         (CutlassSm90Backend(fast_accum="false"), ("auto", False), "fp8_backends::cutlass_sm90_gemm"),
         (FlashinferBmmBackend(runner="cudnn", autotune="off"), ("cudnn/off",), "fp8_backends::flashinfer_bmm_fp8"),
     ]
+    from fp8_backends.oplib import GEMM_ARGS
+
     for backend, args, op_name in cases:
         assert isinstance(backend, OpGemmBackend) and backend.op_args == args
-        assert backend.load_op().name() == op_name
+        op = backend.load_op()
+        assert op.name() == op_name
+        if backend.capabilities.bias is BiasMode.FUSED:  # the library's GEMM call convention (oplib.gemm_schema)
+            assert str(op._schema).startswith(f"{op_name}({GEMM_ARGS}, str config"), op._schema
     assert cases[2][0]._mode == "cudnn/off"  # the flashinfer tests and benchmarks read it
     assert not isinstance(TorchScaledMMBackend(), OpGemmBackend)
