@@ -152,9 +152,16 @@ def cuda_time_us(fn: Callable[[], Any], iters: int, device: str) -> float:
 def compile_model(model: Any, scope: str) -> Any:
     """``scope="model"``: ``torch.compile(model, dynamic=False)``. ``scope="layers"``: regional compilation (what
     ``transformers`` recommends to cut compile time): every decoder layer is compiled in place (one compiled graph
-    serves all layers of a class), the rest of the model runs eagerly; returns a compiled copy of the model."""
+    serves all layers of a class), the rest of the model runs eagerly; returns a compiled copy of the model.
+
+    The layers of every variant share one code object (the layer class's ``forward``), and Dynamo guards on the
+    integer ``layer_idx`` the KV cache indexes its list of layers with: decode compiles once per layer and variant,
+    and past Dynamo's recompile limit (8) a variant's layers silently run eagerly (seen on the H200: the FP8 variant
+    measured after bf16 was never compiled). The limits are raised to hold every layer of every variant."""
     if scope == "model":
         return torch.compile(model, dynamic=False)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 1024)
     regional = copy.deepcopy(model)  # the eager variant stays as it is
     for layer in regional.model.layers:
         layer.compile(dynamic=False)

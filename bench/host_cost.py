@@ -116,7 +116,7 @@ def triton_breakdown(device: str) -> list[Timed]:
     p = b.prepare_weight(w, s)
     out = torch.empty(16, 4096, device=device, dtype=torch.bfloat16)
     cfg = gemm_ops.pick_config("auto", 16, 4096, 4096)
-    op = gemm_ops._register()
+    op = gemm_ops.load_op()
     problem = "4096x4096"
 
     def row(what: str, fn: Callable[[], Any]) -> Timed:

@@ -25,6 +25,8 @@ _EXPORTS = {
     "Fp8GemmBackend": "fp8_backends.backend",
     "NormQuantBackend": "fp8_backends.backend",
     "ProviderBase": "fp8_backends.backend",
+    "OpGemmBackend": "fp8_backends.backend",
+    "OpNormQuantBackend": "fp8_backends.backend",
     "Capabilities": "fp8_backends.capabilities",
     "GemmCapabilities": "fp8_backends.capabilities",
     "NormQuantCapabilities": "fp8_backends.capabilities",
@@ -59,6 +61,10 @@ _EXPORTS = {
     "detect_platform": "fp8_backends.registry.platform",
     "simulate_platform": "fp8_backends.registry.platform",
     "list_platforms": "fp8_backends.registry.platform",
+    "register_provider": "fp8_backends.registry.registration",
+    "unregister_provider": "fp8_backends.registry.registration",
+    "registered_providers": "fp8_backends.registry.registration",
+    "Registration": "fp8_backends.registry.registration",
     "add_cli_args": "fp8_backends.cli",
     "fp8_linear": "fp8_backends.functional",
     "quantize_model": "fp8_backends.convert",
@@ -84,7 +90,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from .backend import Fp8GemmBackend, NormQuantBackend, ProviderBase
+    from .backend import Fp8GemmBackend, NormQuantBackend, OpGemmBackend, OpNormQuantBackend, ProviderBase
     from .capabilities import Capabilities, GemmCapabilities, NormQuantCapabilities
     from .cli import add_cli_args, backends_from_args
     from .convert import QuantizeSummary, quantize_model
@@ -105,6 +111,7 @@ if TYPE_CHECKING:
     from .functional import fp8_linear
     from .registry.per_m import PerMGemm, init_fp8_gemm
     from .registry.platform import Platform, detect_platform, list_platforms, simulate_platform
+    from .registry.registration import Registration, register_provider, registered_providers, unregister_provider
     from .registry.resolution import resolve_gemm_backend, resolve_norm_quant_backend
     from .types import (
         ActScale,

@@ -14,6 +14,10 @@ and implements ``prepare_weight_impl`` + ``gemm_impl`` (GEMM) or ``rmsnorm_quant
 (metadata only: no host-device sync) and then call the ``*_impl`` hooks, so a provider's kernel
 never sees a malformed tensor. Keep provider modules import-light: stevedore imports every module
 it scans, so import torch and kernel libraries inside methods.
+
+A provider whose calls are torch ops subclasses :class:`OpGemmBackend` (implement ``load_op``) or
+:class:`OpNormQuantBackend` (implement ``load_ops``) and inherits the hooks. Any provider may also supply the default
+activation-quant kernels of :mod:`fp8_backends.quant` (:meth:`ProviderBase.activation_quant_kernels`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import contextlib
 import importlib.util
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from . import output_contract
@@ -101,6 +105,24 @@ class ProviderBase(ABC):
                 cached = Availability.no(f"availability() raised {type(exc).__name__}: {exc}")
             _AVAILABILITY[cls] = cached
         return cached
+
+    #: device types (``"cuda"``, ...) for which :meth:`activation_quant_kernels` supplies the default implementation
+    #: of :mod:`fp8_backends.quant`'s ops (empty: none, the default)
+    activation_quant_devices: ClassVar[frozenset[str]] = frozenset()
+
+    @classmethod
+    def activation_quant_kernels(cls, device_type: str) -> Mapping[ActScale, Callable[..., Any]]:
+        """The activation-quantization kernels this provider supplies for tensors of ``device_type`` (one of
+        :attr:`activation_quant_devices`), ``{ActScale: fn}`` with the signatures of
+        :func:`fp8_backends.quant.register_quant_impl`: ``fn(x, scale, fp8_dtype) -> q`` (static),
+        ``fn(x, fp8_dtype) -> (q, scale)`` (dynamic per-tensor, per-token); the modes left out keep the reference.
+
+        :mod:`fp8_backends.quant` asks the providers that declare ``device_type`` once per process, at the first
+        quantization on that device type when nothing is registered for it, in ``auto``'s order (priority, built-ins
+        first), and takes the first answer; providers that are disabled, blocked or unavailable are not asked.
+        Raise :class:`~fp8_backends.errors.BackendUnavailableError` with the reason when the kernels cannot run here
+        (an old GPU): the reason is logged and the next provider is asked. The default supplies none."""
+        return {}
 
     def preload(self) -> None:
         """Load-time work that must not first happen inside ``torch.compile`` tracing or CUDA-graph
@@ -475,6 +497,84 @@ class _FastPath:
         return data.get_device() if hasattr(data, "get_device") else -2
 
 
+class OpGemmBackend(Fp8GemmBackend):
+    """A GEMM provider whose ``gemm_impl`` is one call of a torch op (the twin of :class:`OpNormQuantBackend`).
+
+    The op takes the prepared weight's data and scale and, after the output dtype, the provider's own arguments
+    (:meth:`op_arguments`, from ``self.config``)::
+
+        op(x_q, prepared.data, x_scale, prepared.scale, bias, out_dtype, *op_args)   # capabilities.bias FUSED
+        op(x_q, prepared.data, x_scale, prepared.scale, out_dtype, *op_args)         # otherwise (no bias argument;
+                                                                                   # ADDED_AFTER: the base adds it)
+
+    and returns ``[M, N]`` in ``out_dtype``. Subclasses implement :meth:`load_op` (called once per instance, at
+    :meth:`preload`, so heavy imports stay lazy) and inherit :meth:`preload`, ``gemm_impl`` and a
+    ``prepare_weight_impl`` that keeps the ``[N, K]`` weight as it is (:meth:`Fp8GemmBackend.prepare_k_major`;
+    override it for another layout). The op may be an ``OpOverload`` of :func:`fp8_backends.oplib.define_ops` /
+    :class:`~fp8_backends.oplib.LazyOps` (plain eager calls then run its implementation directly,
+    :func:`fp8_backends.oplib.eager_fast`, while ``torch.compile`` traces the op: a ``triton_op``'s kernels, a plain
+    op's fake), a ``torch.library.custom_op`` or any callable with that signature
+    (:func:`fp8_backends.oplib.gemm_schema` and :func:`~fp8_backends.oplib.gemm_fake` give the first's schema and fake).
+    """
+
+    #: the kernel indexes a per-token ``x_scale [M, 1]`` and the bias with unit stride: refuse strided ones
+    contiguous_vectors: ClassVar[bool] = False
+    _op: Any = None
+
+    def __init__(self, **options: str) -> None:
+        super().__init__(**options)
+        #: the op's trailing arguments, fixed by the options (computed once)
+        self.op_args: tuple[Any, ...] = tuple(self.op_arguments())
+        self._bias_in_op = self.capabilities.bias is BiasMode.FUSED
+
+    @abstractmethod
+    def load_op(self) -> Any:
+        """The GEMM op (define it here if needed: this runs at load time, never while ``torch.compile`` traces)."""
+
+    def op_arguments(self) -> tuple[Any, ...]:
+        """The op's arguments after ``out_dtype``, from ``self.config`` (default: none)."""
+        return ()
+
+    def preload(self) -> None:
+        self._loaded_op()
+
+    def _loaded_op(self) -> Callable[..., Any]:
+        op = self._op
+        if op is None:
+            op = self._op = _hot_callable(self.load_op())
+        return op
+
+    def prepare_weight_impl(
+        self, w_q: torch.Tensor, w_scale: torch.Tensor, weight_scale: WeightScale
+    ) -> PreparedWeight:
+        return self.prepare_k_major(w_q, w_scale, weight_scale)
+
+    def gemm_impl(self, x_q: torch.Tensor, prepared: PreparedWeight, x_scale: torch.Tensor, out_dtype: torch.dtype,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+        """``op(x_q, prepared.data, x_scale, prepared.scale, [bias,] out_dtype, *op_args)`` (see the class)."""
+        op = self._op
+        if op is None:
+            op = self._loaded_op()
+        if self.contiguous_vectors:
+            self.require_contiguous_vectors(x_scale, bias)
+        if self._bias_in_op:
+            return op(x_q, prepared.data, x_scale, prepared.scale, bias, out_dtype, *self.op_args)
+        y = op(x_q, prepared.data, x_scale, prepared.scale, out_dtype, *self.op_args)
+        if bias is not None:
+            y.add_(bias)  # BiasMode.ADDED_AFTER: one more kernel
+        return y
+
+
+def _hot_callable(op: Any) -> Callable[..., Any]:
+    """``op`` as the hot path calls it: an ``OpOverload`` through :func:`fp8_backends.oplib.eager_fast` (its
+    implementation directly in plain eager calls, where the library defined it), anything else as it is."""
+    from torch._ops import OpOverload
+
+    from .oplib import eager_fast
+
+    return eager_fast(op) if isinstance(op, OpOverload) else op
+
+
 class NormQuantBackend(ProviderBase):
     """A fused RMSNorm + static per-tensor FP8 quant provider.
 
@@ -678,4 +778,4 @@ class OpNormQuantBackend(NormQuantBackend):
         self._loaded_ops()[1](out, x, residual, weight, scale, eps)
 
 
-__all__ = ["Fp8Dtype", "Fp8GemmBackend", "NormQuantBackend", "OpNormQuantBackend", "ProviderBase"]
+__all__ = ["Fp8Dtype", "Fp8GemmBackend", "NormQuantBackend", "OpGemmBackend", "OpNormQuantBackend", "ProviderBase"]

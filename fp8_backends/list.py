@@ -123,6 +123,7 @@ def collect(
                     "version": entry.dist_version,
                     "builtin": entry.builtin,
                     "target": entry.target,
+                    "origin": entry.origin,
                     "status": entry.status,
                     "disabled": entry.disabled,
                     "available": avail.ok,
@@ -230,6 +231,8 @@ def render(data: dict[str, Any]) -> str:
             else:
                 usable = "yes" if pr["usable"] else "no"
             dist = f"{pr['distribution'] or '?'} {pr['version'] or ''}".strip()
+            if pr.get("origin") == "in_process":
+                dist += " (in-process)"
             names = pr["name"] + (f" ({','.join(pr['aliases'])})" if pr["aliases"] else "")
             if kind == "gemm":
                 scales = f"{_short(caps.get('act_scales'))} x {_short(caps.get('weight_scales'))}"

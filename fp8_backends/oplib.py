@@ -174,9 +174,22 @@ class LazyOps:
         return call
 
 
+#: the arguments every GEMM op of the library starts with (what :class:`fp8_backends.backend.OpGemmBackend` passes)
+GEMM_ARGS = "Tensor x, Tensor w, Tensor x_scale, Tensor w_scale, Tensor? bias, ScalarType out_dtype"
+
+
+def gemm_schema(name: str, *options: str) -> str:
+    """The schema of a GEMM op ``name``: :data:`GEMM_ARGS`, then the provider's ``options`` (``"str config"``, ...),
+    returning the ``[M, N]`` output (:func:`gemm_fake` is its fake implementation)."""
+    return f"{name}({', '.join((GEMM_ARGS, *options))}) -> Tensor"
+
+
 def gemm_fake(x: Any, w: Any, x_scale: Any, w_scale: Any, bias: Any, out_dtype: Any, *options: Any) -> Any:
     """The fake implementation of every GEMM op ``(x [M, K], w [N, K], ..., out_dtype, *options) -> [M, N]``."""
     return x.new_empty((x.shape[0], w.shape[0]), dtype=out_dtype)
 
 
-__all__ = ["NAMESPACE", "LazyOps", "OpSpec", "TritonOpSpec", "define_ops", "eager_fast", "gemm_fake"]
+__all__ = [
+    "GEMM_ARGS", "NAMESPACE", "LazyOps", "OpSpec", "TritonOpSpec", "define_ops", "eager_fast", "gemm_fake",
+    "gemm_schema",
+]

@@ -14,16 +14,19 @@ op                                        semantics (``fmax`` = 448 for e4m3fn, 
 ``x`` is ``[M, K]`` bf16/fp16/fp32 on any device; scales are fp32 on ``x``'s device. Dynamic scales
 are computed on the device: no op here synchronises with the host.
 
-Implementations: a provider with a faster kernel registers it per mode and device type with
-:func:`register_quant_impl`; the op then dispatches to it at run time (``x.device.type`` picks the
-entry). Registered entries always win. Without one, the default is:
+Implementations: a kernel registered per mode and device type with :func:`register_quant_impl` always wins
+(``x.device.type`` picks the entry at run time). Without one, the default is a provider's, through the provider hook
+:meth:`~fp8_backends.backend.ProviderBase.activation_quant_kernels`: the first provider, in ``auto``'s order
+(priority, built-ins first), that lists the device type in its ``activation_quant_devices``, is usable here (not
+disabled by ``FP8_BACKENDS_DISABLED``, blocked by ``FP8_BACKENDS_PLUGINS`` or unavailable) and answers with kernels;
+else :mod:`fp8_backends.reference`. This module names no provider. With the built-ins:
 
-- CUDA tensors: the Triton kernels of :mod:`fp8_backends.providers.triton.quant_kernels`, when triton is
-  importable, ``triton`` is not in ``FP8_BACKENDS_DISABLED`` and every visible GPU is SM >= 8.9 (FP8
-  conversions); otherwise :mod:`fp8_backends.reference`. Decided once per process, at the first CUDA
-  call (which imports triton; each new kernel configuration then compiles at its first use: make those
-  first calls outside CUDA graph capture); later calls cost a dict lookup. :func:`reset_default_impls`
-  forgets the decision; :func:`default_quant_impl` tells what it is.
+- CUDA tensors: the built-in ``triton`` norm-quant provider supplies its Triton quant kernels when triton is
+  installed, the provider is not disabled and every visible GPU is SM >= 8.9 (FP8 conversions); otherwise the
+  reference. Decided once per device type and process, at the first call on it (which imports triton; each new
+  kernel configuration then compiles at its first use: make those first calls outside CUDA graph capture); later
+  calls cost a dict lookup. :func:`reset_default_impls` forgets the decision; :func:`default_quant_impl` tells
+  what it is.
 - every other device type (the CPU included): :mod:`fp8_backends.reference`.
 
 Under ``torch.compile`` the public functions trace the reference torch code inline instead of the
@@ -41,7 +44,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import validation as V
-from .errors import InvalidInputError
+from .errors import BackendUnavailableError, InvalidInputError
 from .oplib import LazyOps
 from .types import ActScale, Fp8Dtype, OutDtype, QuantizedActivation
 
@@ -134,23 +137,37 @@ _REFERENCE: dict[ActScale, QuantImpl] = {
 _defaults: dict[tuple[ActScale, str], QuantImpl] = {}
 
 
-def _triton_usable_on_cuda() -> str | None:
-    """Why the Triton quant kernels cannot be the CUDA default here (None: they can): the built-in ``triton``
-    norm-quant provider's own verdict (installed, not disabled, not blocked) plus SM >= 8.9 on every GPU."""
+def _provider_kernels(device_type: str) -> tuple[dict[ActScale, QuantImpl], str, list[str]]:
+    """The activation-quant kernels the providers supply for ``device_type`` (the provider hook
+    :meth:`~fp8_backends.backend.ProviderBase.activation_quant_kernels`): ``(kernels, provider, reasons)`` from the
+    first provider, in ``auto``'s order (priority, built-ins first, name), that declares ``device_type`` in its
+    ``activation_quant_devices``, is usable (not disabled, blocked or unavailable) and answers; ``({}, "", reasons)``
+    when none does, ``reasons`` saying why each provider asked could not serve. A provider whose hook raises anything
+    but :class:`~fp8_backends.errors.BackendUnavailableError` (a broken install) is passed over with a WARNING."""
     from fp8_backends.registry import discovery
 
-    entry = next((e for e in discovery.discover("norm_quant") if e.name == "triton" and e.builtin), None)
-    if entry is None:
-        return "the built-in triton provider is not registered"
-    reason = entry.unusable_reason()
-    if reason:
-        return reason
-    import torch
-
-    sms = [tuple(torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())]
-    if not sms or min(sms) < (8, 9):
-        return f"needs SM >= 8.9 on every GPU, found {sms}"
-    return None
+    entries = [e for kind in ("norm_quant", "gemm") for e in discovery.discover(kind)
+               if e.cls is not None and device_type in getattr(e.cls, "activation_quant_devices", ())]
+    entries.sort(key=lambda e: (-e.priority, not e.builtin, e.name, e.kind, e.dist or ""))
+    reasons: list[str] = []
+    for entry in entries:
+        who = f"{entry.name} ({entry.dist})"
+        why = entry.unusable_reason()
+        if why is None:
+            try:
+                kernels = dict(entry.cls.activation_quant_kernels(device_type))
+            except BackendUnavailableError as exc:
+                why = str(exc)
+            except Exception as exc:  # a broken kernel install must not break quantization
+                logger.warning("quant: %s's activation-quant kernels are unusable on %s (%s: %s); passing over them",
+                               who, device_type, type(exc).__name__, exc)
+                why = f"raised {type(exc).__name__}: {exc}"
+            else:
+                if kernels:
+                    return {ActScale.of(mode): fn for mode, fn in kernels.items()}, who, reasons
+                continue
+        reasons.append(f"{who}: {why}")
+    return {}, "", reasons
 
 
 def _resolve_default(mode: ActScale, device_type: str) -> QuantImpl:
@@ -160,20 +177,19 @@ def _resolve_default(mode: ActScale, device_type: str) -> QuantImpl:
         if fn is not None:
             return fn
         chosen: dict[ActScale, QuantImpl] = dict(_REFERENCE)
-        if device_type == "cuda":
-            try:
-                reason = _triton_usable_on_cuda()
-                if reason is None:
-                    from fp8_backends.providers.triton import quant_kernels
-
-                    chosen.update(quant_kernels.impls())
-                    logger.debug("quant: CUDA default is the Triton kernels")
-                else:
-                    logger.info("quant: the CUDA default is the reference torch code, not the Triton kernels (%s)",
-                                reason)
-            except Exception as exc:  # a broken triton install must not break quantization
-                logger.warning("quant: Triton quant kernels unusable (%s: %s); using the reference on CUDA",
-                               type(exc).__name__, exc)
+        try:
+            kernels, who, reasons = _provider_kernels(device_type)
+        except Exception as exc:  # a broken registry or plugin must not break quantization
+            logger.warning("quant: cannot ask the providers for %s activation-quant kernels (%s: %s); using the "
+                           "reference", device_type, type(exc).__name__, exc)
+            kernels, who, reasons = {}, "", []
+        if kernels:
+            chosen.update(kernels)
+            logger.debug("quant: the %s default is %s's kernels (%s)", device_type, who,
+                         ", ".join(m.value for m in kernels))
+        elif reasons:
+            logger.info("quant: the %s default is the reference torch code, not a provider's kernels (%s)",
+                        device_type.upper(), "; ".join(reasons))
         for m, impl in chosen.items():
             _defaults[(m, device_type)] = impl
         return chosen[mode]

@@ -1,13 +1,17 @@
-"""Find providers through stevedore entry points, without ever raising.
+"""Find providers through stevedore entry points, without ever raising, and list them with those registered in
+this process.
 
 Groups: ``fp8_backends.gemm`` and ``fp8_backends.norm_quant``. Each entry point becomes a
 :class:`ProviderEntry` whatever happens when it loads: a module that fails to import, raises, points
 at the wrong kind of class, or belongs to a distribution that ``FP8_BACKENDS_PLUGINS`` does not allow
-is listed with its status and error, never hidden and never fatal.
+is listed with its status and error, never hidden and never fatal. Providers registered in-process
+(:func:`fp8_backends.registry.registration.register_provider`) follow the entry points in :func:`discover`'s
+list, under the same rules (a distribution ``FP8_BACKENDS_PLUGINS`` does not allow is listed as blocked).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.metadata
@@ -43,6 +47,8 @@ class ProviderEntry:
     status: str
     cls: type | None = None
     error: str | None = None
+    #: ``"entry_point"``, or ``"in_process"`` for a provider registered with ``register_provider``
+    origin: str = "entry_point"
 
     @property
     def builtin(self) -> bool:
@@ -192,7 +198,8 @@ _fingerprints: dict[tuple[str, frozenset[str] | None], tuple] = {}
 
 
 def discover(kind: str) -> list[ProviderEntry]:
-    """Every provider registered for ``kind`` (``"gemm"`` or ``"norm_quant"``), in entry-point order.
+    """Every provider registered for ``kind`` (``"gemm"`` or ``"norm_quant"``): the entry points in entry-point
+    order, then the providers registered in-process (:mod:`.registration`) in registration order.
 
     The entry points are read from :mod:`importlib.metadata` (never from stevedore's disk cache), so a new
     process always sees what is installed. Within a process the result is cached per value of
@@ -214,7 +221,33 @@ def discover(kind: str) -> list[ProviderEntry]:
                 clear_availability_cache()
             _cache[key] = _scan(kind, allowed)
             _fingerprints[key] = fingerprint
-        return _cache[key]
+        found = _cache[key]
+        registered = in_process  # replaced, never mutated, by .registration: one read is a consistent view
+        if not registered:
+            return found
+        extra = [_gated(entry, allowed) for entry in registered.values() if entry.kind == kind]
+        return [*found, *extra] if extra else found
+
+
+#: providers registered in this process, by ``(kind, canonical distribution, name)`` in registration order; written
+#: only by :mod:`.registration` (which checks each class), read by :func:`discover`
+in_process: dict[tuple[str, str, str], ProviderEntry] = {}
+_blocked_views: dict[tuple[int, frozenset[str]], tuple[ProviderEntry, ProviderEntry]] = {}
+
+
+def _gated(entry: ProviderEntry, allowed: set[str] | None) -> ProviderEntry:
+    """``entry`` itself, or, when ``FP8_BACKENDS_PLUGINS`` does not allow its distribution, its blocked view (the
+    class withheld, as a blocked entry point's is never imported): one object per entry and allowlist, so that
+    callers comparing entries by identity across :func:`discover` calls (the listing) see the same one."""
+    if allowed is None or _canonical(entry.dist or "") in allowed:
+        return entry
+    key = (id(entry), frozenset(allowed))
+    held = _blocked_views.get(key)
+    if held is None or held[0] is not entry:
+        view = dataclasses.replace(entry, status=BLOCKED, cls=None,
+                                   error=f"blocked: distribution {entry.dist} not in {settings.PLUGINS_ENV}")
+        held = _blocked_views[key] = (entry, view)
+    return held[1]
 
 
 def _scan(kind: str, allowed: set[str] | None) -> list[ProviderEntry]:

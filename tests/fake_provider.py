@@ -3,8 +3,9 @@
 
 :class:`FakeMM` computes through :func:`fp8_backends.reference.fp8_gemm` on the CPU and on a simulated CUDA
 device, with a tunable option whose values change nothing; :func:`install_fake` lists it beside the real GEMM
-providers as distribution ``fake-plugin 1.0``, for one test. :class:`SplitAt8` is a selection policy that splits
-M between ``fake_mm`` and ``torch_scaled_mm`` (per-M tests on the CPU, without a lockfile or shipped data).
+providers as distribution ``fake-plugin 1.0``, for one test, through :func:`fp8_backends.register_provider`
+(:func:`install` does the same for any provider class). :class:`SplitAt8` is a selection policy that splits M
+between ``fake_mm`` and ``torch_scaled_mm`` (per-M tests on the CPU, without a lockfile or shipped data).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from fp8_backends import reference
 from fp8_backends.backend import Fp8GemmBackend
 from fp8_backends.capabilities import GemmCapabilities
 from fp8_backends.registry import discovery, policy, resolution
-from fp8_backends.registry.discovery import LOADED, ProviderEntry
+from fp8_backends.registry.discovery import ProviderEntry
+from fp8_backends.registry.registration import register_provider
 from fp8_backends.types import DeviceKind, Fp8Dtype, PreparedWeight
 
 FAKE_DIST = "fake-plugin"
@@ -38,13 +40,16 @@ class FakeMM(Fp8GemmBackend):
         return reference.fp8_gemm(x_q, prepared.data, x_scale, prepared.scale, out_dtype, bias)
 
 
+def install(monkeypatch: Any, cls: type, dist: str = FAKE_DIST, version: str | None = "1.0") -> ProviderEntry:
+    """Register ``cls`` in-process as ``dist`` (:func:`fp8_backends.register_provider`) for one test: ``monkeypatch``
+    puts the registry's in-process table back at teardown (registering already forgot the resolved instances)."""
+    monkeypatch.setattr(discovery, "in_process", discovery.in_process)  # the table before: restored at teardown
+    return register_provider(cls, dist=dist, version=version).entry
+
+
 def install_fake(monkeypatch: Any, cls: type[Fp8GemmBackend] = FakeMM) -> ProviderEntry:
-    """List ``cls`` beside the real GEMM providers (``discovery``'s cache, restored by ``monkeypatch``)."""
-    real = list(discovery.discover("gemm"))
-    fake = ProviderEntry(kind="gemm", name=cls.name, target=f"tests:{cls.__name__}", dist=FAKE_DIST,
-                         dist_version="1.0", status=LOADED, cls=cls)
-    monkeypatch.setitem(discovery._cache, ("gemm", None), [*real, fake])
-    return fake
+    """List ``cls`` beside the real GEMM providers as distribution ``fake-plugin 1.0``, for one test."""
+    return install(monkeypatch, cls)
 
 
 class SplitAt8(resolution.SelectionPolicy):

@@ -474,7 +474,7 @@ def test_custom_op_schema_and_fake_implementation():
 
     from fp8_backends.providers.cutlass import ops
 
-    ops._register()
+    ops.load_op()
     schema = str(torch.ops.fp8_backends.cutlass_sm90_gemm.default._schema)
     assert "Tensor? bias" in schema and "ScalarType out_dtype" in schema and "str config" in schema
     with FakeTensorMode():

@@ -325,12 +325,14 @@ import json  # noqa: E402
 import logging  # noqa: E402
 from typing import ClassVar  # noqa: E402
 
+from fake_provider import install  # noqa: E402
+
 from fp8_backends.backend import Fp8GemmBackend  # noqa: E402
 from fp8_backends.capabilities import GemmCapabilities  # noqa: E402
 from fp8_backends.errors import BackendUnavailableError  # noqa: E402
 from fp8_backends.list import collect  # noqa: E402
 from fp8_backends.registry import discovery, lockfile, resolution  # noqa: E402
-from fp8_backends.registry.discovery import LOADED, ProviderEntry  # noqa: E402
+from fp8_backends.registry.discovery import ProviderEntry  # noqa: E402
 from fp8_backends.registry.platform import cpu_platform  # noqa: E402
 from fp8_backends.types import DeviceKind  # noqa: E402
 
@@ -364,11 +366,7 @@ class _Faulty(Fp8GemmBackend):
 
 def _install(monkeypatch, fault: str) -> ProviderEntry:
     cls = type(f"Faulty_{fault}", (_Faulty,), {"name": f"faulty_{fault}", "fault": fault})
-    real = list(discovery.discover("gemm"))
-    entry = ProviderEntry(kind="gemm", name=cls.name, target=f"tests:{cls.__name__}", dist="faulty-plugin",
-                          dist_version="1.0", status=LOADED, cls=cls)
-    monkeypatch.setitem(discovery._cache, ("gemm", None), [*real, entry])
-    return entry
+    return install(monkeypatch, cls, dist="faulty-plugin")
 
 
 @pytest.mark.parametrize("fault", ["init", "supports", "preload"])

@@ -310,7 +310,7 @@ def test_fullgraph_trace_over_fake_tensors():
     from fp8_backends.types import PreparedWeight
 
     gemm, nq = FlashinferBmmBackend(), FlashinferNormQuantBackend()
-    gemm._load_op()  # what prepare_weight sets up
+    gemm.preload()  # what prepare_weight (ensure_preloaded) sets up
     nq._loaded_ops()  # what the first norm call sets up
     graphs = []
 

@@ -13,14 +13,14 @@ import logging
 from typing import ClassVar
 
 import pytest
+from fake_provider import install
 
 from fp8_backends import fp8_linear, reference
 from fp8_backends.backend import Fp8GemmBackend, NormQuantBackend
 from fp8_backends.capabilities import GemmCapabilities, NormQuantCapabilities
 from fp8_backends.errors import Fp8BackendError, ProviderOutputError
 from fp8_backends.layers import Fp8Linear
-from fp8_backends.registry import discovery, lockfile
-from fp8_backends.registry.discovery import LOADED, ProviderEntry
+from fp8_backends.registry import lockfile
 from fp8_backends.registry.platform import cpu_platform
 from fp8_backends.tuning import engine as tuner
 from fp8_backends.tuning.timing import Measurement
@@ -96,15 +96,8 @@ def registered(monkeypatch):
     """Both broken providers registered beside the real ones, as distribution broken-plugin 0.1."""
     from fp8_backends import output_contract
 
-    entries = {
-        "gemm": ProviderEntry(kind="gemm", name=BrokenGemm.name, target="tests:BrokenGemm", dist=DIST,
-                              dist_version="0.1", status=LOADED, cls=BrokenGemm),
-        "norm_quant": ProviderEntry(kind="norm_quant", name=ReturnsNewTensorNorm.name, target="tests:Norm",
-                                    dist=DIST, dist_version="0.1", status=LOADED, cls=ReturnsNewTensorNorm),
-    }
-    for kind, entry in entries.items():
-        monkeypatch.setitem(discovery._cache, (kind, None), [*discovery.discover(kind), entry])
-    output_contract.distribution_of.cache_clear()
+    for cls in (BrokenGemm, ReturnsNewTensorNorm):
+        install(monkeypatch, cls, dist=DIST, version="0.1")
     lockfile.reset_state()
     yield
     output_contract.distribution_of.cache_clear()

@@ -424,8 +424,9 @@ def test_a_provider_whose_preload_fails_is_reported_unavailable_by_name():
 def test_auto_skips_a_plugin_whose_preload_fails_and_lists_it_unavailable(monkeypatch, caplog):
     """A third-party provider that outranks the built-ins but cannot load its kernels: ``auto`` warns and
     moves on, the listing then reports it unavailable with the reason, and naming it fails loudly."""
+    from fake_provider import install
+
     from fp8_backends.providers.torch_scaled_mm import TorchScaledMMBackend
-    from fp8_backends.registry.discovery import LOADED, ProviderEntry
 
     class EagerToLoad(TorchScaledMMBackend):
         name = "eager_to_load"
@@ -434,10 +435,7 @@ def test_auto_skips_a_plugin_whose_preload_fails_and_lists_it_unavailable(monkey
         def preload(self) -> None:
             raise OSError("libkernels.so: cannot open shared object file")
 
-    real = list(discovery.discover("gemm"))
-    entry = ProviderEntry(kind="gemm", name="eager_to_load", target="tests:EagerToLoad", dist="plugin-dist",
-                          dist_version="1.0", status=LOADED, cls=EagerToLoad)
-    monkeypatch.setitem(discovery._cache, ("gemm", None), [*real, entry])
+    entry = install(monkeypatch, EagerToLoad, dist="plugin-dist")
     problem = GemmProblem(n=32, k=64, m=4, device="cpu")
     assert resolution.explain("gemm", problem=problem).backend.name == "eager_to_load"  # outranks the built-ins
     try:

@@ -142,7 +142,7 @@ def test_custom_op_fake_implementation():
 
     from fp8_backends.providers.triton import gemm_ops
 
-    gemm_ops._register()
+    gemm_ops.load_op()
     schema = str(torch.ops.fp8_backends.triton_gemm.default._schema)
     assert "Tensor? bias" in schema and "str config" in schema
     with FakeTensorMode():

@@ -305,7 +305,8 @@ def _fake_gpus(monkeypatch, sms):
 
 def test_cuda_default_is_triton_on_sm89_and_newer(monkeypatch):
     _fake_gpus(monkeypatch, [(9, 0), (8, 9)])
-    assert quant._triton_usable_on_cuda() is None
+    kernels, who, reasons = quant._provider_kernels("cuda")
+    assert kernels == qk.impls() and who == "triton (fp8-backends)" and reasons == []
     for mode, fn in qk.impls().items():
         assert quant.default_quant_impl(mode, "cuda") is fn
         assert quant._impl_for(mode, "cuda") is fn
@@ -315,7 +316,8 @@ def test_cuda_default_is_triton_on_sm89_and_newer(monkeypatch):
 @pytest.mark.parametrize("sms", [[(8, 0)], [(9, 0), (8, 6)], []])
 def test_cuda_default_is_the_reference_on_older_gpus(monkeypatch, sms):
     _fake_gpus(monkeypatch, sms)
-    assert "SM >= 8.9" in quant._triton_usable_on_cuda()
+    kernels, _, reasons = quant._provider_kernels("cuda")
+    assert kernels == {} and len(reasons) == 1 and "SM >= 8.9" in reasons[0], reasons
     assert quant.default_quant_impl("per_token", "cuda") is quant._REFERENCE[ActScale.PER_TOKEN]
 
 
@@ -323,10 +325,13 @@ def test_cuda_default_is_the_reference_on_older_gpus(monkeypatch, sms):
 def test_cuda_default_respects_disabled(monkeypatch, value):
     _fake_gpus(monkeypatch, [(9, 0)])
     monkeypatch.setenv("FP8_BACKENDS_DISABLED", value)
-    assert "FP8_BACKENDS_DISABLED" in quant._triton_usable_on_cuda()
+    kernels, _, reasons = quant._provider_kernels("cuda")
+    assert kernels == {} and "FP8_BACKENDS_DISABLED" in reasons[0]
     assert quant.default_quant_impl("per_tensor_static", "cuda") is quant._REFERENCE[ActScale.PER_TENSOR_STATIC]
     monkeypatch.setenv("FP8_BACKENDS_DISABLED", "otherdist:triton")  # someone else's provider named triton
-    assert quant._triton_usable_on_cuda() is None
+    assert quant._provider_kernels("cuda")[0] == qk.impls()
+    monkeypatch.setenv("FP8_BACKENDS_DISABLED", "gemm:triton")  # the GEMM provider only: the quant kernels stay
+    assert quant._provider_kernels("cuda")[0] == qk.impls()
 
 
 def test_cpu_never_uses_triton(monkeypatch):
@@ -341,7 +346,7 @@ def test_cpu_never_uses_triton(monkeypatch):
 
 def test_decided_once_then_one_lookup(monkeypatch):
     calls = []
-    monkeypatch.setattr(quant, "_triton_usable_on_cuda", lambda: calls.append(1) or "not here")
+    monkeypatch.setattr(quant, "_provider_kernels", lambda device_type: calls.append(1) or ({}, "", ["not here"]))
     for _ in range(3):
         for mode in ActScale:
             assert quant._impl_for(mode, "cuda") is quant._REFERENCE[mode]
@@ -365,10 +370,13 @@ def test_registered_entry_wins_over_the_default(monkeypatch):
 
 
 def test_broken_triton_falls_back_with_a_warning(monkeypatch, caplog):
-    def broken():
+    from fp8_backends.providers.triton.norm_quant import TritonNormQuantBackend
+
+    def broken(cls, device_type):
         raise ImportError("libtriton.so: cannot open shared object file")
 
-    monkeypatch.setattr(quant, "_triton_usable_on_cuda", broken)
+    _fake_gpus(monkeypatch, [(9, 0)])
+    monkeypatch.setattr(TritonNormQuantBackend, "activation_quant_kernels", classmethod(broken))
     with caplog.at_level("WARNING", logger="fp8_backends"):
         fn = quant.default_quant_impl("per_token", "cuda")
     assert fn is quant._REFERENCE[ActScale.PER_TOKEN]

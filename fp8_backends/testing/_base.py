@@ -159,7 +159,8 @@ class ContractBase:
         group = discovery.GROUPS[self.kind]
         assert entries, (
             f"{target} is not registered in the {group!r} entry-point group; add to pyproject.toml\n"
-            f'  [project.entry-points."{group}"]\n  {cls.name} = "{target}"\nand reinstall (pip install -e .)'
+            f'  [project.entry-points."{group}"]\n  {cls.name} = "{target}"\nand reinstall (pip install -e .), or '
+            "register it in the test process (fp8_backends.register_provider)"
         )
         for entry in entries:
             assert entry.status == discovery.LOADED, f"{entry.qualified_name}: {entry.status}: {entry.error}"

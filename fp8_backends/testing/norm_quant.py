@@ -434,6 +434,7 @@ class NormQuantProviderContract(ContractBase):
         """``torch.compile(fullgraph=True)`` with Inductor: the residual update survives; codes match eager
         (exactly when :attr:`compiled_matches_eager_exactly`)."""
         import torch
+        import torch._inductor.config
 
         caps = self.make_provider().capabilities
         dtype = _first_dtype(caps)
@@ -451,9 +452,13 @@ class NormQuantProviderContract(ContractBase):
         res_eager = r.clone()
         expected = f(x, res_eager, w, s)
         torch._dynamo.reset()
+        # Inductor drops a round trip through a narrower dtype between ops unless told to emulate it: without this,
+        # the second call reads the fp32 sum where eager reads its bf16 rounding (the new residual), and ~1% of a
+        # Python-visible provider's codes move by one step. That is the compiler's numerics, not the provider's.
         try:
             res_c = r.clone()
-            got = torch.compile(f, fullgraph=True)(x, res_c, w, s)
+            with torch._inductor.config.patch(emulate_precision_casts=True):
+                got = torch.compile(f, fullgraph=True)(x, res_c, w, s)
         finally:
             torch._dynamo.reset()
         assert_residual_close(res_c, res_eager, self.residual_max_ulps, "residual after Inductor")

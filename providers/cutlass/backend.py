@@ -22,9 +22,9 @@ need separate tcgen05 instantiations and are not part of this provider.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from fp8_backends.backend import Fp8GemmBackend
+from fp8_backends.backend import OpGemmBackend
 from fp8_backends.capabilities import GemmCapabilities
 from fp8_backends.errors import InvalidInputError
 from fp8_backends.types import (
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 INSTALL_HINT = "pip install 'fp8-backends[cutlass]' and a CUDA toolkit with nvcc (CUDA_HOME or PATH)"
 
 
-class CutlassSm90Backend(Fp8GemmBackend):
+class CutlassSm90Backend(OpGemmBackend):
     """CUTLASS 3.x SM90 FP8 GEMM; options ``config`` (``auto`` or a config name) and ``fast_accum``."""
 
     name: ClassVar[str] = "cutlass"
@@ -93,11 +93,16 @@ class CutlassSm90Backend(Fp8GemmBackend):
             return Availability.no(st.reason, cls.install_hint)
         return Availability.yes(st.reason)
 
-    # ------------------------------------------------------------------ load time
-    def preload(self) -> None:
-        from .ops import _OPS
+    # ------------------------------------------------------------------ the op
+    contiguous_vectors: ClassVar[bool] = True
 
-        _OPS.preload()  # define the op at load time (see ProviderBase.preload)
+    def load_op(self) -> Any:
+        from .ops import load_op
+
+        return load_op()  # defined now, at load time (see ProviderBase.preload)
+
+    def op_arguments(self) -> tuple[str, bool]:
+        return self.config["config"], self.config["fast_accum"] == "true"
 
     def prepare_weight_impl(
         self, w_q: torch.Tensor, w_scale: torch.Tensor, weight_scale: WeightScale
@@ -105,29 +110,6 @@ class CutlassSm90Backend(Fp8GemmBackend):
         if w_q.data_ptr() % 16:
             raise InvalidInputError("cutlass needs w_q 16-byte aligned (TMA); pass a tensor that starts its allocation")
         return self.prepare_k_major(w_q, w_scale, weight_scale)  # the kernels read [N, K] K-major as it is
-
-    # ------------------------------------------------------------------ hot path
-    def gemm_impl(
-        self,
-        x_q: torch.Tensor,
-        prepared: PreparedWeight,
-        x_scale: torch.Tensor,
-        out_dtype: torch.dtype,
-        bias: torch.Tensor | None,
-    ) -> torch.Tensor:
-        from .ops import cutlass_gemm
-
-        self.require_contiguous_vectors(x_scale, bias)
-        return cutlass_gemm(
-            x_q,
-            prepared.data,
-            x_scale,
-            prepared.scale,
-            bias,
-            out_dtype,
-            self.config["config"],
-            self.config["fast_accum"] == "true",
-        )
 
 
 __all__ = ["CutlassSm90Backend"]

@@ -14,7 +14,7 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from fp8_backends.errors import Fp8BackendError, InvalidInputError
-from fp8_backends.oplib import LazyOps, gemm_fake
+from fp8_backends.oplib import LazyOps, gemm_fake, gemm_schema
 
 from . import build
 from .configs import CONFIGS, active_table
@@ -24,10 +24,8 @@ if TYPE_CHECKING:
 
 OP_BASENAME = "cutlass_sm90_gemm"
 OP_NAME = f"fp8_backends::{OP_BASENAME}"
-OP_SCHEMA = (
-    "(Tensor x, Tensor w, Tensor x_scale, Tensor w_scale, Tensor? bias, ScalarType out_dtype, str config, "
-    "bool fast_accum) -> Tensor"
-)
+#: the op's options after the GEMM arguments (:func:`fp8_backends.oplib.gemm_schema`)
+OP_OPTIONS = ("str config", "bool fast_accum")
 _TMA_ALIGN = 16  # bytes: TMA needs 16-byte aligned global addresses
 
 
@@ -125,11 +123,13 @@ def _run(
     return out
 
 
-_OPS = LazyOps({OP_BASENAME: (OP_BASENAME + OP_SCHEMA, _run, gemm_fake)}, ("CUDA",))
+_OPS = LazyOps({OP_BASENAME: (gemm_schema(OP_BASENAME, *OP_OPTIONS), _run, gemm_fake)}, ("CUDA",))
 
 
-def _register() -> Any:
-    """The op's OpOverload (defined on first use)."""
+def load_op() -> Any:
+    """The op's OpOverload (what the provider's ``load_op`` returns), defined now with its hot-path callable
+    (:meth:`fp8_backends.oplib.LazyOps.preload`: load time, never inside ``torch.compile`` tracing)."""
+    _OPS.preload()
     return _OPS.op(OP_BASENAME)
 
 
@@ -152,4 +152,4 @@ def cutlass_gemm(
     return _OPS.call(OP_BASENAME)(x, w, x_scale, w_scale, bias, out_dtype, config, fast_accum)
 
 
-__all__ = ["OP_NAME", "CutlassKernelError", "cutlass_gemm", "library_for"]
+__all__ = ["OP_NAME", "CutlassKernelError", "cutlass_gemm", "library_for", "load_op"]

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from fp8_backends.backend import Fp8GemmBackend
+from fp8_backends.backend import OpGemmBackend
 from fp8_backends.capabilities import GemmCapabilities
 from fp8_backends.errors import InvalidInputError, UnsupportedProblemError
 from fp8_backends.types import (
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from fp8_backends.registry.platform import Platform
 
 
-class FlashinferBmmBackend(Fp8GemmBackend):
+class FlashinferBmmBackend(OpGemmBackend):
     name: ClassVar[str] = "flashinfer_bmm"
     aliases: ClassVar[tuple[str, ...]] = ("flashinfer",)
     description: ClassVar[str] = (
@@ -97,8 +97,7 @@ class FlashinferBmmBackend(Fp8GemmBackend):
             except ValueError as exc:
                 raise InvalidInputError(f"{self.name}: {exc}") from None
         super().__init__(**options)
-        self._mode = f"{self.config['runner']}/{self.config['autotune']}"
-        self._op: Any = None
+        self._mode: str = self.op_args[0]  # "<runner>/<autotune>": what the op's plans are keyed by
         self._e4m3_only = self.config["runner"] == "cutlass"
 
     @classmethod
@@ -114,14 +113,14 @@ class FlashinferBmmBackend(Fp8GemmBackend):
             return common.runner_reasons(self.config["runner"], sm)
         return common.runner_reasons(self.config["runner"], sm, problem.input_dtype, problem.weight_dtype)
 
-    # ------------------------------------------------------------------ load time
-    def _load_op(self) -> Any:
-        from fp8_backends.oplib import eager_fast
+    # ------------------------------------------------------------------ the op
+    def load_op(self) -> Any:
+        from . import gemm_ops  # imports torch and defines the op
 
-        from . import gemm_ops
+        return gemm_ops.gemm_op
 
-        self._op = eager_fast(gemm_ops.gemm_op)
-        return self._op
+    def op_arguments(self) -> tuple[str]:
+        return (f"{self.config['runner']}/{self.config['autotune']}",)  # the op's ``mode``
 
     def prepare_weight_impl(
         self, w_q: torch.Tensor, w_scale: torch.Tensor, weight_scale: WeightScale
@@ -141,7 +140,6 @@ class FlashinferBmmBackend(Fp8GemmBackend):
         if reasons:
             raise UnsupportedProblemError(f"{self.label} cannot serve this weight: " + "; ".join(reasons),
                                           reasons=reasons)
-        self._load_op()
         return PreparedWeight(
             data=w_q.unsqueeze(0).transpose(1, 2),  # [1, K, N], strides (N*K, 1, K): column-major B
             scale=w_scale.reshape(()),
@@ -165,8 +163,5 @@ class FlashinferBmmBackend(Fp8GemmBackend):
             raise InvalidInputError(f"{self.name}: cuBLASLt/cuDNN have no e5m2 x e5m2 FP8 GEMM")
         if self._e4m3_only and x_q.dtype != prepared.data.dtype:
             raise InvalidInputError(f"{self.label}: flashinfer's CUTLASS runner takes e4m3fn x_q only")
-        op = self._op if self._op is not None else self._load_op()
-        y = op(x_q, prepared.data, x_scale, prepared.scale, out_dtype, self._mode)
-        if bias is not None:
-            y.add_(bias)  # BiasMode.ADDED_AFTER: bmm_fp8 has no bias epilogue
-        return y
+        # op(x_q, [1, K, N] weight, scales, out_dtype, mode); BiasMode.ADDED_AFTER: bmm_fp8 has no bias epilogue
+        return OpGemmBackend.gemm_impl(self, x_q, prepared, x_scale, out_dtype, bias)

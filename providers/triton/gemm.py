@@ -17,9 +17,9 @@ Runs on any NVIDIA GPU with FP8 tensor cores (SM >= 8.9), and on the CPU under T
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from fp8_backends.backend import Fp8GemmBackend
+from fp8_backends.backend import OpGemmBackend
 from fp8_backends.capabilities import GemmCapabilities
 from fp8_backends.errors import InvalidInputError
 from fp8_backends.types import (
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 _FORCED_MAX_M = {"gemv": 8, "swap": 512}
 
 
-class TritonGemmBackend(Fp8GemmBackend):
+class TritonGemmBackend(OpGemmBackend):
     """Triton FP8 GEMM; option ``config`` (``auto`` or a tile config name)."""
 
     name: ClassVar[str] = "triton"
@@ -119,30 +119,16 @@ class TritonGemmBackend(Fp8GemmBackend):
             return [f"config {config} is a small-M kernel (M <= {limit}); M={problem.m} would re-read the weight"]
         return []
 
-    # ------------------------------------------------------------------ load time
-    def preload(self) -> None:
-        from .gemm_ops import _OPS
+    # ---------------------------------------------- the op (gemm_impl and prepare_weight_impl: OpGemmBackend's)
+    contiguous_vectors: ClassVar[bool] = True  # the kernels index x_scale [M, 1] and bias [N] with unit stride
 
-        _OPS.preload()  # define the op at load time (see ProviderBase.preload)
+    def load_op(self) -> Any:
+        from .gemm_ops import load_op
 
-    def prepare_weight_impl(
-        self, w_q: torch.Tensor, w_scale: torch.Tensor, weight_scale: WeightScale
-    ) -> PreparedWeight:
-        return self.prepare_k_major(w_q, w_scale, weight_scale)  # every kernel reads [N, K] K-major as it is
+        return load_op()  # defines triton_gemm and triton_gemm_tma now (see ProviderBase.preload)
 
-    # ------------------------------------------------------------------ hot path
-    def gemm_impl(
-        self,
-        x_q: torch.Tensor,
-        prepared: PreparedWeight,
-        x_scale: torch.Tensor,
-        out_dtype: torch.dtype,
-        bias: torch.Tensor | None,
-    ) -> torch.Tensor:
-        from .gemm_ops import triton_gemm
-
-        self.require_contiguous_vectors(x_scale, bias)
-        return triton_gemm(x_q, prepared.data, x_scale, prepared.scale, bias, out_dtype, self.config["config"])
+    def op_arguments(self) -> tuple[str]:
+        return (self.config["config"],)
 
     # the swap-AB and GEMV kernels (small M) quantize the activation themselves: one launch per eager linear
     fused_act_quant = frozenset({ActScale.PER_TENSOR_STATIC, ActScale.PER_TENSOR_DYNAMIC, ActScale.PER_TOKEN})

@@ -17,7 +17,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from fp8_backends.errors import InvalidInputError
-from fp8_backends.oplib import LazyOps, TritonOpSpec, gemm_fake
+from fp8_backends.oplib import LazyOps, TritonOpSpec, gemm_fake, gemm_schema
 
 from . import _support
 from .gemm_configs import CONFIGS, TileConfig, active_table
@@ -32,9 +32,8 @@ OP_BASENAME = "triton_gemm"
 OP_NAME = f"fp8_backends::{OP_BASENAME}"
 #: the persistent TMA configs as an opaque op (what the traced ``triton_gemm`` calls for them)
 TMA_OP_BASENAME = "triton_gemm_tma"
-OP_SCHEMA = (
-    "(Tensor x, Tensor w, Tensor x_scale, Tensor w_scale, Tensor? bias, ScalarType out_dtype, str config) -> Tensor"
-)
+#: the ops' option after the GEMM arguments (:func:`fp8_backends.oplib.gemm_schema`)
+OP_OPTIONS = ("str config",)
 _GRID_Y_MAX = 65535  # CUDA's limit on gridDim.y
 
 
@@ -261,18 +260,21 @@ def _specs() -> dict[str, Any]:
     beside the opaque ``triton_gemm_tma`` its traced body calls for the TMA configs. Under Triton's interpreter
     (CPU tests) both are plain opaque ops: Inductor cannot launch interpreted kernels."""
     if _support.interpreting():
-        return {name: (name + OP_SCHEMA, launch, gemm_fake) for name in (OP_BASENAME, TMA_OP_BASENAME)}
+        return {name: (gemm_schema(name, *OP_OPTIONS), launch, gemm_fake) for name in (OP_BASENAME, TMA_OP_BASENAME)}
     from . import traced_ops
 
     return {OP_BASENAME: TritonOpSpec(traced_ops.triton_gemm, launch),
-            TMA_OP_BASENAME: (TMA_OP_BASENAME + OP_SCHEMA, launch, gemm_fake)}
+            TMA_OP_BASENAME: (gemm_schema(TMA_OP_BASENAME, *OP_OPTIONS), launch, gemm_fake)}
 
 
 _OPS = LazyOps(_specs, _dispatch_keys)
 
 
-def _register() -> Any:
-    """The op's OpOverload (defined on first use)."""
+def load_op() -> Any:
+    """The op's OpOverload (what the provider's ``load_op`` returns), defined now with ``triton_gemm_tma`` (which its
+    traced body calls) and their hot-path callables (:meth:`fp8_backends.oplib.LazyOps.preload`: load time, never
+    inside ``torch.compile`` tracing)."""
+    _OPS.preload()
     return _OPS.op(OP_BASENAME)
 
 
@@ -291,4 +293,6 @@ def triton_gemm(
     return _OPS.call(OP_BASENAME)(x, w, x_scale, w_scale, bias, out_dtype, config)
 
 
-__all__ = ["OP_NAME", "fused_launch", "launch", "pick_config", "pointer_kernel_args", "run_config", "triton_gemm"]
+__all__ = [
+    "OP_NAME", "fused_launch", "launch", "load_op", "pick_config", "pointer_kernel_args", "run_config", "triton_gemm",
+]

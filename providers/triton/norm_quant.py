@@ -35,8 +35,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from fp8_backends.backend import OpNormQuantBackend
 from fp8_backends.capabilities import NormQuantCapabilities
+from fp8_backends.errors import BackendUnavailableError
 from fp8_backends.oplib import LazyOps, TritonOpSpec
-from fp8_backends.types import OutDtype
+from fp8_backends.types import ActScale, OutDtype
 
 from . import _support
 
@@ -125,6 +126,24 @@ class TritonNormQuantBackend(OpNormQuantBackend):
 
     def explicit_only_reason(self, problem: Any, platform: Any) -> str | None:
         return _support.explicit_only_on_cpu(problem, platform)
+
+    #: the Triton activation-quant kernels (:mod:`.quant_kernels`) are the CUDA default of fp8_backends.quant's ops
+    activation_quant_devices: ClassVar[frozenset[str]] = frozenset({"cuda"})
+
+    @classmethod
+    def activation_quant_kernels(cls, device_type: str) -> dict[ActScale, Any]:
+        """:mod:`.quant_kernels` for CUDA tensors when every visible GPU is SM >= 8.9 (FP8 conversions); imports
+        triton."""
+        if device_type != "cuda":
+            return {}
+        import torch
+
+        sms = [tuple(torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())]
+        if not sms or min(sms) < _support.MIN_SM:
+            raise BackendUnavailableError(f"the Triton quant kernels need SM >= 8.9 on every GPU, found {sms}")
+        from . import quant_kernels
+
+        return quant_kernels.impls()
 
     def load_ops(self) -> tuple[Any, Any]:
         return load_ops()

@@ -1,0 +1,261 @@
+"""The import graph of the library: no cycle between modules, and no module imports one of a higher floor.
+
+The graph is read statically (``ast``) from every module of the three folders the package is installed from
+(``fp8_backends/``, ``registry/`` as ``fp8_backends.registry``, ``providers/`` as ``fp8_backends.providers``; see
+``[tool.setuptools.package-dir]``). An edge is a *module-level* import: what runs when the module is imported,
+including imports in class bodies, ``try`` blocks and the ``else`` of ``if TYPE_CHECKING``, and the parent packages
+an import of a submodule runs. Imports inside functions (the library's lazy imports: torch, kernel modules, the
+registry asked at call time) and under ``if TYPE_CHECKING`` are not edges.
+
+The floors, bottom up (an edge may stay on its floor or go down, never up):
+
+0. the provider contract and what everything shares (``CORE`` below): types, errors, settings, capabilities,
+   validation, the output contract, the reference, the provider bases, the op library, the bucket tables;
+1. the registry (``fp8_backends.registry``): platforms, discovery and in-process registration, resolution, the
+   selection policies and their data;
+2. the built-in providers (``fp8_backends.providers``), which register through entry points as a third party does;
+3. the engine layer and the tools: quantization ops, layers, functional API, model conversion, CLI flags, the
+   listing, the tuner (``tuning/``) and its CLI, builds, shipped-data tools, the conformance kit, deprecated names.
+
+Beyond the module-level rule, the contract and the registry never name a provider module at all (not even lazily):
+the default activation-quant kernels come to :mod:`fp8_backends.quant` through a provider hook. Only the tools in
+``TOOLS_NAMING_PROVIDERS`` import a provider module (lazily): they serve that provider's toolchain.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_DIRS = {"fp8_backends": "fp8_backends", "fp8_backends.registry": "registry",
+                "fp8_backends.providers": "providers"}
+
+#: floor 0: the provider contract and the pieces every floor shares (modules of ``fp8_backends/`` not listed here are
+#: floor 3, so a new module starts on the top floor until it is placed lower here)
+CORE = frozenset({
+    "fp8_backends", "fp8_backends.types", "fp8_backends.errors", "fp8_backends.settings",
+    "fp8_backends.capabilities", "fp8_backends.validation", "fp8_backends.output_contract",
+    "fp8_backends.reference", "fp8_backends.backend", "fp8_backends.oplib", "fp8_backends.bucket_tables",
+    "fp8_backends.text_table", "fp8_backends.dispatch",
+})
+FLOOR_NAMES = ("core contract", "registry", "providers", "engine layer and tools")
+#: tools of floor 3 that import a provider's modules (lazily) for its toolchain: ``python -m fp8_backends.build
+#: cutlass`` builds the CUTLASS kernels; shipped-data provenance records the CUTLASS headers and nvcc
+TOOLS_NAMING_PROVIDERS = frozenset({"fp8_backends.build", "fp8_backends.provenance"})
+
+
+def floor(module: str) -> int:
+    if module in CORE:
+        return 0
+    if module == "fp8_backends.registry" or module.startswith("fp8_backends.registry."):
+        return 1
+    if module == "fp8_backends.providers" or module.startswith("fp8_backends.providers."):
+        return 2
+    return 3
+
+
+def library_modules() -> dict[str, tuple[Path, bool]]:
+    """``{module name: (file, is a package __init__)}`` for every module of the three folders."""
+    found: dict[str, tuple[Path, bool]] = {}
+    for package, folder in PACKAGE_DIRS.items():
+        base = ROOT / folder
+        for path in sorted(base.rglob("*.py")):
+            rel = path.relative_to(base)
+            if rel.parts[0] == "data" or "__pycache__" in rel.parts:
+                continue
+            parts = [package, *rel.parts[:-1]]
+            if path.name != "__init__.py":
+                parts.append(path.stem)
+            name = ".".join(parts)
+            if name.startswith("fp8_backends.registry") and folder == "fp8_backends":
+                continue  # a stray folder of that name inside fp8_backends/ is not what gets installed
+            found[name] = (path, path.name == "__init__.py")
+    return found
+
+
+MODULES = library_modules()
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return any(isinstance(n, ast.Name | ast.Attribute) and getattr(n, "id", getattr(n, "attr", None)) ==
+               "TYPE_CHECKING" for n in ast.walk(test))
+
+
+def _import_nodes(body: list[ast.stmt], *, lazy: bool) -> list[ast.Import | ast.ImportFrom]:
+    """The import statements of ``body`` that run at import time (``lazy=False``), or every one (``lazy=True``:
+    function bodies and ``TYPE_CHECKING`` blocks too)."""
+    out: list[ast.Import | ast.ImportFrom] = []
+    for node in body:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            out.append(node)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            if lazy:
+                out += [n for n in ast.walk(node) if isinstance(n, ast.Import | ast.ImportFrom)]
+        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            out += _import_nodes(node.orelse, lazy=lazy)
+            if lazy:
+                out += _import_nodes(node.body, lazy=lazy)
+        else:
+            for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+                block = getattr(node, field, None)
+                if isinstance(block, list):
+                    for item in block:
+                        out += _import_nodes(getattr(item, "body", None) if not isinstance(item, ast.stmt)
+                                             else [item], lazy=lazy)
+    return out
+
+
+def _targets(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
+    """The library modules an import statement of ``module`` runs (the named modules and their parent packages)."""
+    path, is_package = MODULES[module]
+    named: set[str] = set()
+    if isinstance(node, ast.Import):
+        named = {alias.name for alias in node.names}
+    else:
+        if node.level:
+            base = module.split(".") if is_package else module.split(".")[:-1]
+            base = base[: len(base) - (node.level - 1)]
+            source = ".".join(base + ([node.module] if node.module else []))
+        else:
+            source = node.module or ""
+        named = {f"{source}.{a.name}" if f"{source}.{a.name}" in MODULES else source for a in node.names}
+    out = set()
+    for name in named:
+        parts = name.split(".")
+        out |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)}  # importing a.b.c runs a and a.b first
+    return {t for t in out if t in MODULES and t != module}
+
+
+def import_graph(*, lazy: bool = False) -> dict[str, set[str]]:
+    graph = {}
+    for module, (path, _) in MODULES.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        graph[module] = {t for node in _import_nodes(tree.body, lazy=lazy) for t in _targets(module, node)}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def floor_summary(graph: dict[str, set[str]]) -> dict[tuple[int, int], int]:
+    """``{(floor of the importer, floor of the imported): edges}``."""
+    summary: dict[tuple[int, int], int] = {}
+    for module, targets in graph.items():
+        for target in targets:
+            key = (floor(module), floor(target))
+            summary[key] = summary.get(key, 0) + 1
+    return summary
+
+
+# ------------------------------------------------------------------------------------------------------ tests
+def test_the_walk_sees_the_library():
+    assert {"fp8_backends.backend", "fp8_backends.registry.discovery", "fp8_backends.providers.triton.gemm",
+            "fp8_backends.tuning.engine", "fp8_backends.registry", "fp8_backends.providers"} <= set(MODULES)
+    assert not CORE - set(MODULES), f"CORE names modules that do not exist: {sorted(CORE - set(MODULES))}"
+    graph = import_graph()
+    assert "fp8_backends.types" in graph["fp8_backends.backend"]
+    assert "fp8_backends.registry.discovery" in graph["fp8_backends.registry.resolution"]  # relative import
+    assert "fp8_backends.registry" in graph["fp8_backends.registry.resolution"]  # its package runs first
+    # lazy imports are not module-level edges, but the lazy walk sees them
+    assert "fp8_backends.registry.platform" not in graph["fp8_backends.backend"]
+    assert "fp8_backends.registry.platform" in import_graph(lazy=True)["fp8_backends.backend"]
+
+
+def test_no_import_cycle_between_modules():
+    found = cycles(import_graph())
+    assert not found, "module-level import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def package_of(module: str) -> str:
+    """The node of ``module`` in the package graph: its package, split by floor where one folder holds two floors
+    (``fp8_backends/`` holds the contract, floor 0, and the engine layer and tools, floor 3)."""
+    package = module if MODULES[module][1] else module.rpartition(".")[0]
+    return f"{package}[{FLOOR_NAMES[floor(module)]}]"
+
+
+def test_no_import_cycle_between_packages():
+    packages: dict[str, set[str]] = {}
+    for module, targets in import_graph().items():
+        # running an ancestor package's __init__ first is how Python imports a module, not a dependency of the
+        # package on its parent (the module graph covers what that __init__ itself imports)
+        packages.setdefault(package_of(module), set()).update(
+            package_of(t) for t in targets if not (MODULES[t][1] and module.startswith(t + ".")))
+    for package, targets in packages.items():
+        targets.discard(package)
+        for target in targets:
+            packages.setdefault(target, set())
+    found = cycles(packages)
+    assert not found, "package-level import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_no_module_imports_a_higher_floor():
+    upward = sorted(f"{m} (floor {floor(m)}, {FLOOR_NAMES[floor(m)]}) imports {t} (floor {floor(t)})"
+                    for m, targets in import_graph().items() for t in targets if floor(t) > floor(m))
+    assert not upward, "imports up the floors at module level:\n" + "\n".join(upward)
+
+
+@pytest.mark.parametrize("lower_floor", [0, 1])
+def test_the_contract_and_the_registry_name_no_provider(lower_floor):
+    """Not even lazily: what a provider supplies (kernels, the quant default) reaches them through hooks."""
+    named = sorted(f"{m} -> {t}" for m, targets in import_graph(lazy=True).items() if floor(m) == lower_floor
+                   for t in targets if floor(t) == 2)
+    assert not named, f"{FLOOR_NAMES[lower_floor]} modules naming provider modules:\n" + "\n".join(named)
+
+
+def test_only_the_toolchain_tools_name_a_provider():
+    naming = {m for m, targets in import_graph(lazy=True).items() if floor(m) == 3 and any(floor(t) == 2
+                                                                                          for t in targets)}
+    assert naming == TOOLS_NAMING_PROVIDERS, (
+        f"engine-layer modules importing provider modules: {sorted(naming - TOOLS_NAMING_PROVIDERS)} "
+        "(ask the registry, or give the provider contract a hook)" if naming - TOOLS_NAMING_PROVIDERS
+        else f"TOOLS_NAMING_PROVIDERS is stale: {sorted(TOOLS_NAMING_PROVIDERS - naming)}")
+
+
+def test_quant_names_no_provider():
+    source = (ROOT / "fp8_backends" / "quant.py").read_text()
+    assert "fp8_backends.providers" not in source and "triton" not in source.split('"""', 2)[2]

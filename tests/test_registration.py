@@ -1,0 +1,269 @@
+"""In-process registration (``fp8_backends.register_provider``): a registered provider is discovered, listed,
+ranked by ``auto`` and named exactly like an entry point of its distribution, under the same environment rules
+(``FP8_BACKENDS_DISABLED``, ``FP8_BACKENDS_PLUGINS``), until it is unregistered; and it can supply the activation-
+quant kernels through the provider hook."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from typing import ClassVar
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fake_provider import FAKE_DIST, FakeMM  # noqa: E402
+
+import fp8_backends  # noqa: E402
+from fp8_backends import (  # noqa: E402
+    ActScale,
+    AmbiguousBackendError,
+    BackendUnavailableError,
+    DeviceKind,
+    GemmProblem,
+    InvalidInputError,
+    InvalidTypeError,
+    NormQuantCapabilities,
+    UnknownBackendError,
+    quant,
+    reference,
+    register_provider,
+    registered_providers,
+    resolve_gemm_backend,
+    resolve_norm_quant_backend,
+    unregister_provider,
+)
+from fp8_backends.list import collect, render  # noqa: E402
+from fp8_backends.providers.torch_norm_quant import TorchNormQuantBackend  # noqa: E402
+from fp8_backends.registry import discovery, resolution  # noqa: E402
+from fp8_backends.registry.platform import cpu_platform  # noqa: E402
+
+PROBLEM = GemmProblem(n=32, k=64, m=4, device="cpu")
+
+
+class TopMM(FakeMM):
+    """FakeMM above every built-in (auto picks it on the CPU)."""
+
+    name: ClassVar[str] = "top_mm"
+    aliases: ClassVar[tuple[str, ...]] = ("top",)
+    capabilities = dataclasses.replace(FakeMM.capabilities, priority=1000)
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    """No registration leaks out of a test (each test unregisters what it registered; this checks it)."""
+    before = dict(discovery.in_process)
+    resolution.reset_caches()
+    yield
+    leaked = [e.qualified_name for k, e in discovery.in_process.items() if k not in before]
+    discovery.in_process = before
+    resolution.reset_caches()
+    quant.reset_default_impls()
+    assert not leaked, f"registrations left behind: {leaked}"
+
+
+def _names(kind="gemm"):
+    return [e.qualified_name for e in discovery.discover(kind)]
+
+
+def test_registered_provider_is_discovered_listed_and_resolved_like_an_entry_point():
+    builtins = _names()
+    with register_provider(TopMM, dist=FAKE_DIST, version="2.0") as reg:
+        assert reg.active and reg.entry in registered_providers("gemm")
+        assert _names() == [*builtins, "fake-plugin:top_mm"]  # after the entry points
+        entry = discovery.discover("gemm")[-1]
+        assert (entry.origin, entry.status, entry.cls, entry.dist_version) == ("in_process", "loaded", TopMM, "2.0")
+        assert entry.target == f"{TopMM.__module__}:TopMM" and not entry.builtin
+        for request in ("top_mm", "top", "fake-plugin:top_mm", "fake_plugin:top_mm", "top_mm@variant=b"):
+            assert isinstance(resolve_gemm_backend(request, problem=PROBLEM), TopMM), request
+        assert resolve_gemm_backend(problem=PROBLEM).label == "top_mm[variant=auto]"  # auto: its priority wins
+        assert resolve_gemm_backend("top@variant=a", problem=PROBLEM).config == {"variant": "a"}
+        data = collect(cpu_platform(), gemm_problem=PROBLEM)
+        listed = next(p for p in data["providers"] if p["name"] == "top_mm")
+        assert listed["origin"] == "in_process" and listed["distribution"] == FAKE_DIST and listed["selected"]
+        assert all(p["origin"] == "entry_point" for p in data["providers"] if p["name"] != "top_mm")
+        assert "fake-plugin 2.0 (in-process)" in render(data)
+        parser = argparse.ArgumentParser()
+        fp8_backends.add_cli_args(parser)
+        assert isinstance(fp8_backends.backends_from_args(
+            parser.parse_args(["--fp8-gemm-backend", "top"]), gemm_problem=PROBLEM)[0], TopMM)
+    assert not reg.active and _names() == builtins
+    with pytest.raises(UnknownBackendError):
+        resolve_gemm_backend("top_mm", problem=PROBLEM)
+    assert resolve_gemm_backend(problem=PROBLEM).name == "torch_scaled_mm"
+
+
+def test_the_instance_cache_follows_the_registration():
+    class OtherTop(TopMM):
+        pass
+
+    with register_provider(TopMM, dist=FAKE_DIST):
+        assert type(resolve_gemm_backend("top_mm", problem=PROBLEM)) is TopMM
+        with pytest.raises(InvalidInputError, match="registered already"):
+            register_provider(OtherTop, dist=FAKE_DIST)
+        replacement = register_provider(OtherTop, dist=FAKE_DIST, replace=True)
+        assert type(resolve_gemm_backend("top_mm", problem=PROBLEM)) is OtherTop
+    # the replaced handle's exit left the newer registration alone
+    assert [e.cls for e in registered_providers()] == [OtherTop] and replacement.active
+    replacement.unregister()
+    replacement.unregister()  # idempotent
+    assert not registered_providers()
+    with pytest.raises(UnknownBackendError):
+        resolve_gemm_backend("top_mm", problem=PROBLEM)
+
+
+@pytest.mark.parametrize("value", ["top_mm", "top", "fake-plugin:top_mm", "gemm:top_mm"])
+def test_disabled_applies(monkeypatch, value):
+    with register_provider(TopMM, dist=FAKE_DIST):
+        monkeypatch.setenv("FP8_BACKENDS_DISABLED", value)
+        assert resolve_gemm_backend(problem=PROBLEM).name == "torch_scaled_mm"
+        with pytest.raises(BackendUnavailableError, match="FP8_BACKENDS_DISABLED"):
+            resolve_gemm_backend("top_mm", problem=PROBLEM)
+        monkeypatch.setenv("FP8_BACKENDS_DISABLED", "norm_quant:top_mm,otherdist:top_mm")
+        assert resolve_gemm_backend(problem=PROBLEM).name == "top_mm"
+
+
+def test_plugins_allowlist_applies(monkeypatch):
+    with register_provider(TopMM, dist=FAKE_DIST):
+        monkeypatch.setenv("FP8_BACKENDS_PLUGINS", "")
+        first, again = discovery.discover("gemm")[-1], discovery.discover("gemm")[-1]
+        assert first is again, "one blocked view per allowlist (the listing compares entries by identity)"
+        assert (first.status, first.cls, first.origin) == ("blocked", None, "in_process")
+        assert "FP8_BACKENDS_PLUGINS" in first.error
+        assert resolve_gemm_backend(problem=PROBLEM).name == "torch_scaled_mm"
+        with pytest.raises(BackendUnavailableError, match="blocked"):
+            resolve_gemm_backend("top_mm", problem=PROBLEM)
+        listed = next(p for p in collect(cpu_platform())["providers"] if p["name"] == "top_mm")
+        assert listed["status"] == "blocked" and not listed["usable"]
+        monkeypatch.setenv("FP8_BACKENDS_PLUGINS", "other-dist, Fake_Plugin")
+        assert resolve_gemm_backend(problem=PROBLEM).name == "top_mm"
+
+
+def test_a_name_two_distributions_register(caplog):
+    with register_provider(TopMM, dist=FAKE_DIST), register_provider(TopMM, dist="other-plugin"):
+        with pytest.raises(AmbiguousBackendError):
+            resolve_gemm_backend("top_mm", problem=PROBLEM)
+        assert resolve_gemm_backend("other-plugin:top_mm", problem=PROBLEM).name == "top_mm"
+        with caplog.at_level(logging.WARNING, logger="fp8_backends"):
+            assert resolve_gemm_backend(problem=PROBLEM).name == "top_mm"
+        assert "registered by several" in caplog.text
+        removed = unregister_provider("top", dist="other-plugin")  # by alias and distribution
+        assert [e.dist for e in removed] == ["other-plugin"]
+        assert [e.dist for e in registered_providers()] == [FAKE_DIST]
+        unregister_provider(TopMM)
+
+
+def test_a_norm_quant_provider():
+    class CpuNorm(TorchNormQuantBackend):
+        name: ClassVar[str] = "cpu_norm"
+        aliases: ClassVar[tuple[str, ...]] = ()
+        capabilities = dataclasses.replace(TorchNormQuantBackend.capabilities, priority=1000)
+
+    with register_provider(CpuNorm, dist="norm-plugin") as reg:
+        assert reg.entry.kind == "norm_quant" and registered_providers("gemm") == []
+        assert resolve_norm_quant_backend(problem=fp8_backends.NormQuantProblem(hidden=64, device="cpu")).name \
+            == "cpu_norm"
+        assert unregister_provider("cpu_norm", kind="norm_quant")[0] is reg.entry
+
+
+def test_refusals():
+    with pytest.raises(InvalidTypeError):
+        register_provider(object, dist="x")
+    with pytest.raises(InvalidTypeError):
+        register_provider(TopMM(), dist="x")
+    for name in ("", "a:b", "a b", "auto", "x@y"):
+        with pytest.raises(InvalidInputError, match="name"):
+            register_provider(type("Bad", (FakeMM,), {"name": name}), dist="x")
+    for dist in ("", "a:b", "a b"):
+        with pytest.raises(InvalidInputError, match="dist"):
+            register_provider(TopMM, dist=dist)
+    for dist in ("fp8-backends", "FP8_Backends"):
+        with pytest.raises(InvalidInputError, match="entry points"):
+            register_provider(TopMM, dist=dist)
+    with pytest.raises(UnknownBackendError, match="no in-process registration matches 'top_mm'"):
+        unregister_provider("top_mm")
+    with register_provider(TopMM, dist=FAKE_DIST):
+        with pytest.raises(UnknownBackendError):
+            unregister_provider(TopMM, kind="norm_quant")
+        with pytest.raises(InvalidInputError):
+            unregister_provider(TopMM, kind="attention")
+        with pytest.raises(UnknownBackendError):
+            unregister_provider(FakeMM)  # the class, not a name: another class
+        unregister_provider(TopMM, dist="fake_plugin")
+
+
+def test_default_distribution_is_the_package_that_holds_the_class():
+    import importlib.metadata
+
+    housed = type("Housed", (TopMM,), {"__module__": "stevedore.example_kernels"})
+    with register_provider(housed) as reg:
+        assert (reg.entry.dist, reg.entry.dist_version) == ("stevedore", importlib.metadata.version("stevedore"))
+    loose = type("Loose", (TopMM,), {"__module__": "my_engine_kernels.fp8"})
+    with register_provider(loose) as reg:
+        assert (reg.entry.dist, reg.entry.dist_version) == ("my_engine_kernels", None)
+
+
+def test_registrations_survive_a_refresh():
+    with register_provider(TopMM, dist=FAKE_DIST):
+        discovery.refresh()
+        assert "fake-plugin:top_mm" in _names()
+
+
+# ------------------------------------------------------------------------- the activation-quant provider hook
+def _scaled_static(x, scale, fp8_dtype):
+    return reference.quantize_static(x, scale, fp8_dtype)
+
+
+class QuantSupplier(TorchNormQuantBackend):
+    """A norm-quant provider that also supplies CPU activation-quant kernels (the static mode only)."""
+
+    name: ClassVar[str] = "quant_supplier"
+    aliases: ClassVar[tuple[str, ...]] = ()
+    activation_quant_devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
+    capabilities: ClassVar[NormQuantCapabilities] = NormQuantCapabilities(
+        devices=frozenset({DeviceKind.CPU}), priority=-1)
+    refuse: ClassVar[str] = ""
+
+    @classmethod
+    def activation_quant_kernels(cls, device_type):
+        if cls.refuse:
+            raise BackendUnavailableError(cls.refuse)
+        return {ActScale.PER_TENSOR_STATIC: _scaled_static}
+
+
+def test_a_provider_supplies_the_default_quant_kernels(monkeypatch, caplog):
+    assert quant.default_quant_impl("per_tensor_static", "cpu") is quant._REFERENCE[ActScale.PER_TENSOR_STATIC]
+    with register_provider(QuantSupplier, dist="quant-plugin"):  # registering forgets the decision
+        assert quant.default_quant_impl("per_tensor_static", "cpu") is _scaled_static
+        assert quant.default_quant_impl("per_token", "cpu") is quant._REFERENCE[ActScale.PER_TOKEN]  # left out
+        x, s = torch.randn(4, 32), torch.tensor([0.05])
+        assert torch.equal(quant.quantize_static(x, s).view(torch.uint8),
+                           reference.quantize_static(x, s).view(torch.uint8))
+        assert all(not r.startswith("quant_supplier") for r in quant._provider_kernels("cuda")[2])  # CPU only
+        monkeypatch.setenv("FP8_BACKENDS_DISABLED", "quant_supplier")
+        quant.reset_default_impls()
+        with caplog.at_level(logging.INFO, logger="fp8_backends"):
+            assert quant.default_quant_impl("per_tensor_static", "cpu") is quant._REFERENCE[
+                ActScale.PER_TENSOR_STATIC]
+        assert "CPU default is the reference" in caplog.text and "disabled by FP8_BACKENDS_DISABLED" in caplog.text
+        monkeypatch.delenv("FP8_BACKENDS_DISABLED")
+        monkeypatch.setattr(QuantSupplier, "refuse", "needs an AVX-512 CPU")
+        kernels, who, reasons = quant._provider_kernels("cpu")
+        assert kernels == {} and reasons == ["quant_supplier (quant-plugin): needs an AVX-512 CPU"]
+    assert quant.default_quant_impl("per_tensor_static", "cpu") is quant._REFERENCE[ActScale.PER_TENSOR_STATIC]
+
+
+def test_the_higher_priority_supplier_wins():
+    class Second(QuantSupplier):
+        name: ClassVar[str] = "second_supplier"
+        capabilities = dataclasses.replace(QuantSupplier.capabilities, priority=5)
+
+        @classmethod
+        def activation_quant_kernels(cls, device_type):
+            return {ActScale.PER_TENSOR_STATIC: reference.quantize_static}
+
+    with register_provider(QuantSupplier, dist="quant-plugin"), register_provider(Second, dist="quant-plugin"):
+        assert quant._provider_kernels("cpu")[1] == "second_supplier (quant-plugin)"
+        assert quant.default_quant_impl("per_tensor_static", "cpu") is reference.quantize_static
