@@ -30,10 +30,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fp8_backends.core.types import GemmProblem
 from fp8_backends.registry.platform import detect_platform
 from fp8_backends.tuning import grid
 from fp8_backends.tuning.plan import parse_m_list
-from fp8_backends.types import GemmProblem
 
 from . import common
 

@@ -2,7 +2,7 @@
 
 Timing comes from :mod:`fp8_backends.tuning.timing` (the same code the tuner uses): one CUDA graph per
 candidate over input copies rotated past L2, candidates interleaved over several rounds, median per
-call. Every candidate is checked against :mod:`fp8_backends.reference` before it is timed; a candidate
+call. Every candidate is checked against :mod:`fp8_backends.core.reference` before it is timed; a candidate
 that fails is recorded with its reason and the run goes on.
 """
 
@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp8_backends.core.text_table import text_table
+from fp8_backends.core.types import GemmProblem
 from fp8_backends.registry import resolution
 from fp8_backends.registry.platform import Platform
-from fp8_backends.text_table import text_table
 from fp8_backends.tuning.engine import CandidateResult, measure_candidates
 from fp8_backends.tuning.timing import Timer, measure_copy_bandwidth
 from fp8_backends.tuning.workloads import CandidateSpec, GemmWorkload, expand_candidates, make_candidate, make_workload
-from fp8_backends.types import GemmProblem
 
 RESULTS_ROOT = Path(__file__).resolve().parent / "results"
 VERSIONED = ("fp8-backends", "torch", "triton", "flashinfer-python", "nvidia-cutlass", "cuda-python")

@@ -36,7 +36,7 @@ def _raise_recompile_limits(torch: Any) -> None:
 def _compiled(residual: bool) -> Any:
     import torch
 
-    from fp8_backends import reference
+    from fp8_backends.core import reference
 
     _raise_recompile_limits(torch)
 

@@ -2,11 +2,11 @@
 
 A sweep times every kernel config of one provider, plus ``torch._scaled_mm`` (plain and fast
 accumulation), on the Llama-3-8B GEMM shapes at several M, and turns the timings into an M-bucket
-dispatch table (:class:`fp8_backends.bucket_tables.BucketTable` JSON) and a markdown report.
+dispatch table (:class:`fp8_backends.core.bucket_tables.BucketTable` JSON) and a markdown report.
 
 - :func:`measure_point`: one ``(N, K, M)``; candidates interleaved in CUDA graphs over input copies
   rotated past 4x L2 (:class:`fp8_backends.tuning.timing.CudaGraphTimer`), every output checked against
-  :func:`fp8_backends.reference.fp8_gemm`; the caller supplies the provider's runs.
+  :func:`fp8_backends.core.reference.fp8_gemm`; the caller supplies the provider's runs.
 - :func:`summarize`: best config per point, the measured table (per shape, plus a ``default`` with the best
   geometric-mean speed over the shapes; bucket bounds at the geometric midpoints of the measured M), and
   speed ratios to torch per M class for several ways of picking.
@@ -95,7 +95,7 @@ def measure_point(n: int, k: int, m: int, runs_for: Callable[..., dict[str, Any]
     rotated input copies (``xs``: ``[1]`` or ``[M, 1]``; ``ws``: ``[1]`` or ``[N]``)."""
     import torch
 
-    from fp8_backends import reference
+    from fp8_backends.core import reference
     from fp8_backends.tuning.timing import Run, rotation_count
 
     fp8 = torch.float8_e4m3fn

@@ -8,7 +8,7 @@ What it does, per (N, K) in (6144,4096) (4096,4096) (28672,4096) (4096,14336) an
 - times each config and torch._scaled_mm (use_fast_accum False and True) with
   :class:`fp8_backends.tuning.timing.CudaGraphTimer`: one CUDA graph per candidate over input copies rotated past
   4x L2, candidates interleaved over several rounds, median per call;
-- checks every candidate's graph output against :func:`fp8_backends.reference.fp8_gemm` (fp32);
+- checks every candidate's graph output against :func:`fp8_backends.core.reference.fp8_gemm` (fp32);
 - measures, in a fresh process, how long loading the cached libraries takes (import + dlopen + first call).
 
 Writes ``cutlass_configs.json`` (every number), ``cutlass_configs.md`` (tables: µs per config, best config,
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from fp8_backends.errors import BuildError
+    from fp8_backends.core.errors import BuildError
     from fp8_backends.providers.cutlass import build, configs
     from fp8_backends.tuning.timing import l2_cache_bytes
 
@@ -223,7 +223,7 @@ def markdown(report: dict[str, Any], names: list[str], ms: list[int], shapes: li
         f"- accumulation: {'fast' if h['fast_accum'] else 'precise'}; {h.get('scales', 'per-tensor')} scales, "
         "bf16 out, no bias",
         "- µs per call inside a CUDA graph (median over interleaved rounds, input copies rotated past 4x L2); "
-        "every output checked against fp8_backends.reference (relerr < 1e-2)",
+        "every output checked against fp8_backends.core.reference (relerr < 1e-2)",
         f"- command: `{h['command']}`",
     ]
     load = report.get("load")

@@ -234,7 +234,7 @@ def _norm_calls(nq, module, x, res, weight, scale, out) -> dict:
 def norm_section(args, log) -> list[dict]:
     from flashinfer import norm as fi_norm
 
-    from fp8_backends import reference
+    from fp8_backends.core import reference
     from fp8_backends.providers.flashinfer import norm_ops as ops
     from fp8_backends.providers.flashinfer.norm_quant import FlashinferNormQuantBackend
 

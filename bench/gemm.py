@@ -24,11 +24,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fp8_backends.core.types import GemmProblem
 from fp8_backends.registry import lockfile
 from fp8_backends.registry.platform import detect_platform
 from fp8_backends.tuning.models import linear_shapes
 from fp8_backends.tuning.plan import QUICK_M_BUCKETS, parse_m_list
-from fp8_backends.types import GemmProblem
 
 from . import common, plot
 

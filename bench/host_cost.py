@@ -99,7 +99,7 @@ def summarize(entries: list[Timed]) -> list[dict[str, Any]]:
 
 def triton_breakdown(device: str) -> list[Timed]:
     """Where the triton GEMM provider's host time goes (M=16, 4096x4096), outside in: the whole ``gemm``
-    call; the op as the provider calls it (:func:`fp8_backends.oplib.eager_fast`: the implementation
+    call; the op as the provider calls it (:func:`fp8_backends.core.oplib.eager_fast`: the implementation
     directly in eager); the op through torch's dispatcher; the op's implementation; ``run_config`` into a
     preallocated output; the cached-kernel launch alone; its specialization key alone; the compiled
     kernel's own launcher given the tensors against given their data pointers (what the launcher passes);
@@ -185,9 +185,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.common import header_markdown, md_table, run_header, write_json, write_markdown
     from fp8_backends import quant
+    from fp8_backends.core.types import GemmProblem, NormQuantProblem
     from fp8_backends.registry.discovery import discover
     from fp8_backends.registry.platform import detect_platform
-    from fp8_backends.types import GemmProblem, NormQuantProblem
 
     device = "cuda"
     skip = {v.strip() for v in args.skip.split(",") if v.strip()}

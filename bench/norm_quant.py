@@ -21,11 +21,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fp8_backends.core.types import NormQuantProblem
 from fp8_backends.registry import lockfile
 from fp8_backends.registry.platform import detect_platform
 from fp8_backends.tuning.models import hidden_size
 from fp8_backends.tuning.plan import QUICK_M_BUCKETS, parse_m_list
-from fp8_backends.types import NormQuantProblem
 
 from . import common, compiled_baseline, plot
 

@@ -19,11 +19,11 @@ from typing import ClassVar
 def main(argv: list[str] | None = None) -> None:
     import torch
 
-    from fp8_backends import reference
-    from fp8_backends.backend import Fp8GemmBackend
-    from fp8_backends.capabilities import GemmCapabilities
+    from fp8_backends.core import reference
+    from fp8_backends.core.backend import Fp8GemmBackend
+    from fp8_backends.core.capabilities import GemmCapabilities
+    from fp8_backends.core.types import ActScale, DeviceKind
     from fp8_backends.eager_plan import EagerPlan, bind_linear
-    from fp8_backends.types import ActScale, DeviceKind
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--number", type=int, default=20000)

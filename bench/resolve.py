@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fp8_backends.core.types import GemmProblem
 from fp8_backends.registry import lockfile, resolution
 from fp8_backends.registry.platform import Platform, detect_platform
 from fp8_backends.tuning.models import linear_shapes
 from fp8_backends.tuning.workloads import expand_candidates
-from fp8_backends.types import GemmProblem
 
 from . import common
 

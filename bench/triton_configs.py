@@ -5,7 +5,7 @@
 
 Per (N, K) and M: times every config (launched with PDL where the GPU has it, as the provider does) and
 torch._scaled_mm (plain and fast accumulation) in CUDA graphs, interleaved over rounds, input copies
-rotated past 4x L2; checks every output against :func:`fp8_backends.reference.fp8_gemm`. For the best
+rotated past 4x L2; checks every output against :func:`fp8_backends.core.reference.fp8_gemm`. For the best
 config of each point it also times the same kernel launched without PDL (the like-for-like comparison
 with cuBLAS, which does not use PDL). The copy bandwidth is measured at the start of the run: the
 weight-read floor of a point is ``N*K bytes / copy GB/s``.
@@ -220,7 +220,8 @@ def markdown(report: dict[str, Any], names: list[str]) -> str:
         "floor = weight bytes / copy bandwidth",
         f"- PDL: {'on' if h['pdl'] else 'off'} for the config columns; 'no-PDL' times the best config without it",
         "- µs per call inside a CUDA graph (median over interleaved rounds, input copies rotated past 4x L2); "
-        "per-tensor scales, bf16 out, no bias; every output checked against fp8_backends.reference (relerr < 1e-2)",
+        "per-tensor scales, bf16 out, no bias; every output checked against fp8_backends.core.reference "
+        "(relerr < 1e-2)",
     ]
 
     def floor_us(row: dict[str, Any]) -> float:

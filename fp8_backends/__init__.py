@@ -22,37 +22,37 @@ logging.getLogger("fp8_backends").addHandler(logging.NullHandler())
 
 # public name -> module that defines it (imported on first attribute access)
 _EXPORTS = {
-    "Fp8GemmBackend": "fp8_backends.backend",
-    "NormQuantBackend": "fp8_backends.backend",
-    "ProviderBase": "fp8_backends.backend",
-    "OpGemmBackend": "fp8_backends.backend",
-    "OpNormQuantBackend": "fp8_backends.backend",
-    "Capabilities": "fp8_backends.capabilities",
-    "GemmCapabilities": "fp8_backends.capabilities",
-    "NormQuantCapabilities": "fp8_backends.capabilities",
-    "ActScale": "fp8_backends.types",
-    "Availability": "fp8_backends.types",
-    "BiasMode": "fp8_backends.types",
-    "DeviceKind": "fp8_backends.types",
-    "Fp8Dtype": "fp8_backends.types",
-    "GemmProblem": "fp8_backends.types",
-    "NormQuantProblem": "fp8_backends.types",
-    "OutDtype": "fp8_backends.types",
-    "PreparedWeight": "fp8_backends.types",
-    "QuantizedActivation": "fp8_backends.types",
-    "WeightScale": "fp8_backends.types",
-    "Fp8BackendError": "fp8_backends.errors",
-    "UnknownBackendError": "fp8_backends.errors",
-    "AmbiguousBackendError": "fp8_backends.errors",
-    "BackendUnavailableError": "fp8_backends.errors",
-    "UnsupportedProblemError": "fp8_backends.errors",
-    "InvalidInputError": "fp8_backends.errors",
-    "InvalidTypeError": "fp8_backends.errors",
-    "BackendOptionError": "fp8_backends.errors",
-    "ConfigurationError": "fp8_backends.errors",
-    "BuildError": "fp8_backends.errors",
-    "DataFileError": "fp8_backends.errors",
-    "ProviderOutputError": "fp8_backends.errors",
+    "Fp8GemmBackend": "fp8_backends.core.backend",
+    "NormQuantBackend": "fp8_backends.core.backend",
+    "ProviderBase": "fp8_backends.core.backend",
+    "OpGemmBackend": "fp8_backends.core.backend",
+    "OpNormQuantBackend": "fp8_backends.core.backend",
+    "Capabilities": "fp8_backends.core.capabilities",
+    "GemmCapabilities": "fp8_backends.core.capabilities",
+    "NormQuantCapabilities": "fp8_backends.core.capabilities",
+    "ActScale": "fp8_backends.core.types",
+    "Availability": "fp8_backends.core.types",
+    "BiasMode": "fp8_backends.core.types",
+    "DeviceKind": "fp8_backends.core.types",
+    "Fp8Dtype": "fp8_backends.core.types",
+    "GemmProblem": "fp8_backends.core.types",
+    "NormQuantProblem": "fp8_backends.core.types",
+    "OutDtype": "fp8_backends.core.types",
+    "PreparedWeight": "fp8_backends.core.types",
+    "QuantizedActivation": "fp8_backends.core.types",
+    "WeightScale": "fp8_backends.core.types",
+    "Fp8BackendError": "fp8_backends.core.errors",
+    "UnknownBackendError": "fp8_backends.core.errors",
+    "AmbiguousBackendError": "fp8_backends.core.errors",
+    "BackendUnavailableError": "fp8_backends.core.errors",
+    "UnsupportedProblemError": "fp8_backends.core.errors",
+    "InvalidInputError": "fp8_backends.core.errors",
+    "InvalidTypeError": "fp8_backends.core.errors",
+    "BackendOptionError": "fp8_backends.core.errors",
+    "ConfigurationError": "fp8_backends.core.errors",
+    "BuildError": "fp8_backends.core.errors",
+    "DataFileError": "fp8_backends.core.errors",
+    "ProviderOutputError": "fp8_backends.core.errors",
     "resolve_gemm_backend": "fp8_backends.registry.resolution",
     "resolve_norm_quant_backend": "fp8_backends.registry.resolution",
     "init_fp8_gemm": "fp8_backends.registry.per_m",
@@ -90,11 +90,11 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from .backend import Fp8GemmBackend, NormQuantBackend, OpGemmBackend, OpNormQuantBackend, ProviderBase
-    from .capabilities import Capabilities, GemmCapabilities, NormQuantCapabilities
     from .cli import add_cli_args, backends_from_args
     from .convert import QuantizeSummary, quantize_model
-    from .errors import (
+    from .core.backend import Fp8GemmBackend, NormQuantBackend, OpGemmBackend, OpNormQuantBackend, ProviderBase
+    from .core.capabilities import Capabilities, GemmCapabilities, NormQuantCapabilities
+    from .core.errors import (
         AmbiguousBackendError,
         BackendOptionError,
         BackendUnavailableError,
@@ -108,12 +108,7 @@ if TYPE_CHECKING:
         UnknownBackendError,
         UnsupportedProblemError,
     )
-    from .functional import fp8_linear
-    from .registry.per_m import PerMGemm, init_fp8_gemm
-    from .registry.platform import Platform, detect_platform, list_platforms, simulate_platform
-    from .registry.registration import Registration, register_provider, registered_providers, unregister_provider
-    from .registry.resolution import resolve_gemm_backend, resolve_norm_quant_backend
-    from .types import (
+    from .core.types import (
         ActScale,
         Availability,
         BiasMode,
@@ -126,3 +121,8 @@ if TYPE_CHECKING:
         QuantizedActivation,
         WeightScale,
     )
+    from .functional import fp8_linear
+    from .registry.per_m import PerMGemm, init_fp8_gemm
+    from .registry.platform import Platform, detect_platform, list_platforms, simulate_platform
+    from .registry.registration import Registration, register_provider, registered_providers, unregister_provider
+    from .registry.resolution import resolve_gemm_backend, resolve_norm_quant_backend

@@ -47,7 +47,7 @@ def _pick(raw: str, allowed: Sequence[str], what: str, aliases: dict[str, str] |
 
 
 def _cutlass(argv: Sequence[str]) -> int:
-    from fp8_backends.errors import BuildError
+    from fp8_backends.core.errors import BuildError
     from fp8_backends.providers.cutlass import build
     from fp8_backends.providers.cutlass.configs import CONFIG_NAMES, active_table
 

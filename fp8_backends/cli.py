@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from fp8_backends.errors import InvalidInputError, InvalidTypeError
+from fp8_backends.core.errors import InvalidInputError, InvalidTypeError
 from fp8_backends.registry import discovery, resolution
 
 

@@ -29,10 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .backend import Fp8GemmBackend
-from .errors import InvalidInputError, InvalidTypeError, UnsupportedProblemError
+from .core.backend import Fp8GemmBackend
+from .core.errors import InvalidInputError, InvalidTypeError, UnsupportedProblemError
+from .core.types import ActScale, Fp8Dtype, WeightScale
 from .layers import Fp8Linear
-from .types import ActScale, Fp8Dtype, WeightScale
 
 logger = logging.getLogger("fp8_backends")
 

@@ -6,16 +6,16 @@ with its prepared weight), the output dtype, the bias and the activation quantiz
 into a closure. A plain eager call then checks only what can change from call to call (the
 input's type, dtype, last dimension and device) and runs two closures: quantize, GEMM; or one, where the
 provider quantizes the activation inside its GEMM launch
-(:meth:`~fp8_backends.backend.Fp8GemmBackend.fused_quant_gemm_impl`: the ``triton`` swap-AB and GEMV kernels at
+(:meth:`~fp8_backends.core.backend.Fp8GemmBackend.fused_quant_gemm_impl`: the ``triton`` swap-AB and GEMV kernels at
 small M). Then it checks the provider's output contract (type, ``[M, N]``, dtype, device: a few attribute
-comparisons, see :mod:`fp8_backends.output_contract`). Everything else the general
+comparisons, see :mod:`fp8_backends.core.output_contract`). Everything else the general
 path checks (scale shapes and dtypes, the prepared weight's owner, bias shape and dtype, the quantized input's
 layout) was fixed at load time and is guaranteed by construction: the plan quantizes the input itself.
 
 The general path (:func:`fp8_backends.functional.apply_fp8_linear`) still serves every other call: under
 ``torch.compile`` (where it is what Dynamo traces: the quantization as torch ops Inductor fuses into the producer,
 the GEMM as the provider's op), under a dispatch mode or tensor subclass, a
-:class:`~fp8_backends.types.QuantizedActivation` input, an empty input, or anything the plan's checks refuse
+:class:`~fp8_backends.core.types.QuantizedActivation` input, an empty input, or anything the plan's checks refuse
 (which the general path then explains with the library's errors).
 """
 
@@ -24,15 +24,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import output_contract
-from .types import ActScale
+from .core import output_contract
+from .core.types import ActScale
 
 if TYPE_CHECKING:
     import torch
 
-    from .backend import Fp8GemmBackend
+    from .core.backend import Fp8GemmBackend
+    from .core.types import PreparedWeight
     from .registry.per_m import PerMGemm
-    from .types import PreparedWeight
 
 #: ``(x_q [M, K] fp8, x_scale fp32 [1] or [M, 1]) -> y [M, N]``
 GemmCall = Callable[[Any, Any], Any]

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from . import validation as V
-from .backend import Fp8GemmBackend
-from .errors import InvalidInputError
-from .types import ActScale, Fp8Dtype, OutDtype, PreparedWeight, QuantizedActivation
+from .core import validation as V
+from .core.backend import Fp8GemmBackend
+from .core.errors import InvalidInputError
+from .core.types import ActScale, Fp8Dtype, OutDtype, PreparedWeight, QuantizedActivation
 
 if TYPE_CHECKING:
     import torch

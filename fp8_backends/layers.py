@@ -8,7 +8,7 @@ prepares the weight for it. The forward then runs no resolution, no weight conve
 host-device sync, so it can be compiled (``torch.compile(fullgraph=True)``) and captured in a CUDA graph.
 
 Fused hand-off: an :class:`RMSNormFp8Quant` given the next linear (``quant_linear=``) emits a
-:class:`~fp8_backends.types.QuantizedActivation` from the fused norm+quant provider when that
+:class:`~fp8_backends.core.types.QuantizedActivation` from the fused norm+quant provider when that
 linear takes a static per-tensor input scale; the linear then skips its own quantization.
 
 Dtype changes (``model.half()``, ``model.to(torch.bfloat16)``) do not touch these modules' FP8
@@ -27,13 +27,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from . import validation as V
-from .backend import Fp8GemmBackend, NormQuantBackend
-from .eager_plan import EagerPlan, bind_per_m
-from .errors import InvalidInputError, InvalidTypeError, UnsupportedProblemError
-from .functional import apply_fp8_linear
-from .registry.per_m import PerMGemm, init_fp8_gemm
-from .types import (
+from .core import validation as V
+from .core.backend import Fp8GemmBackend, NormQuantBackend
+from .core.errors import InvalidInputError, InvalidTypeError, UnsupportedProblemError
+from .core.types import (
     ActScale,
     DeviceKind,
     Fp8Dtype,
@@ -44,6 +41,9 @@ from .types import (
     QuantizedActivation,
     WeightScale,
 )
+from .eager_plan import EagerPlan, bind_per_m
+from .functional import apply_fp8_linear
+from .registry.per_m import PerMGemm, init_fp8_gemm
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -261,7 +261,7 @@ class Fp8Linear(nn.Module):
         tensor or per output row, ``w_q = clamp(w / s_w) -> fp8``. The model dtype is the linear's.
         A static ``act_scale`` needs ``input_scale`` (a calibrated float or fp32 one-value tensor).
         ``process=True`` also runs :meth:`process_weights_after_loading` (weights already in place)."""
-        from . import reference
+        from .core import reference
 
         if not isinstance(linear, nn.Linear):
             raise InvalidInputError(f"from_linear needs an nn.Linear, got {type(linear).__name__}")
@@ -745,7 +745,7 @@ class RMSNormFp8Quant(nn.Module):
             V.require_matching_residual(residual, x)
         if self.emits_quantized:
             return self._forward_quant(x, residual)
-        from . import reference
+        from .core import reference
 
         if residual is None:
             return reference.rmsnorm(x, self.weight, self.eps).to(x.dtype)

@@ -25,12 +25,12 @@ import os
 import sys
 from typing import Any
 
-from fp8_backends import settings
-from fp8_backends.errors import ConfigurationError, Fp8BackendError
+from fp8_backends.core import settings
+from fp8_backends.core.errors import ConfigurationError, Fp8BackendError
+from fp8_backends.core.text_table import text_table
+from fp8_backends.core.types import ActScale, GemmProblem, NormQuantProblem, WeightScale
 from fp8_backends.registry import discovery, resolution
 from fp8_backends.registry.platform import Platform, detect_platform, list_platforms, simulate_platform
-from fp8_backends.text_table import text_table
-from fp8_backends.types import ActScale, GemmProblem, NormQuantProblem, WeightScale
 
 SCHEMA = "fp8_backends.list/1"
 

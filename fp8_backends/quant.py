@@ -1,6 +1,6 @@
 """FP8 activation quantization as torch library ops.
 
-Three ops, defined with :func:`fp8_backends.oplib.define_ops` (each with a fake implementation, so
+Three ops, defined with :func:`fp8_backends.core.oplib.define_ops` (each with a fake implementation, so
 ``torch.compile`` traces them without running them) on first use, never at import, for CPU and CUDA tensors:
 
 ========================================  =========================================================
@@ -16,10 +16,10 @@ are computed on the device: no op here synchronises with the host.
 
 Implementations: a kernel registered per mode and device type with :func:`register_quant_impl` always wins
 (``x.device.type`` picks the entry at run time). Without one, the default is a provider's, through the provider hook
-:meth:`~fp8_backends.backend.ProviderBase.activation_quant_kernels`: the first provider, in ``auto``'s order
+:meth:`~fp8_backends.core.backend.ProviderBase.activation_quant_kernels`: the first provider, in ``auto``'s order
 (priority, built-ins first), that lists the device type in its ``activation_quant_devices``, is usable here (not
 disabled by ``FP8_BACKENDS_DISABLED``, blocked by ``FP8_BACKENDS_PLUGINS`` or unavailable) and answers with kernels;
-else :mod:`fp8_backends.reference`. This module names no provider. With the built-ins:
+else :mod:`fp8_backends.core.reference`. This module names no provider. With the built-ins:
 
 - CUDA tensors: the built-in ``triton`` norm-quant provider supplies its Triton quant kernels when triton is
   installed, the provider is not disabled and every visible GPU is SM >= 8.9 (FP8 conversions); otherwise the
@@ -27,7 +27,7 @@ else :mod:`fp8_backends.reference`. This module names no provider. With the buil
   kernel configuration then compiles at its first use: make those first calls outside CUDA graph capture); later
   calls cost a dict lookup. :func:`reset_default_impls` forgets the decision; :func:`default_quant_impl` tells
   what it is.
-- every other device type (the CPU included): :mod:`fp8_backends.reference`.
+- every other device type (the CPU included): :mod:`fp8_backends.core.reference`.
 
 Under ``torch.compile`` the public functions trace the reference torch code inline instead of the
 opaque op (``set_compile_mode("inline")``, the default), so Inductor can fuse the quantization into
@@ -43,10 +43,10 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import validation as V
-from .errors import BackendUnavailableError, InvalidInputError
-from .oplib import LazyOps
-from .types import ActScale, Fp8Dtype, OutDtype, QuantizedActivation
+from .core import validation as V
+from .core.errors import BackendUnavailableError, InvalidInputError
+from .core.oplib import LazyOps
+from .core.types import ActScale, Fp8Dtype, OutDtype, QuantizedActivation
 
 if TYPE_CHECKING:
     import torch
@@ -109,19 +109,19 @@ def set_compile_mode(mode: str) -> str:
 
 # ---------------------------------------------------------------------------------------------- ops
 def _reference_static(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    from . import reference
+    from .core import reference
 
     return reference.quantize_static(x, scale, fp8_dtype)
 
 
 def _reference_dynamic(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    from . import reference
+    from .core import reference
 
     return reference.quantize_dynamic_per_tensor(x, fp8_dtype)
 
 
 def _reference_per_token(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    from . import reference
+    from .core import reference
 
     return reference.quantize_per_token(x, fp8_dtype)
 
@@ -139,11 +139,11 @@ _defaults: dict[tuple[ActScale, str], QuantImpl] = {}
 
 def _provider_kernels(device_type: str) -> tuple[dict[ActScale, QuantImpl], str, list[str]]:
     """The activation-quant kernels the providers supply for ``device_type`` (the provider hook
-    :meth:`~fp8_backends.backend.ProviderBase.activation_quant_kernels`): ``(kernels, provider, reasons)`` from the
+    :meth:`~fp8_backends.core.backend.ProviderBase.activation_quant_kernels`): ``(kernels, provider, reasons)`` from the
     first provider, in ``auto``'s order (priority, built-ins first, name), that declares ``device_type`` in its
     ``activation_quant_devices``, is usable (not disabled, blocked or unavailable) and answers; ``({}, "", reasons)``
     when none does, ``reasons`` saying why each provider asked could not serve. A provider whose hook raises anything
-    but :class:`~fp8_backends.errors.BackendUnavailableError` (a broken install) is passed over with a WARNING."""
+    but :class:`~fp8_backends.core.errors.BackendUnavailableError` (a broken install) is passed over with a WARNING."""
     from fp8_backends.registry import discovery
 
     entries = [e for kind in ("norm_quant", "gemm") for e in discovery.discover(kind)
@@ -259,13 +259,13 @@ def quant_op(mode: ActScale | str) -> Any:
 
 
 def _call(mode: ActScale) -> Any:
-    """The op for ``mode`` as the hot path calls it (:func:`fp8_backends.oplib.eager_fast`)."""
+    """The op for ``mode`` as the hot path calls it (:func:`fp8_backends.core.oplib.eager_fast`)."""
     return _OPS.call(_OP_NAMES[mode])
 
 
 def op_call(mode: ActScale | str) -> Any:
     """The op for ``mode`` as a callable for hot paths that validated their input at load time: a plain eager
-    call runs the implementation directly (:func:`fp8_backends.oplib.eager_fast`), anything else goes through
+    call runs the implementation directly (:func:`fp8_backends.core.oplib.eager_fast`), anything else goes through
     the op. Static: ``(x, scale, fp8_dtype) -> q``; dynamic / per-token: ``(x, fp8_dtype) -> (q, scale)``."""
     return _call(ActScale.of(mode))
 
@@ -305,7 +305,7 @@ def quantize_static(x: torch.Tensor, scale: torch.Tensor, dtype: object = Fp8Dty
     V.check_scale_values(scale, "scale")
     fp8 = _fp8(dtype)
     if _inline():
-        from . import reference
+        from .core import reference
 
         return reference.quantize_static(x, scale, fp8)
     return _call(ActScale.PER_TENSOR_STATIC)(x, scale, fp8)
@@ -317,7 +317,7 @@ def quantize_dynamic(x: torch.Tensor, dtype: object = Fp8Dtype.E4M3FN) -> tuple[
     _check_x(x)
     fp8 = _fp8(dtype)
     if _inline():
-        from . import reference
+        from .core import reference
 
         return reference.quantize_dynamic_per_tensor(x, fp8)
     return _call(ActScale.PER_TENSOR_DYNAMIC)(x, fp8)
@@ -328,7 +328,7 @@ def quantize_per_token(x: torch.Tensor, dtype: object = Fp8Dtype.E4M3FN) -> tupl
     _check_x(x)
     fp8 = _fp8(dtype)
     if _inline():
-        from . import reference
+        from .core import reference
 
         return reference.quantize_per_token(x, fp8)
     return _call(ActScale.PER_TOKEN)(x, fp8)

@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fp8_backends.errors import DataFileError
+from fp8_backends.core.errors import DataFileError
 from fp8_backends.registry import lockfile, nearest, shipped_data
 
 #: per-entry fields ``auto`` never reads: left out of the shipped file

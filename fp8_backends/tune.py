@@ -13,7 +13,7 @@ Examples::
 
 For each problem and M bucket, every provider that can serve it is a candidate, once per value
 combination of its ``tunable_options``. Each candidate is first run once and compared with
-:mod:`fp8_backends.reference` (relative error <= ``--rtol``); only correct ones are timed (see
+:mod:`fp8_backends.core.reference` (relative error <= ``--rtol``); only correct ones are timed (see
 :mod:`fp8_backends.tuning.timing`: CUDA graphs, inputs rotated past L2, candidates interleaved, median).
 The winner is the candidate static priorities rank first among those within ``--tie-margin`` of the
 fastest, decided here and recorded, so reruns of ``auto`` never flip. Entries are merged into the
@@ -41,6 +41,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from fp8_backends.core.types import ActScale, WeightScale
 from fp8_backends.registry import lockfile
 from fp8_backends.registry.discovery import discover as discover_entries
 from fp8_backends.registry.platform import Platform, detect_platform
@@ -58,7 +59,6 @@ from fp8_backends.tuning.engine import (  # noqa: F401 (the engine's public name
 from fp8_backends.tuning.plan import QUICK_M_BUCKETS, parse_m_list  # noqa: F401
 from fp8_backends.tuning.timing import Timer, TimerConfig
 from fp8_backends.tuning.workloads import expand_candidates, kind_of, option_combos
-from fp8_backends.types import ActScale, WeightScale
 
 
 # ---------------------------------------------------------------------------------------- CLI

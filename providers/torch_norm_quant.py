@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
-from fp8_backends.backend import NormQuantBackend
-from fp8_backends.capabilities import NormQuantCapabilities
-from fp8_backends.types import DeviceKind, OutDtype
+from fp8_backends.core.backend import NormQuantBackend
+from fp8_backends.core.capabilities import NormQuantCapabilities
+from fp8_backends.core.types import DeviceKind, OutDtype
 
 if TYPE_CHECKING:
     import torch
@@ -32,7 +32,7 @@ class TorchNormQuantBackend(NormQuantBackend):
     def rmsnorm_quant_impl(
         self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, eps: float
     ) -> None:
-        from fp8_backends import reference
+        from fp8_backends.core import reference
 
         out.copy_(reference.rmsnorm_quant(x, weight, scale, eps))
 
@@ -40,7 +40,7 @@ class TorchNormQuantBackend(NormQuantBackend):
         self, out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         scale: torch.Tensor, eps: float,
     ) -> None:
-        from fp8_backends import reference
+        from fp8_backends.core import reference
 
         q, new_residual = reference.fused_add_rmsnorm_quant(x, residual, weight, scale, eps)
         out.copy_(q)

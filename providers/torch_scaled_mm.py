@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
-from fp8_backends.backend import Fp8GemmBackend
-from fp8_backends.capabilities import GemmCapabilities
-from fp8_backends.errors import InvalidInputError
-from fp8_backends.types import (
+from fp8_backends.core.backend import Fp8GemmBackend
+from fp8_backends.core.capabilities import GemmCapabilities
+from fp8_backends.core.errors import InvalidInputError
+from fp8_backends.core.types import (
     ActScale,
     BiasMode,
     DeviceKind,

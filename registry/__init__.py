@@ -6,5 +6,5 @@
 - :mod:`.policy`: the selection-policy contract of ``auto`` (``pick``, ``buckets``) and its ranked register; the
   built-in policies are :mod:`.lockfile_policy`, :mod:`.shipped` and :mod:`.defaults`.
 - :mod:`.per_m`: one weight's composite provider per M bucket (what a layer or ``fp8_linear`` runs).
-- the environment variables it reads are in :mod:`fp8_backends.settings`.
+- the environment variables it reads are in :mod:`fp8_backends.core.settings`.
 """

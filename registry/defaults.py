@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fp8_backends import settings
+from fp8_backends.core import settings
 
 from .platform import Platform
 from .policy import SelectionPolicy, register_selection_policy

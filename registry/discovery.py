@@ -24,8 +24,8 @@ from typing import Any
 
 from stevedore import ExtensionManager
 
-from fp8_backends import settings
-from fp8_backends.types import Availability
+from fp8_backends.core import settings
+from fp8_backends.core.types import Availability
 
 logger = logging.getLogger("fp8_backends")
 
@@ -216,7 +216,7 @@ def discover(kind: str) -> list[ProviderEntry]:
         if key not in _cache or _fingerprints.get(key) != fingerprint:
             if key in _fingerprints:  # something was installed or removed since the last scan
                 importlib.invalidate_caches()
-                from fp8_backends.backend import clear_availability_cache
+                from fp8_backends.core.backend import clear_availability_cache
 
                 clear_availability_cache()
             _cache[key] = _scan(kind, allowed)
@@ -281,7 +281,7 @@ def _scan(kind: str, allowed: set[str] | None) -> list[ProviderEntry]:
 
 
 def _check_class(kind: str, ep_name: str, cls: Any) -> str | None:
-    from fp8_backends.backend import Fp8GemmBackend, NormQuantBackend
+    from fp8_backends.core.backend import Fp8GemmBackend, NormQuantBackend
 
     base = Fp8GemmBackend if kind == "gemm" else NormQuantBackend
     if not (isinstance(cls, type) and issubclass(cls, base)):
@@ -295,7 +295,7 @@ def refresh() -> None:
     """Forget discovered providers and cached availability: the next :func:`discover` rescans the entry
     points (e.g. after installing a plugin into the running interpreter; an install into a ``sys.path``
     folder is noticed without it)."""
-    from fp8_backends.backend import clear_availability_cache
+    from fp8_backends.core.backend import clear_availability_cache
 
     clear_availability_cache()
     importlib.invalidate_caches()

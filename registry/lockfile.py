@@ -57,8 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp8_backends import settings
-from fp8_backends.types import ActScale, GemmProblem, NormQuantProblem
+from fp8_backends.core import settings
+from fp8_backends.core.types import ActScale, GemmProblem, NormQuantProblem
 
 from .discovery import ProviderEntry, discover
 from .platform import Platform
@@ -76,7 +76,7 @@ _OFF = {"off", "none", "0", "false", "no"}
 
 # ---------------------------------------------------------------------------------------- paths
 def default_lockfile_path() -> Path:
-    """``selection.lock.json`` in the cache folder (:func:`fp8_backends.settings.cache_dir`:
+    """``selection.lock.json`` in the cache folder (:func:`fp8_backends.core.settings.cache_dir`:
     ``$FP8_BACKENDS_CACHE_DIR``, else ``$XDG_CACHE_HOME/fp8_backends``, ``~/.cache`` when unset or relative)."""
     return settings.cache_dir() / "selection.lock.json"
 

@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fp8_backends import settings
-from fp8_backends.errors import ConfigurationError
+from fp8_backends.core import settings
+from fp8_backends.core.errors import ConfigurationError
 
 from . import resolution
 from .discovery import ProviderEntry
@@ -41,7 +41,7 @@ POLICY_NAME = "lockfile"
 
 def tune_at_first_use() -> bool:
     """``FP8_BACKENDS_TUNE=1``: tune problems the lockfile does not cover when ``auto`` first meets them (strictly
-    parsed: an unknown value raises :class:`~fp8_backends.errors.ConfigurationError`)."""
+    parsed: an unknown value raises :class:`~fp8_backends.core.errors.ConfigurationError`)."""
     return settings.tune_at_first_use()
 
 

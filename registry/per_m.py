@@ -21,15 +21,15 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from fp8_backends.errors import InvalidInputError
+from fp8_backends.core.errors import InvalidInputError
 
 from . import resolution
 
 if TYPE_CHECKING:
     import torch
 
-    from fp8_backends.backend import Fp8GemmBackend
-    from fp8_backends.types import GemmProblem, PreparedWeight
+    from fp8_backends.core.backend import Fp8GemmBackend
+    from fp8_backends.core.types import GemmProblem, PreparedWeight
 
     from .platform import Platform
 
@@ -106,7 +106,7 @@ class PerMGemm:
 
     def gemm(self, x_q: torch.Tensor, x_scale: torch.Tensor, *, out_dtype: Any = "bfloat16",
              bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``[M, N]``: :meth:`~fp8_backends.backend.Fp8GemmBackend.gemm` of the provider of ``x_q``'s M bucket,
+        """``[M, N]``: :meth:`~fp8_backends.core.backend.Fp8GemmBackend.gemm` of the provider of ``x_q``'s M bucket,
         with its prepared weight (validated as that method validates)."""
         backend, prepared = self.pick(x_q.shape[0])[1:]
         return backend.gemm(x_q, prepared, x_scale, out_dtype=out_dtype, bias=bias)
@@ -134,7 +134,7 @@ def init_fp8_gemm(
     """Choose and prepare ``w_q [N, K]`` fp8 / ``w_scale`` fp32 once, at load time: the composite provider of
     this weight (:class:`PerMGemm`).
 
-    - ``problem``: the weight's :class:`~fp8_backends.types.GemmProblem` (``n``, ``k``, dtypes, scale modes, bias,
+    - ``problem``: the weight's :class:`~fp8_backends.core.types.GemmProblem` (``n``, ``k``, dtypes, scale modes, bias,
       device; its ``m`` is ignored).
     - ``backend``: a request (``"auto"``, a name, ``"DIST:NAME@opt=v"``; ``None``: ``FP8_GEMM_BACKEND``, else
       ``auto``) or a provider instance (checked: it must serve ``problem``). With ``auto`` each M bucket a
@@ -142,10 +142,10 @@ def init_fp8_gemm(
     - ``default``: the provider already resolved for ``problem`` (a layer that needed it earlier), or None to
       resolve it here.
 
-    Raises the library's errors (:class:`~fp8_backends.errors.UnsupportedProblemError`, ...) as resolution does.
+    Raises the library's errors (:class:`~fp8_backends.core.errors.UnsupportedProblemError`, ...) as resolution does.
     """
-    from fp8_backends.backend import Fp8GemmBackend
-    from fp8_backends.types import GemmProblem
+    from fp8_backends.core.backend import Fp8GemmBackend
+    from fp8_backends.core.types import GemmProblem
 
     if not isinstance(problem, GemmProblem):
         raise InvalidInputError(f"init_fp8_gemm needs problem=GemmProblem(...), got {type(problem).__name__}")

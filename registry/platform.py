@@ -16,9 +16,9 @@ import re
 import sys
 from dataclasses import dataclass, field
 
-from fp8_backends import settings
-from fp8_backends.errors import ConfigurationError, InvalidInputError, InvalidTypeError
-from fp8_backends.types import DeviceKind
+from fp8_backends.core import settings
+from fp8_backends.core.errors import ConfigurationError, InvalidInputError, InvalidTypeError
+from fp8_backends.core.types import DeviceKind
 
 logger = logging.getLogger("fp8_backends")
 
@@ -84,7 +84,7 @@ class Platform:
 
 def parse_sm(text: str) -> tuple[int, int]:
     """Parse ``"9.0"``, ``"9.0a"``, ``"sm_90a"``, ``"90"``, ``"10.0"``, ``"100"`` into ``(major, minor)``;
-    anything else raises :class:`~fp8_backends.errors.InvalidInputError`."""
+    anything else raises :class:`~fp8_backends.core.errors.InvalidInputError`."""
     if not isinstance(text, str):
         raise InvalidTypeError(f"an SM version is a string such as '9.0', got {type(text).__name__} {text!r}")
     raw = text.strip().lower().removeprefix("sm_").removeprefix("sm").rstrip("af")

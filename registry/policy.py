@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from fp8_backends.errors import InvalidInputError, InvalidTypeError
+from fp8_backends.core.errors import InvalidInputError, InvalidTypeError
 
 if TYPE_CHECKING:
     from .discovery import ProviderEntry
@@ -60,7 +60,7 @@ class SelectionPolicy(ABC):
              serving: Sequence[Candidate]) -> PolicyPick | tuple[ProviderEntry, dict[str, str], str] | None:
         """The choice for ``problem`` (of ``kind``, on ``platform``) among ``serving`` (the candidates that can
         serve it under ``auto``, in static-priority order), or None. A pick outside ``serving`` is ignored with a
-        WARNING; raising :class:`~fp8_backends.errors.ConfigurationError` reaches the caller (a bad variable is the
+        WARNING; raising :class:`~fp8_backends.core.errors.ConfigurationError` reaches the caller (a bad variable is the
         user's to fix), any other exception skips this policy with a WARNING."""
 
     def buckets(self, kind: str, problem: Any, platform: Platform) -> list[int]:

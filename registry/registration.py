@@ -14,7 +14,7 @@ From then on it appears in :func:`~fp8_backends.registry.discovery.discover`, th
 ``auto`` and explicit requests exactly like an entry-point provider: by name, alias or ``DIST:NAME``, ranked by its
 priority (built-ins first on a tie), excluded by ``FP8_BACKENDS_DISABLED``, listed as blocked (and never used)
 when ``FP8_BACKENDS_PLUGINS`` does not name its distribution. The provider kind comes from the class (an
-:class:`~fp8_backends.backend.Fp8GemmBackend` or :class:`~fp8_backends.backend.NormQuantBackend` subclass).
+:class:`~fp8_backends.core.backend.Fp8GemmBackend` or :class:`~fp8_backends.core.backend.NormQuantBackend` subclass).
 
 A registration lives as long as the process (or until :func:`unregister_provider` / the handle's
 :meth:`Registration.unregister`); :func:`~fp8_backends.registry.discovery.refresh` keeps it. Registering or
@@ -32,8 +32,8 @@ import threading
 from types import TracebackType
 from typing import Any
 
-from fp8_backends import settings
-from fp8_backends.errors import InvalidInputError, InvalidTypeError, UnknownBackendError
+from fp8_backends.core import settings
+from fp8_backends.core.errors import InvalidInputError, InvalidTypeError, UnknownBackendError
 
 from . import discovery
 from .discovery import BUILTIN_DIST, LOADED, ProviderEntry
@@ -83,8 +83,8 @@ def register_provider(cls: type, *, dist: str | None = None, version: str | None
     class's top-level package, else that package's name) at ``version`` (default: that distribution's installed
     version, if any). Returns a :class:`Registration` (also a context manager that unregisters at exit).
 
-    Raises :class:`~fp8_backends.errors.InvalidTypeError` when ``cls`` is not a provider class and
-    :class:`~fp8_backends.errors.InvalidInputError` for a malformed name or distribution, for this package's own
+    Raises :class:`~fp8_backends.core.errors.InvalidTypeError` when ``cls`` is not a provider class and
+    :class:`~fp8_backends.core.errors.InvalidInputError` for a malformed name or distribution, for this package's own
     distribution (its providers register through its entry points), and when ``dist`` already registers this
     kind and name (through an entry point, or in-process unless ``replace=True``: ``DIST:NAME`` must name one
     provider)."""
@@ -125,7 +125,7 @@ def unregister_provider(
 ) -> list[ProviderEntry]:
     """Remove the in-process registrations of ``provider`` (a class, or a name or alias), narrowed to distribution
     ``dist`` and ``kind`` when given; returns the entries removed. Raises
-    :class:`~fp8_backends.errors.UnknownBackendError` when none matches (entry points cannot be unregistered:
+    :class:`~fp8_backends.core.errors.UnknownBackendError` when none matches (entry points cannot be unregistered:
     uninstall the distribution, or disable the provider with ``FP8_BACKENDS_DISABLED``)."""
     if kind is not None and kind not in discovery.GROUPS:
         raise InvalidInputError(f"unknown provider kind {kind!r} (expected one of {', '.join(discovery.GROUPS)})")
@@ -158,7 +158,7 @@ def registered_providers(kind: str | None = None) -> list[ProviderEntry]:
 
 # ------------------------------------------------------------------------------------------------- helpers
 def _kind_of(cls: Any) -> str:
-    from fp8_backends.backend import Fp8GemmBackend, NormQuantBackend
+    from fp8_backends.core.backend import Fp8GemmBackend, NormQuantBackend
 
     if isinstance(cls, type) and issubclass(cls, Fp8GemmBackend):
         return "gemm"
@@ -184,7 +184,7 @@ def _changed() -> None:
         loaded = sys.modules.get(module)
         if loaded is not None:
             getattr(loaded, reset)()
-    contract = sys.modules.get("fp8_backends.output_contract")
+    contract = sys.modules.get("fp8_backends.core.output_contract")
     if contract is not None:
         contract.distribution_of.cache_clear()
 

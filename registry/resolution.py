@@ -28,8 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from fp8_backends import settings
-from fp8_backends.errors import (
+from fp8_backends.core import settings
+from fp8_backends.core.errors import (
     AmbiguousBackendError,
     BackendOptionError,
     BackendUnavailableError,
@@ -40,7 +40,7 @@ from fp8_backends.errors import (
     UnknownBackendError,
     UnsupportedProblemError,
 )
-from fp8_backends.types import Availability, GemmProblem, NormQuantProblem
+from fp8_backends.core.types import Availability, GemmProblem, NormQuantProblem
 
 from .discovery import BLOCKED, ProviderEntry, discover
 from .platform import Platform, detect_platform
@@ -179,7 +179,7 @@ _lock = threading.Lock()
 def provider_instance(entry: ProviderEntry, options: Sequence[tuple[str, str]] = ()) -> Any:
     """The provider instance of ``entry`` with ``options`` (``(key, value)`` pairs), made once per process and
     reused (resolution, the policies and the tuner share it). Bad options raise
-    :class:`~fp8_backends.errors.InvalidInputError`; whatever else the provider's constructor raises propagates."""
+    :class:`~fp8_backends.core.errors.InvalidInputError`; whatever else the provider's constructor raises propagates."""
     key = (entry.kind, entry.qualified_name, tuple(sorted(options)))
     with _lock:
         if key not in _instances:
@@ -232,7 +232,7 @@ def _mark_unavailable(entry: ProviderEntry, reason: str) -> None:
     and every later resolution give ``reason``; ``discovery.refresh()`` forgets it."""
     if entry.cls is None:
         return
-    from fp8_backends.backend import _AVAILABILITY
+    from fp8_backends.core.backend import _AVAILABILITY
 
     _AVAILABILITY[entry.cls] = Availability.no(reason)
     logger.warning("%s provider %s (%s) is unusable: %s", KIND_LABEL.get(entry.kind, entry.kind), entry.name,
@@ -544,7 +544,7 @@ def _alternatives_text(
 def explain_loaded(
     kind: str, name: str | None = None, *, problem: Any = None, platform: Platform | None = None
 ) -> Resolution:
-    """:func:`explain`, then load the chosen provider (:meth:`~fp8_backends.backend.ProviderBase.ensure_preloaded`)
+    """:func:`explain`, then load the chosen provider (:meth:`~fp8_backends.core.backend.ProviderBase.ensure_preloaded`)
     as :func:`resolve` does: when it fails to load, ``auto`` resolves again without it (one WARNING each) and an
     explicit choice gets the :class:`BackendUnavailableError`. The listing marks this resolution's choice, so its
     ``*`` is exactly what :func:`resolve` returns."""
@@ -582,9 +582,9 @@ def resolve(kind: str, name: str | None = None, *, problem: Any = None, platform
 
 def resolve_or_check(kind: str, backend: Any, problem: Any, platform: Platform | None = None) -> Any:
     """A provider for ``problem``: a given provider instance (checked: it must serve ``problem``, then loaded with
-    :meth:`~fp8_backends.backend.ProviderBase.ensure_preloaded`), else a request string or None (env var, else
+    :meth:`~fp8_backends.core.backend.ProviderBase.ensure_preloaded`), else a request string or None (env var, else
     ``auto``) resolved by :func:`resolve`. Raises the library's errors."""
-    from fp8_backends.backend import Fp8GemmBackend, NormQuantBackend
+    from fp8_backends.core.backend import Fp8GemmBackend, NormQuantBackend
 
     base = Fp8GemmBackend if kind == "gemm" else NormQuantBackend
     if isinstance(backend, base):

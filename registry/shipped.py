@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp8_backends import settings
-from fp8_backends.errors import DataFileError
+from fp8_backends.core import settings
+from fp8_backends.core.errors import DataFileError
 
 from . import lockfile, lockfile_policy, resolution, shipped_data
 from .nearest import (

@@ -20,7 +20,7 @@ that ships: ``fp8_backends/data/selection/sm<major><minor>-<gpu slug>.json`` (on
 found by name, so that a GPU whose SM has no file costs nothing, and parsed only when ``auto`` first needs them.
 
 Unlike a user's lockfile (where a bad entry is skipped), shipped data is all-or-nothing: :func:`check_document`
-lists every problem and :func:`load_file` raises :class:`~fp8_backends.errors.DataFileError` with them.
+lists every problem and :func:`load_file` raises :class:`~fp8_backends.core.errors.DataFileError` with them.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fp8_backends.errors import DataFileError
+from fp8_backends.core.errors import DataFileError
 
 from . import lockfile
 

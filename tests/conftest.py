@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fp8_backends import settings
+from fp8_backends.core import settings
 
 # shared test helpers (fake_provider.py) import as top-level modules: --import-mode=importlib puts no test folder
 # on sys.path

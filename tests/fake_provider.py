@@ -1,7 +1,7 @@
 """A third-party GEMM provider for the registry, tuner and shipped-data tests (imported by the test modules:
 ``tests/`` is on ``sys.path`` under pytest's default import mode).
 
-:class:`FakeMM` computes through :func:`fp8_backends.reference.fp8_gemm` on the CPU and on a simulated CUDA
+:class:`FakeMM` computes through :func:`fp8_backends.core.reference.fp8_gemm` on the CPU and on a simulated CUDA
 device, with a tunable option whose values change nothing; :func:`install_fake` lists it beside the real GEMM
 providers as distribution ``fake-plugin 1.0``, for one test, through :func:`fp8_backends.register_provider`
 (:func:`install` does the same for any provider class). :class:`SplitAt8` is a selection policy that splits M
@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from fp8_backends import reference
-from fp8_backends.backend import Fp8GemmBackend
-from fp8_backends.capabilities import GemmCapabilities
+from fp8_backends.core import reference
+from fp8_backends.core.backend import Fp8GemmBackend
+from fp8_backends.core.capabilities import GemmCapabilities
+from fp8_backends.core.types import DeviceKind, Fp8Dtype, PreparedWeight
 from fp8_backends.registry import discovery, policy, resolution
 from fp8_backends.registry.discovery import ProviderEntry
 from fp8_backends.registry.registration import register_provider
-from fp8_backends.types import DeviceKind, Fp8Dtype, PreparedWeight
 
 FAKE_DIST = "fake-plugin"
 

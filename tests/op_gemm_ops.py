@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from fp8_backends import reference
-from fp8_backends.oplib import LazyOps
+from fp8_backends.core import reference
+from fp8_backends.core.oplib import LazyOps
 
 #: calls of the library op's implementation (the eager fast path runs it without the dispatcher)
 impl_calls: list[tuple[int, ...]] = []

@@ -3,7 +3,7 @@ ops live in :mod:`op_gemm_ops`, imported by ``load_op``).
 
 - :class:`CustomOpGemm`: the op is a ``torch.library.custom_op`` (how a third party writes one), the bias fused
   (passed to the op), an option as the op's trailing argument;
-- :class:`LibraryOpGemm`: the op is defined with :class:`fp8_backends.oplib.LazyOps` (a ``Library`` fragment, the
+- :class:`LibraryOpGemm`: the op is defined with :class:`fp8_backends.core.oplib.LazyOps` (a ``Library`` fragment, the
   eager fast path), the bias added after the op, per-token scales read with unit stride (``contiguous_vectors``).
 """
 
@@ -45,7 +45,7 @@ class CustomOpGemm(OpGemmBackend):
 
 
 class LibraryOpGemm(OpGemmBackend):
-    """The reference GEMM through an op of :mod:`fp8_backends.oplib`; bias added after, contiguous vectors."""
+    """The reference GEMM through an op of :mod:`fp8_backends.core.oplib`; bias added after, contiguous vectors."""
 
     name: ClassVar[str] = "op_library_gemm"
     contiguous_vectors: ClassVar[bool] = True

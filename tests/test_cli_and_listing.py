@@ -177,7 +177,7 @@ def test_one_registry_of_environment_variables(monkeypatch, capsys):
     import re
     from pathlib import Path
 
-    from fp8_backends import settings
+    from fp8_backends.core import settings
 
     root = Path(__file__).resolve().parents[1]
     names = {var.name for var in settings.ENV_VARS}
@@ -185,7 +185,7 @@ def test_one_registry_of_environment_variables(monkeypatch, capsys):
     for folder in ("fp8_backends", "registry", "providers"):
         for path in (root / folder).rglob("*.py"):
             for name in re.findall(r"""["'](FP8_[A-Z_]+)["']""", path.read_text()):
-                assert name in names, f"{path}: {name} is not in fp8_backends.settings.ENV_VARS"
+                assert name in names, f"{path}: {name} is not in fp8_backends.core.settings.ENV_VARS"
     readme = (root / "README.md").read_text()
     assert not [name for name in names if f"`{name}" not in readme and f", `{name}`" not in readme]
     for name in names:
@@ -199,7 +199,7 @@ def test_one_registry_of_environment_variables(monkeypatch, capsys):
 
 def test_cache_dir_is_shared(monkeypatch, tmp_path):
     """One cache folder (``FP8_BACKENDS_CACHE_DIR``) for the lockfile, CUTLASS builds and flashinfer."""
-    from fp8_backends import settings
+    from fp8_backends.core import settings
     from fp8_backends.providers.cutlass import build
     from fp8_backends.providers.flashinfer import common as flashinfer_common
     from fp8_backends.registry import lockfile
@@ -222,7 +222,7 @@ def test_cache_dir_is_shared(monkeypatch, tmp_path):
 
 def test_text_table():
     from bench.common import console_table
-    from fp8_backends.text_table import text_table
+    from fp8_backends.core.text_table import text_table
 
     assert console_table is text_table
     assert text_table(["a", "long"], [["xyz", 1], ["", None]]) == "a    long\n---  ----\nxyz  1\n     None"

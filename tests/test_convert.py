@@ -1,6 +1,6 @@
 """``quantize_model`` on a tiny ``transformers`` Llama / Qwen2 (CPU), the eager plan of ``Fp8Linear``, and the compiled
 paths: a model quantized in place matches the same model whose linears compute the reference semantics
-(``fp8_backends.reference``), eager, under ``torch.compile`` (``aot_eager``) and through ``generate()``; no graph
+(``fp8_backends.core.reference``), eager, under ``torch.compile`` (``aot_eager``) and through ``generate()``; no graph
 break; the Triton ops trace into their kernel launches (``triton_op`` + ``wrap_triton``)."""
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ transformers = pytest.importorskip("transformers")
 
 from torch import nn  # noqa: E402
 
-from fp8_backends import QuantizeSummary, quantize_model, reference  # noqa: E402
-from fp8_backends.errors import InvalidInputError, UnsupportedProblemError  # noqa: E402
+from fp8_backends import QuantizeSummary, quantize_model  # noqa: E402
+from fp8_backends.core import reference  # noqa: E402
+from fp8_backends.core.errors import InvalidInputError, UnsupportedProblemError  # noqa: E402
+from fp8_backends.core.types import ActScale  # noqa: E402
 from fp8_backends.layers import Fp8Linear  # noqa: E402
-from fp8_backends.types import ActScale  # noqa: E402
 
 
 def _tiny(arch: str = "llama", layers: int = 2, seed: int = 0, hidden: int = 64) -> nn.Module:
@@ -34,7 +35,7 @@ def _tiny(arch: str = "llama", layers: int = 2, seed: int = 0, hidden: int = 64)
 
 
 class RefFp8Linear(nn.Module):
-    """The semantics an ``Fp8Linear`` must compute, written with :mod:`fp8_backends.reference` only."""
+    """The semantics an ``Fp8Linear`` must compute, written with :mod:`fp8_backends.core.reference` only."""
 
     def __init__(self, layer: Fp8Linear) -> None:
         super().__init__()

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from fp8_backends.errors import BuildError, InvalidInputError
+from fp8_backends.core.errors import BuildError, InvalidInputError
+from fp8_backends.core.types import ActScale, GemmProblem, OutDtype, WeightScale
 from fp8_backends.providers.cutlass import build, configs
 from fp8_backends.providers.cutlass.backend import CutlassSm90Backend
 from fp8_backends.providers.cutlass.configs import CONFIGS, DEFAULT_TABLE, DispatchTable, KernelConfig
 from fp8_backends.registry.platform import simulate_platform
 from fp8_backends.testing import GemmProviderContract
-from fp8_backends.types import ActScale, GemmProblem, OutDtype, WeightScale
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -604,7 +604,7 @@ def _data(m, n, k, per_token=False, per_channel=False, seed=0):
 def _check(backend, m, n, k, *, per_token=False, per_channel=False, out_dtype=None, bias=False, tol=1e-2):
     import torch
 
-    from fp8_backends import reference
+    from fp8_backends.core import reference
 
     out_dtype = out_dtype or torch.bfloat16
     x, w, xs, ws = _data(m, n, k, per_token, per_channel)
@@ -726,7 +726,7 @@ def test_two_processes_build_at_once(tmp_path):
     code = textwrap.dedent(
         """
         import sys, time, torch
-        from fp8_backends import reference
+        from fp8_backends.core import reference
         from fp8_backends.providers.cutlass import build
         from fp8_backends.providers.cutlass.backend import CutlassSm90Backend
         t0 = time.time()

@@ -1,7 +1,7 @@
 """Every fault contained and reported (issue 18): one library error for every bad input, correct empty results for
 valid edge cases, no silent fallback, probe faults, malformed lockfiles.
 
-Each bad input must raise an :class:`~fp8_backends.errors.Fp8BackendError` that is also the builtin a generic
+Each bad input must raise an :class:`~fp8_backends.core.errors.Fp8BackendError` that is also the builtin a generic
 handler expects (``ValueError`` for bad values, ``TypeError`` for bad types, ``LookupError`` for malformed backend
 requests as before).
 """
@@ -21,11 +21,11 @@ from fp8_backends import (
     NormQuantProblem,
     UnsupportedProblemError,
     quant,
-    reference,
     resolve_gemm_backend,
     resolve_norm_quant_backend,
     simulate_platform,
 )
+from fp8_backends.core import reference
 from fp8_backends.functional import fp8_linear
 from fp8_backends.layers import Fp8Linear, RMSNormFp8Quant
 from fp8_backends.registry.platform import detect_platform
@@ -250,7 +250,7 @@ def test_forced_tma_config_refuses_misaligned_operands():
     ("FP8_BACKENDS_TUNE", "enable"), ("FP8_BACKENDS_DEFAULTS", "disable"),
 ])
 def test_boolean_variables_are_parsed_strictly(var, value, monkeypatch):
-    from fp8_backends import settings
+    from fp8_backends.core import settings
 
     getter = {"FP8_BACKENDS_CHECK_SCALES": settings.check_scales_at_call, "FP8_BACKENDS_PDL": settings.pdl_allowed,
               "FP8_BACKENDS_TUNE": settings.tune_at_first_use,
@@ -265,7 +265,7 @@ def test_boolean_variables_are_parsed_strictly(var, value, monkeypatch):
 
 
 def test_check_scales_is_read_when_used(monkeypatch):
-    from fp8_backends import validation as V
+    from fp8_backends.core import validation as V
 
     assert V.device_scale_checks() is False
     monkeypatch.setenv("FP8_BACKENDS_CHECK_SCALES", "1")
@@ -297,7 +297,7 @@ def test_env_variables_in_resolution(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("value", ["abc", "0", "-2", "1.5"])
 def test_integer_variables_are_parsed_strictly(value, monkeypatch):
-    from fp8_backends import settings
+    from fp8_backends.core import settings
 
     monkeypatch.setenv("FP8_TEST_JOBS", value)
     raises_library(ValueError, lambda: settings.env_int("FP8_TEST_JOBS", 4), match="FP8_TEST_JOBS")
@@ -327,14 +327,14 @@ from typing import ClassVar  # noqa: E402
 
 from fake_provider import install  # noqa: E402
 
-from fp8_backends.backend import Fp8GemmBackend  # noqa: E402
-from fp8_backends.capabilities import GemmCapabilities  # noqa: E402
-from fp8_backends.errors import BackendUnavailableError  # noqa: E402
+from fp8_backends.core.backend import Fp8GemmBackend  # noqa: E402
+from fp8_backends.core.capabilities import GemmCapabilities  # noqa: E402
+from fp8_backends.core.errors import BackendUnavailableError  # noqa: E402
+from fp8_backends.core.types import DeviceKind  # noqa: E402
 from fp8_backends.list import collect  # noqa: E402
 from fp8_backends.registry import discovery, lockfile, resolution  # noqa: E402
 from fp8_backends.registry.discovery import ProviderEntry  # noqa: E402
 from fp8_backends.registry.platform import cpu_platform  # noqa: E402
-from fp8_backends.types import DeviceKind  # noqa: E402
 
 
 class _Faulty(Fp8GemmBackend):
@@ -642,7 +642,7 @@ def _fb_disabled_typo(ctx):
 
 
 def _fb_fused_layer_requantizes(ctx):
-    from fp8_backends.types import ActScale, OutDtype, WeightScale
+    from fp8_backends.core.types import ActScale, OutDtype, WeightScale
 
     class PerTensorOnly(_Faulty):
         name: ClassVar[str] = "per_tensor_only"
@@ -787,7 +787,7 @@ def test_the_listing_shows_the_warnings_and_fails_on_a_bad_variable(monkeypatch,
 @pytest.mark.parametrize("value", ["abc", "0", "-2"])
 def test_build_jobs_variable_is_strict(monkeypatch, value):
     """``FP8_BACKENDS_BUILD_JOBS=abc|0|-2`` used to become the CPU count silently."""
-    from fp8_backends.errors import ConfigurationError
+    from fp8_backends.core.errors import ConfigurationError
     from fp8_backends.providers.cutlass.build import JOBS_ENV, default_jobs
 
     monkeypatch.setenv(JOBS_ENV, value)

@@ -2,7 +2,7 @@
 
 CPU part: capability and refusal logic, options, the unavailable paths, the cache-path helper, the
 fake implementations and a fullgraph torch.compile trace over FakeTensors. GPU part (``gpu``
-marker; needs flashinfer): correctness against ``fp8_backends.reference`` for every runner usable
+marker; needs flashinfer): correctness against ``fp8_backends.core.reference`` for every runner usable
 on SM90, CUDA-graph capture/replay, torch.compile(fullgraph=True), autotuning, norm-quant.
 """
 
@@ -12,14 +12,8 @@ import types
 
 import pytest
 
-from fp8_backends.errors import InvalidInputError, UnsupportedProblemError
-from fp8_backends.providers.flashinfer import common
-from fp8_backends.providers.flashinfer.gemm import FlashinferBmmBackend
-from fp8_backends.providers.flashinfer.norm_quant import FlashinferNormQuantBackend, fused_add_smem_bytes
-from fp8_backends.registry import discovery, resolution
-from fp8_backends.registry.platform import cpu_platform, simulate_platform
-from fp8_backends.testing import GemmProviderContract, NormQuantProviderContract
-from fp8_backends.types import (
+from fp8_backends.core.errors import InvalidInputError, UnsupportedProblemError
+from fp8_backends.core.types import (
     ActScale,
     Availability,
     BiasMode,
@@ -29,6 +23,12 @@ from fp8_backends.types import (
     OutDtype,
     WeightScale,
 )
+from fp8_backends.providers.flashinfer import common
+from fp8_backends.providers.flashinfer.gemm import FlashinferBmmBackend
+from fp8_backends.providers.flashinfer.norm_quant import FlashinferNormQuantBackend, fused_add_smem_bytes
+from fp8_backends.registry import discovery, resolution
+from fp8_backends.registry.platform import cpu_platform, simulate_platform
+from fp8_backends.testing import GemmProviderContract, NormQuantProviderContract
 
 SM90 = simulate_platform("9.0")
 SM100 = simulate_platform("10.0")
@@ -307,7 +307,7 @@ def test_fullgraph_trace_over_fake_tensors():
     FakeTensors here, so only the fake implementations execute)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fp8_backends.types import PreparedWeight
+    from fp8_backends.core.types import PreparedWeight
 
     gemm, nq = FlashinferBmmBackend(), FlashinferNormQuantBackend()
     gemm.preload()  # what prepare_weight (ensure_preloaded) sets up
@@ -347,7 +347,7 @@ def test_fullgraph_trace_over_fake_tensors():
 def test_e5m2_pair_refused_before_the_kernel():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fp8_backends.types import PreparedWeight
+    from fp8_backends.core.types import PreparedWeight
 
     b = FlashinferBmmBackend()
     with FakeTensorMode():
@@ -389,7 +389,7 @@ _WEIGHTS: dict = {}
 
 
 def _weight(n, k, dtype=None):
-    from fp8_backends import reference
+    from fp8_backends.core import reference
 
     key = (n, k, dtype)
     if key not in _WEIGHTS:
@@ -400,7 +400,7 @@ def _weight(n, k, dtype=None):
 
 
 def _act(m, k, dtype="e4m3fn", seed=0):
-    from fp8_backends import reference
+    from fp8_backends.core import reference
 
     g = torch.Generator(device="cuda").manual_seed(seed + m)
     return reference.quantize_dynamic_per_tensor(torch.randn(m, k, device="cuda", generator=g), dtype)
@@ -411,7 +411,7 @@ def _act(m, k, dtype="e4m3fn", seed=0):
 @pytest.mark.parametrize("nk", LLAMA_SHAPES, ids=lambda nk: f"{nk[0]}x{nk[1]}")
 def test_gemm_matches_reference(runner, nk):
     _gpu_ready()
-    from fp8_backends import reference
+    from fp8_backends.core import reference
     from fp8_backends.providers.flashinfer import gemm_ops as ops
 
     n, k = nk
@@ -475,7 +475,7 @@ def test_fast_path_agrees_with_full_validation():
 @pytest.mark.gpu
 def test_autotune_cache_mode_without_file(monkeypatch: pytest.MonkeyPatch, tmp_path, caplog):
     _gpu_ready()
-    from fp8_backends import reference
+    from fp8_backends.core import reference
     from fp8_backends.providers.flashinfer import gemm_ops as ops
 
     monkeypatch.setenv(common.CACHE_DIR_ENV, str(tmp_path))
@@ -495,7 +495,7 @@ def test_autotune_cache_mode_without_file(monkeypatch: pytest.MonkeyPatch, tmp_p
 @pytest.mark.gpu
 def test_autotune_tune_then_cache(monkeypatch: pytest.MonkeyPatch, tmp_path):
     _gpu_ready()
-    from fp8_backends import reference
+    from fp8_backends.core import reference
     from fp8_backends.providers.flashinfer import gemm_ops as ops
 
     monkeypatch.setenv(common.CACHE_DIR_ENV, str(tmp_path))
@@ -609,7 +609,7 @@ def test_unplanned_shape_refused_during_capture():
     torch.cuda.synchronize()
     assert b.gemm(x_q, prepared, x_s).shape == (77, 4096)  # and eagerly it works afterwards
     # the default cublas runner only asks cuBLASLt for an algorithm (host-only): a new M may be captured
-    from fp8_backends import reference
+    from fp8_backends.core import reference
 
     cb = FlashinferBmmBackend()
     prepared = cb.prepare_weight(w_q, w_s)
@@ -671,7 +671,7 @@ def fake_state(monkeypatch: pytest.MonkeyPatch):
 
 
 def _cpu_problem(m=5, n=32, k=64):
-    from fp8_backends import reference
+    from fp8_backends.core import reference
 
     w_q, w_s = reference.quantize_dynamic_per_tensor(torch.randn(n, k))
     x_q, x_s = reference.quantize_dynamic_per_tensor(torch.randn(m, k))

@@ -44,7 +44,7 @@ from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from fp8_backends import fp8_linear, quant  # noqa: E402
-from fp8_backends.types import ActScale, Fp8Dtype, GemmProblem, NormQuantProblem  # noqa: E402
+from fp8_backends.core.types import ActScale, Fp8Dtype, GemmProblem, NormQuantProblem  # noqa: E402
 
 SEED = int(os.environ.get("FP8_FUZZ_SEED", "20261130"))
 SCALE = float(os.environ.get("FP8_FUZZ_SCALE", "1"))
@@ -141,7 +141,7 @@ NORM_TARGETS = [
 
 def provider(target: Target):
     """The provider instance, or a skip with the registry's reason."""
-    from fp8_backends.errors import Fp8BackendError
+    from fp8_backends.core.errors import Fp8BackendError
     from fp8_backends.registry.resolution import resolve_gemm_backend, resolve_norm_quant_backend
 
     if target.device == "cpu" and "triton" in target.spec and os.environ.get("TRITON_INTERPRET") != "1":
@@ -312,7 +312,7 @@ def _quant_error(x: torch.Tensor, s: torch.Tensor, fmt: str) -> torch.Tensor:
 def test_fuzz_functional_linear(target: Target, fuzz_cases):
     """``fp8_linear(x, prepared, backend=...)`` in every activation mode (static, dynamic, per-token) against
     ``x @ Wᵀ + b`` in float64 with the input's quantization error in the bound."""
-    from fp8_backends import reference
+    from fp8_backends.core import reference
 
     backend = provider(target)
     modes = (ActScale.PER_TENSOR_STATIC, ActScale.PER_TENSOR_DYNAMIC, ActScale.PER_TOKEN)

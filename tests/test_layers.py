@@ -26,8 +26,8 @@ from fp8_backends import (
     UnsupportedProblemError,
     WeightScale,
     quant,
-    reference,
 )
+from fp8_backends.core import reference
 from fp8_backends.layers import Fp8Linear, RMSNormFp8Quant, process_weights_after_loading
 from fp8_backends.providers.torch_norm_quant import TorchNormQuantBackend
 from fp8_backends.providers.torch_scaled_mm import TorchScaledMMBackend

@@ -16,8 +16,8 @@ from fp8_backends import (
     UnknownBackendError,
     UnsupportedProblemError,
 )
+from fp8_backends.core.types import Availability
 from fp8_backends.registry import resolution
-from fp8_backends.types import Availability
 
 CPU = GemmProblem(n=32, k=32, m=4, device="cpu")
 

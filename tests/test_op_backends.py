@@ -4,7 +4,7 @@
 Both test providers (:mod:`op_gemm_provider`) pass the conformance kit (registered in-process for it), and the base's
 contract is pinned: the op loads once, lazily, at preload; options become its trailing arguments; a fused bias is
 passed to it, an added-after one applied by the base; strided vectors are refused where the kernel needs unit
-stride; plain eager calls skip the dispatcher for ops of :mod:`fp8_backends.oplib` while tracing still sees the op.
+stride; plain eager calls skip the dispatcher for ops of :mod:`fp8_backends.core.oplib` while tracing still sees the op.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ torch = pytest.importorskip("torch")
 from fake_provider import install  # noqa: E402
 from op_gemm_provider import OP_DIST, CustomOpGemm, LibraryOpGemm  # noqa: E402
 
-from fp8_backends import BiasMode, InvalidInputError, OpGemmBackend, reference  # noqa: E402
+from fp8_backends import BiasMode, InvalidInputError, OpGemmBackend  # noqa: E402
+from fp8_backends.core import reference  # noqa: E402
 from fp8_backends.testing import GemmProviderContract, assert_gemm_close  # noqa: E402
 
 
@@ -138,7 +139,7 @@ def test_the_built_in_op_providers():
         (CutlassSm90Backend(fast_accum="false"), ("auto", False), "fp8_backends::cutlass_sm90_gemm"),
         (FlashinferBmmBackend(runner="cudnn", autotune="off"), ("cudnn/off",), "fp8_backends::flashinfer_bmm_fp8"),
     ]
-    from fp8_backends.oplib import GEMM_ARGS
+    from fp8_backends.core.oplib import GEMM_ARGS
 
     for backend, args, op_name in cases:
         assert isinstance(backend, OpGemmBackend) and backend.op_args == args

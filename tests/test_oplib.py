@@ -1,4 +1,4 @@
-"""fp8_backends.oplib: op definition and the eager fast path (CPU; no kernels involved)."""
+"""fp8_backends.core.oplib: op definition and the eager fast path (CPU; no kernels involved)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fp8_backends import oplib
+from fp8_backends.core import oplib
 
 _calls: list[str] = []
 

@@ -15,16 +15,17 @@ from typing import ClassVar
 import pytest
 from fake_provider import install
 
-from fp8_backends import fp8_linear, reference
-from fp8_backends.backend import Fp8GemmBackend, NormQuantBackend
-from fp8_backends.capabilities import GemmCapabilities, NormQuantCapabilities
-from fp8_backends.errors import Fp8BackendError, ProviderOutputError
+from fp8_backends import fp8_linear
+from fp8_backends.core import reference
+from fp8_backends.core.backend import Fp8GemmBackend, NormQuantBackend
+from fp8_backends.core.capabilities import GemmCapabilities, NormQuantCapabilities
+from fp8_backends.core.errors import Fp8BackendError, ProviderOutputError
+from fp8_backends.core.types import ActScale, DeviceKind, GemmProblem, OutDtype, WeightScale
 from fp8_backends.layers import Fp8Linear
 from fp8_backends.registry import lockfile
 from fp8_backends.registry.platform import cpu_platform
 from fp8_backends.tuning import engine as tuner
 from fp8_backends.tuning.timing import Measurement
-from fp8_backends.types import ActScale, DeviceKind, GemmProblem, OutDtype, WeightScale
 
 torch = pytest.importorskip("torch")
 
@@ -94,7 +95,7 @@ class ReturnsNewTensorNorm(NormQuantBackend):
 @pytest.fixture(autouse=True)
 def registered(monkeypatch):
     """Both broken providers registered beside the real ones, as distribution broken-plugin 0.1."""
-    from fp8_backends import output_contract
+    from fp8_backends.core import output_contract
 
     for cls in (BrokenGemm, ReturnsNewTensorNorm):
         install(monkeypatch, cls, dist=DIST, version="0.1")

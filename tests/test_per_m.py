@@ -10,7 +10,8 @@ import torch
 from fake_provider import FakeMM, install_split
 from torch import nn
 
-from fp8_backends import GemmProblem, InvalidInputError, PerMGemm, fp8_linear, init_fp8_gemm, quant, reference
+from fp8_backends import GemmProblem, InvalidInputError, PerMGemm, fp8_linear, init_fp8_gemm, quant
+from fp8_backends.core import reference
 from fp8_backends.layers import Fp8Linear
 from fp8_backends.providers.torch_scaled_mm import TorchScaledMMBackend
 from fp8_backends.registry import resolution

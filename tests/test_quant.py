@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from fp8_backends import ActScale, InvalidInputError, QuantizedActivation, quant, reference
+from fp8_backends import ActScale, InvalidInputError, QuantizedActivation, quant
+from fp8_backends.core import reference
 
 FP8 = torch.float8_e4m3fn
 

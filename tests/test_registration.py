@@ -28,13 +28,13 @@ from fp8_backends import (  # noqa: E402
     NormQuantCapabilities,
     UnknownBackendError,
     quant,
-    reference,
     register_provider,
     registered_providers,
     resolve_gemm_backend,
     resolve_norm_quant_backend,
     unregister_provider,
 )
+from fp8_backends.core import reference  # noqa: E402
 from fp8_backends.list import collect, render  # noqa: E402
 from fp8_backends.providers.torch_norm_quant import TorchNormQuantBackend  # noqa: E402
 from fp8_backends.registry import discovery, resolution  # noqa: E402

@@ -448,7 +448,7 @@ def test_auto_skips_a_plugin_whose_preload_fails_and_lists_it_unavailable(monkey
         with pytest.raises(BackendUnavailableError, match="preload\\(\\) failed"):
             resolve_gemm_backend("eager_to_load", problem=problem)
     finally:
-        from fp8_backends.backend import clear_availability_cache
+        from fp8_backends.core.backend import clear_availability_cache
 
         clear_availability_cache()
 
@@ -467,7 +467,7 @@ def test_auto_skips_a_plugin_whose_preload_fails_and_lists_it_unavailable(monkey
     ],
 )
 def test_disabled_item_syntax(text, item):
-    from fp8_backends import settings
+    from fp8_backends.core import settings
 
     assert tuple(settings.parse_disabled_item(text)) == item
 

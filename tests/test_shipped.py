@@ -22,12 +22,12 @@ import pytest
 from fake_provider import FAKE_DIST, install_fake
 
 from fp8_backends import selection_data
-from fp8_backends.errors import DataFileError, Fp8BackendError
+from fp8_backends.core.errors import DataFileError, Fp8BackendError
+from fp8_backends.core.types import GemmProblem
 from fp8_backends.list import collect, render
 from fp8_backends.registry import lockfile, nearest, resolution, shipped, shipped_data
 from fp8_backends.registry.platform import DeviceKind, Platform, simulate_platform
 from fp8_backends.selection_data import leave_out_report, pack
-from fp8_backends.types import GemmProblem
 
 TORCH = {"provider": "torch_scaled_mm", "distribution": "fp8-backends", "options": {"fast_accum": "false"}}
 FAST_A = {"provider": "fake_mm", "distribution": FAKE_DIST, "options": {"variant": "a"}}
@@ -512,9 +512,9 @@ def test_every_packaged_data_file_is_valid_and_named_after_its_provenance():
 def test_the_packaged_h200_data_loads_and_decides_on_sm90():
     """The data file that ships (measured on the H200) passes its checks and serves `auto` on a simulated H200:
     an exact hit for a shape of its grid, the nearest shapes for one outside it, nothing on another SM."""
+    from fp8_backends.core.types import GemmProblem
     from fp8_backends.registry import resolution, shipped
     from fp8_backends.registry.platform import simulate_platform
-    from fp8_backends.types import GemmProblem
 
     shipped.reset_state()
     h200 = simulate_platform("9.0")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fp8_backends import reference
+from fp8_backends.core import reference
 from fp8_backends.testing import assert_codes_close, assert_gemm_close, assert_residual_close, provider_from_spec
 from fp8_backends.testing.compare import relative_error
 
@@ -122,8 +122,8 @@ def test_provider_from_spec(thirdparty_plugin):
 
 # --------------------------------------------------------------------------- the comparisons bite
 def _norm_inputs(seed: int = 7):
+    from fp8_backends.core.types import OutDtype
     from fp8_backends.testing.norm_quant import norm_inputs
-    from fp8_backends.types import OutDtype
 
     return norm_inputs(3, 256, OutDtype.BF16, "cpu", seed=seed)
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8_backends import GemmProblem, reference, resolve_gemm_backend
+from fp8_backends import GemmProblem, resolve_gemm_backend
+from fp8_backends.core import reference
 from fp8_backends.testing import GemmProviderContract, NormQuantProviderContract
 
 FP8 = torch.float8_e4m3fn

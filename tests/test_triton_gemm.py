@@ -10,13 +10,13 @@ import json
 
 import pytest
 
-from fp8_backends.errors import InvalidInputError
+from fp8_backends.core.errors import InvalidInputError
+from fp8_backends.core.types import ActScale, GemmProblem, OutDtype, WeightScale
 from fp8_backends.providers.triton import _support, gemm_configs
 from fp8_backends.providers.triton.gemm import TritonGemmBackend
 from fp8_backends.providers.triton.gemm_configs import CONFIGS, DEFAULT_TABLE, TileConfig, TritonTable
 from fp8_backends.registry.platform import simulate_platform
 from fp8_backends.testing import GemmProviderContract
-from fp8_backends.types import ActScale, GemmProblem, OutDtype, WeightScale
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
@@ -81,7 +81,7 @@ def test_table_json_round_trip_and_env_override(tmp_path, monkeypatch):
 
 
 def test_broken_table_file_makes_provider_unavailable(tmp_path, monkeypatch):
-    from fp8_backends.backend import clear_availability_cache
+    from fp8_backends.core.backend import clear_availability_cache
 
     path = tmp_path / "broken.json"
     path.write_text("{not json")
@@ -154,7 +154,7 @@ def test_custom_op_fake_implementation():
 
 
 def test_cpu_tensors_refused_without_the_interpreter(monkeypatch):
-    from fp8_backends.types import DeviceKind
+    from fp8_backends.core.types import DeviceKind
 
     caps = TritonGemmBackend.capabilities
     cuda_only = type(caps)(**{**caps.__dict__, "devices": frozenset({DeviceKind.CUDA})})
@@ -185,7 +185,7 @@ def _data(m, n, k, *, per_token=False, per_channel=False, fp8=torch.float8_e4m3f
 
 def _check(backend, m, n, k, *, per_token=False, per_channel=False, out_dtype=torch.bfloat16, bias=False,
            fp8=torch.float8_e4m3fn, tol=1e-2):
-    from fp8_backends import reference
+    from fp8_backends.core import reference
 
     x, w, xs, ws = _data(m, n, k, per_token=per_token, per_channel=per_channel, fp8=fp8)
     b = (torch.randn(n, device=DEVICE) * 4).to(out_dtype) if bias else None
@@ -210,7 +210,7 @@ SMALL = {
 @pytest.mark.parametrize("persistent", [0, 1])
 def test_tma_family(persistent):
     """TMA-fed tiles, plain and persistent (the interpreter emulates the descriptors), ragged edges."""
-    from fp8_backends import reference
+    from fp8_backends.core import reference
     from fp8_backends.providers.triton.gemm_ops import run_config
 
     cfg = TileConfig("tma", 64, 64, 64, 3, 4, persistent=persistent)
@@ -224,7 +224,7 @@ def test_tma_family(persistent):
 
 @needs_kernels
 def test_tma_config_with_misaligned_operand_uses_pointer_loads():
-    from fp8_backends import reference
+    from fp8_backends.core import reference
     from fp8_backends.providers.triton.gemm_ops import run_config
 
     x, w, xs, ws = _data(4, 64, 64)
@@ -318,7 +318,7 @@ def test_gpu_inductor_launches_the_kernel_itself(per_token):
     generated code (no opaque op with a Python body), with the same result."""
     from torch._inductor.utils import run_and_get_code
 
-    from fp8_backends import reference
+    from fp8_backends.core import reference
 
     b = TritonGemmBackend()
     x, w, xs, ws = _data(9, 1024, 2048, per_token=per_token)
@@ -340,7 +340,7 @@ def test_gpu_inductor_keeps_tma_configs_as_their_op():
     """At prefill sizes the table picks a persistent TMA config: the traced op calls the opaque TMA op."""
     from torch._inductor.utils import run_and_get_code
 
-    from fp8_backends import reference
+    from fp8_backends.core import reference
 
     b = TritonGemmBackend()
     x, w, xs, ws = _data(4096, 1024, 2048)
@@ -582,15 +582,15 @@ def test_gpu_replayed_launches_stay_correct_and_skip_the_general_path(general_la
         before = len(general)
         y = b.gemm(xm, prepared, xs)
         assert len(general) - before == 1
-        from fp8_backends import reference
+        from fp8_backends.core import reference
 
         assert _relerr(y, reference.fp8_gemm(x, w, xs, ws, torch.float32, None)) < 1e-2
 
 
 @pytest.mark.skipif(not _support.interpreting(), reason="needs TRITON_INTERPRET=1 (the CPU-only case)")
 def test_auto_never_picks_the_interpreter_but_a_named_request_gets_it():
+    from fp8_backends.core.types import NormQuantProblem
     from fp8_backends.registry import resolution
-    from fp8_backends.types import NormQuantProblem
 
     for kind, problem in (("gemm", GemmProblem(n=64, k=64, m=4, device="cpu")),
                           ("norm_quant", NormQuantProblem(hidden=64, device="cpu"))):
@@ -786,7 +786,7 @@ def test_gpu_fused_activation_quant_matches_the_unfused_path(mode, m, n, k):
 def test_eager_layer_takes_the_fused_launch_and_matches_the_reference():
     """A processed Fp8Linear on the triton provider runs one fused launch per small-M eager call (no separate
     quantization kernel), and its output matches the reference within the usual FP8 tolerance."""
-    from fp8_backends import reference
+    from fp8_backends.core import reference
     from fp8_backends.layers import Fp8Linear
 
     lin = torch.nn.Linear(128, 64, bias=True, device=DEVICE, dtype=torch.bfloat16)

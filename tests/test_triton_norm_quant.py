@@ -1,7 +1,7 @@
 """The ``triton`` norm-quant provider (``providers/triton/norm_quant.py`` + ``norm_kernels.py``).
 
 The conformance kit (``TestTritonNormQuantContract``, ``fp8_backends.testing``) checks both calls against
-``fp8_backends.reference``; this module adds the kernel paths the kit's sizes do not reach (two-pass and
+``fp8_backends.core.reference``; this module adds the kernel paths the kit's sizes do not reach (two-pass and
 two-row programs at small H), the ops and their fakes, the capability record, and GPU-only behaviour
 (replayed launches, PDL on/off, the two-pass path at real sizes).
 
@@ -26,7 +26,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from fp8_backends import InvalidInputError, NormQuantProblem, reference  # noqa: E402
+from fp8_backends import InvalidInputError, NormQuantProblem  # noqa: E402
+from fp8_backends.core import reference  # noqa: E402
+from fp8_backends.core.types import DeviceKind, OutDtype  # noqa: E402
 from fp8_backends.providers.triton import _support  # noqa: E402
 from fp8_backends.providers.triton.norm_quant import (  # noqa: E402
     ADD_NORM_OP,
@@ -35,7 +37,6 @@ from fp8_backends.providers.triton.norm_quant import (  # noqa: E402
     load_ops,
 )
 from fp8_backends.testing import NormQuantProviderContract, assert_codes_close  # noqa: E402
-from fp8_backends.types import DeviceKind, OutDtype  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

@@ -1,7 +1,7 @@
 """The Triton FP8 activation-quant kernels (``providers/triton/quant_kernels.py``) and the CUDA default of
 ``fp8_backends.quant``.
 
-CPU part: the kernels on Triton's interpreter (CPU tensors, small sizes) against ``fp8_backends.reference``
+CPU part: the kernels on Triton's interpreter (CPU tensors, small sizes) against ``fp8_backends.core.reference``
 (e4m3fn and e5m2; bf16/fp16/fp32; non-contiguous inputs; all-zero rows; M = 1; the chunked per-token
 path), through the quant ops (the kernels registered for "cpu"), and the default-selection logic of
 ``fp8_backends.quant`` with the GPU facts monkeypatched. A module fixture makes the interpreter's float
@@ -16,7 +16,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from fp8_backends import ActScale, quant, reference  # noqa: E402
+from fp8_backends import ActScale, quant  # noqa: E402
+from fp8_backends.core import reference  # noqa: E402
 from fp8_backends.providers.triton import _support  # noqa: E402
 from fp8_backends.providers.triton import quant_kernels as qk  # noqa: E402
 
@@ -457,7 +458,7 @@ def test_gpu_pdl_on_and_off_agree(monkeypatch):
 def test_gpu_replayed_quant_launches_stay_correct_and_skip_the_general_path(general_launches, shape):
     """The second call of each mode at the same size replays the first launch(es): no general-path launch, and
     the same codes and scales as the reference (the dynamic absmax partials included)."""
-    from fp8_backends import reference
+    from fp8_backends.core import reference
 
     fp8 = torch.float8_e4m3fn
     x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 3

@@ -15,7 +15,8 @@ from fake_provider import install_fake
 
 from fp8_backends import selection_data
 from fp8_backends import tune as tune_cli
-from fp8_backends.errors import DataFileError
+from fp8_backends.core.errors import DataFileError
+from fp8_backends.core.types import DeviceKind, GemmProblem
 from fp8_backends.provenance import build_provenance, canonical_command
 from fp8_backends.registry import lockfile, resolution, shipped, shipped_data
 from fp8_backends.registry.platform import Platform, cpu_platform, simulate_platform
@@ -24,7 +25,6 @@ from fp8_backends.tuning import grid, models
 from fp8_backends.tuning.plan import parse_pin, select_shard
 from fp8_backends.tuning.timing import Measurement
 from fp8_backends.tuning.workloads import expand_candidates
-from fp8_backends.types import DeviceKind, GemmProblem
 
 CPU = cpu_platform()
 FAKE_A, FAKE_B = "fake_mm[variant=a]", "fake_mm[variant=b]"

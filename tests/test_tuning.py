@@ -20,9 +20,10 @@ import fake_provider
 import pytest
 from fake_provider import FAKE_DIST, install_fake
 
-from fp8_backends import reference
 from fp8_backends import tune as tune_cli
-from fp8_backends.capabilities import GemmCapabilities
+from fp8_backends.core import reference
+from fp8_backends.core.capabilities import GemmCapabilities
+from fp8_backends.core.types import DeviceKind, GemmProblem, NormQuantProblem
 from fp8_backends.list import collect, render
 from fp8_backends.registry import lockfile, resolution
 from fp8_backends.registry.platform import cpu_platform
@@ -30,7 +31,6 @@ from fp8_backends.tuning import engine as tuner
 from fp8_backends.tuning.models import linear_shapes, model_spec
 from fp8_backends.tuning.plan import parse_m_list
 from fp8_backends.tuning.timing import CpuTimer, Measurement, Run, TimerConfig, rotation_count
-from fp8_backends.types import DeviceKind, GemmProblem, NormQuantProblem
 
 
 # ------------------------------------------------------------------------------------------ fixtures

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from fp8_backends.types import Availability, DeviceKind
+from fp8_backends.core.types import Availability, DeviceKind
 
 #: modules a provider module must not import when it is imported (discovery imports every provider module)
 HEAVY_MODULES: tuple[str, ...] = ("torch", "triton", "flashinfer", "cupy", "jax", "tensorflow")
@@ -24,7 +24,7 @@ _NAME_FORBIDDEN = set(":@,= \t")
 def provider_from_spec(kind: str, spec: str) -> Any:
     """The provider instance that ``[DIST:]NAME[@key=value,...]`` names among the discovered ``kind``
     providers, built directly from its class (no support check: the kit decides what to run where)."""
-    from fp8_backends.errors import AmbiguousBackendError, BackendUnavailableError, UnknownBackendError
+    from fp8_backends.core.errors import AmbiguousBackendError, BackendUnavailableError, UnknownBackendError
     from fp8_backends.registry import discovery
     from fp8_backends.registry.resolution import KIND_LABEL, BackendRequest
 
@@ -168,7 +168,7 @@ class ContractBase:
 
     def check_identity(self, base: type, caps_type: type) -> Any:
         """Checks the class attributes every provider declares; returns the provider."""
-        from fp8_backends.types import Availability as _Availability
+        from fp8_backends.core.types import Availability as _Availability
 
         provider, error = self._collected_provider()
         if error is not None:
@@ -234,7 +234,7 @@ def no_kernel_runs(provider: Any, hooks: tuple[str, ...]) -> Iterator[list[str]]
 def expect_refusal(fn: Callable[[], Any], calls: list[str], match: str | None, what: str) -> None:
     """``fn()`` raises the library's :class:`InvalidInputError` (a ``ValueError`` and an ``Fp8BackendError``)
     matching ``match``, and no ``*_impl`` hook ran."""
-    from fp8_backends.errors import Fp8BackendError, InvalidInputError
+    from fp8_backends.core.errors import Fp8BackendError, InvalidInputError
 
     before = len(calls)
     with pytest.raises(InvalidInputError, match=match) as info:

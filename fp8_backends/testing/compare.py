@@ -1,4 +1,4 @@
-"""How the conformance kit compares a provider's output with :mod:`fp8_backends.reference`.
+"""How the conformance kit compares a provider's output with :mod:`fp8_backends.core.reference`.
 
 The tolerances are stated here, once, and printed in every failure:
 

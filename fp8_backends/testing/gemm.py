@@ -11,7 +11,7 @@
             return MyGemmBackend()
 
 Every test reads what the provider declares (its :class:`~fp8_backends.GemmCapabilities`) and checks it:
-declared scale modes, FP8 types, output dtypes and bias match :func:`fp8_backends.reference.fp8_gemm` (see
+declared scale modes, FP8 types, output dtypes and bias match :func:`fp8_backends.core.reference.fp8_gemm` (see
 :mod:`fp8_backends.testing.compare` for the tolerances) on random data and edge shapes; everything undeclared
 is refused with reasons by ``supports()`` and with :class:`~fp8_backends.InvalidInputError` before any
 kernel runs; malformed inputs raise the library's errors; the module imports no heavy library; the entry
@@ -27,8 +27,8 @@ from typing import Any, ClassVar
 
 import pytest
 
-from fp8_backends.capabilities import GemmCapabilities
-from fp8_backends.types import ActScale, BiasMode, DeviceKind, Fp8Dtype, GemmProblem, OutDtype, WeightScale
+from fp8_backends.core.capabilities import GemmCapabilities
+from fp8_backends.core.types import ActScale, BiasMode, DeviceKind, Fp8Dtype, GemmProblem, OutDtype, WeightScale
 
 from ._base import ContractBase, expect_refusal, no_kernel_runs, platform_for
 from .compare import GEMM_RTOL, assert_gemm_close, relative_error
@@ -94,10 +94,10 @@ class GemmCase:
 
 
 def reference_output(d: dict[str, Any]) -> Any:
-    """:func:`fp8_backends.reference.fp8_gemm` in fp32 for the inputs of :meth:`GemmCase.data`."""
+    """:func:`fp8_backends.core.reference.fp8_gemm` in fp32 for the inputs of :meth:`GemmCase.data`."""
     import torch
 
-    from fp8_backends import reference
+    from fp8_backends.core import reference
 
     if d["x"].shape[0] == 0:
         return torch.zeros(0, d["w"].shape[0], device=d["x"].device)
@@ -259,7 +259,7 @@ class GemmProviderContract(ContractBase):
     # ------------------------------------------------------------------ declaration and packaging
     def test_declaration(self) -> None:
         """Identity, options, capability record and an ``availability()`` classmethod that answers."""
-        from fp8_backends.backend import Fp8GemmBackend
+        from fp8_backends.core.backend import Fp8GemmBackend
 
         provider = self.check_identity(Fp8GemmBackend, GemmCapabilities)
         caps = provider.capabilities

@@ -11,7 +11,7 @@
             return MyNormQuant()
 
 It checks, for what the provider declares (:class:`~fp8_backends.NormQuantCapabilities`): ``rmsnorm_quant``
-and ``fused_add_rmsnorm_quant`` match :mod:`fp8_backends.reference` (FP8 codes within one step, at most 0.5 %
+and ``fused_add_rmsnorm_quant`` match :mod:`fp8_backends.core.reference` (FP8 codes within one step, at most 0.5 %
 of them off; the residual updated in place exactly: see :mod:`fp8_backends.testing.compare`) for every
 declared input dtype over 0, 1 and odd token counts and odd hidden sizes, scales from saturation to
 subnormals, every per-tensor scale shape, eps; writes stay inside ``out`` and ``residual``; undeclared dtypes,
@@ -26,8 +26,8 @@ from typing import Any, ClassVar
 
 import pytest
 
-from fp8_backends.capabilities import NormQuantCapabilities
-from fp8_backends.types import ActScale, DeviceKind, NormQuantProblem, OutDtype, QuantizedActivation
+from fp8_backends.core.capabilities import NormQuantCapabilities
+from fp8_backends.core.types import ActScale, DeviceKind, NormQuantProblem, OutDtype, QuantizedActivation
 
 from ._base import ContractBase, _cuda_visible, expect_refusal, no_kernel_runs, platform_for
 from .compare import CODES_MAX_FRACTION, assert_codes_close, assert_residual_close
@@ -142,7 +142,7 @@ class NormQuantProviderContract(ContractBase):
     # ------------------------------------------------------------------ declaration and packaging
     def test_declaration(self) -> None:
         """Identity, options, capability record and an ``availability()`` classmethod that answers."""
-        from fp8_backends.backend import NormQuantBackend
+        from fp8_backends.core.backend import NormQuantBackend
 
         provider = self.check_identity(NormQuantBackend, NormQuantCapabilities)
         caps = provider.capabilities
@@ -153,7 +153,7 @@ class NormQuantProviderContract(ContractBase):
     # ------------------------------------------------------------------ numerics
     def test_rmsnorm_quant_matches_reference(self, device: str, dtype: OutDtype, tokens: int, hidden: int) -> None:
         """``rmsnorm_quant`` returns a typed activation whose codes match the reference."""
-        from fp8_backends import reference
+        from fp8_backends.core import reference
 
         provider = self._serving(device, dtype, hidden)
         x, _, w = norm_inputs(tokens, hidden, dtype, device)
@@ -168,7 +168,7 @@ class NormQuantProviderContract(ContractBase):
     def test_fused_add_matches_reference(self, device: str, dtype: OutDtype, tokens: int, hidden: int) -> None:
         """``fused_add_rmsnorm_quant`` writes ``x + residual`` into ``residual`` in place and quantizes the
         RMSNorm of the fp32 sum."""
-        from fp8_backends import reference
+        from fp8_backends.core import reference
 
         provider = self._serving(device, dtype, hidden, residual=True)
         x, r, w = norm_inputs(tokens, hidden, dtype, device, seed=1)
@@ -185,7 +185,7 @@ class NormQuantProviderContract(ContractBase):
     @pytest.mark.parametrize("scale", [1e-3, 0.05, 1.0, 300.0])
     def test_scale_magnitudes(self, device: str, residual: bool, scale: float) -> None:
         """From heavy saturation (1e-3: most codes at ±448) to values deep in e4m3's subnormals (300)."""
-        from fp8_backends import reference
+        from fp8_backends.core import reference
 
         dtype = _first_dtype(self.make_provider().capabilities)
         provider = self._serving(device, dtype, self._hidden(self.make_provider().capabilities, 96), residual)
@@ -206,7 +206,7 @@ class NormQuantProviderContract(ContractBase):
     @pytest.mark.parametrize("scale_shape", [(), (1,), (1, 1)], ids=["0d", "1", "1x1"])
     def test_scale_shapes_and_eps(self, device: str, scale_shape: tuple[int, ...]) -> None:
         """Every per-tensor scale shape; ``eps`` is honoured (inputs so small that mean(x²) ~ eps)."""
-        from fp8_backends import reference
+        from fp8_backends.core import reference
 
         caps = self.make_provider().capabilities
         dtype = OutDtype.FP16 if OutDtype.FP16 in caps.in_dtypes else _first_dtype(caps)
@@ -223,7 +223,7 @@ class NormQuantProviderContract(ContractBase):
         ``out`` and the words after both views stay untouched (an unmasked tail or row would write there)."""
         import torch
 
-        from fp8_backends import reference
+        from fp8_backends.core import reference
 
         caps = self.make_provider().capabilities
         dtype = _first_dtype(caps)
@@ -257,7 +257,7 @@ class NormQuantProviderContract(ContractBase):
         """A weight viewed with stride 2 (accepted by the API) and an all-zero row (rsqrt(eps) · 0 = 0)."""
         import torch
 
-        from fp8_backends import reference
+        from fp8_backends.core import reference
 
         caps = self.make_provider().capabilities
         dtype = _first_dtype(caps)
@@ -363,7 +363,7 @@ class NormQuantProviderContract(ContractBase):
     @pytest.mark.gpu
     def test_gpu_matches_reference_at_model_sizes(self, device: str) -> None:
         """:attr:`gpu_hidden_sizes` x :attr:`gpu_token_values`, both calls, every declared dtype."""
-        from fp8_backends import reference
+        from fp8_backends.core import reference
 
         caps = self.make_provider().capabilities
         for dtype in (d for d in _DTYPE_ORDER if d in caps.in_dtypes):

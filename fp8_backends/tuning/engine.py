@@ -3,7 +3,7 @@ merge them into the selection lockfile (its command line: ``python -m fp8_backen
 
 For each problem and M bucket, every provider that can serve it is a candidate, once per value
 combination of its ``tunable_options``. Each candidate is first run once and compared with
-:mod:`fp8_backends.reference` (relative error <= ``rtol``); only correct ones are timed (see
+:mod:`fp8_backends.core.reference` (relative error <= ``rtol``); only correct ones are timed (see
 :mod:`fp8_backends.tuning.timing`: CUDA graphs, inputs rotated past L2, candidates interleaved, median).
 The winner is the candidate static priorities rank first among those within ``tie_margin`` of the
 fastest, decided here and recorded, so reruns of ``auto`` never flip. Entries are merged into the
@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp8_backends.errors import ProviderOutputError
+from fp8_backends.core.errors import ProviderOutputError
+from fp8_backends.core.text_table import text_table
+from fp8_backends.core.types import GemmProblem, NormQuantProblem
 from fp8_backends.registry import lockfile as lockfile_io
 from fp8_backends.registry.platform import Platform, detect_platform
-from fp8_backends.text_table import text_table
 from fp8_backends.tuning.timing import Measurement, Timer, TimerConfig, default_timer
 from fp8_backends.tuning.workloads import CandidateSpec, expand_candidates, kind_of, make_workload
-from fp8_backends.types import GemmProblem, NormQuantProblem
 
 logger = logging.getLogger("fp8_backends")
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp8_backends.errors import DataFileError
+from fp8_backends.core.errors import DataFileError
 
 #: the models whose shapes the shipped selection data covers (names of :data:`fp8_backends.tuning.models.MODELS`)
 SHIPPED_MODELS: tuple[str, ...] = (

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp8_backends.core.types import GemmProblem, NormQuantProblem
 from fp8_backends.registry import lockfile
 from fp8_backends.registry.platform import Platform
 from fp8_backends.tuning import grid
-from fp8_backends.types import GemmProblem, NormQuantProblem
 
 #: the M buckets of ``--quick`` (the tuner and the benchmarks)
 QUICK_M_BUCKETS = (1, 16, 256, 4096)
@@ -83,7 +83,7 @@ def parse_pin(text: str) -> tuple[str, str, str]:
 
 def parse_scales(text: str) -> tuple[str, str]:
     """``"per_token:per_channel"`` -> ``("per_token", "per_channel")`` (activation, weight)."""
-    from fp8_backends.types import ActScale, WeightScale
+    from fp8_backends.core.types import ActScale, WeightScale
 
     act, colon, weight = text.partition(":")
     acts, weights = {a.value for a in ActScale}, {w.value for w in WeightScale}

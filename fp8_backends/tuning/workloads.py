@@ -11,7 +11,7 @@
   per-M activations with their fp32 reference are made when an M is first asked for.
 - :class:`NormQuantWorkload`: the same for RMSNorm + static FP8 quant (hidden size, dtype, residual).
 
-Inputs are ``randn`` data quantized with :mod:`fp8_backends.reference`; every copy of a set holds the
+Inputs are ``randn`` data quantized with :mod:`fp8_backends.core.reference`; every copy of a set holds the
 same values, so one reference checks every output. torch is imported inside functions only.
 """
 
@@ -23,12 +23,12 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fp8_backends.core.types import ActScale, GemmProblem, NormQuantProblem, WeightScale
 from fp8_backends.registry import resolution
 from fp8_backends.registry.discovery import ProviderEntry, discover
 from fp8_backends.registry.lockfile import candidate_label
 from fp8_backends.registry.platform import Platform
 from fp8_backends.tuning.timing import Run, l2_cache_bytes, rotation_count
-from fp8_backends.types import ActScale, GemmProblem, NormQuantProblem, WeightScale
 
 DEFAULT_RTOL = 1e-2  # relative Frobenius error vs the fp32 reference (bf16 output rounding gives ~2-3e-3)
 NORM_CODE_MISMATCH = 1e-2  # fraction of fp8 codes allowed to differ from the reference (rounding flips)
@@ -156,7 +156,7 @@ class GemmWorkload:
     ) -> None:
         import torch
 
-        from fp8_backends import reference
+        from fp8_backends.core import reference
 
         self.torch, self.reference = torch, reference
         self.base = problem.with_m(None)
@@ -281,7 +281,7 @@ class NormQuantWorkload:
     ) -> None:
         import torch
 
-        from fp8_backends import reference
+        from fp8_backends.core import reference
 
         self.torch, self.reference = torch, reference
         self.base = dataclasses.replace(problem, tokens=None)

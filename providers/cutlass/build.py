@@ -5,13 +5,14 @@ mode), compiled from ``fp8_gemm_sm90.cu`` with ``-D`` macros. The library links 
 statically and not torch: it exports ``fp8b_gemm`` (raw pointers, sizes and a ``cudaStream_t``),
 called through ctypes on torch's current stream.
 
-Cache: ``$FP8_BACKENDS_CUTLASS_CACHE`` or ``cutlass`` in the cache folder (:func:`fp8_backends.settings.cache_dir`), one
-folder per library named ``<library>-<key>`` where the key hashes the kernel source, the macros, the
-flags, the arch, the nvcc version and the CUTLASS version. A file lock beside the folder makes
-parallel processes build once: the second waits and loads the first's result. nvcc runs in its own process group
-and dies with its builder, and a build removes the temp files of builders that died (:mod:`.compiler`). Each
-folder keeps the compiler's ``build.log`` and a ``manifest.json``. A machine without nvcc or headers still loads a
-library prebuilt for the same source, macros and arch (``python -m fp8_backends.build cutlass``).
+Cache: ``$FP8_BACKENDS_CUTLASS_CACHE`` or ``cutlass`` in the cache folder
+(:func:`fp8_backends.core.settings.cache_dir`), one folder per library named ``<library>-<key>`` where the key
+hashes the kernel source, the macros, the flags, the arch, the nvcc version and the CUTLASS version. A file lock
+beside the folder makes parallel processes build once: the second waits and loads the first's result. nvcc runs in
+its own process group and dies with its builder, and a build removes the temp files of builders that died
+(:mod:`.compiler`). Each folder keeps the compiler's ``build.log`` and a ``manifest.json``. A machine without nvcc
+or headers still loads a library prebuilt for the same source, macros and arch (``python -m fp8_backends.build
+cutlass``).
 
 Nothing here imports torch; nothing builds unless asked (:func:`build_library`, :func:`get_library`).
 """
@@ -37,8 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp8_backends import settings
-from fp8_backends.errors import BuildError
+from fp8_backends.core import settings
+from fp8_backends.core.errors import BuildError
 
 from .compiler import run_compiler, sweep_stale_temps, temp_path
 from .configs import CONFIGS
@@ -482,7 +483,7 @@ def build_library(spec: LibrarySpec, toolchain: Toolchain | None = None, *, forc
 
 def default_jobs(n: int) -> int:
     """Parallel nvcc jobs for ``n`` builds: ``FP8_BACKENDS_BUILD_JOBS`` (an integer >= 1; anything else raises
-    :class:`~fp8_backends.errors.ConfigurationError`), else the CPU count, never more than ``n``."""
+    :class:`~fp8_backends.core.errors.ConfigurationError`), else the CPU count, never more than ``n``."""
 
     return max(1, min(n, settings.env_int(JOBS_ENV, os.cpu_count() or 1)))
 

@@ -6,7 +6,7 @@ the CTA tile, the cluster shape, the warp-specialised schedule, stream-K, and wh
 swapped. Swapping computes ``outᵀ = w · xᵀ`` so that a small M lands on the tile's N (16 or 64 wide)
 instead of wasting a 64- or 128-row tile on a handful of tokens: the decode configs use it.
 
-The :class:`DispatchTable` (a :class:`fp8_backends.bucket_tables.BucketTable`) maps a problem ``(M, N, K)``
+The :class:`DispatchTable` (a :class:`fp8_backends.core.bucket_tables.BucketTable`) maps a problem ``(M, N, K)``
 to a config name per M bucket, per ``(N, K)`` where it lists that shape. The table is data: replace it
 with ``FP8_BACKENDS_CUTLASS_TABLE=/path/table.json`` (the format :meth:`DispatchTable.to_json`
 writes and ``bench/cutlass_configs.py`` produces from its measurements).
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from fp8_backends import settings
-from fp8_backends.bucket_tables import BucketTable, TableSource
+from fp8_backends.core import settings
+from fp8_backends.core.bucket_tables import BucketTable, TableSource
 
 TABLE_ENV = settings.CUTLASS_TABLE_ENV
 

@@ -1,7 +1,7 @@
 """The torch side of the CUTLASS provider: the ``fp8_backends::cutlass_sm90_gemm`` custom op.
 
 The op is defined lazily (first call of :func:`cutlass_gemm`, through
-:func:`fp8_backends.oplib.define_ops`), with a fake implementation so that torch.compile traces it
+:func:`fp8_backends.core.oplib.define_ops`), with a fake implementation so that torch.compile traces it
 without running it. Its real implementation picks the config (``auto``: the
 M-bucket table, at run time, so compiled graphs carry no M guards), gets the library (building it on
 first use), allocates the output (and a stream-K workspace where the config needs one) and calls
@@ -13,8 +13,8 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-from fp8_backends.errors import Fp8BackendError, InvalidInputError
-from fp8_backends.oplib import LazyOps, gemm_fake, gemm_schema
+from fp8_backends.core.errors import Fp8BackendError, InvalidInputError
+from fp8_backends.core.oplib import LazyOps, gemm_fake, gemm_schema
 
 from . import build
 from .configs import CONFIGS, active_table
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 OP_BASENAME = "cutlass_sm90_gemm"
 OP_NAME = f"fp8_backends::{OP_BASENAME}"
-#: the op's options after the GEMM arguments (:func:`fp8_backends.oplib.gemm_schema`)
+#: the op's options after the GEMM arguments (:func:`fp8_backends.core.oplib.gemm_schema`)
 OP_OPTIONS = ("str config", "bool fast_accum")
 _TMA_ALIGN = 16  # bytes: TMA needs 16-byte aligned global addresses
 
@@ -128,7 +128,7 @@ _OPS = LazyOps({OP_BASENAME: (gemm_schema(OP_BASENAME, *OP_OPTIONS), _run, gemm_
 
 def load_op() -> Any:
     """The op's OpOverload (what the provider's ``load_op`` returns), defined now with its hot-path callable
-    (:meth:`fp8_backends.oplib.LazyOps.preload`: load time, never inside ``torch.compile`` tracing)."""
+    (:meth:`fp8_backends.core.oplib.LazyOps.preload`: load time, never inside ``torch.compile`` tracing)."""
     _OPS.preload()
     return _OPS.op(OP_BASENAME)
 

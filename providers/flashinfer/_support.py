@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from fp8_backends.errors import BackendUnavailableError, UnsupportedProblemError
+from fp8_backends.core.errors import BackendUnavailableError, UnsupportedProblemError
 
 from . import common
 

@@ -7,7 +7,7 @@
 - The support tables of flashinfer 0.7's ``bmm_fp8`` runners (``supported_compute_capability`` of
   its ``_cublas/_cudnn/_cutlass_bmm_fp8_requirement``), as data: :func:`runner_reasons`.
 - :func:`cache_dir` / :func:`autotune_cache_path`: where flashinfer's autotuning results live
-  (:func:`fp8_backends.settings.cache_dir`: ``$FP8_BACKENDS_CACHE_DIR``, else ``$XDG_CACHE_HOME/fp8_backends``,
+  (:func:`fp8_backends.core.settings.cache_dir`: ``$FP8_BACKENDS_CACHE_DIR``, else ``$XDG_CACHE_HOME/fp8_backends``,
   else ``~/.cache/fp8_backends``), beside the project's own tuning data.
 
 Nothing here imports torch or flashinfer at module level: stevedore imports the provider modules
@@ -24,8 +24,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from fp8_backends import settings
-from fp8_backends.types import Availability, Fp8Dtype
+from fp8_backends.core import settings
+from fp8_backends.core.types import Availability, Fp8Dtype
 
 logger = logging.getLogger("fp8_backends")
 
@@ -173,12 +173,12 @@ def autotune_cache_path(sm: tuple[int, int] | None) -> Path:
 
 def autotune_default() -> str:
     """The ``autotune`` mode from :data:`AUTOTUNE_ENV` (``off`` when unset). Raises
-    :class:`~fp8_backends.errors.ConfigurationError` (a ``ValueError``) for a value that is not a mode."""
+    :class:`~fp8_backends.core.errors.ConfigurationError` (a ``ValueError``) for a value that is not a mode."""
     value = os.environ.get(AUTOTUNE_ENV, "").strip().lower()
     if not value:
         return "off"
     if value not in AUTOTUNE_MODES:
-        from fp8_backends.errors import ConfigurationError
+        from fp8_backends.core.errors import ConfigurationError
 
         raise ConfigurationError(AUTOTUNE_ENV, os.environ.get(AUTOTUNE_ENV, ""),
                                  f"{', '.join(AUTOTUNE_MODES)} (unset or empty: off)")

@@ -38,10 +38,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from fp8_backends.backend import OpGemmBackend
-from fp8_backends.capabilities import GemmCapabilities
-from fp8_backends.errors import InvalidInputError, UnsupportedProblemError
-from fp8_backends.types import (
+from fp8_backends.core.backend import OpGemmBackend
+from fp8_backends.core.capabilities import GemmCapabilities
+from fp8_backends.core.errors import InvalidInputError, UnsupportedProblemError
+from fp8_backends.core.types import (
     ActScale,
     Availability,
     BiasMode,

@@ -9,7 +9,7 @@ imports it lazily, at ``prepare_weight``; the norm-quant ops are in :mod:`.norm_
   in ``out_dtype`` (bf16/fp16). ``mode`` is ``"<runner>/<autotune>"``, e.g. ``"cublas/off"``.
 
 The op has a fake (meta) implementation, so ``torch.compile(fullgraph=True)`` traces through it.
-It is defined with :func:`fp8_backends.oplib.define_ops` (``Library.define`` + ``impl(..., "CUDA")``,
+It is defined with :func:`fp8_backends.core.oplib.define_ops` (``Library.define`` + ``impl(..., "CUDA")``,
 not the ``custom_op`` decorator and its per-call Python wrapper); it is inference-only.
 
 Host cost. flashinfer's public ``bmm_fp8`` spends 90-275 us of Python per call (requirement checks,
@@ -44,8 +44,8 @@ from typing import Any
 
 import torch
 
-from fp8_backends.errors import BackendUnavailableError, InvalidInputError
-from fp8_backends.oplib import define_ops
+from fp8_backends.core.errors import BackendUnavailableError, InvalidInputError
+from fp8_backends.core.oplib import define_ops
 
 from . import _support as support
 from . import common

@@ -4,7 +4,7 @@ Importing this module imports torch and registers two ops in the ``fp8_backends`
 imports it lazily, at the first norm-quant call): ``fp8_backends::flashinfer_rmsnorm_quant(Tensor(a!) out,
 Tensor x, Tensor weight, Tensor scale, float eps) -> ()`` and ``fp8_backends::flashinfer_fused_add_rmsnorm_quant(
 Tensor(a!) out, Tensor x, Tensor(b!) residual, Tensor weight, Tensor scale, float eps) -> ()``. Each has a fake
-(meta) implementation; they are defined with :func:`fp8_backends.oplib.define_ops` and are inference-only.
+(meta) implementation; they are defined with :func:`fp8_backends.core.oplib.define_ops` and are inference-only.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from fp8_backends.errors import InvalidInputError
-from fp8_backends.oplib import define_ops
+from fp8_backends.core.errors import InvalidInputError
+from fp8_backends.core.oplib import define_ops
 
 from . import _support as support
 

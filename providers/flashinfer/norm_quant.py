@@ -13,7 +13,7 @@ or no CuTe DSL for the GPU), else ``flashinfer.rmsnorm_quant`` / ``flashinfer.fu
 Launches use programmatic dependent launch on SM >= 9.0.
 
 Numerics: flashinfer multiplies by ``1/scale`` where the reference divides, so a few fp8 codes
-(fraction well under 1e-3) can differ by one step from ``fp8_backends.reference``.
+(fraction well under 1e-3) can differ by one step from ``fp8_backends.core.reference``.
 
 Availability imports flashinfer once (2-4 s) to probe for ``rmsnorm_quant`` and
 ``fused_add_rmsnorm_quant``, but only when flashinfer is installed and a CUDA device is present.
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from fp8_backends.backend import OpNormQuantBackend
-from fp8_backends.capabilities import NormQuantCapabilities
-from fp8_backends.types import (
+from fp8_backends.core.backend import OpNormQuantBackend
+from fp8_backends.core.capabilities import NormQuantCapabilities
+from fp8_backends.core.types import (
     Availability,
     DeviceKind,
     NormQuantProblem,

@@ -16,8 +16,8 @@ import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from fp8_backends import settings
-from fp8_backends.types import DeviceKind
+from fp8_backends.core import settings
+from fp8_backends.core.types import DeviceKind
 
 T = TypeVar("T")
 

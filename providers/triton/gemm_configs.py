@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from fp8_backends import settings
-from fp8_backends.bucket_tables import BucketTable, TableSource
+from fp8_backends.core import settings
+from fp8_backends.core.bucket_tables import BucketTable, TableSource
 
 TABLE_ENV = settings.TRITON_TABLE_ENV
 FAMILIES = ("gemv", "swap", "mm", "tma")

@@ -16,7 +16,7 @@ Shared contract of the three kernels (validated by the caller, not here):
   (``gdc_launch_dependents``); the weight is not produced by an earlier kernel, so the first weight
   tile may be loaded before the wait.
 - ``X_QUANT`` (the ``swap`` and ``gemv`` kernels): ``x`` arrives unquantized (bf16/fp16/fp32) and the kernel
-  quantizes every tile it loads exactly as :mod:`fp8_backends.reference` does (``clamp(x / s, ±FMAX)`` with an
+  quantizes every tile it loads exactly as :mod:`fp8_backends.core.reference` does (``clamp(x / s, ±FMAX)`` with an
   IEEE division, rounded to ``w``'s float8 type), so the products are those of the unfused path, bit for bit:
   ``QUANT_STATIC`` with the scale at ``x_scale``; ``QUANT_DYNAMIC`` with ``s = max(amax(x) / FMAX, 1e-12)``
   over all of ``x`` and ``QUANT_PER_TOKEN`` over each row, computed by each program from ``x`` itself (small M:

@@ -1,6 +1,6 @@
 """The torch side of the Triton GEMM: the ``fp8_backends::triton_gemm`` op and its launcher.
 
-The op is defined on first use (:func:`fp8_backends.oplib.define_ops`) as a ``torch.library.triton_op``: under
+The op is defined on first use (:func:`fp8_backends.core.oplib.define_ops`) as a ``torch.library.triton_op``: under
 ``torch.compile`` its body (:func:`.traced_ops.triton_gemm`) decomposes into the kernel launch, which Inductor
 makes from its generated code (the traced body picks the tile config when it is traced: a graph with a dynamic M
 is guarded per M bucket). Plain eager calls run :func:`launch` instead, which picks the tile config (``auto``: the
@@ -16,8 +16,8 @@ import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
-from fp8_backends.errors import InvalidInputError
-from fp8_backends.oplib import LazyOps, TritonOpSpec, gemm_fake, gemm_schema
+from fp8_backends.core.errors import InvalidInputError
+from fp8_backends.core.oplib import LazyOps, TritonOpSpec, gemm_fake, gemm_schema
 
 from . import _support
 from .gemm_configs import CONFIGS, TileConfig, active_table
@@ -32,7 +32,7 @@ OP_BASENAME = "triton_gemm"
 OP_NAME = f"fp8_backends::{OP_BASENAME}"
 #: the persistent TMA configs as an opaque op (what the traced ``triton_gemm`` calls for them)
 TMA_OP_BASENAME = "triton_gemm_tma"
-#: the ops' option after the GEMM arguments (:func:`fp8_backends.oplib.gemm_schema`)
+#: the ops' option after the GEMM arguments (:func:`fp8_backends.core.oplib.gemm_schema`)
 OP_OPTIONS = ("str config",)
 _GRID_Y_MAX = 65535  # CUDA's limit on gridDim.y
 
@@ -171,7 +171,7 @@ _X_QUANT = {"per_tensor_static": 1, "per_tensor_dynamic": 2, "per_token": 3}
 def fused_launch(x: torch.Tensor, w: torch.Tensor, input_scale: torch.Tensor | None, w_scale: torch.Tensor,
                  bias: torch.Tensor | None, out_dtype: torch.dtype, config: str, mode: str) -> torch.Tensor | None:
     """``out[M, N]`` of the unquantized ``x [M, K]`` (bf16/fp16/fp32, unit column stride) quantized in ``mode``
-    (an :class:`~fp8_backends.types.ActScale` value; ``input_scale``: the static scale, fp32 ``[1]``) to ``w``'s
+    (an :class:`~fp8_backends.core.types.ActScale` value; ``input_scale``: the static scale, fp32 ``[1]``) to ``w``'s
     float8 type inside the GEMM kernel: the unfused path's result bit for bit, one launch instead of two or three.
     ``None`` (nothing launched) where the config picked for this M is not a ``swap`` or ``gemv`` kernel, M = 0 or
     M > :data:`FUSED_MAX_M`:
@@ -272,7 +272,7 @@ _OPS = LazyOps(_specs, _dispatch_keys)
 
 def load_op() -> Any:
     """The op's OpOverload (what the provider's ``load_op`` returns), defined now with ``triton_gemm_tma`` (which its
-    traced body calls) and their hot-path callables (:meth:`fp8_backends.oplib.LazyOps.preload`: load time, never
+    traced body calls) and their hot-path callables (:meth:`fp8_backends.core.oplib.LazyOps.preload`: load time, never
     inside ``torch.compile`` tracing)."""
     _OPS.preload()
     return _OPS.op(OP_BASENAME)

@@ -10,7 +10,7 @@ Operands (what :func:`rmsnorm_quant` and :func:`fused_add_rmsnorm_quant` take; t
   multiplies by its reciprocal. It is never read on the host.
 - ``out``: ``[T, H]`` float8_e4m3fn (or float8_e5m2), columns contiguous.
 
-Per row, in fp32 (the order of :func:`fp8_backends.reference.rmsnorm` and ``quantize_static``)::
+Per row, in fp32 (the order of :func:`fp8_backends.core.reference.rmsnorm` and ``quantize_static``)::
 
     s = x (+ residual)                   # the add variant stores s to residual, normalizes the fp32 s
     rrms = rsqrt(sum(s * s) / H + eps)

@@ -12,7 +12,7 @@ above that. ``scale`` is read on the device (CUDA-graph safe; no host sync, no a
 output the base class makes). Launches use programmatic dependent launch on SM >= 9.0 unless
 ``FP8_BACKENDS_PDL=0``.
 
-Both calls run as ``torch.library`` ops, defined on first use through :func:`fp8_backends.oplib.define_ops` as
+Both calls run as ``torch.library`` ops, defined on first use through :func:`fp8_backends.core.oplib.define_ops` as
 ``triton_op`` ops: under ``torch.compile`` they decompose into their kernel launches (:mod:`.traced_ops`), which
 Inductor makes from its generated code; plain eager calls take the cached launcher with PDL and replays:
 
@@ -24,7 +24,7 @@ registered for CUDA, and also for CPU when Triton's interpreter runs (``TRITON_I
 tests the kernels through the ops).
 
 Numerics: the kernel multiplies by ``1/scale`` where the reference divides, and sums squares in another
-order, so an fp8 code can rarely land one step away from ``fp8_backends.reference``.
+order, so an fp8 code can rarely land one step away from ``fp8_backends.core.reference``.
 
 This module imports neither torch nor triton at import time (stevedore imports it during discovery).
 """
@@ -33,11 +33,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from fp8_backends.backend import OpNormQuantBackend
-from fp8_backends.capabilities import NormQuantCapabilities
-from fp8_backends.errors import BackendUnavailableError
-from fp8_backends.oplib import LazyOps, TritonOpSpec
-from fp8_backends.types import ActScale, OutDtype
+from fp8_backends.core.backend import OpNormQuantBackend
+from fp8_backends.core.capabilities import NormQuantCapabilities
+from fp8_backends.core.errors import BackendUnavailableError
+from fp8_backends.core.oplib import LazyOps, TritonOpSpec
+from fp8_backends.core.types import ActScale, OutDtype
 
 from . import _support
 

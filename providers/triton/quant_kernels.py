@@ -1,7 +1,7 @@
 """Triton FP8 activation-quant kernels: static per-tensor, dynamic per-tensor and per-token.
 
 The three functions follow the contract of :func:`fp8_backends.quant.register_quant_impl` (and the
-semantics of :mod:`fp8_backends.reference`); ``fmax`` is 448 for ``float8_e4m3fn``, 57344 for ``float8_e5m2``:
+semantics of :mod:`fp8_backends.core.reference`); ``fmax`` is 448 for ``float8_e4m3fn``, 57344 for ``float8_e5m2``:
 
 - :func:`quant_static` ``(x, scale, fp8_dtype) -> q``: ``q = clamp(x / scale, ±fmax) -> fp8``;
   ``scale`` is one fp32 value on ``x``'s device (``[]``, ``[1]`` or ``[1, 1]``), read on the device.
@@ -65,7 +65,7 @@ import triton.language as tl
 from . import _support
 from .launcher import ReplayCache, launcher_for, raw_stream
 
-MIN_SCALE = 1e-12  # fp8_backends.reference.MIN_DYNAMIC_SCALE
+MIN_SCALE = 1e-12  # fp8_backends.core.reference.MIN_DYNAMIC_SCALE
 FMAX: dict[torch.dtype, float] = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 #: row-wise kernels: several rows per program (a 2-D block) while next_pow2(K) <= this
@@ -437,7 +437,7 @@ def quant_per_token(
 # ------------------------------------------------------------------------------------------ registration
 def impls() -> dict[Any, Callable[..., Any]]:
     """``{ActScale: fn}`` for the three modes (what :func:`register` installs)."""
-    from fp8_backends.types import ActScale
+    from fp8_backends.core.types import ActScale
 
     return {
         ActScale.PER_TENSOR_STATIC: quant_static,

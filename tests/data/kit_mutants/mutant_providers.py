@@ -32,7 +32,7 @@ class GoodGemm(Fp8GemmBackend):
         return self.prepare_k_major(w_q, w_scale, weight_scale)
 
     def gemm_impl(self, x_q, prepared, x_scale, out_dtype, bias):
-        from fp8_backends import reference
+        from fp8_backends.core import reference
 
         return reference.fp8_gemm(x_q, prepared.data, x_scale, prepared.scale, out_dtype, bias)
 
@@ -41,7 +41,7 @@ class IgnoresWeightScale(GoodGemm):
     name: ClassVar[str] = "ignores_weight_scale"
 
     def gemm_impl(self, x_q, prepared, x_scale, out_dtype, bias):
-        from fp8_backends import reference
+        from fp8_backends.core import reference
 
         return reference.fp8_gemm(x_q, prepared.data, x_scale, prepared.scale.new_ones(1), out_dtype, bias)
 
@@ -130,12 +130,12 @@ class GoodNorm(NormQuantBackend):
     )
 
     def rmsnorm_quant_impl(self, out, x, weight, scale, eps):
-        from fp8_backends import reference
+        from fp8_backends.core import reference
 
         out.copy_(reference.rmsnorm_quant(x, weight, scale, eps))
 
     def fused_add_rmsnorm_quant_impl(self, out, x, residual, weight, scale, eps):
-        from fp8_backends import reference
+        from fp8_backends.core import reference
 
         q, r = reference.fused_add_rmsnorm_quant(x, residual, weight, scale, eps)
         out.copy_(q)
@@ -181,6 +181,6 @@ class MultipliesByScale(GoodNorm):
     name: ClassVar[str] = "multiplies_by_scale"
 
     def rmsnorm_quant_impl(self, out, x, weight, scale, eps):
-        from fp8_backends import reference
+        from fp8_backends.core import reference
 
         out.copy_(reference.quantize_static(reference.rmsnorm(x, weight, eps), 1 / scale))

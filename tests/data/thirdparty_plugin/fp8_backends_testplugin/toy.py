@@ -45,12 +45,12 @@ class ToyGemmBackend(Fp8GemmBackend):
 
     @staticmethod
     def fp8_of(t):
-        from fp8_backends.types import Fp8Dtype
+        from fp8_backends.core.types import Fp8Dtype
 
         return Fp8Dtype.of(t.dtype)
 
     def gemm_impl(self, x_q, prepared, x_scale, out_dtype, bias):
-        from fp8_backends import reference
+        from fp8_backends.core import reference
 
         return reference.fp8_gemm(x_q, prepared.data, x_scale, prepared.scale, out_dtype, bias)
 
@@ -89,12 +89,12 @@ class ToyNormQuantBackend(NormQuantBackend):
     )
 
     def rmsnorm_quant_impl(self, out, x, weight, scale, eps):
-        from fp8_backends import reference
+        from fp8_backends.core import reference
 
         out.copy_(reference.rmsnorm_quant(x, weight, scale, eps))
 
     def fused_add_rmsnorm_quant_impl(self, out, x, residual, weight, scale, eps):
-        from fp8_backends import reference
+        from fp8_backends.core import reference
 
         q, r = reference.fused_add_rmsnorm_quant(x, residual, weight, scale, eps)
         out.copy_(q)

@@ -23,7 +23,7 @@
 
 Boolean variables (``CHECK_SCALES``, ``TUNE``, ``PDL``, ``DEFAULTS``) take ``1/0``, ``true/false``, ``yes/no`` or
 ``on/off`` (any case; unset or empty: the default) and are read where they are used, not once at import; any other
-value raises :class:`~fp8_backends.errors.ConfigurationError` naming the variable and the accepted values, never a
+value raises :class:`~fp8_backends.core.errors.ConfigurationError` naming the variable and the accepted values, never a
 silent default. :func:`env_int` parses integer variables as strictly.
 """
 
@@ -34,7 +34,7 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
-from fp8_backends.errors import ConfigurationError
+from fp8_backends.core.errors import ConfigurationError
 
 GEMM_BACKEND_ENV = "FP8_GEMM_BACKEND"
 NORM_QUANT_BACKEND_ENV = "FP8_NORM_QUANT_BACKEND"

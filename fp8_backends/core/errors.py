@@ -59,7 +59,7 @@ class InvalidInputError(Fp8BackendError, ValueError):
 
 
 class InvalidTypeError(InvalidInputError, TypeError):
-    """An argument of the wrong type (a ``dict`` where a :class:`~fp8_backends.types.GemmProblem` belongs, a
+    """An argument of the wrong type (a ``dict`` where a :class:`~fp8_backends.core.types.GemmProblem` belongs, a
     number as a backend name, a string as a platform). Also a ``TypeError`` (and, as an
     :class:`InvalidInputError`, a ``ValueError``)."""
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from fp8_backends.settings import check_scales_flag
+from fp8_backends.core.settings import check_scales_flag
 
 from .errors import InvalidInputError, InvalidTypeError
 from .types import Fp8Dtype, OutDtype
@@ -73,7 +73,7 @@ _FORCED_DEVICE_SCALES: bool | None = None
 def device_scale_checks() -> bool:
     """Whether per-call device-resident scales are checked: :func:`set_check_device_scales` if called, else
     ``FP8_BACKENDS_CHECK_SCALES`` read now (strictly; about 0.15 µs: see
-    :class:`~fp8_backends.settings.EnvFlag`)."""
+    :class:`~fp8_backends.core.settings.EnvFlag`)."""
     forced = _FORCED_DEVICE_SCALES
     return check_scales_flag() if forced is None else forced
 

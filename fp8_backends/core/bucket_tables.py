@@ -19,8 +19,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
-from fp8_backends import settings
-from fp8_backends.errors import ConfigurationError
+from fp8_backends.core import settings
+from fp8_backends.core.errors import ConfigurationError
 
 Buckets = tuple[tuple[int | None, str], ...]
 
@@ -117,7 +117,7 @@ class TableSource(Generic[T]):
     """The table a provider's ``auto`` uses: the JSON file named by ``env`` if set, else ``builtin``.
 
     The file is re-read when its path or modification time changes; a broken file raises
-    :class:`~fp8_backends.errors.ConfigurationError` (a ``ValueError``) naming the variable, so the provider can
+    :class:`~fp8_backends.core.errors.ConfigurationError` (a ``ValueError``) naming the variable, so the provider can
     report itself unavailable with that reason.
     """
 

@@ -47,8 +47,8 @@ def _weight_scale_of(mode: Any) -> WeightScale:
 
 def _member(cls: type[enum.Enum], value: Any, what: str) -> Any:
     """``cls(value)`` through the value map: torch.compile traces a dict lookup, not an Enum call. An unknown
-    value raises :class:`~fp8_backends.errors.InvalidInputError` (a ``ValueError``); an unhashable one
-    :class:`~fp8_backends.errors.InvalidTypeError`."""
+    value raises :class:`~fp8_backends.core.errors.InvalidInputError` (a ``ValueError``); an unhashable one
+    :class:`~fp8_backends.core.errors.InvalidTypeError`."""
     try:
         member = cls._value2member_map_.get(value)
     except TypeError:  # unhashable (a list, a dict)

@@ -174,7 +174,7 @@ class LazyOps:
         return call
 
 
-#: the arguments every GEMM op of the library starts with (what :class:`fp8_backends.backend.OpGemmBackend` passes)
+#: the arguments every GEMM op of the library starts with (what :class:`fp8_backends.core.backend.OpGemmBackend` passes)
 GEMM_ARGS = "Tensor x, Tensor w, Tensor x_scale, Tensor w_scale, Tensor? bias, ScalarType out_dtype"
 
 

@@ -3,7 +3,7 @@
 A provider is a class registered under an entry point (group ``fp8_backends.gemm`` or
 ``fp8_backends.norm_quant``). It declares:
 
-- ``name`` (and optional ``aliases``), a :class:`~fp8_backends.capabilities.Capabilities` record,
+- ``name`` (and optional ``aliases``), a :class:`~fp8_backends.core.capabilities.Capabilities` record,
 - ``requires``: import names it needs (probed lazily with ``importlib.util.find_spec``) and an
   ``install_hint`` shown when one is missing,
 - ``options``: named sub-choices (e.g. a runner) with their allowed values, the first the default,
@@ -120,8 +120,8 @@ class ProviderBase(ABC):
         :mod:`fp8_backends.quant` asks the providers that declare ``device_type`` once per process, at the first
         quantization on that device type when nothing is registered for it, in ``auto``'s order (priority, built-ins
         first), and takes the first answer; providers that are disabled, blocked or unavailable are not asked.
-        Raise :class:`~fp8_backends.errors.BackendUnavailableError` with the reason when the kernels cannot run here
-        (an old GPU): the reason is logged and the next provider is asked. The default supplies none."""
+        Raise :class:`~fp8_backends.core.errors.BackendUnavailableError` with the reason when the kernels cannot run
+        here (an old GPU): the reason is logged and the next provider is asked. The default supplies none."""
         return {}
 
     def preload(self) -> None:
@@ -510,11 +510,12 @@ class OpGemmBackend(Fp8GemmBackend):
     and returns ``[M, N]`` in ``out_dtype``. Subclasses implement :meth:`load_op` (called once per instance, at
     :meth:`preload`, so heavy imports stay lazy) and inherit :meth:`preload`, ``gemm_impl`` and a
     ``prepare_weight_impl`` that keeps the ``[N, K]`` weight as it is (:meth:`Fp8GemmBackend.prepare_k_major`;
-    override it for another layout). The op may be an ``OpOverload`` of :func:`fp8_backends.oplib.define_ops` /
-    :class:`~fp8_backends.oplib.LazyOps` (plain eager calls then run its implementation directly,
-    :func:`fp8_backends.oplib.eager_fast`, while ``torch.compile`` traces the op: a ``triton_op``'s kernels, a plain
-    op's fake), a ``torch.library.custom_op`` or any callable with that signature
-    (:func:`fp8_backends.oplib.gemm_schema` and :func:`~fp8_backends.oplib.gemm_fake` give the first's schema and fake).
+    override it for another layout). The op may be an ``OpOverload`` of :func:`fp8_backends.core.oplib.define_ops`
+    / :class:`~fp8_backends.core.oplib.LazyOps` (plain eager calls then run its implementation directly,
+    :func:`fp8_backends.core.oplib.eager_fast`, while ``torch.compile`` traces the op: a ``triton_op``'s kernels, a
+    plain op's fake), a ``torch.library.custom_op`` or any callable with that signature
+    (:func:`fp8_backends.core.oplib.gemm_schema` and :func:`~fp8_backends.core.oplib.gemm_fake` give the first's
+    schema and fake).
     """
 
     #: the kernel indexes a per-token ``x_scale [M, 1]`` and the bias with unit stride: refuse strided ones
@@ -566,7 +567,7 @@ class OpGemmBackend(Fp8GemmBackend):
 
 
 def _hot_callable(op: Any) -> Callable[..., Any]:
-    """``op`` as the hot path calls it: an ``OpOverload`` through :func:`fp8_backends.oplib.eager_fast` (its
+    """``op`` as the hot path calls it: an ``OpOverload`` through :func:`fp8_backends.core.oplib.eager_fast` (its
     implementation directly in plain eager calls, where the library defined it), anything else as it is."""
     from torch._ops import OpOverload
 
@@ -737,7 +738,7 @@ class OpNormQuantBackend(NormQuantBackend):
     """A norm-quant provider whose two calls are torch ops ``(out, x, weight, scale, eps)`` and
     ``(out, x, residual, weight, scale, eps)``: subclasses implement :meth:`load_ops` (called once, at the
     first call, so heavy imports stay lazy) and inherit both ``*_impl`` hooks, which call the ops through
-    :func:`fp8_backends.oplib.eager_fast`."""
+    :func:`fp8_backends.core.oplib.eager_fast`."""
 
     _ops: Any = None
 
