@@ -14,9 +14,9 @@ def _fresh_import(name: str):
 
 
 def test_registry_settings_shim():
-    from fp8_backends import settings
+    from fp8_backends.core import settings
 
-    with pytest.warns(DeprecationWarning, match="fp8_backends.settings"):
+    with pytest.warns(DeprecationWarning, match="fp8_backends.core.settings"):
         old = _fresh_import("fp8_backends.registry.settings")
     assert old.cache_dir is settings.cache_dir and old.env_flag is settings.env_flag
     assert old.LOCKFILE_ENV == settings.LOCKFILE_ENV and old.EnvFlag is settings.EnvFlag
@@ -68,7 +68,7 @@ def test_entry_point_names_unchanged():
 
 
 def test_dispatch_shim():
-    from fp8_backends import bucket_tables
+    from fp8_backends.core import bucket_tables
 
     with pytest.warns(DeprecationWarning, match="bucket_tables"):
         old = _fresh_import("fp8_backends.dispatch")
@@ -115,3 +115,79 @@ def test_registry_tuning_shim():
     for name in ("POLICY_NAME", "lockfile_policy", "pick_from_entry", "tune_at_first_use"):
         assert getattr(old, name) is getattr(lockfile_policy, name), name
     assert not first_use.active()
+
+
+CORE_MOVED = ("types", "errors", "settings", "capabilities", "validation", "output_contract", "reference", "backend",
+              "oplib", "bucket_tables", "text_table")
+
+
+@pytest.mark.parametrize("name", CORE_MOVED)
+def test_core_module_shims(name):
+    """The contract modules moved to ``fp8_backends.core`` answer at their old names: the same module object, with a
+    DeprecationWarning on the first import only."""
+    module = importlib.import_module(f"fp8_backends.core.{name}")
+    with pytest.warns(DeprecationWarning, match=f"fp8_backends.{name} moved to fp8_backends.core.{name}"):
+        shim = _fresh_import(f"fp8_backends.{name}")
+    assert shim is module
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert importlib.import_module(f"fp8_backends.{name}") is module  # once: the second import is silent
+
+
+def test_core_shims_keep_identity():
+    """Classes, enums and errors are the same objects at both paths: isinstance and ``except`` keep working."""
+    from fp8_backends.core import backend, errors, types
+
+    with pytest.warns(DeprecationWarning):
+        old_types = _fresh_import("fp8_backends.types")
+    with pytest.warns(DeprecationWarning):
+        old_errors = _fresh_import("fp8_backends.errors")
+    with pytest.warns(DeprecationWarning):
+        old_backend = _fresh_import("fp8_backends.backend")
+    assert old_types.GemmProblem is types.GemmProblem and old_types.Fp8Dtype is types.Fp8Dtype
+    problem = old_types.GemmProblem(n=16, k=32)
+    assert isinstance(problem, types.GemmProblem) and list(old_types.Fp8Dtype) == list(types.Fp8Dtype)
+    assert old_backend.Fp8GemmBackend is backend.Fp8GemmBackend
+    with pytest.raises(old_errors.UnknownBackendError):
+        raise errors.UnknownBackendError("x", "gemm", ["torch"])
+    with pytest.raises(errors.Fp8BackendError):
+        raise old_errors.InvalidInputError("x")
+    import fp8_backends
+
+    assert fp8_backends.GemmProblem is types.GemmProblem and fp8_backends.Fp8BackendError is errors.Fp8BackendError
+
+
+#: every deprecated module path (the shims); nothing but this file may import one
+OLD_PATHS = (*(f"fp8_backends.{n}" for n in CORE_MOVED), "fp8_backends.dispatch", "fp8_backends.timing",
+             "fp8_backends.workloads", "fp8_backends.models", "fp8_backends.tune_plan", "fp8_backends.grid",
+             "fp8_backends.registry.settings", "fp8_backends.registry.tuning", "fp8_backends.providers.flashinfer_bmm",
+             "fp8_backends.providers.flashinfer_norm_quant", "fp8_backends.providers._flashinfer_common",
+             "fp8_backends.providers._flashinfer_ops")
+
+
+def test_nothing_else_names_an_old_path():
+    """The library, its tests, benchmarks, examples and README use the new paths (a shim names its own old path)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    dotted = re.compile(r"\b(" + "|".join(re.escape(p) for p in OLD_PATHS) + r")\b(?!\w)")
+    leaves = {p.rpartition(".")[2] for p in OLD_PATHS if p.count(".") == 1}
+    from_import = re.compile(r"^\s*from fp8_backends import \(?([^)\n]*(?:\n[^)\n]*)*?)\)?\s*$", re.M)
+    files = [p for d in ("fp8_backends", "registry", "providers", "tests", "bench", "examples")
+             for p in (root / d).rglob("*.py") if "__pycache__" not in p.parts]
+    found = []
+    for path in [*files, root / "README.md"]:
+        if path == Path(__file__).resolve():
+            continue
+        text = path.read_text()
+        if text.lstrip().startswith('"""Deprecated:'):
+            continue  # a shim
+        found += [f"{path.relative_to(root)}: {m.group(0)}" for m in dotted.finditer(text)
+                  if not text[m.end():m.end() + 3].startswith(".py")]
+        for m in from_import.finditer(text):
+            names = {n.split(" as ")[0].strip() for n in re.split(r"[,\n]", re.sub(r"#[^\n]*", "", m.group(1)))}
+            found += [f"{path.relative_to(root)}: from fp8_backends import {n}" for n in sorted(names & leaves)]
+    assert not found, "old (deprecated) module paths in use:\n" + "\n".join(found)

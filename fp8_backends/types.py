@@ -1,0 +1,11 @@
+"""Deprecated: moved to :mod:`fp8_backends.core.types`; this name is that module (private names and all)."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+from fp8_backends.core import types as _moved
+
+warnings.warn("fp8_backends.types moved to fp8_backends.core.types", DeprecationWarning, stacklevel=2)
+sys.modules[__name__] = _moved
