@@ -7,15 +7,19 @@ including imports in class bodies, ``try`` blocks and the ``else`` of ``if TYPE_
 an import of a submodule runs. Imports inside functions (the library's lazy imports: torch, kernel modules, the
 registry asked at call time) and under ``if TYPE_CHECKING`` are not edges.
 
-The floors, bottom up (an edge may stay on its floor or go down, never up):
+The floors, bottom up (an edge may stay on its floor or go down, never up). A module's floor is its folder's
+(``FOLDER_FLOORS``), so a module put in the wrong folder fails these tests:
 
-0. the provider contract and what everything shares (``CORE`` below): types, errors, settings, capabilities,
-   validation, the output contract, the reference, the provider bases, the op library, the bucket tables;
-1. the registry (``fp8_backends.registry``): platforms, discovery and in-process registration, resolution, the
+0. ``fp8_backends/core/`` (``fp8_backends.core``): the provider contract and what everything shares: types, errors,
+   settings, capabilities, validation, the output contract, the reference, the provider bases, the op library, the
+   bucket tables, the text table; with them the ``fp8_backends`` package ``__init__``, whose exports are lazy;
+1. ``registry/`` (``fp8_backends.registry``): platforms, discovery and in-process registration, resolution, the
    selection policies and their data;
-2. the built-in providers (``fp8_backends.providers``), which register through entry points as a third party does;
-3. the engine layer and the tools: quantization ops, layers, functional API, model conversion, CLI flags, the
-   listing, the tuner (``tuning/``) and its CLI, builds, shipped-data tools, the conformance kit, deprecated names.
+2. ``providers/`` (``fp8_backends.providers``): the built-in providers, which register through entry points as a
+   third party does;
+3. the rest of ``fp8_backends/``: the engine layer and the tools: quantization ops, layers, functional API, model
+   conversion, CLI flags, the listing, the tuner (``tuning/``) and its CLI, builds, shipped-data tools, the
+   conformance kit (``testing/``), and the deprecation shims at the old paths of moved modules.
 
 Beyond the module-level rule, the contract and the registry never name a provider module at all (not even lazily):
 the default activation-quant kernels come to :mod:`fp8_backends.quant` through a provider hook. Only the tools in
@@ -33,28 +37,29 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = {"fp8_backends": "fp8_backends", "fp8_backends.registry": "registry",
                 "fp8_backends.providers": "providers"}
 
-#: floor 0: the provider contract and the pieces every floor shares (modules of ``fp8_backends/`` not listed here are
-#: floor 3, so a new module starts on the top floor until it is placed lower here)
-CORE = frozenset({
-    "fp8_backends", "fp8_backends.types", "fp8_backends.errors", "fp8_backends.settings",
-    "fp8_backends.capabilities", "fp8_backends.validation", "fp8_backends.output_contract",
-    "fp8_backends.reference", "fp8_backends.backend", "fp8_backends.oplib", "fp8_backends.bucket_tables",
-    "fp8_backends.text_table", "fp8_backends.dispatch",
-})
+#: the floor of each folder (paths from the repository root; the longest matching folder wins): a module's floor is
+#: where it lies, so moving a module between floors means moving its file, and a new module starts on its folder's floor
+FOLDER_FLOORS = {"fp8_backends/core": 0, "registry": 1, "providers": 2, "fp8_backends": 3}
+#: the one module outside ``fp8_backends/core/`` on floor 0: the package ``__init__``, whose imports are lazy (every
+#: name is imported on first use), so importing any module of the library runs it and it runs nothing
+PACKAGE_INIT = "fp8_backends"
 FLOOR_NAMES = ("core contract", "registry", "providers", "engine layer and tools")
 #: tools of floor 3 that import a provider's modules (lazily) for its toolchain: ``python -m fp8_backends.build
 #: cutlass`` builds the CUTLASS kernels; shipped-data provenance records the CUTLASS headers and nvcc
 TOOLS_NAMING_PROVIDERS = frozenset({"fp8_backends.build", "fp8_backends.provenance"})
 
 
+def folder_floor(path: Path) -> int:
+    """The floor of the folder ``path`` lies in (``FOLDER_FLOORS``)."""
+    rel = path.relative_to(ROOT).as_posix()
+    folder = max((f for f in FOLDER_FLOORS if rel.startswith(f + "/")), key=len)
+    return FOLDER_FLOORS[folder]
+
+
 def floor(module: str) -> int:
-    if module in CORE:
+    if module == PACKAGE_INIT:
         return 0
-    if module == "fp8_backends.registry" or module.startswith("fp8_backends.registry."):
-        return 1
-    if module == "fp8_backends.providers" or module.startswith("fp8_backends.providers."):
-        return 2
-    return 3
+    return folder_floor(MODULES[module][0])
 
 
 def library_modules() -> dict[str, tuple[Path, bool]]:
@@ -194,16 +199,49 @@ def floor_summary(graph: dict[str, set[str]]) -> dict[tuple[int, int], int]:
 
 # ------------------------------------------------------------------------------------------------------ tests
 def test_the_walk_sees_the_library():
-    assert {"fp8_backends.backend", "fp8_backends.registry.discovery", "fp8_backends.providers.triton.gemm",
+    assert {"fp8_backends.core.backend", "fp8_backends.registry.discovery", "fp8_backends.providers.triton.gemm",
             "fp8_backends.tuning.engine", "fp8_backends.registry", "fp8_backends.providers"} <= set(MODULES)
-    assert not CORE - set(MODULES), f"CORE names modules that do not exist: {sorted(CORE - set(MODULES))}"
     graph = import_graph()
-    assert "fp8_backends.types" in graph["fp8_backends.backend"]
+    assert "fp8_backends.core.types" in graph["fp8_backends.core.backend"]
     assert "fp8_backends.registry.discovery" in graph["fp8_backends.registry.resolution"]  # relative import
     assert "fp8_backends.registry" in graph["fp8_backends.registry.resolution"]  # its package runs first
     # lazy imports are not module-level edges, but the lazy walk sees them
-    assert "fp8_backends.registry.platform" not in graph["fp8_backends.backend"]
-    assert "fp8_backends.registry.platform" in import_graph(lazy=True)["fp8_backends.backend"]
+    assert "fp8_backends.registry.platform" not in graph["fp8_backends.core.backend"]
+    assert "fp8_backends.registry.platform" in import_graph(lazy=True)["fp8_backends.core.backend"]
+
+
+def test_the_folder_tells_the_floor():
+    """Floor 0 is exactly ``fp8_backends.core`` (and the package ``__init__``); every other module's installed name
+    names its floor's folder: ``fp8_backends.registry.*`` lies in ``registry/``, ``fp8_backends.providers.*`` in
+    ``providers/``, and the rest of ``fp8_backends.*`` in ``fp8_backends/`` outside ``core/``."""
+    by_name = {m: 0 if m == PACKAGE_INIT or m == "fp8_backends.core" or m.startswith("fp8_backends.core.")
+               else 1 if m == "fp8_backends.registry" or m.startswith("fp8_backends.registry.")
+               else 2 if m == "fp8_backends.providers" or m.startswith("fp8_backends.providers.")
+               else 3 for m in MODULES}
+    wrong = sorted(f"{m} ({MODULES[m][0].relative_to(ROOT)}): floor {floor(m)} by folder, {by_name[m]} by name"
+                   for m in MODULES if floor(m) != by_name[m])
+    assert not wrong, "modules whose folder is not their floor's:\n" + "\n".join(wrong)
+    core = {m for m in MODULES if floor(m) == 0}
+    assert core == {PACKAGE_INIT, "fp8_backends.core"} | {
+        f"fp8_backends.core.{p.stem}" for p in (ROOT / "fp8_backends" / "core").glob("*.py") if p.stem != "__init__"}
+    assert {"fp8_backends.core.types", "fp8_backends.core.backend", "fp8_backends.core.settings",
+            "fp8_backends.core.bucket_tables"} <= core
+    # the package __init__ may sit on floor 0 only because it imports nothing of the library at import time
+    assert not import_graph()[PACKAGE_INIT]
+
+
+def test_a_module_in_the_wrong_folder_fails():
+    """The floor test catches a contract module left in ``fp8_backends/`` (floor 3) that the contract imports."""
+    graph = {m: set(t) for m, t in import_graph().items()}
+    stray = "fp8_backends.some_contract_piece"
+    MODULES[stray] = (ROOT / "fp8_backends" / "some_contract_piece.py", False)
+    try:
+        graph[stray] = set()
+        graph["fp8_backends.core.types"].add(stray)
+        assert floor(stray) == 3
+        assert any(floor(t) > floor(m) for m, targets in graph.items() for t in targets)
+    finally:
+        del MODULES[stray]
 
 
 def test_no_import_cycle_between_modules():
@@ -212,8 +250,7 @@ def test_no_import_cycle_between_modules():
 
 
 def package_of(module: str) -> str:
-    """The node of ``module`` in the package graph: its package, split by floor where one folder holds two floors
-    (``fp8_backends/`` holds the contract, floor 0, and the engine layer and tools, floor 3)."""
+    """The node of ``module`` in the package graph: its package, labelled with its floor."""
     package = module if MODULES[module][1] else module.rpartition(".")[0]
     return f"{package}[{FLOOR_NAMES[floor(module)]}]"
 
