@@ -5,7 +5,7 @@
         --out /tmp/heldout.json                                                    # data without held-out models
     python -m fp8_backends.selection_data check fp8_backends/data/selection/*.json
     python -m fp8_backends.selection_data loo fp8_backends/data/selection/sm90-nvidia-h200.json \\
-        --group model family tp shape --baseline
+        --group model family tp shape --compare vote baseline
 
 - ``pack`` takes the lockfile ``python -m fp8_backends.tune --shipped-grid`` wrote (entries + provenance), keeps
   the section the provenance describes, drops what ``auto`` never reads (per-entry skip lists and timestamps),
@@ -13,13 +13,14 @@
   (format in :mod:`fp8_backends.registry.shipped_data`), refuses an incomplete grid unless ``--partial``, and
   writes the compact file named ``sm<SM>-<gpu>.json``.
 - ``check`` validates files (exit 1 when any is unusable, listing every problem).
-- ``loo`` measures the nearest-shape model (:mod:`fp8_backends.registry.nearest`) on the data itself: every
+- ``loo`` measures the model for unseen shapes (:mod:`fp8_backends.registry.nearest`) on the data itself: every
   shape unique to one model (``--group model``), one model family (``family``: llama, qwen, ...), one TP split
-  (``tp``), or every distinct shape (``shape``) is predicted from the rest, and the pick's measured time at that
-  shape is compared with the fastest measured there, next to two rules that ignore the shape: static priority
-  (``torch_scaled_mm`` with default options) and one global choice per M bucket (the candidate fastest on average
-  over the other shapes). ``--baseline`` adds the first model (log N, log K only) and a before/after table.
-  No GPU needed.
+  (``tp``), or every distinct shape (``shape``) is predicted by a model built from the rest, and the pick's
+  measured time at that shape is compared with the fastest measured there, next to two rules that ignore the
+  shape: static priority (``torch_scaled_mm`` with default options) and one global choice per M bucket (the
+  candidate fastest on average over the other shapes). ``--compare vote`` adds the nearest shapes' vote without
+  the trend (the model before it), ``--compare baseline`` (or ``--baseline``) the first model (log N, log K only),
+  each with a before/after table. No GPU needed.
 """
 
 from __future__ import annotations
@@ -128,11 +129,16 @@ def _geomean(values: Sequence[float]) -> float | None:
 #: how ``loo`` holds data out: a group's shapes are predicted from the shapes of the other groups (a shape that
 #: belongs to more than one group stays in every prediction's data and is not predicted)
 GROUPS = ("model", "family", "tp", "shape")
-#: the models ``loo`` evaluates: name -> (metric, tie margin); "nearest" is the one ``auto`` uses
-MODELS: dict[str, tuple[nearest.Metric, float]] = {
-    "nearest": (nearest.DEFAULT_METRIC, nearest.TIE_MARGIN),
-    "baseline": (nearest.LOG_SHAPE_METRIC, lockfile.DEFAULT_TIE_MARGIN),
+#: the models ``loo`` evaluates: name -> (metric, tie margin, trend); "nearest" is the one ``auto`` uses, "vote" the
+#: same vote without the trend (the model before it), "baseline" the first model (log N, log K only)
+MODELS: dict[str, tuple[nearest.Metric, float, nearest.Trend | None]] = {
+    "nearest": (nearest.DEFAULT_METRIC, nearest.TIE_MARGIN, nearest.DEFAULT_TREND),
+    "vote": (nearest.DEFAULT_METRIC, nearest.TIE_MARGIN, None),
+    "baseline": (nearest.LOG_SHAPE_METRIC, lockfile.DEFAULT_TIE_MARGIN, None),
 }
+#: how the comparison tables name the models, oldest first
+MODEL_TITLES = {"baseline": "baseline (log N, log K)", "vote": "vote (no trend)", "nearest": "nearest"}
+COMPARED = ("baseline", "vote")
 
 
 def _group_of(group: str) -> Callable[[nearest.MeasuredShape], str | None]:
@@ -155,16 +161,23 @@ def _group_of(group: str) -> Callable[[nearest.MeasuredShape], str | None]:
 
 
 def leave_out_report(doc: Mapping[str, Any], group: str = "model", neighbours: int = nearest.DEFAULT_NEIGHBOURS,
-                     priorities: Mapping[str, int] | None = None, baseline: bool = False) -> dict[str, Any]:
+                     priorities: Mapping[str, int] | None = None, baseline: bool = False,
+                     compare: Sequence[str] = ()) -> dict[str, Any]:
     """Per problem class and M bucket: speed of the pick relative to the fastest (fastest µs / pick µs, 1.0 =
-    the fastest) for the nearest model (and with ``baseline`` the first, log N / log K model), static priority
-    and a global per-bucket rule, on held-out shapes (``group``: see :data:`GROUPS`)."""
+    the fastest) for the nearest model (and the models named in ``compare``: ``vote``, the vote without the trend;
+    ``baseline`` or ``baseline=True``, the first, log N / log K model), static priority and a global per-bucket
+    rule, on held-out shapes (``group``: see :data:`GROUPS`)."""
+    wanted = set(compare) | ({"baseline"} if baseline else set())
+    unknown = wanted - set(COMPARED)
+    if unknown:
+        raise ValueError(f"compare: unknown model(s) {', '.join(sorted(unknown))} (known: {', '.join(COMPARED)})")
     prov = doc.get("provenance") or {}
     entries = shipped_data.the_section(doc)["entries"]
-    evaluated = {name: spec for name, spec in MODELS.items() if baseline or name == "nearest"}
+    evaluated = {name: spec for name, spec in MODELS.items() if name == "nearest" or name in wanted}
     sms = shipped_data.sms(prov, nearest.DEFAULT_METRIC.sms)
-    built = {name: nearest.build_models(entries, neighbours=neighbours, metric=dataclasses.replace(metric, sms=sms))
-             for name, (metric, _) in evaluated.items()}
+    built = {name: nearest.build_models(entries, neighbours=neighbours, metric=dataclasses.replace(metric, sms=sms),
+                                        trend=trend)
+             for name, (metric, _, trend) in evaluated.items()}
     rank = _static_rank(priorities if priorities is not None else _provider_priorities())
     baseline_key = ("torch_scaled_mm", "fp8-backends", (("fast_accum", "false"),))
     group_of = _group_of(group)
@@ -222,20 +235,20 @@ def _fmt(value: float | None) -> str:
 
 
 def leave_out_markdown(report: Mapping[str, Any]) -> str:
-    base = "baseline" in report.get("models", ())
+    others = [name for name in COMPARED if name in report.get("models", ())]
     lines = [f"Leave-one-{report['group']}-out, {report['neighbours']} neighbours: speed of the pick relative to the "
              "fastest measured candidate at the held-out shape (1.000 = the fastest), geomean / min", ""]
     for cls in report["classes"]:
         c = cls["class"]
         lines += [f"### {c.get('input_dtype')}x{c.get('weight_dtype')}->{c.get('out_dtype')} act={c.get('act_scale')} "
                   f"w={c.get('weight_scale')} bias={int(bool(c.get('has_bias')))}", "",
-                  "| M | points | nearest | >= 0.95 | " + ("baseline (log N, log K) | >= 0.95 | " if base else "")
+                  "| M | points | nearest | >= 0.95 | " + "".join(f"{MODEL_TITLES[o]} | >= 0.95 | " for o in others)
                   + "global per-M rule | static priority | worst (nearest) |",
-                  "|---|---|---|---|---|---|---|" + ("---|---|" if base else "")]
+                  "|---|---|---|---|---|---|---|" + "---|---|" * len(others)]
         for b in cls["buckets"]:
             n, g, p = b["nearest"], b["global"], b["priority"]
-            old = (f"{_fmt(b['baseline']['geomean'])} / {_fmt(b['baseline']['min'])} | "
-                   f"{b['baseline']['at_least_0.95']} | ") if base else ""
+            old = "".join(f"{_fmt(b[o]['geomean'])} / {_fmt(b[o]['min'])} | {b[o]['at_least_0.95']} | "
+                          for o in others)
             lines.append(f"| {b['m']} | {b['points']} | {_fmt(n['geomean'])} / {_fmt(n['min'])} | "
                          f"{n['at_least_0.95']} | {old}{_fmt(g['geomean'])} / {_fmt(g['min'])} | "
                          f"{_fmt(p['geomean'])} / {_fmt(p['min'])} | {'; '.join(b['worst'])} |")
@@ -244,23 +257,24 @@ def leave_out_markdown(report: Mapping[str, Any]) -> str:
 
 
 def baseline_comparison(reports: Sequence[Mapping[str, Any]]) -> str:
-    """Per held-out split and M bucket (every problem class together): the first model against the current one,
-    geomean / min / points >= 0.95 of the fastest."""
-    lines = ["| held out | M | points | baseline: geomean / min / >= 0.95 | nearest: geomean / min / >= 0.95 |",
-             "|---|---|---|---|---|"]
+    """Per held-out split and M bucket (every problem class together): the compared models (oldest first) against
+    the current one, geomean / min / points >= 0.95 of the fastest."""
+    others = [name for name in COMPARED if any(name in r["overall"] for r in reports)]
+    lines = ["| held out | M | points | " + " | ".join(f"{name}: geomean / min / >= 0.95" for name in others)
+             + " | nearest: geomean / min / >= 0.95 |", "|---|---|---|" + "---|" * (len(others) + 1)]
 
-    def cell(st: Mapping[str, Any]) -> str:
-        return f"{_fmt(st['geomean'])} / {_fmt(st['min'])} / {st['at_least_0.95']}"
+    def cell(st: Mapping[str, Any] | None) -> str:
+        return "-" if st is None else f"{_fmt(st['geomean'])} / {_fmt(st['min'])} / {st['at_least_0.95']}"
 
     for r in reports:
-        if "baseline" not in r["overall"]:
+        if not any(name in r["overall"] for name in others):
             continue
         for row in [*r["by_m"], {"m": "all", **r["overall"]}]:
-            n = row["nearest"]
             pts = r["overall"]["points"] if row["m"] == "all" else None
             count = pts if pts is not None else sum(
                 b["points"] for c in r["classes"] for b in c["buckets"] if b["m"] == row["m"])
-            lines.append(f"| {r['group']} | {row['m']} | {count} | {cell(row['baseline'])} | {cell(n)} |")
+            lines.append(f"| {r['group']} | {row['m']} | {count} | "
+                         + " | ".join(cell(row.get(name)) for name in others) + f" | {cell(row['nearest'])} |")
     return "\n".join(lines)
 
 
@@ -301,6 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hold out by model, model family, TP split or distinct shape (several: one report each)")
     e.add_argument("--baseline", action="store_true",
                    help="also evaluate the first model (log N, log K only; 2%% tie margin) and compare")
+    e.add_argument("--compare", nargs="+", choices=COMPARED, default=[], metavar="MODEL",
+                   help="also evaluate and compare: vote (the nearest shapes' vote without the trend), baseline")
     e.add_argument("--neighbours", type=int, nargs="+", default=None, metavar="K",
                    help="neighbour counts to evaluate (default: the data's own, else "
                         f"{nearest.DEFAULT_NEIGHBOURS})")
@@ -318,12 +334,13 @@ def main(argv: list[str] | None = None) -> int:
             return _check_cli(args.files)
         doc = shipped_data.load_file(args.file)
         ks = args.neighbours or [shipped_data.neighbours(doc["provenance"], nearest.DEFAULT_NEIGHBOURS)]
-        reports = [leave_out_report(doc, g, k, baseline=args.baseline) for g in args.group for k in ks]
+        reports = [leave_out_report(doc, g, k, baseline=args.baseline, compare=args.compare)
+                   for g in args.group for k in ks]
         for report in reports:
             print(leave_out_markdown(report))
         if len(ks) > 1:
             print(leave_out_comparison(reports))
-        if args.baseline:
+        if args.baseline or args.compare:
             print(baseline_comparison(reports))
         if args.json:
             Path(args.json).write_text(json.dumps(reports if len(reports) > 1 else reports[0], indent=1) + "\n",

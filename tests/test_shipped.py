@@ -672,6 +672,20 @@ def test_loo_cli_writes_the_comparison(tmp_path, capsys):
     assert [r["group"] for r in json.loads(out.read_text())] == ["model", "tp"]
 
 
+def test_loo_compares_the_vote_without_the_trend(tmp_path, capsys):
+    path = write_doc(tmp_path, _labelled_doc())
+    assert selection_data.main(["loo", str(path), "--group", "shape", "--compare", "vote", "baseline"]) == 0
+    text = capsys.readouterr().out
+    assert ("| held out | M | points | baseline: geomean / min / >= 0.95 | vote: geomean / min / >= 0.95 | "
+            "nearest:") in text
+    assert "vote (no trend) | >= 0.95 |" in text
+    report = selection_data.leave_out_report(_labelled_doc(), "model", priorities={"torch_scaled_mm": 10},
+                                             compare=["vote"])
+    assert report["models"] == ["nearest", "vote"] and report["overall"]["vote"]["geomean"] is not None
+    with pytest.raises(ValueError, match="unknown model"):
+        selection_data.leave_out_report(_labelled_doc(), "model", compare=["forest"])
+
+
 def test_the_data_can_say_its_sm_count():
     doc = make_doc()
     assert shipped_data.sms(doc["provenance"], 132) == 132

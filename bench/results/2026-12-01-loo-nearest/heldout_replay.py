@@ -44,7 +44,8 @@ def main() -> None:
     kept = selection_data.exclude_models(full, HELD_OUT)
     variants = {"baseline": (nearest.LOG_SHAPE_METRIC, tuning.DEFAULT_TIE_MARGIN),
                 "nearest": (nearest.DEFAULT_METRIC, nearest.TIE_MARGIN)}
-    models = {name: nearest.build_models(kept, metric=metric) for name, (metric, _) in variants.items()}
+    # both without the trend (the models as they were when this ran; 2026-12-01-loo-model2 replays the trend)
+    models = {name: nearest.build_models(kept, metric=metric, trend=None) for name, (metric, _) in variants.items()}
 
     def rank(ck: nearest.CandKey) -> tuple:
         return (-PRIORITY.get(ck[0], -999), ck[2])
