@@ -13,7 +13,10 @@ deep copy of one bf16 model:
   (only when torchao imports);
 - ``fp8_dynamic``: ``fp8_backends.quantize_model(model)``: per-tensor dynamic activations, per-tensor weights,
   provider ``auto``;
-- ``fp8_static``: ``quantize_model(model, act_scale="per_tensor_static", calibration=[one 512-token batch])``.
+- ``fp8_static``: ``quantize_model(model, act_scale="per_tensor_static", calibration=[one 512-token batch])``;
+- ``fp8_dynamic_sl``, ``fp8_static_sl``: the same with ``static_launch=True`` (Inductor's static launcher for the
+  library's Triton kernels). The setting is global to a process, so these and the plain FP8 variants can only be
+  measured in one run with ``--parallel-compile``.
 
 ``lm_head`` stays bf16 in every variant. Workloads: prefill of ``T`` tokens (``--prefill``, batch 1, logits of
 the last position only, as ``generate()`` asks) and one-token decode with a ``StaticCache`` (position ``--context``
@@ -34,10 +37,17 @@ torchao from the same rounds. Also measured: host µs per call of one ``Fp8Linea
 the time is the host's alone), and the logits of the FP8 variants against bf16 (relative error, top-1 agreement)
 on a ``--check-tokens`` prefill.
 
+``--parallel-compile`` runs each variant in its own process (``bench/hf_workers.py``): the processes build, compile
+and capture at the same time (a whole-model compile takes minutes), wait for each other, then take turns on the GPU
+in the same interleaved rounds a single process would run (one process times while the others wait), so the ratios
+still come from the same rounds. The logits check and the host table run in the parent afterwards.
+
 Writes ``hf_model_<model>.json`` and ``hf_model_<model>.md`` (+ ``hf_model_<model>.png``) into ``--out``.
 
     python -m bench.hf_model --model llama --layers 8 --out bench/results/<date>-h200/hf
     python -m bench.hf_model --device cpu --small --out /tmp/hf        # smoke test on the CPU
+    python -m bench.hf_model --model llama --layers 8 --modes compiled graph --prefill --parallel-compile \
+        --variants bf16 torchao fp8_static fp8_static_sl --out DIR     # whole-model compiles in parallel
 """
 
 from __future__ import annotations
@@ -60,8 +70,10 @@ import torch
 
 from bench import common
 
-VARIANTS = ("bf16", "torchao", "fp8_dynamic", "fp8_static")
-FP8_VARIANTS = ("fp8_dynamic", "fp8_static")
+VARIANTS = ("bf16", "torchao", "fp8_dynamic", "fp8_static", "fp8_dynamic_sl", "fp8_static_sl")
+FP8_VARIANTS = ("fp8_dynamic", "fp8_static", "fp8_dynamic_sl", "fp8_static_sl")
+#: variants quantized with ``quantize_model(static_launch=True)`` (a global Inductor setting: ``--parallel-compile``)
+STATIC_LAUNCH_VARIANTS = ("fp8_dynamic_sl", "fp8_static_sl")
 
 #: model configs at real layer sizes; vocabulary cut to 32000 for every model (the head is not what is compared)
 MODELS: dict[str, dict[str, Any]] = {
@@ -107,18 +119,20 @@ def make_variants(base: Any, names: list[str], calib_ids: torch.Tensor,
                 models[name] = base
                 continue
             model = copy.deepcopy(base)
+            launch = static_launch or name in STATIC_LAUNCH_VARIANTS
+            kind = name.removesuffix("_sl")
             if name == "torchao":
                 from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerTensor, quantize_
 
                 quantize_(model.model.layers, Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor()))
                 notes[name] = {"config": "Float8DynamicActivationFloat8WeightConfig(PerTensor())"}
-            elif name == "fp8_dynamic":
-                summary = quantize_model(model, static_launch=static_launch)
+            elif kind == "fp8_dynamic":
+                summary = quantize_model(model, static_launch=launch)
                 notes[name] = {"swapped": summary.count, "providers": summary.providers(),
                                "bytes_saved": summary.bytes_saved}
-            elif name == "fp8_static":
+            elif kind == "fp8_static":
                 summary = quantize_model(model, act_scale="per_tensor_static", calibration=[calib_ids],
-                                         static_launch=static_launch)
+                                         static_launch=launch)
                 notes[name] = {"swapped": summary.count, "providers": summary.providers(),
                                "bytes_saved": summary.bytes_saved}
             models[name] = model
@@ -517,65 +531,120 @@ def parse_args(argv: list[str] | None) -> Any:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--small", action="store_true", help="tiny layers (CPU smoke test)")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--parallel-compile", action="store_true",
+                   help="one process per variant: compile in parallel, then take turns on the GPU (hf_workers.py)")
+    p.add_argument("--turn-timeout", type=float, default=1800.0,
+                   help="--parallel-compile: seconds a process waits for the others (compiles included)")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "I/N": one variant's process
+    p.add_argument("--sync", type=Path, default=None, help=argparse.SUPPRESS)  # the processes' shared folder
     return p.parse_args(argv)
+
+
+def check_args(args: Any) -> None:
+    """Refuse what one process cannot measure: the static launcher is a global Inductor setting."""
+    fp8 = [v for v in args.variants if v in FP8_VARIANTS]
+    launches = {v in STATIC_LAUNCH_VARIANTS or args.static_launch == "on" for v in fp8}
+    if len(launches) > 1 and not args.parallel_compile and args.worker is None:
+        raise SystemExit("hf_model: FP8 variants with and without the static launcher need one process each: "
+                         "add --parallel-compile")
+
+
+class Bench:
+    """One process's models, compiled copies and decode states (every variant, or one with ``--worker``)."""
+
+    def __init__(self, args: Any) -> None:
+        from fp8_backends.registry.platform import detect_platform
+
+        self.args = args
+        args.out.mkdir(parents=True, exist_ok=True)
+        self.header = common.run_header(detect_platform(args.device), args.device)
+        for dist in ("transformers", "torchao"):
+            self.header["versions"][dist] = common.dist_version(dist)
+        self.names = [v for v in args.variants if v != "torchao" or importlib.util.find_spec("torchao") is not None]
+        self.modes = [m for m in args.modes if m != "graph" or args.device == "cuda"]
+        self.max_len = max([*args.prefill, args.context + 64, args.check_tokens]) + 16  # decode: rewound every <= 48
+        self.base = build_model(args.model, args.layers, args.device, args.small, self.max_len)
+        calib = torch.randint(0, self.base.config.vocab_size, (1, 512 if not args.small else 16), device=args.device)
+        self.models, notes = make_variants(self.base, self.names, calib, args.static_launch == "on")
+        self.header["inductor_static_launch_user_kernels"] = _inductor_static_launch()
+        self.result: dict[str, Any] = {"header": self.header, "model": args.model, "layers": args.layers,
+                                       "small": args.small, "rows": [], "notes": notes, "errors": {},
+                                       "check_tokens": args.check_tokens}
+        log(f"variants: {', '.join(self.models)}; modes: {', '.join(self.modes)}")
+
+    def checks(self) -> None:
+        """The logits check and the host table (before any compile)."""
+        args = self.args
+        self.result["accuracy"] = accuracy(self.models, args.check_tokens, args.device) if args.check_tokens else {}
+        self.result["host"], self.result["host_profile"] = host_cost(args) if args.host_rounds else ([], [])
+
+    def compile(self) -> None:
+        args = self.args
+        self.compiled = {name: compile_model(model, args.compile_scope) for name, model in self.models.items()}
+        self.decode = {} if args.no_decode else {
+            name: DecodeState(model, args.context, self.max_len, args.device) for name, model in self.models.items()}
+
+    def rows(self) -> list[tuple[str, str]]:
+        """``(workload, mode)`` in measuring order."""
+        workloads = ([] if self.args.no_decode else ["decode"]) + [f"prefill{t}" for t in self.args.prefill]
+        return [(w, m) for w in workloads for m in self.modes if m != "graph" or w == "decode"]
+
+    def steps(self, workload: str, mode: str) -> tuple[dict[str, Callable[[], Any]], dict[str, Callable[[], None]]]:
+        rewinds: dict[str, Callable[[], None]] = {}
+        steps = build_steps(self.models, self.compiled, workload, mode, self.args, self.decode,
+                            self.result["errors"], rewinds)
+        return steps, rewinds
+
+    def profiles(self, row: dict[str, Any], steps: dict[str, Callable[[], Any]],
+                 rewinds: dict[str, Callable[[], None]]) -> None:
+        """``--profile`` / ``--step-profile`` of this row's steps, into ``row``."""
+        args, mode = self.args, row["mode"]
+        if args.profile and mode != "eager":
+            row.setdefault("profile", {})
+            for name, fn in steps.items():
+                rewinds.get(name, _nothing)()
+                row["profile"][name] = kernel_profile(fn, args.device)
+        if args.step_profile and mode == "compiled":
+            row.setdefault("step_profile", {})
+            for name, fn in steps.items():
+                rewinds.get(name, _nothing)()
+                row["step_profile"][name] = step_profile_text(fn)
+                rewinds.get(name, _nothing)()
+
+    def write(self, final: bool = False) -> None:
+        out_base = self.args.out / f"hf_model_{self.args.model}"
+        common.write_json(out_base.with_suffix(".json"), self.result)
+        if final:
+            common.write_markdown(out_base.with_suffix(".md"), render(self.result))
+            plot(self.result, out_base.with_suffix(".png"))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from fp8_backends.registry.platform import detect_platform
+    check_args(args)
+    if args.worker is not None:
+        from bench import hf_workers
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    platform = detect_platform(args.device)
-    header = common.run_header(platform, args.device)
-    for dist in ("transformers", "torchao"):
-        header["versions"][dist] = common.dist_version(dist)
-    names = [v for v in args.variants if v != "torchao" or importlib.util.find_spec("torchao") is not None]
-    modes = [m for m in args.modes if m != "graph" or args.device == "cuda"]
-    max_len = max([*args.prefill, args.context + 64, args.check_tokens]) + 16  # decode: rewound every <= 48 steps
-    base = build_model(args.model, args.layers, args.device, args.small, max_len)
-    calib = torch.randint(0, base.config.vocab_size, (1, 512 if not args.small else 16), device=args.device)
-    models, notes = make_variants(base, names, calib, args.static_launch == "on")
-    header["inductor_static_launch_user_kernels"] = _inductor_static_launch()
-    result: dict[str, Any] = {"header": header, "model": args.model, "layers": args.layers, "small": args.small,
-                              "rows": [], "notes": notes, "errors": {}, "check_tokens": args.check_tokens}
-    log(f"variants: {', '.join(models)}; modes: {', '.join(modes)}")
-    result["accuracy"] = accuracy(models, args.check_tokens, args.device) if args.check_tokens else {}
-    result["host"], result["host_profile"] = host_cost(args) if args.host_rounds else ([], [])
-    compiled = {name: compile_model(model, args.compile_scope) for name, model in models.items()}
-    decode = {}
-    if not args.no_decode:
-        for name, model in models.items():
-            decode[name] = DecodeState(model, args.context, max_len, args.device)
-    workloads = ([] if args.no_decode else ["decode"]) + [f"prefill{t}" for t in args.prefill]
-    out_base = args.out / f"hf_model_{args.model}"
-    for workload in workloads:
-        for mode in modes:
-            if mode == "graph" and workload != "decode":
-                continue
-            log(f"{workload} / {mode}")
-            rewinds: dict[str, Callable[[], None]] = {}
-            steps = build_steps(models, compiled, workload, mode, args, decode, result["errors"], rewinds)
-            us, host = time_steps(steps, args, mode != "graph", rewinds)
-            row = {"workload": workload, "mode": mode, "us": us, "host_us": host}
-            if args.profile and mode != "eager":
-                row["profile"] = {}
-                for name, fn in steps.items():
-                    rewinds.get(name, _nothing)()
-                    row["profile"][name] = kernel_profile(fn, args.device)
-            if args.step_profile and mode == "compiled":
-                row["step_profile"] = {}
-                for name, fn in steps.items():
-                    rewinds.get(name, _nothing)()
-                    row["step_profile"][name] = step_profile_text(fn)
-                    rewinds.get(name, _nothing)()
-            result["rows"].append(row)
-            log("  " + ", ".join(f"{k} {v:.0f} µs (host {host.get(k, 0):.0f})" for k, v in us.items()))
-            del steps
-            gc.collect()
-            common.write_json(out_base.with_suffix(".json"), result)  # keep what was measured so far
-    common.write_json(out_base.with_suffix(".json"), result)
-    common.write_markdown(out_base.with_suffix(".md"), render(result))
-    plot(result, out_base.with_suffix(".png"))
+        return hf_workers.worker_main(args)
+    if args.parallel_compile:
+        from bench import hf_workers
+
+        return hf_workers.parent_main(args, argv)
+    bench = Bench(args)
+    bench.checks()
+    bench.compile()
+    for workload, mode in bench.rows():
+        log(f"{workload} / {mode}")
+        steps, rewinds = bench.steps(workload, mode)
+        us, host = time_steps(steps, args, mode != "graph", rewinds)
+        row = {"workload": workload, "mode": mode, "us": us, "host_us": host}
+        bench.profiles(row, steps, rewinds)
+        bench.result["rows"].append(row)
+        log("  " + ", ".join(f"{k} {v:.0f} µs (host {host.get(k, 0):.0f})" for k, v in us.items()))
+        del steps
+        gc.collect()
+        bench.write()  # keep what was measured so far
+    bench.write(final=True)
     return 0
 
 
