@@ -192,11 +192,9 @@ def fp8_linear(
         fp8_in = Fp8Dtype.of(input_dtype)
     except ValueError as exc:
         raise InvalidInputError(str(exc)) from None
-    if kernel is not None:
-        return apply_fp8_linear(x, kernel, act_scale=mode, input_scale=input_scale, bias=bias, out_dtype=out,
-                                input_dtype=fp8_in)
-    return apply_fp8_linear(x, backend, layer_or_weight, act_scale=mode, input_scale=input_scale, bias=bias,
-                            out_dtype=out, input_dtype=fp8_in)
+    # a composite picks its provider and prepared weight per M; otherwise the caller's provider and weight serve
+    return apply_fp8_linear(x, backend if kernel is None else kernel, layer_or_weight if kernel is None else None,
+                            act_scale=mode, input_scale=input_scale, bias=bias, out_dtype=out, input_dtype=fp8_in)
 
 
 __all__ = ["apply_fp8_linear", "fp8_linear"]

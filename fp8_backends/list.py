@@ -107,7 +107,7 @@ def collect(
     for kind in ("gemm", "norm_quant"):
         res = resolutions[kind]
         by_entry = {id(c.entry): c for c in res.candidates}
-        for entry in sorted(discovery.discover(kind), key=resolution._sort_key):
+        for entry in sorted(discovery.discover(kind), key=resolution.rank_key):
             cand = by_entry.get(id(entry))
             unusable = entry.unusable_reason()
             reasons = cand.reasons if cand is not None else [unusable] if unusable else []

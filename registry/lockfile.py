@@ -61,6 +61,7 @@ from fp8_backends.core import settings
 from fp8_backends.core.types import ActScale, GemmProblem, NormQuantProblem
 
 from .discovery import ProviderEntry, discover
+from .once import WarnOnce
 from .platform import Platform
 
 logger = logging.getLogger("fp8_backends")
@@ -558,18 +559,10 @@ class _Store:
 
 
 _store = _Store()
-_warned: set[tuple] = set()
-_warn_lock = threading.Lock()
+_warnings = WarnOnce(logger)
+_warn_once = _warnings.warning  # one WARNING per (problem, file): lockfile_policy warns through it too
 _key_cache: dict[tuple, tuple[dict[str, Any], str]] = {}
 _last_key: list[Any] = [None]  # (platform, gemm entries, norm entries, result): identity fast path
-
-
-def _warn_once(token: tuple, msg: str, *args: Any) -> None:
-    with _warn_lock:
-        if token in _warned:
-            return
-        _warned.add(token)
-    logger.warning(msg, *args)
 
 
 def current_key(platform: Platform) -> tuple[dict[str, Any], str]:
@@ -591,8 +584,7 @@ def current_key(platform: Platform) -> tuple[dict[str, Any], str]:
 def reset_state() -> None:
     """Forget cached files, warnings and keys (tests)."""
     _store.forget()
-    with _warn_lock:
-        _warned.clear()
+    _warnings.clear()
     _key_cache.clear()
     _last_key[0] = None
     _path_for.cache_clear()

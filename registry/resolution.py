@@ -114,12 +114,12 @@ class Resolution:
     @property
     def candidates(self) -> list[Candidate]:
         """Every entry's :meth:`verdict`, in rank order (priority, then built-ins first, then name)."""
-        return [self.verdict(e) for e in sorted(self.entries, key=_sort_key)]
+        return [self.verdict(e) for e in sorted(self.entries, key=rank_key)]
 
     @property
     def evaluated(self) -> list[Candidate]:
         """The verdicts evaluated so far (all of them for ``auto``; for an explicit name, the named entries)."""
-        return [c for e in sorted(self.entries, key=_sort_key) if (c := self._verdicts.get(id(e))) is not None]
+        return [c for e in sorted(self.entries, key=rank_key) if (c := self._verdicts.get(id(e))) is not None]
 
 
 @dataclass(frozen=True)
@@ -261,7 +261,9 @@ def _unavailable_reasons(entry: ProviderEntry, avail: Any, problem: Any, platfor
     return declared
 
 
-def _sort_key(entry: ProviderEntry) -> tuple:
+def rank_key(entry: ProviderEntry) -> tuple:
+    """``auto``'s order of providers of one kind: higher priority first, built-ins before plugins on a tie, then
+    name and distribution."""
     return (-entry.priority, not entry.builtin, entry.name, entry.dist or "")
 
 
@@ -417,7 +419,7 @@ def name_clashes(entries: Sequence[ProviderEntry]) -> dict[str, list[ProviderEnt
     if len({e.name for e in entries}) == len(entries):  # the usual case, at every resolution: no clash
         return {}
     by_name: dict[str, list[ProviderEntry]] = {}
-    for e in sorted(entries, key=_sort_key):
+    for e in sorted(entries, key=rank_key):
         by_name.setdefault(e.name, []).append(e)
     return {name: group for name, group in by_name.items() if len(group) > 1}
 

@@ -47,6 +47,7 @@ from .nearest import (
     choose,
     class_key,
 )
+from .once import WarnOnce
 from .platform import Platform
 from .policy import SelectionPolicy, register_selection_policy
 
@@ -170,16 +171,9 @@ class ShippedData:
 
 
 _loaded: dict[str, tuple[tuple[int, int], ShippedData | None]] = {}
-_warned: set[tuple] = set()
 _state_lock = threading.Lock()
-
-
-def _warn_once(token: tuple, msg: str, *args: Any) -> None:
-    with _state_lock:
-        if token in _warned:
-            return
-        _warned.add(token)
-    logger.warning(msg, *args)
+_warnings = WarnOnce(logger)
+_warn_once = _warnings.warning
 
 
 def load(path: Path) -> ShippedData | None:
@@ -234,7 +228,7 @@ def reset_state() -> None:
     """Forget loaded files, directory listings and warnings (tests)."""
     with _state_lock:
         _loaded.clear()
-        _warned.clear()
+    _warnings.clear()
     _listing_cache.clear()
     _located.clear()
 

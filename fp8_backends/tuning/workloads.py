@@ -105,7 +105,7 @@ def expand_candidates(
     ``only``: provider names (or aliases) to keep; others are left out silently. ``pins``: provider name ->
     options held at one value (see :func:`option_combos`).
     """
-    ordered = sorted(entries if entries is not None else discover(kind), key=resolution._sort_key)
+    ordered = sorted(entries if entries is not None else discover(kind), key=resolution.rank_key)
     counts: dict[str, int] = {}
     for e in ordered:
         counts[e.name] = counts.get(e.name, 0) + 1
