@@ -75,6 +75,39 @@ FP8_VARIANTS = ("fp8_dynamic", "fp8_static", "fp8_dynamic_sl", "fp8_static_sl")
 #: variants quantized with ``quantize_model(static_launch=True)`` (a global Inductor setting: ``--parallel-compile``)
 STATIC_LAUNCH_VARIANTS = ("fp8_dynamic_sl", "fp8_static_sl")
 
+
+def variant_base(name: str) -> str:
+    """``"fp8_static_sl+backend=triton"`` -> ``"fp8_static_sl"``: an FP8 variant may carry ``+key=value``
+    arguments of :func:`fp8_backends.quantize_model` (``backend``, ``objective``), to compare choices in one run."""
+    return name.split("+", 1)[0]
+
+
+def variant_kwargs(name: str) -> dict[str, str]:
+    """The ``+key=value`` arguments of a variant name (see :func:`variant_base`)."""
+    out = {}
+    for part in name.split("+")[1:]:
+        key, sep, value = part.partition("=")
+        if not sep or key not in ("backend", "objective"):
+            raise ValueError(f"variant {name!r}: expected +backend=NAME or +objective=NAME, got {part!r}")
+        out[key] = value
+    return out
+
+
+def is_fp8(name: str) -> bool:
+    return variant_base(name) in FP8_VARIANTS
+
+
+def check_variant(name: str) -> str:
+    """argparse type of ``--variants``: a known variant, FP8 ones with optional ``+key=value`` arguments."""
+    if variant_base(name) not in VARIANTS or ("+" in name and not is_fp8(name)):
+        raise argparse.ArgumentTypeError(f"unknown variant {name!r} (known: {', '.join(VARIANTS)}; FP8 variants take "
+                                         "+backend=NAME / +objective=NAME)")
+    try:
+        variant_kwargs(name)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return name
+
 #: model configs at real layer sizes; vocabulary cut to 32000 for every model (the head is not what is compared)
 MODELS: dict[str, dict[str, Any]] = {
     "llama": {"arch": "LlamaForCausalLM", "config": "LlamaConfig", "hidden_size": 4096, "intermediate_size": 14336,
@@ -119,20 +152,21 @@ def make_variants(base: Any, names: list[str], calib_ids: torch.Tensor,
                 models[name] = base
                 continue
             model = copy.deepcopy(base)
-            launch = static_launch or name in STATIC_LAUNCH_VARIANTS
-            kind = name.removesuffix("_sl")
+            launch = static_launch or variant_base(name) in STATIC_LAUNCH_VARIANTS
+            kind = variant_base(name).removesuffix("_sl")
+            extra = variant_kwargs(name)
             if name == "torchao":
                 from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerTensor, quantize_
 
                 quantize_(model.model.layers, Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor()))
                 notes[name] = {"config": "Float8DynamicActivationFloat8WeightConfig(PerTensor())"}
             elif kind == "fp8_dynamic":
-                summary = quantize_model(model, static_launch=launch)
+                summary = quantize_model(model, static_launch=launch, **extra)
                 notes[name] = {"swapped": summary.count, "providers": summary.providers(),
                                "bytes_saved": summary.bytes_saved}
             elif kind == "fp8_static":
                 summary = quantize_model(model, act_scale="per_tensor_static", calibration=[calib_ids],
-                                         static_launch=launch)
+                                         static_launch=launch, **extra)
                 notes[name] = {"swapped": summary.count, "providers": summary.providers(),
                                "bytes_saved": summary.bytes_saved}
             models[name] = model
@@ -426,13 +460,14 @@ def render(result: dict[str, Any]) -> list[str]:
     lines += ["", "µs per forward (median of interleaved rounds; CUDA events around each call), with the time one "
               "call takes to return in parentheses (after a sync: the host's cost when the GPU keeps up). Ratios "
               "are to bf16 and torchao float8 measured in the same rounds; < 1 is faster.", ""]
-    names = [v for v in VARIANTS if any(v in row["us"] for row in result["rows"])]
+    names = list(dict.fromkeys(v for row in result["rows"] for v in row["us"]))
+    names.sort(key=lambda v: (VARIANTS.index(variant_base(v)), v))
     header = ["workload", "mode", *names]
     for v in names:
         if v not in ("bf16",):
             header.append(f"{v}/bf16")
-    for v in FP8_VARIANTS:
-        if v in names and "torchao" in names:
+    for v in names:
+        if is_fp8(v) and "torchao" in names:
             header.append(f"{v}/torchao")
     rows = []
     for row in result["rows"]:
@@ -441,8 +476,8 @@ def render(result: dict[str, Any]) -> list[str]:
         host = row.get("host_us") or {}
         cells[2:] = [c + (f" (host {host[v]:.0f})" if v in host else "") for c, v in zip(cells[2:], names)]
         cells += [common.fmt(ratio(us.get(v), us.get("bf16")), ".3f") for v in names if v != "bf16"]
-        cells += [common.fmt(ratio(us.get(v), us.get("torchao")), ".3f") for v in FP8_VARIANTS
-                  if v in names and "torchao" in names]
+        cells += [common.fmt(ratio(us.get(v), us.get("torchao")), ".3f") for v in names
+                  if is_fp8(v) and "torchao" in names]
         rows.append(cells)
     lines += common.md_table(header, rows)
     profiled = [r for r in result["rows"] if r.get("profile")]
@@ -485,7 +520,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     except ImportError:
         return
     rows = [r for r in result["rows"] if "bf16" in r["us"]]
-    variants = [v for v in VARIANTS if v != "bf16" and any(v in r["us"] for r in rows)]
+    variants = [v for v in dict.fromkeys(v for r in rows for v in r["us"]) if v != "bf16"]
     if not rows or not variants:
         return
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows)), 4))
@@ -509,7 +544,8 @@ def parse_args(argv: list[str] | None) -> Any:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=sorted(MODELS), default="llama")
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), type=check_variant,
+                   help="also BASE+backend=NAME / BASE+objective=NAME for the FP8 ones")
     p.add_argument("--prefill", nargs="*", type=int, default=[128, 512, 4096])
     p.add_argument("--context", type=int, default=512, help="decode position (tokens already in the cache)")
     p.add_argument("--modes", nargs="+", default=["eager", "compiled", "graph"], choices=["eager", "compiled", "graph"])
@@ -542,8 +578,8 @@ def parse_args(argv: list[str] | None) -> Any:
 
 def check_args(args: Any) -> None:
     """Refuse what one process cannot measure: the static launcher is a global Inductor setting."""
-    fp8 = [v for v in args.variants if v in FP8_VARIANTS]
-    launches = {v in STATIC_LAUNCH_VARIANTS or args.static_launch == "on" for v in fp8}
+    fp8 = [v for v in args.variants if is_fp8(v)]
+    launches = {variant_base(v) in STATIC_LAUNCH_VARIANTS or args.static_launch == "on" for v in fp8}
     if len(launches) > 1 and not args.parallel_compile and args.worker is None:
         raise SystemExit("hf_model: FP8 variants with and without the static launcher need one process each: "
                          "add --parallel-compile")
