@@ -193,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     title = f"Host µs per call of a compiled linear (static launcher {args.static_launch})"
     lines = common.header_markdown(header, title)
     lines += ["", "Enqueue time per call while the GPU is busy (median of rotated interleaved rounds), the ratio to "
-              "the compiled `nn.Linear` of the same rounds, and the launches per call by path (static launcher, Triton's "
-              "Python launcher, extern `torch._scaled_mm` / `torch.mm`).", ""]
+              "the compiled `nn.Linear` of the same rounds, and the launches per call by path (static launcher, "
+              "Triton's Python launcher, extern `torch._scaled_mm` / `torch.mm`).", ""]
     lines += common.md_table(
         ["N x K", "M", "variant", "host µs", "min", "/ nn.Linear", "static", "triton", "_scaled_mm", "mm"],
         [[r["shape"], r["M"], r["variant"], common.fmt(r["host_us"], ".1f"), common.fmt(r["host_us_min"], ".1f"),
