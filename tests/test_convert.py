@@ -384,6 +384,7 @@ def test_quantize_model_lets_inductor_launch_triton_ops_statically(monkeypatch):
 def test_static_launch_reaches_inductors_compile_workers(monkeypatch):
     """The compile workers read the setting from the environment, not from the parent's config (torch 2.11): the
     variable is set with the config, and pools already started are shut down so the next compile restarts them."""
+    import os
     import sys
     import types
 
@@ -391,17 +392,15 @@ def test_static_launch_reaches_inductors_compile_workers(monkeypatch):
 
     from fp8_backends import inductor_setup
 
-    monkeypatch.setattr(config, "static_launch_user_defined_triton_kernels", False)
     monkeypatch.delenv(inductor_setup.ENV, raising=False)
     shut = []
     fake = types.SimpleNamespace(_pool_set={"pool"}, shutdown_compile_workers=lambda: shut.append(1))
     monkeypatch.setitem(sys.modules, "torch._inductor.async_compile", fake)
-    assert inductor_setup.static_launch_triton_ops(True) is False
-    assert config.static_launch_user_defined_triton_kernels is True
-    import os
-
-    assert os.environ[inductor_setup.ENV] == "1" and shut == [1]
-    assert inductor_setup.static_launch_triton_ops(True) is True and shut == [1], "unchanged: no restart"
-    fake._pool_set = set()
-    assert inductor_setup.static_launch_triton_ops(False) is True
-    assert os.environ[inductor_setup.ENV] == "0" and shut == [1], "no pool started: nothing to shut down"
+    with config.patch(static_launch_user_defined_triton_kernels=False):
+        assert inductor_setup.static_launch_triton_ops(True) is False
+        assert config.static_launch_user_defined_triton_kernels is True
+        assert os.environ[inductor_setup.ENV] == "1" and shut == [1]
+        assert inductor_setup.static_launch_triton_ops(True) is True and shut == [1], "unchanged: no restart"
+        fake._pool_set = set()
+        assert inductor_setup.static_launch_triton_ops(False) is True
+        assert os.environ[inductor_setup.ENV] == "0" and shut == [1], "no pool started: nothing to shut down"
