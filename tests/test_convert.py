@@ -370,15 +370,15 @@ def test_quantize_model_lets_inductor_launch_triton_ops_statically(monkeypatch):
 
     from fp8_backends.inductor_setup import static_launch_triton_ops
 
-    monkeypatch.setattr(config, "static_launch_user_defined_triton_kernels", False)
     monkeypatch.delenv("TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS", raising=False)  # restored after
-    quantize_model(_tiny())
-    assert config.static_launch_user_defined_triton_kernels is False
-    quantize_model(nn.Sequential(nn.ReLU()), static_launch=True)
-    assert config.static_launch_user_defined_triton_kernels is False, "nothing swapped: nothing to launch"
-    quantize_model(_tiny(), static_launch=True)
-    assert config.static_launch_user_defined_triton_kernels is True
-    assert static_launch_triton_ops(False) is True and config.static_launch_user_defined_triton_kernels is False
+    with config.patch(static_launch_user_defined_triton_kernels=False):  # (monkeypatch's undo hides a config entry)
+        quantize_model(_tiny())
+        assert config.static_launch_user_defined_triton_kernels is False
+        quantize_model(nn.Sequential(nn.ReLU()), static_launch=True)
+        assert config.static_launch_user_defined_triton_kernels is False, "nothing swapped: nothing to launch"
+        quantize_model(_tiny(), static_launch=True)
+        assert config.static_launch_user_defined_triton_kernels is True
+        assert static_launch_triton_ops(False) is True and config.static_launch_user_defined_triton_kernels is False
 
 
 def test_static_launch_reaches_inductors_compile_workers(monkeypatch):
