@@ -41,6 +41,7 @@ _EXPORTS = {
     "PreparedWeight": "fp8_backends.core.types",
     "QuantizedActivation": "fp8_backends.core.types",
     "WeightScale": "fp8_backends.core.types",
+    "SelectionObjective": "fp8_backends.core.objective",
     "Fp8BackendError": "fp8_backends.core.errors",
     "UnknownBackendError": "fp8_backends.core.errors",
     "AmbiguousBackendError": "fp8_backends.core.errors",
@@ -108,6 +109,7 @@ if TYPE_CHECKING:
         UnknownBackendError,
         UnsupportedProblemError,
     )
+    from .core.objective import SelectionObjective
     from .core.types import (
         ActScale,
         Availability,

@@ -31,6 +31,7 @@ from torch import nn
 
 from .core.backend import Fp8GemmBackend
 from .core.errors import InvalidInputError, InvalidTypeError, UnsupportedProblemError
+from .core.objective import SelectionObjective
 from .core.types import ActScale, Fp8Dtype, WeightScale
 from .layers import Fp8Linear
 
@@ -61,6 +62,8 @@ class QuantizeSummary:
     bytes_after: int = 0
     act_scale: str = ""
     weight_scale: str = ""
+    #: the selection objective the layers' providers were chosen by (``kernel``, ``host`` or ``auto``)
+    objective: str = ""
 
     @property
     def count(self) -> int:
@@ -75,8 +78,9 @@ class QuantizeSummary:
         return dict(Counter(layer.backends for layer in self.swapped))
 
     def __str__(self) -> str:
+        objective = f", objective {self.objective}" if self.objective else ""
         lines = [f"quantize_model: {self.count} nn.Linear -> Fp8Linear ({self.act_scale} activations, "
-                 f"{self.weight_scale} weights); weights {self.bytes_before / 2**20:.1f} MiB -> "
+                 f"{self.weight_scale} weights{objective}); weights {self.bytes_before / 2**20:.1f} MiB -> "
                  f"{self.bytes_after / 2**20:.1f} MiB (saved {self.bytes_saved / 2**20:.1f} MiB)"]
         for label, count in sorted(self.providers().items()):
             lines.append(f"  {count:4d} layer(s) on {label}")
@@ -202,6 +206,7 @@ def quantize_model(
     weight_dtype: object = Fp8Dtype.E4M3FN,
     input_dtype: object = Fp8Dtype.E4M3FN,
     static_launch: bool = False,
+    objective: SelectionObjective | str | None = None,
 ) -> QuantizeSummary:
     """Replace the model's ``nn.Linear`` modules by :class:`Fp8Linear` in place; return a :class:`QuantizeSummary`.
 
@@ -220,6 +225,11 @@ def quantize_model(
         static_launch: also let Inductor launch the Triton kernels of the library's ops with its static CUDA
             launcher under ``torch.compile`` (:func:`fp8_backends.inductor_setup.static_launch_triton_ops`: a global
             Inductor setting; off by default: its effect on a whole model is not measured yet).
+        objective: what ``auto`` optimizes for every layer (:mod:`fp8_backends.core.objective`): ``"kernel"``
+            (the fastest kernel in CUDA graphs: a model that runs in CUDA graphs), ``"host"`` (the cost of a call
+            the host enqueues: eager or ``torch.compile`` without CUDA graphs) or ``"auto"`` (default, unless
+            ``FP8_SELECTION_OBJECTIVE`` says otherwise: host choices, and kernel choices for calls made while a
+            CUDA graph is captured); the summary reports it. An explicit ``backend`` ignores it.
     """
     if not isinstance(model, nn.Module):
         raise InvalidTypeError(f"quantize_model needs an nn.Module, got {type(model).__name__}")
@@ -242,7 +252,10 @@ def quantize_model(
         from .registry.resolution import BackendRequest
 
         BackendRequest.parse(backend)  # malformed options fail here, before any layer is touched
-    summary = QuantizeSummary(act_scale=mode.value, weight_scale=wmode.value)
+    from .registry.per_m import layer_objective
+
+    objective = layer_objective(objective)  # once: every layer decides by the same objective
+    summary = QuantizeSummary(act_scale=mode.value, weight_scale=wmode.value, objective=objective.value)
     targets = _targets(model, tuple(skip), include, summary)
     scales: dict[str, float] = {}
     if mode is ActScale.PER_TENSOR_STATIC:
@@ -262,7 +275,8 @@ def quantize_model(
     for name, linear in targets:
         try:
             layer = Fp8Linear.from_linear(linear, act_scale=mode, weight_scale=wmode, input_scale=scales.get(name),
-                                          weight_dtype=weight_dtype, input_dtype=fp8_in, backend=backend)
+                                          weight_dtype=weight_dtype, input_dtype=fp8_in, backend=backend,
+                                          objective=objective)
         except UnsupportedProblemError as exc:
             if explicit:
                 raise

@@ -12,6 +12,11 @@ comparisons, see :mod:`fp8_backends.core.output_contract`). Everything else the 
 path checks (scale shapes and dtypes, the prepared weight's owner, bias shape and dtype, the quantized input's
 layout) was fixed at load time and is guaranteed by construction: the plan quantizes the input itself.
 
+A composite whose CUDA-graph rows differ from its other rows (the ``auto`` selection objective, where the ``kernel``
+and ``host`` choices disagree: :attr:`~fp8_backends.registry.per_m.PerMGemm.split`) binds both; a call then asks
+``torch.cuda.is_current_stream_capturing()`` and runs the graph rows while a graph is captured, the host rows
+otherwise. A composite whose choices agree binds one set and never asks.
+
 The general path (:func:`fp8_backends.functional.apply_fp8_linear`) still serves every other call: under
 ``torch.compile`` (where it is what Dynamo traces: the quantization as torch ops Inductor fuses into the producer,
 the GEMM as the provider's op), under a dispatch mode or tensor subclass, a
@@ -106,19 +111,23 @@ def bind_quantizer(mode: ActScale, fp8_dtype: torch.dtype, input_scale: torch.Te
 
 class EagerPlan:
     """One processed layer's eager call. ``rows``: ``((bucket, linear), ...)`` by increasing bucket (each a
-    :func:`bind_linear` call), the last row serving every larger M (one row: one provider for every M)."""
+    :func:`bind_linear` call), the last row serving every larger M (one row: one provider for every M).
+    ``graph_rows``: the same for calls made while a CUDA graph is captured, or None when they are ``rows``."""
 
-    __slots__ = ("device", "dtype", "index", "k", "linear", "n", "rows", "tensor")
+    __slots__ = ("cuda", "device", "dtype", "graph_rows", "index", "k", "linear", "n", "rows", "tensor")
 
     def __init__(self, *, k: int, n: int, dtype: torch.dtype, device: torch.device,
-                 rows: Sequence[tuple[int, LinearCall]]) -> None:
+                 rows: Sequence[tuple[int, LinearCall]],
+                 graph_rows: Sequence[tuple[int, LinearCall]] | None = None) -> None:
         import torch
 
         self.k, self.n, self.dtype, self.device = k, n, dtype, device
         self.index = device.index if device.type == "cuda" else -1  # x.get_device() of an input on it
         self.rows = tuple(rows)
-        self.linear = self.rows[-1][1] if len(self.rows) == 1 else None
+        self.graph_rows = None if graph_rows is None else tuple(graph_rows)
+        self.linear = self.rows[-1][1] if len(self.rows) == 1 and self.graph_rows is None else None
         self.tensor = torch.Tensor
+        self.cuda = torch.cuda
 
     def __call__(self, x: Any) -> Any:
         """``y [..., N]`` for a plain ``x [..., K]`` in the model dtype on the layer's device, or ``None`` when
@@ -138,7 +147,10 @@ class EagerPlan:
             return None
         linear = self.linear
         if linear is None:
-            for bucket, linear in self.rows:  # noqa: B007 - the last row serves larger M
+            rows = self.rows
+            if self.graph_rows is not None and self._capturing():
+                rows = self.graph_rows
+            for bucket, linear in rows:  # noqa: B007 - the last row serves larger M
                 if m <= bucket:
                     break
         y = linear(x2)
@@ -147,17 +159,36 @@ class EagerPlan:
             y = output_contract.gemm_output_failed(linear.backend, y, x2, self.n, self.dtype)
         return y if len(shape) == 2 else y.view(*shape[:-1], self.n)
 
+    def _capturing(self) -> bool:
+        """Whether the current CUDA stream is capturing a graph (False where torch has no CUDA)."""
+        try:
+            return self.cuda.is_current_stream_capturing()
+        except RuntimeError:  # a CPU-only build of torch
+            return False
+
 
 def bind_per_m(kernel: PerMGemm, *, k: int, n: int, dtype: torch.dtype, device: torch.device,
                bias: torch.Tensor | None, mode: ActScale, input_scale: torch.Tensor | None,
                fp8_dtype: torch.dtype) -> EagerPlan:
     """The eager plan of a linear over ``kernel``: one quantizer of ``mode`` (``input_scale`` for static), and each
     of the kernel's rows bound once (:func:`bind_linear`), so that a call costs what it did before the rows were a
-    composite (the bucket loop, and no more)."""
+    composite (the bucket loop, and no more). A kernel whose CUDA-graph rows differ (``split``) has those bound too
+    (one binding per provider and prepared weight)."""
     quantize = bind_quantizer(mode, fp8_dtype, input_scale)
-    rows = [(row.bucket, bind_linear(row.backend, row.prepared, dtype, bias, quantize, mode, input_scale, fp8_dtype))
-            for row in kernel.rows]
-    return EagerPlan(k=k, n=n, dtype=dtype, device=device, rows=rows)
+    bound: dict[tuple[int, int], LinearCall] = {}
+
+    def bind(rows: Sequence[Any]) -> list[tuple[int, LinearCall]]:
+        out = []
+        for row in rows:
+            key = (id(row.backend), id(row.prepared))
+            if key not in bound:
+                bound[key] = bind_linear(row.backend, row.prepared, dtype, bias, quantize, mode, input_scale,
+                                         fp8_dtype)
+            out.append((row.bucket, bound[key]))
+        return out
+
+    graph = bind(kernel.graph_rows) if kernel.split else None
+    return EagerPlan(k=k, n=n, dtype=dtype, device=device, rows=bind(kernel.rows), graph_rows=graph)
 
 
 __all__ = ["EagerPlan", "bind_gemm", "bind_linear", "bind_per_m", "bind_quantizer"]

@@ -59,6 +59,13 @@ def apply_fp8_linear(
     - ``out_dtype``: the dtype the caller was prepared for; ``x.dtype`` (or ``orig_dtype``) must match
       it. ``None``: follow the input.
     - Returns ``[..., N]`` in that dtype; leading dims are flattened for the GEMM and restored.
+
+    A composite chosen under the ``auto`` selection objective whose ``kernel`` and ``host`` rows differ
+    (:attr:`~fp8_backends.registry.per_m.PerMGemm.split`) runs its CUDA-graph rows (``kernel``) for a call made
+    eagerly while a CUDA graph is being captured, and its other rows (``host``) otherwise. Under ``torch.compile``
+    it is always the ``host`` rows: Dynamo traces the call before any graph is captured (``mode="reduce-overhead"``
+    and a captured compiled step replay what was traced), and the compiled path without CUDA graphs is exactly
+    where the host enqueues every call.
     """
     from . import quant
 
@@ -109,7 +116,12 @@ def apply_fp8_linear(
 
         return torch.empty((*lead, n), dtype=out.torch_dtype(), device=x_q.device)
     if kernel is not None:
-        _, backend, prepared = kernel.pick(x_q.shape[0])
+        graph = False
+        if kernel.split:  # the auto objective's kernel and host rows differ: which one serves depends on capture
+            from .registry.per_m import capturing
+
+            graph = capturing()
+        _, backend, prepared = kernel.pick(x_q.shape[0], graph)
     y = backend.gemm(x_q, prepared, scale, out_dtype=out, bias=bias)
     return y.reshape(*lead, n)
 

@@ -30,6 +30,7 @@ from torch import nn
 from .core import validation as V
 from .core.backend import Fp8GemmBackend, NormQuantBackend
 from .core.errors import InvalidInputError, InvalidTypeError, UnsupportedProblemError
+from .core.objective import SelectionObjective
 from .core.types import (
     ActScale,
     DeviceKind,
@@ -175,6 +176,11 @@ class Fp8Linear(nn.Module):
             ``"auto"`` (default) keeps them per channel when the resolved provider's
             ``capabilities.weight_scales`` allow it and requantizes otherwise.
         device: where the buffers are allocated.
+        objective: what ``auto`` optimizes per M bucket (:mod:`fp8_backends.core.objective`): ``"kernel"``
+            (the fastest kernel in CUDA graphs), ``"host"`` (the cost of a call the host enqueues: eager,
+            ``torch.compile`` without CUDA graphs) or ``"auto"`` (the default unless ``FP8_SELECTION_OBJECTIVE``
+            says otherwise: host choices for eager and compiled calls, kernel choices for eager calls made while a
+            CUDA graph is captured, both prepared when they differ). An explicit backend ignores it.
     """
 
     def __init__(
@@ -192,6 +198,7 @@ class Fp8Linear(nn.Module):
         shard_sizes: Sequence[int] | None = None,
         shard_scales: str = "auto",
         device: torch.device | str | None = None,
+        objective: SelectionObjective | str | None = None,
     ) -> None:
         super().__init__()
         self.in_features = _positive_int(in_features, "in_features")
@@ -207,6 +214,8 @@ class Fp8Linear(nn.Module):
         self.dtype = _model_dtype(dtype)
         self.out_dtype = OutDtype.of(self.dtype)
         self.backend_request = backend
+        #: the selection objective asked for (None: ``FP8_SELECTION_OBJECTIVE``, else auto, read at processing)
+        self.objective_request = None if objective is None else SelectionObjective.of(objective)
         if not isinstance(bias, bool) and bias not in (0, 1):
             raise InvalidTypeError(f"bias must be a bool, got {type(bias).__name__} {bias!r}")
         device = _device(device)
@@ -256,11 +265,13 @@ class Fp8Linear(nn.Module):
         input_dtype: object = Fp8Dtype.E4M3FN,
         backend: str | Fp8GemmBackend | None = None,
         process: bool = True,
+        objective: SelectionObjective | str | None = None,
     ) -> Fp8Linear:
         """Quantize a bf16/fp16/fp32 ``nn.Linear`` (``weight [N, K]``): ``s_w = amax / fmax`` per
         tensor or per output row, ``w_q = clamp(w / s_w) -> fp8``. The model dtype is the linear's.
         A static ``act_scale`` needs ``input_scale`` (a calibrated float or fp32 one-value tensor).
-        ``process=True`` also runs :meth:`process_weights_after_loading` (weights already in place)."""
+        ``process=True`` also runs :meth:`process_weights_after_loading` (weights already in place).
+        ``objective``: what ``auto`` optimizes (see the class; default ``FP8_SELECTION_OBJECTIVE``, else auto)."""
         from .core import reference
 
         if not isinstance(linear, nn.Linear):
@@ -269,7 +280,7 @@ class Fp8Linear(nn.Module):
         dtype = _model_dtype(w.dtype)
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, act_scale=act_scale,
                     weight_scale=weight_scale, weight_dtype=weight_dtype, input_dtype=input_dtype, dtype=dtype,
-                    backend=backend, device=w.device)
+                    backend=backend, device=w.device, objective=objective)
         fp8 = layer.weight_dtype
         if layer.weight_scale_mode is WeightScale.PER_TENSOR:
             w_q, w_s = reference.quantize_dynamic_per_tensor(w, fp8)
@@ -295,6 +306,7 @@ class Fp8Linear(nn.Module):
         backend: str | Fp8GemmBackend | None = None,
         shard_scales: str = "auto",
         process: bool = True,
+        objective: SelectionObjective | str | None = None,
     ) -> Fp8Linear:
         """One linear from several checkpoint weights that share the input (QKV, gate-up).
 
@@ -317,7 +329,8 @@ class Fp8Linear(nn.Module):
         layer = cls(w0.shape[1], sum(s[0].shape[0] for s in shards), bias=bias is not None, act_scale=act_scale,
                     weight_dtype=weight_dtype if weight_dtype is not None else _fp8_guess(w0),
                     input_dtype=input_dtype, dtype=dtype, backend=backend,
-                    shard_sizes=[s[0].shape[0] for s in shards], shard_scales=shard_scales, device=w0.device)
+                    shard_sizes=[s[0].shape[0] for s in shards], shard_scales=shard_scales, device=w0.device,
+                    objective=objective)
         if input_scales is not None and len(input_scales) != len(shards):
             raise InvalidInputError(f"got {len(input_scales)} input scales for {len(shards)} shards")
         for i, (w_q, w_s) in enumerate(shards):
@@ -444,6 +457,12 @@ class Fp8Linear(nn.Module):
         return self.kernel is not None
 
     @property
+    def objective(self) -> SelectionObjective | None:
+        """The selection objective the layer's providers were chosen by (after processing; before, the one asked
+        for, None meaning ``FP8_SELECTION_OBJECTIVE``, else auto)."""
+        return self.objective_request if self.kernel is None else self.kernel.objective
+
+    @property
     def gemm_backend(self) -> Fp8GemmBackend | None:
         """The provider resolved for this weight with M unknown (``kernel.backend``); None before processing."""
         return None if self.kernel is None else self.kernel.backend
@@ -489,7 +508,7 @@ class Fp8Linear(nn.Module):
         self.weight_scale_mode = mode
         self.problem = self._problem(mode)
         self.kernel = init_fp8_gemm(self.weight, self.weight_scale, problem=self.problem,
-                                    backend=self.backend_request, default=backend)
+                                    backend=self.backend_request, default=backend, objective=self.objective_request)
         self._plan = self._eager_plan()
         logger.debug("Fp8Linear %dx%d prepared by %s (%s)", self.out_features, self.in_features,
                      self.kernel.describe(), self.problem.describe())
@@ -601,7 +620,8 @@ class Fp8Linear(nn.Module):
     @property
     def backends_text(self) -> str:
         """The provider(s) this layer runs on: one label, or ``"M<=16:triton,M>16:torch_scaled_mm[...]"`` when
-        batch sizes are split between providers (a lockfile, the shipped data or a measured default)."""
+        batch sizes are split between providers (a lockfile, the shipped data or a measured default), followed by
+        ``"; in CUDA graphs: ..."`` when captures run other providers (the ``auto`` objective)."""
         return self.kernel.describe() if self.kernel is not None else "(unprocessed)"
 
 

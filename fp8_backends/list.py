@@ -9,6 +9,7 @@ Options:
   --gemm-backend NAME    resolve this explicit choice instead of $FP8_GEMM_BACKEND / auto
   --norm-quant-backend NAME
   --simulate-sm X.Y      pretend the GPU is SM X.Y (also: FP8_BACKENDS_SIMULATE_SM)
+  --objective kernel|host  what auto optimizes for --problem (also: FP8_SELECTION_OBJECTIVE; default kernel)
 
 Exits 0 when it could print the listing (a machine without a GPU included) and every explicit choice
 (``--gemm-backend``, ``--norm-quant-backend``, or ``FP8_GEMM_BACKEND`` / ``FP8_NORM_QUANT_BACKEND``) resolved;
@@ -29,7 +30,7 @@ from fp8_backends.core import settings
 from fp8_backends.core.errors import ConfigurationError, Fp8BackendError
 from fp8_backends.core.text_table import text_table
 from fp8_backends.core.types import ActScale, GemmProblem, NormQuantProblem, WeightScale
-from fp8_backends.registry import discovery, resolution
+from fp8_backends.registry import discovery, host_aware, resolution
 from fp8_backends.registry.platform import Platform, detect_platform, list_platforms, simulate_platform
 
 SCHEMA = "fp8_backends.list/1"
@@ -76,6 +77,7 @@ def _resolution_dict(res: resolution.Resolution) -> dict[str, Any]:
         "request": res.request,
         "source": res.source,
         "note": res.note,
+        "objective": res.objective.value,
         "problem": None if res.problem is None else res.problem.describe(),
         "chosen": None if chosen is None else chosen.name,
         "chosen_config": None if res.backend is None else res.backend.describe_config(),
@@ -95,12 +97,16 @@ def collect(
     norm_problem: NormQuantProblem | None = None,
     gemm_request: str | None = None,
     norm_request: str | None = None,
+    objective: str | None = None,
 ) -> dict[str, Any]:
-    """Everything the listing shows, as a JSON-ready dict (schema ``fp8_backends.list/1``)."""
+    """Everything the listing shows, as a JSON-ready dict (schema ``fp8_backends.list/1``). ``objective``: what
+    ``auto`` optimizes for the GEMM resolution (``kernel`` / ``host``; default ``FP8_SELECTION_OBJECTIVE``, else
+    kernel)."""
     # explain_loaded, as resolve does: the `*` marks exactly what auto resolves to (a provider that fails to load
     # is passed over by both)
     resolutions = {
-        "gemm": resolution.explain_loaded("gemm", gemm_request, problem=gemm_problem, platform=platform),
+        "gemm": resolution.explain_loaded("gemm", gemm_request, problem=gemm_problem, platform=platform,
+                                          objective=objective),
         "norm_quant": resolution.explain_loaded("norm_quant", norm_request, problem=norm_problem, platform=platform),
     }
     providers = []
@@ -136,6 +142,7 @@ def collect(
                     if entry.cls
                     else {},
                     "capabilities": _caps_dict(entry.cls),
+                    "host_us": host_aware.host_us_of(entry.cls) if kind == "gemm" and entry.cls else None,
                     "selected": res.chosen is not None and res.chosen.entry is entry,
                 }
             )
@@ -270,8 +277,9 @@ def render(data: dict[str, Any]) -> str:
         else:
             cfg = f" [{res['chosen_config']}]" if res["chosen_config"] else ""
             note = f": {res['note']}" if res["note"] else ""
+            objective = " [host objective]" if res.get("objective") == "host" and res["request"] == "auto" else ""
             out.append(
-                f"  {res['request']} ({res['source']}{note}) for {problem} -> {res['chosen']}{cfg}"
+                f"  {res['request']}{objective} ({res['source']}{note}) for {problem} -> {res['chosen']}{cfg}"
             )
     return "\n".join(out)
 
@@ -306,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--residual", action="store_true", help="the norm-quant problem adds a residual")
     ap.add_argument("--gemm-backend", default=None, help="resolve this GEMM choice instead of env/auto")
     ap.add_argument("--norm-quant-backend", default=None, help="resolve this norm-quant choice")
+    ap.add_argument("--objective", default=None, choices=["kernel", "host"],
+                    help="what auto optimizes for --problem: the fastest kernel in CUDA graphs (kernel) or the cost "
+                         "of a call the host enqueues (host); default FP8_SELECTION_OBJECTIVE, else kernel")
     return ap
 
 
@@ -342,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     logger = logging.getLogger("fp8_backends")
     logger.addHandler(handler)
     try:
-        data = collect(platform, gemm_problem, norm_problem, args.gemm_backend, args.norm_quant_backend)
+        data = collect(platform, gemm_problem, norm_problem, args.gemm_backend, args.norm_quant_backend,
+                       args.objective)
     except Fp8BackendError as exc:  # e.g. a bad FP8_BACKENDS_PDL: say so, no traceback
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -56,6 +56,9 @@ class TorchScaledMMBackend(Fp8GemmBackend):
         n_align=16,
         priority=10,
     )
+    # host µs per call on the compiled path: cProfile of a compiled Llama step on the H200, 2026-12-01 (cuBLASLt
+    # heuristics run at every call); the lead updates it from the H200
+    host_us: ClassVar[float | None] = 25.0
 
     def extra_reasons(self, problem: GemmProblem | None, platform: Platform) -> list[str]:
         if problem is not None and problem.device is DeviceKind.CPU and self.config["fast_accum"] == "true":

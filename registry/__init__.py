@@ -6,5 +6,6 @@
 - :mod:`.policy`: the selection-policy contract of ``auto`` (``pick``, ``buckets``) and its ranked register; the
   built-in policies are :mod:`.lockfile_policy`, :mod:`.shipped` and :mod:`.defaults`.
 - :mod:`.per_m`: one weight's composite provider per M bucket (what a layer or ``fp8_linear`` runs).
+- :mod:`.host_aware`: the ``host`` selection objective's rule, shared by the measuring policies.
 - the environment variables it reads are in :mod:`fp8_backends.core.settings`.
 """

@@ -14,8 +14,9 @@ from typing import Any
 
 from fp8_backends.core import settings
 from fp8_backends.core.errors import ConfigurationError
+from fp8_backends.core.objective import SelectionObjective
 
-from . import resolution
+from . import host_aware, resolution
 from .discovery import ProviderEntry
 from .lockfile import (
     DEFAULT_M_BUCKETS,
@@ -72,39 +73,71 @@ def pick_from_entry(
         if ident in seen or not isinstance(provider, str):
             continue
         seen.append(ident)
-        for cand in serving:
-            e = cand.entry
-            if e.name != provider or not _dist_matches(e, choice.get("distribution")):
-                continue
-            if not _options_ok(e, options):
-                logger.debug("lockfile choice %s: options no longer valid", candidate_label(provider, options))
-                break
-            try:
-                backend = resolution.provider_instance(e, tuple(sorted(options.items())))
-                # ``e`` is serving, so it is available: check what the options may change (not the
-                # availability probe ``supports()`` repeats on every call)
-                reasons = list(backend.capabilities.check(problem, platform))
-                reasons += backend.extra_reasons(problem, platform)
-            except Exception as exc:
-                reasons = [f"{type(exc).__name__}: {exc}"]
-            if reasons:
-                logger.debug("lockfile choice %s cannot serve: %s", candidate_label(provider, options),
-                             "; ".join(reasons))
-                break
-            return e, options, len(seen) - 1
+        found = servable_choice(kind, problem, platform, serving, choice)
+        if found is not None:
+            return found[0], found[1], len(seen) - 1
     return None
+
+
+def servable_choice(
+    kind: str, problem: Any, platform: Platform, serving: Sequence[resolution.Candidate], choice: Mapping[str, Any]
+) -> tuple[ProviderEntry, dict[str, str]] | None:
+    """The serving provider entry a recorded candidate ``{"provider", "distribution", "options"}`` names, with its
+    options, when it can serve ``problem`` here with them; else None."""
+    provider = choice.get("provider")
+    if not isinstance(provider, str):
+        return None
+    options = {str(k): str(v) for k, v in (choice.get("options") or {}).items()}
+    for cand in serving:
+        e = cand.entry
+        if e.name != provider or not _dist_matches(e, choice.get("distribution")):
+            continue
+        if not _options_ok(e, options):
+            logger.debug("lockfile choice %s: options no longer valid", candidate_label(provider, options))
+            return None
+        try:
+            backend = resolution.provider_instance(e, tuple(sorted(options.items())))
+            # ``e`` is serving, so it is available: check what the options may change (not the
+            # availability probe ``supports()`` repeats on every call)
+            reasons = list(backend.capabilities.check(problem, platform))
+            reasons += backend.extra_reasons(problem, platform)
+        except Exception as exc:
+            reasons = [f"{type(exc).__name__}: {exc}"]
+        if reasons:
+            logger.debug("lockfile choice %s cannot serve: %s", candidate_label(provider, options),
+                         "; ".join(reasons))
+            return None
+        return e, options
+    return None
+
+
+def host_rerank(
+    kind: str, problem: Any, platform: Platform, serving: Sequence[resolution.Candidate], record: Mapping[str, Any],
+    picked: tuple[ProviderEntry, dict[str, str], str],
+) -> tuple[ProviderEntry, dict[str, str], str]:
+    """The host objective on a measured entry (:func:`.host_aware.rerank_record`): ``picked`` (the kernel answer
+    ``(entry, options, note)``) or the candidate replacing it, its note saying why."""
+    changed = host_aware.rerank_record(
+        record, lambda choice: servable_choice(kind, problem, platform, serving, choice), serving, picked[:2])
+    if changed is None:
+        return picked
+    entry, options, why = changed
+    return entry, options, f"{picked[2]}; {why}"
 
 
 _MAX_PICKS = 1 << 16
 
 
 def lockfile_policy(
-    kind: str, problem: Any, platform: Platform, serving: list[resolution.Candidate]
+    kind: str, problem: Any, platform: Platform, serving: list[resolution.Candidate],
+    objective: SelectionObjective = SelectionObjective.KERNEL,
 ) -> tuple[ProviderEntry, dict[str, str], str] | None:
     """The ``auto`` policy: the lockfile's choice for this problem's M bucket, or None (static priorities). A
-    lockfile it cannot use is ignored with one WARNING; only a bad ``FP8_BACKENDS_TUNE`` value raises."""
+    lockfile it cannot use is ignored with one WARNING; only a bad ``FP8_BACKENDS_TUNE`` value raises. Under the
+    ``host`` objective the entry's measured candidates are re-ranked by host cost (:func:`host_rerank`); the
+    recorded ``choice`` stays the kernel answer."""
     try:
-        return _lockfile_policy(kind, problem, platform, serving)
+        return _lockfile_policy(kind, problem, platform, serving, objective)
     except ConfigurationError:
         raise
     except Exception as exc:  # noqa: BLE001 - a lockfile must never break auto
@@ -115,7 +148,7 @@ def lockfile_policy(
 
 
 def _lockfile_policy(
-    kind: str, problem: Any, platform: Platform, serving: list[resolution.Candidate]
+    kind: str, problem: Any, platform: Platform, serving: list[resolution.Candidate], objective: SelectionObjective
 ) -> tuple[ProviderEntry, dict[str, str], str] | None:
     if problem is None or not serving:
         return None
@@ -133,7 +166,7 @@ def _lockfile_policy(
     tune = tune_at_first_use() and not _tuning_now()
     memo = None
     if loaded.error is None and not tune:
-        memo = (kind, problem, platform, tuple(id(c.entry) for c in serving))
+        memo = (kind, problem, platform, tuple(id(c.entry) for c in serving), objective)
         answer = loaded.picks.get(memo, loaded)
         if answer is not loaded and (answer is None or any(c.entry is answer[0] for c in serving)):
             return answer  # the warm path: the same answer as last time, no work
@@ -142,7 +175,7 @@ def _lockfile_policy(
                    "lockfile %s is %s; ignoring it (static priorities decide; the next tune rebuilds it)",
                    path, loaded.error)
     section = find_section(loaded, platform) if loaded.error is None else None
-    answer = _answer(kind, problem, platform, serving, path, loaded, section, tune, m)
+    answer = _answer(kind, problem, platform, serving, path, loaded, section, tune, m, objective)
     if memo is not None:
         if len(loaded.picks) >= _MAX_PICKS:
             loaded.picks.clear()
@@ -150,7 +183,7 @@ def _lockfile_policy(
     return answer
 
 
-def _answer(kind, problem, platform, serving, path, loaded, section, tune, m):
+def _answer(kind, problem, platform, serving, path, loaded, section, tune, m, objective):
     hit = section.lookup(kind, problem) if section is not None else None
     if tune:
         wanted = bucket_for(m, DEFAULT_M_BUCKETS)
@@ -173,7 +206,10 @@ def _answer(kind, problem, platform, serving, path, loaded, section, tune, m):
             logger.debug(text + " (%d problems so far)", path, problem.describe(), bucket, loaded.unserved)
         return None
     entry, options, rank = picked
-    return entry, options, choice_note(f"{path}, bucket M={bucket}", rank, record, "tuned")
+    answer = entry, options, choice_note(f"{path}, bucket M={bucket}", rank, record, "tuned")
+    if objective is SelectionObjective.HOST:
+        answer = host_rerank(kind, problem, platform, serving, record, answer)
+    return answer
 
 
 def choice_note(note: str, rank: int, record: Mapping[str, Any], chosen: str) -> str:
@@ -198,11 +234,15 @@ class LockfilePolicy(SelectionPolicy):
     def pick(self, kind: str, problem: Any, platform: Platform, serving: Sequence[resolution.Candidate]):
         return lockfile_policy(kind, problem, platform, list(serving))
 
+    def pick_for(self, kind: str, problem: Any, platform: Platform, serving: Sequence[resolution.Candidate],
+                 objective: SelectionObjective):
+        return lockfile_policy(kind, problem, platform, list(serving), objective)
+
     def buckets(self, kind: str, problem: Any, platform: Platform) -> list[int]:
         return covered_buckets(kind, problem, platform)
 
 
 POLICY = register_selection_policy(LockfilePolicy())
 
-__all__ = ["POLICY", "POLICY_NAME", "LockfilePolicy", "choice_note", "lockfile_policy", "pick_from_entry",
-           "tune_at_first_use"]
+__all__ = ["POLICY", "POLICY_NAME", "LockfilePolicy", "choice_note", "host_rerank", "lockfile_policy",
+           "pick_from_entry", "servable_choice", "tune_at_first_use"]

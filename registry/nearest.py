@@ -59,6 +59,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from fp8_backends.core.objective import SelectionObjective
+
+from . import host_aware
+
 #: (provider, distribution or "", sorted options)
 CandKey = tuple[str, str, tuple[tuple[str, str], ...]]
 
@@ -290,6 +294,11 @@ class MeasuredShape:
     def shape(self) -> str:
         return f"{self.n}x{self.k}"
 
+    @property
+    def log_size(self) -> float:
+        """``log(N x K)``."""
+        return math.log(self.n * self.k)
+
 
 @dataclass(frozen=True)
 class Neighbour:
@@ -307,6 +316,10 @@ class Prediction:
     bucket: int
     neighbours: tuple[Neighbour, ...]
     scores: tuple[tuple[CandKey, float], ...]  # ascending score, then key
+    #: the predicted µs of the fastest candidate (score 1.0) at this shape: the neighbours' fastest µs, each
+    #: carried to ``N x K`` along the bucket's size trend (:meth:`NearestModel.size_slope`), weighted like the vote;
+    #: ``score x fastest_us`` is a candidate's predicted kernel µs (what the ``host`` objective weighs). 0.0: unknown
+    fastest_us: float = 0.0
 
     def record(self, key: CandKey) -> dict[str, Any]:
         """A choice record for a candidate: ``{"provider", "distribution", "options"}``."""
@@ -316,6 +329,11 @@ class Prediction:
     def describe_neighbours(self) -> str:
         """``"4096x4096 (w 0.52), 6144x4096 (w 0.31)"``."""
         return ", ".join(f"{nb.shape.shape} (w {nb.weight:.2f})" for nb in self.neighbours)
+
+    def kernel_us(self, key: CandKey) -> float | None:
+        """A candidate's predicted kernel µs (its score times :attr:`fastest_us`); None when unknown."""
+        score = dict(self.scores).get(key)
+        return None if score is None or not self.fastest_us else score * self.fastest_us
 
 
 def distance(n: int, k: int, shape: MeasuredShape, metric: Metric = DEFAULT_METRIC) -> float:
@@ -340,6 +358,10 @@ class NearestModel:
         self.buckets = sorted(self.by_bucket)
         self.neighbours, self.eps, self.missing_ratio, self.metric = neighbours, eps, missing_ratio, metric
         self.trend = trend
+        #: per bucket, the slope of log(fastest µs) over log(N x K) across the measured shapes (clamped to [0, 1];
+        #: 1.0 without spread): how the fastest time grows with the weight's size, which carries each neighbour's
+        #: fastest µs to the asked shape (:attr:`Prediction.fastest_us`)
+        self.size_slope: dict[int, float] = {b: _size_slope(values) for b, values in self.by_bucket.items()}
         # per bucket, computed once: the trend, and each shape's features with its residual log relative time per
         # candidate (what the vote averages; the log relative time itself without a trend)
         self._trends: dict[int, _BucketTrend] = {}
@@ -395,21 +417,55 @@ class NearestModel:
             logs.append((ck, log_sum + (0.0 if x is None else fitted.value(ck, x))))
         floor = min(0.0, min(v for _, v in logs))  # the best score is at least 1.0 (relative to the fastest)
         scores = sorted(((ck, math.exp(v - floor)) for ck, v in logs), key=lambda t: (t[1], t[0]))
-        return Prediction(n, k, bucket, nbs, tuple(scores))
+        slope, size = self.size_slope.get(bucket, 1.0), math.log(n * k)
+        fastest = math.exp(sum(nb.weight * (math.log(nb.shape.fastest_us) + slope * (size - nb.shape.log_size))
+                               for nb in nbs))
+        return Prediction(n, k, bucket, nbs, tuple(scores), fastest)
+
+
+def _size_slope(shapes: Sequence[MeasuredShape]) -> float:
+    """The least-squares slope of log(fastest µs) over log(N x K), clamped to [0, 1] (1.0: no spread in size)."""
+    xs = [s.log_size for s in shapes]
+    ys = [math.log(s.fastest_us) for s in shapes]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    if var <= 1e-12:
+        return 1.0
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
+    return min(max(slope, 0.0), 1.0)
 
 
 def choose(
-    scores: Sequence[tuple[CandKey, float]], rank: Callable[[CandKey], tuple | None], tie_margin: float
+    scores: Sequence[tuple[CandKey, float]], rank: Callable[[CandKey], tuple | None], tie_margin: float, *,
+    objective: SelectionObjective | str = SelectionObjective.KERNEL,
+    host: Callable[[CandKey], float | None] | None = None, fastest_us: float = 0.0,
 ) -> tuple[CandKey, float] | None:
     """The winner among the candidates ``rank`` accepts (it returns a static rank, or None for a candidate that
-    cannot serve): the best score, or among the scores within ``tie_margin`` of it the best static rank."""
+    cannot serve): the best score, or among the scores within ``tie_margin`` of it the best static rank.
+
+    Under the ``host`` objective that winner is the kernel answer, and the candidates are re-ranked by the cost of
+    a host-enqueued call (:func:`.host_aware.choose`): ``host(ck)`` is a candidate's host µs (None: undeclared)
+    and ``fastest_us`` the predicted µs of score 1.0 (:attr:`Prediction.fastest_us`); without them (or with
+    ``fastest_us`` 0) the kernel answer stands."""
     ok = [(ck, s, r) for ck, s in scores if (r := rank(ck)) is not None]
     if not ok:
         return None
     best = min(s for _, s, _ in ok)
     near = [t for t in ok if t[1] <= best * (1.0 + tie_margin)]
     ck, score, _ = min(near, key=lambda t: (t[2], t[1], t[0]))
-    return ck, score
+    if SelectionObjective.of(objective).for_resolution() is not SelectionObjective.HOST or host is None \
+            or not fastest_us > 0:
+        return ck, score
+    rows = host_rows(ok, host, fastest_us)
+    won = host_aware.choose(rows, SelectionObjective.HOST, incumbent=ck)
+    return (ck, score) if won is None else (won.key, next(s for c, s, _ in ok if c == won.key))
+
+
+def host_rows(ranked: Sequence[tuple[CandKey, float, tuple]], host: Callable[[CandKey], float | None],
+              fastest_us: float) -> list[host_aware.Row]:
+    """``(candidate, score, static rank)`` triples as :class:`.host_aware.Row`: predicted kernel µs
+    ``score x fastest_us``, host µs ``host(candidate)``."""
+    return [host_aware.Row(ck, s * fastest_us, host(ck), r, ck[0]) for ck, s, r in ranked]
 
 
 def build_models(entries: Mapping[str, Mapping[str, Any]], **kw: Any) -> dict[tuple, NearestModel]:

@@ -4,6 +4,8 @@ A selection policy is an object (:class:`SelectionPolicy`) with a ``name``, a ``
 
 - :meth:`~SelectionPolicy.pick`: which provider (and options) should serve this problem, from the candidates that
   can serve it, or ``None`` to let the next policy decide;
+- :meth:`~SelectionPolicy.pick_for`: the same under a selection objective (``kernel``: fastest kernel in CUDA
+  graphs; ``host``: the cost of a host-enqueued call; :mod:`fp8_backends.core.objective`); by default :meth:`pick`;
 - :meth:`~SelectionPolicy.buckets`: which M buckets it distinguishes for a weight (its ``m`` ignored), so that a
   layer (:mod:`.per_m`) prepares one provider per bucket; ``[]`` when its answer does not depend on M.
 
@@ -27,6 +29,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from fp8_backends.core.errors import InvalidInputError, InvalidTypeError
 
 if TYPE_CHECKING:
+    from fp8_backends.core.objective import SelectionObjective
+
     from .discovery import ProviderEntry
     from .platform import Platform
     from .resolution import Candidate
@@ -62,6 +66,15 @@ class SelectionPolicy(ABC):
         serve it under ``auto``, in static-priority order), or None. A pick outside ``serving`` is ignored with a
         WARNING; raising :class:`~fp8_backends.core.errors.ConfigurationError` reaches the caller (a bad variable is the
         user's to fix), any other exception skips this policy with a WARNING."""
+
+    def pick_for(self, kind: str, problem: Any, platform: Platform, serving: Sequence[Candidate],
+                 objective: SelectionObjective) -> PolicyPick | tuple[ProviderEntry, dict[str, str], str] | None:
+        """:meth:`pick` under a selection objective (``kernel`` or ``host``: :mod:`fp8_backends.core.objective`),
+        which is what ``auto`` calls. The default ignores the objective and answers :meth:`pick`: a policy that does
+        not decide from measured kernel times decides the same under both. The built-in measuring policies (the
+        lockfile, the shipped data) override it and re-rank their candidates by host cost under ``host``
+        (:mod:`.host_aware`)."""
+        return self.pick(kind, problem, platform, serving)
 
     def buckets(self, kind: str, problem: Any, platform: Platform) -> list[int]:
         """The M buckets this policy distinguishes for ``problem`` (its ``m`` ignored), ascending: a batch of ``M``

@@ -40,6 +40,7 @@ from fp8_backends.core.errors import (
     UnknownBackendError,
     UnsupportedProblemError,
 )
+from fp8_backends.core.objective import SelectionObjective
 from fp8_backends.core.types import Availability, GemmProblem, NormQuantProblem
 
 from .discovery import BLOCKED, ProviderEntry, discover
@@ -102,6 +103,8 @@ class Resolution:
     backend: Any = None
     error: Exception | None = None
     note: str = ""
+    #: what ``auto`` optimized (``kernel`` or ``host``; :func:`resolution_objective`); explicit names ignore it
+    objective: SelectionObjective = SelectionObjective.KERNEL
     _verdicts: dict[int, Candidate] = field(default_factory=dict, repr=False)
 
     def verdict(self, entry: ProviderEntry) -> Candidate:
@@ -267,18 +270,35 @@ def rank_key(entry: ProviderEntry) -> tuple:
     return (-entry.priority, not entry.builtin, entry.name, entry.dist or "")
 
 
+def resolution_objective(objective: SelectionObjective | str | None = None) -> SelectionObjective:
+    """The objective one resolution decides by: ``objective`` (a :class:`SelectionObjective` or its value), else
+    ``FP8_SELECTION_OBJECTIVE``, else ``kernel``; ``auto`` (a layer's objective) is ``kernel`` here, as one
+    resolution has one provider for every path (:mod:`fp8_backends.core.objective`). A bad value raises
+    :class:`InvalidInputError` (argument) or :class:`ConfigurationError` (the variable)."""
+    if objective is None:
+        return settings.selection_objective(SelectionObjective.KERNEL).for_resolution()
+    return SelectionObjective.of(objective).for_resolution()
+
+
 def explain(
     kind: str,
     name: str | None = None,
     *,
     problem: Any = None,
     platform: Platform | None = None,
+    objective: SelectionObjective | str | None = None,
 ) -> Resolution:
     """Resolve without raising: a :class:`Resolution` with ``chosen``/``backend`` set or ``error`` holding the
     exception :func:`resolve` would raise, and every candidate's reasons (:attr:`Resolution.candidates`). Arguments
     of the wrong type (a number as ``name``, a ``dict`` as ``problem``, a string as ``platform``) raise
-    :class:`InvalidTypeError` at once, and a bad ``FP8_BACKENDS_SIMULATE_SM`` :class:`ConfigurationError`."""
+    :class:`InvalidTypeError` at once, and a bad ``FP8_BACKENDS_SIMULATE_SM`` :class:`ConfigurationError`.
+
+    ``objective``: what ``auto``'s measuring policies optimize (:func:`resolution_objective`: default
+    ``FP8_SELECTION_OBJECTIVE``, else ``kernel``); an explicit name ignores it. A bad ``FP8_SELECTION_OBJECTIVE``
+    raises :class:`ConfigurationError` when ``auto`` reads it."""
     check_arguments(kind, name, problem, platform)
+    if objective is not None:
+        objective = SelectionObjective.of(objective)  # a bad argument fails whatever the request
     source = "explicit"
     if name is None:
         env_value = os.environ.get(ENV_FOR_KIND[kind], "").strip()
@@ -295,6 +315,12 @@ def explain(
     # entries blocked by FP8_BACKENDS_PLUGINS or disabled by FP8_BACKENDS_DISABLED take no part in ambiguity
     selectable = [e for e in entries if e.status != BLOCKED and not e.disabled]
     if request.is_auto:
+        if objective is not None or kind == "gemm":  # the variable is about GEMM providers
+            try:
+                res.objective = resolution_objective(objective)
+            except ConfigurationError as exc:  # a bad FP8_SELECTION_OBJECTIVE: never ignored
+                res.error = exc
+                return res
         _warn_clashes(kind, selectable)
         return _explain_auto(res)
     return _explain_named(res, request, selectable)
@@ -315,7 +341,7 @@ def _explain_auto(res: Resolution) -> Resolution:
     serving = [c for c in res.candidates if c.auto_ok]
     res.source = "priority"
     try:
-        choice = _auto_ladder(res.kind, res.problem, res.platform, serving)
+        choice = _auto_ladder(res.kind, res.problem, res.platform, serving, res.objective)
     except ConfigurationError as exc:  # a bad variable a policy reads (FP8_BACKENDS_TUNE, ...): never ignored
         res.error = exc
         return res
@@ -332,12 +358,13 @@ def _explain_auto(res: Resolution) -> Resolution:
     return res
 
 
-def _auto_ladder(kind: str, problem: Any, platform: Platform, serving: list[Candidate]) -> _Choice | None:
+def _auto_ladder(kind: str, problem: Any, platform: Platform, serving: list[Candidate],
+                 objective: SelectionObjective = SelectionObjective.KERNEL) -> _Choice | None:
     """``auto``'s choice among ``serving``, one rung after the other: the selection policies by rank (the tuned
     lockfile, policies others registered, the shipped data's exact then nearest answer, the measured defaults;
-    :mod:`.policy`), then the highest static priority. None: nothing can serve."""
+    :mod:`.policy`), each asked under ``objective``, then the highest static priority. None: nothing can serve."""
     load_builtin_policies()
-    return _ask_policies(kind, problem, platform, serving) or _by_priority(serving)
+    return _ask_policies(kind, problem, platform, serving, objective) or _by_priority(serving)
 
 
 def _by_priority(serving: list[Candidate]) -> _Choice | None:
@@ -448,13 +475,14 @@ def _warn_clashes(kind: str, selectable: Sequence[ProviderEntry]) -> None:
 ignored_picks: dict[str, int] = {}
 
 
-def _ask_policies(kind: str, problem: Any, platform: Platform, serving: list[Candidate]) -> _Choice | None:
+def _ask_policies(kind: str, problem: Any, platform: Platform, serving: list[Candidate],
+                  objective: SelectionObjective = SelectionObjective.KERNEL) -> _Choice | None:
     """The first policy's usable pick, or None. A policy that raises is skipped with a WARNING (a
     :class:`ConfigurationError` propagates: a bad variable is the user's to fix); a pick that cannot serve, or whose
     options the provider refuses, is ignored (:func:`_ignore_pick`)."""
     for pol in selection_policies():
         try:
-            picked = pol.pick(kind, problem, platform, serving)
+            picked = pol.pick_for(kind, problem, platform, serving, objective)
         except ConfigurationError:
             raise
         except Exception as exc:
@@ -544,7 +572,8 @@ def _alternatives_text(
 
 
 def explain_loaded(
-    kind: str, name: str | None = None, *, problem: Any = None, platform: Platform | None = None
+    kind: str, name: str | None = None, *, problem: Any = None, platform: Platform | None = None,
+    objective: SelectionObjective | str | None = None,
 ) -> Resolution:
     """:func:`explain`, then load the chosen provider (:meth:`~fp8_backends.core.backend.ProviderBase.ensure_preloaded`)
     as :func:`resolve` does: when it fails to load, ``auto`` resolves again without it (one WARNING each) and an
@@ -552,7 +581,7 @@ def explain_loaded(
     ``*`` is exactly what :func:`resolve` returns."""
     failed = 0
     while True:
-        res = explain(kind, name, problem=problem, platform=platform)
+        res = explain(kind, name, problem=problem, platform=platform, objective=objective)
         if res.error is not None:
             return res
         if failed > len(res.entries):  # each failure removes one candidate: cannot happen, but never loop
@@ -573,16 +602,19 @@ def explain_loaded(
         return res
 
 
-def resolve(kind: str, name: str | None = None, *, problem: Any = None, platform: Platform | None = None) -> Any:
-    """Resolve and return the provider instance, or raise the library error that explains why not."""
-    res = explain_loaded(kind, name, problem=problem, platform=platform)
+def resolve(kind: str, name: str | None = None, *, problem: Any = None, platform: Platform | None = None,
+            objective: SelectionObjective | str | None = None) -> Any:
+    """Resolve and return the provider instance, or raise the library error that explains why not. ``objective``:
+    what ``auto`` optimizes (:func:`explain`)."""
+    res = explain_loaded(kind, name, problem=problem, platform=platform, objective=objective)
     if res.error is not None:
         raise res.error
     _log_choice(res)
     return res.backend
 
 
-def resolve_or_check(kind: str, backend: Any, problem: Any, platform: Platform | None = None) -> Any:
+def resolve_or_check(kind: str, backend: Any, problem: Any, platform: Platform | None = None,
+                     objective: SelectionObjective | str | None = None) -> Any:
     """A provider for ``problem``: a given provider instance (checked: it must serve ``problem``, then loaded with
     :meth:`~fp8_backends.core.backend.ProviderBase.ensure_preloaded`), else a request string or None (env var, else
     ``auto``) resolved by :func:`resolve`. Raises the library's errors."""
@@ -601,7 +633,7 @@ def resolve_or_check(kind: str, backend: Any, problem: Any, platform: Platform |
         return backend
     if backend is not None and not isinstance(backend, str):
         raise InvalidTypeError(f"backend must be a name, a {base.__name__} or None, got {type(backend).__name__}")
-    return resolve(kind, backend, problem=problem, platform=platform)
+    return resolve(kind, backend, problem=problem, platform=platform, objective=objective)
 
 
 _PROBLEM_TYPES = {"gemm": GemmProblem, "norm_quant": NormQuantProblem}
@@ -652,16 +684,16 @@ def _item_text(item: settings.DisabledItem) -> str:
 
 
 def _log_choice(res: Resolution) -> None:
-    key = (res.kind, res.request, res.source, res.backend.label, res.problem, res.platform)
+    key = (res.kind, res.request, res.source, res.backend.label, res.problem, res.platform, res.objective)
     with _lock:
         if key in _logged:
             return
         _logged.add(key)
     what = res.problem.describe() if res.problem is not None else "any problem"
     logger.info(
-        "%s backend %s selected (%s%s) for %s on %s",
+        "%s backend %s selected (%s%s) for %s on %s%s",
         KIND_LABEL[res.kind], res.backend.label, res.source, f": {res.note}" if res.note else "",
-        what, res.platform.describe(),
+        what, res.platform.describe(), _objective_text(res),
     )
     if logger.isEnabledFor(logging.DEBUG):
         for c in res.evaluated:  # an explicit name evaluated no others: none are made up for the log
@@ -669,20 +701,30 @@ def _log_choice(res: Resolution) -> None:
                 logger.debug("  %s: %s", c.entry.name, "; ".join(c.reasons) or "could serve (lower rank)")
 
 
+def _objective_text(res: Resolution) -> str:
+    """``" (host objective)"`` for an ``auto`` resolution under the host objective, else nothing."""
+    if res.request == AUTO and res.objective is SelectionObjective.HOST:
+        return " (host objective)"
+    return ""
+
+
 def resolve_gemm_backend(
     name: str | None = None,
     *,
     problem: GemmProblem | None = None,
     platform: Platform | None = None,
+    objective: SelectionObjective | str | None = None,
 ):
     """The FP8 GEMM provider for ``problem`` on ``platform``.
 
     ``name``: ``"auto"``, a provider name or alias, ``"DIST:NAME"``, optionally with options
     (``"flashinfer_bmm@runner=cudnn"``); ``None`` reads ``FP8_GEMM_BACKEND`` (default ``auto``).
     ``platform`` defaults to the detected device for ``problem.device`` (see
-    :func:`~fp8_backends.registry.platform.simulate_platform` to ask about another GPU).
+    :func:`~fp8_backends.registry.platform.simulate_platform` to ask about another GPU). ``objective``: what
+    ``auto`` optimizes, ``"kernel"`` (the fastest kernel in CUDA graphs) or ``"host"`` (a host-enqueued call's
+    cost); default ``FP8_SELECTION_OBJECTIVE``, else kernel (:mod:`fp8_backends.core.objective`).
     """
-    return resolve("gemm", name, problem=problem, platform=platform)
+    return resolve("gemm", name, problem=problem, platform=platform, objective=objective)
 
 
 def resolve_gemm_buckets(
@@ -690,14 +732,19 @@ def resolve_gemm_buckets(
     *,
     problem: GemmProblem,
     platform: Platform | None = None,
+    objective: SelectionObjective | str | None = None,
 ) -> list[tuple[int, Any]]:
     """For ``auto``: the provider for each M bucket that the first selection policy distinguishing any (by rank:
     the tuned lockfile's buckets for ``problem``, its ``m`` ignored, else the shipped selection data's, else this
     GPU's measured defaults'; :meth:`~.policy.SelectionPolicy.buckets`) names, as ``[(bucket, provider), ...]``
     ascending; a batch of ``M`` rows uses the first bucket ``>= M`` (the largest beyond them). ``[]`` for an
     explicit choice or when no policy distinguishes buckets. Logs one INFO line per problem summarising the
-    choices. :mod:`.per_m` turns the table into one weight's per-M provider."""
+    choices. :mod:`.per_m` turns the table into one weight's per-M provider. ``objective``: as
+    :func:`resolve_gemm_backend` (``kernel`` or ``host``; ``auto`` is ``kernel`` here: a layer asks for both tables,
+    :func:`~.per_m.init_fp8_gemm`)."""
     check_arguments("gemm", name, problem, platform)
+    if objective is not None:
+        objective = SelectionObjective.of(objective)
     if problem is None:
         raise InvalidTypeError("resolve_gemm_buckets needs a GemmProblem")
     text = name if name is not None else (os.environ.get(ENV_FOR_KIND["gemm"], "").strip() or AUTO)
@@ -707,23 +754,26 @@ def resolve_gemm_buckets(
     except InvalidInputError:
         return []
     platform = _platform_for(problem, platform)
+    objective = resolution_objective(objective)
     load_builtin_policies()
     source, covered = _ask_buckets("gemm", problem.with_m(None), platform)
     table = []
     for bucket in covered:
-        res = explain("gemm", name, problem=problem.with_m(bucket), platform=platform)
+        res = explain("gemm", name, problem=problem.with_m(bucket), platform=platform, objective=objective)
         if res.error is not None:
             raise res.error
         table.append((bucket, res.backend))
     if table:
-        key = ("gemm-buckets", problem.with_m(None), platform, tuple((b, be.label) for b, be in table))
+        key = ("gemm-buckets", problem.with_m(None), platform, tuple((b, be.label) for b, be in table), objective)
         with _lock:
             first = key not in _logged
             _logged.add(key)
         if first:
             logger.info(
-                "GEMM backends by M bucket (%s) for %s on %s: %s", source, problem.with_m(None).describe(),
-                platform.describe(), describe_buckets([(b, be.label) for b, be in table]),
+                "GEMM backends by M bucket (%s%s) for %s on %s: %s", source,
+                ", host objective" if objective is SelectionObjective.HOST else "",
+                problem.with_m(None).describe(), platform.describe(),
+                describe_buckets([(b, be.label) for b, be in table]),
             )
     return table
 

@@ -33,8 +33,9 @@ from typing import Any
 
 from fp8_backends.core import settings
 from fp8_backends.core.errors import DataFileError
+from fp8_backends.core.objective import SelectionObjective
 
-from . import lockfile, lockfile_policy, resolution, shipped_data
+from . import host_aware, lockfile, lockfile_policy, resolution, shipped_data
 from .nearest import (
     DEFAULT_METRIC,
     DEFAULT_NEIGHBOURS,
@@ -46,6 +47,7 @@ from .nearest import (
     cand_label,
     choose,
     class_key,
+    host_rows,
 )
 from .once import WarnOnce
 from .platform import Platform
@@ -235,29 +237,31 @@ def reset_state() -> None:
 
 # ---------------------------------------------------------------------------------------- the policies
 def _option_rank(cls: Any, options: Mapping[str, str]) -> tuple[int, ...]:
-    declared = getattr(cls, "options", {}) or {}
-    return tuple(declared[k].index(v) if v in declared.get(k, ()) else 99 for k, v in sorted(options.items()))
+    return host_aware.option_rank(cls, options)
 
 
-def _answer(kind: str, problem: Any, platform: Platform, serving: list[resolution.Candidate]) -> tuple | None:
-    """``(policy name, (entry, options, note))`` or None; computed once per problem and serving set."""
+def _answer(kind: str, problem: Any, platform: Platform, serving: list[resolution.Candidate],
+            objective: SelectionObjective = SelectionObjective.KERNEL) -> tuple | None:
+    """``(policy name, (entry, options, note))`` or None; computed once per problem, serving set and objective
+    (under ``host`` the measured or predicted candidates are re-ranked by host cost, :mod:`.host_aware`)."""
     if kind != "gemm" or problem is None or not serving or getattr(problem, "m", None) is None:
         return None
     data = data_for(platform)
     if data is None:
         return None
-    memo = (problem, platform, tuple(id(c.entry) for c in serving))
+    memo = (problem, platform, tuple(id(c.entry) for c in serving), objective)
     answer = data.picks.get(memo, data)
     if answer is not data and (answer is None or any(c.entry is answer[1][0] for c in serving)):
         return answer
-    answer = _exact(kind, problem, platform, serving, data) or _nearest(kind, problem, platform, serving, data)
+    answer = (_exact(kind, problem, platform, serving, data, objective)
+              or _nearest(kind, problem, platform, serving, data, objective))
     if len(data.picks) >= _MAX_PICKS:
         data.picks.clear()
     data.picks[memo] = answer
     return answer
 
 
-def _exact(kind, problem, platform, serving, data: ShippedData) -> tuple | None:
+def _exact(kind, problem, platform, serving, data: ShippedData, objective=SelectionObjective.KERNEL) -> tuple | None:
     hit = data.index.lookup(kind, problem)
     if hit is None:
         return None
@@ -268,11 +272,14 @@ def _exact(kind, problem, platform, serving, data: ShippedData) -> tuple | None:
                      problem.describe(), bucket)
         return None
     entry, options, rank = picked
-    return POLICY_EXACT, (entry, options, lockfile_policy.choice_note(f"{data.label}, bucket M={bucket}", rank, record,
-                                                                      "measured"))
+    answer = entry, options, lockfile_policy.choice_note(f"{data.label}, bucket M={bucket}", rank, record, "measured")
+    if objective is SelectionObjective.HOST:
+        answer = lockfile_policy.host_rerank(kind, problem, platform, serving, record, answer)
+    return POLICY_EXACT, answer
 
 
-def _nearest(kind, problem, platform, serving, data: ShippedData) -> tuple | None:
+def _nearest(kind, problem, platform, serving, data: ShippedData, objective=SelectionObjective.KERNEL
+             ) -> tuple | None:
     fields = lockfile.problem_fields(kind, problem)
     model = data.model_for(fields)
     if model is None:
@@ -284,22 +291,34 @@ def _nearest(kind, problem, platform, serving, data: ShippedData) -> tuple | Non
         return None
     order = {id(c.entry): i for i, c in enumerate(serving)}
     found: dict[CandKey, tuple] = {}
+    ranks: dict[CandKey, tuple] = {}
 
     def rank(ck: CandKey) -> tuple | None:
         picked = lockfile_policy.pick_from_entry(kind, problem, platform, serving, {"choice": pred.record(ck)})
         if picked is None:
             return None
         found[ck] = picked
-        return order[id(picked[0])], _option_rank(picked[0].cls, picked[1])
+        ranks[ck] = order[id(picked[0])], _option_rank(picked[0].cls, picked[1])
+        return ranks[ck]
 
     won = choose(pred.scores, rank, TIE_MARGIN)
     if won is None:
         logger.debug("shipped data %s: no candidate near %s can serve here", data.path, problem.describe())
         return None
     ck, score = won
+    why = ""
+    if objective is SelectionObjective.HOST:
+        def host(key: CandKey) -> float | None:
+            return host_aware.host_us_of(found[key][0].cls)
+
+        ck, score = choose(pred.scores, rank, TIE_MARGIN, objective=objective, host=host, fastest_us=pred.fastest_us)
+        if ck != won[0]:
+            rows = host_rows([(c, s, ranks[c]) for c, s in pred.scores if c in ranks], host, pred.fastest_us)
+            by_key = {r.key: r for r in rows}
+            why = f"; {host_aware.note(by_key[ck], by_key[won[0]], rows, predicted=True)}"
     entry, options, _ = found[ck]
     note = (f"{data.label}, bucket M={bucket}, nearest: {pred.describe_neighbours()}; "
-            f"predicted {score:.3f}x the fastest")
+            f"predicted {score:.3f}x the fastest{why}")
     logger.debug("shipped-nearest scores for %s: %s", problem.describe(),
                  ", ".join(f"{cand_label(k)} {s:.3f}" for k, s in pred.scores))
     return POLICY_NEAREST, (entry, options, note)
@@ -357,7 +376,11 @@ class ShippedPolicy(SelectionPolicy):
         self.name, self.rank, self._buckets = name, rank, buckets
 
     def pick(self, kind: str, problem: Any, platform: Platform, serving: Sequence[resolution.Candidate]):
-        answer = _answer(kind, problem, platform, list(serving))
+        return self.pick_for(kind, problem, platform, serving, SelectionObjective.KERNEL)
+
+    def pick_for(self, kind: str, problem: Any, platform: Platform, serving: Sequence[resolution.Candidate],
+                 objective: SelectionObjective):
+        answer = _answer(kind, problem, platform, list(serving), objective)
         return answer[1] if answer is not None and answer[0] == self.name else None
 
     def buckets(self, kind: str, problem: Any, platform: Platform) -> list[int]:

@@ -226,6 +226,12 @@ class Fp8GemmBackend(ProviderBase):
 
     kind: ClassVar[str] = "gemm"
     capabilities: ClassVar[GemmCapabilities] = GemmCapabilities()
+    #: µs of host time one call costs on the compiled path (``torch.compile``, no CUDA graph): what the host spends
+    #: to enqueue the GEMM, the figure ``auto`` weighs under the ``host`` selection objective
+    #: (:mod:`fp8_backends.core.objective`: a call costs ``max(kernel µs, host µs)`` there). One figure per class
+    #: (options do not change it). ``None`` (undeclared): the provider counts as costing as much host time as the
+    #: most expensive declared candidate of the same decision, so it never wins on host time alone.
+    host_us: ClassVar[float | None] = None
     _fast: Any = None  # hot-path check tables (_FastPath), built at the first gemm call
 
     # ------------------------------------------------------------------ load time

@@ -4,6 +4,7 @@
 |---|---|
 | ``FP8_GEMM_BACKEND`` | default GEMM backend name when the caller passes none (``auto`` if unset) |
 | ``FP8_NORM_QUANT_BACKEND`` | default norm-quant backend name |
+| ``FP8_SELECTION_OBJECTIVE`` | what ``auto`` optimizes: ``kernel``, ``host`` or ``auto`` (:mod:`.objective`) |
 | ``FP8_BACKENDS_DISABLED`` | ``[KIND:][DIST:]NAME`` items to exclude (``gemm:torch``: the GEMM one only) |
 | ``FP8_BACKENDS_PLUGINS`` | comma-separated third-party distributions allowed to load (unset: all; empty: none) |
 | ``FP8_BACKENDS_SIMULATE_SM`` | pretend the GPU is this SM (e.g. ``10.0``) for resolution and listing |
@@ -35,9 +36,11 @@ from pathlib import Path
 from typing import NamedTuple
 
 from fp8_backends.core.errors import ConfigurationError
+from fp8_backends.core.objective import SelectionObjective, valid_values
 
 GEMM_BACKEND_ENV = "FP8_GEMM_BACKEND"
 NORM_QUANT_BACKEND_ENV = "FP8_NORM_QUANT_BACKEND"
+SELECTION_OBJECTIVE_ENV = "FP8_SELECTION_OBJECTIVE"
 DISABLED_ENV = "FP8_BACKENDS_DISABLED"
 PLUGINS_ENV = "FP8_BACKENDS_PLUGINS"
 SIMULATE_SM_ENV = "FP8_BACKENDS_SIMULATE_SM"
@@ -69,6 +72,7 @@ class EnvVar(NamedTuple):
 ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(GEMM_BACKEND_ENV),
     EnvVar(NORM_QUANT_BACKEND_ENV),
+    EnvVar(SELECTION_OBJECTIVE_ENV),
     EnvVar(DISABLED_ENV),
     EnvVar(PLUGINS_ENV),
     EnvVar(SIMULATE_SM_ENV),
@@ -294,3 +298,16 @@ def measured_defaults_enabled() -> bool:
 def pdl_allowed() -> bool:
     """``FP8_BACKENDS_PDL`` (default on): launch kernels with programmatic dependent launch where SM >= 9.0."""
     return env_flag(PDL_ENV, True)
+
+
+def selection_objective(default: SelectionObjective) -> SelectionObjective:
+    """``FP8_SELECTION_OBJECTIVE`` read now: ``kernel``, ``host`` or ``auto`` (any case), ``default`` when unset or
+    empty; any other value raises :class:`ConfigurationError` naming the variable and the valid values. Callers
+    pass their own default: resolutions KERNEL, layers AUTO (:mod:`fp8_backends.core.objective`)."""
+    raw = os.environ.get(SELECTION_OBJECTIVE_ENV)
+    if raw is None or not raw.strip():
+        return default
+    member = SelectionObjective._value2member_map_.get(raw.strip().lower())
+    if member is None:
+        raise ConfigurationError(SELECTION_OBJECTIVE_ENV, raw, f"{valid_values()} (unset or empty: the default)")
+    return member  # type: ignore[return-value]

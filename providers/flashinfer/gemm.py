@@ -89,6 +89,9 @@ class FlashinferBmmBackend(OpGemmBackend):
         n_align=16,
         priority=5,
     )
+    # host µs per call: bench/results/flashinfer_host_2026-11-29_h200.md (26-33 µs with the cached call plan on the
+    # H200); the lead updates it from the H200
+    host_us: ClassVar[float | None] = 30.0
 
     def __init__(self, **options: str) -> None:
         if "autotune" not in options:

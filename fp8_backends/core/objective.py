@@ -1,0 +1,67 @@
+"""What ``auto`` optimizes when it chooses a GEMM provider from measurements: :class:`SelectionObjective`.
+
+The measurements behind ``auto`` (the tuned lockfile, the shipped selection data, the nearest-shapes model) are
+kernel times taken in CUDA-graph replay. Inside a CUDA graph that is what a call costs. Outside one (eager mode,
+``torch.compile`` without CUDA graphs) the host enqueues every call, and a small GEMM costs
+``max(kernel time, host time)``: a provider whose kernel is a little faster but whose call costs ~25 µs of host
+time (``torch._scaled_mm``: cuBLASLt heuristics per call) loses to one a few percent slower that costs a few µs.
+
+- :attr:`SelectionObjective.KERNEL` (``"kernel"``): the fastest kernel, as measured in CUDA graphs (the
+  measurements' own answer).
+- :attr:`SelectionObjective.HOST` (``"host"``): the cost of a call the host enqueues: among the candidates whose
+  kernel time is within :data:`HOST_MARGIN` of the fastest, the lowest ``max(kernel µs, host µs)``
+  (``host µs``: the provider class's ``host_us``). The rule, shared by every measuring policy, is
+  :func:`fp8_backends.registry.host_aware.choose`.
+- :attr:`SelectionObjective.AUTO` (``"auto"``): layers only (``Fp8Linear``, ``init_fp8_gemm``,
+  ``quantize_model``): the HOST choice per M bucket for eager and compiled calls, and the KERNEL choice for calls
+  made while a CUDA graph is being captured (both kept when they differ). A single resolution
+  (``resolve_gemm_backend``) has one provider for both paths: there ``auto`` means KERNEL.
+
+``FP8_SELECTION_OBJECTIVE`` (:func:`fp8_backends.core.settings.selection_objective`) sets the default where the
+caller passes none: KERNEL for resolutions, AUTO for layers when it is unset.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from .errors import InvalidInputError, InvalidTypeError
+
+#: HOST considers only candidates whose kernel µs is at most this fraction above the fastest candidate's (5%): the
+#: host-aware choice never costs more than that inside a CUDA graph
+HOST_MARGIN = 0.05
+
+
+class SelectionObjective(str, enum.Enum):
+    """What ``auto`` minimizes (module docstring)."""
+
+    KERNEL = "kernel"
+    HOST = "host"
+    AUTO = "auto"
+
+    @classmethod
+    def of(cls, value: Any) -> SelectionObjective:
+        """An instance or its value (``"host"``, any case); an unknown value raises
+        :class:`~fp8_backends.core.errors.InvalidInputError` naming the valid ones."""
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, str):
+            raise InvalidTypeError(f"a selection objective is one of {valid_values()}, got "
+                                   f"{type(value).__name__} {value!r}")
+        member = cls._value2member_map_.get(value.strip().lower())
+        if member is None:
+            raise InvalidInputError(f"{value!r} is not a selection objective (expected one of {valid_values()})")
+        return member  # type: ignore[return-value]
+
+    def for_resolution(self) -> SelectionObjective:
+        """The objective one resolution (one provider for every path) decides by: AUTO is KERNEL there."""
+        return SelectionObjective.KERNEL if self is SelectionObjective.AUTO else self
+
+
+def valid_values() -> str:
+    """``"kernel, host, auto"``."""
+    return ", ".join(m.value for m in SelectionObjective)
+
+
+__all__ = ["HOST_MARGIN", "SelectionObjective", "valid_values"]

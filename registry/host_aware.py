@@ -1,0 +1,192 @@
+"""The ``host`` selection objective's rule, shared by every policy that decides from measurements.
+
+``auto``'s measuring policies (the tuned lockfile, the shipped data's exact entries, the nearest-shapes model) first
+find the ``kernel`` answer, as they always have: the fastest kernel in CUDA-graph replay (with the tuner's
+near-tie rule). Under :attr:`~fp8_backends.core.objective.SelectionObjective.HOST` they hand that answer and the
+candidates they know, as :class:`Row` ``(key, kernel µs, host µs, static rank)``, to :func:`choose`:
+
+- a call the host enqueues costs ``max(kernel µs, host µs)`` (``host µs``: the provider class's
+  :attr:`~fp8_backends.core.backend.Fp8GemmBackend.host_us`); a candidate that declares none counts as the most
+  expensive declared candidate of the decision (it never wins on host time alone; none declared: 0);
+- only candidates whose kernel µs is within :data:`HOST_MARGIN` (5%) of the fastest are considered, so the
+  host-aware choice never runs a kernel more than 5% slower than the fastest inside a CUDA graph;
+- among those, the lowest cost wins, ties by kernel µs then static rank;
+- the kernel answer (``incumbent``) stays when its own call is kernel-bound (its host µs at most its kernel µs:
+  host time hides behind the kernel, so a change could only be a kernel-time change, which the kernel answer's
+  near-tie rule already settled) and when no candidate costs strictly less.
+
+:func:`rows_from_record` turns a measured lockfile or shipped entry into rows, and :func:`note` explains a change
+("host-aware: triton 18.1 µs kernel + ~5 µs host over torch_scaled_mm 17.5 µs + ~25 µs host"). Pure Python; no
+provider is named here.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from fp8_backends.core.objective import HOST_MARGIN, SelectionObjective
+
+if TYPE_CHECKING:
+    from .discovery import ProviderEntry
+    from .resolution import Candidate
+
+logger = logging.getLogger("fp8_backends")
+
+
+class Row(NamedTuple):
+    """One candidate of a decision: ``key`` (any hashable identity), its measured or predicted kernel µs, its
+    provider's host µs per call (None: undeclared), and its static rank (lower first: priority, options)."""
+
+    key: Hashable
+    kernel_us: float
+    host_us: float | None
+    rank: tuple = ()
+    label: str = ""
+
+
+def host_us_of(cls: Any) -> float | None:
+    """A provider class's declared host µs (:attr:`~fp8_backends.core.backend.Fp8GemmBackend.host_us`), or None
+    when it declares none or something that is not a finite number >= 0 (reported once at DEBUG)."""
+    value = getattr(cls, "host_us", None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        logger.debug("provider %s declares host_us=%r, not a finite number >= 0: treated as undeclared",
+                     getattr(cls, "name", cls), value)
+        return None
+    return float(value)
+
+
+def effective_host(rows: Sequence[Row]) -> dict[Hashable, float]:
+    """Each row's host µs, an undeclared one replaced by the largest declared in ``rows`` (0.0 when none is)."""
+    declared = [r.host_us for r in rows if r.host_us is not None]
+    worst = max(declared) if declared else 0.0
+    return {r.key: worst if r.host_us is None else r.host_us for r in rows}
+
+
+def cost(row: Row, host: float) -> float:
+    """What a call the host enqueues costs: ``max(kernel µs, host µs)``."""
+    return max(row.kernel_us, host)
+
+
+def choose(rows: Sequence[Row], objective: SelectionObjective | str = SelectionObjective.HOST, *,
+           incumbent: Hashable | None = None, margin: float = HOST_MARGIN) -> Row | None:
+    """The winner of ``rows`` under ``objective`` (module docstring); None for no rows.
+
+    - ``kernel`` (or ``auto``, which is kernel for one decision): the incumbent when given and among the rows, else
+      the fastest kernel (ties by static rank);
+    - ``host``: among rows within ``margin`` of the fastest kernel, the lowest ``max(kernel µs, host µs)``, ties by
+      kernel µs then static rank; the incumbent (the kernel answer) stays when its call is kernel-bound or nothing
+      costs strictly less."""
+    rows = [r for r in rows if r.kernel_us > 0 and math.isfinite(r.kernel_us)]
+    if not rows:
+        return None
+    objective = SelectionObjective.of(objective).for_resolution()
+    current = next((r for r in rows if incumbent is not None and r.key == incumbent), None)
+    if objective is SelectionObjective.KERNEL:
+        return current or min(rows, key=lambda r: (r.kernel_us, r.rank))
+    host = effective_host(rows)
+    if current is not None and host[current.key] <= current.kernel_us:
+        return current  # kernel-bound: host time hides behind the kernel
+    fastest = min(r.kernel_us for r in rows)
+    eligible = [r for r in rows if r.kernel_us <= fastest * (1.0 + margin)]
+    best = min(eligible, key=lambda r: (cost(r, host[r.key]), r.kernel_us, r.rank))
+    if current is not None and cost(best, host[best.key]) >= cost(current, host[current.key]):
+        return current
+    return best
+
+
+def describe(row: Row, host: float, predicted: bool = False) -> str:
+    """``"triton 18.1 µs kernel + ~5 µs host"``."""
+    tilde = "~" if predicted else ""
+    return f"{row.label or row.key} {tilde}{row.kernel_us:.1f} µs kernel + ~{host:g} µs host"
+
+
+def note(winner: Row, over: Row, rows: Sequence[Row], predicted: bool = False) -> str:
+    """Why the host objective changed the kernel answer ``over`` to ``winner``: ``"host-aware: triton 18.1 µs
+    kernel + ~5 µs host over torch_scaled_mm 17.5 µs + ~25 µs host"`` (``~`` on predicted kernel times)."""
+    host = effective_host(rows)
+    tilde = "~" if predicted else ""
+    return (f"host-aware: {describe(winner, host[winner.key], predicted)} over {over.label or over.key} "
+            f"{tilde}{over.kernel_us:.1f} µs + ~{host[over.key]:g} µs host")
+
+
+def option_rank(cls: Any, options: Mapping[str, str]) -> tuple[int, ...]:
+    """Options in their declared order (the first value of each option ranks first; unknown values last)."""
+    declared = getattr(cls, "options", {}) or {}
+    return tuple(declared[k].index(v) if v in declared.get(k, ()) else 99 for k, v in sorted(options.items()))
+
+
+def static_rank(serving: Sequence[Candidate], entry: ProviderEntry, options: Mapping[str, str]) -> tuple:
+    """``entry``'s place among the serving candidates (static priority order), then its options' order."""
+    index = next((i for i, c in enumerate(serving) if c.entry is entry), len(serving))
+    return (index, option_rank(entry.cls, options))
+
+
+#: ``(choice record) -> (entry, options) | None``: a measured candidate that can serve here, with its options
+Servable = Callable[[Mapping[str, Any]], "tuple[ProviderEntry, dict[str, str]] | None"]
+
+
+def rows_from_record(record: Mapping[str, Any], servable: Servable, serving: Sequence[Candidate]
+                     ) -> tuple[list[Row], dict[Hashable, tuple[ProviderEntry, dict[str, str]]]]:
+    """The rows of a measured entry (its ``ranking``: every candidate with a measured ``us``) that can serve here,
+    keyed by ``(provider entry id, sorted options)``, and what each key stands for. A candidate measured twice
+    keeps its fastest time."""
+    rows: dict[Hashable, Row] = {}
+    found: dict[Hashable, tuple[ProviderEntry, dict[str, str]]] = {}
+    for rec in record.get("ranking") or ():
+        us = rec.get("us") if isinstance(rec, Mapping) else None
+        if isinstance(us, bool) or not isinstance(us, (int, float)) or not us > 0:
+            continue
+        picked = servable(rec)
+        if picked is None:
+            continue
+        entry, options = picked
+        key = row_key(entry, options)
+        if key in rows and rows[key].kernel_us <= us:
+            continue
+        rows[key] = Row(key, float(us), host_us_of(entry.cls), static_rank(serving, entry, options), entry.name)
+        found[key] = (entry, options)
+    return list(rows.values()), found
+
+
+def row_key(entry: ProviderEntry, options: Mapping[str, str]) -> tuple:
+    """The identity of a serving candidate with options."""
+    return (id(entry), tuple(sorted((str(k), str(v)) for k, v in options.items())))
+
+
+def rerank_record(record: Mapping[str, Any], servable: Servable, serving: Sequence[Candidate],
+                  kernel_pick: tuple[ProviderEntry, Mapping[str, str]]
+                  ) -> tuple[ProviderEntry, dict[str, str], str] | None:
+    """The host objective on a measured entry whose kernel answer is ``kernel_pick``: ``(entry, options, note)``
+    of the candidate that replaces it, or None when the kernel answer stays (or it was not measured)."""
+    rows, found = rows_from_record(record, servable, serving)
+    incumbent = row_key(*kernel_pick)
+    current = next((r for r in rows if r.key == incumbent), None)
+    if current is None:
+        return None
+    won = choose(rows, SelectionObjective.HOST, incumbent=incumbent)
+    if won is None or won.key == incumbent:
+        return None
+    entry, options = found[won.key]
+    return entry, dict(options), note(won, current, rows)
+
+
+__all__ = [
+    "HOST_MARGIN",
+    "Row",
+    "choose",
+    "cost",
+    "describe",
+    "effective_host",
+    "host_us_of",
+    "note",
+    "option_rank",
+    "rerank_record",
+    "row_key",
+    "rows_from_record",
+    "static_rank",
+]

@@ -1,0 +1,537 @@
+"""The selection objective (``kernel`` / ``host`` / ``auto``, issue 14): the shared host-cost rule, each measuring
+policy under both objectives, ``FP8_SELECTION_OBJECTIVE``, layers keeping two row sets under ``auto`` and switching
+on CUDA-graph capture, ``quantize_model(objective=)``, the listing, and the whole shipped H200 data (``kernel``
+reproduces the choices measured before the objective existed; ``host`` never runs a kernel more than 5% slower).
+
+The lockfiles and data here are SYNTHETIC (µs chosen to put a decision on either side of the rule), except in the
+tests that read the shipped H200 file.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import ClassVar
+
+import fake_provider
+import pytest
+import torch
+from fake_provider import FAKE_DIST, install_fake
+from torch import nn
+
+from fp8_backends import quantize_model
+from fp8_backends.core import reference, settings
+from fp8_backends.core.capabilities import GemmCapabilities
+from fp8_backends.core.errors import ConfigurationError, InvalidInputError
+from fp8_backends.core.objective import HOST_MARGIN, SelectionObjective
+from fp8_backends.core.types import DeviceKind, GemmProblem, QuantizedActivation
+from fp8_backends.layers import Fp8Linear
+from fp8_backends.list import collect, render
+from fp8_backends.providers.torch_scaled_mm import TorchScaledMMBackend
+from fp8_backends.registry import discovery, host_aware, lockfile, nearest, per_m, resolution, shipped, shipped_data
+from fp8_backends.registry.host_aware import Row
+from fp8_backends.registry.platform import cpu_platform, simulate_platform
+
+CPU = cpu_platform()
+SM90 = simulate_platform("9.0", name="NVIDIA H200")
+H200_FILE = Path(__file__).resolve().parents[1] / "fp8_backends" / "data" / "selection" / "sm90-nvidia-h200.json"
+TORCH = {"provider": "torch_scaled_mm", "distribution": "fp8-backends", "options": {"fast_accum": "false"}}
+FAKE = {"provider": "fake_mm", "distribution": FAKE_DIST, "options": {"variant": "a"}}
+TORCH_LABEL, FAKE_LABEL = "torch_scaled_mm[fast_accum=false]", "fake_mm[variant=a]"
+K_IN, N_OUT = 64, 32
+
+
+class HostFake(fake_provider.FakeMM):
+    """The shared fake, declaring a small host cost per call (as an Inductor-launched kernel would)."""
+
+    host_us: ClassVar[float | None] = 2.0
+    capabilities: ClassVar[GemmCapabilities] = GemmCapabilities(
+        devices=frozenset({DeviceKind.CUDA, DeviceKind.CPU}), priority=1)
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch, tmp_path):
+    monkeypatch.setenv("FP8_BACKENDS_LOCKFILE", str(tmp_path / "no-lockfile.json"))
+    for var in ("FP8_BACKENDS_SHIPPED", "FP8_BACKENDS_DISABLED", settings.SELECTION_OBJECTIVE_ENV):
+        monkeypatch.delenv(var, raising=False)
+    shipped.reset_state()
+    lockfile.reset_state()
+    resolution.reset_caches()
+    yield
+    shipped.reset_state()
+    lockfile.reset_state()
+
+
+@pytest.fixture
+def host_fake(monkeypatch):
+    entry = install_fake(monkeypatch, HostFake)
+    lockfile.reset_state()
+    return entry
+
+
+def entry_for(n: int, k: int, m: int, times: dict[str, float], device_fields: bool = True) -> tuple[str, dict]:
+    """A lockfile / shipped entry measuring ``times`` (``{"torch": µs, "fake": µs}``); the choice is the fastest."""
+    recs = {"torch": TORCH, "fake": FAKE}
+    ranking = sorted(({**recs[name], "us": us} for name, us in times.items()), key=lambda r: r["us"])
+    fields = {"n": n, "k": k, "input_dtype": "e4m3fn", "weight_dtype": "e4m3fn", "out_dtype": "bfloat16",
+              "act_scale": "per_tensor", "weight_scale": "per_tensor", "has_bias": False}
+    entry = {"kind": "gemm", "problem": fields, "m": m, "choice": dict(ranking[0]), "ranking": ranking,
+             "tie_break": False, "tie_margin": 0.02, "rejected": [], "method": "synthetic"}
+    return lockfile.entry_key("gemm", fields, m), entry
+
+
+#: per bucket: torch fastest everywhere; the fake 3% slower at M <= 1 (host-bound: 10 µs against torch's 25 µs of
+#: host), 6% slower at M <= 4 (outside the margin), 2.5% slower at M <= 8 where the kernels take 40 µs (kernel-bound)
+LOCK_TIMES = {1: {"torch": 10.0, "fake": 10.3}, 4: {"torch": 10.0, "fake": 10.6}, 8: {"torch": 40.0, "fake": 41.0}}
+
+
+@pytest.fixture
+def cpu_lock(tmp_path, monkeypatch, host_fake) -> Path:
+    path = tmp_path / "user.lock.json"
+    monkeypatch.setenv("FP8_BACKENDS_LOCKFILE", str(path))
+    entries = dict(entry_for(N_OUT, K_IN, m, t) for m, t in LOCK_TIMES.items())
+    lockfile.write_entries(path, lockfile.current_key(CPU)[0], entries)
+    lockfile.reset_state()
+    return path
+
+
+def gemm(n=N_OUT, k=K_IN, m=None, **kw) -> GemmProblem:
+    return GemmProblem(n=n, k=k, m=m, device="cpu", **kw)
+
+
+# ------------------------------------------------------------------------------------------ the shared rule
+def test_objective_values_and_margin():
+    assert [o.value for o in SelectionObjective] == ["kernel", "host", "auto"] and HOST_MARGIN == 0.05
+    assert SelectionObjective.of("HOST") is SelectionObjective.HOST
+    assert SelectionObjective.AUTO.for_resolution() is SelectionObjective.KERNEL
+    with pytest.raises(InvalidInputError, match="kernel, host, auto"):
+        SelectionObjective.of("fastest")
+
+
+def test_host_rule_picks_the_cheapest_call_within_the_margin():
+    torch_row = Row("torch", 17.48, 25.0, (0,), "torch_scaled_mm")
+    flashinfer = Row("flashinfer", 17.50, 30.0, (3,), "flashinfer_bmm")
+    triton = Row("triton", 18.10, 5.0, (2,), "triton")
+    cutlass = Row("cutlass", 18.60, 10.0, (1,), "cutlass")
+    rows = [torch_row, flashinfer, triton, cutlass]
+    assert host_aware.choose(rows, "kernel") is torch_row
+    won = host_aware.choose(rows, "host", incumbent="torch")
+    assert won is triton  # max(18.1, 5) = 18.1 < max(18.6, 10) < max(17.48, 25)
+    assert host_aware.choose(rows, "host") is triton  # no incumbent: the plain rule
+    text = host_aware.note(won, torch_row, rows)
+    assert text == ("host-aware: triton 18.1 µs kernel + ~5 µs host over torch_scaled_mm 17.5 µs + ~25 µs host")
+    # the margin: 6% slower never wins, whatever its host cost
+    slow = Row("slow", 17.48 * 1.06, 0.0, (9,))
+    assert host_aware.choose([torch_row, slow], "host") is torch_row
+    just = Row("just", 17.48 * 1.049, 0.0, (9,))
+    assert host_aware.choose([torch_row, just], "host") is just
+
+
+def test_host_rule_keeps_a_kernel_bound_answer_and_breaks_ties_by_kernel_then_rank():
+    # the kernel answer's call is kernel-bound (40 µs kernel > 25 µs host): a near-tie it won stays
+    inc = Row("torch", 40.0, 25.0, (0,))
+    other = Row("fake", 39.5, 2.0, (1,))
+    assert host_aware.choose([inc, other], "host", incumbent="torch") is inc
+    assert host_aware.choose([inc, other], "host") is other  # without an incumbent: the plain rule
+    # equal costs (both host-bound at 25 µs): the faster kernel, then static rank; the incumbent keeps a cost tie
+    a, b = Row("a", 10.0, 25.0, (1,)), Row("b", 10.2, 25.0, (0,))
+    assert host_aware.choose([b, a], "host") is a
+    c = Row("c", 10.0, 25.0, (0,))
+    assert host_aware.choose([a, c], "host") is c
+    assert host_aware.choose([a, b], "host", incumbent="b") is b
+    assert host_aware.choose([], "host") is None
+
+
+def test_an_undeclared_host_cost_counts_as_the_most_expensive_declared():
+    declared = Row("torch", 10.0, 25.0, (0,))
+    unknown = Row("plugin", 9.9, None, (1,))
+    assert host_aware.effective_host([declared, unknown]) == {"torch": 25.0, "plugin": 25.0}
+    # never wins on host time alone: at equal cost the faster kernel decides, as under kernel
+    assert host_aware.choose([declared, unknown], "host") is unknown
+    assert host_aware.choose([declared, unknown], "host", incumbent="torch") is declared
+    cheap = Row("triton", 10.2, 5.0, (2,))
+    assert host_aware.choose([declared, unknown, cheap], "host", incumbent="plugin") is cheap
+    # none declared: every call costs its kernel (the fastest wins, the incumbent stays)
+    x, y = Row("x", 10.0, None, (0,)), Row("y", 10.1, None, (1,))
+    assert host_aware.effective_host([x, y]) == {"x": 0.0, "y": 0.0}
+    assert host_aware.choose([x, y], "host", incumbent="y") is y and host_aware.choose([x, y], "host") is x
+
+
+def test_the_margin_holds_on_random_decisions():
+    rng = random.Random(14)
+    for _ in range(2000):
+        rows = [Row(i, rng.uniform(1, 60), rng.choice([None, 2.0, 5.0, 10.0, 25.0, 30.0]), (i,))
+                for i in range(rng.randint(1, 6))]
+        incumbent = rng.choice([None, *range(len(rows))])
+        won = host_aware.choose(rows, "host", incumbent=incumbent)
+        fastest = min(r.kernel_us for r in rows)
+        current = rows[incumbent] if incumbent is not None else None
+        assert won.kernel_us <= fastest * (1 + HOST_MARGIN) or won is current
+
+
+def test_host_us_declarations():
+    from fp8_backends.providers.cutlass.backend import CutlassSm90Backend
+    from fp8_backends.providers.flashinfer.gemm import FlashinferBmmBackend
+    from fp8_backends.providers.triton.gemm import TritonGemmBackend
+
+    assert {c.name: host_aware.host_us_of(c) for c in (TorchScaledMMBackend, FlashinferBmmBackend,
+                                                        TritonGemmBackend, CutlassSm90Backend)} == {
+        "torch_scaled_mm": 25.0, "flashinfer_bmm": 30.0, "triton": 5.0, "cutlass": 10.0}
+    assert host_aware.host_us_of(fake_provider.FakeMM) is None
+
+    class Bad(fake_provider.FakeMM):
+        host_us = -1.0
+
+    assert host_aware.host_us_of(Bad) is None
+
+
+# ------------------------------------------------------------------------------------------ the environment
+def test_the_variable_sets_the_default(monkeypatch, cpu_lock):
+    assert resolution.resolution_objective() is SelectionObjective.KERNEL
+    assert per_m.layer_objective(None) is SelectionObjective.AUTO
+    monkeypatch.setenv(settings.SELECTION_OBJECTIVE_ENV, "Host")
+    assert resolution.resolution_objective() is SelectionObjective.HOST
+    res = resolution.explain("gemm", "auto", problem=gemm(m=1), platform=CPU)
+    assert res.objective is SelectionObjective.HOST and res.backend.label == FAKE_LABEL
+    assert resolution.explain("gemm", "auto", problem=gemm(m=1), platform=CPU,
+                              objective="kernel").backend.label == TORCH_LABEL  # an argument beats the variable
+    monkeypatch.setenv(settings.SELECTION_OBJECTIVE_ENV, "auto")  # a layer's objective: kernel for one resolution
+    assert resolution.resolution_objective() is SelectionObjective.KERNEL
+    assert per_m.layer_objective(None) is SelectionObjective.AUTO
+    monkeypatch.setenv(settings.SELECTION_OBJECTIVE_ENV, "kernel")
+    assert per_m.layer_objective(None) is SelectionObjective.KERNEL
+    monkeypatch.setenv(settings.SELECTION_OBJECTIVE_ENV, "fastest")
+    with pytest.raises(ConfigurationError) as info:
+        settings.selection_objective(SelectionObjective.KERNEL)
+    assert settings.SELECTION_OBJECTIVE_ENV in str(info.value) and "kernel, host, auto" in str(info.value)
+    res = resolution.explain("gemm", "auto", problem=gemm(m=1), platform=CPU)
+    assert isinstance(res.error, ConfigurationError)
+    with pytest.raises(ConfigurationError):
+        resolution.resolve_gemm_backend("auto", problem=gemm(m=1), platform=CPU)
+    with pytest.raises(ConfigurationError):
+        Fp8Linear.from_linear(nn.Linear(K_IN, N_OUT, bias=False, dtype=torch.bfloat16))
+    # an explicit name never reads it; norm-quant resolution does not either
+    assert resolution.explain("gemm", "torch", problem=gemm(m=1), platform=CPU).error is None
+    assert resolution.explain("norm_quant", "auto", platform=CPU).error is None
+    with pytest.raises(InvalidInputError):
+        resolution.explain("gemm", "auto", problem=gemm(m=1), platform=CPU, objective="fastest")
+
+
+# ------------------------------------------------------------------------------------------ the lockfile
+def test_lockfile_policy_under_both_objectives(cpu_lock, caplog):
+    res = {(m, obj): resolution.explain("gemm", "auto", problem=gemm(m=m), platform=CPU, objective=obj)
+           for m in (1, 3, 8) for obj in ("kernel", "host")}
+    assert {key: (r.source, r.backend.label) for key, r in res.items()} == {
+        (1, "kernel"): ("lockfile", TORCH_LABEL), (1, "host"): ("lockfile", FAKE_LABEL),
+        (3, "kernel"): ("lockfile", TORCH_LABEL), (3, "host"): ("lockfile", TORCH_LABEL),  # 6%: outside the margin
+        (8, "kernel"): ("lockfile", TORCH_LABEL), (8, "host"): ("lockfile", TORCH_LABEL),  # kernel-bound
+    }
+    assert res[1, "host"].note == (f"{cpu_lock}, bucket M=1; host-aware: fake_mm 10.3 µs kernel + ~2 µs host over "
+                                   "torch_scaled_mm 10.0 µs + ~25 µs host")
+    assert res[1, "kernel"].note == f"{cpu_lock}, bucket M=1" and res[3, "host"].note == f"{cpu_lock}, bucket M=4"
+    # the recorded choice is untouched: the kernel answer, whatever was asked before
+    doc = json.loads(cpu_lock.read_text())
+    (section,) = doc["sections"].values()
+    assert {e["m"]: e["choice"]["provider"] for e in section["entries"].values()} == {1: "torch_scaled_mm",
+                                                                                       4: "torch_scaled_mm",
+                                                                                       8: "torch_scaled_mm"}
+    # answers are memoized per objective: asking again in the other order gives the same answers
+    for (m, obj), r in reversed(list(res.items())):
+        again = resolution.explain("gemm", "auto", problem=gemm(m=m), platform=CPU, objective=obj)
+        assert again.backend.label == r.backend.label
+    # the INFO line of a host-aware choice says why
+    caplog.set_level("INFO", logger="fp8_backends")
+    resolution.resolve_gemm_backend("auto", problem=gemm(m=1), platform=CPU, objective="host")
+    assert any("host-aware: fake_mm 10.3 µs kernel" in r.getMessage() and "(host objective)" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_the_bucket_tables_follow_the_objective(cpu_lock):
+    tables = {obj: [(b, be.label) for b, be in resolution.resolve_gemm_buckets("auto", problem=gemm(),
+                                                                                platform=CPU, objective=obj)]
+              for obj in ("kernel", "host", "auto")}
+    assert tables["kernel"] == tables["auto"] == [(1, TORCH_LABEL), (4, TORCH_LABEL), (8, TORCH_LABEL)]
+    assert tables["host"] == [(1, FAKE_LABEL), (4, TORCH_LABEL), (8, TORCH_LABEL)]
+    assert resolution.resolve_gemm_buckets("torch", problem=gemm(), platform=CPU, objective="host") == []
+
+
+# ------------------------------------------------------------------------------------------ the shipped data
+SHAPES = [(2048, 2048), (3072, 2048), (2048, 3072), (4096, 4096), (16384, 4096), (8192, 8192)]
+
+
+@pytest.fixture
+def host_data(tmp_path, monkeypatch, host_fake) -> Path:
+    """Shipped data where torch is fastest everywhere; the fake is 3% slower at M = 1 (10 µs kernels: host-bound)
+    and 2% slower at M = 256 (60 µs: kernel-bound)."""
+    platform = {"device": "cuda", "gpu": "NVIDIA H200", "sm": "9.0", "driver": "13.0", "cuda": "13.0",
+                "libraries": {"fp8-backends": "0.1.0", "torch": "2.11.0"}}
+    entries = {}
+    for n, k in SHAPES:
+        size = n * k / (4096 * 4096)
+        entries.update([entry_for(n, k, 1, {"torch": 10.0 * size, "fake": 10.3 * size}),
+                        entry_for(n, k, 256, {"torch": 60.0 * size, "fake": 61.2 * size})])
+    prov = {"format": shipped_data.FORMAT, "gpu": "NVIDIA H200", "sm": "9.0", "driver": "13.0", "cuda": "13.0",
+            "libraries": dict(platform["libraries"]), "date": "2026-12-01T00:00:00Z",
+            "command": "python -m fp8_backends.tune --shipped-grid --lockfile sm90.json", "grid": {}}
+    doc = {"schema": lockfile.SCHEMA, "updated": None, "provenance": prov,
+           "sections": {lockfile.key_digest(platform): {"platform": platform, "entries": entries}}}
+    folder = tmp_path / "shipped"
+    folder.mkdir()
+    (folder / shipped_data.file_name("9.0", "NVIDIA H200")).write_text(shipped_data.dumps_compact(doc))
+    monkeypatch.setenv("FP8_BACKENDS_SHIPPED", str(folder))
+    return folder
+
+
+def _auto(problem, objective):
+    res = resolution.explain("gemm", "auto", problem=problem, platform=SM90, objective=objective)
+    assert res.error is None, res.error
+    return res
+
+
+def test_shipped_exact_under_both_objectives(host_data):
+    kernel, host = (_auto(GemmProblem(n=4096, k=4096, m=1), obj) for obj in ("kernel", "host"))
+    assert (kernel.source, kernel.backend.name) == ("shipped-exact", "torch_scaled_mm")
+    assert (host.source, host.backend.label) == ("shipped-exact", FAKE_LABEL)
+    assert host.note.endswith("bucket M=1; host-aware: fake_mm 10.3 µs kernel + ~2 µs host over torch_scaled_mm "
+                              "10.0 µs + ~25 µs host")
+    # a 16384x4096 weight's 40 µs kernels are kernel-bound; so is every shape at M = 256
+    assert _auto(GemmProblem(n=16384, k=4096, m=1), "host").backend.name == "torch_scaled_mm"
+    assert _auto(GemmProblem(n=4096, k=4096, m=200), "host").backend.name == "torch_scaled_mm"
+
+
+def test_shipped_nearest_under_both_objectives(host_data):
+    problem = GemmProblem(n=4096, k=3840, m=1)  # not measured: the nearest shapes vote
+    kernel, host = _auto(problem, "kernel"), _auto(problem, "host")
+    assert (kernel.source, kernel.backend.name) == ("shipped-nearest", "torch_scaled_mm")
+    assert (host.source, host.backend.label) == ("shipped-nearest", FAKE_LABEL)
+    assert "predicted 1.030x the fastest; host-aware: fake_mm ~9." in host.note and "~25 µs host" in host.note
+    assert _auto(GemmProblem(n=4096, k=3840, m=256), "host").backend.name == "torch_scaled_mm"
+    # the model's own chooser, given host costs, agrees
+    data = shipped.data_for(SM90)
+    model = data.model_for(lockfile.problem_fields("gemm", problem))
+    pred = model.predict(4096, 3840, 1)
+    assert pred.fastest_us == pytest.approx(10.0 * 3840 / 4096, rel=0.05)  # carried along the size trend
+    rank = {nearest.cand_key(TORCH): (0,), nearest.cand_key(FAKE): (1,)}.get
+    host_of = {nearest.cand_key(TORCH): 25.0, nearest.cand_key(FAKE): 2.0}.get
+    assert nearest.choose(pred.scores, rank, nearest.TIE_MARGIN)[0] == nearest.cand_key(TORCH)
+    won = nearest.choose(pred.scores, rank, nearest.TIE_MARGIN, objective="host", host=host_of,
+                         fastest_us=pred.fastest_us)
+    assert won[0] == nearest.cand_key(FAKE) and won[1] == pytest.approx(1.03, rel=1e-3)
+    assert nearest.choose(pred.scores, rank, nearest.TIE_MARGIN, objective="host", host=host_of)[0] == \
+        nearest.cand_key(TORCH)  # without a time scale the kernel answer stands
+
+
+def test_policies_without_measurements_ignore_the_objective(monkeypatch):
+    fake_provider.install_split(monkeypatch)  # a third-party policy with pick() only
+    for obj in ("kernel", "host"):
+        for m, want in ((1, "fake_mm"), (9, "torch_scaled_mm")):
+            res = resolution.explain("gemm", "auto", problem=gemm(m=m), platform=CPU, objective=obj)
+            assert (res.source, res.backend.name) == ("split-at-8", want)
+        res = resolution.explain("gemm", "auto", problem=gemm(m=None), platform=CPU, objective=obj)
+        assert (res.source, res.backend.label) == ("priority", TORCH_LABEL)
+
+
+# ------------------------------------------------------------------------------------------ the whole H200 data
+def _h200_entries() -> dict:
+    return shipped_data.the_section(shipped_data.load_file(H200_FILE))["entries"]
+
+
+def _problem(entry: dict) -> GemmProblem:
+    f = entry["problem"]
+    act = "per_tensor_dynamic" if f["act_scale"] == "per_tensor" else f["act_scale"]
+    return GemmProblem(n=f["n"], k=f["k"], m=entry["m"], input_dtype=f["input_dtype"], weight_dtype=f["weight_dtype"],
+                       out_dtype=f["out_dtype"], act_scale=act, weight_scale=f["weight_scale"],
+                       has_bias=f["has_bias"], device="cuda")
+
+
+def test_kernel_reproduces_the_measured_choices_on_the_whole_shipped_data():
+    """Under ``kernel`` every shipped entry resolves to what ``auto`` resolved before the objective existed: the
+    recorded choice, or the first of the measured ranking that can serve here (the issue-15 measurements stay
+    valid)."""
+    h200 = simulate_platform("9.0")
+    serving = {c.entry.name for c in resolution.explain("gemm", "auto", problem=GemmProblem(n=4096, k=4096, m=1),
+                                                        platform=h200).candidates if c.auto_ok}
+    assert "torch_scaled_mm" in serving
+    checked = 0
+    for entry in _h200_entries().values():
+        want = next(r for r in [entry["choice"], *entry["ranking"]] if r["provider"] in serving)
+        for objective in ("kernel", None):
+            res = resolution.explain("gemm", "auto", problem=_problem(entry), platform=h200, objective=objective)
+            assert res.source == "shipped-exact", (entry["problem"], entry["m"])
+            assert (res.backend.name, res.backend.config) == (want["provider"], want["options"])
+            assert "host-aware" not in res.note
+        checked += 1
+    assert checked == 1820
+
+
+def test_host_never_runs_a_kernel_over_5_percent_slower_on_the_whole_shipped_data(capsys):
+    """Through the policies (the candidates that can serve here) and through the shared rule with every built-in
+    provider's host cost (all six measured candidates, the kernel answer the recorded choice)."""
+    from fp8_backends.providers.cutlass.backend import CutlassSm90Backend
+    from fp8_backends.providers.flashinfer.gemm import FlashinferBmmBackend
+    from fp8_backends.providers.triton.gemm import TritonGemmBackend
+
+    host_of = {c.name: c.host_us for c in (TorchScaledMMBackend, FlashinferBmmBackend, TritonGemmBackend,
+                                           CutlassSm90Backend)}
+    h200 = simulate_platform("9.0")
+    serving = {c.entry.name for c in resolution.explain("gemm", "auto", problem=GemmProblem(n=4096, k=4096, m=1),
+                                                        platform=h200).candidates if c.auto_ok}
+    changed = changed_all = 0
+    for entry in _h200_entries().values():
+        us = {(r["provider"], tuple(sorted(r["options"].items()))): r["us"] for r in entry["ranking"]}
+        res = resolution.explain("gemm", "auto", problem=_problem(entry), platform=h200, objective="host")
+        picked = us[(res.backend.name, tuple(sorted(res.backend.config.items())))]
+        fastest_here = min(v for (name, _), v in us.items() if name in serving)
+        assert picked <= fastest_here * (1 + HOST_MARGIN), (entry["problem"], entry["m"], res.note)
+        changed += "host-aware" in res.note
+        rows = [Row(key, v, host_of[key[0]], (i,), key[0]) for i, (key, v) in enumerate(us.items())]
+        choice = (entry["choice"]["provider"], tuple(sorted(entry["choice"]["options"].items())))
+        won = host_aware.choose(rows, "host", incumbent=choice)
+        assert won.kernel_us <= min(us.values()) * (1 + HOST_MARGIN) or won.key == choice
+        changed_all += won.key != choice
+    with capsys.disabled():
+        print(f"\nhost objective on the H200 data: {changed} of 1820 choices change among the providers serving "
+              f"here, {changed_all} with all four built-ins")
+    assert changed > 0 and changed_all > 0
+
+
+def test_the_llama_gate_up_example_of_issue_14():
+    res = resolution.explain("gemm", "auto", problem=GemmProblem(n=14336, k=4096, m=1), platform=simulate_platform(
+        "9.0"), objective="host")
+    assert res.backend.name == "triton", res.note
+    assert res.note.endswith("host-aware: triton 18.1 µs kernel + ~5 µs host over torch_scaled_mm 17.5 µs + "
+                             "~25 µs host")
+
+
+# ------------------------------------------------------------------------------------------ layers
+@pytest.fixture
+def ran(monkeypatch):
+    """The providers whose GEMM ran, in order."""
+    calls: list[str] = []
+    for cls in (HostFake, TorchScaledMMBackend):
+        real = cls.gemm_impl
+        monkeypatch.setattr(cls, "gemm_impl", lambda self, *a, _r=real: calls.append(self.name) or _r(self, *a))
+    return calls
+
+
+def _layer(**kw) -> Fp8Linear:
+    torch.manual_seed(0)
+    return Fp8Linear.from_linear(nn.Linear(K_IN, N_OUT, bias=False, dtype=torch.bfloat16), **kw)
+
+
+def _capturing(monkeypatch, value: bool) -> None:
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: value)
+
+
+def test_an_auto_layer_keeps_both_row_sets_and_switches_on_capture(cpu_lock, ran, monkeypatch):
+    layer = _layer(objective="auto")
+    kernel = layer.kernel
+    assert layer.objective is SelectionObjective.AUTO and kernel.split
+    assert [(r.bucket, r.backend.label) for r in kernel.rows] == [(1, FAKE_LABEL), (4, TORCH_LABEL), (8, TORCH_LABEL)]
+    assert [(r.bucket, r.backend.label) for r in kernel.graph_rows] == [(1, TORCH_LABEL), (4, TORCH_LABEL),
+                                                                         (8, TORCH_LABEL)]
+    assert kernel.graph_rows[1].prepared is kernel.rows[1].prepared  # one prepared weight per provider, shared
+    assert kernel.graph_rows[0].prepared is kernel.rows[1].prepared
+    assert kernel.rows[0].prepared.data.data_ptr() == kernel.graph_rows[0].prepared.data.data_ptr()
+    assert layer.backends_text == (f"M<=1:{FAKE_LABEL},M<=4:{TORCH_LABEL},M>4:{TORCH_LABEL}; in CUDA graphs: "
+                                   f"M<=1:{TORCH_LABEL},M<=4:{TORCH_LABEL},M>4:{TORCH_LABEL}")
+    assert kernel.pick(1).backend.name == "fake_mm" and kernel.pick(1, graph=True).backend.name == "torch_scaled_mm"
+    x = torch.randn(1, K_IN, dtype=torch.bfloat16)
+    x_q, x_s = reference.quantize_dynamic_per_tensor(x)
+    want = reference.fp8_gemm(x_q, layer.weight, x_s, layer.weight_scale, torch.bfloat16)
+    for capturing, provider in ((False, "fake_mm"), (True, "torch_scaled_mm"), (False, "fake_mm")):
+        _capturing(monkeypatch, capturing)
+        ran.clear()
+        y = layer(x)  # the eager plan
+        assert ran == [provider] and torch.allclose(y.float(), want.float(), rtol=1e-2, atol=1e-2)
+        ran.clear()
+        qa = QuantizedActivation(x_q, x_s, torch.bfloat16, "per_tensor_dynamic")
+        layer(qa)  # the general path (a quantized input)
+        assert ran == [provider]
+    ran.clear()
+    layer(torch.randn(6, K_IN, dtype=torch.bfloat16))  # a bucket both objectives agree on
+    assert ran == ["torch_scaled_mm"]
+
+
+def test_compiled_calls_run_the_host_rows(cpu_lock, ran, monkeypatch):
+    layer = _layer(objective="auto")
+    _capturing(monkeypatch, True)  # even "while capturing": Dynamo traces the host rows, never asks
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    x = torch.randn(1, K_IN, dtype=torch.bfloat16)
+    ran.clear()
+    compiled(x)
+    assert ran and set(ran) == {"fake_mm"}
+
+
+def test_layers_whose_objectives_agree_never_ask_about_capture(cpu_lock, ran, monkeypatch):
+    def boom():
+        raise AssertionError("asked whether a CUDA graph is being captured")
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", boom)
+    kernel_layer, host_layer = _layer(objective="kernel"), _layer(objective="host")
+    assert not kernel_layer.kernel.split and not host_layer.kernel.split
+    assert kernel_layer.objective is SelectionObjective.KERNEL and host_layer.objective is SelectionObjective.HOST
+    assert kernel_layer.kernel.rows[0].backend.name == "torch_scaled_mm"
+    assert host_layer.kernel.rows[0].backend.name == "fake_mm"
+    x = torch.randn(1, K_IN, dtype=torch.bfloat16)
+    ran.clear()
+    kernel_layer(x)
+    host_layer(x)
+    assert ran == ["torch_scaled_mm", "fake_mm"]
+    # an explicit backend: one provider, whatever the objective
+    explicit = _layer(objective="host", backend="torch_scaled_mm")
+    assert not explicit.kernel.per_m and not explicit.kernel.split
+    # no lockfile at all: the choices agree everywhere, an auto layer binds one row set
+    monkeypatch.setenv("FP8_BACKENDS_LOCKFILE", "off")
+    plain = _layer()
+    assert plain.objective is SelectionObjective.AUTO and not plain.kernel.split
+    plain(x)
+    with pytest.raises(InvalidInputError):
+        Fp8Linear(K_IN, N_OUT, objective="fastest")
+
+
+def test_the_variable_sets_the_layers_objective(cpu_lock, monkeypatch):
+    monkeypatch.setenv(settings.SELECTION_OBJECTIVE_ENV, "kernel")
+    layer = _layer()
+    assert layer.objective is SelectionObjective.KERNEL and layer.kernel.rows[0].backend.name == "torch_scaled_mm"
+    assert _layer(objective="host").kernel.rows[0].backend.name == "fake_mm"  # an argument beats the variable
+
+
+def test_fused_shards_take_the_objective(cpu_lock):
+    w = [reference.quantize_dynamic_per_tensor(torch.randn(N_OUT // 2, K_IN)) for _ in range(2)]
+    layer = Fp8Linear.from_fused_shards([(w[0][0], w[0][1]), (w[1][0], w[0][1])], objective="host")
+    assert layer.objective is SelectionObjective.HOST and layer.kernel.rows[0].backend.name == "fake_mm"
+
+
+def test_quantize_model_passes_the_objective_through(cpu_lock):
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(K_IN, N_OUT, bias=False), nn.ReLU(), nn.Linear(N_OUT, N_OUT)).to(
+            torch.bfloat16)
+
+    summary = quantize_model(model(), objective="kernel")
+    assert summary.objective == "kernel" and "objective kernel" in str(summary)
+    assert summary.swapped[0].backends == f"M<=1:{TORCH_LABEL},M<=4:{TORCH_LABEL},M>4:{TORCH_LABEL}"
+    m = model()
+    summary = quantize_model(m, objective="auto")
+    assert summary.objective == "auto" and "in CUDA graphs" in summary.swapped[0].backends
+    assert m[0].objective is SelectionObjective.AUTO and m[0].kernel.split
+    assert quantize_model(model()).objective == "auto"  # the default
+    host = model()
+    quantize_model(host, objective=SelectionObjective.HOST)
+    assert host[0].kernel.rows[0].backend.name == "fake_mm"
+    with pytest.raises(InvalidInputError):
+        quantize_model(model(), objective="fastest")
+
+
+# ------------------------------------------------------------------------------------------ the listing
+def test_listing_shows_the_objective_and_host_costs(cpu_lock):
+    data = collect(CPU, gemm_problem=gemm(m=1), objective="host")
+    res = data["resolution"]["gemm"]
+    assert res["objective"] == "host" and res["chosen"] == "fake_mm" and "host-aware: fake_mm" in res["note"]
+    hosts = {p["name"]: p["host_us"] for p in data["providers"] if p["kind"] == "gemm"}
+    assert hosts["torch_scaled_mm"] == 25.0 and hosts["fake_mm"] == 2.0
+    assert "auto [host objective] (lockfile:" in render(data)
+    assert collect(CPU, gemm_problem=gemm(m=1))["resolution"]["gemm"]["objective"] == "kernel"
+    assert discovery.discover("gemm")  # the listing left the registry as it was
