@@ -16,7 +16,7 @@ candidates they know, as :class:`Row` ``(key, kernel µs, host µs, static rank)
   near-tie rule already settled) and when no candidate costs strictly less.
 
 :func:`rows_from_record` turns a measured lockfile or shipped entry into rows, and :func:`note` explains a change
-("host-aware: triton 18.1 µs kernel + ~5 µs host over torch_scaled_mm 17.5 µs + ~25 µs host"). Pure Python; no
+("host-aware: triton 18.1 µs kernel + ~5 µs host over torch_scaled_mm 17.5 µs + ~20 µs host"). Pure Python; no
 provider is named here.
 """
 
@@ -107,7 +107,7 @@ def describe(row: Row, host: float, predicted: bool = False) -> str:
 
 def note(winner: Row, over: Row, rows: Sequence[Row], predicted: bool = False) -> str:
     """Why the host objective changed the kernel answer ``over`` to ``winner``: ``"host-aware: triton 18.1 µs
-    kernel + ~5 µs host over torch_scaled_mm 17.5 µs + ~25 µs host"`` (``~`` on predicted kernel times)."""
+    kernel + ~5 µs host over torch_scaled_mm 17.5 µs + ~20 µs host"`` (``~`` on predicted kernel times)."""
     host = effective_host(rows)
     tilde = "~" if predicted else ""
     return (f"host-aware: {describe(winner, host[winner.key], predicted)} over {over.label or over.key} "

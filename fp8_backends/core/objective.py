@@ -3,7 +3,7 @@
 The measurements behind ``auto`` (the tuned lockfile, the shipped selection data, the nearest-shapes model) are
 kernel times taken in CUDA-graph replay. Inside a CUDA graph that is what a call costs. Outside one (eager mode,
 ``torch.compile`` without CUDA graphs) the host enqueues every call, and a small GEMM costs
-``max(kernel time, host time)``: a provider whose kernel is a little faster but whose call costs ~25 µs of host
+``max(kernel time, host time)``: a provider whose kernel is a little faster but whose call costs ~20 µs of host
 time (``torch._scaled_mm``: cuBLASLt heuristics per call) loses to one a few percent slower that costs a few µs.
 
 - :attr:`SelectionObjective.KERNEL` (``"kernel"``): the fastest kernel, as measured in CUDA graphs (the

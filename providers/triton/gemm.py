@@ -69,8 +69,8 @@ class TritonGemmBackend(OpGemmBackend):
         n_align=16,
         priority=6,
     )
-    # host µs per call when Inductor launches the kernels (torch.compile): provisional, a few µs; the lead updates it
-    # from the H200
+    # host µs per call when Inductor launches the kernel (torch.compile, static launcher): a few µs; the reference
+    # point of the other providers' figures (bench/results/2026-12-01-h200-stop16/call2/compiled_host_sl-*.md)
     host_us: ClassVar[float | None] = 5.0
 
     def __init__(self, **options: str) -> None:
