@@ -370,7 +370,8 @@ def test_quantize_model_lets_inductor_launch_triton_ops_statically(monkeypatch):
 
     from fp8_backends.inductor_setup import static_launch_triton_ops
 
-    monkeypatch.delenv("TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS", raising=False)  # restored after
+    monkeypatch.setenv("TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS", "")  # recorded: removed after
+    monkeypatch.delenv("TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS")
     with config.patch(static_launch_user_defined_triton_kernels=False):  # (monkeypatch's undo hides a config entry)
         quantize_model(_tiny())
         assert config.static_launch_user_defined_triton_kernels is False
@@ -392,7 +393,8 @@ def test_static_launch_reaches_inductors_compile_workers(monkeypatch):
 
     from fp8_backends import inductor_setup
 
-    monkeypatch.delenv(inductor_setup.ENV, raising=False)
+    monkeypatch.setenv(inductor_setup.ENV, "")  # recorded, so the test's own settings are removed after it
+    monkeypatch.delenv(inductor_setup.ENV)
     shut = []
     fake = types.SimpleNamespace(_pool_set={"pool"}, shutdown_compile_workers=lambda: shut.append(1))
     monkeypatch.setitem(sys.modules, "torch._inductor.async_compile", fake)
