@@ -1,5 +1,5 @@
-"""``quantize_model`` on a tiny ``transformers`` Llama / Qwen2 (CPU), the eager plan of ``Fp8Linear``, and the compiled
-paths: a model quantized in place matches the same model whose linears compute the reference semantics
+"""``quantize_model`` on a tiny ``transformers`` Llama / Qwen2 / Mistral (CPU), the eager plan of ``Fp8Linear``, and
+the compiled paths: a model quantized in place matches the same model whose linears compute the reference semantics
 (``fp8_backends.core.reference``), eager, under ``torch.compile`` (``aot_eager``) and through ``generate()``; no graph
 break; the Triton ops trace into their kernel launches (``triton_op`` + ``wrap_triton``)."""
 
@@ -28,10 +28,13 @@ from fp8_backends.layers import Fp8Linear  # noqa: E402
 def _tiny(arch: str = "llama", layers: int = 2, seed: int = 0, hidden: int = 64) -> nn.Module:
     kw = {"hidden_size": hidden, "intermediate_size": 2 * hidden, "num_attention_heads": 4, "num_key_value_heads": 2,
           "num_hidden_layers": layers, "vocab_size": 128, "max_position_embeddings": 128}
-    cfg = transformers.LlamaConfig(**kw) if arch == "llama" else transformers.Qwen2Config(**kw)
+    config_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                             "mistral": ("MistralConfig", "MistralForCausalLM")}[arch]
+    if arch == "mistral":
+        kw["sliding_window"] = 8  # Mistral's sliding-window attention, shorter than the test's sequences
+    cfg = getattr(transformers, config_cls)(**kw)
     torch.manual_seed(seed)
-    return (transformers.LlamaForCausalLM(cfg) if arch == "llama" else transformers.Qwen2ForCausalLM(cfg)).to(
-        torch.bfloat16).eval()
+    return getattr(transformers, model_cls)(cfg).to(torch.bfloat16).eval()
 
 
 class RefFp8Linear(nn.Module):
@@ -63,7 +66,7 @@ def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 @pytest.mark.parametrize("mode", ["per_tensor_dynamic", "per_token", "per_tensor_static"])
 def test_quantize_model_matches_reference_twin(arch, mode):
     model = _tiny(arch)
