@@ -650,8 +650,8 @@ class Bench:
     def write(self, final: bool = False) -> None:
         out_base = self.args.out / f"hf_model_{self.args.model}"
         common.write_json(out_base.with_suffix(".json"), self.result)
+        common.write_markdown(out_base.with_suffix(".md"), render(self.result))  # a cut run keeps its table too
         if final:
-            common.write_markdown(out_base.with_suffix(".md"), render(self.result))
             plot(self.result, out_base.with_suffix(".png"))
 
 
