@@ -83,6 +83,23 @@ _FUZZ_CASES: dict[str, int] = {}
 
 
 @pytest.fixture
+def fresh_selection_state(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """``auto`` with no lockfile, no shipped-data override, nothing disabled, no objective variable and its caches
+    (shipped data, lockfile, resolution) empty before and after the test."""
+    from fp8_backends.registry import lockfile, resolution, shipped
+
+    monkeypatch.setenv("FP8_BACKENDS_LOCKFILE", str(tmp_path / "no-lockfile.json"))
+    for var in ("FP8_BACKENDS_SHIPPED", "FP8_BACKENDS_DISABLED", settings.SELECTION_OBJECTIVE_ENV):
+        monkeypatch.delenv(var, raising=False)
+    shipped.reset_state()
+    lockfile.reset_state()
+    resolution.reset_caches()
+    yield
+    shipped.reset_state()
+    lockfile.reset_state()
+
+
+@pytest.fixture
 def fuzz_cases():
     """``count(label, n)``: add ``n`` fuzzed problems to ``label``'s total (reported at the end of the session)."""
 

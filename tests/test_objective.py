@@ -50,17 +50,7 @@ class HostFake(fake_provider.FakeMM):
         devices=frozenset({DeviceKind.CUDA, DeviceKind.CPU}), priority=1)
 
 
-@pytest.fixture(autouse=True)
-def _fresh(monkeypatch, tmp_path):
-    monkeypatch.setenv("FP8_BACKENDS_LOCKFILE", str(tmp_path / "no-lockfile.json"))
-    for var in ("FP8_BACKENDS_SHIPPED", "FP8_BACKENDS_DISABLED", settings.SELECTION_OBJECTIVE_ENV):
-        monkeypatch.delenv(var, raising=False)
-    shipped.reset_state()
-    lockfile.reset_state()
-    resolution.reset_caches()
-    yield
-    shipped.reset_state()
-    lockfile.reset_state()
+pytestmark = pytest.mark.usefixtures("fresh_selection_state")  # tests/conftest.py
 
 
 @pytest.fixture

@@ -78,17 +78,7 @@ def write_doc(folder: Path, doc: dict) -> Path:
     return path
 
 
-@pytest.fixture(autouse=True)
-def _fresh_state(monkeypatch, tmp_path):
-    monkeypatch.setenv("FP8_BACKENDS_LOCKFILE", str(tmp_path / "no-lockfile.json"))
-    monkeypatch.delenv("FP8_BACKENDS_SHIPPED", raising=False)
-    monkeypatch.delenv("FP8_BACKENDS_DISABLED", raising=False)
-    shipped.reset_state()
-    lockfile.reset_state()
-    resolution.reset_caches()
-    yield
-    shipped.reset_state()
-    lockfile.reset_state()
+pytestmark = pytest.mark.usefixtures("fresh_selection_state")  # tests/conftest.py
 
 
 @pytest.fixture
