@@ -114,7 +114,7 @@ class EagerPlan:
     :func:`bind_linear` call), the last row serving every larger M (one row: one provider for every M).
     ``graph_rows``: the same for calls made while a CUDA graph is captured, or None when they are ``rows``."""
 
-    __slots__ = ("cuda", "device", "dtype", "graph_rows", "index", "k", "linear", "n", "rows", "tensor")
+    __slots__ = ("capturing", "device", "dtype", "graph_rows", "index", "k", "linear", "n", "rows", "tensor")
 
     def __init__(self, *, k: int, n: int, dtype: torch.dtype, device: torch.device,
                  rows: Sequence[tuple[int, LinearCall]],
@@ -127,7 +127,9 @@ class EagerPlan:
         self.graph_rows = None if graph_rows is None else tuple(graph_rows)
         self.linear = self.rows[-1][1] if len(self.rows) == 1 and self.graph_rows is None else None
         self.tensor = torch.Tensor
-        self.cuda = torch.cuda
+        from .registry.per_m import capturing
+
+        self.capturing = capturing  # whether a CUDA graph is being captured (asked only when graph_rows differ)
 
     def __call__(self, x: Any) -> Any:
         """``y [..., N]`` for a plain ``x [..., K]`` in the model dtype on the layer's device, or ``None`` when
@@ -148,7 +150,7 @@ class EagerPlan:
         linear = self.linear
         if linear is None:
             rows = self.rows
-            if self.graph_rows is not None and self._capturing():
+            if self.graph_rows is not None and self.capturing():
                 rows = self.graph_rows
             for bucket, linear in rows:  # noqa: B007 - the last row serves larger M
                 if m <= bucket:
@@ -158,13 +160,6 @@ class EagerPlan:
         if type(y) is not self.tensor or y.dtype is not self.dtype or y.shape != (m, self.n) or y.get_device() != index:
             y = output_contract.gemm_output_failed(linear.backend, y, x2, self.n, self.dtype)
         return y if len(shape) == 2 else y.view(*shape[:-1], self.n)
-
-    def _capturing(self) -> bool:
-        """Whether the current CUDA stream is capturing a graph (False where torch has no CUDA)."""
-        try:
-            return self.cuda.is_current_stream_capturing()
-        except RuntimeError:  # a CPU-only build of torch
-            return False
 
 
 def bind_per_m(kernel: PerMGemm, *, k: int, n: int, dtype: torch.dtype, device: torch.device,
