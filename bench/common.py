@@ -320,3 +320,26 @@ def providers_from_args(args: Any) -> set[str] | None:
         return None
     return {p.strip() for p in args.providers.split(",") if p.strip()}
 
+
+def host_per_call_us(fn: Callable[[], Any], calls: int, device: str, busy: bool = True, warmup: int = 0,
+                     busy_cycles: int = int(1e9)) -> float:
+    """Host µs per call: ``calls`` calls enqueued back to back. ``busy``: while the GPU is kept busy, so that no
+    call waits for the GPU (only for code that never syncs: a call that syncs would wait for the busy GPU). Without
+    it, after a sync: the time until the calls return, which is the host's as long as the GPU keeps up. ``warmup``
+    calls first, untimed. ``busy_cycles``: the GPU's sleep ahead of the calls (1e9: ~0.5 s on an H200), longer than
+    the calls take to enqueue."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        if busy:
+            torch.cuda._sleep(busy_cycles)  # GPU work ahead of the calls: the queue never drains
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return elapsed / calls * 1e6

@@ -78,22 +78,6 @@ def build(variant: str, k: int, n: int, m_calib: int, device: str) -> torch.nn.M
     return model
 
 
-def enqueue_us(fn: Callable[[], Any], calls: int, device: str) -> float:
-    """µs per call to enqueue ``calls`` calls while the GPU is busy (see the module docstring)."""
-    for _ in range(3):
-        fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda._sleep(int(2e8))  # GPU work ahead of the calls: the queue never drains
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    dt = time.perf_counter() - t0
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return dt / calls * 1e6
-
-
 def launch_counts(fn: Callable[[], Any], calls: int = 20) -> dict[str, float]:
     """Launches per call by path (cProfile of ``calls`` calls)."""
     prof = cProfile.Profile()
@@ -174,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             ratios: dict[str, list[float]] = {v: [] for v in fns}
             for r in range(args.rounds):
                 order = list(fns)[r % len(fns):] + list(fns)[:r % len(fns)]
-                got = {v: enqueue_us(fns[v], args.calls, args.device) for v in order}
+                got = {v: common.host_per_call_us(fns[v], args.calls, args.device, warmup=3,
+                                                busy_cycles=int(2e8)) for v in order}
                 for v, us in got.items():
                     samples[v].append(us)
                     if "nn.Linear" in got:

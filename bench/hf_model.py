@@ -69,6 +69,7 @@ from typing import Any
 import torch
 
 from bench import common
+from bench.common import host_per_call_us  # noqa: F401 - also hf_workers' (hf.host_per_call_us)
 
 VARIANTS = ("bf16", "torchao", "fp8_dynamic", "fp8_static", "fp8_dynamic_sl", "fp8_static_sl")
 FP8_VARIANTS = ("fp8_dynamic", "fp8_static", "fp8_dynamic_sl", "fp8_static_sl")
@@ -361,23 +362,6 @@ def kernel_profile(fn: Callable[[], Any], device: str) -> dict[str, Any] | None:
 
 
 # ------------------------------------------------------------------------------------------------ host cost
-def host_per_call_us(fn: Callable[[], Any], calls: int, device: str, busy: bool = True) -> float:
-    """Host µs per call: ``calls`` calls enqueued back to back. ``busy``: while the GPU is kept busy, so that no
-    call waits for the GPU (only for code that never syncs: a call that syncs would wait for the busy GPU). Without
-    it, after a sync: the time until the calls return, which is the host's as long as the GPU keeps up."""
-    if device == "cuda":
-        torch.cuda.synchronize()
-        if busy:
-            torch.cuda._sleep(int(1e9))  # ~0.5 s of GPU work ahead of the calls: the queue never drains
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - t0
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return elapsed / calls * 1e6
-
-
 def host_cost(args: Any) -> tuple[list[dict[str, Any]], list[str]]:
     from fp8_backends.layers import Fp8Linear
 
