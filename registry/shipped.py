@@ -236,10 +236,6 @@ def reset_state() -> None:
 
 
 # ---------------------------------------------------------------------------------------- the policies
-def _option_rank(cls: Any, options: Mapping[str, str]) -> tuple[int, ...]:
-    return host_aware.option_rank(cls, options)
-
-
 def _answer(kind: str, problem: Any, platform: Platform, serving: list[resolution.Candidate],
             objective: SelectionObjective = SelectionObjective.KERNEL) -> tuple | None:
     """``(policy name, (entry, options, note))`` or None; computed once per problem, serving set and objective
@@ -289,7 +285,6 @@ def _nearest(kind, problem, platform, serving, data: ShippedData, objective=Sele
     pred = model.predict(problem.n, problem.k, bucket) if bucket is not None else None
     if pred is None:
         return None
-    order = {id(c.entry): i for i, c in enumerate(serving)}
     found: dict[CandKey, tuple] = {}
     ranks: dict[CandKey, tuple] = {}
 
@@ -298,7 +293,7 @@ def _nearest(kind, problem, platform, serving, data: ShippedData, objective=Sele
         if picked is None:
             return None
         found[ck] = picked
-        ranks[ck] = order[id(picked[0])], _option_rank(picked[0].cls, picked[1])
+        ranks[ck] = host_aware.static_rank(serving, picked[0], picked[1])
         return ranks[ck]
 
     won = choose(pred.scores, rank, TIE_MARGIN)
