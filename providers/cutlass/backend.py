@@ -73,9 +73,10 @@ class CutlassSm90Backend(OpGemmBackend):
         n_align=16,
         priority=8,
     )
-    # host µs per call (an opaque custom op under torch.compile): not measured yet (its libraries are built at first
-    # use), so undeclared: the host objective counts it as the most expensive declared candidate
-    host_us: ClassVar[float | None] = None
+    # host µs per call on the compiled path (an opaque custom op: config pick, output allocation, a ctypes call):
+    # 5 + the 58 µs a compiled Fp8Linear on it costs more than on the triton op (median over 6 shapes x M, H200,
+    # 2026-12-01, bench/results/2026-12-01-h200-stop23/call6/ch/compiled_host_sl-off.md; the triton op counted at 5)
+    host_us: ClassVar[float | None] = 60.0
 
     @classmethod
     def availability(cls) -> Availability:
