@@ -384,7 +384,7 @@ def host_cost(args: Any) -> tuple[list[dict[str, Any]], list[str]]:
                 for name, layer in layers.items():
                     call = functools.partial(layer, x)
                     samples[name].append(host_per_call_us(call, args.host_calls, args.device))
-            if args.host_profile and m == 1:
+            if args.host_profile:
                 for name, layer in layers.items():
                     prof_rows.append(f"### {name}, M = {m}\n\n```\n{cprofile_text(functools.partial(layer, x))}```")
             base = statistics.median(samples["nn.Linear"])

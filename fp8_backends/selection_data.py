@@ -68,9 +68,59 @@ def exclude_models(entries: Mapping[str, Mapping[str, Any]], models: Sequence[st
     return out
 
 
+def redecide(entries: Mapping[str, Mapping[str, Any]], tie_margin: float) -> dict[str, dict[str, Any]]:
+    """The entries with each choice decided again from its recorded ``ranking`` (every candidate that passed, with
+    its median µs) by the tuner's rule (:func:`fp8_backends.tuning.engine.select_winner`): among the candidates
+    within ``tie_margin`` (relative) of the fastest, the one static priority ranks first (provider priority as
+    ``auto`` orders the providers installed here, unknown providers last, then option values in declared order).
+    ``fastest``, ``runner_up``, ``tie_break`` and ``tie_margin`` follow; entries without a usable ranking stay as
+    they are. No GPU: the times are the recorded ones."""
+    if not (isinstance(tie_margin, (int, float)) and math.isfinite(tie_margin) and tie_margin >= 0):
+        raise DataFileError("<tie margin>", [f"a tie margin is a finite number >= 0, got {tie_margin!r}"])
+    from fp8_backends.registry import resolution
+    from fp8_backends.registry.discovery import discover
+    from fp8_backends.registry.host_aware import option_rank
+
+    ordered = sorted(discover("gemm"), key=resolution.rank_key)
+    place = {}
+    for i, e in enumerate(ordered):
+        place.setdefault(e.name, (i, e))
+
+    def rank(rec: Mapping[str, Any]) -> tuple:
+        i, e = place.get(rec.get("provider"), (len(ordered), None))
+        return (i, option_rank(e.cls, rec.get("options") or {}) if e is not None else ())
+
+    def label(rec: Mapping[str, Any]) -> str:
+        options = {str(k): str(v) for k, v in (rec.get("options") or {}).items()}
+        found = place.get(rec.get("provider"))
+        if found is not None:
+            try:  # the label auto reports: every option, defaults included
+                return resolution.provider_instance(found[1], tuple(sorted(options.items()))).label
+            except Exception:  # noqa: BLE001 - a provider that cannot be made here keeps the recorded options
+                pass
+        return f"{rec.get('provider')}[{','.join(f'{k}={v}' for k, v in sorted(options.items()))}]"
+
+    out = {}
+    for key, entry in entries.items():
+        entry = dict(entry)
+        ranking = [r for r in entry.get("ranking") or () if isinstance(r, Mapping)
+                   and isinstance(r.get("us"), (int, float)) and not isinstance(r.get("us"), bool) and r["us"] > 0]
+        if ranking:
+            fastest = min(ranking, key=lambda r: (r["us"], rank(r)))
+            winner = min((r for r in ranking if r["us"] <= fastest["us"] * (1.0 + tie_margin)), key=rank)
+            others = [r for r in ranking if r is not winner]
+            runner_up = min(others, key=lambda r: (r["us"], rank(r))) if others else None
+            entry.update(choice=dict(winner), fastest=label(fastest), tie_break=winner is not fastest,
+                         runner_up=None if runner_up is None else label(runner_up), tie_margin=float(tie_margin))
+        out[key] = entry
+    return out
+
+
 def pack(doc: Mapping[str, Any], *, exclude: Sequence[str] = (), partial: bool = False,
-         command: str = "", neighbours: int | None = None, sms: int | None = None) -> dict[str, Any]:
-    """The shipped document made from a tuner lockfile with provenance (see the module docstring)."""
+         command: str = "", neighbours: int | None = None, sms: int | None = None,
+         tie_margin: float | None = None) -> dict[str, Any]:
+    """The shipped document made from a tuner lockfile with provenance (see the module docstring); with
+    ``tie_margin``, every entry's choice re-decided from its recorded ranking at that margin (:func:`redecide`)."""
     problems = shipped_data.provenance_problems(doc.get("provenance"))
     if problems:
         hint = ["tune with --shipped-grid or --provenance"] if not isinstance(doc.get("provenance"), dict) else []
@@ -85,10 +135,14 @@ def pack(doc: Mapping[str, Any], *, exclude: Sequence[str] = (), partial: bool =
                                            "resume the tuning (or pack --partial)"])
     if exclude:
         entries = exclude_models(entries, exclude)
+    if tie_margin is not None:
+        entries = redecide(entries, tie_margin)
     from fp8_backends.provenance import now_iso
 
+    previous = prov.get("packed")  # packing a shipped file again: keep how it was packed before
     prov["packed"] = {"date": now_iso(), "command": command, "excluded_models": list(exclude),
-                      "entries": len(entries)}
+                      "entries": len(entries), **({} if tie_margin is None else {"tie_margin": float(tie_margin)}),
+                      **({"previous": previous} if isinstance(previous, Mapping) else {})}
     model = {"neighbours": neighbours, "sms": sms}
     if any(v is not None for v in model.values()):
         prov["model"] = {**(prov.get("model") or {}), **{k: int(v) for k, v in model.items() if v is not None}}
@@ -129,12 +183,14 @@ def _geomean(values: Sequence[float]) -> float | None:
 #: how ``loo`` holds data out: a group's shapes are predicted from the shapes of the other groups (a shape that
 #: belongs to more than one group stays in every prediction's data and is not predicted)
 GROUPS = ("model", "family", "tp", "shape")
+#: the first model's tie margin (its predicted near-ties went to static priority within 2%, the tuner's default then)
+BASELINE_TIE_MARGIN = 0.02
 #: the models ``loo`` evaluates: name -> (metric, tie margin, trend); "nearest" is the one ``auto`` uses, "vote" the
 #: same vote without the trend (the model before it), "baseline" the first model (log N, log K only)
 MODELS: dict[str, tuple[nearest.Metric, float, nearest.Trend | None]] = {
     "nearest": (nearest.DEFAULT_METRIC, nearest.TIE_MARGIN, nearest.DEFAULT_TREND),
     "vote": (nearest.DEFAULT_METRIC, nearest.TIE_MARGIN, None),
-    "baseline": (nearest.LOG_SHAPE_METRIC, lockfile.DEFAULT_TIE_MARGIN, None),
+    "baseline": (nearest.LOG_SHAPE_METRIC, BASELINE_TIE_MARGIN, None),
 }
 #: how the comparison tables name the models, oldest first
 MODEL_TITLES = {"baseline": "baseline (log N, log K)", "vote": "vote (no trend)", "nearest": "nearest"}
@@ -304,6 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--neighbours", type=int, default=None, metavar="K",
                    help=f"record how many measured shapes vote for an unmeasured one (default "
                         f"{nearest.DEFAULT_NEIGHBOURS}; compare values with loo --neighbours 1 2 4 8)")
+    p.add_argument("--tie-margin", type=float, default=None, metavar="M",
+                   help="decide every choice again from its recorded ranking with this near-tie margin (0: the "
+                        "measured fastest; default: keep the tuner's decisions)")
     p.add_argument("--sms", type=int, default=None, metavar="N",
                    help="record the SM count of the GPU the data was measured on (the nearest model's wave feature; "
                         f"default {nearest.DEFAULT_METRIC.sms}, the H100/H200 SXM)")
@@ -357,7 +416,8 @@ def _pack_cli(args: argparse.Namespace, argv: list[str]) -> int:
     if doc is None:
         raise DataFileError(src, [problem or "unreadable"])
     packed = pack(doc, exclude=args.exclude_model, partial=args.partial, neighbours=args.neighbours,
-                  sms=args.sms, command=" ".join(["python -m fp8_backends.selection_data", *argv]))
+                  sms=args.sms, tie_margin=args.tie_margin,
+                  command=" ".join(["python -m fp8_backends.selection_data", *argv]))
     prov = packed["provenance"]
     name = shipped_data.file_name(prov["sm"], prov["gpu"])
     if args.out is None:

@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="hold a provider option at one value instead of timing each (e.g. cutlass:config=auto)")
     how.add_argument("--no-pins", action="store_true", help="with --shipped-grid: time every kernel config")
     how.add_argument("--tie-margin", type=float, default=lockfile.DEFAULT_TIE_MARGIN,
-                     help="near-tie margin; near-ties go to the static-priority provider (default 0.02)")
+                     help="near-tie margin: candidates within it of the fastest go to the static-priority provider "
+                          f"(default {lockfile.DEFAULT_TIE_MARGIN:g}: the measured fastest)")
     how.add_argument("--rtol", type=float, default=None, help="max relative error against the reference (1e-2)")
     how.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 5; --quick 3)")
     how.add_argument("--replays", type=int, default=None, help="graph replays per round (default 3; --quick 2)")

@@ -409,6 +409,45 @@ def test_pack_strips_checks_and_holds_out_models():
         pack(lock)
 
 
+def test_redecide_applies_the_tuners_rule_to_the_recorded_ranking(monkeypatch):
+    # torch 1% slower than fake_mm[a]: a near-tie within 2% that static priority gives torch, not within 0.5%
+    key, entry = make_entry(2048, 2048, 1)
+    entry["ranking"] = [{**FAST_A, "us": 10.0}, {**TORCH, "us": 10.1}, {**FAST_B, "us": 12.0}]
+    entry.update(choice=dict(entry["ranking"][0]), fastest="fake_mm[variant=a]", tie_break=False)
+    bare = {"kind": "gemm", "m": 1, "choice": {**TORCH, "us": 3.0}}  # no ranking: kept as it is
+    install_fake(monkeypatch)
+    two = selection_data.redecide({key: entry, "bare": bare}, 0.02)
+    half = selection_data.redecide({key: entry}, 0.005)[key]
+    assert two["bare"] == bare and entry["choice"]["provider"] == "fake_mm"  # the input is not modified
+    assert two[key]["choice"] == entry["ranking"][1] and two[key]["tie_break"] is True
+    assert two[key]["tie_margin"] == 0.02 and two[key]["fastest"] == two[key]["runner_up"] == "fake_mm[variant=a]"
+    assert half["choice"] == entry["ranking"][0] and half["tie_break"] is False
+    assert half["runner_up"] == "torch_scaled_mm[fast_accum=false]"
+    for bad in (-0.01, float("nan"), "2%"):
+        with pytest.raises(DataFileError, match="tie margin"):
+            selection_data.redecide({key: entry}, bad)
+
+
+def test_pack_tie_margin_redecides_and_keeps_the_earlier_packing():
+    lock = _tuner_lockfile(make_doc())
+    first = pack(lock, command="pack lock")
+    again = pack(first, tie_margin=0.0, partial=True, command="pack first --tie-margin 0")
+    packed = again["provenance"]["packed"]
+    assert packed["tie_margin"] == 0.0 and packed["previous"]["command"] == "pack lock"
+    assert shipped_data.check_document(again) == []
+    for entry in shipped_data.the_section(again)["entries"].values():
+        assert entry["choice"] == min(entry["ranking"], key=lambda r: r["us"])
+
+
+def test_the_shipped_h200_data_records_the_measured_fastest():
+    # decided at the tuner's default margin (0): every choice is the fastest of its recorded ranking
+    doc = shipped_data.load_file(shipped.packaged_dir() / "sm90-nvidia-h200.json")
+    assert lockfile.DEFAULT_TIE_MARGIN == 0.0 and doc["provenance"]["packed"]["tie_margin"] == 0.0
+    for entry in shipped_data.the_section(doc)["entries"].values():
+        fastest = min(r["us"] for r in entry["ranking"])
+        assert entry["choice"]["us"] == fastest and entry["tie_break"] is False
+
+
 def test_pack_exclude_keeps_shapes_other_models_share(monkeypatch):
     from fp8_backends import selection_data
 

@@ -312,17 +312,19 @@ def test_tune_writes_a_valid_lockfile_and_verifies_before_timing(lockpath, with_
     assert entry["choice"]["error"] < 1e-2
     assert [r["options"] for r in entry["ranking"]][:2] == [{"variant": "b"}, {"variant": "a"}]
     assert entry["rejected"][0]["label"] == FAKE_BROKEN and "relative error" in entry["rejected"][0]["reason"]
-    assert entry["tie_break"] is False and entry["tie_margin"] == 0.02 and entry["method"] == "fake"
+    assert entry["tie_break"] is False and entry["tie_margin"] == lockfile.DEFAULT_TIE_MARGIN == 0.0
+    assert entry["method"] == "fake"
     assert len(report.problems) == 2 and report.lockfile_entries_total == 2
     summary = tuner.format_summary(report)
     assert FAKE_B in summary and "runner-up" in summary
 
 
 def test_near_tie_recorded_and_reruns_do_not_flip(lockpath, with_fake):
-    # the fake is 1% faster than torch but torch ranks first statically: torch wins, marked as a tie-break
+    # with a 2% margin: the fake is 1% faster than torch but torch ranks first statically: torch wins, marked as a
+    # tie-break
     for jitter in (0.0, 0.5, -0.5):
         times = {TORCH_F: 100.0 + jitter, TORCH_T: 110.0, FAKE_A: 99.0, FAKE_B: 120.0}
-        tune_fake(lockpath, times, buckets=[4])
+        tune_fake(lockpath, times, buckets=[4], tie_margin=0.02)
         lockfile.reset_state()
         res = resolution.explain("gemm", "auto", problem=gemm(m=4), platform=CPU)
         assert (res.source, res.backend.label) == ("lockfile", TORCH_F)
@@ -330,6 +332,17 @@ def test_near_tie_recorded_and_reruns_do_not_flip(lockpath, with_fake):
         entry = next(iter(json.loads(lockpath.read_text())["sections"].values()))["entries"]
         (record,) = entry.values()
         assert record["tie_break"] is True and record["fastest"] == FAKE_A
+
+
+def test_the_default_margin_records_the_measured_fastest(lockpath, with_fake):
+    # the same times with the tuner's default margin (0): the fake, 1% faster, wins; no tie-break
+    tune_fake(lockpath, {TORCH_F: 100.0, TORCH_T: 110.0, FAKE_A: 99.0, FAKE_B: 120.0}, buckets=[4])
+    lockfile.reset_state()
+    res = resolution.explain("gemm", "auto", problem=gemm(m=4), platform=CPU)
+    assert (res.source, res.backend.label) == ("lockfile", FAKE_A)
+    assert "near-tie" not in res.note
+    (record,) = next(iter(json.loads(lockpath.read_text())["sections"].values()))["entries"].values()
+    assert record["tie_break"] is False and record["tie_margin"] == 0.0 and record["runner_up"] == TORCH_F
 
 
 def test_auto_uses_the_lockfile_choice_with_options(lockpath, with_fake, monkeypatch):
