@@ -30,14 +30,17 @@ def pick(entry: dict, margin: float) -> dict:
 def main() -> None:
     entries, rows = load(sys.argv[1], sys.argv[2])
     for margin in (0.0, 0.0025, 0.005, 0.01, 0.02):
-        speeds = []
+        speeds, decode = [], []
         for row, entry in exact_points(entries, rows):
             chosen = pick(entry, margin)
             label = next(c for c in row["candidates"] if matches(c, chosen))
             speeds.append(row["fastest_us"] / row["candidates"][label])
+            if row["m"] <= 16:
+                decode.append(row["torch_us"] / row["candidates"][label])
         geomean = math.exp(sum(map(math.log, speeds)) / len(speeds))
         below = sum(s < 0.97 for s in speeds)
-        print(f"margin {margin}: n={len(speeds)} geomean {geomean:.4f} min {min(speeds):.3f} below0.97 {below}")
+        print(f"margin {margin}: n={len(speeds)} geomean {geomean:.4f} min {min(speeds):.3f} below0.97 {below}; "
+              f"M <= 16 against torch: n={len(decode)} min {min(decode):.3f} below0.98 {sum(d < 0.98 for d in decode)}")
 
 
 if __name__ == "__main__":
