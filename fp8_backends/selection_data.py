@@ -33,7 +33,7 @@ import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from fp8_backends.core.errors import DataFileError
 from fp8_backends.registry import lockfile, nearest, shipped_data
@@ -68,9 +68,18 @@ def exclude_models(entries: Mapping[str, Mapping[str, Any]], models: Sequence[st
     return out
 
 
+class _Recorded(NamedTuple):
+    """One ranking record as :func:`fp8_backends.tuning.engine.select_winner` reads a candidate."""
+
+    record: Mapping[str, Any]
+    us: float
+    rank: tuple
+    ok: bool = True
+
+
 def redecide(entries: Mapping[str, Mapping[str, Any]], tie_margin: float) -> dict[str, dict[str, Any]]:
     """The entries with each choice decided again from its recorded ``ranking`` (every candidate that passed, with
-    its median µs) by the tuner's rule (:func:`fp8_backends.tuning.engine.select_winner`): among the candidates
+    its median µs) by the tuner's own rule (:func:`fp8_backends.tuning.engine.select_winner`): among the candidates
     within ``tie_margin`` (relative) of the fastest, the one static priority ranks first (provider priority as
     ``auto`` orders the providers installed here, unknown providers last, then option values in declared order).
     ``fastest``, ``runner_up``, ``tie_break`` and ``tie_margin`` follow; entries without a usable ranking stay as
@@ -80,15 +89,15 @@ def redecide(entries: Mapping[str, Mapping[str, Any]], tie_margin: float) -> dic
     from fp8_backends.registry import resolution
     from fp8_backends.registry.discovery import discover
     from fp8_backends.registry.host_aware import option_rank
+    from fp8_backends.tuning.engine import select_winner
 
-    ordered = sorted(discover("gemm"), key=resolution.rank_key)
-    place = {}
-    for i, e in enumerate(ordered):
+    place: dict[str, tuple[int, Any]] = {}
+    for i, e in enumerate(sorted(discover("gemm"), key=resolution.rank_key)):  # the tuner's candidate order
         place.setdefault(e.name, (i, e))
 
-    def rank(rec: Mapping[str, Any]) -> tuple:
-        i, e = place.get(rec.get("provider"), (len(ordered), None))
-        return (i, option_rank(e.cls, rec.get("options") or {}) if e is not None else ())
+    def candidate(rec: Mapping[str, Any]) -> _Recorded:
+        i, e = place.get(rec.get("provider"), (len(place), None))
+        return _Recorded(rec, float(rec["us"]), (i, option_rank(e.cls, rec.get("options") or {}) if e else ()))
 
     def label(rec: Mapping[str, Any]) -> str:
         options = {str(k): str(v) for k, v in (rec.get("options") or {}).items()}
@@ -100,18 +109,19 @@ def redecide(entries: Mapping[str, Mapping[str, Any]], tie_margin: float) -> dic
                 pass
         return f"{rec.get('provider')}[{','.join(f'{k}={v}' for k, v in sorted(options.items()))}]"
 
+    def measured(rec: Any) -> bool:
+        us = rec.get("us") if isinstance(rec, Mapping) else None
+        return isinstance(us, (int, float)) and not isinstance(us, bool) and us > 0
+
     out = {}
     for key, entry in entries.items():
         entry = dict(entry)
-        ranking = [r for r in entry.get("ranking") or () if isinstance(r, Mapping)
-                   and isinstance(r.get("us"), (int, float)) and not isinstance(r.get("us"), bool) and r["us"] > 0]
-        if ranking:
-            fastest = min(ranking, key=lambda r: (r["us"], rank(r)))
-            winner = min((r for r in ranking if r["us"] <= fastest["us"] * (1.0 + tie_margin)), key=rank)
-            others = [r for r in ranking if r is not winner]
-            runner_up = min(others, key=lambda r: (r["us"], rank(r))) if others else None
-            entry.update(choice=dict(winner), fastest=label(fastest), tie_break=winner is not fastest,
-                         runner_up=None if runner_up is None else label(runner_up), tie_margin=float(tie_margin))
+        winner, fastest, runner_up = select_winner([candidate(r) for r in entry.get("ranking") or () if measured(r)],
+                                                   tie_margin)
+        if winner is not None:
+            entry.update(choice=dict(winner.record), fastest=label(fastest.record), tie_break=winner is not fastest,
+                         runner_up=None if runner_up is None else label(runner_up.record),
+                         tie_margin=float(tie_margin))
         out[key] = entry
     return out
 
