@@ -79,7 +79,9 @@ STATIC_LAUNCH_VARIANTS = ("fp8_dynamic_sl", "fp8_static_sl")
 
 def variant_base(name: str) -> str:
     """``"fp8_static_sl+backend=triton"`` -> ``"fp8_static_sl"``: an FP8 variant may carry ``+key=value``
-    arguments of :func:`fp8_backends.quantize_model` (``backend``, ``objective``), to compare choices in one run."""
+    arguments of :func:`fp8_backends.quantize_model` (``backend``, ``objective``), to compare choices in one run, and
+    ``+plan=general``: compiled calls trace the general path instead of each layer's traced plan (an A/B of
+    :mod:`fp8_backends.traced_plan`)."""
     return name.split("+", 1)[0]
 
 
@@ -88,8 +90,9 @@ def variant_kwargs(name: str) -> dict[str, str]:
     out = {}
     for part in name.split("+")[1:]:
         key, sep, value = part.partition("=")
-        if not sep or key not in ("backend", "objective"):
-            raise ValueError(f"variant {name!r}: expected +backend=NAME or +objective=NAME, got {part!r}")
+        if not sep or key not in ("backend", "objective", "plan") or (key == "plan" and value != "general"):
+            raise ValueError(f"variant {name!r}: expected +backend=NAME, +objective=NAME or +plan=general, "
+                             f"got {part!r}")
         out[key] = value
     return out
 
@@ -102,7 +105,7 @@ def check_variant(name: str) -> str:
     """argparse type of ``--variants``: a known variant, FP8 ones with optional ``+key=value`` arguments."""
     if variant_base(name) not in VARIANTS or ("+" in name and not is_fp8(name)):
         raise argparse.ArgumentTypeError(f"unknown variant {name!r} (known: {', '.join(VARIANTS)}; FP8 variants take "
-                                         "+backend=NAME / +objective=NAME)")
+                                         "+backend=NAME / +objective=NAME / +plan=general)")
     try:
         variant_kwargs(name)
     except ValueError as exc:
@@ -156,6 +159,7 @@ def make_variants(base: Any, names: list[str], calib_ids: torch.Tensor,
             launch = static_launch or variant_base(name) in STATIC_LAUNCH_VARIANTS
             kind = variant_base(name).removesuffix("_sl")
             extra = variant_kwargs(name)
+            general = extra.pop("plan", None) == "general"
             if name == "torchao":
                 from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerTensor, quantize_
 
@@ -170,11 +174,23 @@ def make_variants(base: Any, names: list[str], calib_ids: torch.Tensor,
                                          static_launch=launch, **extra)
                 notes[name] = {"swapped": summary.count, "providers": summary.providers(),
                                "bytes_saved": summary.bytes_saved}
+            if general:
+                _drop_traced_plans(model)
+                notes[name]["plan"] = "general"
             models[name] = model
         except Exception as exc:  # keep going: report the variant as missing
             notes[name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
             log(f"variant {name}: {notes[name]['error']}")
     return models, notes
+
+
+def _drop_traced_plans(model: Any) -> None:
+    """Make every ``Fp8Linear`` of ``model`` trace the general path under ``torch.compile`` (``+plan=general``)."""
+    from fp8_backends.layers import Fp8Linear
+
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            module._traced = None
 
 
 # ------------------------------------------------------------------------------------------------ timing

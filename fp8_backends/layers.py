@@ -45,6 +45,7 @@ from .core.types import (
 from .eager_plan import EagerPlan, bind_per_m
 from .functional import apply_fp8_linear
 from .registry.per_m import PerMGemm, init_fp8_gemm
+from .traced_plan import TracedPlan, bind_traced
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -250,6 +251,7 @@ class Fp8Linear(nn.Module):
         self._raw = True  # scales still in their loaded form (per-row / per-shard)
         self.kernel: PerMGemm | None = None  # the weight's provider(s) per M bucket, with their prepared weights
         self._plan: EagerPlan | None = None  # the eager hot path, bound at processing
+        self._traced: TracedPlan | None = None  # what torch.compile traces, bound at processing
         self.problem: GemmProblem | None = None
 
     # ------------------------------------------------------------------------------ construction
@@ -435,7 +437,7 @@ class Fp8Linear(nn.Module):
 
     def _mark_loaded(self) -> None:
         if self.kernel is not None:  # new values: the prepared weight is stale
-            self.kernel = self._plan = None
+            self.kernel = self._plan = self._traced = None
 
     def _load_from_state_dict(self, state_dict, prefix, *args: Any, **kwargs: Any) -> None:
         # a processed layer's state dict holds the final scale shapes ([1] after requantizing or
@@ -510,14 +512,30 @@ class Fp8Linear(nn.Module):
         self.kernel = init_fp8_gemm(self.weight, self.weight_scale, problem=self.problem,
                                     backend=self.backend_request, default=backend, objective=self.objective_request)
         self._plan = self._eager_plan()
+        self._traced = self._traced_plan()
         logger.debug("Fp8Linear %dx%d prepared by %s (%s)", self.out_features, self.in_features,
                      self.kernel.describe(), self.problem.describe())
 
     def __getstate__(self) -> dict[str, Any]:
-        # the plan's closures hold this layer's own tensors: a copy (deepcopy, pickle) binds its own at its first call
+        # the plans hold this layer's own tensors (closures, parameter aliases): a copy (deepcopy, pickle) binds its
+        # own, the traced plan when it is restored (never while torch.compile traces), the eager one at its first call
         state = dict(self.__dict__)
-        state["_plan"] = None
+        state["_plan"] = state["_traced"] = None
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_traced", None)
+        if self.kernel is not None:
+            self._traced = self._traced_plan()
+
+    def _traced_plan(self) -> TracedPlan:
+        """What ``torch.compile`` traces (:mod:`fp8_backends.traced_plan`): the input checks, the quantizer and the
+        kernel's host rows, their tensors as parameter aliases."""
+        assert self.kernel is not None
+        return bind_traced(self.kernel, k=self.in_features, n=self.out_features, dtype=self.dtype,
+                           device=self.weight.device, bias=self.bias, mode=self.act_scale,
+                           input_scale=self.input_scale, fp8_dtype=self.input_dtype.torch_dtype())
 
     def _eager_plan(self) -> EagerPlan:
         """The eager hot path (:mod:`fp8_backends.eager_plan`): quantizer and the kernel's rows bound to this layer."""
@@ -578,7 +596,7 @@ class Fp8Linear(nn.Module):
         before = dict(self._buffers)
         super()._apply(_keeping_dtype(fn), recurse)
         if self.kernel is not None and any(self._buffers[n] is not b for n, b in before.items()):
-            self.kernel = self._plan = None
+            self.kernel = self._plan = self._traced = None
             self.process_weights_after_loading()
         return self
 
@@ -589,8 +607,13 @@ class Fp8Linear(nn.Module):
         ``orig_dtype`` must be the model dtype). Returns ``[..., N]`` in the model dtype.
 
         A plain eager call of a processed layer takes its :class:`~fp8_backends.eager_plan.EagerPlan` (load-time
-        bindings, per-call checks of the input only); compiled and every other call the general path."""
-        if not _compiling() and not _dispatch_modes():
+        bindings, per-call checks of the input only), a compiled one its :class:`~fp8_backends.traced_plan.TracedPlan`
+        (the same, with few guards); every other call the general path."""
+        if _compiling():
+            traced = self._traced
+            if traced is not None:
+                return traced(x)
+        elif not _dispatch_modes():
             plan = self._plan
             if plan is None and self.kernel is not None:  # a copy or an unpickled layer: bind again
                 plan = self._plan = self._eager_plan()

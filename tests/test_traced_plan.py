@@ -1,0 +1,150 @@
+"""The ``torch.compile`` path of ``Fp8Linear`` (:mod:`fp8_backends.traced_plan`) on the CPU: it computes what the
+general path does, refuses the same bad inputs at trace time, keeps the guards of a compiled model few (no aliasing
+guard on the layer's tensors, the shared provider and enums guarded once) and is rebound by copies."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from torch import nn  # noqa: E402
+
+from fp8_backends import functional, quantize_model, traced_plan  # noqa: E402
+from fp8_backends.core import reference  # noqa: E402
+from fp8_backends.core.types import QuantizedActivation  # noqa: E402
+from fp8_backends.layers import Fp8Linear  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_convert import _tiny  # noqa: E402
+
+MODES = [("per_tensor_dynamic", None), ("per_token", None), ("per_tensor_static", 0.02)]
+
+
+def _compiled(fn, *args):
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            return torch.compile(fn, backend="aot_eager", fullgraph=True)(*args)
+    finally:
+        torch._dynamo.reset()
+
+
+def _layer(mode, scale, bias=True):
+    torch.manual_seed(0)
+    return Fp8Linear.from_linear(nn.Linear(64, 48, bias=bias, dtype=torch.bfloat16), act_scale=mode,
+                                 input_scale=scale)
+
+
+@pytest.mark.parametrize("mode,scale", MODES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_compiled_call_takes_the_traced_plan_and_matches_the_reference(monkeypatch, mode, scale, bias):
+    layer = _layer(mode, scale, bias)
+    x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
+    want = layer(x)  # eager plan
+    lay = layer
+    x_q, x_s = reference.quantize(x.reshape(-1, 64), lay.act_scale, lay.input_scale)
+    ref = reference.fp8_gemm(x_q, lay.weight, x_s, lay.weight_scale, lay.dtype, lay.bias).reshape(2, 5, 48)
+
+    def general_path_called(*a, **k):
+        raise AssertionError("the compiled call went through apply_fp8_linear")
+
+    monkeypatch.setattr(functional, "apply_fp8_linear", general_path_called)
+    monkeypatch.setattr(sys.modules["fp8_backends.layers"], "apply_fp8_linear", general_path_called)
+    got = _compiled(layer, x)
+    assert got.shape == (2, 5, 48) and got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+    assert ((got.float() - ref.float()).norm() / ref.float().norm()) < 2e-2
+
+
+def test_traced_plan_refuses_bad_inputs_at_trace_time():
+    layer = _layer("per_tensor_static", 0.02)
+    with pytest.raises(Exception) as info:
+        _compiled(layer, torch.randn(3, 32, dtype=torch.bfloat16))  # K = 32, not 64
+    assert "K=64" in str(info.value)
+    with pytest.raises(Exception) as info:
+        _compiled(layer, torch.randn(3, 64, dtype=torch.float16))
+    assert "prepared for torch.bfloat16" in str(info.value)
+    q = torch.randn(3, 64).to(torch.float8_e4m3fn)
+    wrong_mode = QuantizedActivation(q, torch.ones(1), torch.bfloat16, "per_tensor_dynamic")
+    with pytest.raises(Exception) as info:
+        _compiled(layer, wrong_mode)
+    assert "never re-quantizes" in str(info.value)
+    wrong_dtype = QuantizedActivation(q, torch.full((1,), 0.02), torch.float16, "per_tensor_static")
+    with pytest.raises(Exception) as info:
+        _compiled(layer, wrong_dtype)
+    assert "orig_dtype" in str(info.value)
+
+
+def test_traced_plan_takes_a_quantized_activation():
+    layer = _layer("per_token", None)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    x_q, x_s = reference.quantize(x, layer.act_scale, None)
+    qa = QuantizedActivation(x_q, x_s, torch.bfloat16, "per_token")
+    assert torch.allclose(_compiled(layer, qa).float(), layer(qa).float(), rtol=1e-2, atol=1e-2)
+    empty = _compiled(layer, torch.empty(0, 64, dtype=torch.bfloat16))
+    assert empty.shape == (0, 48)
+
+
+def test_plan_tensors_alias_the_prepared_weight_and_copies_rebind():
+    layer = _layer("per_tensor_static", 0.02, bias=False)
+    plan = layer._traced
+    row = plan.rows[-1]
+    data, scale = row[7], row[8]
+    assert type(data) is nn.Parameter and not data.requires_grad
+    assert data.data_ptr() == layer.prepared.data.data_ptr() and data.stride() == layer.prepared.data.stride()
+    assert scale.data_ptr() == layer.prepared.scale.data_ptr()
+    assert plan.input_scale.data_ptr() == layer.input_scale.data_ptr()
+    assert traced_plan._SHARED[row[1]] is layer.gemm_backend
+    twin = copy.deepcopy(layer)
+    assert twin._traced is not None and twin._traced is not plan
+    assert twin._traced.rows[-1][7].data_ptr() == twin.prepared.data.data_ptr() != data.data_ptr()
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        twin.weight.zero_()  # the copy's own storage: its traced plan must see it, the original's must not
+    assert torch.count_nonzero(_compiled(twin, x)) == 0
+    assert torch.count_nonzero(_compiled(layer, x)) > 0
+    moved = _layer("per_tensor_dynamic", None).to("cpu")
+    assert moved._traced is not None
+
+
+def _guard_text(model, ids) -> str:
+    guards = pytest.importorskip("torch._dynamo.guards")
+    if not hasattr(guards, "guard_manager_testing_hook_fn"):
+        pytest.skip("this torch has no guard_manager_testing_hook_fn")
+    seen: list[str] = []
+    old = guards.guard_manager_testing_hook_fn
+    guards.guard_manager_testing_hook_fn = lambda manager, scope, builder: seen.append(str(manager))
+    try:
+        torch._dynamo.reset()
+        with torch.no_grad():
+            torch.compile(model, backend="eager")(ids, use_cache=False)
+    finally:
+        guards.guard_manager_testing_hook_fn = old
+        torch._dynamo.reset()
+    return seen[0]
+
+
+def test_a_compiled_model_guards_its_fp8_layers_cheaply():
+    """Guards run on the host at every call of a compiled model. The general path made ~5 tensors per layer graph
+    inputs with aliasing checks and reached the shared provider and enum members once per layer, each reach past
+    the first an ``a is b`` guard (a Python call); the traced plan keeps both near bf16's."""
+    base = _tiny("llama", layers=4, hidden=32)
+    ids = torch.randint(0, 128, (1, 4))
+    bf16 = _guard_text(base, ids)
+    quantize_model(base, act_scale="per_tensor_static", calibration=[ids])
+    fp8 = _guard_text(base, ids)
+    for m in base.modules():
+        if isinstance(m, Fp8Linear):
+            m._traced = None
+    general = _guard_text(base, ids)
+    assert fp8.count("NO_TENSOR_ALIASING") <= bf16.count("NO_TENSOR_ALIASING") + 1
+    assert general.count("NO_TENSOR_ALIASING") > 4 * 7  # what the traced plan removes: one per layer tensor
+    lambdas = fp8.count("LAMBDA_GUARD") - bf16.count("LAMBDA_GUARD")
+    assert lambdas <= 8, lambdas  # none per layer (the general path: several per layer)
+    assert general.count("LAMBDA_GUARD") - bf16.count("LAMBDA_GUARD") > 4 * 7
