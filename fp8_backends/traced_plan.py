@@ -66,9 +66,11 @@ def parameter_alias(t: Any) -> Any:
 
 
 #: one M bucket of a plan: ``(bucket, provider key, n, k, float8 type key, weight scale key, provider name,
-#: data, scale, extra)``: the fields of the bucket's prepared weight with its tensors as parameter aliases, its
-#: shared objects as :func:`shared_index` keys and ``extra`` as ``((key, value), ...)``
-TracedRow = tuple[int, int, int, int, int, int, str, Any, Any, tuple[tuple[str, Any], ...]]
+#: data, scale, extra)``: the fields of the bucket's prepared weight with its tensors as parameter aliases and its
+#: shared objects as :func:`shared_index` keys. ``extra`` is a dict the traced call passes on as it is (the
+#: provider's own), so Dynamo guards only the entries the provider reads (``torch_scaled_mm``'s row-wise scale only
+#: for row-wise problems)
+TracedRow = tuple[int, int, int, int, int, int, str, Any, Any, dict[str, Any]]
 
 
 def traced_row(bucket: int, backend: Any, prepared: PreparedWeight) -> TracedRow:
@@ -76,8 +78,8 @@ def traced_row(bucket: int, backend: Any, prepared: PreparedWeight) -> TracedRow
     whole, in the data slot, with key -1 for the float8 type)."""
     key = shared_index(backend)
     if type(prepared) is not PreparedWeight:
-        return (bucket, key, 0, 0, -1, -1, "", prepared, None, ())
-    extra = tuple((name, parameter_alias(value)) for name, value in prepared.extra.items())
+        return (bucket, key, 0, 0, -1, -1, "", prepared, None, {})
+    extra = {name: parameter_alias(value) for name, value in prepared.extra.items()}
     return (bucket, key, prepared.n, prepared.k, shared_index(prepared.dtype), shared_index(prepared.weight_scale),
             prepared.backend, parameter_alias(prepared.data), parameter_alias(prepared.scale), extra)
 
@@ -132,7 +134,7 @@ class TracedPlan:
             prepared = data
         else:
             prepared = PreparedWeight(data=data, scale=w_scale, n=rn, k=rk, dtype=_SHARED[dtype],
-                                      weight_scale=_SHARED[weight_scale], backend=name, extra=dict(extra))
+                                      weight_scale=_SHARED[weight_scale], backend=name, extra=extra)
         y = backend.gemm_impl(x_q, prepared, scale, self.dtype, self.bias)
         # the provider's output contract, on its fake output while Dynamo traces (no cost in the compiled graph)
         if not isinstance(y, self.tensor) or y.dtype != self.dtype or y.shape != (m, n) or y.device != x_q.device:

@@ -7,6 +7,8 @@ per-channel weight) through torch's row-wise path. The weight is prepared once a
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import TYPE_CHECKING, ClassVar
 
 from fp8_backends.core.backend import Fp8GemmBackend
@@ -29,8 +31,30 @@ if TYPE_CHECKING:
     from fp8_backends.registry.platform import Platform
 
 
+logger = logging.getLogger("fp8_backends")
+
 #: the option does nothing there (torch's CPU _scaled_mm accumulates in fp32 whatever it says): refused, not ignored
 _CPU_FAST_ACCUM = "fast_accum=true has no effect on the CPU (torch's CPU _scaled_mm ignores it); use fast_accum=false"
+_CPU_NO_ROWWISE = ("this torch's CPU _scaled_mm takes per-tensor scales only (torch 2.11 raises 'only supports "
+                   "per-tensor scaling for CPU backend'); per-token / per-channel problems on the CPU need a newer "
+                   "torch")
+
+
+@functools.cache
+def cpu_rowwise_supported() -> bool:
+    """Whether this torch's CPU ``_scaled_mm`` takes row-wise scales (``[M, 1]`` x ``[1, N]``): one 16x16 call, made
+    once per process when a CPU problem with per-token or per-channel scales is first resolved."""
+    import torch
+
+    a = torch.zeros((16, 16), dtype=torch.float8_e4m3fn)
+    b = torch.zeros((16, 16), dtype=torch.float8_e4m3fn).t()
+    try:
+        torch._scaled_mm(a, b, scale_a=torch.ones((16, 1)), scale_b=torch.ones((1, 16)), out_dtype=torch.bfloat16)
+    except Exception as exc:  # torch 2.11: an INTERNAL ASSERT (RuntimeError); others may raise other types
+        logger.debug("torch_scaled_mm: no row-wise scales on the CPU in torch %s (%s)", torch.__version__,
+                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return False
+    return True
 
 
 class TorchScaledMMBackend(Fp8GemmBackend):
@@ -64,12 +88,14 @@ class TorchScaledMMBackend(Fp8GemmBackend):
     def extra_reasons(self, problem: GemmProblem | None, platform: Platform) -> list[str]:
         if problem is not None and problem.device is DeviceKind.CPU and self.config["fast_accum"] == "true":
             return [_CPU_FAST_ACCUM]
-        if problem is None or problem.device is DeviceKind.CPU:
+        if problem is None:
             return []
+        rowwise = problem.act_scale is ActScale.PER_TOKEN or problem.weight_scale is WeightScale.PER_CHANNEL
+        if problem.device is DeviceKind.CPU:
+            return [_CPU_NO_ROWWISE] if rowwise and not cpu_rowwise_supported() else []
         reasons = []
         if problem.input_dtype is Fp8Dtype.E5M2 and problem.weight_dtype is Fp8Dtype.E5M2:
             reasons.append("cuBLASLt has no e5m2 x e5m2 FP8 GEMM")
-        rowwise = problem.act_scale is ActScale.PER_TOKEN or problem.weight_scale is WeightScale.PER_CHANNEL
         if rowwise:
             if problem.input_dtype is not Fp8Dtype.E4M3FN or problem.weight_dtype is not Fp8Dtype.E4M3FN:
                 reasons.append("torch's row-wise FP8 kernel takes e4m3fn inputs only")

@@ -34,6 +34,29 @@ def test_weight_prepared_once_as_column_major_view(gemm):
     assert prepared.data.data_ptr() == w_q.data_ptr()  # a view, no copy
 
 
+def test_cpu_rowwise_scales_are_refused_where_this_torch_has_none(monkeypatch):
+    """torch 2.11's CPU ``_scaled_mm`` takes per-tensor scales only (an INTERNAL ASSERT for row-wise ones, seen on the
+    H200 host): the provider says so at resolution, from a probe made once, instead of failing in the kernel."""
+    from fp8_backends.core.errors import UnsupportedProblemError
+    from fp8_backends.providers import torch_scaled_mm as tsm
+    from fp8_backends.registry import resolution
+
+    probed = tsm.cpu_rowwise_supported()
+    try:  # the probe's answer is this torch's: a row-wise call either works or the provider refuses it
+        y = torch._scaled_mm(torch.zeros(16, 16, dtype=FP8), torch.zeros(16, 16, dtype=FP8).t(),
+                             scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+        assert probed and y.shape == (16, 16)
+    except RuntimeError:
+        assert not probed
+    monkeypatch.setattr(tsm, "cpu_rowwise_supported", lambda: False)
+    resolution.reset_caches()
+    for act, wscale in (("per_token", "per_tensor"), ("per_tensor_static", "per_channel")):
+        problem = GemmProblem(n=48, k=32, device="cpu", act_scale=act, weight_scale=wscale)
+        with pytest.raises(UnsupportedProblemError, match="per-tensor scales only"):
+            resolve_gemm_backend("torch_scaled_mm", problem=problem)
+    assert resolve_gemm_backend("torch_scaled_mm", problem=GemmProblem(n=48, k=32, device="cpu")) is not None
+
+
 def test_reference_quant_semantics():
     x = torch.tensor([[1000.0, -1000.0, 0.5, float("inf")]])
     q = reference.quantize_static(x, torch.tensor([1.0]))
