@@ -76,26 +76,9 @@ def apply_fp8_linear(
     else:
         k, n = prepared.k, prepared.n
     if isinstance(x, QuantizedActivation):
-        data, scale, orig_dtype, mode = x
-        if ActScale.of(mode) is not act_scale:  # .of: a dict lookup, safe while torch.compile traces
-            raise InvalidInputError(
-                f"this linear was prepared for {act_scale.value} activations but got a QuantizedActivation "
-                f"in {ActScale.of(mode).value} mode; it never re-quantizes (quantize for the consumer's mode)"
-            )
-        V.require_tensor(data, "QuantizedActivation.data")
-        out = _out_dtype(orig_dtype, out_dtype, "QuantizedActivation.orig_dtype")
-        if data.dim() < 1 or data.shape[-1] != k:
-            raise InvalidInputError(f"QuantizedActivation.data must be [..., K={k}], got {tuple(data.shape)}")
-        lead = data.shape[:-1]
-        x_q = data.reshape(-1, k)
-        if act_scale is ActScale.PER_TOKEN:
-            V.require_tensor(scale, "QuantizedActivation.scale")
-            if scale.numel() != x_q.shape[0] or (scale.dim() > 0 and scale.shape[-1] != 1):
-                raise InvalidInputError(
-                    f"a per-token scale must be [..., 1] with one value per row ({x_q.shape[0]}), "
-                    f"got {tuple(scale.shape)}"
-                )
-            scale = scale.reshape(-1, 1)
+        x_q, scale = unpack_quantized(x, act_scale, k)
+        out = _out_dtype(x.orig_dtype, out_dtype, "QuantizedActivation.orig_dtype")
+        lead = x.data.shape[:-1]
     else:
         V.require_tensor(x, "x")
         out = _out_dtype(x.dtype, out_dtype, "x")
@@ -124,6 +107,32 @@ def apply_fp8_linear(
         _, backend, prepared = kernel.pick(x_q.shape[0], graph)
     y = backend.gemm(x_q, prepared, scale, out_dtype=out, bias=bias)
     return y.reshape(*lead, n)
+
+
+def unpack_quantized(x: QuantizedActivation, act_scale: ActScale, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_q [M, K], scale)`` of a :class:`QuantizedActivation` handed to a linear prepared for ``act_scale``
+    activations of width ``k``: its mode must be ``act_scale`` (a linear never re-quantizes), its data ``[..., K]``
+    (leading dims flattened) and a per-token scale ``[..., 1]`` with one value per row (returned ``[M, 1]``).
+    Raises :class:`InvalidInputError`; the data's dtype and device are the caller's to check."""
+    data, scale, _, mode = x
+    if ActScale.of(mode) is not act_scale:  # .of: a dict lookup, safe while torch.compile traces
+        raise InvalidInputError(
+            f"this linear was prepared for {act_scale.value} activations but got a QuantizedActivation "
+            f"in {ActScale.of(mode).value} mode; it never re-quantizes (quantize for the consumer's mode)"
+        )
+    V.require_tensor(data, "QuantizedActivation.data")
+    if data.dim() < 1 or data.shape[-1] != k:
+        raise InvalidInputError(f"QuantizedActivation.data must be [..., K={k}], got {tuple(data.shape)}")
+    x_q = data.reshape(-1, k)
+    if act_scale is ActScale.PER_TOKEN:
+        V.require_tensor(scale, "QuantizedActivation.scale")
+        if scale.numel() != x_q.shape[0] or (scale.dim() > 0 and scale.shape[-1] != 1):
+            raise InvalidInputError(
+                f"a per-token scale must be [..., 1] with one value per row ({x_q.shape[0]}), "
+                f"got {tuple(scale.shape)}"
+            )
+        scale = scale.reshape(-1, 1)
+    return x_q, scale
 
 
 def _out_dtype(dtype: torch.dtype, expected: OutDtype | None, what: str) -> OutDtype:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from .core import output_contract
 from .core.errors import InvalidInputError
 from .core.types import ActScale, PreparedWeight, QuantizedActivation
+from .functional import unpack_quantized
 
 if TYPE_CHECKING:
     import torch
@@ -142,27 +143,15 @@ class TracedPlan:
         return y.reshape(*lead, n)
 
     def _unpack(self, x: QuantizedActivation, mode: ActScale) -> tuple[torch.Tensor, torch.Tensor]:
-        data, scale, orig_dtype, got = x
-        if ActScale.of(got) is not mode:
-            raise InvalidInputError(
-                f"this linear was prepared for {mode.value} activations but got a QuantizedActivation "
-                f"in {ActScale.of(got).value} mode; it never re-quantizes (quantize for the consumer's mode)")
-        if orig_dtype != self.dtype:
-            raise InvalidInputError(f"QuantizedActivation.orig_dtype is {orig_dtype} but this linear was prepared "
+        unpacked = unpack_quantized(x, mode, self.k)
+        if x.orig_dtype != self.dtype:
+            raise InvalidInputError(f"QuantizedActivation.orig_dtype is {x.orig_dtype} but this linear was prepared "
                                     f"for {self.dtype} activations and outputs")
-        k = self.k
-        if data.dim() < 1 or data.shape[-1] != k:
-            raise InvalidInputError(f"QuantizedActivation.data must be [..., K={k}], got {tuple(data.shape)}")
+        data = x.data
         if data.dtype != self.fp8 or data.device != self.device:
             raise InvalidInputError(f"QuantizedActivation.data must be {self.fp8} on {self.device}, got "
                                     f"{data.dtype} on {data.device}")
-        x_q = data.reshape(-1, k)
-        if mode is ActScale.PER_TOKEN:
-            if scale.numel() != x_q.shape[0] or (scale.dim() > 0 and scale.shape[-1] != 1):
-                raise InvalidInputError(f"a per-token scale must be [..., 1] with one value per row "
-                                        f"({x_q.shape[0]}), got {tuple(scale.shape)}")
-            scale = scale.reshape(-1, 1)
-        return x_q, scale
+        return unpacked
 
 
 def bind_traced(kernel: PerMGemm, *, k: int, n: int, dtype: torch.dtype, device: torch.device,
