@@ -533,16 +533,18 @@ class Fp8Linear(nn.Module):
         """What ``torch.compile`` traces (:mod:`fp8_backends.traced_plan`): the input checks, the quantizer and the
         kernel's host rows, their tensors as parameter aliases."""
         assert self.kernel is not None
-        return bind_traced(self.kernel, k=self.in_features, n=self.out_features, dtype=self.dtype,
-                           device=self.weight.device, bias=self.bias, mode=self.act_scale,
-                           input_scale=self.input_scale, fp8_dtype=self.input_dtype.torch_dtype())
+        return bind_traced(self.kernel, **self._bindings())
+
+    def _bindings(self) -> dict[str, Any]:
+        """What both plans bind besides the kernel: sizes, dtypes, device, bias, activation mode and scale."""
+        return {"k": self.in_features, "n": self.out_features, "dtype": self.dtype, "device": self.weight.device,
+                "bias": self.bias, "mode": self.act_scale, "input_scale": self.input_scale,
+                "fp8_dtype": self.input_dtype.torch_dtype()}
 
     def _eager_plan(self) -> EagerPlan:
         """The eager hot path (:mod:`fp8_backends.eager_plan`): quantizer and the kernel's rows bound to this layer."""
         assert self.kernel is not None
-        return bind_per_m(self.kernel, k=self.in_features, n=self.out_features, dtype=self.dtype,
-                          device=self.weight.device, bias=self.bias, mode=self.act_scale,
-                          input_scale=self.input_scale, fp8_dtype=self.input_dtype.torch_dtype())
+        return bind_per_m(self.kernel, **self._bindings())
 
     def _check_shards(self) -> None:
         assert self.shard_sizes is not None
