@@ -59,6 +59,7 @@ import gc
 import importlib.util
 import json
 import logging
+import os
 import statistics
 import time
 import traceback
@@ -70,6 +71,7 @@ import torch
 
 from bench import common
 from bench.common import host_per_call_us  # noqa: F401 - also hf_workers' (hf.host_per_call_us)
+from fp8_backends.core.settings import HOST_CONTEXT_ENV
 
 VARIANTS = ("bf16", "torchao", "fp8_dynamic", "fp8_static", "fp8_dynamic_sl", "fp8_static_sl")
 FP8_VARIANTS = ("fp8_dynamic", "fp8_static", "fp8_dynamic_sl", "fp8_static_sl")
@@ -81,7 +83,8 @@ def variant_base(name: str) -> str:
     """``"fp8_static_sl+backend=triton"`` -> ``"fp8_static_sl"``: an FP8 variant may carry ``+key=value``
     arguments of :func:`fp8_backends.quantize_model` (``backend``, ``objective``), to compare choices in one run, and
     ``+plan=general``: compiled calls trace the general path instead of each layer's traced plan (an A/B of
-    :mod:`fp8_backends.traced_plan`)."""
+    :mod:`fp8_backends.traced_plan`); ``+host_context=US``: the layers are resolved with
+    ``FP8_SELECTION_HOST_CONTEXT_US=US`` (an A/B of the host objective's context, ``0``: the rule before stop 25)."""
     return name.split("+", 1)[0]
 
 
@@ -90,9 +93,10 @@ def variant_kwargs(name: str) -> dict[str, str]:
     out = {}
     for part in name.split("+")[1:]:
         key, sep, value = part.partition("=")
-        if not sep or key not in ("backend", "objective", "plan") or (key == "plan" and value != "general"):
-            raise ValueError(f"variant {name!r}: expected +backend=NAME, +objective=NAME or +plan=general, "
-                             f"got {part!r}")
+        if not sep or key not in ("backend", "objective", "plan", "host_context") or \
+                (key == "plan" and value != "general"):
+            raise ValueError(f"variant {name!r}: expected +backend=NAME, +objective=NAME, +plan=general or "
+                             f"+host_context=US, got {part!r}")
         out[key] = value
     return out
 
@@ -105,7 +109,7 @@ def check_variant(name: str) -> str:
     """argparse type of ``--variants``: a known variant, FP8 ones with optional ``+key=value`` arguments."""
     if variant_base(name) not in VARIANTS or ("+" in name and not is_fp8(name)):
         raise argparse.ArgumentTypeError(f"unknown variant {name!r} (known: {', '.join(VARIANTS)}; FP8 variants take "
-                                         "+backend=NAME / +objective=NAME / +plan=general)")
+                                         "+backend=NAME / +objective=NAME / +plan=general / +host_context=US)")
     try:
         variant_kwargs(name)
     except ValueError as exc:
@@ -151,6 +155,7 @@ def make_variants(base: Any, names: list[str], calib_ids: torch.Tensor,
     models: dict[str, Any] = {}
     notes: dict[str, Any] = {}
     for name in names:
+        context = saved_context = None
         try:
             if name == "bf16":
                 models[name] = base
@@ -160,6 +165,10 @@ def make_variants(base: Any, names: list[str], calib_ids: torch.Tensor,
             kind = variant_base(name).removesuffix("_sl")
             extra = variant_kwargs(name)
             general = extra.pop("plan", None) == "general"
+            context = extra.pop("host_context", None)
+            saved_context = os.environ.get(HOST_CONTEXT_ENV)
+            if context is not None:
+                os.environ[HOST_CONTEXT_ENV] = context
             if name == "torchao":
                 from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerTensor, quantize_
 
@@ -177,10 +186,18 @@ def make_variants(base: Any, names: list[str], calib_ids: torch.Tensor,
             if general:
                 _drop_traced_plans(model)
                 notes[name]["plan"] = "general"
+            if context is not None:
+                notes[name]["host_context_us"] = float(context)
             models[name] = model
         except Exception as exc:  # keep going: report the variant as missing
             notes[name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
             log(f"variant {name}: {notes[name]['error']}")
+        finally:
+            if context is not None:
+                if saved_context is None:
+                    os.environ.pop(HOST_CONTEXT_ENV, None)
+                else:
+                    os.environ[HOST_CONTEXT_ENV] = saved_context
     return models, notes
 
 
@@ -222,11 +239,14 @@ def compile_model(model: Any, scope: str) -> Any:
     The layers of every variant share one code object (the layer class's ``forward``), and Dynamo guards on the
     integer ``layer_idx`` the KV cache indexes its list of layers with: decode compiles once per layer and variant,
     and past Dynamo's recompile limit (8) a variant's layers silently run eagerly (seen on the H200: the FP8 variant
-    measured after bf16 was never compiled). The limits are raised to hold every layer of every variant."""
-    if scope == "model":
-        return torch.compile(model, dynamic=False)
+    measured after bf16 was never compiled). The limits are raised to hold every layer of every variant.
+
+    ``scope="model"`` raises them too: the variants share the model's code objects, so three variants at three
+    prefill lengths are nine compilations of one frame, past the limit of 8 (stop 25: the ninth ran eagerly)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 1024)
+    if scope == "model":
+        return torch.compile(model, dynamic=False)
     regional = copy.deepcopy(model)  # the eager variant stays as it is
     for layer in regional.model.layers:
         layer.compile(dynamic=False)

@@ -5,15 +5,19 @@ find the ``kernel`` answer, as they always have: the fastest kernel in CUDA-grap
 near-tie rule). Under :attr:`~fp8_backends.core.objective.SelectionObjective.HOST` they hand that answer and the
 candidates they know, as :class:`Row` ``(key, kernel µs, host µs, static rank)``, to :func:`choose`:
 
-- a call the host enqueues costs ``max(kernel µs, host µs)`` (``host µs``: the provider class's
-  :attr:`~fp8_backends.core.backend.Fp8GemmBackend.host_us`); a candidate that declares none counts as the most
-  expensive declared candidate of the decision (it never wins on host time alone; none declared: 0);
+- a call the host enqueues costs ``max(kernel µs, host µs + context)`` (``host µs``: the provider class's
+  :attr:`~fp8_backends.core.backend.Fp8GemmBackend.host_us`; a candidate that declares none counts as the most
+  expensive declared candidate of the decision: it never wins on host time alone; none declared: 0). ``context``
+  (:data:`~fp8_backends.core.objective.HOST_CONTEXT_US`, ``FP8_SELECTION_HOST_CONTEXT_US``) is the host time of the
+  model's other work around each linear: the GPU idles unless the kernels outlast all of the host's work, not only
+  their own calls', so a 79 µs kernel behind a 40 µs call is not kernel-bound in a model whose host spends ~70 µs more
+  per linear (a compiled 512-token step measured host-bound at 2083 µs of kernels against 6590 µs of host time);
 - only candidates whose kernel µs is within :data:`HOST_MARGIN` (5%) of the fastest are considered, so the
   host-aware choice never runs a kernel more than 5% slower than the fastest inside a CUDA graph;
 - among those, the lowest cost wins, ties by kernel µs then static rank;
-- the kernel answer (``incumbent``) stays when its own call is kernel-bound (its host µs at most its kernel µs:
-  host time hides behind the kernel, so a change could only be a kernel-time change, which the kernel answer's
-  near-tie rule already settled) and when no candidate costs strictly less.
+- the kernel answer (``incumbent``) stays when its own call is kernel-bound (its host µs plus the context at most its
+  kernel µs: host time hides behind the kernel, so a change could only be a kernel-time change, which the kernel
+  answer's near-tie rule already settled) and when no candidate costs strictly less.
 
 :func:`rows_from_record` turns a measured lockfile or shipped entry into rows, and :func:`note` explains a change
 ("host-aware: triton 18.1 µs kernel + ~5 µs host over torch_scaled_mm 17.5 µs + ~20 µs host"). Pure Python; no
@@ -27,7 +31,8 @@ import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from fp8_backends.core.objective import HOST_MARGIN, SelectionObjective
+from fp8_backends.core import settings
+from fp8_backends.core.objective import HOST_CONTEXT_US, HOST_MARGIN, SelectionObjective
 
 if TYPE_CHECKING:
     from .discovery import ProviderEntry
@@ -47,17 +52,37 @@ class Row(NamedTuple):
     label: str = ""
 
 
-def host_us_of(cls: Any) -> float | None:
-    """A provider class's declared host µs (:attr:`~fp8_backends.core.backend.Fp8GemmBackend.host_us`), or None
-    when it declares none or something that is not a finite number >= 0 (reported once at DEBUG)."""
-    value = getattr(cls, "host_us", None)
+def _valid_us(cls: Any, value: Any, what: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        logger.debug("provider %s declares host_us=%r, not a finite number >= 0: treated as undeclared",
-                     getattr(cls, "name", cls), value)
+        logger.debug("provider %s declares %s=%r, not a finite number >= 0: treated as undeclared",
+                     getattr(cls, "name", cls), what, value)
         return None
     return float(value)
+
+
+def host_us_of(cls: Any, m: int | None = None, n: int | None = None, k: int | None = None,
+               options: Mapping[str, str] | None = None) -> float | None:
+    """A provider class's host µs per call: at ``M x N x K`` with ``options`` its
+    :meth:`~fp8_backends.core.backend.Fp8GemmBackend.host_us_for` where the problem is given and the class has one,
+    else its declared :attr:`~fp8_backends.core.backend.Fp8GemmBackend.host_us`; None when it declares none or
+    something that is not a finite number >= 0 (reported at DEBUG). A ``host_us_for`` that raises or answers
+    such a value counts as ``host_us``."""
+    declared = _valid_us(cls, getattr(cls, "host_us", None), "host_us")
+    per_problem = getattr(cls, "host_us_for", None)
+    if per_problem is None or m is None or n is None or k is None:
+        return declared
+    try:
+        value = per_problem(m, n, k, dict(options or {}))
+    except Exception as exc:  # a plugin's hook must not break resolution
+        logger.debug("provider %s: host_us_for(%s, %s, %s) raised %s: %s; using host_us", getattr(cls, "name", cls),
+                     m, n, k, type(exc).__name__, exc)
+        return declared
+    if value is None:
+        return declared
+    checked = _valid_us(cls, value, f"host_us_for({m}, {n}, {k})")
+    return declared if checked is None else checked
 
 
 def effective_host(rows: Sequence[Row]) -> dict[Hashable, float]:
@@ -67,20 +92,22 @@ def effective_host(rows: Sequence[Row]) -> dict[Hashable, float]:
     return {r.key: worst if r.host_us is None else r.host_us for r in rows}
 
 
-def cost(row: Row, host: float) -> float:
-    """What a call the host enqueues costs: ``max(kernel µs, host µs)``."""
-    return max(row.kernel_us, host)
+def cost(row: Row, host: float, context: float = 0.0) -> float:
+    """What a call the host enqueues costs: ``max(kernel µs, host µs + context µs)``."""
+    return max(row.kernel_us, host + context)
 
 
 def choose(rows: Sequence[Row], objective: SelectionObjective | str = SelectionObjective.HOST, *,
-           incumbent: Hashable | None = None, margin: float = HOST_MARGIN) -> Row | None:
-    """The winner of ``rows`` under ``objective`` (module docstring); None for no rows.
+           incumbent: Hashable | None = None, margin: float = HOST_MARGIN, context: float | None = None
+           ) -> Row | None:
+    """The winner of ``rows`` under ``objective`` (module docstring); None for no rows. ``context``: the host µs of
+    other work around each call (None: :func:`fp8_backends.core.settings.host_context_us`, read now).
 
     - ``kernel`` (or ``auto``, which is kernel for one decision): the incumbent when given and among the rows, else
       the fastest kernel (ties by static rank);
-    - ``host``: among rows within ``margin`` of the fastest kernel, the lowest ``max(kernel µs, host µs)``, ties by
-      kernel µs then static rank; the incumbent (the kernel answer) stays when its call is kernel-bound or nothing
-      costs strictly less."""
+    - ``host``: among rows within ``margin`` of the fastest kernel, the lowest ``max(kernel µs, host µs + context)``,
+      ties by kernel µs then static rank; the incumbent (the kernel answer) stays when its call is kernel-bound or
+      nothing costs strictly less."""
     rows = [r for r in rows if r.kernel_us > 0 and math.isfinite(r.kernel_us)]
     if not rows:
         return None
@@ -88,15 +115,23 @@ def choose(rows: Sequence[Row], objective: SelectionObjective | str = SelectionO
     current = next((r for r in rows if incumbent is not None and r.key == incumbent), None)
     if objective is SelectionObjective.KERNEL:
         return current or min(rows, key=lambda r: (r.kernel_us, r.rank))
+    if context is None:
+        context = settings.host_context_us()
     host = effective_host(rows)
-    if current is not None and host[current.key] <= current.kernel_us:
+    if current is not None and host[current.key] + context <= current.kernel_us:
         return current  # kernel-bound: host time hides behind the kernel
     fastest = min(r.kernel_us for r in rows)
     eligible = [r for r in rows if r.kernel_us <= fastest * (1.0 + margin)]
-    best = min(eligible, key=lambda r: (cost(r, host[r.key]), r.kernel_us, r.rank))
-    if current is not None and cost(best, host[best.key]) >= cost(current, host[current.key]):
+    best = min(eligible, key=lambda r: (cost(r, host[r.key], context), r.kernel_us, r.rank))
+    if current is not None and cost(best, host[best.key], context) >= cost(current, host[current.key], context):
         return current
     return best
+
+
+def memo_key(objective: SelectionObjective) -> Hashable:
+    """What a memoized answer under ``objective`` depends on besides the problem: the objective, and under ``host``
+    the context µs read now (``FP8_SELECTION_HOST_CONTEXT_US`` may change between resolutions)."""
+    return (objective, settings.host_context_us()) if objective is SelectionObjective.HOST else objective
 
 
 def describe(row: Row, host: float, predicted: bool = False) -> str:
@@ -134,9 +169,11 @@ def rows_from_record(record: Mapping[str, Any], servable: Servable, serving: Seq
                      ) -> tuple[list[Row], dict[Hashable, tuple[ProviderEntry, dict[str, str]]]]:
     """The rows of a measured entry (its ``ranking``: every candidate with a measured ``us``) that can serve here,
     keyed by ``(provider entry id, sorted options)``, and what each key stands for. A candidate measured twice
-    keeps its fastest time."""
+    keeps its fastest time. Host µs: :func:`host_us_of` at the entry's ``m`` (its bucket) and ``problem`` N x K."""
     rows: dict[Hashable, Row] = {}
     found: dict[Hashable, tuple[ProviderEntry, dict[str, str]]] = {}
+    problem = record.get("problem") if isinstance(record.get("problem"), Mapping) else {}
+    m = record.get("m") if isinstance(record.get("m"), int) else None
     for rec in record.get("ranking") or ():
         us = rec.get("us") if isinstance(rec, Mapping) else None
         if isinstance(us, bool) or not isinstance(us, (int, float)) or not us > 0:
@@ -148,7 +185,8 @@ def rows_from_record(record: Mapping[str, Any], servable: Servable, serving: Seq
         key = row_key(entry, options)
         if key in rows and rows[key].kernel_us <= us:
             continue
-        rows[key] = Row(key, float(us), host_us_of(entry.cls), static_rank(serving, entry, options), entry.name)
+        host = host_us_of(entry.cls, m, problem.get("n"), problem.get("k"), options)
+        rows[key] = Row(key, float(us), host, static_rank(serving, entry, options), entry.name)
         found[key] = (entry, options)
     return list(rows.values()), found
 
@@ -176,6 +214,7 @@ def rerank_record(record: Mapping[str, Any], servable: Servable, serving: Sequen
 
 
 __all__ = [
+    "HOST_CONTEXT_US",
     "HOST_MARGIN",
     "Row",
     "choose",
@@ -183,6 +222,7 @@ __all__ = [
     "describe",
     "effective_host",
     "host_us_of",
+    "memo_key",
     "note",
     "option_rank",
     "rerank_record",

@@ -166,7 +166,7 @@ def _lockfile_policy(
     tune = tune_at_first_use() and not _tuning_now()
     memo = None
     if loaded.error is None and not tune:
-        memo = (kind, problem, platform, tuple(id(c.entry) for c in serving), objective)
+        memo = (kind, problem, platform, tuple(id(c.entry) for c in serving), host_aware.memo_key(objective))
         answer = loaded.picks.get(memo, loaded)
         if answer is not loaded and (answer is None or any(c.entry is answer[0] for c in serving)):
             return answer  # the warm path: the same answer as last time, no work

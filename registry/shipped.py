@@ -245,7 +245,7 @@ def _answer(kind: str, problem: Any, platform: Platform, serving: list[resolutio
     data = data_for(platform)
     if data is None:
         return None
-    memo = (problem, platform, tuple(id(c.entry) for c in serving), objective)
+    memo = (problem, platform, tuple(id(c.entry) for c in serving), host_aware.memo_key(objective))
     answer = data.picks.get(memo, data)
     if answer is not data and (answer is None or any(c.entry is answer[1][0] for c in serving)):
         return answer
@@ -304,7 +304,7 @@ def _nearest(kind, problem, platform, serving, data: ShippedData, objective=Sele
     why = ""
     if objective is SelectionObjective.HOST:
         def host(key: CandKey) -> float | None:
-            return host_aware.host_us_of(found[key][0].cls)
+            return host_aware.host_us_of(found[key][0].cls, bucket, problem.n, problem.k, found[key][1])
 
         ck, score = choose(pred.scores, rank, TIE_MARGIN, objective=objective, host=host, fastest_us=pred.fastest_us)
         if ck != won[0]:

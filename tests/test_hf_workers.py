@@ -4,6 +4,7 @@ merge, and one end-to-end run on the CPU with two processes."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -130,3 +131,34 @@ def test_parallel_run_on_the_cpu_measures_every_variant_in_one_report(workers, t
     assert result["accuracy"]["fp8_static"]["top1_agree"] > 0.5  # the parent's check, after the processes
     assert (tmp_path / "sync" / "turn").read_text() == str(2 * (2 * 2 + 2))  # 2 rows x (2 rounds x 2 + 2 profile)
     assert "| decode | eager |" in (tmp_path / "hf_model_llama.md").read_text()
+
+
+def test_a_host_context_variant_sets_the_variable_while_it_is_built_then_restores_it(workers, monkeypatch):
+    """``fp8_static+host_context=0``: an A/B of the host objective's context in one process."""
+    import torch
+    from torch import nn
+
+    import fp8_backends
+    from fp8_backends import convert
+    from fp8_backends.core.settings import HOST_CONTEXT_ENV
+
+    _, hf_model = workers
+    assert hf_model.variant_kwargs("fp8_dynamic+host_context=0+plan=general") == {"host_context": "0",
+                                                                                 "plan": "general"}
+    with pytest.raises(ValueError, match="host_context=US"):
+        hf_model.variant_kwargs("fp8_dynamic+context=0")
+    monkeypatch.setenv(HOST_CONTEXT_ENV, "7")
+    seen = []
+    real = convert.quantize_model
+
+    def spy(*a, **kw):
+        seen.append(os.environ[HOST_CONTEXT_ENV])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(convert, "quantize_model", spy)
+    monkeypatch.setattr(fp8_backends, "quantize_model", spy, raising=False)  # the package's lazy name, once read
+    base = nn.Sequential(nn.Linear(64, 32, bias=False, dtype=torch.bfloat16))
+    models, notes = hf_model.make_variants(base, ["fp8_dynamic+host_context=0"], torch.zeros(1, 4, dtype=torch.long))
+    assert notes["fp8_dynamic+host_context=0"]["host_context_us"] == 0.0 and set(models) == {
+        "fp8_dynamic+host_context=0"}
+    assert seen == ["0"] and os.environ[HOST_CONTEXT_ENV] == "7"

@@ -24,7 +24,7 @@ from fp8_backends import quantize_model
 from fp8_backends.core import reference, settings
 from fp8_backends.core.capabilities import GemmCapabilities
 from fp8_backends.core.errors import ConfigurationError, InvalidInputError
-from fp8_backends.core.objective import HOST_MARGIN, SelectionObjective
+from fp8_backends.core.objective import HOST_CONTEXT_US, HOST_MARGIN, SelectionObjective
 from fp8_backends.core.types import DeviceKind, GemmProblem, QuantizedActivation
 from fp8_backends.layers import Fp8Linear
 from fp8_backends.list import collect, render
@@ -71,9 +71,10 @@ def entry_for(n: int, k: int, m: int, times: dict[str, float], device_fields: bo
     return lockfile.entry_key("gemm", fields, m), entry
 
 
-#: per bucket: torch fastest everywhere; the fake 3% slower at M <= 1 (host-bound: 10 µs against torch's 25 µs of
-#: host), 6% slower at M <= 4 (outside the margin), 2.5% slower at M <= 8 where the kernels take 40 µs (kernel-bound)
-LOCK_TIMES = {1: {"torch": 10.0, "fake": 10.3}, 4: {"torch": 10.0, "fake": 10.6}, 8: {"torch": 40.0, "fake": 41.0}}
+#: per bucket: torch fastest everywhere; the fake 3% slower at M <= 1 (host-bound: 10 µs against torch's 20 µs of
+#: host and the 50 µs context), 6% slower at M <= 4 (outside the margin), 2.5% slower at M <= 8 where the kernels take
+#: 100 µs (kernel-bound)
+LOCK_TIMES = {1: {"torch": 10.0, "fake": 10.3}, 4: {"torch": 10.0, "fake": 10.6}, 8: {"torch": 100.0, "fake": 102.5}}
 
 
 @pytest.fixture
@@ -119,11 +120,17 @@ def test_host_rule_picks_the_cheapest_call_within_the_margin():
 
 
 def test_host_rule_keeps_a_kernel_bound_answer_and_breaks_ties_by_kernel_then_rank():
-    # the kernel answer's call is kernel-bound (40 µs kernel > 25 µs host): a near-tie it won stays
-    inc = Row("torch", 40.0, 25.0, (0,))
-    other = Row("fake", 39.5, 2.0, (1,))
-    assert host_aware.choose([inc, other], "host", incumbent="torch") is inc
-    assert host_aware.choose([inc, other], "host") is other  # without an incumbent: the plain rule
+    # the kernel answer's call is kernel-bound (90 µs kernel > 25 µs host + 50 µs of context): a near-tie it won
+    # stays
+    inc = Row("torch", 90.0, 25.0, (0,))
+    other = Row("fake", 89.5, 2.0, (1,))
+    assert host_aware.choose([inc, other], "host", incumbent="torch", context=50.0) is inc
+    assert host_aware.choose([inc, other], "host", context=50.0) is other  # without an incumbent: the plain rule
+    # 40 µs of kernel does not outlast 25 µs of host plus the context: the cheaper call wins; with no context it
+    # is kernel-bound (the rule before the context)
+    inc, other = Row("torch", 40.0, 25.0, (0,)), Row("fake", 39.5, 2.0, (1,))
+    assert host_aware.choose([inc, other], "host", incumbent="torch", context=50.0) is other
+    assert host_aware.choose([inc, other], "host", incumbent="torch", context=0.0) is inc
     # equal costs (both host-bound at 25 µs): the faster kernel, then static rank; the incumbent keeps a cost tie
     a, b = Row("a", 10.0, 25.0, (1,)), Row("b", 10.2, 25.0, (0,))
     assert host_aware.choose([b, a], "host") is a
@@ -131,6 +138,31 @@ def test_host_rule_keeps_a_kernel_bound_answer_and_breaks_ties_by_kernel_then_ra
     assert host_aware.choose([a, c], "host") is c
     assert host_aware.choose([a, b], "host", incumbent="b") is b
     assert host_aware.choose([], "host") is None
+
+
+def test_the_context_makes_a_host_bound_step_pay_every_call(monkeypatch):
+    """Issue 14's 512-token step: ``down_proj``'s bucket measured ``flashinfer_bmm`` 78.7 µs against
+    ``torch._scaled_mm`` 78.9. Its own call (40 µs) hides behind its kernel, but not the model's other host work
+    around it: with the default context the cheaper call wins; ``FP8_SELECTION_HOST_CONTEXT_US=0`` keeps the
+    kernel answer."""
+    fi = Row("flashinfer", 78.7, 40.0, (3,), "flashinfer_bmm")
+    torch_row = Row("torch", 78.9, 20.0, (0,), "torch_scaled_mm")
+    assert HOST_CONTEXT_US == 50.0
+    monkeypatch.delenv("FP8_SELECTION_HOST_CONTEXT_US", raising=False)
+    assert host_aware.choose([fi, torch_row], "host", incumbent="flashinfer") is torch_row
+    assert host_aware.cost(fi, 40.0, HOST_CONTEXT_US) == 90.0 and host_aware.cost(torch_row, 20.0) == 78.9
+    monkeypatch.setenv("FP8_SELECTION_HOST_CONTEXT_US", "0")
+    assert host_aware.choose([fi, torch_row], "host", incumbent="flashinfer") is fi
+    # a kernel that outlasts both stays: M = 4096 gate_up, cutlass 700.6 against torch 732.5 µs
+    big, big_torch = Row("cutlass", 700.6, 60.0, (1,)), Row("torch", 732.5, 20.0, (0,))
+    monkeypatch.setenv("FP8_SELECTION_HOST_CONTEXT_US", "50")
+    assert host_aware.choose([big, big_torch], "host", incumbent="cutlass") is big
+    for bad in ("-1", "fast", "nan", "inf"):
+        monkeypatch.setenv("FP8_SELECTION_HOST_CONTEXT_US", bad)
+        with pytest.raises(ConfigurationError, match="FP8_SELECTION_HOST_CONTEXT_US"):
+            host_aware.choose([fi, torch_row], "host", incumbent="flashinfer")
+    # the kernel objective never reads it
+    assert host_aware.choose([fi, torch_row], "kernel", incumbent="flashinfer") is fi
 
 
 def test_an_undeclared_host_cost_counts_as_the_most_expensive_declared():
@@ -177,6 +209,52 @@ def test_host_us_declarations():
 
 
 # ------------------------------------------------------------------------------------------ the environment
+def test_host_cost_per_problem():
+    """The triton provider's TMA configs (prefill M; an opaque op with a Python body under torch.compile) cost
+    ``tma_host_us``; its other configs (Inductor-launched) ``host_us``. A hook that raises or answers nonsense counts
+    as the class figure."""
+    from fp8_backends.providers.triton import gemm_configs
+    from fp8_backends.providers.triton.gemm import TritonGemmBackend
+
+    table = gemm_configs.active_table()
+    family = {m: gemm_configs.CONFIGS[table.pick(m, 4096, 4096)].family for m in (16, 512, 1024)}
+    assert family[16] != "tma" and family[512] != "tma" and family[1024] == "tma"
+    t = TritonGemmBackend
+    assert host_aware.host_us_of(t, 512, 4096, 4096, {"config": "auto"}) == 5.0
+    assert host_aware.host_us_of(t, 1024, 4096, 4096, {"config": "auto"}) == t.tma_host_us == 110.0
+    assert host_aware.host_us_of(t, 1024, 4096, 4096) == 110.0  # no options: config auto
+    swap = next(name for name, c in gemm_configs.CONFIGS.items() if c.family == "swap")
+    tma = next(name for name, c in gemm_configs.CONFIGS.items() if c.family == "tma")
+    assert host_aware.host_us_of(t, 1024, 4096, 4096, {"config": swap}) == 5.0
+    assert host_aware.host_us_of(t, 16, 4096, 4096, {"config": tma}) == 110.0
+    assert host_aware.host_us_of(t) == 5.0  # no problem: the class figure
+    assert host_aware.host_us_of(TorchScaledMMBackend, 1024, 4096, 4096, {}) == 20.0
+
+    class Raises(fake_provider.FakeMM):
+        host_us = 3.0
+
+        @classmethod
+        def host_us_for(cls, m, n, k, options):
+            raise RuntimeError("broken plugin")
+
+    class Nonsense(Raises):
+        @classmethod
+        def host_us_for(cls, m, n, k, options):
+            return float("nan")
+
+    assert host_aware.host_us_of(Raises, 1, 64, 64, {}) == 3.0 and host_aware.host_us_of(Nonsense, 1, 64, 64, {}) == 3.0
+
+
+def test_the_h200_data_keeps_triton_tma_buckets_out_of_host_bound_steps():
+    """Stop 25 call 1: q/o (4096x4096) at M <= 1024 had turned to triton (kernel 25.8 against 25.6 µs) whose TMA
+    config costs ~110 µs of host per call; the host objective now keeps torch_scaled_mm there, and still takes
+    triton where its kernels are Inductor-launched (decode)."""
+    h200 = simulate_platform("9.0")
+    table = {b: be.name for b, be in resolution.resolve_gemm_buckets(
+        "auto", problem=GemmProblem(n=4096, k=4096, m=None), platform=h200, objective="host")}
+    assert table[1024] == "torch_scaled_mm" and table[1] == "triton", table
+
+
 def test_the_variable_sets_the_default(monkeypatch, cpu_lock):
     assert resolution.resolution_objective() is SelectionObjective.KERNEL
     assert per_m.layer_objective(None) is SelectionObjective.AUTO
@@ -252,15 +330,15 @@ SHAPES = [(2048, 2048), (3072, 2048), (2048, 3072), (4096, 4096), (16384, 4096),
 
 @pytest.fixture
 def host_data(tmp_path, monkeypatch, host_fake) -> Path:
-    """Shipped data where torch is fastest everywhere; the fake is 3% slower at M = 1 (10 µs kernels: host-bound)
-    and 2% slower at M = 256 (60 µs: kernel-bound)."""
+    """Shipped data where torch is fastest everywhere; the fake is 3% slower at M = 1 (10 µs kernels for a 4096x4096
+    weight: host-bound) and 2% slower at M = 256 (120 µs: kernel-bound)."""
     platform = {"device": "cuda", "gpu": "NVIDIA H200", "sm": "9.0", "driver": "13.0", "cuda": "13.0",
                 "libraries": {"fp8-backends": "0.1.0", "torch": "2.11.0"}}
     entries = {}
     for n, k in SHAPES:
         size = n * k / (4096 * 4096)
         entries.update([entry_for(n, k, 1, {"torch": 10.0 * size, "fake": 10.3 * size}),
-                        entry_for(n, k, 256, {"torch": 60.0 * size, "fake": 61.2 * size})])
+                        entry_for(n, k, 256, {"torch": 120.0 * size, "fake": 122.4 * size})])
     prov = {"format": shipped_data.FORMAT, "gpu": "NVIDIA H200", "sm": "9.0", "driver": "13.0", "cuda": "13.0",
             "libraries": dict(platform["libraries"]), "date": "2026-12-01T00:00:00Z",
             "command": "python -m fp8_backends.tune --shipped-grid --lockfile sm90.json", "grid": {}}
@@ -279,15 +357,20 @@ def _auto(problem, objective):
     return res
 
 
-def test_shipped_exact_under_both_objectives(host_data):
+def test_shipped_exact_under_both_objectives(host_data, monkeypatch):
     kernel, host = (_auto(GemmProblem(n=4096, k=4096, m=1), obj) for obj in ("kernel", "host"))
     assert (kernel.source, kernel.backend.name) == ("shipped-exact", "torch_scaled_mm")
     assert (host.source, host.backend.label) == ("shipped-exact", FAKE_LABEL)
     assert host.note.endswith("bucket M=1; host-aware: fake_mm 10.3 µs kernel + ~2 µs host over torch_scaled_mm "
                               "10.0 µs + ~20 µs host")
-    # a 16384x4096 weight's 40 µs kernels are kernel-bound; so is every shape at M = 256
-    assert _auto(GemmProblem(n=16384, k=4096, m=1), "host").backend.name == "torch_scaled_mm"
+    # a 4096x4096 weight's 120 µs kernels at M = 256 outlast their host time and the context: kernel-bound
     assert _auto(GemmProblem(n=4096, k=4096, m=200), "host").backend.name == "torch_scaled_mm"
+    # a 16384x4096 weight's 40 µs kernels at M = 1 outlast their own call (20 µs), not the model's host work around
+    # it; with no context (FP8_SELECTION_HOST_CONTEXT_US=0) they count as kernel-bound
+    assert _auto(GemmProblem(n=16384, k=4096, m=1), "host").backend.label == FAKE_LABEL
+    monkeypatch.setenv("FP8_SELECTION_HOST_CONTEXT_US", "0")
+    resolution.reset_caches()
+    assert _auto(GemmProblem(n=16384, k=4096, m=1), "host").backend.name == "torch_scaled_mm"
 
 
 def test_shipped_nearest_under_both_objectives(host_data):

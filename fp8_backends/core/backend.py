@@ -228,11 +228,21 @@ class Fp8GemmBackend(ProviderBase):
     capabilities: ClassVar[GemmCapabilities] = GemmCapabilities()
     #: µs of host time one call costs on the compiled path (``torch.compile``, no CUDA graph): what the host spends
     #: to enqueue the GEMM, the figure ``auto`` weighs under the ``host`` selection objective
-    #: (:mod:`fp8_backends.core.objective`: a call costs ``max(kernel µs, host µs)`` there). One figure per class
-    #: (options do not change it). ``None`` (undeclared): the provider counts as costing as much host time as the
-    #: most expensive declared candidate of the same decision, so it never wins on host time alone.
+    #: (:mod:`fp8_backends.core.objective`: a call costs ``max(kernel µs, host µs + context)`` there). One figure
+    #: per class unless :meth:`host_us_for` says otherwise. ``None`` (undeclared): the provider counts as costing as
+    #: much host time as the most expensive declared candidate of the same decision, so it never wins on host time
+    #: alone.
     host_us: ClassVar[float | None] = None
     _fast: Any = None  # hot-path check tables (_FastPath), built at the first gemm call
+
+    @classmethod
+    def host_us_for(cls, m: int, n: int, k: int, options: Mapping[str, str]) -> float | None:
+        """The host µs of one call at ``M x N x K`` with ``options`` (a measured candidate's), for a provider whose
+        call costs differ by problem (the ``triton`` provider's persistent TMA configs launch through Triton's JIT,
+        its other kernels from Inductor's code). Default: :attr:`host_us`. Pure Python, no device work: it is asked
+        at resolution time, per M bucket. An exception or a value that is not a finite number >= 0 counts as
+        :attr:`host_us` (:func:`fp8_backends.registry.host_aware.host_us_of`)."""
+        return cls.host_us
 
     # ------------------------------------------------------------------ load time
     def prepare_weight(self, w_q: torch.Tensor, w_scale: torch.Tensor) -> PreparedWeight:

@@ -5,6 +5,7 @@
 | ``FP8_GEMM_BACKEND`` | default GEMM backend name when the caller passes none (``auto`` if unset) |
 | ``FP8_NORM_QUANT_BACKEND`` | default norm-quant backend name |
 | ``FP8_SELECTION_OBJECTIVE`` | what ``auto`` optimizes: ``kernel``, ``host`` or ``auto`` (:mod:`.objective`) |
+| ``FP8_SELECTION_HOST_CONTEXT_US`` | the host objective's µs of other model work around each linear (default 50) |
 | ``FP8_BACKENDS_DISABLED`` | ``[KIND:][DIST:]NAME`` items to exclude (``gemm:torch``: the GEMM one only) |
 | ``FP8_BACKENDS_PLUGINS`` | comma-separated third-party distributions allowed to load (unset: all; empty: none) |
 | ``FP8_BACKENDS_SIMULATE_SM`` | pretend the GPU is this SM (e.g. ``10.0``) for resolution and listing |
@@ -30,17 +31,19 @@ silent default. :func:`env_int` parses integer variables as strictly.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
 from typing import NamedTuple
 
 from fp8_backends.core.errors import ConfigurationError
-from fp8_backends.core.objective import SelectionObjective, valid_values
+from fp8_backends.core.objective import HOST_CONTEXT_US, SelectionObjective, valid_values
 
 GEMM_BACKEND_ENV = "FP8_GEMM_BACKEND"
 NORM_QUANT_BACKEND_ENV = "FP8_NORM_QUANT_BACKEND"
 SELECTION_OBJECTIVE_ENV = "FP8_SELECTION_OBJECTIVE"
+HOST_CONTEXT_ENV = "FP8_SELECTION_HOST_CONTEXT_US"
 DISABLED_ENV = "FP8_BACKENDS_DISABLED"
 PLUGINS_ENV = "FP8_BACKENDS_PLUGINS"
 SIMULATE_SM_ENV = "FP8_BACKENDS_SIMULATE_SM"
@@ -73,6 +76,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(GEMM_BACKEND_ENV),
     EnvVar(NORM_QUANT_BACKEND_ENV),
     EnvVar(SELECTION_OBJECTIVE_ENV),
+    EnvVar(HOST_CONTEXT_ENV),
     EnvVar(DISABLED_ENV),
     EnvVar(PLUGINS_ENV),
     EnvVar(SIMULATE_SM_ENV),
@@ -311,3 +315,18 @@ def selection_objective(default: SelectionObjective) -> SelectionObjective:
     if member is None:
         raise ConfigurationError(SELECTION_OBJECTIVE_ENV, raw, f"{valid_values()} (unset or empty: the default)")
     return member  # type: ignore[return-value]
+
+
+def host_context_us() -> float:
+    """``FP8_SELECTION_HOST_CONTEXT_US`` read now: a finite number of µs >= 0, :data:`~.objective.HOST_CONTEXT_US`
+    when unset or empty; anything else raises :class:`ConfigurationError` naming the variable."""
+    raw = os.environ.get(HOST_CONTEXT_ENV)
+    if raw is None or not raw.strip():
+        return HOST_CONTEXT_US
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise ConfigurationError(HOST_CONTEXT_ENV, raw, f"a number of µs >= 0 (unset or empty: {HOST_CONTEXT_US:g})")
+    return value

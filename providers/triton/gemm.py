@@ -17,6 +17,7 @@ Runs on any NVIDIA GPU with FP8 tensor cores (SM >= 8.9), and on the CPU under T
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from fp8_backends.core.backend import OpGemmBackend
@@ -72,6 +73,19 @@ class TritonGemmBackend(OpGemmBackend):
     # host µs per call when Inductor launches the kernel (torch.compile, static launcher): a few µs; the reference
     # point of the other providers' figures (bench/results/2026-12-01-h200-stop16/call2/compiled_host_sl-*.md)
     host_us: ClassVar[float | None] = 5.0
+    #: host µs per call of the persistent TMA configs (prefill M), which stay an opaque op under torch.compile: its
+    #: Python body builds two tensor descriptors and launches through Triton's JIT. Measured (stop 25 call 2,
+    #: bench.compiled_host, M = 1024): 195-232 µs a compiled linear against 108-141 through torch._scaled_mm
+    #: (declared 20), so ~90 µs more
+    tma_host_us: ClassVar[float] = 110.0
+
+    @classmethod
+    def host_us_for(cls, m: int, n: int, k: int, options: Mapping[str, str]) -> float | None:
+        """:attr:`tma_host_us` where the config (``auto``: the active table's pick for M x N x K) is a TMA one, else
+        :attr:`host_us`."""
+        config = options.get("config", "auto")
+        tile = CONFIGS.get(active_table().pick(m, n, k) if config == "auto" else config)
+        return cls.tma_host_us if tile is not None and tile.family == "tma" else cls.host_us
 
     def __init__(self, **options: str) -> None:
         super().__init__(**options)
