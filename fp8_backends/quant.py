@@ -96,10 +96,16 @@ def registered_quant_impl(mode: ActScale | str, device_type: str) -> QuantImpl |
     return _impls.get((ActScale.of(mode), str(device_type)))
 
 
+def compile_mode() -> str:
+    """The current compile mode (:func:`set_compile_mode`): ``"inline"`` or ``"op"``."""
+    return _compile_mode
+
+
 def set_compile_mode(mode: str) -> str:
     """``"inline"`` (default): under torch.compile trace the reference torch code so the compiler can
-    fuse it; ``"op"``: keep the library op (and registered kernels) in compiled graphs. Returns the
-    previous mode."""
+    fuse it; ``"op"``: keep the library op (and registered kernels) in compiled graphs. It also decides what a
+    compiled :class:`~fp8_backends.layers.RMSNormFp8Quant` resolved by ``auto`` traces (the reference torch code
+    under ``"inline"``, its provider's op under ``"op"``). Returns the previous mode."""
     global _compile_mode
     if mode not in ("inline", "op"):
         raise InvalidInputError(f"compile mode must be 'inline' or 'op', got {mode!r}")
@@ -357,6 +363,7 @@ def quantize(
 
 
 __all__ = [
+    "compile_mode",
     "default_quant_impl",
     "op_call",
     "quant_op",

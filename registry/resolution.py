@@ -747,11 +747,7 @@ def resolve_gemm_buckets(
         objective = SelectionObjective.of(objective)
     if problem is None:
         raise InvalidTypeError("resolve_gemm_buckets needs a GemmProblem")
-    text = name if name is not None else (os.environ.get(ENV_FOR_KIND["gemm"], "").strip() or AUTO)
-    try:
-        if not BackendRequest.parse(text).is_auto:
-            return []
-    except InvalidInputError:
+    if not requests_auto("gemm", name):
         return []
     platform = _platform_for(problem, platform)
     objective = resolution_objective(objective)
@@ -797,6 +793,20 @@ def resolve_norm_quant_backend(
     """The fused RMSNorm+FP8-quant provider; same rules as :func:`resolve_gemm_backend`
     (env var ``FP8_NORM_QUANT_BACKEND``)."""
     return resolve("norm_quant", name, problem=problem, platform=platform)
+
+
+def requests_auto(kind: str, name: Any) -> bool:
+    """Whether a backend request of ``kind`` is ``auto``: ``name`` a string, or None for the kind's environment
+    variable (``FP8_GEMM_BACKEND`` / ``FP8_NORM_QUANT_BACKEND``, read now), else ``auto``. A provider instance or an
+    unparsable name is not."""
+    if name is None:
+        name = os.environ.get(ENV_FOR_KIND[kind], "").strip() or AUTO
+    if not isinstance(name, str):
+        return False
+    try:
+        return BackendRequest.parse(name).is_auto
+    except InvalidInputError:
+        return False
 
 
 def reset_caches() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import replace
+from typing import ClassVar
 
 import pytest
 import torch
@@ -467,6 +468,58 @@ def test_block_compiles_fullgraph_and_matches_eager(mode, dtype):
     torch.testing.assert_close(r_comp, r_eager, rtol=0, atol=0)  # the in-place residual update survives
 
 
+class CountingNorm(TorchNormQuantBackend):
+    """The torch norm-quant provider under another name, chosen by ``auto`` (priority above every built-in), that
+    counts its kernel calls."""
+
+    name = "counting_norm"
+    aliases = ()
+    capabilities = replace(TorchNormQuantBackend.capabilities, priority=99)
+    calls: ClassVar[list[str]] = []
+
+    def rmsnorm_quant_impl(self, out, x, weight, scale, eps):
+        CountingNorm.calls.append("norm")
+        super().rmsnorm_quant_impl(out, x, weight, scale, eps)
+
+    def fused_add_rmsnorm_quant_impl(self, out, x, residual, weight, scale, eps):
+        CountingNorm.calls.append("add_norm")
+        super().fused_add_rmsnorm_quant_impl(out, x, residual, weight, scale, eps)
+
+
+@pytest.mark.parametrize("request_kind", ["auto", "explicit", "auto_op_mode"])
+def test_a_compiled_auto_norm_traces_the_reference_and_an_explicit_one_its_provider(monkeypatch, request_kind):
+    """Under torch.compile an ``auto`` norm traces the reference torch code (Inductor fuses it), with the eager
+    result bit for bit and the residual updated in place; a named provider, or ``set_compile_mode("op")``, keeps
+    the provider's call in the compiled step."""
+    import fake_provider
+
+    from fp8_backends import quant
+
+    fake_provider.install(monkeypatch, CountingNorm)
+    norm, lin = _norm_pair(STATIC, backend="counting_norm" if request_kind == "explicit" else None)
+    assert norm.norm_backend.name == "counting_norm" and norm._auto is (request_kind != "explicit")
+    previous = quant.set_compile_mode("op" if request_kind == "auto_op_mode" else "inline")
+    try:
+        x, r = _x(3, 64), _x(3, 64, seed=5)
+        r_eager, r_comp = r.clone(), r.clone()
+        q_eager, _ = norm(x, r_eager)
+        y_eager = lin(norm(x))
+        CountingNorm.calls.clear()
+        fn = torch.compile(lambda x, r: (norm(x, r)[0].data, lin(norm(x))), backend="aot_eager", fullgraph=True)
+        for _ in range(2):
+            r_comp.copy_(r)
+            q_comp, y_comp = fn(x, r_comp)
+    finally:
+        quant.set_compile_mode(previous)
+    assert torch.equal(q_comp.view(torch.uint8), q_eager.data.view(torch.uint8))
+    torch.testing.assert_close(y_comp, y_eager, rtol=0, atol=0)
+    torch.testing.assert_close(r_comp, r_eager, rtol=0, atol=0)
+    if request_kind == "auto":
+        assert CountingNorm.calls == []
+    else:
+        assert "add_norm" in CountingNorm.calls and "norm" in CountingNorm.calls
+
+
 def test_block_fused_matches_unfused():
     fused, unfused = TinyBlock(STATIC, torch.bfloat16, True), TinyBlock(STATIC, torch.bfloat16, False)
     x, r = _x(4, 64), _x(4, 64, seed=5)
@@ -600,8 +653,15 @@ def test_bad_input(case):
 
 # ------------------------------------------------------------------------------------------ GPU
 def _gpu_block(mode, dtype, h=512, i=1024):
-    block = TinyBlock(mode, dtype, True, h=h, i=i)
-    return block.cuda()  # device move: every Fp8Linear / norm processes itself again for CUDA
+    """The block built on the CPU and moved (every Fp8Linear / norm processes itself again for CUDA); built on the
+    GPU where this torch's CPU ``_scaled_mm`` has no row-wise scales (torch 2.11: no provider serves a per-token
+    layer on the CPU, so the CPU block cannot be made)."""
+    from fp8_backends.providers.torch_scaled_mm import cpu_rowwise_supported
+
+    if mode is TOKEN and not cpu_rowwise_supported():
+        with torch.device("cuda"):
+            return TinyBlock(mode, dtype, True, h=h, i=i)
+    return TinyBlock(mode, dtype, True, h=h, i=i).cuda()
 
 
 @pytest.mark.gpu
