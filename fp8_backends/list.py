@@ -28,6 +28,7 @@ from typing import Any
 
 from fp8_backends.core import settings
 from fp8_backends.core.errors import ConfigurationError, Fp8BackendError
+from fp8_backends.core.objective import SelectionObjective
 from fp8_backends.core.text_table import text_table
 from fp8_backends.core.types import ActScale, GemmProblem, NormQuantProblem, WeightScale
 from fp8_backends.registry import discovery, host_aware, resolution
@@ -71,6 +72,17 @@ def _platform_dict(p: Platform) -> dict[str, Any]:
     }
 
 
+def _host_context(res: resolution.Resolution) -> float | None:
+    """The host objective's context µs this resolution was decided with (None under another objective, or when the
+    variable is malformed: the resolution's own error says so)."""
+    if res.objective is not SelectionObjective.HOST:
+        return None
+    try:
+        return settings.host_context_us()
+    except ConfigurationError:
+        return None
+
+
 def _resolution_dict(res: resolution.Resolution) -> dict[str, Any]:
     chosen = res.chosen.entry if res.chosen else None
     return {
@@ -78,6 +90,7 @@ def _resolution_dict(res: resolution.Resolution) -> dict[str, Any]:
         "source": res.source,
         "note": res.note,
         "objective": res.objective.value,
+        "host_context_us": _host_context(res),
         "problem": None if res.problem is None else res.problem.describe(),
         "chosen": None if chosen is None else chosen.name,
         "chosen_config": None if res.backend is None else res.backend.describe_config(),
@@ -277,7 +290,10 @@ def render(data: dict[str, Any]) -> str:
         else:
             cfg = f" [{res['chosen_config']}]" if res["chosen_config"] else ""
             note = f": {res['note']}" if res["note"] else ""
-            objective = " [host objective]" if res.get("objective") == "host" and res["request"] == "auto" else ""
+            objective = ""
+            if res.get("objective") == "host" and res["request"] == "auto":
+                context = res.get("host_context_us")
+                objective = " [host objective" + ("" if context is None else f", context {context:g} µs") + "]"
             out.append(
                 f"  {res['request']}{objective} ({res['source']}{note}) for {problem} -> {res['chosen']}{cfg}"
             )

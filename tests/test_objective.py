@@ -611,6 +611,8 @@ def test_listing_shows_the_objective_and_host_costs(cpu_lock):
     assert res["objective"] == "host" and res["chosen"] == "fake_mm" and "host-aware: fake_mm" in res["note"]
     hosts = {p["name"]: p["host_us"] for p in data["providers"] if p["kind"] == "gemm"}
     assert hosts["torch_scaled_mm"] == 20.0 and hosts["fake_mm"] == 2.0
-    assert "auto [host objective] (lockfile:" in render(data)
-    assert collect(CPU, gemm_problem=gemm(m=1))["resolution"]["gemm"]["objective"] == "kernel"
+    assert res["host_context_us"] == HOST_CONTEXT_US
+    assert "auto [host objective, context 50 µs] (lockfile:" in render(data)
+    kernel = collect(CPU, gemm_problem=gemm(m=1))["resolution"]["gemm"]
+    assert kernel["objective"] == "kernel" and kernel["host_context_us"] is None
     assert discovery.discover("gemm")  # the listing left the registry as it was

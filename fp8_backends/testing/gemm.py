@@ -270,6 +270,13 @@ class GemmProviderContract(ContractBase):
         host = type(provider).host_us
         assert host is None or (isinstance(host, (int, float)) and not isinstance(host, bool) and 0 <= host < 1e6), (
             f"host_us must be None or a number of µs >= 0 (host time per call on the compiled path), got {host!r}")
+        # host_us_for: pure Python at resolution time, per M bucket; None or a number for every M of a problem
+        base_n, base_k = self._base(caps)
+        options = dict(getattr(provider, "config", {}) or {})
+        for m in (1, 16, 256, 1024, 4096):
+            per = type(provider).host_us_for(m, base_n, base_k, options)
+            assert per is None or (isinstance(per, (int, float)) and not isinstance(per, bool) and 0 <= per < 1e6), (
+                f"host_us_for({m}, {base_n}, {base_k}, {options}) must be None or a number of µs >= 0, got {per!r}")
 
     # ------------------------------------------------------------------ numerics
     def test_matches_reference(self, device: str, case: GemmCase) -> None:

@@ -117,6 +117,18 @@ class InstanceAvailability(GoodGemm):
         return Availability.yes()
 
 
+class NegativeHostCost(GoodGemm):
+    """Prices its large-M calls at a negative host time (``host_us_for``), which would make it win every host-bound
+    decision."""
+
+    name: ClassVar[str] = "negative_host_cost"
+    host_us: ClassVar[float | None] = 5.0
+
+    @classmethod
+    def host_us_for(cls, m, n, k, options):
+        return 5.0 if m < 1024 else -80.0
+
+
 class NotRegistered(GoodGemm):
     name: ClassVar[str] = "not_registered"
 

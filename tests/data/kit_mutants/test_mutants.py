@@ -13,6 +13,7 @@ from mutant_providers import (
     InstanceAvailability,
     LosesLastRow,
     MultipliesByScale,
+    NegativeHostCost,
     NormIgnoresWeight,
     NotRegistered,
     ReadsScaleOnHost,
@@ -35,6 +36,7 @@ EXPECTED_FAILURES = {
     "TestAcceptsUndeclared": {"test_undeclared_is_refused_before_any_kernel", "test_bad_inputs_raise_library_errors"},
     "TestReadsScaleOnHost": {"test_fake_tensor_shapes", "test_torch_compile_fullgraph"},
     "TestInstanceAvailability": {"test_declaration"},
+    "TestNegativeHostCost": {"test_declaration"},
     "TestNotRegistered": {"test_registered_under_its_name"},
     "TestHeavyImport": {"test_module_is_import_light"},
     "TestGoodNorm": set(),
@@ -74,7 +76,7 @@ def _norm(cls):
 
 
 for _cls in (GoodGemm, IgnoresWeightScale, DropsBias, LosesLastRow, FirstRowScaleOnly, SkipsValidation,
-             AcceptsUndeclared, ReadsScaleOnHost, InstanceAvailability, HeavyImport):
+             AcceptsUndeclared, ReadsScaleOnHost, InstanceAvailability, NegativeHostCost, HeavyImport):
     globals()[f"Test{_cls.__name__}"] = _gemm(_cls)
 globals()["TestNotRegistered"] = _gemm(NotRegistered, check_registration=True)
 for _cls in (GoodNorm, NormIgnoresWeight, ResidualNotWritten, WritesPastOut, IgnoresEps, MultipliesByScale):
