@@ -163,6 +163,11 @@ def test_the_context_makes_a_host_bound_step_pay_every_call(monkeypatch):
             host_aware.choose([fi, torch_row], "host", incumbent="flashinfer")
     # the kernel objective never reads it
     assert host_aware.choose([fi, torch_row], "kernel", incumbent="flashinfer") is fi
+    # a resolution under host fails loudly with the variable's name; under kernel it is not read
+    problem, h200 = GemmProblem(n=4096, k=4096, m=1), simulate_platform("9.0")
+    res = resolution.explain("gemm", "auto", problem=problem, platform=h200, objective="host")
+    assert isinstance(res.error, ConfigurationError) and "FP8_SELECTION_HOST_CONTEXT_US" in str(res.error)
+    assert resolution.explain("gemm", "auto", problem=problem, platform=h200, objective="kernel").error is None
 
 
 def test_an_undeclared_host_cost_counts_as_the_most_expensive_declared():
