@@ -861,12 +861,11 @@ class RMSNormFp8Quant(nn.Module):
 
         h = self.hidden_size
         if residual is None:
-            total = x2
+            q = reference.rmsnorm_quant(x2, self.weight, scale, self.eps, fp8)
         else:
             r2 = residual.view(-1, h)
-            total = x2.float() + r2.float()
-            r2.copy_(total.to(r2.dtype))
-        q = reference.quantize_static(reference.rmsnorm(total, self.weight, self.eps), scale, fp8)
+            q, total = reference.fused_add_rmsnorm_quant(x2, r2, self.weight, scale, self.eps, fp8)
+            r2.copy_(total)
         qa = QuantizedActivation(q.reshape(*lead, h), scale, x2.dtype, ActScale.PER_TENSOR_STATIC)
         return qa if residual is None else (qa, residual)
 

@@ -107,19 +107,20 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.T
 
 
 def rmsnorm_quant(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6, dtype: object = "e4m3fn"
 ) -> torch.Tensor:
-    """``clamp(rmsnorm(x)·weight / scale, ±448) -> float8_e4m3fn``."""
-    return quantize_static(rmsnorm(x, weight, eps), scale)
+    """``clamp(rmsnorm(x)·weight / scale, ±max) -> fp8`` (``dtype``: float8_e4m3fn by default, ±448)."""
+    return quantize_static(rmsnorm(x, weight, eps), scale, dtype)
 
 
 def fused_add_rmsnorm_quant(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6,
+    dtype: object = "e4m3fn",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(q, new_residual)`` with ``new_residual = (x + residual)`` in x's dtype and ``q`` the
-    quantized RMSNorm of the fp32 sum. Does not modify its inputs."""
+    quantized RMSNorm of the fp32 sum (in ``dtype``). Does not modify its inputs."""
     total = x.float() + residual.float()
-    return quantize_static(rmsnorm(total, weight, eps), scale), total.to(x.dtype)
+    return quantize_static(rmsnorm(total, weight, eps), scale, dtype), total.to(x.dtype)
 
 
 __all__ = [
