@@ -84,7 +84,8 @@ def variant_base(name: str) -> str:
     arguments of :func:`fp8_backends.quantize_model` (``backend``, ``objective``), to compare choices in one run, and
     ``+plan=general``: compiled calls trace the general path instead of each layer's traced plan (an A/B of
     :mod:`fp8_backends.traced_plan`); ``+host_context=US``: the layers are resolved with
-    ``FP8_SELECTION_HOST_CONTEXT_US=US`` (an A/B of the host objective's context, ``0``: the rule before stop 25)."""
+    ``FP8_SELECTION_HOST_CONTEXT_US=US`` (an A/B of the host objective's context, ``0``: the rule before stop 25);
+    ``+fuse=0``: ``quantize_model(fuse=False)``, every linear its own GEMM (an A/B of fused q/k/v and gate/up)."""
     return name.split("+", 1)[0]
 
 
@@ -93,10 +94,10 @@ def variant_kwargs(name: str) -> dict[str, str]:
     out = {}
     for part in name.split("+")[1:]:
         key, sep, value = part.partition("=")
-        if not sep or key not in ("backend", "objective", "plan", "host_context") or \
-                (key == "plan" and value != "general"):
-            raise ValueError(f"variant {name!r}: expected +backend=NAME, +objective=NAME, +plan=general or "
-                             f"+host_context=US, got {part!r}")
+        if not sep or key not in ("backend", "objective", "plan", "host_context", "fuse") or \
+                (key == "plan" and value != "general") or (key == "fuse" and value not in ("0", "1")):
+            raise ValueError(f"variant {name!r}: expected +backend=NAME, +objective=NAME, +plan=general, "
+                             f"+host_context=US or +fuse=0|1, got {part!r}")
         out[key] = value
     return out
 
@@ -109,7 +110,8 @@ def check_variant(name: str) -> str:
     """argparse type of ``--variants``: a known variant, FP8 ones with optional ``+key=value`` arguments."""
     if variant_base(name) not in VARIANTS or ("+" in name and not is_fp8(name)):
         raise argparse.ArgumentTypeError(f"unknown variant {name!r} (known: {', '.join(VARIANTS)}; FP8 variants take "
-                                         "+backend=NAME / +objective=NAME / +plan=general / +host_context=US)")
+                                         "+backend=NAME / +objective=NAME / +plan=general / +host_context=US / "
+                                         "+fuse=0|1)")
     try:
         variant_kwargs(name)
     except ValueError as exc:
@@ -166,6 +168,8 @@ def make_variants(base: Any, names: list[str], calib_ids: torch.Tensor,
             extra = variant_kwargs(name)
             general = extra.pop("plan", None) == "general"
             context = extra.pop("host_context", None)
+            if "fuse" in extra:
+                extra["fuse"] = extra["fuse"] == "1"  # type: ignore[assignment]
             saved_context = os.environ.get(HOST_CONTEXT_ENV)
             if context is not None:
                 os.environ[HOST_CONTEXT_ENV] = context
@@ -176,12 +180,12 @@ def make_variants(base: Any, names: list[str], calib_ids: torch.Tensor,
                 notes[name] = {"config": "Float8DynamicActivationFloat8WeightConfig(PerTensor())"}
             elif kind == "fp8_dynamic":
                 summary = quantize_model(model, static_launch=launch, **extra)
-                notes[name] = {"swapped": summary.count, "providers": summary.providers(),
+                notes[name] = {"swapped": summary.count, "gemms": summary.gemms, "providers": summary.providers(),
                                "bytes_saved": summary.bytes_saved}
             elif kind == "fp8_static":
                 summary = quantize_model(model, act_scale="per_tensor_static", calibration=[calib_ids],
                                          static_launch=launch, **extra)
-                notes[name] = {"swapped": summary.count, "providers": summary.providers(),
+                notes[name] = {"swapped": summary.count, "gemms": summary.gemms, "providers": summary.providers(),
                                "bytes_saved": summary.bytes_saved}
             if general:
                 _drop_traced_plans(model)

@@ -69,6 +69,7 @@ _EXPORTS = {
     "add_cli_args": "fp8_backends.cli",
     "fp8_linear": "fp8_backends.functional",
     "quantize_model": "fp8_backends.convert",
+    "Fp8LinearSlice": "fp8_backends.shared_input",
     "QuantizeSummary": "fp8_backends.convert",
     "static_launch_triton_ops": "fp8_backends.inductor_setup",
     "backends_from_args": "fp8_backends.cli",
@@ -128,3 +129,4 @@ if TYPE_CHECKING:
     from .registry.platform import Platform, detect_platform, list_platforms, simulate_platform
     from .registry.registration import Registration, register_provider, registered_providers, unregister_provider
     from .registry.resolution import resolve_gemm_backend, resolve_norm_quant_backend
+    from .shared_input import Fp8LinearSlice

@@ -14,6 +14,16 @@ Static activation scales (``act_scale="per_tensor_static"``) come from ``input_s
 or from calibration: ``calibration`` batches are run through the unmodified model with a hook on every linear
 to be swapped, which keeps the running ``amax(|x|)`` of its input on the device; the input scale is then
 ``max(amax / fmax, 1e-12)``, the scale dynamic quantization would have computed for the largest batch seen.
+
+Siblings that read one input (``fuse``, on by default): the linears of one parent module named like one of
+:data:`DEFAULT_FUSE_GROUPS` (``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``, ...) with the same
+``in_features``, dtype, device and bias presence become one :class:`~fp8_backends.layers.Fp8Linear` over their
+concatenated weights, quantized as one weight (one per-tensor scale, or per-channel scales as asked), and each
+sibling an :class:`~fp8_backends.shared_input.Fp8LinearSlice` that returns its columns of the fused output: one GEMM
+and one activation quantization where the model makes two or three calls (see :mod:`fp8_backends.shared_input` for
+why results stay correct when siblings are called with different inputs). With calibration batches, a group whose
+siblings did not receive the same tensors in every call is not fused. Static input scales of fused siblings: their
+maximum.
 """
 
 from __future__ import annotations
@@ -40,6 +50,16 @@ logger = logging.getLogger("fp8_backends")
 #: default ``skip`` patterns: the output head and embedding-like modules (fnmatch, on the full name or its last part)
 DEFAULT_SKIP: tuple[str, ...] = ("lm_head", "*embed*")
 
+#: default ``fuse`` groups: the leaf names of sibling linears that read one input in common model code (attention's
+#: query / key / value, a gated MLP's gate and up projections)
+DEFAULT_FUSE_GROUPS: tuple[tuple[str, ...], ...] = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+    ("query", "key", "value"),
+    ("wq", "wk", "wv"),
+    ("w1", "w3"),
+)
+
 
 @dataclass
 class SwappedLayer:
@@ -49,6 +69,8 @@ class SwappedLayer:
     n: int
     k: int
     backends: str
+    #: the siblings this layer runs fused with (``"q_proj+k_proj+v_proj"``), empty when it runs alone
+    fused_with: str = ""
 
 
 @dataclass
@@ -64,10 +86,17 @@ class QuantizeSummary:
     weight_scale: str = ""
     #: the selection objective the layers' providers were chosen by (``kernel``, ``host`` or ``auto``)
     objective: str = ""
+    #: each fused group: ``(parent module name, sibling leaf names, fused N x K)``
+    fused: list[tuple[str, tuple[str, ...], str]] = field(default_factory=list)
 
     @property
     def count(self) -> int:
         return len(self.swapped)
+
+    @property
+    def gemms(self) -> int:
+        """GEMMs per forward of the swapped layers: one per fused group, one per other layer."""
+        return self.count - sum(len(leaves) - 1 for _, leaves, _ in self.fused)
 
     @property
     def bytes_saved(self) -> int:
@@ -84,6 +113,11 @@ class QuantizeSummary:
                  f"{self.bytes_after / 2**20:.1f} MiB (saved {self.bytes_saved / 2**20:.1f} MiB)"]
         for label, count in sorted(self.providers().items()):
             lines.append(f"  {count:4d} layer(s) on {label}")
+        if self.fused:
+            kinds = Counter(("+".join(leaves), shape) for _, leaves, shape in self.fused)
+            lines.append(f"  {len(self.fused)} fused group(s), {self.gemms} GEMMs for {self.count} layers:")
+            lines += [f"    {count:4d} x {leaves} -> one {shape} GEMM"
+                      for (leaves, shape), count in sorted(kinds.items())]
         if self.skipped:
             lines.append(f"  skipped {len(self.skipped)}:")
             lines += [f"    {name}: {reason}" for name, reason in self.skipped]
@@ -128,14 +162,28 @@ def calibrate_input_amax(model: nn.Module, modules: Mapping[str, nn.Module],
     """Run ``batches`` through ``model`` (no grad) and return ``{name: amax(|input|)}`` of each module in ``modules``
     over every batch. A batch is passed as ``model(**batch)`` (a mapping), ``model(*batch)`` (a tuple or list) or
     ``model(batch)``. The running maxima stay on the device; one sync at the end."""
+    return _calibrate(model, modules, batches)[0]
+
+
+#: what identifies one input tensor during a calibration run: storage address, shape, strides, version counter
+_Fingerprint = tuple[int, tuple[int, ...], tuple[int, ...], int]
+
+
+def _calibrate(model: nn.Module, modules: Mapping[str, nn.Module], batches: Iterable[Any]
+               ) -> tuple[dict[str, float], dict[str, list[_Fingerprint]]]:
+    """:func:`calibrate_input_amax`, and the fingerprint of every input each module received, in call order (which
+    siblings share their input)."""
     amax: dict[str, torch.Tensor] = {}
+    inputs: dict[str, list[_Fingerprint]] = {name: [] for name in modules}
 
     def hook(name: str) -> Callable[..., None]:
         def record(_module: nn.Module, args: tuple) -> None:
-            x = args[0]
-            if isinstance(x, torch.Tensor) and x.numel():
-                value = x.detach().abs().amax().float()
-                amax[name] = value if name not in amax else torch.maximum(amax[name], value)
+            x = args[0] if args else None
+            if isinstance(x, torch.Tensor):
+                inputs[name].append((x.data_ptr(), tuple(x.shape), tuple(x.stride()), x._version))
+                if x.numel():
+                    value = x.detach().abs().amax().float()
+                    amax[name] = value if name not in amax else torch.maximum(amax[name], value)
         return record
 
     handles = [module.register_forward_pre_hook(hook(name)) for name, module in modules.items()]
@@ -150,7 +198,72 @@ def calibrate_input_amax(model: nn.Module, modules: Mapping[str, nn.Module],
             handle.remove()
     if not seen:
         raise InvalidInputError("calibration got no batches")
-    return {name: float(value) for name, value in amax.items()}
+    return {name: float(value) for name, value in amax.items()}, inputs
+
+
+def _fuse_patterns(fuse: object) -> tuple[tuple[str, ...], ...]:
+    """``fuse`` as groups of leaf names: True -> :data:`DEFAULT_FUSE_GROUPS`, False / None -> none."""
+    if fuse is True:
+        return DEFAULT_FUSE_GROUPS
+    if fuse is False or fuse is None:
+        return ()
+    try:
+        groups = tuple(tuple(g) for g in fuse)  # type: ignore[union-attr]
+    except TypeError:
+        raise InvalidTypeError(f"fuse must be a bool or a sequence of leaf-name groups, got {type(fuse).__name__}"
+                               ) from None
+    for group in groups:
+        if len(group) < 2 or len(set(group)) != len(group) or not all(isinstance(n, str) and n for n in group):
+            raise InvalidInputError(f"each fuse group needs >= 2 distinct leaf names, got {group!r}")
+    return groups
+
+
+def _sibling_groups(targets: Sequence[tuple[str, nn.Linear]], patterns: Sequence[tuple[str, ...]],
+                    inputs: Mapping[str, Sequence[_Fingerprint]] | None) -> list[list[tuple[str, nn.Linear]]]:
+    """The groups of ``targets`` to fuse: per parent module, the members of a pattern that are all targets, with one
+    ``in_features``, weight dtype, device and bias presence (and, when ``inputs`` were recorded, the same inputs in
+    every call); each linear in one group at most."""
+    by_parent: dict[str, dict[str, tuple[str, nn.Linear]]] = {}
+    for name, linear in targets:
+        parent, _, leaf = name.rpartition(".")
+        by_parent.setdefault(parent, {})[leaf] = (name, linear)
+    groups = []
+    for leaves in by_parent.values():
+        used: set[str] = set()
+        for pattern in patterns:
+            if not all(leaf in leaves and leaf not in used for leaf in pattern):
+                continue
+            members = [leaves[leaf] for leaf in pattern]
+            lins = [lin for _, lin in members]
+            first = lins[0]
+            same = all(lin.in_features == first.in_features and lin.weight.dtype == first.weight.dtype
+                       and lin.weight.device == first.weight.device
+                       and (lin.bias is None) == (first.bias is None) for lin in lins)
+            if not same:
+                logger.info("quantize_model: %s not fused (in_features, dtype, device or bias differ)",
+                            "+".join(name for name, _ in members))
+                continue
+            if inputs is not None:
+                seen = [inputs.get(name, []) for name, _ in members]
+                if not seen[0] or any(s != seen[0] for s in seen[1:]):
+                    logger.info("quantize_model: %s not fused (the calibration batches gave them different inputs)",
+                                "+".join(name for name, _ in members))
+                    continue
+            used.update(pattern)
+            groups.append(members)
+    return groups
+
+
+def _concatenated(members: Sequence[tuple[str, nn.Linear]]) -> nn.Linear:
+    """An ``nn.Linear`` whose weight (and bias) are the members' concatenated along the output dim."""
+    lins = [lin for _, lin in members]
+    weight = torch.cat([lin.weight.detach() for lin in lins])
+    out = nn.Linear(lins[0].in_features, weight.shape[0], bias=lins[0].bias is not None, device="meta",
+                    dtype=weight.dtype)
+    out.weight = nn.Parameter(weight, requires_grad=False)
+    if lins[0].bias is not None:
+        out.bias = nn.Parameter(torch.cat([lin.bias.detach() for lin in lins]), requires_grad=False)
+    return out
 
 
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -193,6 +306,32 @@ def _input_scales(values: object) -> dict[str, float]:
     return out
 
 
+def _swap_fused(model: nn.Module, members: Sequence[tuple[str, nn.Linear]], scales: Mapping[str, float],
+                quantize: Mapping[str, Any], summary: QuantizeSummary) -> bool:
+    """Replace ``members`` by slices of one fused :class:`Fp8Linear`; False (nothing changed) when no provider can
+    serve the fused shape: the members are then quantized one by one."""
+    from .shared_input import Fp8LinearSlice, SharedInputGroup
+
+    names = [name for name, _ in members]
+    leaves = tuple(name.rpartition(".")[2] for name in names)
+    static = [scales[name] for name in names if name in scales]
+    try:
+        layer = Fp8Linear.from_linear(_concatenated(members), input_scale=max(static) if static else None, **quantize)
+    except UnsupportedProblemError as exc:
+        logger.info("quantize_model: %s not fused: %s", "+".join(names), str(exc).splitlines()[0])
+        return False
+    group = SharedInputGroup([lin.out_features for _, lin in members], leaves)
+    slices = [Fp8LinearSlice(group, 0, fused=layer)] + [Fp8LinearSlice(group, i) for i in range(1, len(members))]
+    summary.bytes_before += sum(_weight_bytes(lin) for _, lin in members)
+    summary.bytes_after += _weight_bytes(layer)
+    with_text = "+".join(leaves)
+    for (name, lin), piece in zip(members, slices):
+        _set_module(model, name, piece)
+        summary.swapped.append(SwappedLayer(name, lin.out_features, lin.in_features, layer.backends_text, with_text))
+    summary.fused.append((names[0].rpartition(".")[0], leaves, f"{layer.out_features}x{layer.in_features}"))
+    return True
+
+
 def quantize_model(
     model: nn.Module,
     *,
@@ -207,6 +346,7 @@ def quantize_model(
     input_dtype: object = Fp8Dtype.E4M3FN,
     static_launch: bool = False,
     objective: SelectionObjective | str | None = None,
+    fuse: bool | Sequence[Sequence[str]] = True,
 ) -> QuantizeSummary:
     """Replace the model's ``nn.Linear`` modules by :class:`Fp8Linear` in place; return a :class:`QuantizeSummary`.
 
@@ -231,6 +371,9 @@ def quantize_model(
             the host enqueues: eager or ``torch.compile`` without CUDA graphs) or ``"auto"`` (default, unless
             ``FP8_SELECTION_OBJECTIVE`` says otherwise: host choices, and kernel choices for calls made while a
             CUDA graph is captured); the summary reports it. An explicit ``backend`` ignores it.
+        fuse: run sibling linears that read one input as one GEMM (module docstring): ``True`` (default) for the
+            leaf-name groups of :data:`DEFAULT_FUSE_GROUPS`, a sequence of leaf-name groups (``[("q", "k", "v")]``)
+            for others, ``False`` for none. A group the providers cannot serve fused is quantized layer by layer.
     """
     if not isinstance(model, nn.Module):
         raise InvalidTypeError(f"quantize_model needs an nn.Module, got {type(model).__name__}")
@@ -247,6 +390,7 @@ def quantize_model(
     if calibration is not None and (isinstance(calibration, (str, bytes)) or not hasattr(calibration, "__iter__")):
         raise InvalidTypeError(f"calibration must be an iterable of batches, got {type(calibration).__name__}")
     input_scales = _input_scales(input_scales)
+    patterns = _fuse_patterns(fuse)
     if backend is not None and not isinstance(backend, (str, Fp8GemmBackend)):
         raise InvalidTypeError(f"backend must be a name, an Fp8GemmBackend or None, got {type(backend).__name__}")
     if isinstance(backend, str):
@@ -259,9 +403,10 @@ def quantize_model(
     summary = QuantizeSummary(act_scale=mode.value, weight_scale=wmode.value, objective=objective.value)
     targets = _targets(model, tuple(skip), include, summary)
     scales: dict[str, float] = {}
+    seen_inputs: dict[str, list[_Fingerprint]] | None = None
     if mode is ActScale.PER_TENSOR_STATIC:
         if calibration is not None:
-            amax = calibrate_input_amax(model, dict(targets), calibration)
+            amax, seen_inputs = _calibrate(model, dict(targets), calibration)
             scales = {name: max(value / fp8_in.max, 1e-12) for name, value in amax.items()}
         scales.update(input_scales)
         missing = [name for name, _ in targets if name not in scales]
@@ -273,11 +418,22 @@ def quantize_model(
     elif input_scales or calibration is not None:
         raise InvalidInputError(f"calibration and input_scales are for act_scale='per_tensor_static', not {mode.value}")
     explicit = backend not in (None, "auto") or isinstance(backend, Fp8GemmBackend)
+    quantize = {"act_scale": mode, "weight_scale": wmode, "weight_dtype": weight_dtype, "input_dtype": fp8_in,
+                "backend": backend, "objective": objective}
+    group_of = {name: members for members in _sibling_groups(targets, patterns, seen_inputs) for name, _ in members}
+    done: set[str] = set()
     for name, linear in targets:
+        if name in done:
+            continue  # swapped with its group
+        members = group_of.get(name)
+        if members is not None:
+            if _swap_fused(model, members, scales, quantize, summary):
+                done.update(member for member, _ in members)
+                continue
+            for member, _ in members:  # not fusable: every member goes alone
+                group_of.pop(member, None)
         try:
-            layer = Fp8Linear.from_linear(linear, act_scale=mode, weight_scale=wmode, input_scale=scales.get(name),
-                                          weight_dtype=weight_dtype, input_dtype=fp8_in, backend=backend,
-                                          objective=objective)
+            layer = Fp8Linear.from_linear(linear, input_scale=scales.get(name), **quantize)
         except UnsupportedProblemError as exc:
             if explicit:
                 raise
@@ -297,4 +453,11 @@ def quantize_model(
     return summary
 
 
-__all__ = ["DEFAULT_SKIP", "QuantizeSummary", "SwappedLayer", "calibrate_input_amax", "quantize_model"]
+__all__ = [
+    "DEFAULT_FUSE_GROUPS",
+    "DEFAULT_SKIP",
+    "QuantizeSummary",
+    "SwappedLayer",
+    "calibrate_input_amax",
+    "quantize_model",
+]

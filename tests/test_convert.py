@@ -23,6 +23,7 @@ from fp8_backends.core import reference  # noqa: E402
 from fp8_backends.core.errors import InvalidInputError, UnsupportedProblemError  # noqa: E402
 from fp8_backends.core.types import ActScale  # noqa: E402
 from fp8_backends.layers import Fp8Linear  # noqa: E402
+from fp8_backends.shared_input import Fp8LinearSlice  # noqa: E402
 
 
 def _tiny(arch: str = "llama", layers: int = 2, seed: int = 0, hidden: int = 64) -> nn.Module:
@@ -76,12 +77,16 @@ def test_quantize_model_matches_reference_twin(arch, mode):
     summary = quantize_model(model, act_scale=mode, calibration=calib)
     assert isinstance(summary, QuantizeSummary)
     assert summary.count == 2 * 7  # q k v o gate up down per layer
+    assert summary.gemms == 2 * 4  # q/k/v and gate/up fused: qkv o gate_up down
     assert ("lm_head", "matches skip") in summary.skipped
-    assert isinstance(model.model.layers[0].self_attn.q_proj, Fp8Linear)
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn.q_proj, Fp8LinearSlice) and isinstance(attn.q_proj.fused, Fp8Linear)
+    assert attn.q_proj.fused.out_features == 64 + 32 + 32  # q + k + v (4 heads, 2 KV heads of 16)
+    assert isinstance(attn.o_proj, Fp8Linear)
     assert type(model.lm_head) is nn.Linear
     assert summary.bytes_saved > 0 and summary.bytes_after < summary.bytes_before
     if arch == "qwen2":
-        assert model.model.layers[0].self_attn.q_proj.bias is not None  # Qwen2's q/k/v biases carried over
+        assert attn.q_proj.fused.bias is not None and attn.k_proj.bias.shape == (32,)  # Qwen2's q/k/v biases
     twin = _reference_twin(model)
     with torch.no_grad():
         got = model(ids, use_cache=False).logits
