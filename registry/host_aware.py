@@ -17,7 +17,9 @@ candidates they know, as :class:`Row` ``(key, kernel µs, host µs, static rank)
 - among those, the lowest cost wins, ties by kernel µs then static rank;
 - the kernel answer (``incumbent``) stays when its own call is kernel-bound (its host µs plus the context at most its
   kernel µs: host time hides behind the kernel, so a change could only be a kernel-time change, which the kernel
-  answer's near-tie rule already settled) and when no candidate costs strictly less.
+  answer's near-tie rule already settled), unless a candidate within :data:`HOST_TIE` (1%) of its kernel time
+  costs less host time (kernel times that close are one time, and the bucket's smaller M are host-bound sooner),
+  and when no candidate costs strictly less.
 
 :func:`rows_from_record` turns a measured lockfile or shipped entry into rows, and :func:`note` explains a change
 ("host-aware: triton 18.1 µs kernel + ~5 µs host over torch_scaled_mm 17.5 µs + ~20 µs host"). Pure Python; no
@@ -32,7 +34,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from fp8_backends.core import settings
-from fp8_backends.core.objective import HOST_CONTEXT_US, HOST_MARGIN, SelectionObjective
+from fp8_backends.core.objective import HOST_CONTEXT_US, HOST_MARGIN, HOST_TIE, SelectionObjective
 
 if TYPE_CHECKING:
     from .discovery import ProviderEntry
@@ -106,8 +108,9 @@ def choose(rows: Sequence[Row], objective: SelectionObjective | str = SelectionO
     - ``kernel`` (or ``auto``, which is kernel for one decision): the incumbent when given and among the rows, else
       the fastest kernel (ties by static rank);
     - ``host``: among rows within ``margin`` of the fastest kernel, the lowest ``max(kernel µs, host µs + context)``,
-      ties by kernel µs then static rank; the incumbent (the kernel answer) stays when its call is kernel-bound or
-      nothing costs strictly less."""
+      ties by kernel µs then static rank; the incumbent (the kernel answer) stays when its call is kernel-bound
+      (unless a candidate within :data:`HOST_TIE` of its kernel µs has a cheaper call: that one wins) or nothing
+      costs strictly less."""
     rows = [r for r in rows if r.kernel_us > 0 and math.isfinite(r.kernel_us)]
     if not rows:
         return None
@@ -118,9 +121,12 @@ def choose(rows: Sequence[Row], objective: SelectionObjective | str = SelectionO
     if context is None:
         context = settings.host_context_us()
     host = effective_host(rows)
-    if current is not None and host[current.key] + context <= current.kernel_us:
-        return current  # kernel-bound: host time hides behind the kernel
     fastest = min(r.kernel_us for r in rows)
+    if current is not None and host[current.key] + context <= current.kernel_us:
+        # kernel-bound: host time hides behind the kernel; a tie on kernel time goes to the cheaper call
+        tie = min(current.kernel_us * (1.0 + HOST_TIE), fastest * (1.0 + margin))
+        tied = [r for r in rows if r.kernel_us <= tie and host[r.key] < host[current.key]]
+        return min(tied, key=lambda r: (host[r.key], r.kernel_us, r.rank)) if tied else current
     eligible = [r for r in rows if r.kernel_us <= fastest * (1.0 + margin)]
     best = min(eligible, key=lambda r: (cost(r, host[r.key], context), r.kernel_us, r.rank))
     if current is not None and cost(best, host[best.key], context) >= cost(current, host[current.key], context):
@@ -216,6 +222,7 @@ def rerank_record(record: Mapping[str, Any], servable: Servable, serving: Sequen
 __all__ = [
     "HOST_CONTEXT_US",
     "HOST_MARGIN",
+    "HOST_TIE",
     "Row",
     "choose",
     "cost",

@@ -120,15 +120,23 @@ def test_host_rule_picks_the_cheapest_call_within_the_margin():
 
 
 def test_host_rule_keeps_a_kernel_bound_answer_and_breaks_ties_by_kernel_then_rank():
-    # the kernel answer's call is kernel-bound (90 µs kernel > 25 µs host + 50 µs of context): a near-tie it won
-    # stays
+    # the kernel answer's call is kernel-bound (90 µs kernel > 25 µs host + 50 µs of context): it stays against a
+    # cheaper call more than HOST_TIE (1%) slower, and against a faster kernel whose call costs more host time
     inc = Row("torch", 90.0, 25.0, (0,))
+    slower = Row("fake", 90.0 * 1.011, 2.0, (1,))
+    assert host_aware.choose([inc, slower], "host", incumbent="torch", context=50.0) is inc
+    costly = Row("fake", 89.5, 30.0, (1,))
+    assert host_aware.choose([inc, costly], "host", incumbent="torch", context=50.0) is inc
+    # a kernel time within 1% is a tie: the cheaper call wins it, the cheapest of several
+    tie = Row("fake", 90.0 * 1.009, 2.0, (1,))
+    assert host_aware.choose([inc, tie], "host", incumbent="torch", context=50.0) is tie
+    cheaper = Row("cheaper", 89.9, 1.0, (2,))
+    assert host_aware.choose([inc, tie, cheaper], "host", incumbent="torch", context=50.0) is cheaper
     other = Row("fake", 89.5, 2.0, (1,))
-    assert host_aware.choose([inc, other], "host", incumbent="torch", context=50.0) is inc
     assert host_aware.choose([inc, other], "host", context=50.0) is other  # without an incumbent: the plain rule
     # 40 µs of kernel does not outlast 25 µs of host plus the context: the cheaper call wins; with no context it
     # is kernel-bound (the rule before the context)
-    inc, other = Row("torch", 40.0, 25.0, (0,)), Row("fake", 39.5, 2.0, (1,))
+    inc, other = Row("torch", 40.0, 25.0, (0,)), Row("fake", 40.6, 2.0, (1,))
     assert host_aware.choose([inc, other], "host", incumbent="torch", context=50.0) is other
     assert host_aware.choose([inc, other], "host", incumbent="torch", context=0.0) is inc
     # equal costs (both host-bound at 25 µs): the faster kernel, then static rank; the incumbent keeps a cost tie
@@ -140,19 +148,36 @@ def test_host_rule_keeps_a_kernel_bound_answer_and_breaks_ties_by_kernel_then_ra
     assert host_aware.choose([], "host") is None
 
 
+def test_a_kernel_bound_tie_goes_to_the_cheaper_call():
+    """Stop 26's fused gate_up (28672 x 4096) bucket M <= 1024: ``cutlass`` 167.2 µs against ``torch._scaled_mm``
+    168.0 (0.5%). Its call is kernel-bound at M = 1024 (60 + 50 µs of host), but the bucket serves M = 512 too, where
+    the kernel is half as long: the tie goes to the cheaper call."""
+    from fp8_backends.core.objective import HOST_TIE
+
+    assert HOST_TIE == 0.01
+    cutlass = Row("cutlass", 167.2, 60.0, (1,), "cutlass")
+    torch_row = Row("torch", 167.984, 20.0, (0,), "torch_scaled_mm")
+    triton = Row("triton", 168.64, 110.0, (2,), "triton")
+    assert host_aware.choose([cutlass, torch_row, triton], "host", incumbent="cutlass", context=50.0) is torch_row
+    assert host_aware.choose([cutlass, torch_row, triton], "kernel", incumbent="cutlass") is cutlass
+
+
 def test_the_context_makes_a_host_bound_step_pay_every_call(monkeypatch):
     """Issue 14's 512-token step: ``down_proj``'s bucket measured ``flashinfer_bmm`` 78.7 µs against
     ``torch._scaled_mm`` 78.9. Its own call (40 µs) hides behind its kernel, but not the model's other host work
-    around it: with the default context the cheaper call wins; ``FP8_SELECTION_HOST_CONTEXT_US=0`` keeps the
-    kernel answer."""
+    around it: with the default context the cheaper call wins. With ``FP8_SELECTION_HOST_CONTEXT_US=0`` the call
+    is kernel-bound: a kernel 2.4% faster (more than HOST_TIE) keeps the kernel answer, that 0.25% tie does not."""
     fi = Row("flashinfer", 78.7, 40.0, (3,), "flashinfer_bmm")
     torch_row = Row("torch", 78.9, 20.0, (0,), "torch_scaled_mm")
     assert HOST_CONTEXT_US == 50.0
     monkeypatch.delenv("FP8_SELECTION_HOST_CONTEXT_US", raising=False)
     assert host_aware.choose([fi, torch_row], "host", incumbent="flashinfer") is torch_row
     assert host_aware.cost(fi, 40.0, HOST_CONTEXT_US) == 90.0 and host_aware.cost(torch_row, 20.0) == 78.9
+    faster = Row("flashinfer", 77.0, 40.0, (3,), "flashinfer_bmm")
+    assert host_aware.choose([faster, torch_row], "host", incumbent="flashinfer") is torch_row
     monkeypatch.setenv("FP8_SELECTION_HOST_CONTEXT_US", "0")
-    assert host_aware.choose([fi, torch_row], "host", incumbent="flashinfer") is fi
+    assert host_aware.choose([faster, torch_row], "host", incumbent="flashinfer") is faster
+    assert host_aware.choose([fi, torch_row], "host", incumbent="flashinfer") is torch_row
     # a kernel that outlasts both stays: M = 4096 gate_up, cutlass 700.6 against torch 732.5 µs
     big, big_torch = Row("cutlass", 700.6, 60.0, (1,)), Row("torch", 732.5, 20.0, (0,))
     monkeypatch.setenv("FP8_SELECTION_HOST_CONTEXT_US", "50")

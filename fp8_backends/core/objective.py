@@ -38,8 +38,15 @@ HOST_MARGIN = 0.05
 #: stops deciding a step's time. Measured on the H200 (stop 24): a compiled 8-layer Llama at Llama-3-8B sizes spends
 #: 4152 µs of host time on a 512-token bf16 step, 74 µs per linear, of which ``torch.mm``'s own call is ~20 µs.
 #: ``FP8_SELECTION_HOST_CONTEXT_US`` overrides it (:func:`fp8_backends.core.settings.host_context_us`; ``0``: only the
-#: provider's own host time counts, the rule before stop 25)
+#: provider's own host time counts, as before stop 25; kernel-time ties still go to the cheaper call)
 HOST_CONTEXT_US = 50.0
+
+#: kernel times within this fraction of each other are one kernel time to the host objective: a kernel-bound answer
+#: gives way to a candidate this close whose call costs less host time. Graph-replay timings of one shape differ by
+#: about this much between runs, and a bucket's kernel time is measured at its largest M, so the calls at its smaller
+#: M are host-bound sooner than that time says (stop 26, H200: ``cutlass`` kept at 167.2 µs against
+#: ``torch_scaled_mm``'s 168.0 for a 28672 x 4096 M <= 1024 bucket cost a 512-token compiled step 760 µs of host time)
+HOST_TIE = 0.01
 
 
 class SelectionObjective(str, enum.Enum):
@@ -73,4 +80,4 @@ def valid_values() -> str:
     return ", ".join(m.value for m in SelectionObjective)
 
 
-__all__ = ["HOST_CONTEXT_US", "HOST_MARGIN", "SelectionObjective", "valid_values"]
+__all__ = ["HOST_CONTEXT_US", "HOST_MARGIN", "HOST_TIE", "SelectionObjective", "valid_values"]
