@@ -40,9 +40,11 @@ logger = logging.getLogger("fp8_backends")
 _compiling = torch.compiler.is_compiling
 
 
-def _version(x: torch.Tensor | QuantizedActivation) -> int:
+def _version(x: object) -> int:
+    """The version counter of ``x``'s tensor (in-place writes bump it); -1 for anything else, which the fused layer
+    then rejects with the library's error."""
     data = x.data if isinstance(x, QuantizedActivation) else x
-    return data._version
+    return data._version if isinstance(data, torch.Tensor) else -1
 
 
 class SharedInputGroup:

@@ -14,7 +14,9 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from fp8_backends import quantize_model  # noqa: E402
-from fp8_backends.core.errors import InvalidInputError, InvalidTypeError  # noqa: E402
+from fp8_backends.core import reference  # noqa: E402
+from fp8_backends.core.errors import Fp8BackendError, InvalidInputError, InvalidTypeError  # noqa: E402
+from fp8_backends.core.types import QuantizedActivation  # noqa: E402
 from fp8_backends.layers import Fp8Linear  # noqa: E402
 from fp8_backends.shared_input import Fp8LinearSlice, SharedInputGroup  # noqa: E402
 
@@ -240,3 +242,22 @@ def test_group_arguments_are_checked():
         Fp8LinearSlice(group, 1)
     with pytest.raises(InvalidInputError, match="out of range"):
         Fp8LinearSlice(group, 2)
+
+
+def test_slices_take_a_quantized_activation_and_reject_bad_input_with_the_librarys_error():
+    model = _model()
+    quantize_model(model, act_scale="per_tensor_static", input_scales={f"{i}.{leaf}": 0.05 for i in ("0", "1")
+                                                                      for leaf in ("q_proj", "k_proj", "v_proj",
+                                                                                   "o_proj")})
+    attn = model[0]
+    x = _x()
+    scale = attn.q_proj.fused.input_scale
+    qa = QuantizedActivation(reference.quantize_static(x, scale), scale, x.dtype)
+    with torch.no_grad():
+        q, k = attn.q_proj(qa), attn.k_proj(qa)
+        assert torch.equal(k, attn.q_proj.fused(x)[:, 32:48])
+        assert torch.equal(q, attn.q_proj.fused(x)[:, :32])
+        with pytest.raises(Fp8BackendError):
+            attn.v_proj([1.0, 2.0])
+        with pytest.raises(Fp8BackendError):
+            attn.v_proj(torch.randn(5, 63, dtype=BF16))  # K does not match
