@@ -53,10 +53,12 @@ class SharedInputGroup:
     - :attr:`sizes`: each sibling's ``N`` (output columns of the fused layer, in order); :attr:`names`: the siblings'
       module names (messages only).
     - The fused layer lives in the module tree as the first slice's ``fused`` submodule (so ``state_dict``, device
-      moves and copies see it once); :attr:`owner` is that slice.
+      moves and copies see it once); :attr:`owner` is that slice, :attr:`layer` the fused layer (kept in step with
+      ``owner.fused`` when that is replaced). A compiled call reaches the layer through the group only: reaching it
+      through ``owner`` too would cost one more identity guard per group and call.
     """
 
-    __slots__ = ("_left", "_outs", "_version", "_x", "names", "owner", "sizes", "warned")
+    __slots__ = ("_left", "_outs", "_version", "_x", "layer", "names", "owner", "sizes", "warned")
 
     def __init__(self, sizes: Sequence[int], names: Sequence[str]) -> None:
         if len(sizes) < 2 or len(sizes) != len(names):
@@ -64,17 +66,12 @@ class SharedInputGroup:
         self.sizes = [int(s) for s in sizes]
         self.names = [str(n) for n in names]
         self.owner: Fp8LinearSlice | None = None
+        self.layer: nn.Module | None = None
         self._x: Any = None
         self._version = -1
         self._outs: tuple[torch.Tensor, ...] | None = None
         self._left = 0
         self.warned = False
-
-    @property
-    def layer(self) -> nn.Module:
-        """The fused layer (``owner.fused``)."""
-        assert self.owner is not None
-        return self.owner.fused
 
     def output(self, index: int, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         """Sibling ``index``'s output for ``x``: its view of the pending fused result when that was computed from
@@ -136,11 +133,16 @@ class Fp8LinearSlice(nn.Module):
         if fused is not None:
             if fused.out_features != sum(group.sizes):
                 raise InvalidInputError(f"fused layer has {fused.out_features} outputs, the group {sum(group.sizes)}")
-            self.fused = fused
             group.owner = self
+            self.fused = fused  # also group.layer (__setattr__)
         elif group.owner is None:
             raise InvalidInputError("the group's first slice must be built with its fused layer")
         self.in_features = group.layer.in_features
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == "fused" and self.group.owner is self:  # a replaced fused layer serves the whole group
+            self.group.layer = value
 
     def _rows(self, t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None or t.shape[0] == 1:

@@ -135,10 +135,18 @@ def test_a_compiled_model_guards_its_fp8_layers_cheaply():
     inputs with aliasing checks and reached the shared provider and enum members once per layer, each reach past
     the first an ``a is b`` guard (a Python call); the traced plan keeps both near bf16's."""
     base = _tiny("llama", layers=4, hidden=32)
+    fused = copy.deepcopy(base)
     ids = torch.randint(0, 128, (1, 4))
     bf16 = _guard_text(base, ids)
-    quantize_model(base, act_scale="per_tensor_static", calibration=[ids])
+    summary = quantize_model(fused, act_scale="per_tensor_static", calibration=[ids])
+    quantize_model(base, act_scale="per_tensor_static", calibration=[ids], fuse=False)
     fp8 = _guard_text(base, ids)
+    # fused siblings share one group object: one identity guard per sibling past the first (3 per Llama layer), each
+    # far cheaper than the GEMM call it saves
+    absorbed = summary.count - summary.gemms
+    assert absorbed == 4 * 3
+    extra = _guard_text(fused, ids).count("LAMBDA_GUARD") - fp8.count("LAMBDA_GUARD")
+    assert extra <= absorbed, extra
     for m in base.modules():
         if isinstance(m, Fp8Linear):
             m._traced = None
