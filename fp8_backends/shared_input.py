@@ -14,7 +14,8 @@ every sibling has taken its own, the group forgets them. A sibling called with a
 that input instead, so the result is always this input's: correctness never depends on the model calling siblings
 together, only speed does. Eager calls that leave a group's outputs untaken (the siblings do not share their
 input, e.g. a cross-attention's ``k``/``v`` on encoder states) are logged once as a warning: pass ``fuse=False`` to
-``quantize_model`` there.
+``quantize_model`` there. The pending result is one object (input, version, outputs), so calls from several threads
+never pair one input with another's outputs (they may run a group's GEMM more than once).
 
 Under ``torch.compile`` the bookkeeping is traced: Dynamo resolves the identity tests at trace time, so a compiled
 step runs one GEMM per group, and the outputs are views (no copy kernel).
@@ -58,7 +59,7 @@ class SharedInputGroup:
       through ``owner`` too would cost one more identity guard per group and call.
     """
 
-    __slots__ = ("_left", "_outs", "_version", "_x", "layer", "names", "owner", "sizes", "warned")
+    __slots__ = ("_left", "_pending", "layer", "names", "owner", "sizes", "warned")
 
     def __init__(self, sizes: Sequence[int], names: Sequence[str]) -> None:
         if len(sizes) < 2 or len(sizes) != len(names):
@@ -67,42 +68,46 @@ class SharedInputGroup:
         self.names = [str(n) for n in names]
         self.owner: Fp8LinearSlice | None = None
         self.layer: nn.Module | None = None
-        self._x: Any = None
-        self._version = -1
-        self._outs: tuple[torch.Tensor, ...] | None = None
+        #: ``(input, its version counter (eager; -1 compiled), the siblings' outputs)``, written and read as one
+        #: object, so a call never pairs one input with another input's outputs, from any thread
+        self._pending: tuple[Any, int, tuple[torch.Tensor, ...]] | None = None
         self._left = 0
         self.warned = False
+
+    @property
+    def has_pending(self) -> bool:
+        """Whether outputs computed for siblings not yet called are held (with their input)."""
+        return self._pending is not None
 
     def output(self, index: int, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         """Sibling ``index``'s output for ``x``: its view of the pending fused result when that was computed from
         this very input, else of a fused call made now."""
         compiling = _compiling()
-        outs = self._outs
-        if outs is not None and self._x is x and (compiling or self._version == _version(x)):
+        pending = self._pending
+        if pending is not None and pending[0] is x and (compiling or pending[1] == _version(x)):
             self._left -= 1
             if self._left <= 0:
-                self._x = self._outs = None
-            return outs[index]
-        if outs is not None and not compiling and not self.warned:
+                self._pending = None
+            return pending[2][index]
+        if pending is not None and not compiling and not self.warned:
             self.warned = True
             logger.warning("fused linears %s: %s was called with another input than the one its siblings' outputs "
                            "were computed from (they do not share their input here); each such call runs the whole "
                            "fused GEMM. quantize_model(..., fuse=False) keeps them separate", "+".join(self.names),
                            self.names[index])
         outs = self.layer(x).split(self.sizes, dim=-1)
-        self._x, self._outs, self._left = x, outs, len(self.sizes) - 1
-        if not compiling:
-            self._version = _version(x)
+        self._pending = (x, -1 if compiling else _version(x), outs)
+        self._left = len(self.sizes) - 1
         return outs[index]
 
     def reset(self) -> None:
         """Forget a pending result (and the input it holds)."""
-        self._x = self._outs = None
+        self._pending = None
         self._left = 0
 
     def __getstate__(self) -> dict[str, Any]:
         state = {name: getattr(self, name) for name in self.__slots__}
-        state["_x"] = state["_outs"] = None  # a copy never shares a pending result
+        state["_pending"] = None  # a copy never shares a pending result
         state["_left"] = 0
         return state
 

@@ -127,12 +127,12 @@ def test_every_sibling_taken_clears_the_pending_result():
     group = model[0].q_proj.group
     with torch.no_grad():
         model(_x())
-    assert group._outs is None and group._x is None and not group.warned
+    assert not group.has_pending and not group.warned
     with torch.no_grad():
         model[0].q_proj(_x())
-    assert group._outs is not None
+    assert group.has_pending
     group.reset()
-    assert group._outs is None
+    assert not group.has_pending
 
 
 def test_calibration_that_shows_different_inputs_keeps_the_siblings_apart(caplog):
@@ -202,7 +202,7 @@ def test_a_copied_model_has_its_own_groups():
     twin = copy.deepcopy(model)
     group = twin[0].k_proj.group
     assert group is twin[0].q_proj.group and group is not model[0].q_proj.group
-    assert group.owner is twin[0].q_proj and group._outs is None
+    assert group.owner is twin[0].q_proj and not group.has_pending
     x = _x(seed=4)
     with torch.no_grad():
         assert torch.equal(twin(x), model(x))
@@ -231,7 +231,7 @@ def test_compiled_model_runs_one_gemm_per_group():
     assert torch.equal(got, eager) and torch.equal(cross, want_cross)
     assert graphs[0].code.count("aten._scaled_mm.default(") == summary.gemms == 4
     assert graphs[1].code.count("aten._scaled_mm.default(") == 3  # cross-attention: q's fused call and k/v's
-    assert model[0].q_proj.group._outs is None
+    assert not model[0].q_proj.group.has_pending
 
 
 def test_group_arguments_are_checked():
