@@ -173,6 +173,8 @@ def _calibrate(model: nn.Module, modules: Mapping[str, nn.Module], batches: Iter
                ) -> tuple[dict[str, float], dict[str, list[_Fingerprint]]]:
     """:func:`calibrate_input_amax`, and the fingerprint of every input each module received, in call order (which
     siblings share their input)."""
+    from .shared_input import version_of
+
     amax: dict[str, torch.Tensor] = {}
     inputs: dict[str, list[_Fingerprint]] = {name: [] for name in modules}
 
@@ -180,7 +182,7 @@ def _calibrate(model: nn.Module, modules: Mapping[str, nn.Module], batches: Iter
         def record(_module: nn.Module, args: tuple) -> None:
             x = args[0] if args else None
             if isinstance(x, torch.Tensor):
-                inputs[name].append((x.data_ptr(), tuple(x.shape), tuple(x.stride()), x._version))
+                inputs[name].append((x.data_ptr(), tuple(x.shape), tuple(x.stride()), version_of(x)))
                 if x.numel():
                     value = x.detach().abs().amax().float()
                     amax[name] = value if name not in amax else torch.maximum(amax[name], value)

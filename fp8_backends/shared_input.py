@@ -41,11 +41,14 @@ logger = logging.getLogger("fp8_backends")
 _compiling = torch.compiler.is_compiling
 
 
-def _version(x: object) -> int:
-    """The version counter of ``x``'s tensor (in-place writes bump it); -1 for anything else, which the fused layer
-    then rejects with the library's error."""
+def version_of(x: object) -> int:
+    """The version counter of ``x``'s tensor (in-place writes bump it); -2 for an inference tensor
+    (``torch.inference_mode``), which has none (identity alone then decides), -1 for anything that is not a tensor
+    (the fused layer rejects it with the library's error)."""
     data = x.data if isinstance(x, QuantizedActivation) else x
-    return data._version if isinstance(data, torch.Tensor) else -1
+    if not isinstance(data, torch.Tensor):
+        return -1
+    return -2 if data.is_inference() else data._version
 
 
 class SharedInputGroup:
@@ -84,7 +87,7 @@ class SharedInputGroup:
         this very input, else of a fused call made now."""
         compiling = _compiling()
         pending = self._pending
-        if pending is not None and pending[0] is x and (compiling or pending[1] == _version(x)):
+        if pending is not None and pending[0] is x and (compiling or pending[1] == version_of(x)):
             self._left -= 1
             if self._left <= 0:
                 self._pending = None
@@ -96,7 +99,7 @@ class SharedInputGroup:
                            "fused GEMM. quantize_model(..., fuse=False) keeps them separate", "+".join(self.names),
                            self.names[index])
         outs = self.layer(x).split(self.sizes, dim=-1)
-        self._pending = (x, -1 if compiling else _version(x), outs)
+        self._pending = (x, -1 if compiling else version_of(x), outs)
         self._left = len(self.sizes) - 1
         return outs[index]
 
@@ -175,4 +178,4 @@ class Fp8LinearSlice(nn.Module):
                 f"{self.start}:{self.start + self.out_features} of the fused {'+'.join(group.names)}")
 
 
-__all__ = ["Fp8LinearSlice", "SharedInputGroup"]
+__all__ = ["Fp8LinearSlice", "SharedInputGroup", "version_of"]

@@ -261,3 +261,22 @@ def test_slices_take_a_quantized_activation_and_reject_bad_input_with_the_librar
             attn.v_proj([1.0, 2.0])
         with pytest.raises(Fp8BackendError):
             attn.v_proj(torch.randn(5, 63, dtype=BF16))  # K does not match
+
+
+def test_inference_mode_inputs_have_no_version_counter_and_are_served_by_identity():
+    """vLLM and many servers run under ``torch.inference_mode()``, whose tensors track no version."""
+    model = _model()
+    quantize_model(model)
+    attn = model[0]
+    with torch.inference_mode():
+        x = _x()
+        q, k = attn.q_proj(x), attn.k_proj(x)
+        v = attn.v_proj(_x(seed=9))  # another input: computed from it
+        assert torch.equal(k, _rows(attn, x, 32, 48)) and torch.equal(q, _rows(attn, x, 0, 32))
+        assert torch.equal(v, _rows(attn, _x(seed=9), 48, 64))
+        assert model(x).shape == (5, 64)
+    calibrated = _model()
+    with torch.inference_mode():
+        batch = _x()
+    summary = quantize_model(calibrated, act_scale="per_tensor_static", calibration=[batch])
+    assert len(summary.fused) == 2
