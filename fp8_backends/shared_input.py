@@ -9,7 +9,8 @@ sibling by an :class:`Fp8LinearSlice`, so the model's own code keeps calling ``s
 
 How a call is served (:meth:`SharedInputGroup.output`): the first slice called with an input runs the fused layer on
 it and keeps the outputs (views of one ``[..., N]`` result, split along the last dim); a sibling called next with
-*the same tensor object* (and, eager, the same version counter: not modified in place since) takes its view; once
+*the same tensor object* (and, eager, the same version counter: not modified in place since; inference tensors
+have none, so under ``torch.inference_mode`` identity alone decides) takes its view; once
 every sibling has taken its own, the group forgets them. A sibling called with another input runs the fused layer on
 that input instead, so the result is always this input's: correctness never depends on the model calling siblings
 together, only speed does. Eager calls that leave a group's outputs untaken (the siblings do not share their
@@ -153,7 +154,8 @@ class Fp8LinearSlice(nn.Module):
             self.group.layer = value
 
     def _rows(self, t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None or t.shape[0] == 1:
+        """This sibling's rows of a per-row tensor of the fused layer; a per-tensor value (or None) as it is."""
+        if t is None or t.shape[0] != sum(self.group.sizes):
             return t
         return t[self.start:self.start + self.out_features]
 

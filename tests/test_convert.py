@@ -96,8 +96,9 @@ def test_quantize_model_matches_reference_twin(arch, mode):
     assert _relerr(got, ref_bf16) < 0.2  # FP8 of random weights: close to bf16, not equal
 
 
-def test_compiled_and_generate_match_the_reference_twin():
-    model = _tiny("llama")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_compiled_and_generate_match_the_reference_twin(arch):
+    model = _tiny(arch)
     quantize_model(model, act_scale="per_tensor_dynamic")
     twin = _reference_twin(model)
     ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(2))
