@@ -162,3 +162,26 @@ def test_a_host_context_variant_sets_the_variable_while_it_is_built_then_restore
     assert notes["fp8_dynamic+host_context=0"]["host_context_us"] == 0.0 and set(models) == {
         "fp8_dynamic+host_context=0"}
     assert seen == ["0"] and os.environ[HOST_CONTEXT_ENV] == "7"
+
+
+def test_a_fuse_variant_builds_the_unfused_layout_beside_the_fused_one(workers):
+    """``fp8_static+fuse=0``: every linear its own GEMM, measured beside the fused default in one process."""
+    import torch
+    from torch import nn
+
+    from fp8_backends.layers import Fp8Linear
+    from fp8_backends.shared_input import Fp8LinearSlice
+
+    _, hf_model = workers
+    assert hf_model.variant_kwargs("fp8_dynamic+fuse=0") == {"fuse": "0"}
+    for bad in ("fp8_dynamic+fuse=no", "fp8_dynamic+fuse=2"):
+        with pytest.raises(ValueError, match="fuse=0"):
+            hf_model.variant_kwargs(bad)
+    base = nn.Module()
+    base.gate_proj = nn.Linear(64, 32, bias=False, dtype=torch.bfloat16)
+    base.up_proj = nn.Linear(64, 32, bias=False, dtype=torch.bfloat16)
+    models, notes = hf_model.make_variants(base, ["fp8_dynamic", "fp8_dynamic+fuse=0"],
+                                           torch.zeros(1, 4, dtype=torch.long))
+    assert isinstance(models["fp8_dynamic"].up_proj, Fp8LinearSlice)
+    assert isinstance(models["fp8_dynamic+fuse=0"].up_proj, Fp8Linear)
+    assert (notes["fp8_dynamic"]["gemms"], notes["fp8_dynamic+fuse=0"]["gemms"]) == (1, 2)
