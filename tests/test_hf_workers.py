@@ -155,8 +155,10 @@ def test_a_host_context_variant_sets_the_variable_while_it_is_built_then_restore
         seen.append(os.environ[HOST_CONTEXT_ENV])
         return real(*a, **kw)
 
+    # the package's lazy name first: reading it to save the old value caches convert's current one, which must be
+    # the real function, or the spy outlives the test
+    monkeypatch.setattr(fp8_backends, "quantize_model", spy, raising=False)
     monkeypatch.setattr(convert, "quantize_model", spy)
-    monkeypatch.setattr(fp8_backends, "quantize_model", spy, raising=False)  # the package's lazy name, once read
     base = nn.Sequential(nn.Linear(64, 32, bias=False, dtype=torch.bfloat16))
     models, notes = hf_model.make_variants(base, ["fp8_dynamic+host_context=0"], torch.zeros(1, 4, dtype=torch.long))
     assert notes["fp8_dynamic+host_context=0"]["host_context_us"] == 0.0 and set(models) == {
