@@ -44,6 +44,7 @@ from .core.errors import InvalidInputError, InvalidTypeError, UnsupportedProblem
 from .core.objective import SelectionObjective
 from .core.types import ActScale, Fp8Dtype, WeightScale
 from .layers import Fp8Linear
+from .shared_input import Fp8LinearSlice, SharedInputGroup, version_of
 
 logger = logging.getLogger("fp8_backends")
 
@@ -173,8 +174,6 @@ def _calibrate(model: nn.Module, modules: Mapping[str, nn.Module], batches: Iter
                ) -> tuple[dict[str, float], dict[str, list[_Fingerprint]]]:
     """:func:`calibrate_input_amax`, and the fingerprint of every input each module received, in call order (which
     siblings share their input)."""
-    from .shared_input import version_of
-
     amax: dict[str, torch.Tensor] = {}
     inputs: dict[str, list[_Fingerprint]] = {name: [] for name in modules}
 
@@ -312,8 +311,6 @@ def _swap_fused(model: nn.Module, members: Sequence[tuple[str, nn.Linear]], scal
                 quantize: Mapping[str, Any], summary: QuantizeSummary) -> bool:
     """Replace ``members`` by slices of one fused :class:`Fp8Linear`; False (nothing changed) when no provider can
     serve the fused shape: the members are then quantized one by one."""
-    from .shared_input import Fp8LinearSlice, SharedInputGroup
-
     names = [name for name, _ in members]
     leaves = tuple(name.rpartition(".")[2] for name in names)
     static = [scales[name] for name in names if name in scales]
