@@ -9,6 +9,15 @@
 # shipped (tune the shipped selection data grid, resumable: bench/shipped_data.sh; SHIPPED_FROM, SHIPPED_SHARDS),
 # heldout (bench.auto_eval on HELDOUT_MODELS against HELDOUT_DATA, the data packed without them) and auto_eval
 # (bench.auto_eval with EVAL_ARGS; EVAL_SHARDS=N splits both over N GPUs: bench/auto_eval.sh), not in the default list
+# ingrid (bench.auto_eval on the shipped grid's INGRID_MODELS at TP 1/2/4/8: issue 15's in-grid targets) is not in the
+# default list either; heldout packs HELDOUT_DATA itself (the shipped file without HELDOUT_MODELS) when it is missing.
+# The tests stage runs TESTS_SHARDS (8) pytest processes side by side (one per group of test files, the GPU fuzz at
+# FP8_FUZZ_SCALE, 0.1 by default), which fits the device tool's 10-minute call; TESTS_SHARDS=1 runs one process.
+# A CUTLASS build cache carried in .prebuilt/cutlass (built on a CPU machine with nvcc 13 and nvidia-cutlass:
+# `FP8_BACKENDS_CUTLASS_CACHE=$PWD/.prebuilt/cutlass python -m fp8_backends.build cutlass`), or packed as
+# .prebuilt/cutlass.tar.xz (`tar -C .prebuilt -cJf .prebuilt/cutlass.tar.xz cutlass`: ~5 MiB against ~22 MiB, which
+# matters under the device tool's 64 MiB), is used instead of building the kernels here (~110-220 s on a fresh
+# machine); carry .prebuilt.
 # Each stage has its own time limit (override: LIMIT_<stage>=seconds), logs to $OUT/logs/<stage>.log, and a
 # failing stage does not stop the others. TESTS_PATHS narrows the tests stage. Extra arguments per stage: TESTS_ARGS, TUNE_ARGS, GEMM_ARGS,
 # NORM_ARGS, BLOCK_ARGS, CUTLASS_ARGS, TRITON_ARGS, HOST_ARGS, CHAIN_ARGS, NORM_CFG_ARGS, PROFILE_ARGS, HF_ARGS (e.g. GEMM_ARGS="--models llama3-8b --m 1,16,256,4096").
@@ -19,6 +28,12 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/logs" "$OUT/work"
 W=$OUT/work
 export PYTHONUNBUFFERED=1
+if [ -f .prebuilt/cutlass.tar.xz ]; then  # the CUTLASS build cache, packed on a CPU machine (see above)
+  mkdir -p /tmp/fp8b-cutlass && tar -C /tmp/fp8b-cutlass -xJf .prebuilt/cutlass.tar.xz &&
+    export FP8_BACKENDS_CUTLASS_CACHE=/tmp/fp8b-cutlass/cutlass
+elif [ -d .prebuilt/cutlass ]; then
+  export FP8_BACKENDS_CUTLASS_CACHE=$PWD/.prebuilt/cutlass
+fi
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(install list tests build cutlass_cfg triton_cfg flashinfer host tune gemm norm chain block)
 summary=()
@@ -44,9 +59,13 @@ for stage in "${stages[@]}"; do
     list)
       run_stage list 120 bash -c "python3 -m fp8_backends.list && python3 -m fp8_backends.list --json > $W/list.json" ;;
     tests)
-      # shellcheck disable=SC2086
-      run_stage tests 900 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 ${TESTS_PATHS:-tests} \
-        --junitxml="$W/gpu-tests.xml" ${TESTS_ARGS:-} ;;
+      if [ "${TESTS_SHARDS:-8}" -le 1 ] || [ -n "${TESTS_PATHS:-}" ]; then
+        # shellcheck disable=SC2086
+        run_stage tests 900 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 ${TESTS_PATHS:-tests} \
+          --junitxml="$W/gpu-tests.xml" ${TESTS_ARGS:-}
+      else
+        run_stage tests 540 bash bench/gpu_tests_sharded.sh "$W/tests" "${LIMIT_tests:-540}"
+      fi ;;
     build)
       [ -f fp8_backends/build.py ] && run_stage build 600 python3 -m fp8_backends.build cutlass ;;
     cutlass_cfg)
@@ -75,9 +94,21 @@ for stage in "${stages[@]}"; do
       lim=${LIMIT_shipped:-540}
       run_stage shipped "$lim" bash bench/shipped_data.sh "$W/shipped" "$((lim - 45))" ;;
     heldout)
+      heldout_models=${HELDOUT_MODELS:-gemma3-12b mistral-nemo-12b qwen2.5-3b phi3-mini}
+      heldout_data=${HELDOUT_DATA:-$W/shipped/heldout.json}
+      if [ ! -f "$heldout_data" ]; then
+        heldout_data=$W/heldout-data.json
+        # shellcheck disable=SC2086
+        python3 -m fp8_backends.selection_data pack fp8_backends/data/selection/sm90-nvidia-h200.json --partial \
+          --exclude-model $heldout_models --out "$heldout_data"
+      fi
       # shellcheck disable=SC2086
-      run_stage heldout 600 bash bench/auto_eval.sh "$W/heldout" --data "${HELDOUT_DATA:-$W/shipped/heldout.json}" \
-        --model ${HELDOUT_MODELS:-gemma3-12b mistral-nemo-12b qwen2.5-3b phi3-mini} ${HELDOUT_ARGS:-} ;;
+      run_stage heldout 600 bash bench/auto_eval.sh "$W/heldout" --data "$heldout_data" \
+        --model $heldout_models ${HELDOUT_ARGS:-} ;;
+    ingrid)
+      # shellcheck disable=SC2086
+      run_stage ingrid 600 bash bench/auto_eval.sh "$W/ingrid" \
+        --model ${INGRID_MODELS:-llama3-8b qwen2-7b llama3-70b llama3.2-1b} --tp 1 2 4 8 ${INGRID_ARGS:-} ;;
     auto_eval)
       # shellcheck disable=SC2086
       run_stage auto_eval "${LIMIT_auto_eval:-600}" bash bench/auto_eval.sh "$W/auto_eval" ${EVAL_ARGS:---model llama3-8b} ;;

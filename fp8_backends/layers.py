@@ -543,8 +543,9 @@ class Fp8Linear(nn.Module):
             self._traced = self._traced_plan()
 
     def _traced_plan(self) -> TracedPlan:
-        """What ``torch.compile`` traces (:mod:`fp8_backends.traced_plan`): the input checks, the quantizer and the
-        kernel's host rows, their tensors as parameter aliases."""
+        """What ``torch.compile`` traces (:mod:`fp8_backends.traced_plan`): a function generated for this layer that
+        checks the input, quantizes it and runs the kernel's host row for its M, the layer's numbers constants of its
+        code and its tensors parameter aliases."""
         assert self.kernel is not None
         return bind_traced(self.kernel, **self._bindings())
 
@@ -622,7 +623,7 @@ class Fp8Linear(nn.Module):
         ``orig_dtype`` must be the model dtype). Returns ``[..., N]`` in the model dtype.
 
         A plain eager call of a processed layer takes its :class:`~fp8_backends.eager_plan.EagerPlan` (load-time
-        bindings, per-call checks of the input only), a compiled one its :class:`~fp8_backends.traced_plan.TracedPlan`
+        bindings, per-call checks of the input only), a compiled one its traced plan (:mod:`fp8_backends.traced_plan`)
         (the same, with few guards); every other call the general path."""
         if _compiling():
             traced = self._traced

@@ -1,22 +1,25 @@
 """The ``torch.compile`` path of a processed :class:`~fp8_backends.layers.Fp8Linear`: what Dynamo traces, bound once.
 
 Dynamo guards every Python value a traced call reads, and checks those guards at every call of the compiled
-graph, on the host. Through the general path (:func:`fp8_backends.functional.apply_fp8_linear`) one layer's call
-reads ~90 values (the per-M composite, the provider's capabilities and options, the prepared weight's fields,
-the layer's buffers) and makes ~5 tensors graph inputs with aliasing checks; ``nn.Linear`` reads ~12 values and one
-parameter. Every layer that reaches an object the others share (the provider, an enum member) adds an ``a is b``
-guard, a Python call. Measured on a 2-core CPU, Dynamo's own time per call of an 8-layer model outside the graph was
-~2x bf16's through the general path, ~1.6x through the plans.
+graph, on the host, before any kernel is launched. ``nn.Linear`` costs ~10 guards (its module, its weight, its bias);
+through the general path (:func:`fp8_backends.functional.apply_fp8_linear`) one ``Fp8Linear`` read ~90 values and
+made ~5 tensors graph inputs with aliasing checks, and every layer that reached an object the others share (the
+provider, an enum member) added an ``a is b`` guard, a Python call. Guards cost more than a warm loop of checks
+suggests: a model step does much other host work between two checks, so the guard objects are out of the CPU's
+caches at each check (on a 2-core CPU, an 8-layer model's guards took 85 µs per check warm and 380 µs with the
+caches flushed before each check).
 
-A :class:`TracedPlan` reads only what the call needs, from one object per layer:
+A traced plan (:func:`bind_traced`) is a **function generated for one layer** at load time, whose code holds the
+layer's own numbers as constants: ``K``, ``N``, each M bucket's bound, the fields of each bucket's prepared weight.
+Dynamo reads constants from the code without guarding them, so a layer's traced call guards only
 
-- the layer's K, N, dtype and device (to check the input) and float8 type;
-- per M bucket (a :data:`TracedRow`), the fields of the provider's prepared weight, its tensors (data, scale, and
-  those in ``extra``) as ``nn.Parameter`` aliases (same storage, ``requires_grad=False``), as are the static input
-  scale and the bias: Dynamo installs no aliasing guards on parameters. The call rebuilds the prepared weight from
-  these fields while it is traced (no cost in the compiled graph);
-- the provider, the activation mode and the prepared weight's enum members as keys of one module-level table
-  (``_SHARED``), so Dynamo guards each once for the whole model.
+- the plan function (its code object: one identity guard);
+- the tensors the call reads, which are the function's closure variables, as ``nn.Parameter`` aliases (same storage,
+  ``requires_grad=False``, so Dynamo installs no aliasing guards on them): the M bucket's prepared weight data and
+  scale, and only the entries of its ``extra`` the provider reads for this layer's activation mode
+  (:meth:`~fp8_backends.core.backend.Fp8GemmBackend.traced_extra_keys`), the static input scale, the bias;
+- objects every layer shares (the provider, enum members, dtypes, devices) are read from one module-level table
+  (``_SHARED``), so Dynamo guards each once for the whole model, never once per layer.
 
 A call validates the input only (as the eager plan does), quantizes it with the library's traced ops
 (:func:`fp8_backends.quant.quantize`: torch ops that Inductor fuses into the producer) unless it is a
@@ -29,9 +32,11 @@ rows are the ``host`` rows, as in the general path (see :func:`~fp8_backends.fun
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+import functools
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+from . import quant
 from .core import output_contract
 from .core.errors import InvalidInputError
 from .core.types import ActScale, PreparedWeight, QuantizedActivation
@@ -42,18 +47,25 @@ if TYPE_CHECKING:
 
     from .registry.per_m import PerMGemm
 
-#: Objects many layers share (providers, enum members), each under one small int: a plan reads them as
-#: ``_SHARED[i]``, so Dynamo guards each once for the whole model instead of once per layer, plus an
-#: ``a is b`` guard (a Python call) for every other layer that reaches it. Entries live as long as the process.
+#: Objects many layers share (providers, enum members, dtypes, devices), each under one small int: a plan reads them
+#: as ``_SHARED[i]``, so Dynamo guards each once for the whole model instead of once per layer, plus an ``a is b``
+#: guard (a Python call) for every other layer that reaches it. Entries live as long as the process.
 _SHARED: dict[int, Any] = {}
-_SHARED_INDEX: dict[int, int] = {}
+_SHARED_INDEX: dict[Any, int] = {}
+
+#: ``x`` (a tensor or a QuantizedActivation) -> ``y [..., N]``: one layer's traced call
+TracedPlan = Callable[[Any], Any]
 
 
 def shared_index(obj: Any) -> int:
-    """The ``_SHARED`` key of ``obj`` (added on first use; load time only, never while Dynamo traces)."""
-    index = _SHARED_INDEX.get(id(obj))
+    """The ``_SHARED`` key of ``obj`` (added on first use; load time only, never while Dynamo traces). Devices are
+    keyed by value (every layer holds its own ``torch.device`` object), everything else by identity."""
+    import torch
+
+    key: Any = ("device", obj) if isinstance(obj, torch.device) else id(obj)
+    index = _SHARED_INDEX.get(key)
     if index is None:
-        index = _SHARED_INDEX[id(obj)] = len(_SHARED)
+        index = _SHARED_INDEX[key] = len(_SHARED)
         _SHARED[index] = obj
     return index
 
@@ -68,101 +80,134 @@ def parameter_alias(t: Any) -> Any:
     return t
 
 
-#: one M bucket of a plan: ``(bucket, provider key, n, k, float8 type key, weight scale key, provider name,
-#: data, scale, extra)``: the fields of the bucket's prepared weight with its tensors as parameter aliases and its
-#: shared objects as :func:`shared_index` keys. Dynamo realizes ``extra`` whole when the traced call rebuilds the
-#: prepared weight, so each tensor in it is a graph input (``torch_scaled_mm``'s row-wise scale, even on a per-tensor
-#: problem, where its kernel never reads it)
-TracedRow = tuple[int, int, int, int, int, int, str, Any, Any, dict[str, Any]]
+class TracedRow(NamedTuple):
+    """One M bucket of a plan, as bound (introspection and tests; the plan function holds the same objects):
+    ``bucket`` (the largest M it serves; the last row serves every larger M), the ``backend``, the ``prepared``
+    weight whose fields the plan's code holds, and the tensors the plan hands ``gemm_impl`` for it (parameter
+    aliases): ``"data"``, ``"scale"`` and the ``extra`` entries it keeps, by name."""
+
+    bucket: int
+    backend: Any
+    prepared: Any
+    tensors: dict[str, Any]
 
 
-def traced_row(bucket: int, backend: Any, prepared: PreparedWeight) -> TracedRow:
-    """The :data:`TracedRow` of one bucket (``prepared`` of a type other than :class:`PreparedWeight` is kept
-    whole, in the data slot, with key -1 for the float8 type)."""
-    key = shared_index(backend)
-    if type(prepared) is not PreparedWeight:
-        return (bucket, key, 0, 0, -1, -1, "", prepared, None, {})
-    extra = {name: parameter_alias(value) for name, value in prepared.extra.items()}
-    return (bucket, key, prepared.n, prepared.k, shared_index(prepared.dtype), shared_index(prepared.weight_scale),
-            prepared.backend, parameter_alias(prepared.data), parameter_alias(prepared.scale), extra)
-
-
-class TracedPlan:
-    """One processed layer's traced call. ``rows``: :data:`TracedRow` s by increasing bucket, the last serving every
-    larger M. ``input_scale``: the static scale (``[1]`` fp32) or None; ``bias``: ``[N]`` in ``dtype`` or None
-    (both parameter aliases)."""
-
-    __slots__ = ("bias", "device", "dtype", "fp8", "input_scale", "k", "mode", "n", "rows", "tensor")
-
-    def __init__(self, *, k: int, n: int, dtype: torch.dtype, device: torch.device, mode: ActScale,
-                 fp8: torch.dtype, input_scale: torch.Tensor | None, bias: torch.Tensor | None,
-                 rows: Sequence[TracedRow]) -> None:
-        import torch
-
-        self.k, self.n, self.dtype, self.device, self.fp8 = k, n, dtype, device, fp8
-        self.mode = shared_index(mode)
-        self.tensor = torch.Tensor
-        self.input_scale = parameter_alias(input_scale)
-        self.bias = parameter_alias(bias)
-        self.rows = tuple(rows)
-
-    def __call__(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
-        """``y [..., N]`` in the layer dtype for ``x [..., K]`` in that dtype on the layer's device, or a
-        :class:`QuantizedActivation` in the layer's mode whose ``orig_dtype`` is that dtype."""
-        from . import quant
-
-        k = self.k
-        mode = _SHARED[self.mode]
-        if isinstance(x, QuantizedActivation):
-            x_q, scale = self._unpack(x, mode)
-            lead = x.data.shape[:-1]
-        else:
-            if x.dtype != self.dtype:
-                raise InvalidInputError(f"x is {x.dtype} but this linear was prepared for {self.dtype} activations")
-            if x.dim() < 1 or x.shape[-1] != k:
-                raise InvalidInputError(f"x must be [..., K={k}], got {tuple(x.shape)}")
-            if x.device != self.device:
-                raise InvalidInputError(f"input is on {x.device} but the layer's weight is on {self.device}")
-            lead = x.shape[:-1]
-            x_q, scale = quant.quantize(x.reshape(-1, k), mode, self.input_scale, self.fp8)[:2]
-        m, n = x_q.shape[0], self.n
-        if m == 0:
-            return x_q.new_empty((*lead, n), dtype=self.dtype)
-        for row in self.rows:  # noqa: B007 - the last row serves larger M
-            if m <= row[0]:
-                break
-        _, key, rn, rk, dtype, weight_scale, name, data, w_scale, extra = row
-        backend = _SHARED[key]
-        if dtype < 0:
-            prepared = data
-        else:
-            prepared = PreparedWeight(data=data, scale=w_scale, n=rn, k=rk, dtype=_SHARED[dtype],
-                                      weight_scale=_SHARED[weight_scale], backend=name, extra=extra)
-        y = backend.gemm_impl(x_q, prepared, scale, self.dtype, self.bias)
-        # the provider's output contract, on its fake output while Dynamo traces (no cost in the compiled graph)
-        if not isinstance(y, self.tensor) or y.dtype != self.dtype or y.shape != (m, n) or y.device != x_q.device:
-            y = output_contract.gemm_output_failed(backend, y, x_q, n, self.dtype)
-        return y.reshape(*lead, n)
-
-    def _unpack(self, x: QuantizedActivation, mode: ActScale) -> tuple[torch.Tensor, torch.Tensor]:
-        unpacked = unpack_quantized(x, mode, self.k)
-        if x.orig_dtype != self.dtype:
+# ------------------------------------------------------------------------------------------ what a plan calls
+def prologue(x: Any, k: int, dtype: torch.dtype, device: torch.device, mode: ActScale, fp8: torch.dtype,
+             input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """``(x_q [M, K], scale, leading dims)``: ``x [..., K]`` in ``dtype`` on ``device`` quantized in ``mode`` (the
+    static scale ``input_scale``), or a :class:`QuantizedActivation` in ``mode`` checked and flattened."""
+    if isinstance(x, QuantizedActivation):
+        x_q, scale = unpack_quantized(x, mode, k)
+        if x.orig_dtype != dtype:
             raise InvalidInputError(f"QuantizedActivation.orig_dtype is {x.orig_dtype} but this linear was prepared "
-                                    f"for {self.dtype} activations and outputs")
+                                    f"for {dtype} activations and outputs")
         data = x.data
-        if data.dtype != self.fp8 or data.device != self.device:
-            raise InvalidInputError(f"QuantizedActivation.data must be {self.fp8} on {self.device}, got "
+        if data.dtype != fp8 or data.device != device:
+            raise InvalidInputError(f"QuantizedActivation.data must be {fp8} on {device}, got "
                                     f"{data.dtype} on {data.device}")
-        return unpacked
+        return x_q, scale, data.shape[:-1]
+    if x.dtype != dtype:
+        raise InvalidInputError(f"x is {x.dtype} but this linear was prepared for {dtype} activations")
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise InvalidInputError(f"x must be [..., K={k}], got {tuple(x.shape)}")
+    if x.device != device:
+        raise InvalidInputError(f"input is on {x.device} but the layer's weight is on {device}")
+    x_q, scale = quant.quantize(x.reshape(-1, k), mode, input_scale, fp8)[:2]
+    return x_q, scale, x.shape[:-1]
+
+
+def finish(backend: Any, x_q: torch.Tensor, prepared: Any, scale: torch.Tensor, dtype: torch.dtype,
+           bias: torch.Tensor | None, lead: tuple[int, ...], n: int) -> torch.Tensor:
+    """``backend.gemm_impl`` on the quantized input, its output contract checked (on the fake output while Dynamo
+    traces: no cost in the compiled graph), reshaped to ``[*lead, N]``."""
+    import torch  # imported here, as the validation helpers do: Dynamo then reaches torch through one source
+
+    y = backend.gemm_impl(x_q, prepared, scale, dtype, bias)
+    if not isinstance(y, torch.Tensor) or y.dtype != dtype or y.shape != (x_q.shape[0], n) or y.device != x_q.device:
+        y = output_contract.gemm_output_failed(backend, y, x_q, n, dtype)
+    return y.reshape(*lead, n)
+
+
+# ------------------------------------------------------------------------------------------ code generation
+class _Source:
+    """The generated code of one plan: closure variables (tensors and objects the code reads) and constants."""
+
+    def __init__(self) -> None:
+        self.closure: list[Any] = []
+
+    def var(self, value: Any) -> str:
+        """A closure variable holding ``value`` (``None`` is written as a constant)."""
+        if value is None:
+            return "None"
+        self.closure.append(value)
+        return f"c{len(self.closure) - 1}"
+
+    @staticmethod
+    def shared(obj: Any) -> str:
+        return f"_SHARED[{shared_index(obj)}]"
+
+
+def _row_source(src: _Source, row: Any, act_scale: ActScale) -> tuple[str, str, TracedRow]:
+    """``(the backend expression, the prepared-weight expression, the row as bound)`` of one bucket."""
+    backend, prepared = row.backend, row.prepared
+    if type(prepared) is not PreparedWeight:  # another type of prepared weight: read whole, as an object
+        return src.shared(backend), src.var(prepared), TracedRow(row.bucket, backend, prepared, {})
+    keys = backend.traced_extra_keys(prepared, act_scale)
+    extra = {name: parameter_alias(value) for name, value in prepared.extra.items() if keys is None or name in keys}
+    tensors = {"data": parameter_alias(prepared.data), "scale": parameter_alias(prepared.scale), **extra}
+    extra_src = "{" + ", ".join(f"{name!r}: {src.var(value)}" for name, value in extra.items()) + "}"
+    expr = (f"PreparedWeight(data={src.var(tensors['data'])}, scale={src.var(tensors['scale'])}, "
+            f"n={int(prepared.n)}, k={int(prepared.k)}, dtype={src.shared(prepared.dtype)}, "
+            f"weight_scale={src.shared(prepared.weight_scale)}, backend={str(prepared.backend)!r}, extra={extra_src})")
+    return src.shared(backend), expr, TracedRow(row.bucket, backend, prepared, tensors)
+
+
+@functools.lru_cache(maxsize=512)
+def _compile_factory(source: str) -> Callable[..., TracedPlan]:
+    """The factory function defined by ``source`` (cached: layers of one shape and configuration share the code
+    object; each plan has its own closure). Its globals are this module's, so every plan reads ``_SHARED`` and the
+    helpers through one source."""
+    namespace: dict[str, Any] = {}
+    exec(compile(source, "<fp8_backends traced plan>", "exec"), globals(), namespace)  # noqa: S102
+    return namespace["make_plan"]
 
 
 def bind_traced(kernel: PerMGemm, *, k: int, n: int, dtype: torch.dtype, device: torch.device,
                 bias: torch.Tensor | None, mode: ActScale, input_scale: torch.Tensor | None,
                 fp8_dtype: torch.dtype) -> TracedPlan:
-    """The traced plan of a linear over ``kernel``'s ``host`` rows."""
-    rows = [traced_row(row.bucket, row.backend, row.prepared) for row in kernel.rows]
-    return TracedPlan(k=k, n=n, dtype=dtype, device=device, mode=mode, fp8=fp8_dtype,
-                      input_scale=input_scale if mode is ActScale.PER_TENSOR_STATIC else None, bias=bias, rows=rows)
+    """The traced plan of a linear over ``kernel``'s ``host`` rows: a function ``plan(x) -> y [..., N]`` (see the
+    module docstring). Its :class:`TracedRow` s are its ``rows`` attribute."""
+    src = _Source()
+    bias_alias = parameter_alias(bias)
+    scale_alias = parameter_alias(input_scale) if mode is ActScale.PER_TENSOR_STATIC else None
+    bias_src, scale_src = src.var(bias_alias), src.var(scale_alias)
+    dt = src.shared(dtype)
+    body = [
+        "def make_plan(" + "{args}" + "):",
+        "    def traced_linear(x):",
+        f"        x_q, scale, lead = prologue(x, {int(k)}, {dt}, {src.shared(device)}, {src.shared(mode)}, "
+        f"{src.shared(fp8_dtype)}, {scale_src})",
+        "        if x_q.shape[0] == 0:",
+        f"            return x_q.new_empty((*lead, {int(n)}), dtype={dt})",
+    ]
+    rows: list[TracedRow] = []
+    host_rows: Sequence[Any] = kernel.rows
+    for i, row in enumerate(host_rows):
+        backend_src, prepared_src, bound = _row_source(src, row, mode)
+        rows.append(bound)
+        call = f"finish({backend_src}, x_q, {prepared_src}, scale, {dt}, {bias_src}, lead, {int(n)})"
+        if i < len(host_rows) - 1:
+            body.append(f"        if x_q.shape[0] <= {int(row.bucket)}:")
+            body.append(f"            return {call}")
+        else:
+            body.append(f"        return {call}")
+    body.append("    return traced_linear")
+    source = "\n".join(body).replace("{args}", ", ".join(f"c{i}" for i in range(len(src.closure))))
+    plan = _compile_factory(source)(*src.closure)
+    # introspection and tests (never read while traced): the rows, and the aliases of the input scale and the bias
+    plan.rows, plan.input_scale, plan.bias = tuple(rows), scale_alias, bias_alias  # type: ignore[attr-defined]
+    return plan
 
 
-__all__ = ["TracedPlan", "TracedRow", "bind_traced", "parameter_alias", "shared_index", "traced_row"]
+__all__ = ["TracedPlan", "TracedRow", "bind_traced", "finish", "parameter_alias", "prologue", "shared_index"]

@@ -122,6 +122,11 @@ class TorchScaledMMBackend(Fp8GemmBackend):
             extra={"row_scale": row_scale},
         )
 
+    def traced_extra_keys(self, prepared: PreparedWeight, act_scale: ActScale) -> frozenset[str]:
+        # the row-wise B scale is read only when either operand is scaled per row (see gemm_impl)
+        rowwise = act_scale is ActScale.PER_TOKEN or prepared.weight_scale is WeightScale.PER_CHANNEL
+        return frozenset({"row_scale"}) if rowwise else frozenset()
+
     def gemm_impl(
         self,
         x_q: torch.Tensor,

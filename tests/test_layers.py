@@ -741,13 +741,15 @@ def test_cuda_layer_refuses_cpu_input_and_cpu_layer_refuses_cuda_input():
 # ------------------------------------------------------------------------------------------ example and bench
 def _load(path):
     import importlib.util
+    import sys
     from pathlib import Path
 
-    file = Path(__file__).resolve().parent.parent / path
+    root = Path(__file__).resolve().parent.parent
+    if str(root) not in sys.path:  # the bench modules import each other as ``bench.*``
+        sys.path.insert(0, str(root))
+    file = root / path
     spec = importlib.util.spec_from_file_location(f"_fp8_test_{file.stem}_{file.parent.name}", file)
     mod = importlib.util.module_from_spec(spec)
-    import sys
-
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod

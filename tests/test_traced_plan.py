@@ -5,6 +5,7 @@ guard on the layer's tensors, the shared provider and enums guarded once) and is
 from __future__ import annotations
 
 import copy
+import re
 import sys
 from pathlib import Path
 
@@ -95,15 +96,21 @@ def test_plan_tensors_alias_the_prepared_weight_and_copies_rebind():
     layer = _layer("per_tensor_static", 0.02, bias=False)
     plan = layer._traced
     row = plan.rows[-1]
-    data, scale = row[7], row[8]
+    data, scale = row.tensors["data"], row.tensors["scale"]
     assert type(data) is nn.Parameter and not data.requires_grad
     assert data.data_ptr() == layer.prepared.data.data_ptr() and data.stride() == layer.prepared.data.stride()
     assert scale.data_ptr() == layer.prepared.scale.data_ptr()
     assert plan.input_scale.data_ptr() == layer.input_scale.data_ptr()
-    assert traced_plan._SHARED[row[1]] is layer.gemm_backend
+    assert row.backend is layer.gemm_backend
+    # the plan's code reads the provider from the shared table, and holds exactly these tensors in its closure
+    assert any(traced_plan._SHARED[i] is layer.gemm_backend for i in range(len(traced_plan._SHARED)))
+    closure = {id(c.cell_contents) for c in plan.__closure__}
+    assert {id(data), id(scale), id(plan.input_scale)} <= closure
+    # a per-tensor torch._scaled_mm problem never reads the row-wise scale: the plan does not hand it over
+    assert "row_scale" not in row.tensors and len(closure) == 3
     twin = copy.deepcopy(layer)
     assert twin._traced is not None and twin._traced is not plan
-    assert twin._traced.rows[-1][7].data_ptr() == twin.prepared.data.data_ptr() != data.data_ptr()
+    assert twin._traced.rows[-1].tensors["data"].data_ptr() == twin.prepared.data.data_ptr() != data.data_ptr()
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     with torch.no_grad():
         twin.weight.zero_()  # the copy's own storage: its traced plan must see it, the original's must not
@@ -156,3 +163,13 @@ def test_a_compiled_model_guards_its_fp8_layers_cheaply():
     lambdas = fp8.count("LAMBDA_GUARD") - bf16.count("LAMBDA_GUARD")
     assert lambdas <= 8, lambdas  # none per layer (the general path: several per layer)
     assert general.count("LAMBDA_GUARD") - bf16.count("LAMBDA_GUARD") > 4 * 7
+    # every guard, per linear, over nn.Linear's: the plan's code object and the two scale tensors of a static layer
+    # (6 guards each); the layer's numbers are constants of its plan's code, which Dynamo does not guard
+    linears = 4 * 7
+    per_linear = (_guard_count(fp8) - _guard_count(bf16)) / linears
+    assert per_linear <= 16, per_linear
+    assert (_guard_count(general) - _guard_count(bf16)) / linears > 2 * per_linear
+
+
+def _guard_count(text: str) -> int:
+    return len(re.findall(r"\+- (?!GuardManager|DictGuardManager|RootGuardManager)[A-Z_]+:", text))
