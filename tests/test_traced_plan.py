@@ -5,6 +5,7 @@ guard on the layer's tensors, the shared provider and enums guarded once) and is
 from __future__ import annotations
 
 import copy
+import json
 import re
 import sys
 from pathlib import Path
@@ -173,3 +174,18 @@ def test_a_compiled_model_guards_its_fp8_layers_cheaply():
 
 def _guard_count(text: str) -> int:
     return len(re.findall(r"\+- (?!GuardManager|DictGuardManager|RootGuardManager)[A-Z_]+:", text))
+
+
+def test_guard_cost_bench_counts_and_times_the_guards_of_a_compiled_model(tmp_path):
+    root = Path(__file__).resolve().parent.parent
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from bench import guard_cost
+
+    assert guard_cost.main(["--out", str(tmp_path), "--layers", "1", "--variants", "fp8_static",
+                            "--warm-checks", "5", "--cold-checks", "2"]) == 0
+    result = json.loads((tmp_path / "guard_cost.json").read_text())
+    bf16, fp8 = result["variants"]["bf16"], result["variants"]["fp8_static"]
+    assert bf16["guards"] > 50 and fp8["guards"] > bf16["guards"]
+    assert fp8["warm_us"] > 0 and fp8["cold_us"] > 0 and sum(fp8["kinds"].values()) == fp8["guards"]
+    assert "| fp8_static |" in (tmp_path / "guard_cost.md").read_text()
