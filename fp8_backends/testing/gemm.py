@@ -383,6 +383,39 @@ class GemmProviderContract(ContractBase):
                     case.id, m, tuple(y.shape), y.dtype, y.device)
         assert seen, "no declared combination was served here"
 
+    def test_traced_extra_keys_cover_what_gemm_reads(self, device: str) -> None:
+        """A compiled ``Fp8Linear`` hands ``gemm_impl`` only the entries of ``prepared.extra`` that
+        :meth:`~fp8_backends.core.backend.Fp8GemmBackend.traced_extra_keys` names for the activation mode: with the
+        rest left out, ``gemm_impl`` computes the same output, for each declared activation and weight scale kind."""
+        import dataclasses
+
+        import torch
+
+        from ..core.types import PreparedWeight
+
+        provider = self.provider()
+        caps = provider.capabilities
+        n, k = self._base(caps)
+        platform = platform_for(device)
+        seen = set()
+        for case in self.cases(caps):
+            problem = case.problem(caps, 5, n, k, device)
+            key = (case.act, case.weight)
+            if key in seen or case.x_dtype is not case.w_dtype or provider.supports(problem, platform):
+                continue
+            seen.add(key)
+            d = case.data(5, n, k, device)
+            prepared = provider.prepare_weight(d["w"], d["ws"])
+            keys = provider.traced_extra_keys(prepared, problem.act_scale)
+            if keys is None or type(prepared) is not PreparedWeight:
+                continue
+            assert set(keys) <= set(prepared.extra), (case.id, sorted(keys), sorted(prepared.extra))
+            kept = dataclasses.replace(prepared, extra={name: prepared.extra[name] for name in keys})
+            with torch.no_grad():
+                want = provider.gemm_impl(d["x"], prepared, d["xs"], d["out"], d["bias"])
+                got = provider.gemm_impl(d["x"], kept, d["xs"], d["out"], d["bias"])
+            assert torch.equal(got, want), f"{case.id}: gemm_impl read an extra entry traced_extra_keys left out"
+
     def test_torch_compile_fullgraph(self, device: str) -> None:
         """``torch.compile(fullgraph=True)`` traces ``gemm`` without a graph break (AOT eager backend: no
         compiler needed) and computes the same result."""
