@@ -157,7 +157,10 @@ def _row_source(src: _Source, row: Any, act_scale: ActScale) -> tuple[str, str, 
     keys = backend.traced_extra_keys(prepared, act_scale)
     extra = {name: parameter_alias(value) for name, value in prepared.extra.items() if keys is None or name in keys}
     tensors = {"data": parameter_alias(prepared.data), "scale": parameter_alias(prepared.scale), **extra}
-    extra_src = "{" + ", ".join(f"{name!r}: {src.var(value)}" for name, value in extra.items()) + "}"
+    if all(type(name) is str for name in extra):  # the documented case: a dict literal, each value its own variable
+        extra_src = "{" + ", ".join(f"{name!r}: {src.var(value)}" for name, value in extra.items()) + "}"
+    else:  # other keys: the dict itself, read as one object
+        extra_src = src.var(extra)
     expr = (f"PreparedWeight(data={src.var(tensors['data'])}, scale={src.var(tensors['scale'])}, "
             f"n={int(prepared.n)}, k={int(prepared.k)}, dtype={src.shared(prepared.dtype)}, "
             f"weight_scale={src.shared(prepared.weight_scale)}, backend={str(prepared.backend)!r}, extra={extra_src})")

@@ -189,3 +189,48 @@ def test_guard_cost_bench_counts_and_times_the_guards_of_a_compiled_model(tmp_pa
     assert bf16["guards"] > 50 and fp8["guards"] > bf16["guards"]
     assert fp8["warm_us"] > 0 and fp8["cold_us"] > 0 and sum(fp8["kinds"].values()) == fp8["guards"]
     assert "| fp8_static |" in (tmp_path / "guard_cost.md").read_text()
+
+
+def test_generated_plan_hands_gemm_impl_the_prepared_weight_and_extra_it_was_bound_with():
+    """A third-party provider's prepared weight: ``extra`` with a non-tensor value and a non-string key, the
+    provider's own ``traced_extra_keys`` dropping one entry; the traced call rebuilds the weight with the kept
+    entries (the same objects) and the layer's numbers, on every M bucket."""
+    from fp8_backends.core.types import ActScale, Fp8Dtype, PreparedWeight, WeightScale
+
+    handle = object()
+    seen = []
+
+    class Backend:
+        name = "fake"
+
+        def traced_extra_keys(self, prepared, act_scale):
+            assert act_scale is ActScale.PER_TENSOR_DYNAMIC
+            return frozenset({"handle", 7})
+
+        def gemm_impl(self, x_q, prepared, x_scale, out_dtype, bias):
+            seen.append(prepared)
+            return torch.zeros(x_q.shape[0], prepared.n, dtype=out_dtype)
+
+    class Row:
+        def __init__(self, bucket, prepared):
+            self.bucket, self.backend, self.prepared = bucket, backend, prepared
+
+    backend = Backend()
+    weight = torch.zeros(8, 16).to(torch.float8_e4m3fn)
+    rows = []
+    for bucket in (4, 1 << 62):
+        prepared = PreparedWeight(data=weight, scale=torch.ones(1), n=8, k=16, dtype=Fp8Dtype.E4M3FN,
+                                  weight_scale=WeightScale.PER_TENSOR, backend="fake",
+                                  extra={"handle": handle, 7: torch.ones(2), "dropped": torch.ones(3)})
+        rows.append(Row(bucket, prepared))
+    kernel = type("Kernel", (), {"rows": rows})()
+    plan = traced_plan.bind_traced(kernel, k=16, n=8, dtype=torch.bfloat16, device=torch.device("cpu"), bias=None,
+                                   mode=ActScale.PER_TENSOR_DYNAMIC, input_scale=None, fp8_dtype=torch.float8_e4m3fn)
+    for m in (3, 9):
+        y = plan(torch.randn(m, 16, dtype=torch.bfloat16))
+        assert y.shape == (m, 8) and y.dtype == torch.bfloat16
+    first, second = seen
+    assert first.extra["handle"] is handle and set(first.extra) == {"handle", 7}
+    assert torch.equal(first.extra[7], torch.ones(2)) and (first.n, first.k, first.backend) == (8, 16, "fake")
+    assert first.data.data_ptr() == rows[0].prepared.data.data_ptr() and second.extra["handle"] is handle
+    assert [r.bucket for r in plan.rows] == [4, 1 << 62]
