@@ -22,6 +22,7 @@ and, marked ``gpu``, CUDA-graph capture, Inductor and the absence of host syncs.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -362,16 +363,9 @@ class GemmProviderContract(ContractBase):
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         provider = self.provider()
-        caps = provider.capabilities
-        n, k = self._base(caps)
-        platform = platform_for(device)
-        seen = set()
-        for case in self.cases(caps):
-            key = (case.act, case.weight, case.out)
-            if key in seen or case.x_dtype is not case.w_dtype or provider.supports(
-                    case.problem(caps, 5, n, k, device), platform):
-                continue
-            seen.add(key)
+        n, k = self._base(provider.capabilities)
+        served = self._served_kinds(provider, device, n, k, lambda c: (c.act, c.weight, c.out))
+        for case in served:
             for m in (0, 1, 17) if case.act == "tensor" else (1, 17):
                 d = case.data(m, n, k, device)
                 prepared = provider.prepare_weight(d["w"], d["ws"])  # load time: eager, real tensors
@@ -381,7 +375,7 @@ class GemmProviderContract(ContractBase):
                     y = provider.gemm(fake["x"], fake["prepared"], fake["xs"], out_dtype=d["out"], bias=fake["bias"])
                 assert tuple(y.shape) == (m, n) and y.dtype == d["out"] and y.device == d["x"].device, (
                     case.id, m, tuple(y.shape), y.dtype, y.device)
-        assert seen, "no declared combination was served here"
+        assert served, "no declared combination was served here"
 
     def test_traced_extra_keys_cover_what_gemm_reads(self, device: str) -> None:
         """A compiled ``Fp8Linear`` hands ``gemm_impl`` only the entries of ``prepared.extra`` that
@@ -396,17 +390,10 @@ class GemmProviderContract(ContractBase):
         provider = self.provider()
         caps = provider.capabilities
         n, k = self._base(caps)
-        platform = platform_for(device)
-        seen = set()
-        for case in self.cases(caps):
-            problem = case.problem(caps, 5, n, k, device)
-            key = (case.act, case.weight)
-            if key in seen or case.x_dtype is not case.w_dtype or provider.supports(problem, platform):
-                continue
-            seen.add(key)
+        for case in self._served_kinds(provider, device, n, k, lambda c: (c.act, c.weight)):
             d = case.data(5, n, k, device)
             prepared = provider.prepare_weight(d["w"], d["ws"])
-            keys = provider.traced_extra_keys(prepared, problem.act_scale)
+            keys = provider.traced_extra_keys(prepared, case.problem(caps, 5, n, k, device).act_scale)
             if keys is None or type(prepared) is not PreparedWeight:
                 continue
             assert set(keys) <= set(prepared.extra), (case.id, sorted(keys), sorted(prepared.extra))
@@ -546,6 +533,20 @@ class GemmProviderContract(ContractBase):
             if not provider.supports(case.problem(provider.capabilities, m, n, k, device), platform):
                 return case
         pytest.skip(f"{provider.label} serves none of its declared combinations on {device}")
+
+    def _served_kinds(self, provider: Any, device: str, n: int, k: int,
+                      kind: Callable[[GemmCase], Any]) -> list[GemmCase]:
+        """The first included combination of each ``kind`` (e.g. activation x weight scale) with one FP8 type for
+        both operands that the provider serves here at M = 5."""
+        caps = provider.capabilities
+        platform = platform_for(device)
+        out: dict[Any, GemmCase] = {}
+        for case in self.cases(caps):
+            if kind(case) in out or case.x_dtype is not case.w_dtype or provider.supports(
+                    case.problem(caps, 5, n, k, device), platform):
+                continue
+            out[kind(case)] = case
+        return list(out.values())
 
     def _gpu_cases(self, provider: Any, n: int, k: int) -> list[GemmCase]:
         """The default combination and, where declared and served, per-token x per-channel with bias."""
