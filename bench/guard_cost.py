@@ -33,7 +33,12 @@ from typing import Any
 import torch
 
 VARIANTS = ("bf16", "fp8_static", "fp8_dynamic", "fp8_static_unfused")
-_GUARD = re.compile(r"\+- ([A-Z_]+):")
+_GUARD = re.compile(r"\+- ([A-Z_]+):")  # a guard line of a printed guard tree ("+- GuardManager: ..." is not one)
+
+
+def guard_kinds(tree: str) -> collections.Counter:
+    """``{kind: count}`` of the guards in a printed Dynamo guard tree (``str(guard_manager)``)."""
+    return collections.Counter(m.group(1) for m in _GUARD.finditer(tree))
 
 
 def build(layers: int) -> tuple[Any, torch.Tensor]:
@@ -78,7 +83,7 @@ def measure(model: Any, ids: torch.Tensor, warm_checks: int, cold_checks: int) -
         compiled(ids)
     entries = _debug_get_cache_entry_list(type(model).forward.__code__)
     manager = entries[0].guard_manager
-    kinds = collections.Counter(m.group(1) for m in _GUARD.finditer(str(manager)))
+    kinds = guard_kinds(str(manager))
     f_locals = frame_locals(model, ids)
     with torch.no_grad():  # the grad mode is part of the guarded global state
         return _time_checks(manager, f_locals, kinds, warm_checks, cold_checks)

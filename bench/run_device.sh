@@ -11,8 +11,9 @@
 # (bench.auto_eval with EVAL_ARGS; EVAL_SHARDS=N splits both over N GPUs: bench/auto_eval.sh), not in the default list
 # ingrid (bench.auto_eval on the shipped grid's INGRID_MODELS at TP 1/2/4/8: issue 15's in-grid targets) is not in the
 # default list either; heldout packs HELDOUT_DATA itself (the shipped file without HELDOUT_MODELS) when it is missing.
-# The tests stage runs TESTS_SHARDS (8) pytest processes side by side (one per group of test files, the GPU fuzz at
-# FP8_FUZZ_SCALE, 0.1 by default), which fits the device tool's 10-minute call; TESTS_SHARDS=1 runs one process.
+# The tests stage runs 8 pytest processes side by side (bench/gpu_tests_sharded.sh: one per group of test files, the
+# GPU fuzz at FP8_FUZZ_SCALE, 0.1 by default), which fits the device tool's 10-minute call; TESTS_SHARDS=1 or
+# TESTS_PATHS runs one process.
 # A CUTLASS build cache carried in .prebuilt/cutlass (built on a CPU machine with nvcc 13 and nvidia-cutlass:
 # `FP8_BACKENDS_CUTLASS_CACHE=$PWD/.prebuilt/cutlass python -m fp8_backends.build cutlass`), or packed as
 # .prebuilt/cutlass.tar.xz (`tar -C .prebuilt -cJf .prebuilt/cutlass.tar.xz --exclude='*.lock' cutlass`: 1.1 MB for

@@ -84,8 +84,8 @@ def parameter_alias(t: Any) -> Any:
 class TracedRow(NamedTuple):
     """One M bucket of a plan, as bound (introspection and tests; the plan function holds the same objects):
     ``bucket`` (the largest M it serves; the last row serves every larger M), the ``backend``, the ``prepared``
-    weight whose fields the plan's code holds, and the tensors the plan hands ``gemm_impl`` for it (parameter
-    aliases): ``"data"``, ``"scale"`` and the ``extra`` entries it keeps, by name."""
+    weight whose fields the plan's code holds, and what the plan hands ``gemm_impl`` for it: ``"data"``, ``"scale"``
+    and the ``extra`` entries it keeps, by name (tensors as parameter aliases, other values as they are)."""
 
     bucket: int
     backend: Any

@@ -21,6 +21,10 @@ from fp8_backends.core import settings
 # shared test helpers (fake_provider.py) import as top-level modules: --import-mode=importlib puts no test folder
 # on sys.path
 sys.path.insert(0, str(Path(__file__).parent))
+# the benchmarks some tests run import each other as ``bench.*``: the repository root is appended (the installed
+# fp8_backends keeps precedence over the source tree)
+if str(Path(__file__).resolve().parent.parent) not in sys.path:
+    sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 # tests/data holds test subjects (a plugin distribution with its own tests, the kit's deliberately broken
 # providers): other tests run them in subprocesses with the right sys.path

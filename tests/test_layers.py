@@ -744,10 +744,7 @@ def _load(path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
-    if str(root) not in sys.path:  # the bench modules import each other as ``bench.*``
-        sys.path.insert(0, str(root))
-    file = root / path
+    file = Path(__file__).resolve().parent.parent / path
     spec = importlib.util.spec_from_file_location(f"_fp8_test_{file.stem}_{file.parent.name}", file)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
