@@ -38,9 +38,9 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import quant
-from .core import output_contract
+from .core import output_contract, reference
 from .core.errors import InvalidInputError
-from .core.types import ActScale, PreparedWeight, QuantizedActivation
+from .core.types import ActScale, Fp8Dtype, PreparedWeight, QuantizedActivation
 from .functional import unpack_quantized
 
 if TYPE_CHECKING:
@@ -95,9 +95,17 @@ class TracedRow(NamedTuple):
 
 # ------------------------------------------------------------------------------------------ what a plan calls
 def prologue(x: Any, k: int, dtype: torch.dtype, device: torch.device, mode: ActScale, fp8: torch.dtype,
-             input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+             fmax: float, kind: str, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                             tuple[int, ...]]:
     """``(x_q [M, K], scale, leading dims)``: ``x [..., K]`` in ``dtype`` on ``device`` quantized in ``mode`` (the
-    static scale ``input_scale``), or a :class:`QuantizedActivation` in ``mode`` checked and flattened."""
+    static scale ``input_scale``), or a :class:`QuantizedActivation` in ``mode`` checked and flattened.
+
+    ``fmax`` (``fp8``'s largest value) and ``kind`` (``"static"``, ``"dynamic"`` or ``"token"``: ``mode`` as a string)
+    are constants of the generated code: where compiled code quantizes with the reference torch code (compile mode
+    ``"inline"``, :func:`fp8_backends.quant.set_compile_mode`), it calls the math directly
+    (:func:`fp8_backends.core.reference.scaled_cast` and the scale functions) instead of the public
+    :func:`fp8_backends.quant.quantize`, whose dtype and mode parsing Dynamo would guard at every call (~30 guards
+    a model, 8 of them Python lambdas). The input was checked here and the static scale at load time."""
     if isinstance(x, QuantizedActivation):
         x_q, scale = unpack_quantized(x, mode, k)
         if x.orig_dtype != dtype:
@@ -114,23 +122,39 @@ def prologue(x: Any, k: int, dtype: torch.dtype, device: torch.device, mode: Act
         raise InvalidInputError(f"x must be [..., K={k}], got {tuple(x.shape)}")
     if x.device != device:
         raise InvalidInputError(f"input is on {x.device} but the layer's weight is on {device}")
-    x_q, scale = quant.quantize(x.reshape(-1, k), mode, input_scale, fp8)[:2]
-    return x_q, scale, x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    # compile mode "op": the library's quantization op. Read as the module attribute, not through a quant function:
+    # calling one would make Dynamo reach the quant module through a second source and guard the two are one object
+    # (a Python guard per model); this plan only runs under torch.compile, so the mode alone decides
+    if quant._compile_mode != "inline":
+        x_q, scale = quant.quantize(x2, mode, input_scale, fp8)[:2]
+        return x_q, scale, x.shape[:-1]
+    if kind == "static":
+        scale = input_scale
+    elif kind == "dynamic":
+        scale = reference.dynamic_scale(x2, fmax)
+    else:
+        scale = reference.per_token_scale(x2, fmax)
+    return reference.scaled_cast(x2, scale, fp8, fmax), scale, x.shape[:-1]
 
 
 def finish(backend: Any, x_q: torch.Tensor, prepared: Any, scale: torch.Tensor, dtype: torch.dtype,
            bias: torch.Tensor | None, lead: tuple[int, ...], n: int) -> torch.Tensor:
     """``backend.gemm_impl`` on the quantized input, its output contract checked (on the fake output while Dynamo
     traces: no cost in the compiled graph), reshaped to ``[*lead, N]``."""
-    import torch  # imported here, as the validation helpers do: Dynamo then reaches torch through one source
-
     y = backend.gemm_impl(x_q, prepared, scale, dtype, bias)
-    if not isinstance(y, torch.Tensor) or y.dtype != dtype or y.shape != (x_q.shape[0], n) or y.device != x_q.device:
+    # duck-typed (a non-tensor fails it): naming torch.Tensor here would add a guard that the model's own ``torch``
+    # and this module's are one object, a Python guard per compiled model
+    if (getattr(y, "dtype", None) != dtype or getattr(y, "shape", None) != (x_q.shape[0], n)
+            or getattr(y, "device", None) != x_q.device):
         y = output_contract.gemm_output_failed(backend, y, x_q, n, dtype)
     return y.reshape(*lead, n)
 
 
 # ------------------------------------------------------------------------------------------ code generation
+#: each activation scale mode as the generated code names it (a string constant: Dynamo guards no code constant)
+_KIND = {ActScale.PER_TENSOR_STATIC: "static", ActScale.PER_TENSOR_DYNAMIC: "dynamic", ActScale.PER_TOKEN: "token"}
+
 class _Source:
     """The generated code of one plan: closure variables (tensors and objects the code reads) and constants."""
 
@@ -191,7 +215,7 @@ def bind_traced(kernel: PerMGemm, *, k: int, n: int, dtype: torch.dtype, device:
         "def make_plan(" + "{args}" + "):",
         "    def traced_linear(x):",
         f"        x_q, scale, lead = prologue(x, {int(k)}, {dt}, {src.shared(device)}, {src.shared(mode)}, "
-        f"{src.shared(fp8_dtype)}, {scale_src})",
+        f"{src.shared(fp8_dtype)}, {Fp8Dtype.of(fp8_dtype).max!r}, {_KIND[mode]!r}, {scale_src})",
         "        if x_q.shape[0] == 0:",
         f"            return x_q.new_empty((*lead, {int(n)}), dtype={dt})",
     ]

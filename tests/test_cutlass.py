@@ -751,3 +751,32 @@ def test_two_processes_build_at_once(tmp_path):
     assert len({o[0].split()[0] for o in outs}) == 1
     assert len(list((tmp_path / "cache").glob("*/manifest.json"))) == 1
     assert len(list((tmp_path / "cache").glob("*/build.log"))) == 1
+
+
+@pytest.mark.gpu
+def test_native_op_serves_the_provider_after_one_python_call_per_bucket(gpu_built):
+    """The provider's op is the C++ one (``native_op``): the first call of each M bucket goes through the Python op
+    (which loads and registers the library), the next ones are served in C++, eager and compiled, with the same
+    numbers."""
+    import torch
+
+    from fp8_backends.providers.cutlass import native_op
+
+    if not native_op.enabled():
+        pytest.skip("FP8_BACKENDS_CUTLASS_NATIVE=0")
+    native = native_op.load("cuda")
+    b = CutlassSm90Backend()
+    assert b._loaded_op() is native.op
+    served0, handed0 = native.calls()
+    for m in (1, 100, 3000):
+        first = _check(b, m, 4096, 4096)
+        again = _check(b, m, 4096, 4096)
+        torch.testing.assert_close(first, again, rtol=0, atol=0)
+    served, handed = native.calls()
+    assert served - served0 >= 3 and handed - handed0 <= 3, (served - served0, handed - handed0)
+    x, w, xs, ws = _data(64, 4096, 4096)
+    prepared = b.prepare_weight(w, ws)
+    eager = b.gemm(x, prepared, xs)
+    compiled = torch.compile(lambda x: b.gemm(x, prepared, xs), fullgraph=True)
+    torch.testing.assert_close(compiled(x), eager, rtol=0, atol=0)
+    assert native.calls()[0] > served

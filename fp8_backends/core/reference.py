@@ -51,7 +51,7 @@ def fp8_gemm(
 def quantize_static(x: torch.Tensor, scale: torch.Tensor, dtype: object = "e4m3fn") -> torch.Tensor:
     """``clamp(x / scale, ±max) -> fp8`` with a given per-tensor (or ``[M, 1]``) fp32 scale."""
     fp8, fmax = _fp8(dtype)
-    return (x.float() / scale.float()).clamp(-fmax, fmax).to(fp8)
+    return scaled_cast(x, scale, fp8, fmax)
 
 
 def quantize_dynamic_per_tensor(
@@ -59,27 +59,43 @@ def quantize_dynamic_per_tensor(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-tensor dynamic quantization: ``scale = max(amax(x) / max, 1e-12)`` as a ``[1]`` fp32 tensor (an empty
     ``x`` gets ``1e-12``, as an all-zero one does)."""
-    import torch
-
-    _, fmax = _fp8(dtype)
-    if x.numel() == 0:
-        scale = torch.full((1,), MIN_DYNAMIC_SCALE, dtype=torch.float32, device=x.device)
-    else:
-        scale = (x.detach().abs().amax().float() / fmax).clamp_min(MIN_DYNAMIC_SCALE).reshape(1)
-    return quantize_static(x, scale, dtype), scale
+    fp8, fmax = _fp8(dtype)
+    scale = dynamic_scale(x, fmax)
+    return scaled_cast(x, scale, fp8, fmax), scale
 
 
 def quantize_per_token(x: torch.Tensor, dtype: object = "e4m3fn") -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token (row) dynamic quantization of ``x: [M, K]``; ``scale: [M, 1]`` fp32 (rows of an ``x`` with
     K = 0 get ``1e-12``)."""
+    fp8, fmax = _fp8(dtype)
+    scale = per_token_scale(x, fmax)
+    return scaled_cast(x, scale, fp8, fmax), scale
+
+
+# The math itself, with the float8 torch dtype and its largest value given: what the functions above compute once
+# they parsed their dtype, and what a compiled layer's generated plan calls with both as constants (no parsing, no
+# enum lookups for Dynamo to guard).
+def scaled_cast(x: torch.Tensor, scale: torch.Tensor, fp8: torch.dtype, fmax: float) -> torch.Tensor:
+    """``clamp(x.float() / scale.float(), ±fmax).to(fp8)``."""
+    return (x.float() / scale.float()).clamp(-fmax, fmax).to(fp8)
+
+
+def dynamic_scale(x: torch.Tensor, fmax: float) -> torch.Tensor:
+    """``[1]`` fp32: ``max(amax(x) / fmax, 1e-12)`` (``1e-12`` for an empty ``x``)."""
     import torch
 
-    _, fmax = _fp8(dtype)
+    if x.numel() == 0:
+        return torch.full((1,), MIN_DYNAMIC_SCALE, dtype=torch.float32, device=x.device)
+    return (x.detach().abs().amax().float() / fmax).clamp_min(MIN_DYNAMIC_SCALE).reshape(1)
+
+
+def per_token_scale(x: torch.Tensor, fmax: float) -> torch.Tensor:
+    """``[M, 1]`` fp32: each row's ``max(amax / fmax, 1e-12)`` (``1e-12`` where K = 0)."""
+    import torch
+
     if x.shape[-1] == 0:
-        scale = torch.full((*x.shape[:-1], 1), MIN_DYNAMIC_SCALE, dtype=torch.float32, device=x.device)
-    else:
-        scale = (x.detach().abs().amax(dim=-1, keepdim=True).float() / fmax).clamp_min(MIN_DYNAMIC_SCALE)
-    return quantize_static(x, scale, dtype), scale
+        return torch.full((*x.shape[:-1], 1), MIN_DYNAMIC_SCALE, dtype=torch.float32, device=x.device)
+    return (x.detach().abs().amax(dim=-1, keepdim=True).float() / fmax).clamp_min(MIN_DYNAMIC_SCALE)
 
 
 def quantize(
@@ -125,12 +141,15 @@ def fused_add_rmsnorm_quant(
 
 __all__ = [
     "dequantize",
+    "dynamic_scale",
     "fp8_gemm",
     "fused_add_rmsnorm_quant",
     "quantize",
     "quantize_dynamic_per_tensor",
     "quantize_per_token",
     "quantize_static",
+    "per_token_scale",
     "rmsnorm",
     "rmsnorm_quant",
+    "scaled_cast",
 ]

@@ -20,12 +20,14 @@
 | ``FP8_BACKENDS_CUTLASS_DIR`` | CUTLASS headers the ``cutlass`` provider builds against |
 | ``FP8_BACKENDS_CUTLASS_CACHE`` | the CUTLASS build cache folder (default ``cache_dir()/cutlass``) |
 | ``FP8_BACKENDS_CUTLASS_TABLE`` | a JSON file replacing the ``cutlass`` provider's M-bucket config table |
+| ``FP8_BACKENDS_CUTLASS_NATIVE`` | ``0``: the ``cutlass`` provider calls its kernels through its Python op, not C++ |
 | ``FP8_BACKENDS_TRITON_TABLE`` | a JSON file replacing the ``triton`` GEMM provider's M-bucket config table |
 | ``FP8_BACKENDS_BUILD_JOBS`` | parallel nvcc processes for CUTLASS builds (default: CPU count) |
 
-Boolean variables (``CHECK_SCALES``, ``TUNE``, ``PDL``, ``DEFAULTS``) take ``1/0``, ``true/false``, ``yes/no`` or
-``on/off`` (any case; unset or empty: the default) and are read where they are used, not once at import; any other
-value raises :class:`~fp8_backends.core.errors.ConfigurationError` naming the variable and the accepted values, never a
+Boolean variables (``CHECK_SCALES``, ``TUNE``, ``PDL``, ``DEFAULTS``, ``CUTLASS_NATIVE``) take ``1/0``,
+``true/false``, ``yes/no`` or ``on/off`` (any case; unset or empty: the default) and are read where they are used,
+not once at import; any other value raises :class:`~fp8_backends.core.errors.ConfigurationError` naming the variable
+and the accepted values, never a
 silent default. :func:`env_int` parses integer variables as strictly.
 """
 
@@ -58,6 +60,7 @@ FLASHINFER_AUTOTUNE_ENV = "FP8_BACKENDS_FLASHINFER_AUTOTUNE"
 CUTLASS_DIR_ENV = "FP8_BACKENDS_CUTLASS_DIR"
 CUTLASS_CACHE_ENV = "FP8_BACKENDS_CUTLASS_CACHE"
 CUTLASS_TABLE_ENV = "FP8_BACKENDS_CUTLASS_TABLE"
+CUTLASS_NATIVE_ENV = "FP8_BACKENDS_CUTLASS_NATIVE"
 TRITON_TABLE_ENV = "FP8_BACKENDS_TRITON_TABLE"
 BUILD_JOBS_ENV = "FP8_BACKENDS_BUILD_JOBS"
 
@@ -91,6 +94,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(CUTLASS_DIR_ENV, setup=True),
     EnvVar(CUTLASS_CACHE_ENV, setup=True),
     EnvVar(CUTLASS_TABLE_ENV),
+    EnvVar(CUTLASS_NATIVE_ENV),
     EnvVar(TRITON_TABLE_ENV),
     EnvVar(BUILD_JOBS_ENV, setup=True),
 )

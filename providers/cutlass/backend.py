@@ -22,6 +22,7 @@ need separate tcgen05 instantiations and are not part of this provider.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from fp8_backends.core.backend import OpGemmBackend
@@ -77,6 +78,18 @@ class CutlassSm90Backend(OpGemmBackend):
     # 5 + the 58 µs a compiled Fp8Linear on it costs more than on the triton op (median over 6 shapes x M, H200,
     # 2026-12-01, bench/results/2026-12-01-h200-stop23/call6/ch/compiled_host_sl-off.md; the triton op counted at 5)
     host_us: ClassVar[float | None] = 60.0
+    #: the same through the C++ op (:mod:`.native_op`): ~8 µs over the triton op's call (median of the per-call minima
+    #: over 2 shapes x M = 1 / 16 / 512, H200, bench/results/2026-12-02-h200-stop28/call1/ch/native), against ~50 on
+    #: the Python op in the same call (call1/ch/python)
+    native_host_us: ClassVar[float] = 13.0
+
+    @classmethod
+    def host_us_for(cls, m: int, n: int, k: int, options: Mapping[str, str]) -> float | None:
+        """:attr:`native_host_us` where the C++ op is expected to serve (enabled, not failed, nvcc found), else
+        :attr:`host_us`."""
+        from . import native_op
+
+        return cls.native_host_us if native_op.expected() else cls.host_us
 
     @classmethod
     def availability(cls) -> Availability:
@@ -101,9 +114,19 @@ class CutlassSm90Backend(OpGemmBackend):
     contiguous_vectors: ClassVar[bool] = True
 
     def load_op(self) -> Any:
+        """The C++ op (:mod:`.native_op`, built at first use) where it loads, else the Python op; both defined now,
+        at load time (see ProviderBase.preload). The C++ op hands what it cannot serve to the Python op."""
+        import torch
+
         from .ops import load_op
 
-        return load_op()  # defined now, at load time (see ProviderBase.preload)
+        python_op = load_op()
+        if not torch.cuda.is_available():
+            return python_op
+        from . import native_op
+
+        native = native_op.try_load()
+        return python_op if native is None else native.op
 
     def op_arguments(self) -> tuple[str, bool]:
         return self.config["config"], self.config["fast_accum"] == "true"

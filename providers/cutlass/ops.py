@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from fp8_backends.core.errors import Fp8BackendError, InvalidInputError
 from fp8_backends.core.oplib import LazyOps, gemm_fake, gemm_schema
 
-from . import build
+from . import build, native_op
 from .configs import CONFIGS, active_table
 
 if TYPE_CHECKING:
@@ -62,6 +62,16 @@ def _spec(config: str, epilogue: str, out: str, fast_accum: bool) -> build.Libra
     return build.LibrarySpec(config, epilogue, out, fast_accum)
 
 
+def _register_native(native: native_op.NativeOp, spec: build.LibrarySpec, lib: build.KernelLibrary, n: int, k: int,
+                     config: str) -> None:
+    """Tell the C++ op (:mod:`.native_op`) about ``lib`` and, for ``config=auto``, the M buckets of ``N x K`` in the
+    active table (read now: a table file changed later reaches the C++ op after :meth:`NativeOp.reset`)."""
+    native_op.register_loaded(native, [(spec, lib)], lambda name: CONFIGS[name].stream_k)
+    if config == "auto":
+        table = active_table()
+        native.note(("buckets", n, k, id(table)), lambda: native.register_buckets(n, k, table.buckets_for(n, k)))
+
+
 def _check_aligned(t: torch.Tensor, what: str) -> None:
     if t.data_ptr() % _TMA_ALIGN:
         raise InvalidInputError(
@@ -90,6 +100,9 @@ def _run(
     x_vec = x_scale.numel() > 1
     w_vec = w_scale.numel() > 1
     spec, lib = library_for(m, n, k, x_vec or w_vec, out_dtype, config, fast_accum)
+    native = native_op.loaded()
+    if native is not None:  # the C++ op handed this call over: let it serve the next ones itself
+        _register_native(native, spec, lib, n, k, config)
     _check_aligned(x, "x_q")
     _check_aligned(w, "the weight")
     guard = torch.cuda.device(x.device) if x.device.index != torch.cuda.current_device() else None

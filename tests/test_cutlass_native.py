@@ -1,0 +1,249 @@
+"""The cutlass provider's C++ op (``providers/cutlass/native_op.cpp``), on the CPU.
+
+The CPU build (``cpu-test``) registers the op for CPU tensors with a null stream; its "kernels" are three functions of a
+small C library that record the arguments they receive. A child process (a process loads one build of the op, and the
+GPU suite loads the CUDA one) checks what the op hands them: the M bucket of each registered (N, K), the epilogue key,
+bias and scale pointers, the stream-K workspace; and that everything it cannot serve reaches the fallback op with the
+same arguments (an unknown shape, an unregistered kernel, an unaligned pointer, a non-zero return code) and that the
+fallback's exception reaches the caller as it was raised. Also: ``torch.compile`` (``aot_eager``, ``fullgraph``) traces
+the op through its fake. On the GPU, ``tests/test_cutlass.py`` runs the provider's real kernels through it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from fp8_backends.providers.cutlass import native_op
+
+FAKE_KERNELS = r"""
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+typedef struct {
+  int which, calls; int64_t m, n, k; const void *x, *w; void *out; const void *xs; int xv; const void *ws; int wv;
+  const void *bias; void *work; size_t work_bytes; void *stream;
+} rec_t;
+rec_t rec;
+int rc_next = 0;
+static int record(int which, const void *x, const void *w, void *out, int64_t m, int64_t n, int64_t k, const void *xs,
+                  int xv, const void *ws, int wv, const void *bias, void *work, size_t wb, void *stream) {
+  rec.which = which; rec.calls++; rec.m = m; rec.n = n; rec.k = k; rec.x = x; rec.w = w; rec.out = out; rec.xs = xs;
+  rec.xv = xv; rec.ws = ws; rec.wv = wv; rec.bias = bias; rec.work = work; rec.work_bytes = wb; rec.stream = stream;
+  return rc_next;
+}
+#define KERNEL(name, id) int name(const void *x, const void *w, void *o, int64_t m, int64_t n, int64_t k, \
+  const void *xs, int xv, const void *ws, int wv, const void *b, void *wk, size_t wb, void *s) \
+  { return record(id, x, w, o, m, n, k, xs, xv, ws, wv, b, wk, wb, s); }
+KERNEL(gemm_a, 1)
+KERNEL(gemm_b, 2)
+KERNEL(gemm_c, 3)
+size_t ws_size(int64_t m, int64_t n, int64_t k) { return (size_t)(m * 64 + n); }
+"""
+
+CHILD = r"""
+import ctypes, sys, torch
+from fp8_backends.providers.cutlass import native_op
+
+fake = ctypes.CDLL(sys.argv[1])
+class Rec(ctypes.Structure):
+    _fields_ = [("which", ctypes.c_int), ("calls", ctypes.c_int), ("m", ctypes.c_int64), ("n", ctypes.c_int64),
+                ("k", ctypes.c_int64), ("x", ctypes.c_void_p), ("w", ctypes.c_void_p), ("out", ctypes.c_void_p),
+                ("xs", ctypes.c_void_p), ("xv", ctypes.c_int), ("ws", ctypes.c_void_p), ("wv", ctypes.c_int),
+                ("bias", ctypes.c_void_p), ("work", ctypes.c_void_p), ("work_bytes", ctypes.c_size_t),
+                ("stream", ctypes.c_void_p)]
+rec = Rec.in_dll(fake, "rec")
+rc_next = ctypes.c_int.in_dll(fake, "rc_next")
+addr = {name: ctypes.cast(getattr(fake, name), ctypes.c_void_p).value
+        for name in ("gemm_a", "gemm_b", "gemm_c", "ws_size")}
+
+class FallbackRaised(Exception):
+    pass
+
+seen = []
+def fallback(x, w, xs, ws, bias, out_dtype, config, fast_accum):
+    seen.append((tuple(x.shape), tuple(w.shape), config, fast_accum, bias is not None, out_dtype))
+    if config == "raise":
+        raise FallbackRaised("from the fallback")
+    return torch.full((x.shape[0], w.shape[0]), 7.0, dtype=out_dtype)
+
+lib = torch.library.Library("fp8b_test", "DEF")
+lib.define("fallback(Tensor x, Tensor w, Tensor x_scale, Tensor w_scale, Tensor? bias, ScalarType out_dtype, "
+           "str config, bool fast_accum) -> Tensor")
+lib.impl("fallback", fallback, "CPU")
+
+native = native_op.load("cpu-test")
+native.set_fallback("fp8b_test::fallback")
+op = native.op
+f8 = torch.float8_e4m3fn
+def data(m, n, k):
+    return torch.zeros(m, k, dtype=f8), torch.zeros(n, k, dtype=f8), torch.ones(1), torch.ones(1)
+
+# 1. nothing registered: the fallback serves, with the same arguments
+x, w, xs, ws = data(5, 32, 64)
+y = op(x, w, xs, ws, None, torch.bfloat16, "auto", True)
+assert seen == [((5, 64), (32, 64), "auto", True, False, torch.bfloat16)], seen
+assert (y == 7).all() and y.dtype == torch.bfloat16
+assert native.calls() == (0, 1), native.calls()
+
+# 2. buckets and kernels registered: each M reaches its bucket's kernel, with the caller's pointers
+native.register_buckets(32, 64, [(16, "a"), (256, "b"), (None, "c")])
+for name in "abc":
+    native.register_kernel(f"{name}|tensor|bfloat16|1", addr[f"gemm_{name}"], addr["ws_size"], False)
+for m, which in ((1, 1), (16, 1), (17, 2), (256, 2), (257, 3), (4096, 3)):
+    x, w, xs, ws = data(m, 32, 64)
+    calls = rec.calls
+    y = op(x, w, xs, ws, None, torch.bfloat16, "auto", True)
+    assert rec.calls == calls + 1 and rec.which == which, (m, rec.which)
+    assert (rec.m, rec.n, rec.k) == (m, 32, 64)
+    assert rec.x == x.data_ptr() and rec.w == w.data_ptr() and rec.out == y.data_ptr()
+    assert rec.xs == xs.data_ptr() and rec.ws == ws.data_ptr() and rec.xv == 0 and rec.wv == 0
+    assert rec.bias is None and rec.work is None and rec.work_bytes == 0 and rec.stream is None
+    assert y.shape == (m, 32) and y.dtype == torch.bfloat16
+assert len(seen) == 1, seen
+
+# 3. another epilogue, output dtype or accumulation is another key: not registered, so the fallback serves
+x, w, xs, ws = data(8, 32, 64)
+op(x, w, torch.ones(8, 1), ws, None, torch.bfloat16, "auto", True)      # per-token: rowwise
+op(x, w, xs, ws, None, torch.float16, "auto", True)                     # fp16 out
+op(x, w, xs, ws, None, torch.bfloat16, "auto", False)                   # precise accumulation
+op(x, w, xs, ws, None, torch.bfloat16, "d", True)                       # an explicit config not registered
+op(data(8, 48, 64)[0], torch.zeros(48, 64, dtype=f8), xs, ws, None, torch.bfloat16, "auto", True)  # other N
+assert len(seen) == 6, seen
+
+# 4. rowwise kernel with bias and per-channel scales; an explicit config name; stream-K workspace
+native.register_kernel("b|rowwise|float32|1", addr["gemm_b"], addr["ws_size"], True)
+bias = torch.ones(32)
+wsv = torch.ones(32)
+y = op(x, w, xs, wsv, bias, torch.float32, "b", True)
+assert rec.which == 2 and rec.wv == 1 and rec.xv == 0 and rec.bias == bias.data_ptr()
+assert rec.work_bytes == 8 * 64 + 32 and rec.work is not None, (rec.work_bytes, rec.work)
+assert y.dtype == torch.float32 and len(seen) == 6
+
+# 5. a failed launch or an unaligned pointer goes to the fallback (which raises the library's errors)
+rc_next.value = 3
+y = op(x, w, xs, ws, None, torch.bfloat16, "auto", True)
+assert len(seen) == 7 and (y == 7).all()
+rc_next.value = 0
+raw = torch.zeros(8 * 64 + 1, dtype=torch.uint8)
+odd = raw[1:].view(f8).view(8, 64)
+op(odd, w, xs, ws, None, torch.bfloat16, "auto", True)
+assert len(seen) == 8, seen
+
+# 6. the fallback's exception reaches the caller as raised
+native.register_buckets(32, 64, [(None, "nothing")])
+try:
+    op(x, w, xs, ws, None, torch.bfloat16, "raise", True)
+except FallbackRaised as exc:
+    assert "from the fallback" in str(exc)
+else:
+    raise AssertionError("the fallback's exception was lost")
+
+# 7. M = 0: an empty output, no kernel call; reset forgets every registration
+native.register_buckets(32, 64, [(None, "a")])
+calls = rec.calls
+y = op(torch.zeros(0, 64, dtype=f8), w, xs, ws, None, torch.bfloat16, "auto", True)
+assert y.shape == (0, 32) and rec.calls == calls
+native.reset()
+op(x, w, xs, ws, None, torch.bfloat16, "auto", True)
+assert len(seen) == 10 and rec.calls == calls, (len(seen), rec.calls)
+
+# 8. torch.compile traces the op through its fake, without a graph break, and runs it
+native.register_buckets(32, 64, [(None, "a")])
+native.register_kernel("a|tensor|bfloat16|1", addr["gemm_a"], addr["ws_size"], False)
+@torch.compile(backend="aot_eager", fullgraph=True)
+def f(x, w, xs, ws):
+    return op(x, w, xs, ws, None, torch.bfloat16, "auto", True) + 1
+calls = rec.calls
+out = f(x, w, xs, ws)
+assert rec.calls == calls + 1 and out.shape == (8, 32), rec.calls
+print("native op checks passed", native.calls())
+"""
+
+
+def _cxx() -> str | None:
+    return os.environ.get("CXX", "").strip() or shutil.which("c++") or shutil.which("g++")
+
+
+needs_cxx = pytest.mark.skipif(_cxx() is None or shutil.which("cc") is None and shutil.which("gcc") is None,
+                               reason="no C/C++ compiler on this machine (the C++ op builds with one)")
+
+
+@needs_cxx
+def test_cpu_build_serves_registered_kernels_and_hands_the_rest_to_the_fallback(tmp_path):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    src = tmp_path / "fake_kernels.c"
+    src.write_text(FAKE_KERNELS, encoding="utf-8")
+    fake = tmp_path / "libfake_kernels.so"
+    subprocess.run([cc, "-O1", "-shared", "-fPIC", str(src), "-o", str(fake)], check=True, capture_output=True)
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(CHILD), encoding="utf-8")
+    env = {**os.environ, "FP8_BACKENDS_CUTLASS_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, str(script), str(fake)], capture_output=True, text=True, env=env,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "native op checks passed (" in proc.stdout
+    # the build is cached: a second load finds it (same key) without compiling
+    assert len(list((tmp_path / "cache").glob("native-cpu-test-*/libfp8b_cutlass_native.so"))) == 1
+
+
+def test_compile_command_links_what_each_build_needs(monkeypatch, tmp_path):
+    from fp8_backends.providers.cutlass import build
+
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text("#!/bin/sh\n", encoding="utf-8")
+    nvcc.chmod(0o755)
+    monkeypatch.setattr(build, "find_nvcc", lambda: str(nvcc))
+    cuda = native_op.compile_command("cuda", tmp_path / "out.so")
+    assert cuda[:3] == [str(nvcc), "-x", "c++"] and "-lc10_cuda" in cuda and "-DFP8B_CPU_TEST" not in cuda
+    at = cuda.index(str(native_op.SOURCE))
+    assert cuda[at + 1:at + 3] == ["-o", str(tmp_path / "out.so")] and cuda.index("-lc10") > at
+    if _cxx() is not None:
+        cpu = native_op.compile_command("cpu-test", tmp_path / "out.so")
+        assert "-DFP8B_CPU_TEST" in cpu and "-lc10_cuda" not in cpu
+    with pytest.raises(ValueError, match="variant"):
+        native_op.compile_command("rocm", tmp_path / "out.so")
+    monkeypatch.setattr(build, "find_nvcc", lambda: None)
+    with pytest.raises(native_op.NativeBuildError, match="nvcc not found"):
+        native_op.compile_command("cuda", tmp_path / "out.so")
+
+
+def test_disabled_by_the_environment(monkeypatch):
+    monkeypatch.setenv("FP8_BACKENDS_CUTLASS_NATIVE", "0")
+    assert native_op.enabled() is False and native_op.try_load() is None
+    assert "FP8_BACKENDS_CUTLASS_NATIVE=0" in native_op.status() or native_op.loaded() is not None
+    monkeypatch.setenv("FP8_BACKENDS_CUTLASS_NATIVE", "maybe")
+    from fp8_backends.core.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError):
+        native_op.enabled()
+
+
+def test_bucket_registration_refuses_unordered_bounds():
+    native = native_op.NativeOp.__new__(native_op.NativeOp)  # only register_buckets' checks run
+    with pytest.raises(ValueError, match="ascending"):
+        native.register_buckets(32, 64, [(256, "a"), (16, "b"), (None, "c")])
+    with pytest.raises(ValueError, match="non-empty"):
+        native.register_buckets(32, 64, [])
+
+
+def test_host_cost_model_follows_the_op_that_will_serve(monkeypatch, tmp_path):
+    from fp8_backends.providers.cutlass import build
+    from fp8_backends.providers.cutlass.backend import CutlassSm90Backend
+    from fp8_backends.registry.host_aware import host_us_of
+
+    monkeypatch.setattr(build, "find_nvcc", lambda: str(tmp_path / "nvcc"))
+    if native_op._failure is None:
+        assert host_us_of(CutlassSm90Backend, 16, 4096, 4096) == CutlassSm90Backend.native_host_us
+    monkeypatch.setenv("FP8_BACKENDS_CUTLASS_NATIVE", "0")
+    assert host_us_of(CutlassSm90Backend, 16, 4096, 4096) == CutlassSm90Backend.host_us
+    monkeypatch.delenv("FP8_BACKENDS_CUTLASS_NATIVE")
+    monkeypatch.setattr(native_op, "_loaded", None)
+    monkeypatch.setattr(build, "find_nvcc", lambda: None)
+    assert host_us_of(CutlassSm90Backend, 16, 4096, 4096) == CutlassSm90Backend.host_us
+    assert CutlassSm90Backend.native_host_us < CutlassSm90Backend.host_us
