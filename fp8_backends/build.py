@@ -15,6 +15,7 @@ serving process (same cache folder) finds them.
   --force                 rebuild even when cached
   --list                  print what would be built and whether it is cached; build nothing
   --json PATH             also write a JSON report
+  --native auto|yes|no    also build the provider's C++ op against this torch (auto: where torch has CUDA)
 
 Exit status: 0 all built, 1 some build failed (the compiler log path is printed), 2 bad arguments or
 no toolchain.
@@ -62,6 +63,7 @@ def _cutlass(argv: Sequence[str]) -> int:
     parser.add_argument("--force", action="store_true")
     parser.add_argument("--list", action="store_true")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--native", choices=("auto", "yes", "no"), default="auto")
     args = parser.parse_args(list(argv))
 
     arch = args.arch.strip().lower().removeprefix("sm_").removeprefix("sm").replace(".", "")
@@ -122,10 +124,35 @@ def _cutlass(argv: Sequence[str]) -> int:
             report["libraries"].append({"name": spec.name, "ok": True, "path": str(result),
                                         "built": spec in results})
     print(f"{len(specs) - failed} of {len(specs)} libraries ready in {wall:.1f} s")
+    native = _native(args.native)
+    report["native"] = native
+    failed += not native.get("ok", True)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1)
     return 1 if failed else 0
+
+
+def _native(mode: str) -> dict:
+    """The provider's C++ op (:mod:`fp8_backends.providers.cutlass.native_op`) built against this torch: ``auto``
+    where torch has CUDA, ``yes`` always (a failure fails the command), ``no`` never."""
+    if mode == "no":
+        return {"skipped": "--native no"}
+    import torch
+
+    from fp8_backends.providers.cutlass import native_op
+
+    if mode == "auto" and torch.version.cuda is None:
+        print("C++ op: skipped (this torch has no CUDA; build it where the serving torch is)")
+        return {"skipped": "torch without CUDA"}
+    start = time.monotonic()
+    try:
+        path = native_op.build_library("cuda")
+    except native_op.NativeBuildError as exc:
+        print(f"  FAILED C++ op: {exc}")
+        return {"ok": False, "error": str(exc)}
+    print(f"C++ op ready in {time.monotonic() - start:.1f} s -> {path}")
+    return {"ok": True, "path": str(path)}
 
 
 BUILDERS = {"cutlass": _cutlass}

@@ -5,8 +5,10 @@ small C library that record the arguments they receive. A child process (a proce
 GPU suite loads the CUDA one) checks what the op hands them: the M bucket of each registered (N, K), the epilogue key,
 bias and scale pointers, the stream-K workspace; and that everything it cannot serve reaches the fallback op with the
 same arguments (an unknown shape, an unregistered kernel, an unaligned pointer, a non-zero return code) and that the
-fallback's exception reaches the caller as it was raised. Also: ``torch.compile`` (``aot_eager``, ``fullgraph``) traces
-the op through its fake. On the GPU, ``tests/test_cutlass.py`` runs the provider's real kernels through it.
+fallback's exception reaches the caller as it was raised. The fused linear op quantizes its input as the reference does
+(static, dynamic, per-token; NaN kept; a row stride) before the same routing. Also: ``torch.compile`` (``aot_eager``,
+``fullgraph``) traces both ops through their fakes. On the GPU, ``tests/test_cutlass.py`` runs the provider's real
+kernels through them.
 """
 
 from __future__ import annotations
@@ -31,10 +33,16 @@ typedef struct {
 } rec_t;
 rec_t rec;
 int rc_next = 0;
+unsigned char x_bytes[4096];  /* the first bytes of x_q and scales the last call received */
+float x_scales[64];
 static int record(int which, const void *x, const void *w, void *out, int64_t m, int64_t n, int64_t k, const void *xs,
                   int xv, const void *ws, int wv, const void *bias, void *work, size_t wb, void *stream) {
   rec.which = which; rec.calls++; rec.m = m; rec.n = n; rec.k = k; rec.x = x; rec.w = w; rec.out = out; rec.xs = xs;
   rec.xv = xv; rec.ws = ws; rec.wv = wv; rec.bias = bias; rec.work = work; rec.work_bytes = wb; rec.stream = stream;
+  size_t nb = (size_t)(m * k) < sizeof(x_bytes) ? (size_t)(m * k) : sizeof(x_bytes);
+  memcpy(x_bytes, x, nb);
+  size_t ns = xv ? ((size_t)m < 64 ? (size_t)m : 64) : 1;
+  memcpy(x_scales, xs, ns * sizeof(float));
   return rc_next;
 }
 #define KERNEL(name, id) int name(const void *x, const void *w, void *o, int64_t m, int64_t n, int64_t k, \
@@ -162,6 +170,53 @@ def f(x, w, xs, ws):
 calls = rec.calls
 out = f(x, w, xs, ws)
 assert rec.calls == calls + 1 and out.shape == (8, 32), rec.calls
+# 9. the fused linear op: quantizes x itself (static, dynamic, per-token) to what the reference computes, then the
+#    same GEMM routing (per-token: the rowwise key); a kernel it does not know goes to the fallback with x_q
+from fp8_backends.core import reference
+x_bytes = (ctypes.c_ubyte * 4096).in_dll(fake, "x_bytes")
+x_scales = (ctypes.c_float * 64).in_dll(fake, "x_scales")
+lin = native.linear_op
+native.register_buckets(32, 64, [(None, "a")])
+native.register_kernel("a|rowwise|bfloat16|1", addr["gemm_a"], addr["ws_size"], False)
+wide = torch.randn(8, 80, dtype=torch.bfloat16) * 3
+wide[3, 5] = float("nan")
+xin = wide[:, :64]  # a row stride of 80
+s_in = torch.tensor([0.02])
+for mode, ref_mode in (("per_tensor_static", "PER_TENSOR_STATIC"), ("per_tensor_dynamic", "PER_TENSOR_DYNAMIC"),
+                       ("per_token", "PER_TOKEN")):
+    calls = rec.calls
+    y = lin(xin, w, ws, s_in if mode == "per_tensor_static" else None, None, torch.bfloat16, mode, "auto", True)
+    assert rec.calls == calls + 1 and y.shape == (8, 32) and y.dtype == torch.bfloat16, mode
+    q_ref, s_ref = reference.quantize(xin.contiguous(), reference.ActScale[ref_mode],
+                                      s_in if mode == "per_tensor_static" else None)
+    got = torch.tensor(list(x_bytes[:8 * 64]), dtype=torch.uint8).view(torch.float8_e4m3fn).view(8, 64)
+    same = (got.float() == q_ref.float()) | (got.float().isnan() & q_ref.float().isnan())
+    assert bool(same.all()), (mode, int((~same).sum()))
+    n_s = 8 if mode == "per_token" else 1
+    assert rec.xv == int(mode == "per_token"), mode
+    got_s = torch.tensor(list(x_scales[:n_s]))
+    assert torch.equal(got_s.isnan(), s_ref.reshape(-1).isnan()) and torch.allclose(
+        got_s.nan_to_num(), s_ref.reshape(-1).nan_to_num(), rtol=0, atol=0), (mode, got_s, s_ref)
+    if mode == "per_tensor_static":
+        assert rec.xs == s_in.data_ptr()  # the layer's own scale, never copied
+before = len(seen)
+lin(xin, w, ws, None, None, torch.float16, "per_tensor_dynamic", "auto", True)  # fp16 out: not registered
+assert len(seen) == before + 1 and seen[-1][0] == (8, 64), seen[-1]
+assert lin(xin[:0], w, ws, None, None, torch.bfloat16, "per_token", "auto", True).shape == (0, 32)
+for bad in (dict(mode="per_channel"), dict(x=xin.t().contiguous().t()), dict(mode="per_tensor_static", scale=None),
+            dict(x=xin.to(torch.float8_e4m3fn))):
+    try:
+        lin(bad.get("x", xin), w, ws, bad.get("scale", s_in), None, torch.bfloat16,
+            bad.get("mode", "per_tensor_static"), "auto", True)
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError(f"accepted {bad}")
+@torch.compile(backend="aot_eager", fullgraph=True)
+def g(x):
+    return lin(x, w, ws, s_in, None, torch.bfloat16, "per_tensor_static", "auto", True)
+calls = rec.calls
+assert g(xin).shape == (8, 32) and rec.calls == calls + 1
 print("native op checks passed", native.calls())
 """
 
@@ -200,7 +255,8 @@ def test_compile_command_links_what_each_build_needs(monkeypatch, tmp_path):
     nvcc.chmod(0o755)
     monkeypatch.setattr(build, "find_nvcc", lambda: str(nvcc))
     cuda = native_op.compile_command("cuda", tmp_path / "out.so")
-    assert cuda[:3] == [str(nvcc), "-x", "c++"] and "-lc10_cuda" in cuda and "-DFP8B_CPU_TEST" not in cuda
+    assert cuda[0] == str(nvcc) and "-lc10_cuda" in cuda and "-DFP8B_CPU_TEST" not in cuda
+    assert "-gencode=arch=compute_90,code=sm_90" in cuda
     at = cuda.index(str(native_op.SOURCE))
     assert cuda[at + 1:at + 3] == ["-o", str(tmp_path / "out.so")] and cuda.index("-lc10") > at
     if _cxx() is not None:

@@ -403,6 +403,51 @@ class GemmProviderContract(ContractBase):
                 got = provider.gemm_impl(d["x"], kept, d["xs"], d["out"], d["bias"])
             assert torch.equal(got, want), f"{case.id}: gemm_impl read an extra entry traced_extra_keys left out"
 
+    @pytest.mark.gpu
+    def test_gpu_fused_quant_gemm_matches_quantize_then_gemm(self, device: str) -> None:
+        """:meth:`~fp8_backends.core.backend.Fp8GemmBackend.fused_quant_gemm_impl` (the eager hook that quantizes inside
+        the provider's own launch), for each mode in ``fused_act_quant`` once the provider is preloaded, and each
+        declared weight scale kind and output dtype: the output of :func:`fp8_backends.quant.quantize` then
+        ``gemm_impl`` on the same unquantized input, at a few M (a row-strided input among them). A call may decline
+        (``None``); one that answers must be right. Nothing to check when it declares no mode. GPU only: Triton's CPU
+        interpreter rounds fp32 -> fp8 casts differently from torch (``../shared/notes/cpu-ci.md``)."""
+        import torch
+
+        from fp8_backends import quant
+
+        provider = self.provider()
+        provider.preload()
+        modes = sorted(provider.fused_act_quant, key=lambda mode: mode.value)
+        if not modes:
+            pytest.skip(f"{provider.label} declares no fused activation quantization")
+        caps = provider.capabilities
+        n, k = self._base(caps)
+        answered = 0
+        for case in self._served_kinds(provider, device, n, k, lambda c: (c.weight, c.out, c.bias)):
+            if case.x_dtype is not Fp8Dtype.E4M3FN:
+                continue
+            for mode in modes:
+                if (mode is ActScale.PER_TOKEN) != (case.act == "token") and ActScale.PER_TOKEN in caps.act_scales:
+                    continue
+                for m in (1, 5, 33):
+                    d = case.data(m, n, k, device)
+                    g = torch.Generator().manual_seed(m * 31 + n)
+                    wide = (torch.randn(m, k + 16, generator=g) * 3).to(d["out"]).to(device)
+                    x = wide[:, :k] if m == 5 else wide[:, :k].contiguous()
+                    static = mode is ActScale.PER_TENSOR_STATIC
+                    input_scale = torch.tensor([0.02], device=device) if static else None
+                    prepared = provider.prepare_weight(d["w"], d["ws"])
+                    with torch.no_grad():
+                        y = provider.fused_quant_gemm_impl(x, prepared, mode, input_scale, d["out"], d["bias"])
+                        if y is None:
+                            continue
+                        x_q, x_scale = quant.quantize(x.contiguous(), mode, input_scale)[:2]
+                        want = provider.gemm_impl(x_q, prepared, x_scale, d["out"], d["bias"])
+                    answered += 1
+                    assert y.shape == want.shape and y.dtype == want.dtype, (case.id, mode, m, y.shape, y.dtype)
+                    assert_gemm_close(y, want.float(), d["out"], self.rtol, f"{case.id} {mode.value} M={m}")
+        assert answered, f"{provider.label} declined every fused call"
+
     def test_torch_compile_fullgraph(self, device: str) -> None:
         """``torch.compile(fullgraph=True)`` traces ``gemm`` without a graph break (AOT eager backend: no
         compiler needed) and computes the same result."""

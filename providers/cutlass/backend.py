@@ -41,6 +41,8 @@ from fp8_backends.core.types import (
 
 from .configs import CONFIG_NAMES, active_table
 
+_ALL_ACT_SCALES = frozenset(ActScale)
+
 if TYPE_CHECKING:
     import torch
 
@@ -112,6 +114,8 @@ class CutlassSm90Backend(OpGemmBackend):
 
     # ------------------------------------------------------------------ the op
     contiguous_vectors: ClassVar[bool] = True
+    #: the C++ op's fused quantize + GEMM (set by :meth:`load_op` where it loads)
+    _linear_op: Any = None
 
     def load_op(self) -> Any:
         """The C++ op (:mod:`.native_op`, built at first use) where it loads, else the Python op; both defined now,
@@ -126,7 +130,22 @@ class CutlassSm90Backend(OpGemmBackend):
         from . import native_op
 
         native = native_op.try_load()
-        return python_op if native is None else native.op
+        if native is None:
+            return python_op
+        self._linear_op = native.linear_op
+        self.fused_act_quant = _ALL_ACT_SCALES  # the C++ op quantizes in its own kernels (one call per linear)
+        return native.op
+
+    def fused_quant_gemm_impl(self, x: torch.Tensor, prepared: PreparedWeight, act_scale: ActScale,
+                              input_scale: torch.Tensor | None, out_dtype: torch.dtype,
+                              bias: torch.Tensor | None) -> torch.Tensor | None:
+        """The C++ op's quantize + GEMM in one dispatcher call (:mod:`.native_op`; ``None`` without it): what an
+        eager :class:`~fp8_backends.layers.Fp8Linear` on this provider runs. Same numbers as
+        :func:`fp8_backends.quant.quantize` then :meth:`gemm_impl`."""
+        op = self._linear_op
+        if op is None:
+            return None
+        return op(x, prepared.data, prepared.scale, input_scale, bias, out_dtype, act_scale.value, *self.op_args)
 
     def op_arguments(self) -> tuple[str, bool]:
         return self.config["config"], self.config["fast_accum"] == "true"

@@ -1,18 +1,24 @@
-"""The CUTLASS provider's C++ op, ``fp8_backends::cutlass_sm90_gemm_native``: build, load, register.
+"""The CUTLASS provider's C++ ops, ``fp8_backends::cutlass_sm90_gemm_native`` and ``cutlass_sm90_linear_native``.
 
 The Python op (:mod:`.ops`) is opaque to ``torch.compile``, so its body runs at every call of a compiled graph:
 config pick, output allocation, a ctypes call, ~10 µs of Python on a fast host and several times that on a slow one.
-``native_op.cpp`` does the same work in C++ behind the dispatcher. It serves the kernels Python registered here
+``native_op.cu`` does the same work in C++ behind the dispatcher. It serves the kernels Python registered here
 (:func:`NativeOp.register_kernel`, :func:`NativeOp.register_buckets`; :func:`.ops._run` does it whenever it loads a
 library) and hands any call it cannot serve to the Python op (a shape or bucket not registered yet, an unaligned
 pointer, a non-zero return code), which builds or loads the library, registers it and raises the library's own
 exceptions. Same arguments, same result, same errors; the first call of each (N, K) goes through Python.
 
+The second op, ``cutlass_sm90_linear_native(x, w, w_scale, input_scale, bias, out_dtype, mode, config, fast_accum)``,
+takes the unquantized activation and quantizes it in its own kernels (static, dynamic per-tensor or per-token, as
+:mod:`fp8_backends.core.reference` does) before the same GEMM: a processed layer's eager call is then one dispatcher
+call (:meth:`~fp8_backends.providers.cutlass.backend.CutlassSm90Backend.fused_quant_gemm_impl`).
+
 The shared library is compiled at first use (~5-15 s, once per torch version; cached beside the CUTLASS builds):
 
-- ``cuda``: ``nvcc -x c++`` against torch's headers, linked to ``c10_cuda`` (the current stream, the device guard);
-- ``cpu-test``: the host ``c++`` compiler, registered for CPU tensors with a null stream, for the CPU tests only
-  (a process loads one of the two: they define the same op).
+- ``cuda``: ``nvcc`` against torch's headers (SM 9.0 code for the quantization kernels), linked to ``c10_cuda``
+  (the current stream, the device guard);
+- ``cpu-test``: the host ``c++`` compiler, registered for CPU tensors with a null stream and the quantization through
+  ATen ops, for the CPU tests only (a process loads one of the two: they define the same ops).
 
 A missing compiler or headers, or a failed build, leaves the provider on its Python op with the reason logged once
 (:func:`status`); ``FP8_BACKENDS_CUTLASS_NATIVE=0`` does so on purpose.
@@ -37,11 +43,15 @@ from fp8_backends.core import settings
 logger = logging.getLogger("fp8_backends")
 
 HERE = Path(__file__).resolve().parent
-SOURCE = HERE / "native_op.cpp"
+SOURCE = HERE / "native_op.cu"
 OP_NAME = "fp8_backends::cutlass_sm90_gemm_native"
-ABI_VERSION = 1
+ABI_VERSION = 2
+LINEAR_OP_NAME = "fp8_backends::cutlass_sm90_linear_native"
 VARIANTS = ("cuda", "cpu-test")
 _BUILD_TIMEOUT_S = 600
+#: CUDA's own half/bfloat16 operators off, as torch's extensions build: torch's c10::Half / c10::BFloat16 convert
+_NO_CUDA_HALF_OPERATORS = ("-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
+                           "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__")
 
 
 class NativeBuildError(RuntimeError):
@@ -67,11 +77,12 @@ def _compiler(variant: str) -> list[str]:
         nvcc = build.find_nvcc()
         if nvcc is None:
             raise NativeBuildError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
-        return [nvcc, "-x", "c++", "-Xcompiler", "-fPIC", *build._wheel_flags(nvcc)]
+        return [nvcc, "-Xcompiler", "-fPIC", "-gencode=arch=compute_90,code=sm_90", "--expt-relaxed-constexpr",
+                *_NO_CUDA_HALF_OPERATORS, *build._wheel_flags(nvcc)]
     cxx = os.environ.get("CXX", "").strip() or shutil.which("c++") or shutil.which("g++")
     if not cxx:
         raise NativeBuildError("no C++ compiler found (set CXX or put c++ on PATH)")
-    return [cxx, "-fPIC"]
+    return [cxx, "-fPIC", "-x", "c++"]
 
 
 def _compiler_version(cmd: Sequence[str]) -> str:
@@ -170,6 +181,8 @@ class NativeOp:
         self._registered: set[tuple[Any, ...]] = set()
         self._lock = threading.Lock()
         self.op = torch.ops.fp8_backends.cutlass_sm90_gemm_native.default
+        #: ``(x [M, K] bf16/fp16/fp32, w, w_scale, input_scale, bias, out_dtype, mode, config, fast_accum) -> [M, N]``
+        self.linear_op = torch.ops.fp8_backends.cutlass_sm90_linear_native.default
 
     def register_kernel(self, key: str, gemm_fn: int, workspace_fn: int | None, stream_k: bool) -> None:
         """Serve ``key`` (``config|epilogue|out_dtype|fast_accum``, fast_accum ``1``/``0``) with these function
@@ -237,8 +250,13 @@ def load(variant: str = "cuda") -> NativeOp:
 
         _fake_lib = torch.library.Library("fp8_backends", "FRAGMENT")
         torch.library.register_fake(OP_NAME, gemm_fake, lib=_fake_lib)
+        torch.library.register_fake(LINEAR_OP_NAME, _linear_fake, lib=_fake_lib)
         _loaded = native
         return native
+
+
+def _linear_fake(x: Any, w: Any, w_scale: Any, input_scale: Any, bias: Any, out_dtype: Any, *options: Any) -> Any:
+    return x.new_empty((x.shape[0], w.shape[0]), dtype=out_dtype)
 
 
 def loaded() -> NativeOp | None:
@@ -294,6 +312,6 @@ def register_loaded(native: NativeOp, libraries: Iterable[tuple[Any, Any]], stre
 
 
 __all__ = [
-    "OP_NAME", "NativeBuildError", "NativeOp", "build_library", "compile_command", "enabled", "expected", "load",
-    "loaded", "register_loaded", "status", "try_load",
+    "LINEAR_OP_NAME", "OP_NAME", "NativeBuildError", "NativeOp", "build_library", "compile_command", "enabled",
+    "expected", "load", "loaded", "register_loaded", "status", "try_load",
 ]
