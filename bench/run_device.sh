@@ -20,6 +20,8 @@
 # the 22 libraries against 22 MB unpacked, which matters under the device tool's 64 MiB), is used instead of building
 # the kernels here (~110-220 s on a fresh machine): carry `.prebuilt/cutlass.tar.xz`. The cache key holds the kernel
 # source, flags, nvcc and CUTLASS versions: after a change the device finds none cached and builds as before.
+# The build stage also builds the cutlass provider's C++ op against this machine's torch (~30 s on the H200; it cannot
+# be prebuilt on a CPU machine's torch); run it before tests, or the first test that needs it builds it.
 # Each stage has its own time limit (override: LIMIT_<stage>=seconds), logs to $OUT/logs/<stage>.log, and a
 # failing stage does not stop the others. TESTS_PATHS narrows the tests stage. Extra arguments per stage: TESTS_ARGS, TUNE_ARGS, GEMM_ARGS,
 # NORM_ARGS, BLOCK_ARGS, CUTLASS_ARGS, TRITON_ARGS, HOST_ARGS, CHAIN_ARGS, NORM_CFG_ARGS, PROFILE_ARGS, HF_ARGS (e.g. GEMM_ARGS="--models llama3-8b --m 1,16,256,4096").

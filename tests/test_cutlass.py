@@ -786,9 +786,10 @@ def test_native_op_serves_the_provider_after_one_python_call_per_bucket(gpu_buil
 @pytest.mark.parametrize("mode", ["per_tensor_static", "per_tensor_dynamic", "per_token"])
 @pytest.mark.parametrize("x_dtype", ["bfloat16", "float16", "float32"])
 def test_native_linear_quantizes_as_the_reference_bit_for_bit(gpu_built, mode, x_dtype):
-    """The C++ linear op's quantization kernels give the reference's FP8 codes and scales: its output equals the
-    provider's GEMM on ``quant.quantize``'s result exactly, for a row-strided input with a NaN row and an all-zero
-    row (per-token: NaN stays in its row, the zero row gets the 1e-12 floor)."""
+    """The C++ linear op's quantization kernels give the library's FP8 codes and scales (its quantizer, which the
+    unfused path runs: correctly rounded division, as the reference's semantics): its output equals the provider's
+    GEMM on :func:`fp8_backends.quant.quantize`'s result exactly, for a row-strided input with an all-zero row (the
+    1e-12 floor); a per-token NaN row comes out NaN throughout, as the reference's amax keeps the NaN."""
     import torch
 
     from fp8_backends import quant
@@ -814,11 +815,13 @@ def test_native_linear_quantizes_as_the_reference_bit_for_bit(gpu_built, mode, x
             x[2, 7] = float("nan")
         s = torch.tensor([0.03], device="cuda") if act is ActScale.PER_TENSOR_STATIC else None
         y = b.fused_quant_gemm_impl(x, prepared, act, s, torch.bfloat16, None)
-        x_q, x_scale = quant.quantize(x.contiguous(), act, s)[:2]
+        x_q, x_scale = quant.quantize(x.contiguous(), act, s)[:2]  # the library's quantizer: the unfused path
         want = b.gemm_impl(x_q, prepared, x_scale, torch.bfloat16, None)
         assert y is not None and y.shape == want.shape
-        assert torch.equal(y.isnan(), want.isnan()), (m, int(y.isnan().sum()), int(want.isnan().sum()))
-        torch.testing.assert_close(y.nan_to_num(), want.nan_to_num(), rtol=0, atol=0, msg=f"M={m}")
+        nan_rows = x.isnan().any(dim=1)
+        # a NaN row: NaN throughout, as the reference's amax keeps it (the triton quantizer's max drops it)
+        assert bool(y[nan_rows].isnan().all()) and not bool(y[~nan_rows].isnan().any()), m
+        torch.testing.assert_close(y[~nan_rows], want[~nan_rows], rtol=0, atol=0, msg=f"M={m}")
 
 
 @pytest.mark.gpu
