@@ -286,9 +286,13 @@ def test_the_h200_data_keeps_triton_tma_buckets_out_of_host_bound_steps(monkeypa
 
     monkeypatch.setattr(native_op, "expected", lambda: cutlass_native)
     h200 = simulate_platform("9.0")
+    serving = {c.entry.name for c in resolution.explain("gemm", "auto", problem=GemmProblem(n=4096, k=4096, m=1),
+                                                        platform=h200).candidates if c.auto_ok}
     table = {b: be.name for b, be in resolution.resolve_gemm_buckets(
         "auto", problem=GemmProblem(n=4096, k=4096, m=None), platform=h200, objective="host")}
-    assert table[1024] == ("cutlass" if cutlass_native else "torch_scaled_mm") and table[1] == "triton", table
+    # cutlass serves only where its headers and nvcc are (CI's CPU machine has none while the suite runs)
+    want = "cutlass" if cutlass_native and "cutlass" in serving else "torch_scaled_mm"
+    assert table[1024] == want and table[1] == "triton", (table, sorted(serving))
     kernel = {b: be.name for b, be in resolution.resolve_gemm_buckets(
         "auto", problem=GemmProblem(n=4096, k=4096, m=None), platform=h200, objective="kernel")}
     assert kernel[1024] == "torch_scaled_mm", kernel  # host costs never change the kernel answer

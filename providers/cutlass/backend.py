@@ -96,8 +96,9 @@ class CutlassSm90Backend(OpGemmBackend):
     @classmethod
     def availability(cls) -> Availability:
         """OK when the default kernels are built, or can be (nvcc and CUTLASS headers found; the note
-        says a first use builds them); not OK without a toolchain and prebuilt libraries, or after a
-        failed build in this process (the reason carries the compiler log's path). Runs nothing."""
+        says a first use builds them, and how calls reach them: :func:`.native_op.status`); not OK without a
+        toolchain and prebuilt libraries, or after a failed build in this process (the reason carries the compiler
+        log's path). Runs nothing."""
         base = super().availability()
         if not base.ok:
             return base
@@ -110,7 +111,9 @@ class CutlassSm90Backend(OpGemmBackend):
         st = build.status(build.specs_for(sorted(table.config_names())))
         if not st.ok:
             return Availability.no(st.reason, cls.install_hint)
-        return Availability.yes(st.reason)
+        from . import native_op
+
+        return Availability.yes(f"{st.reason}; {native_op.status()}")
 
     # ------------------------------------------------------------------ the op
     contiguous_vectors: ClassVar[bool] = True

@@ -290,12 +290,18 @@ def expected() -> bool:
 
 
 def status() -> str:
-    """One line for listings and logs: loaded, failed (why), or not loaded yet."""
+    """One line for listings and logs (runs nothing): how calls reach the kernels here."""
     if _loaded is not None:
-        return f"C++ op loaded ({_loaded.variant}, {_loaded.path})"
+        return f"calls through its C++ op ({_loaded.path})"
     if _failure is not None:
-        return f"C++ op unavailable: {_failure}"
-    return "C++ op not loaded" + ("" if enabled() else f" ({settings.CUTLASS_NATIVE_ENV}=0)")
+        return f"calls through its Python op (the C++ op failed: {_failure})"
+    try:
+        on = enabled()
+    except ValueError as exc:  # a malformed variable: the provider says so where it loads
+        return f"calls through its Python op ({exc})"
+    if not on:
+        return f"calls through its Python op ({settings.CUTLASS_NATIVE_ENV}=0)"
+    return "calls through its C++ op (built at first use)"
 
 
 def register_loaded(native: NativeOp, libraries: Iterable[tuple[Any, Any]], stream_k_of: Any) -> None:
