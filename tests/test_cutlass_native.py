@@ -1,4 +1,4 @@
-"""The cutlass provider's C++ op (``providers/cutlass/native_op.cpp``), on the CPU.
+"""The cutlass provider's C++ ops (``providers/cutlass/native_op.cu``), on the CPU.
 
 The CPU build (``cpu-test``) registers the op for CPU tensors with a null stream; its "kernels" are three functions of a
 small C library that record the arguments they receive. A child process (a process loads one build of the op, and the

@@ -9,11 +9,12 @@ pointer, a non-zero return code), which builds or loads the library, registers i
 exceptions. Same arguments, same result, same errors; the first call of each (N, K) goes through Python.
 
 The second op, ``cutlass_sm90_linear_native(x, w, w_scale, input_scale, bias, out_dtype, mode, config, fast_accum)``,
-takes the unquantized activation and quantizes it in its own kernels (static, dynamic per-tensor or per-token, as
-:mod:`fp8_backends.core.reference` does) before the same GEMM: a processed layer's eager call is then one dispatcher
+takes the unquantized activation and quantizes it in its own kernels (static, dynamic per-tensor or per-token: the
+formulas of :mod:`fp8_backends.core.reference`, correctly rounded division, NaN kept) before the same GEMM: a processed layer's eager call is then one dispatcher
 call (:meth:`~fp8_backends.providers.cutlass.backend.CutlassSm90Backend.fused_quant_gemm_impl`).
 
-The shared library is compiled at first use (~5-15 s, once per torch version; cached beside the CUTLASS builds):
+The shared library is compiled at first use (27-30 s with nvcc on the H200 host, ~5 s for the CPU build here; once
+per torch version and source, cached beside the CUTLASS builds):
 
 - ``cuda``: ``nvcc`` against torch's headers (SM 9.0 code for the quantization kernels), linked to ``c10_cuda``
   (the current stream, the device guard);
