@@ -10,8 +10,9 @@ exceptions. Same arguments, same result, same errors; the first call of each (N,
 
 The second op, ``cutlass_sm90_linear_native(x, w, w_scale, input_scale, bias, out_dtype, mode, config, fast_accum)``,
 takes the unquantized activation and quantizes it in its own kernels (static, dynamic per-tensor or per-token: the
-formulas of :mod:`fp8_backends.core.reference`, correctly rounded division, NaN kept) before the same GEMM: a processed layer's eager call is then one dispatcher
-call (:meth:`~fp8_backends.providers.cutlass.backend.CutlassSm90Backend.fused_quant_gemm_impl`).
+formulas of :mod:`fp8_backends.core.reference`, correctly rounded division, NaN kept) before the same GEMM: a
+processed layer's eager call is then one dispatcher call
+(:meth:`~fp8_backends.providers.cutlass.backend.CutlassSm90Backend.fused_quant_gemm_impl`).
 
 The shared library is compiled at first use (27-30 s with nvcc on the H200 host, ~5 s for the CPU build here; once
 per torch version and source, cached beside the CUTLASS builds):
