@@ -100,9 +100,9 @@ def prologue(x: Any, k: int, dtype: torch.dtype, device: torch.device, mode: Act
     """``(x_q [M, K], scale, leading dims)``: ``x [..., K]`` in ``dtype`` on ``device`` quantized in ``mode`` (the
     static scale ``input_scale``), or a :class:`QuantizedActivation` in ``mode`` checked and flattened.
 
-    ``fmax`` (``fp8``'s largest value) and ``kind`` (``"static"``, ``"dynamic"`` or ``"token"``: ``mode`` as a string)
-    are constants of the generated code: where compiled code quantizes with the reference torch code (compile mode
-    ``"inline"``, :func:`fp8_backends.quant.set_compile_mode`), it calls the math directly
+    ``fmax`` (``fp8``'s largest value) and ``kind`` (``mode.value``: a string, which Dynamo does not guard as it does
+    the enum member) are constants of the generated code: where compiled code quantizes with the reference torch code
+    (compile mode ``"inline"``, :func:`fp8_backends.quant.set_compile_mode`), it calls the math directly
     (:func:`fp8_backends.core.reference.scaled_cast` and the scale functions) instead of the public
     :func:`fp8_backends.quant.quantize`, whose dtype and mode parsing Dynamo would guard at every call (~30 guards
     a model, 8 of them Python lambdas). The input was checked here and the static scale at load time."""
@@ -129,9 +129,9 @@ def prologue(x: Any, k: int, dtype: torch.dtype, device: torch.device, mode: Act
     if quant._compile_mode != "inline":
         x_q, scale = quant.quantize(x2, mode, input_scale, fp8)[:2]
         return x_q, scale, x.shape[:-1]
-    if kind == "static":
+    if kind == "per_tensor_static":
         scale = input_scale
-    elif kind == "dynamic":
+    elif kind == "per_tensor_dynamic":
         scale = reference.dynamic_scale(x2, fmax)
     else:
         scale = reference.per_token_scale(x2, fmax)
@@ -152,9 +152,6 @@ def finish(backend: Any, x_q: torch.Tensor, prepared: Any, scale: torch.Tensor, 
 
 
 # ------------------------------------------------------------------------------------------ code generation
-#: each activation scale mode as the generated code names it (a string constant: Dynamo guards no code constant)
-_KIND = {ActScale.PER_TENSOR_STATIC: "static", ActScale.PER_TENSOR_DYNAMIC: "dynamic", ActScale.PER_TOKEN: "token"}
-
 class _Source:
     """The generated code of one plan: closure variables (tensors and objects the code reads) and constants."""
 
@@ -215,7 +212,7 @@ def bind_traced(kernel: PerMGemm, *, k: int, n: int, dtype: torch.dtype, device:
         "def make_plan(" + "{args}" + "):",
         "    def traced_linear(x):",
         f"        x_q, scale, lead = prologue(x, {int(k)}, {dt}, {src.shared(device)}, {src.shared(mode)}, "
-        f"{src.shared(fp8_dtype)}, {Fp8Dtype.of(fp8_dtype).max!r}, {_KIND[mode]!r}, {scale_src})",
+        f"{src.shared(fp8_dtype)}, {Fp8Dtype.of(fp8_dtype).max!r}, {mode.value!r}, {scale_src})",
         "        if x_q.shape[0] == 0:",
         f"            return x_q.new_empty((*lead, {int(n)}), dtype={dt})",
     ]

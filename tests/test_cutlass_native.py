@@ -203,8 +203,9 @@ before = len(seen)
 lin(xin, w, ws, None, None, torch.float16, "per_tensor_dynamic", "auto", True)  # fp16 out: not registered
 assert len(seen) == before + 1 and seen[-1][0] == (8, 64), seen[-1]
 assert lin(xin[:0], w, ws, None, None, torch.bfloat16, "per_token", "auto", True).shape == (0, 32)
+one_row = torch.randn(64, 3, dtype=torch.bfloat16)[:, 1].unsqueeze(0)  # M = 1, a column stride of 3
 for bad in (dict(mode="per_channel"), dict(x=xin.t().contiguous().t()), dict(mode="per_tensor_static", scale=None),
-            dict(x=xin.to(torch.float8_e4m3fn))):
+            dict(x=xin.to(torch.float8_e4m3fn)), dict(x=one_row)):
     try:
         lin(bad.get("x", xin), w, ws, bad.get("scale", s_in), None, torch.bfloat16,
             bad.get("mode", "per_tensor_static"), "auto", True)
@@ -310,3 +311,24 @@ def test_host_cost_model_follows_the_op_that_will_serve(monkeypatch, tmp_path):
     monkeypatch.setattr(build, "find_nvcc", lambda: None)
     assert host_us_of(CutlassSm90Backend, 16, 4096, 4096) == CutlassSm90Backend.host_us
     assert CutlassSm90Backend.native_host_us < CutlassSm90Backend.host_us
+
+
+def test_fused_hook_declines_columns_that_are_not_contiguous():
+    """The C++ linear op's kernels read each row with unit stride: the provider's eager hook hands it only such
+    inputs (a strided one, M = 1 included, goes the quantize-then-GEMM way) and serves the rest."""
+    import torch
+
+    from fp8_backends.core.types import ActScale
+    from fp8_backends.providers.cutlass.backend import CutlassSm90Backend
+
+    calls = []
+    b = CutlassSm90Backend()
+    b._linear_op = lambda *args: calls.append(args) or "served"
+    prepared = type("P", (), {"data": None, "scale": None})()
+    strided = torch.randn(64, 3, dtype=torch.bfloat16)[:, 1].unsqueeze(0)
+    assert strided.shape == (1, 64) and strided.stride(1) == 3
+    assert b.fused_quant_gemm_impl(strided, prepared, ActScale.PER_TENSOR_DYNAMIC, None, torch.bfloat16, None) is None
+    assert not calls
+    rows = torch.randn(4, 80, dtype=torch.bfloat16)[:, :64]  # a row stride, unit column stride: served
+    assert b.fused_quant_gemm_impl(rows, prepared, ActScale.PER_TENSOR_DYNAMIC, None, torch.bfloat16, None) == "served"
+    assert calls[0][6] == "per_tensor_dynamic"

@@ -144,9 +144,10 @@ class CutlassSm90Backend(OpGemmBackend):
                               bias: torch.Tensor | None) -> torch.Tensor | None:
         """The C++ op's quantize + GEMM in one dispatcher call (:mod:`.native_op`; ``None`` without it): what an
         eager :class:`~fp8_backends.layers.Fp8Linear` on this provider runs. Same numbers as
-        :func:`fp8_backends.quant.quantize` then :meth:`gemm_impl`."""
+        :func:`fp8_backends.quant.quantize` then :meth:`gemm_impl`. Declines (``None``) an ``x`` whose columns are
+        not contiguous: its kernels read rows of unit stride."""
         op = self._linear_op
-        if op is None:
+        if op is None or (x.stride(1) != 1 and x.shape[1] > 1):
             return None
         return op(x, prepared.data, prepared.scale, input_scale, bias, out_dtype, act_scale.value, *self.op_args)
 

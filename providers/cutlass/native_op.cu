@@ -348,7 +348,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_
                   at::ScalarType out_dtype, c10::string_view mode, c10::string_view config, bool fast_accum) {
   Mode md;
   TORCH_CHECK(mode_of(mode, &md), "cutlass_sm90_linear_native: unknown activation scale mode ", mode);
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && (x.size(0) <= 1 || x.stride(1) == 1),
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && (x.size(1) <= 1 || x.stride(1) == 1),
               "cutlass_sm90_linear_native: x must be [M, K] with unit column stride and w [N, K]");
   const at::ScalarType xt = x.scalar_type();
   TORCH_CHECK(xt == at::kBFloat16 || xt == at::kHalf || xt == at::kFloat,

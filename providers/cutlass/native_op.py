@@ -229,6 +229,7 @@ _loaded: NativeOp | None = None
 _failure: str | None = None
 _load_lock = threading.Lock()
 _fake_lib: Any = None
+_warned = False  # try_load's failure is logged once per process
 
 
 def load(variant: str = "cuda") -> NativeOp:
@@ -268,13 +269,14 @@ def loaded() -> NativeOp | None:
 
 def try_load() -> NativeOp | None:
     """:func:`load` of the ``cuda`` variant, or ``None`` (disabled, or it failed: the reason is logged once)."""
+    global _warned
     if not enabled():
         return None
     try:
         return load("cuda")
     except NativeBuildError as exc:
-        if not getattr(try_load, "_warned", False):
-            try_load._warned = True  # type: ignore[attr-defined]
+        if not _warned:
+            _warned = True
             logger.warning("fp8_backends: the cutlass provider runs on its Python op (slower to call): %s", exc)
         return None
 
