@@ -761,6 +761,31 @@ def test_fused_activation_quant_is_the_unfused_path_bit_for_bit(mode, config, m,
     assert torch.equal(y, ref), (y.float() - ref.float()).abs().max()
 
 
+@needs_kernels
+@pytest.mark.usefixtures("exact_interpreter_casts")
+@pytest.mark.parametrize("mode", list(ActScale))
+@pytest.mark.parametrize(("config", "m"), [("gemv_n4_k512_w4", 3), ("swap_n64_m16_k128_s8_w4", 5)])
+def test_fused_activation_quant_keeps_a_nan_as_the_unfused_path(mode, config, m):
+    """A NaN in the activation: the fused kernels' amax and clamp propagate it as quantize + GEMM does (a NaN row per
+    token and static, every output dynamic per tensor), and the other outputs are unchanged."""
+    be = TritonGemmBackend(config=config)
+    n, k = 48, 256
+    g = torch.Generator(device=DEVICE).manual_seed(m + 7)
+    prep = be.prepare_weight((torch.randn(n, k, device=DEVICE, generator=g) * 0.1).to(torch.float8_e4m3fn),
+                             torch.tensor([0.01], device=DEVICE))
+    x = (torch.randn(m, k, device=DEVICE, generator=g) * 3).to(torch.bfloat16)
+    x[0, 0] = 40.0
+    x[1, 17] = float("nan")
+    static = torch.tensor([0.05], device=DEVICE)
+    y = be.fused_quant_gemm_impl(x, prep, mode, static if mode is ActScale.PER_TENSOR_STATIC else None,
+                                 torch.bfloat16, None)
+    x_q, x_scale = _quantized(x, mode, static)
+    ref = be.gemm_impl(x_q, prep, x_scale, torch.bfloat16, None)
+    assert y is not None
+    assert bool(ref[1].isnan().all()) and bool(y[1].isnan().all())
+    torch.testing.assert_close(y, ref, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (none visible to torch)")
 @pytest.mark.parametrize("mode", list(ActScale))

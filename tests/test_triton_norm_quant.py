@@ -101,6 +101,31 @@ def _check_kernels_with_config(cfg, t: int, h: int, residual: bool, seed: int) -
     assert_codes_close(out, ref_q)
 
 
+@needs_kernels
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("h, block", [(1000, None), (1000, 128)], ids=["one-pass", "two-pass"])
+def test_a_nan_row_quantizes_to_nan_codes(residual, h, block):
+    """A NaN in a row makes its RMS, and so every code of that row, NaN (the reference's ``clamp`` keeps it; Triton's
+    default ``tl.clamp`` would not); the other rows are unchanged."""
+    from fp8_backends.providers.triton import norm_kernels, quant_kernels
+
+    cfg = None if block is None else quant_kernels.row_config(h, single_pass_max=block // 2, loop_block=block)
+    x, r, w = _inputs(3, h, torch.bfloat16, seed=9)
+    x[1, 5] = float("nan")
+    s = _scale(0.01)
+    out = torch.empty(3, h, dtype=FP8, device=DEVICE)
+    if residual:
+        ref_q, _ = reference.fused_add_rmsnorm_quant(x, r.clone(), w, s)
+        norm_kernels.fused_add_rmsnorm_quant(out, x, r, w, s, 1e-6, config=cfg)
+    else:
+        ref_q = reference.rmsnorm_quant(x, w, s)
+        norm_kernels.rmsnorm_quant(out, x, w, s, 1e-6, config=cfg)
+    assert bool(ref_q[1].float().isnan().all()) and bool(out[1].float().isnan().all())
+    keep = [0, 2]
+    assert not out[keep].float().isnan().any()
+    assert_codes_close(out[keep], ref_q[keep])
+
+
 # ------------------------------------------------------------------------------------ the comparison bites
 @needs_kernels
 def test_comparison_catches_a_wrong_scale_in_the_kernel(nq):

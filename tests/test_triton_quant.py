@@ -264,6 +264,46 @@ def test_dynamic_one_program_and_two_kernel_paths(monkeypatch, shape, one_progra
         assert_codes_close(q, rq)
 
 
+def _assert_nans_as_reference(q: torch.Tensor, ref: torch.Tensor) -> None:
+    """NaN codes exactly where the reference has them; the other codes as :func:`assert_codes_close`."""
+    nan, ref_nan = q.float().isnan().cpu(), ref.float().isnan().cpu()
+    assert torch.equal(nan, ref_nan), f"NaN codes at {int(nan.sum())} places, the reference at {int(ref_nan.sum())}"
+    keep = ~ref_nan
+    assert_codes_close(q.cpu()[keep], ref.cpu()[keep])
+
+
+@needs_kernels
+@pytest.mark.parametrize("fp8", FP8S, ids=_name)
+@pytest.mark.parametrize(
+    "shape, small_dynamic_max, row_block",
+    [((3, 64), None, None), ((40, 300), 0, None), ((4, 1000), None, 128)],
+    ids=["one-program", "two-kernel", "per-token-two-pass"],
+)
+def test_nan_is_kept_as_the_reference_keeps_it(monkeypatch, shape, small_dynamic_max, row_block, fp8):
+    """A NaN input element quantizes to a NaN code; a NaN in a dynamic scale's input makes that scale NaN (the whole
+    tensor per tensor, its row per token), as ``torch.amax`` / ``clamp`` do in the reference. Triton's default
+    ``tl.max`` / ``tl.maximum`` / ``tl.clamp`` would drop it (finite scales and codes)."""
+    if small_dynamic_max is not None:
+        monkeypatch.setattr(qk, "SMALL_DYNAMIC_MAX", small_dynamic_max)
+    x = _x(*shape, seed=21)
+    x[1, shape[1] // 3] = float("nan")
+    s = torch.tensor([0.05], device=DEVICE)
+    _assert_nans_as_reference(qk.quant_static(x, s, fp8), reference.quantize_static(x, s, fp8))
+    q, sc = qk.quant_dynamic(x, fp8)
+    rq, rs = reference.quantize_dynamic_per_tensor(x, fp8)
+    assert sc.isnan().all() and rs.isnan().all()
+    _assert_nans_as_reference(q, rq)
+    config = None
+    if row_block is not None:
+        config = qk.row_config(shape[1], single_pass_max=row_block // 2, loop_block=row_block)
+    q, sc = qk.quant_per_token(x, fp8, config=config)
+    rq, rs = reference.quantize_per_token(x, fp8)
+    assert torch.equal(sc.isnan().cpu(), rs.isnan().cpu()) and bool(sc[1].isnan())
+    keep = ~rs.isnan().flatten().cpu()
+    assert_scales_equal(sc.cpu()[keep], rs.cpu()[keep])
+    _assert_nans_as_reference(q, rq)
+
+
 # ------------------------------------------------------------------------------------ through the quant ops
 @interpreter_only
 def test_registered_for_cpu_through_the_ops():

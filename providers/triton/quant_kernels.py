@@ -25,6 +25,9 @@ instead flipped 0.15-0.8% of the codes on the H200 for bf16 inputs and round sca
 such quotients often land within an ulp of an fp8 tie. On CUDA torch's reference itself computes
 ``amax / fmax`` as a multiplication by ``1/fmax``, so its dynamic scales can differ from these by an ulp.)
 
+A NaN propagates as in the reference (maxima and clamps from :mod:`.nan_math`): a NaN element gives a NaN code, and a
+NaN scale (dynamic: the whole tensor; per token: its row) gives NaN codes wherever it divides.
+
 Launch shapes (through :func:`.launcher.launch`; configs from small cached functions of ``K``; the numbers
 were measured on the H200 with CUDA graphs, see ``ROW_WARPS_*``):
 
@@ -62,7 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _support
+from . import _support, nan_math
 from .launcher import ReplayCache, launcher_for, raw_stream
 
 MIN_SCALE = 1e-12  # fp8_backends.core.reference.MIN_DYNAMIC_SCALE
@@ -178,15 +181,15 @@ def _quant_tile_kernel(
     x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
     if FROM_AMAX:
         parts = tl.arange(0, NPART)
-        amax = tl.max(tl.load(part_ptr + parts, mask=parts < n_part, other=0.0), axis=0)
-        scale = tl.maximum(tl.math.div_rn(amax, FMAX), 1e-12)
+        amax = nan_math.max_reduce(tl.load(part_ptr + parts, mask=parts < n_part, other=0.0), 0)
+        scale = nan_math.maximum(tl.math.div_rn(amax, FMAX), 1e-12)
     else:
         scale = tl.load(s_ptr)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if FROM_AMAX:
         tl.store(s_ptr, scale, mask=(pid_m == 0) & (pid_k == 0))
-    y = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -FMAX, FMAX)
+    y = nan_math.clamp(tl.math.div_rn(x.to(tl.float32), scale), -FMAX, FMAX)
     tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -208,10 +211,10 @@ def _absmax_kernel(
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + row_off + cols[None, :] * stride_xk, mask=row_mask & (cols < K)[None, :], other=0.0)
-            acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+            acc = nan_math.maximum(acc, tl.abs(x.to(tl.float32)))
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    tl.store(part_ptr + pid, tl.max(tl.max(acc, axis=1), axis=0))
+    tl.store(part_ptr + pid, nan_math.max_reduce(nan_math.max_reduce(acc, 1), 0))
 
 
 @triton.jit
@@ -229,9 +232,9 @@ def _quant_dynamic_one_program_kernel(
     x = x.to(tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.max(tl.abs(x), axis=1), axis=0), FMAX), 1e-12)
+    scale = nan_math.maximum(tl.math.div_rn(nan_math.max_reduce(nan_math.max_reduce(tl.abs(x), 1), 0), FMAX), 1e-12)
     tl.store(s_ptr, scale)
-    y = tl.clamp(tl.math.div_rn(x, scale), -FMAX, FMAX)
+    y = nan_math.clamp(tl.math.div_rn(x, scale), -FMAX, FMAX)
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -256,16 +259,16 @@ def _per_token_kernel(
             cols = k0 + tl.arange(0, BLOCK)
             mask = row_mask[:, None] & (cols < K)[None, :]
             x = tl.load(x_rows + cols[None, :] * stride_xk, mask=mask, other=0.0, eviction_policy="evict_last")
-            acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+            acc = nan_math.maximum(acc, tl.abs(x.to(tl.float32)))
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
-        scale = tl.maximum(tl.math.div_rn(tl.max(acc, axis=1), FMAX), 1e-12)
+        scale = nan_math.maximum(tl.math.div_rn(nan_math.max_reduce(acc, 1), FMAX), 1e-12)
         tl.store(s_ptr + rows64, scale, mask=row_mask)
         for k0 in range(0, K, BLOCK):
             cols = k0 + tl.arange(0, BLOCK)
             mask = row_mask[:, None] & (cols < K)[None, :]
             x = tl.load(x_rows + cols[None, :] * stride_xk, mask=mask, other=0.0, eviction_policy="evict_first")
-            y = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale[:, None]), -FMAX, FMAX)
+            y = nan_math.clamp(tl.math.div_rn(x.to(tl.float32), scale[:, None]), -FMAX, FMAX)
             tl.store(q_rows + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
     else:
         cols = tl.arange(0, BLOCK)
@@ -273,9 +276,9 @@ def _per_token_kernel(
         x = tl.load(x_rows + cols[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
-        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), FMAX), 1e-12)
+        scale = nan_math.maximum(tl.math.div_rn(nan_math.max_reduce(tl.abs(x), 1), FMAX), 1e-12)
         tl.store(s_ptr + rows64, scale, mask=row_mask)
-        y = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FMAX, FMAX)
+        y = nan_math.clamp(tl.math.div_rn(x, scale[:, None]), -FMAX, FMAX)
         tl.store(q_rows + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
 
 

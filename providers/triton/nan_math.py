@@ -1,0 +1,33 @@
+"""NaN-propagating maxima and clamps for the Triton kernels (``@triton.jit`` helpers).
+
+Triton's ``tl.max``, ``tl.maximum`` and ``tl.clamp`` default to ``PropagateNan.NONE``: on the GPU they compile to
+``max.f32`` / ``min.f32``, which return the other operand when one is NaN (the interpreter emulates this with
+``np.fmax``). The library's reference (``torch.amax``, ``torch.clamp``) keeps a NaN: a NaN element quantizes to an
+fp8 NaN, and a NaN anywhere in a dynamic scale's input makes that scale (and every code it divides) NaN. These
+helpers give the kernels the reference's semantics; on SM >= 8.0 they compile to the ``.NaN`` forms of the same
+instructions.
+
+- :func:`maximum` ``(a, b)``: elementwise ``max``; NaN if either is NaN.
+- :func:`max_reduce` ``(x, axis)``: the largest element along ``axis``; NaN if any is NaN.
+- :func:`clamp` ``(x, lo, hi)``: ``min(max(x, lo), hi)``; NaN where ``x`` is NaN.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def maximum(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def max_reduce(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, maximum)
+
+
+@triton.jit
+def clamp(x, lo, hi):
+    return tl.clamp(x, lo, hi, propagate_nan=tl.PropagateNan.ALL)
