@@ -3,14 +3,13 @@
 A layer's processing (``process_weights_after_loading``) builds one :class:`EagerPlan` (:func:`bind_per_m`): the
 rows of the layer's per-M composite provider (:class:`~fp8_backends.registry.per_m.PerMGemm`: each bucket's provider
 with its prepared weight), the output dtype, the bias and the activation quantizer of the layer's mode, each bound
-into a closure. A plain eager call then checks only what can change from call to call (the
-input's type, dtype, last dimension and device) and runs two closures: quantize, GEMM; or one, where the
-provider quantizes the activation inside its GEMM launch
-(:meth:`~fp8_backends.core.backend.Fp8GemmBackend.fused_quant_gemm_impl`: the ``triton`` swap-AB and GEMV kernels at
-small M). Then it checks the provider's output contract (type, ``[M, N]``, dtype, device: a few attribute
-comparisons, see :mod:`fp8_backends.core.output_contract`). Everything else the general
-path checks (scale shapes and dtypes, the prepared weight's owner, bias shape and dtype, the quantized input's
-layout) was fixed at load time and is guaranteed by construction: the plan quantizes the input itself.
+into a closure. A plain eager call then checks only what can change from call to call (the input's type, dtype, last
+dimension and device) and runs two closures: quantize, GEMM; or one, where the provider quantizes the activation inside
+its GEMM launch (:meth:`~fp8_backends.core.backend.Fp8GemmBackend.bind_fused_quant_gemm`, bound once: the ``triton``
+swap-AB and GEMV kernels at small M, the ``cutlass`` C++ linear op). Then it checks the provider's output contract
+(type, ``[M, N]``, dtype, device: a few attribute comparisons, see :mod:`fp8_backends.core.output_contract`). Everything
+else the general path checks (scale shapes and dtypes, the prepared weight's owner, bias shape and dtype, the quantized
+input's layout) was fixed at load time and is guaranteed by construction: the plan quantizes the input itself.
 
 A composite whose CUDA-graph rows differ from its other rows (the ``auto`` selection objective, where the ``kernel``
 and ``host`` choices disagree: :attr:`~fp8_backends.registry.per_m.PerMGemm.split`) binds both; a call then asks
@@ -74,11 +73,11 @@ def bind_linear(backend: Fp8GemmBackend, prepared: PreparedWeight, out_dtype: to
 
         linear.backend = backend  # type: ignore[attr-defined]  # named by the output contract's error
         return linear
-    fused = backend.fused_quant_gemm_impl
     scale = input_scale if mode is ActScale.PER_TENSOR_STATIC else None
+    fused = backend.bind_fused_quant_gemm(prepared, mode, scale, out_dtype, bias)
 
     def fused_linear(x: Any) -> Any:
-        y = fused(x, prepared, mode, scale, out_dtype, bias)
+        y = fused(x)
         if y is None:
             x_q, x_scale = quantize(x)
             y = gemm(x_q, x_scale)
@@ -127,9 +126,12 @@ class EagerPlan:
         self.graph_rows = None if graph_rows is None else tuple(graph_rows)
         self.linear = self.rows[-1][1] if len(self.rows) == 1 and self.graph_rows is None else None
         self.tensor = torch.Tensor
-        from .registry.per_m import capturing
-
-        self.capturing = capturing  # whether a CUDA graph is being captured (asked only when graph_rows differ)
+        # whether a CUDA graph is being captured (asked only when graph_rows differ). The plan never runs while
+        # torch.compile traces (Fp8Linear.forward takes the traced plan then), so torch's own query serves directly.
+        query = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) if device.type == "cuda" else None
+        if query is None:  # a torch without CUDA, or a layer on another device
+            from .registry.per_m import capturing as query
+        self.capturing = query
 
     def __call__(self, x: Any) -> Any:
         """``y [..., N]`` for a plain ``x [..., K]`` in the model dtype on the layer's device, or ``None`` when
@@ -143,7 +145,7 @@ class EagerPlan:
         k = self.k
         if not shape or shape[-1] != k:
             return None
-        x2 = x.reshape(-1, k)
+        x2 = x if len(shape) == 2 else x.reshape(-1, k)
         m = x2.shape[0]
         if m == 0:
             return None

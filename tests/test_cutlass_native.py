@@ -332,3 +332,8 @@ def test_fused_hook_declines_columns_that_are_not_contiguous():
     rows = torch.randn(4, 80, dtype=torch.bfloat16)[:, :64]  # a row stride, unit column stride: served
     assert b.fused_quant_gemm_impl(rows, prepared, ActScale.PER_TENSOR_DYNAMIC, None, torch.bfloat16, None) == "served"
     assert calls[0][6] == "per_tensor_dynamic"
+    # the call an eager layer binds: the same declines, the same op arguments, the mode and config bound once
+    bound = b.bind_fused_quant_gemm(prepared, ActScale.PER_TOKEN, None, torch.bfloat16, None)
+    assert bound(strided) is None and len(calls) == 1
+    assert bound(rows) == "served" and calls[1][0] is rows
+    assert calls[1][1:] == (None, None, None, None, torch.bfloat16, "per_token", *b.op_args)

@@ -813,26 +813,27 @@ def test_eager_layer_takes_the_fused_launch_and_matches_the_reference():
     quantization kernel), and its output matches the reference within the usual FP8 tolerance."""
     from fp8_backends.core import reference
     from fp8_backends.layers import Fp8Linear
+    from fp8_backends.providers.triton import gemm_ops
 
     lin = torch.nn.Linear(128, 64, bias=True, device=DEVICE, dtype=torch.bfloat16)
     for mode in ("per_tensor_dynamic", "per_token", "per_tensor_static"):
         layer = Fp8Linear.from_linear(lin, act_scale=mode, backend="triton",
                                       input_scale=0.02 if mode == "per_tensor_static" else None)
         calls: list[bool] = []
-        real = TritonGemmBackend.fused_quant_gemm_impl
+        real = gemm_ops.fused_launch
 
-        def spy(self, *a, _real=real, _calls=calls, **kw):
-            out = _real(self, *a, **kw)
+        def spy(*a, _real=real, _calls=calls, **kw):
+            out = _real(*a, **kw)
             _calls.append(out is not None)
             return out
 
         x = torch.randn(2, 3, 128, device=DEVICE, dtype=torch.bfloat16)
-        TritonGemmBackend.fused_quant_gemm_impl = spy
+        gemm_ops.fused_launch = spy  # bound into the eager plan when the layer binds it (below)
         try:
             layer._plan = None  # rebind with the spy
             y = layer(x)
         finally:
-            TritonGemmBackend.fused_quant_gemm_impl = real
+            gemm_ops.fused_launch = real
             layer._plan = None
         assert calls == [True], (mode, calls)
         x_q, x_scale = _quantized(x.reshape(-1, 128), ActScale(mode), layer.input_scale)

@@ -486,6 +486,25 @@ class Fp8GemmBackend(ProviderBase):
         ops for Inductor to fuse into the producer."""
         return None
 
+    def bind_fused_quant_gemm(
+        self,
+        prepared: PreparedWeight,
+        act_scale: ActScale,
+        input_scale: torch.Tensor | None,
+        out_dtype: torch.dtype,
+        bias: torch.Tensor | None,
+    ) -> Callable[[torch.Tensor], torch.Tensor | None]:
+        """:meth:`fused_quant_gemm_impl` with everything but ``x`` bound, once per processed layer and bucket:
+        ``x [M, K] -> y [M, N]`` or ``None`` (declined). The default closes over the hook; a provider may override it
+        to bind its launch's own arguments (the eager call then reads no attribute of the provider or ``prepared``).
+        Same results and the same declines as the hook."""
+        hook = self.fused_quant_gemm_impl
+
+        def fused(x: torch.Tensor) -> torch.Tensor | None:
+            return hook(x, prepared, act_scale, input_scale, out_dtype, bias)
+
+        return fused
+
     def problem_for(self, prepared: PreparedWeight, m: int | None = None, **kw: Any) -> GemmProblem:
         """The :class:`GemmProblem` a prepared weight stands for (convenience for callers)."""
         return GemmProblem(n=prepared.n, k=prepared.k, m=m, weight_dtype=prepared.dtype,

@@ -406,11 +406,13 @@ class GemmProviderContract(ContractBase):
     @pytest.mark.gpu
     def test_gpu_fused_quant_gemm_matches_quantize_then_gemm(self, device: str) -> None:
         """:meth:`~fp8_backends.core.backend.Fp8GemmBackend.fused_quant_gemm_impl` (the eager hook that quantizes inside
-        the provider's own launch), for each mode in ``fused_act_quant`` once the provider is preloaded, and each
-        declared weight scale kind and output dtype: the output of :func:`fp8_backends.quant.quantize` then
-        ``gemm_impl`` on the same unquantized input, at a few M (a row-strided input among them). A call may decline
-        (``None``); one that answers must be right. Nothing to check when it declares no mode. GPU only: Triton's CPU
-        interpreter rounds fp32 -> fp8 casts differently from torch (``../shared/notes/cpu-ci.md``)."""
+        the provider's own launch) and the call :meth:`~.Fp8GemmBackend.bind_fused_quant_gemm` binds from it (what an
+        eager layer runs: the same answers, the same declines), for each mode in ``fused_act_quant`` once the provider
+        is preloaded, and each declared weight scale kind and output dtype: the output of
+        :func:`fp8_backends.quant.quantize` then ``gemm_impl`` on the same unquantized input, at a few M (a row-strided
+        input among them). A call may decline (``None``); one that answers must be right. Nothing to check when it
+        declares no mode. GPU only: Triton's CPU interpreter rounds fp32 -> fp8 casts differently from torch
+        (``../shared/notes/cpu-ci.md``)."""
         import torch
 
         from fp8_backends import quant
@@ -439,8 +441,13 @@ class GemmProviderContract(ContractBase):
                     prepared = provider.prepare_weight(d["w"], d["ws"])
                     with torch.no_grad():
                         y = provider.fused_quant_gemm_impl(x, prepared, mode, input_scale, d["out"], d["bias"])
+                        bound = provider.bind_fused_quant_gemm(prepared, mode, input_scale, d["out"], d["bias"])(x)
+                        assert (bound is None) == (y is None), f"{case.id} {mode.value} M={m}: bound call and hook " \
+                            f"disagree on declining ({bound is None} / {y is None})"
                         if y is None:
                             continue
+                        assert torch.equal(bound, y), f"{case.id} {mode.value} M={m}: bind_fused_quant_gemm's call " \
+                            "differs from fused_quant_gemm_impl"
                         x_q, x_scale = quant.quantize(x.contiguous(), mode, input_scale)[:2]
                         want = provider.gemm_impl(x_q, prepared, x_scale, d["out"], d["bias"])
                     answered += 1

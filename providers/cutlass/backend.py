@@ -22,7 +22,7 @@ need separate tcgen05 instantiations and are not part of this provider.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from fp8_backends.core.backend import OpGemmBackend
@@ -150,6 +150,25 @@ class CutlassSm90Backend(OpGemmBackend):
         if op is None or (x.stride(1) != 1 and x.shape[1] > 1):
             return None
         return op(x, prepared.data, prepared.scale, input_scale, bias, out_dtype, act_scale.value, *self.op_args)
+
+    def bind_fused_quant_gemm(self, prepared: PreparedWeight, act_scale: ActScale, input_scale: torch.Tensor | None,
+                              out_dtype: torch.dtype, bias: torch.Tensor | None) -> Callable[[torch.Tensor], Any]:
+        """:meth:`fused_quant_gemm_impl` bound once: the C++ linear op's overload entry (``OpOverload._op``, one Python
+        frame less than the overload) with the weight, scales, bias, mode and config bound. Declines as the hook does
+        (``None``: no C++ op, or columns of ``x`` not contiguous)."""
+        op = self._linear_op
+        if op is None:
+            return super().bind_fused_quant_gemm(prepared, act_scale, input_scale, out_dtype, bias)
+        call = getattr(op, "_op", op)
+        w, w_scale, mode = prepared.data, prepared.scale, act_scale.value
+        config, fast_accum = self.op_args
+
+        def fused(x: torch.Tensor) -> torch.Tensor | None:
+            if x.stride(1) != 1 and x.shape[1] > 1:
+                return None
+            return call(x, w, w_scale, input_scale, bias, out_dtype, mode, config, fast_accum)
+
+        return fused
 
     def op_arguments(self) -> tuple[str, bool]:
         return self.config["config"], self.config["fast_accum"] == "true"

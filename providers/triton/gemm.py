@@ -17,7 +17,7 @@ Runs on any NVIDIA GPU with FP8 tensor cores (SM >= 8.9), and on the CPU under T
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from fp8_backends.core.backend import OpGemmBackend
@@ -163,6 +163,18 @@ class TritonGemmBackend(OpGemmBackend):
 
         return fused_launch(x, prepared.data, input_scale, prepared.scale, bias, out_dtype, self.config["config"],
                             act_scale.value)
+
+    def bind_fused_quant_gemm(self, prepared: PreparedWeight, act_scale: ActScale, input_scale: torch.Tensor | None,
+                              out_dtype: torch.dtype, bias: torch.Tensor | None) -> Callable[[torch.Tensor], Any]:
+        """:meth:`fused_quant_gemm_impl` with its launch's arguments bound once (the same launch, the same declines)."""
+        from .gemm_ops import fused_launch
+
+        w, w_scale, config, mode = prepared.data, prepared.scale, self.config["config"], act_scale.value
+
+        def fused(x: torch.Tensor) -> torch.Tensor | None:
+            return fused_launch(x, w, input_scale, w_scale, bias, out_dtype, config, mode)
+
+        return fused
 
 
 __all__ = ["TritonGemmBackend"]
