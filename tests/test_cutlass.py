@@ -806,8 +806,10 @@ def test_native_linear_quantizes_as_the_reference_bit_for_bit(gpu_built, mode, x
     _, w, _, ws = _data(1, 4096, 4096)
     prepared = b.prepare_weight(w, ws)
     g = torch.Generator(device="cuda").manual_seed(5)
-    for m in (1, 7, 300, 2048):
-        wide = torch.randn(m, 4096 + 64, device="cuda", generator=g, dtype=torch.float32).mul_(3).to(dtype)
+    # row strides of 4160 (16-byte rows: the vector kernels) and 4099 elements (the scalar ones); M = 2048 spreads
+    # more row chunks than one cooperative launch has blocks
+    for m, pad in ((1, 64), (7, 3), (300, 64), (300, 3), (2048, 64)):
+        wide = torch.randn(m, 4096 + pad, device="cuda", generator=g, dtype=torch.float32).mul_(3).to(dtype)
         x = wide[:, :4096]
         if m > 1:
             x[1].zero_()
@@ -822,6 +824,42 @@ def test_native_linear_quantizes_as_the_reference_bit_for_bit(gpu_built, mode, x
         # a NaN row: NaN throughout, as the reference's amax keeps it (the triton quantizer's max drops it)
         assert bool(y[nan_rows].isnan().all()) and not bool(y[~nan_rows].isnan().any()), m
         torch.testing.assert_close(y[~nan_rows], want[~nan_rows], rtol=0, atol=0, msg=f"M={m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["per_tensor_static", "per_tensor_dynamic", "per_token"])
+def test_native_linear_in_a_cuda_graph_and_a_nan(gpu_built, mode):
+    """The C++ linear op is captured in a CUDA graph (the dynamic mode's cooperative launch included) and its
+    replays give the eager call's output for new inputs; a NaN in a dynamic input makes every output NaN (its scale is
+    NaN), as quantize + GEMM does."""
+    import torch
+
+    from fp8_backends.core.types import ActScale
+    from fp8_backends.providers.cutlass import native_op
+
+    if not native_op.enabled():
+        pytest.skip("FP8_BACKENDS_CUTLASS_NATIVE=0")
+    b = CutlassSm90Backend()
+    b.preload()
+    act = ActScale(mode)
+    _, w, _, ws = _data(1, 4096, 4096)
+    prepared = b.prepare_weight(w, ws)
+    s = torch.tensor([0.03], device="cuda") if act is ActScale.PER_TENSOR_STATIC else None
+    fused = b.bind_fused_quant_gemm(prepared, act, s, torch.bfloat16, None)
+    x = torch.randn(300, 4096, device="cuda", dtype=torch.bfloat16)
+    fused(x)  # the bucket's first call registers it (Python)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fused(x)
+    for seed in (1, 2):
+        x.copy_(torch.randn(300, 4096, device="cuda", dtype=torch.bfloat16, generator=torch.Generator(
+            device="cuda").manual_seed(seed)))
+        graph.replay()
+        torch.testing.assert_close(y, fused(x), rtol=0, atol=0)
+    if act is ActScale.PER_TENSOR_DYNAMIC:
+        x[17, 100] = float("nan")
+        assert bool(fused(x).isnan().all())
 
 
 @pytest.mark.gpu

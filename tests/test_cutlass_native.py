@@ -74,8 +74,10 @@ class FallbackRaised(Exception):
     pass
 
 seen = []
+operands = []  # (x, x_scale) copies as the fallback received them
 def fallback(x, w, xs, ws, bias, out_dtype, config, fast_accum):
     seen.append((tuple(x.shape), tuple(w.shape), config, fast_accum, bias is not None, out_dtype))
+    operands.append((x.clone(), xs.clone()))
     if config == "raise":
         raise FallbackRaised("from the fallback")
     return torch.full((x.shape[0], w.shape[0]), 7.0, dtype=out_dtype)
@@ -199,9 +201,28 @@ for mode, ref_mode in (("per_tensor_static", "PER_TENSOR_STATIC"), ("per_tensor_
         got_s.nan_to_num(), s_ref.reshape(-1).nan_to_num(), rtol=0, atol=0), (mode, got_s, s_ref)
     if mode == "per_tensor_static":
         assert rec.xs == s_in.data_ptr()  # the layer's own scale, never copied
-before = len(seen)
-lin(xin, w, ws, None, None, torch.float16, "per_tensor_dynamic", "auto", True)  # fp16 out: not registered
-assert len(seen) == before + 1 and seen[-1][0] == (8, 64), seen[-1]
+# a miss hands the fallback the op's own x_q and scale (views of its one buffer): the reference's codes and scales
+for mode, ref_mode in (("per_tensor_dynamic", "PER_TENSOR_DYNAMIC"), ("per_token", "PER_TOKEN"),
+                       ("per_tensor_static", "PER_TENSOR_STATIC")):
+    before = len(seen)
+    s_arg = s_in if mode == "per_tensor_static" else None
+    lin(xin, w, ws, s_arg, None, torch.float16, mode, "auto", True)  # fp16 out: not registered
+    assert len(seen) == before + 1 and seen[-1][0] == (8, 64), seen[-1]
+    got_q, got_s = operands[-1]
+    q_ref, s_ref = reference.quantize(xin.contiguous(), reference.ActScale[ref_mode], s_arg)
+    assert got_q.dtype == torch.float8_e4m3fn and got_s.shape == s_ref.shape and got_s.dtype == torch.float32, mode
+    same = (got_q.float() == q_ref.float()) | (got_q.float().isnan() & q_ref.float().isnan())
+    assert bool(same.all()) and torch.equal(got_s.isnan(), s_ref.isnan()), mode
+    assert torch.equal(got_s.nan_to_num(), s_ref.nan_to_num()), (mode, got_s, s_ref)
+# a key of another form is refused at registration
+for bad_key in ("a|tensor|bfloat16", "a|colwise|bfloat16|1", "a|tensor|int8|1", "a|tensor|bfloat16|2",
+                "|tensor|float16|0"):
+    try:
+        native.register_kernel(bad_key, addr["gemm_a"], addr["ws_size"], False)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError(f"registered {bad_key}")
 assert lin(xin[:0], w, ws, None, None, torch.bfloat16, "per_token", "auto", True).shape == (0, 32)
 one_row = torch.randn(64, 3, dtype=torch.bfloat16)[:, 1].unsqueeze(0)  # M = 1, a column stride of 3
 for bad in (dict(mode="per_channel"), dict(x=xin.t().contiguous().t()), dict(mode="per_tensor_static", scale=None),

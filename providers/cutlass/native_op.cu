@@ -39,6 +39,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <cooperative_groups.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #else
@@ -50,7 +51,9 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <mutex>
 #include <shared_mutex>
 #include <string>
@@ -70,6 +73,11 @@ struct Kernel {
   bool stream_k = false;
 };
 
+// One config's libraries: [epilogue: tensor, rowwise][out: bfloat16, float16, float32][fast_accum: 0, 1]
+struct Slots {
+  Kernel k[2][3][2];
+};
+
 struct Buckets {
   std::vector<int64_t> bounds;      // inclusive upper M bound of each bucket but the last
   std::vector<std::string> names;   // one config name per bucket (bounds.size() + 1)
@@ -82,19 +90,26 @@ struct ShapeHash {
 };
 
 std::shared_mutex g_mutex;
-std::unordered_map<std::string, Kernel> g_kernels;
+std::unordered_map<std::string, Slots> g_kernels;  // config name -> its libraries
 std::unordered_map<std::pair<int64_t, int64_t>, Buckets, ShapeHash> g_tables;
 std::string g_fallback = "fp8_backends::cutlass_sm90_gemm";
 int64_t g_native_calls = 0;    // calls served here (for tests and diagnostics; relaxed, under no lock)
 int64_t g_fallback_calls = 0;  // calls handed to the fallback op
 
-const char* out_name(at::ScalarType t) {
+int out_slot(at::ScalarType t) {
   switch (t) {
-    case at::kBFloat16: return "bfloat16";
-    case at::kHalf: return "float16";
-    case at::kFloat: return "float32";
-    default: return nullptr;
+    case at::kBFloat16: return 0;
+    case at::kHalf: return 1;
+    case at::kFloat: return 2;
+    default: return -1;
   }
+}
+
+int out_slot(const std::string& name) {
+  if (name == "bfloat16") return 0;
+  if (name == "float16") return 1;
+  if (name == "float32") return 2;
+  return -1;
 }
 
 at::Tensor fallback(const at::Tensor& x, const at::Tensor& w, const at::Tensor& x_scale, const at::Tensor& w_scale,
@@ -127,73 +142,84 @@ at::Tensor fallback(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
 
 bool aligned(const void* p) { return (reinterpret_cast<uintptr_t>(p) % 16) == 0; }
 
-at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& x_scale, const at::Tensor& w_scale,
-                const std::optional<at::Tensor>& bias, at::ScalarType out_dtype, c10::string_view config,
-                bool fast_accum) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "cutlass_sm90_gemm_native: x and w must be 2-D");
-  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  const char* out = out_name(out_dtype);
-  const bool x_vec = x_scale.numel() > 1;
+// The registered library for this call, or false (not registered, or an operand not 16-byte aligned). Builds no
+// string: "auto" reads the (N, K) bucket's name, an explicit config is looked up as given.
+bool find_kernel(const void* xq, const void* wp, int64_t m, int64_t n, int64_t k, bool rowwise, at::ScalarType out_dtype,
+                 c10::string_view config, bool fast_accum, Kernel* found) {
+  const int slot = out_slot(out_dtype);
+  if (slot < 0 || !aligned(xq) || !aligned(wp)) return false;
+  std::shared_lock<std::shared_mutex> lock(g_mutex);
+  decltype(g_kernels)::const_iterator kt;
+  if (config == "auto") {
+    auto it = g_tables.find({n, k});
+    if (it == g_tables.end()) return false;
+    const Buckets& b = it->second;
+    const size_t i = std::lower_bound(b.bounds.begin(), b.bounds.end(), m) - b.bounds.begin();
+    kt = g_kernels.find(b.names[i]);
+  } else {
+    kt = g_kernels.find(std::string(config));  // config names fit the small-string buffer: no allocation
+  }
+  if (kt == g_kernels.end()) return false;
+  const Kernel& kernel = kt->second.k[rowwise ? 1 : 0][slot][fast_accum ? 1 : 0];
+  if (kernel.gemm == nullptr) return false;
+  *found = kernel;
+  return true;
+}
+
+void* current_stream(const at::Tensor& x) {
+#ifdef FP8B_CPU_TEST
+  (void)x;
+  return nullptr;
+#else
+  return c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+#endif
+}
+
+// out[M, N] from x_q (M x K e4m3, row-major at xq) through a registered library, or false (nothing ran: the caller
+// hands the call to the fallback op). x_scale: 1 value, or M when x_vec.
+bool gemm_native(const void* xq, int64_t m, int64_t k, const at::Tensor& w, const void* x_scale, bool x_vec,
+                 const at::Tensor& w_scale, const std::optional<at::Tensor>& bias, at::ScalarType out_dtype,
+                 c10::string_view config, bool fast_accum, const at::Tensor& like, void* stream, at::Tensor* y) {
+  const int64_t n = w.size(0);
   const bool w_vec = w_scale.numel() > 1;
   Kernel kernel;
-  bool found = false;
-  if (out != nullptr && aligned(x.data_ptr()) && aligned(w.data_ptr())) {
-    std::shared_lock<std::shared_mutex> lock(g_mutex);
-    const std::string* name = nullptr;
-    std::string explicit_name;
-    if (config == "auto") {
-      auto it = g_tables.find({n, k});
-      if (it != g_tables.end()) {
-        const Buckets& b = it->second;
-        size_t i = std::lower_bound(b.bounds.begin(), b.bounds.end(), m) - b.bounds.begin();
-        name = &b.names[i];
-      }
-    } else {
-      explicit_name = std::string(config);
-      name = &explicit_name;
-    }
-    if (name != nullptr) {
-      std::string key = *name;
-      key += (x_vec || w_vec) ? "|rowwise|" : "|tensor|";
-      key += out;
-      key += fast_accum ? "|1" : "|0";
-      auto kt = g_kernels.find(key);
-      if (kt != g_kernels.end()) {
-        kernel = kt->second;
-        found = true;
-      }
-    }
-  }
-  if (!found) {
-    return fallback(x, w, x_scale, w_scale, bias, out_dtype, config, fast_accum);
-  }
-  at::Tensor y = at::empty({m, n}, x.options().dtype(out_dtype));
-  if (m == 0) {
-    return y;
-  }
-#ifdef FP8B_CPU_TEST
-  void* stream = nullptr;
-#else
-  const c10::cuda::CUDAGuard guard(x.device());
-  void* stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
-#endif
+  if (!find_kernel(xq, w.data_ptr(), m, n, k, x_vec || w_vec, out_dtype, config, fast_accum, &kernel)) return false;
+  at::Tensor out = at::empty({m, n}, like.options().dtype(out_dtype));
   at::Tensor workspace;
   size_t ws_bytes = 0;
   if (kernel.stream_k && kernel.workspace != nullptr) {
     ws_bytes = kernel.workspace(m, n, k);
     if (ws_bytes > 0) {
-      workspace = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
+      workspace = at::empty({static_cast<int64_t>(ws_bytes)}, like.options().dtype(at::kByte));
     }
   }
-  const int rc = kernel.gemm(x.data_ptr(), w.data_ptr(), y.data_ptr(), m, n, k, x_scale.data_ptr(), x_vec ? 1 : 0,
-                             w_scale.data_ptr(), w_vec ? 1 : 0, bias.has_value() ? bias->data_ptr() : nullptr,
+  const int rc = kernel.gemm(xq, w.data_ptr(), out.data_ptr(), m, n, k, x_scale, x_vec ? 1 : 0, w_scale.data_ptr(),
+                             w_vec ? 1 : 0, bias.has_value() ? bias->data_ptr() : nullptr,
                              ws_bytes > 0 ? workspace.data_ptr() : nullptr, ws_bytes, stream);
-  if (rc != 0) {
-    // nothing ran: the Python op reruns the call and raises CutlassKernelError with the code's meaning
-    return fallback(x, w, x_scale, w_scale, bias, out_dtype, config, fast_accum);
-  }
+  if (rc != 0) return false;  // nothing ran: the Python op reruns the call and raises with the code's meaning
   __atomic_add_fetch(&g_native_calls, 1, __ATOMIC_RELAXED);
-  return y;
+  *y = std::move(out);
+  return true;
+}
+
+at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& x_scale, const at::Tensor& w_scale,
+                const std::optional<at::Tensor>& bias, at::ScalarType out_dtype, c10::string_view config,
+                bool fast_accum) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "cutlass_sm90_gemm_native: x and w must be 2-D");
+  const int64_t m = x.size(0), k = x.size(1);
+  if (m == 0) {
+    if (out_slot(out_dtype) < 0) return fallback(x, w, x_scale, w_scale, bias, out_dtype, config, fast_accum);
+    return at::empty({0, w.size(0)}, x.options().dtype(out_dtype));
+  }
+#ifndef FP8B_CPU_TEST
+  const c10::cuda::CUDAGuard guard(x.device());
+#endif
+  at::Tensor y;
+  if (gemm_native(x.data_ptr(), m, k, w, x_scale.data_ptr(), x_scale.numel() > 1, w_scale, bias, out_dtype, config,
+                  fast_accum, x, current_stream(x), &y)) {
+    return y;
+  }
+  return fallback(x, w, x_scale, w_scale, bias, out_dtype, config, fast_accum);
 }
 
 
@@ -210,7 +236,15 @@ bool mode_of(c10::string_view mode, Mode* out) {
   return false;
 }
 
+// One buffer per call for x_q ([M, K] e4m3, row-major, at offset 0) and its fp32 words (from a 16-byte boundary):
+// the scale ([1] dynamic, [M] per token; none static) and the dynamic mode's per-block partial maxima.
+int64_t fp32_offset(int64_t m, int64_t k) { return (m * k + 15) / 16 * 16; }
+
 #ifndef FP8B_CPU_TEST
+constexpr int kThreads = 256;
+constexpr int kVec = 8;                      // elements per thread per step (16 bytes of bf16 / fp16)
+constexpr int64_t kChunk = kThreads * kVec;  // elements of one row a block covers per step
+
 __device__ __forceinline__ float nan_max(float a, float b) { return (a != a || a > b) ? a : b; }
 
 __device__ __forceinline__ float scale_of(float amax) {  // (amax / fmax).clamp_min(1e-12), NaN kept
@@ -224,20 +258,40 @@ __device__ __forceinline__ uint8_t to_fp8(float x, float s) {  // clamp(x / s, +
   return __nv_fp8_e4m3(v).__x;
 }
 
-template <typename T>
-__global__ void quant_static_kernel(const T* __restrict__ x, int64_t row_stride, const float* __restrict__ scale,
-                                    uint8_t* __restrict__ q, int64_t m, int64_t k) {
-  const float s = *scale;
-  const int64_t total = m * k;
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t r = i / k, c = i - r * k;
-    q[i] = to_fp8(static_cast<float>(x[r * row_stride + c]), s);
+// kVec elements of a row from `src` (16-byte aligned when Vec) into v; past `left` (the row's remaining elements) 0.
+template <typename T, bool Vec>
+__device__ __forceinline__ void load8(const T* src, int64_t left, float* v) {
+  if (Vec && left >= kVec) {
+    alignas(16) T tmp[kVec];
+#pragma unroll
+    for (int w = 0; w < int(sizeof(tmp) / 16); ++w) reinterpret_cast<uint4*>(tmp)[w] = reinterpret_cast<const uint4*>(src)[w];
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) v[i] = static_cast<float>(tmp[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) v[i] = i < left ? static_cast<float>(src[i]) : 0.0f;
+  }
+}
+
+template <bool Vec>
+__device__ __forceinline__ void store8(uint8_t* dst, int64_t left, const float* v, float s) {
+  if (Vec && left >= kVec) {
+    alignas(8) uint8_t tmp[kVec];
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) tmp[i] = to_fp8(v[i], s);
+    *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(tmp);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      if (i < left) dst[i] = to_fp8(v[i], s);
+    }
   }
 }
 
 __device__ __forceinline__ float block_nan_max(float v, float* shared) {  // blockDim.x a multiple of 32, <= 1024
   for (int o = 16; o > 0; o >>= 1) v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, o));
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();  // shared may still be read by an earlier call
   if (lane == 0) shared[warp] = v;
   __syncthreads();
   if (warp == 0) {
@@ -249,98 +303,200 @@ __device__ __forceinline__ float block_nan_max(float v, float* shared) {  // blo
   return shared[0];
 }
 
-template <typename T>
-__global__ void amax_kernel(const T* __restrict__ x, int64_t row_stride, int64_t m, int64_t k,
-                            unsigned int* __restrict__ amax_bits) {
-  __shared__ float shared[32];
+// Work items: (row, chunk of kChunk columns), items = M * chunks_per_row, strided over the grid.
+struct Items {
+  int64_t k, row_stride, per_row, total;
+};
+
+template <typename T, bool Vec>
+__device__ float items_amax(const T* __restrict__ x, const Items& it) {
   float v = 0.0f;
-  const int64_t total = m * k;
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t r = i / k, c = i - r * k;
-    v = nan_max(v, fabsf(static_cast<float>(x[r * row_stride + c])));
+  for (int64_t item = blockIdx.x; item < it.total; item += gridDim.x) {
+    const int64_t r = item / it.per_row, c = (item - r * it.per_row) * kChunk + threadIdx.x * kVec;
+    if (c < it.k) {
+      float e[kVec];
+      load8<T, Vec>(x + r * it.row_stride + c, it.k - c, e);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) v = nan_max(v, fabsf(e[i]));
+    }
   }
-  v = block_nan_max(v, shared);
-  // |x| >= 0 (a NaN's sign cleared): its bits order as unsigned integers do, a NaN above +inf
-  if (threadIdx.x == 0) atomicMax(amax_bits, __float_as_uint(v));
+  return v;
 }
 
-template <typename T>
-__global__ void quant_dynamic_kernel(const T* __restrict__ x, int64_t row_stride, const unsigned int* amax_bits,
-                                     float* __restrict__ scale, uint8_t* __restrict__ q, int64_t m, int64_t k) {
-  const float s = scale_of(__uint_as_float(*amax_bits));
+template <typename T, bool Vec>
+__device__ void items_quant(const T* __restrict__ x, uint8_t* __restrict__ q, const Items& it, float s) {
+  for (int64_t item = blockIdx.x; item < it.total; item += gridDim.x) {
+    const int64_t r = item / it.per_row, c = (item - r * it.per_row) * kChunk + threadIdx.x * kVec;
+    if (c < it.k) {
+      float e[kVec];
+      load8<T, Vec>(x + r * it.row_stride + c, it.k - c, e);
+      store8<Vec>(q + r * it.k + c, it.k - c, e, s);
+    }
+  }
+}
+
+template <typename T, bool Vec>
+__global__ void __launch_bounds__(kThreads) quant_static_kernel(const T* __restrict__ x, Items it,
+                                                                const float* __restrict__ scale,
+                                                                uint8_t* __restrict__ q) {
+  items_quant<T, Vec>(x, q, it, *scale);
+}
+
+// Dynamic per-tensor. Phase 0: the whole thing in one cooperative launch (partial maxima, grid barrier, every block
+// reduces the partials, quantizes); 1: partial maxima only; 2: reduce them and quantize (phases 1 + 2: two launches
+// where a cooperative one is not possible). partial[b] is block b's maximum; *scale is written by block 0.
+template <typename T, bool Vec, int Phase>
+__global__ void __launch_bounds__(kThreads) quant_dynamic_kernel(const T* __restrict__ x, Items it,
+                                                                 float* __restrict__ partial, int n_partial,
+                                                                 float* __restrict__ scale, uint8_t* __restrict__ q) {
+  __shared__ float shared[32];
+  if (Phase != 2) {
+    const float v = block_nan_max(items_amax<T, Vec>(x, it), shared);
+    if (threadIdx.x == 0) partial[blockIdx.x] = v;
+    if (Phase == 1) return;
+    __threadfence();
+    cooperative_groups::this_grid().sync();
+  }
+  float v = 0.0f;
+  for (int i = threadIdx.x; i < n_partial; i += blockDim.x) v = nan_max(v, partial[i]);
+  const float s = scale_of(block_nan_max(v, shared));
   if (blockIdx.x == 0 && threadIdx.x == 0) *scale = s;
-  const int64_t total = m * k;
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t r = i / k, c = i - r * k;
-    q[i] = to_fp8(static_cast<float>(x[r * row_stride + c]), s);
-  }
+  items_quant<T, Vec>(x, q, it, s);
 }
 
-template <typename T>
-__global__ void quant_token_kernel(const T* __restrict__ x, int64_t row_stride, float* __restrict__ scale,
-                                   uint8_t* __restrict__ q, int64_t k) {  // one block per row
-  __shared__ float shared[32];
+template <typename T, bool Vec>
+__global__ void __launch_bounds__(kThreads) quant_token_kernel(const T* __restrict__ x, int64_t row_stride, int64_t k,
+                                                               float* __restrict__ scale, uint8_t* __restrict__ q) {
+  __shared__ float shared[32];  // one block per row
   const T* row = x + blockIdx.x * row_stride;
+  uint8_t* out = q + blockIdx.x * k;
   float v = 0.0f;
-  for (int64_t c = threadIdx.x; c < k; c += blockDim.x) v = nan_max(v, fabsf(static_cast<float>(row[c])));
+  for (int64_t c = threadIdx.x * kVec; c < k; c += kChunk) {
+    float e[kVec];
+    load8<T, Vec>(row + c, k - c, e);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) v = nan_max(v, fabsf(e[i]));
+  }
   const float s = scale_of(block_nan_max(v, shared));
   if (threadIdx.x == 0) scale[blockIdx.x] = s;
-  uint8_t* out = q + blockIdx.x * k;
-  for (int64_t c = threadIdx.x; c < k; c += blockDim.x) out[c] = to_fp8(static_cast<float>(row[c]), s);
+  for (int64_t c = threadIdx.x * kVec; c < k; c += kChunk) {
+    float e[kVec];
+    load8<T, Vec>(row + c, k - c, e);
+    store8<Vec>(out + c, k - c, e, s);
+  }
 }
 
-int elementwise_blocks(int64_t total) {
-  const int64_t blocks = (total + 255) / 256;
-  return static_cast<int>(blocks < 4096 ? (blocks > 0 ? blocks : 1) : 4096);
+constexpr int kMaxDevices = 64;
+constexpr int kMaxBlocks = 4096;  // grid cap of the item loops
+
+// Blocks of a cooperative dynamic launch that fit the device at once (cached per device and instantiation; 0: none).
+template <typename T, bool Vec>
+int cooperative_blocks(int device) {
+  static std::atomic<int> cache[kMaxDevices];  // 0 unknown, -1 no cooperative launch, else the block count
+  int n = cache[device].load(std::memory_order_relaxed);
+  if (n == 0) {
+    int coop = 0, sms = 0, per_sm = 0;
+    if (cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, quant_dynamic_kernel<T, Vec, 0>, kThreads, 0) !=
+            cudaSuccess) {
+      cudaGetLastError();
+      coop = 0;
+    }
+    n = (coop && sms > 0 && per_sm > 0) ? std::min(sms * per_sm, kMaxBlocks) : -1;
+    cache[device].store(n, std::memory_order_relaxed);
+  }
+  return n;
 }
 
-template <typename T>
-void launch_quant(Mode mode, const at::Tensor& x, const at::Tensor& scale, const at::Tensor& x_q, cudaStream_t stream) {
-  const int64_t m = x.size(0), k = x.size(1), rs = x.stride(0);
+int blocks_for(int64_t items) { return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(items, kMaxBlocks))); }
+
+template <typename T, bool Vec>
+void launch_quant(Mode mode, const at::Tensor& x, const float* static_scale, uint8_t* q, float* f32,
+                  cudaStream_t stream) {
+  const int64_t m = x.size(0), k = x.size(1);
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
-  uint8_t* qp = reinterpret_cast<uint8_t*>(x_q.data_ptr());
-  float* sp = scale.data_ptr<float>();
+  const int64_t per_row = (k + kChunk - 1) / kChunk;
+  const Items it{k, x.stride(0), per_row, m * per_row};
   if (mode == Mode::kStatic) {
-    quant_static_kernel<T><<<elementwise_blocks(m * k), 256, 0, stream>>>(xp, rs, sp, qp, m, k);
-  } else if (mode == Mode::kDynamic) {
-    at::Tensor bits = at::empty({1}, x.options().dtype(at::kInt));
-    C10_CUDA_CHECK(cudaMemsetAsync(bits.data_ptr(), 0, sizeof(unsigned int), stream));
-    unsigned int* bp = reinterpret_cast<unsigned int*>(bits.data_ptr());
-    const int blocks = std::min(elementwise_blocks(m * k), 264);
-    amax_kernel<T><<<blocks, 256, 0, stream>>>(xp, rs, m, k, bp);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    quant_dynamic_kernel<T><<<elementwise_blocks(m * k), 256, 0, stream>>>(xp, rs, bp, sp, qp, m, k);
+    quant_static_kernel<T, Vec><<<blocks_for(it.total), kThreads, 0, stream>>>(xp, it, static_scale, q);
+  } else if (mode == Mode::kToken) {
+    quant_token_kernel<T, Vec><<<static_cast<unsigned int>(m), kThreads, 0, stream>>>(xp, it.row_stride, k, f32, q);
   } else {
-    quant_token_kernel<T><<<static_cast<unsigned int>(m), 256, 0, stream>>>(xp, rs, sp, qp, k);
+    float* scale = f32;
+    float* partial = f32 + 1;
+    const int coop = cooperative_blocks<T, Vec>(x.device().index());
+    if (coop > 0) {
+      int grid = static_cast<int>(std::min<int64_t>(it.total, coop));
+      void* args[] = {const_cast<T**>(&xp), const_cast<Items*>(&it), &partial, &grid, &scale, &q};
+      if (cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(quant_dynamic_kernel<T, Vec, 0>), dim3(grid),
+                                      dim3(kThreads), args, 0, stream) == cudaSuccess) {
+        return;
+      }
+      cudaGetLastError();  // not possible here (e.g. this capture): the two-launch form below
+    }
+    const int grid = blocks_for(it.total);
+    quant_dynamic_kernel<T, Vec, 1><<<grid, kThreads, 0, stream>>>(xp, it, partial, grid, scale, q);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    quant_dynamic_kernel<T, Vec, 2><<<grid, kThreads, 0, stream>>>(xp, it, partial, grid, scale, q);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
+
+template <typename T>
+void launch_quant(Mode mode, const at::Tensor& x, const float* static_scale, uint8_t* q, float* f32,
+                  cudaStream_t stream) {
+  // 16-byte loads where every row starts on a 16-byte boundary (and x_q's rows on 8: K % 8 == 0)
+  const bool vec = aligned(x.data_ptr()) && (x.stride(0) * int64_t(sizeof(T))) % 16 == 0 && x.size(1) % kVec == 0;
+  if (vec) {
+    launch_quant<T, true>(mode, x, static_scale, q, f32, stream);
+  } else {
+    launch_quant<T, false>(mode, x, static_scale, q, f32, stream);
+  }
+}
 #endif
 
-// x_q [M, K] e4m3 and its scale ([1] or [M, 1] fp32): the static scale as given, the dynamic ones computed
-std::pair<at::Tensor, at::Tensor> quantize(Mode mode, const at::Tensor& x, const std::optional<at::Tensor>& input_scale) {
-  const int64_t m = x.size(0), k = x.size(1);
-  at::Tensor x_q = at::empty({m, k}, x.options().dtype(at::kFloat8_e4m3fn));
-  at::Tensor scale = mode == Mode::kStatic ? *input_scale
-                     : at::empty(mode == Mode::kDynamic ? std::vector<int64_t>{1} : std::vector<int64_t>{m, 1},
-                                 x.options().dtype(at::kFloat));
+// fp32 words the buffer holds after x_q: the per-token scales, or the dynamic scale and its partial maxima
+int64_t fp32_words(Mode mode, int64_t m) {
+  if (mode == Mode::kToken) return m;
 #ifdef FP8B_CPU_TEST
-  const at::Tensor xf = x.to(at::kFloat);
-  if (mode == Mode::kDynamic) {
-    scale.copy_(at::clamp_min(at::div(at::amax(at::abs(xf)), kFp8Max), kMinScale).reshape({1}));
-  } else if (mode == Mode::kToken) {
-    scale.copy_(at::clamp_min(at::div(at::amax(at::abs(xf), {-1}, true), kFp8Max), kMinScale));
-  }
-  x_q.copy_(at::clamp(at::div(xf, scale), -kFp8Max, kFp8Max).to(at::kFloat8_e4m3fn));
+  if (mode == Mode::kDynamic) return 1;
 #else
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  if (mode == Mode::kDynamic) return 1 + kMaxBlocks;
+#endif
+  return 0;
+}
+
+// Quantize x into buf (x_q at 0, fp32 words at fp32_offset); returns the scale's address (the static one as given).
+const float* quantize(Mode mode, const at::Tensor& x, const std::optional<at::Tensor>& input_scale,
+                      const at::Tensor& buf, void* stream) {
+  const int64_t m = x.size(0), k = x.size(1);
+  uint8_t* q = reinterpret_cast<uint8_t*>(buf.data_ptr());
+  float* f32 = reinterpret_cast<float*>(q + fp32_offset(m, k));
+  const float* static_scale = mode == Mode::kStatic ? input_scale->data_ptr<float>() : nullptr;
+#ifdef FP8B_CPU_TEST
+  (void)stream;
+  const at::Tensor xf = x.to(at::kFloat);
+  at::Tensor scale;
+  if (mode == Mode::kStatic) {
+    scale = *input_scale;
+  } else if (mode == Mode::kDynamic) {
+    scale = at::clamp_min(at::div(at::amax(at::abs(xf)), kFp8Max), kMinScale).reshape({1});
+  } else {
+    scale = at::clamp_min(at::div(at::amax(at::abs(xf), {-1}, true), kFp8Max), kMinScale);
+  }
+  const at::Tensor codes = at::clamp(at::div(xf, scale), -kFp8Max, kFp8Max).to(at::kFloat8_e4m3fn).contiguous();
+  std::memcpy(q, codes.data_ptr(), static_cast<size_t>(m * k));
+  if (mode != Mode::kStatic) std::memcpy(f32, scale.contiguous().data_ptr(), sizeof(float) * scale.numel());
+#else
+  auto s = static_cast<cudaStream_t>(stream);
   switch (x.scalar_type()) {
-    case at::kBFloat16: launch_quant<c10::BFloat16>(mode, x, scale, x_q, stream); break;
-    case at::kHalf: launch_quant<c10::Half>(mode, x, scale, x_q, stream); break;
-    default: launch_quant<float>(mode, x, scale, x_q, stream); break;
+    case at::kBFloat16: launch_quant<c10::BFloat16>(mode, x, static_scale, q, f32, s); break;
+    case at::kHalf: launch_quant<c10::Half>(mode, x, static_scale, q, f32, s); break;
+    default: launch_quant<float>(mode, x, static_scale, q, f32, s); break;
   }
 #endif
-  return {x_q, scale};
+  return mode == Mode::kStatic ? static_scale : f32;
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
@@ -356,14 +512,29 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_
   TORCH_CHECK(md != Mode::kStatic || (input_scale.has_value() && input_scale->numel() == 1 &&
                                       input_scale->scalar_type() == at::kFloat),
               "cutlass_sm90_linear_native: the static mode needs a one-value fp32 input scale");
-  if (x.size(0) == 0) {
+  const int64_t m = x.size(0), k = x.size(1);
+  if (m == 0) {
     return at::empty({0, w.size(0)}, x.options().dtype(out_dtype));
   }
 #ifndef FP8B_CPU_TEST
   const c10::cuda::CUDAGuard guard(x.device());
 #endif
-  auto [x_q, scale] = quantize(md, x, input_scale);
-  return gemm(x_q, w, scale, w_scale, bias, out_dtype, config, fast_accum);
+  void* stream = current_stream(x);
+  const int64_t words = fp32_words(md, m);
+  at::Tensor buf = at::empty({words > 0 ? fp32_offset(m, k) + 4 * words : m * k}, x.options().dtype(at::kByte));
+  const float* scale = quantize(md, x, input_scale, buf, stream);
+  const bool x_vec = md == Mode::kToken && m > 1;
+  at::Tensor y;
+  if (gemm_native(buf.data_ptr(), m, k, w, scale, x_vec, w_scale, bias, out_dtype, config, fast_accum, x, stream, &y)) {
+    return y;
+  }
+  // the fallback op takes tensors: views of the buffer
+  at::Tensor x_q = buf.narrow(0, 0, m * k).view(at::kFloat8_e4m3fn).view({m, k});
+  at::Tensor x_scale = md == Mode::kStatic ? *input_scale
+                       : buf.narrow(0, fp32_offset(m, k), 4 * (md == Mode::kToken ? m : 1))
+                             .view(at::kFloat)
+                             .view(md == Mode::kToken ? std::vector<int64_t>{m, 1} : std::vector<int64_t>{1});
+  return fallback(x_q, w, x_scale, w_scale, bias, out_dtype, config, fast_accum);
 }
 
 }  // namespace
@@ -371,16 +542,34 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_
 extern "C" {
 
 // ABI of this file's extern "C" functions (providers/cutlass/native_op.py checks it)
-int fp8b_native_abi_version() { return 2; }
+int fp8b_native_abi_version() { return 3; }
 
-// Register (or replace) a loaded kernel library under "config|epilogue|out_dtype|fast_accum" (fast_accum: 0 or 1).
-void fp8b_native_register_kernel(const char* key, void* gemm_fn, void* workspace_fn, int stream_k) {
+// Register (or replace) a loaded kernel library under "config|epilogue|out_dtype|fast_accum" (epilogue: tensor or
+// rowwise; out_dtype: bfloat16, float16 or float32; fast_accum: 0 or 1). Returns 0, or -1 for a key it cannot parse.
+int fp8b_native_register_kernel(const char* key, void* gemm_fn, void* workspace_fn, int stream_k) {
+  std::vector<std::string> parts;
+  std::string part;
+  for (const char* c = key; ; ++c) {
+    if (*c == '|' || *c == '\0') {
+      parts.push_back(part);
+      part.clear();
+      if (*c == '\0') break;
+    } else {
+      part += *c;
+    }
+  }
+  if (parts.size() != 4 || parts[0].empty()) return -1;
+  const int epi = parts[1] == "tensor" ? 0 : parts[1] == "rowwise" ? 1 : -1;
+  const int out = out_slot(parts[2]);
+  const int fast = parts[3] == "0" ? 0 : parts[3] == "1" ? 1 : -1;
+  if (epi < 0 || out < 0 || fast < 0) return -1;
   Kernel k;
   k.gemm = reinterpret_cast<GemmFn>(gemm_fn);
   k.workspace = reinterpret_cast<WorkspaceFn>(workspace_fn);
   k.stream_k = stream_k != 0;
   std::unique_lock<std::shared_mutex> lock(g_mutex);
-  g_kernels[key] = k;
+  g_kernels[parts[0]].k[epi][out][fast] = k;
+  return 0;
 }
 
 // Register the M buckets of (N, K): count config names, count - 1 bounds (ascending).

@@ -47,7 +47,7 @@ logger = logging.getLogger("fp8_backends")
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "native_op.cu"
 OP_NAME = "fp8_backends::cutlass_sm90_gemm_native"
-ABI_VERSION = 2
+ABI_VERSION = 3
 LINEAR_OP_NAME = "fp8_backends::cutlass_sm90_linear_native"
 VARIANTS = ("cuda", "cpu-test")
 _BUILD_TIMEOUT_S = 600
@@ -169,7 +169,7 @@ class NativeOp:
         if lib.fp8b_native_abi_version() != ABI_VERSION:
             raise NativeBuildError(f"{path}: ABI {lib.fp8b_native_abi_version()}, expected {ABI_VERSION}")
         lib.fp8b_native_register_kernel.argtypes = (ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
-        lib.fp8b_native_register_kernel.restype = None
+        lib.fp8b_native_register_kernel.restype = ctypes.c_int
         lib.fp8b_native_register_buckets.argtypes = (
             ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(ctypes.c_int64),
             ctypes.POINTER(ctypes.c_char_p))
@@ -187,9 +187,11 @@ class NativeOp:
         self.linear_op = torch.ops.fp8_backends.cutlass_sm90_linear_native.default
 
     def register_kernel(self, key: str, gemm_fn: int, workspace_fn: int | None, stream_k: bool) -> None:
-        """Serve ``key`` (``config|epilogue|out_dtype|fast_accum``, fast_accum ``1``/``0``) with these function
-        addresses (``fp8b_gemm``, ``fp8b_workspace_size``)."""
-        self._lib.fp8b_native_register_kernel(key.encode(), gemm_fn, workspace_fn, int(stream_k))
+        """Serve ``key`` (``config|epilogue|out_dtype|fast_accum``: epilogue ``tensor``/``rowwise``, out_dtype
+        ``bfloat16``/``float16``/``float32``, fast_accum ``1``/``0``) with these function addresses (``fp8b_gemm``,
+        ``fp8b_workspace_size``). A key of another form raises ``ValueError``."""
+        if self._lib.fp8b_native_register_kernel(key.encode(), gemm_fn, workspace_fn, int(stream_k)) != 0:
+            raise ValueError(f"not a kernel key (config|tensor or rowwise|bfloat16, float16 or float32|0 or 1): {key}")
 
     def register_buckets(self, n: int, k: int, buckets: Sequence[tuple[int | None, str]]) -> None:
         """The ``config=auto`` M buckets of ``N x K``: ``(inclusive M bound, config)``, the last bound ignored."""
