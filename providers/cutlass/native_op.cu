@@ -350,12 +350,15 @@ __global__ void __launch_bounds__(kThreads) quant_dynamic_kernel(const T* __rest
                                                                  float* __restrict__ partial, int n_partial,
                                                                  float* __restrict__ scale, uint8_t* __restrict__ q) {
   __shared__ float shared[32];
-  if (Phase != 2) {
+  if constexpr (Phase != 2) {
     const float v = block_nan_max(items_amax<T, Vec>(x, it), shared);
     if (threadIdx.x == 0) partial[blockIdx.x] = v;
-    if (Phase == 1) return;
-    __threadfence();
-    cooperative_groups::this_grid().sync();
+    if constexpr (Phase == 1) {
+      return;
+    } else {
+      __threadfence();
+      cooperative_groups::this_grid().sync();
+    }
   }
   float v = 0.0f;
   for (int i = threadIdx.x; i < n_partial; i += blockDim.x) v = nan_max(v, partial[i]);
