@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -45,7 +46,7 @@ from .core.types import (
 from .eager_plan import EagerPlan, bind_per_m
 from .functional import apply_fp8_linear
 from .registry.per_m import PerMGemm, init_fp8_gemm
-from .traced_plan import TracedPlan, bind_traced
+from .traced_plan import TracedNorm, TracedPlan, bind_traced, bind_traced_norm
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -451,6 +452,13 @@ class Fp8Linear(nn.Module):
     def _mark_loaded(self) -> None:
         if self.kernel is not None:  # new values: the prepared weight is stale
             self.kernel = self._plan = self._traced = None
+            self._rebind_norms()
+
+    def _rebind_norms(self) -> None:
+        """The fused norms feeding this layer bind their traced call to its traced plan's input-scale alias: bind them
+        again whenever that plan changes (or drop theirs while this layer has none)."""
+        for norm in list(self.__dict__.get("_traced_norms", ())):
+            norm._bind_traced_norm()
 
     def _load_from_state_dict(self, state_dict, prefix, *args: Any, **kwargs: Any) -> None:
         # a processed layer's state dict holds the final scale shapes ([1] after requantizing or
@@ -526,14 +534,17 @@ class Fp8Linear(nn.Module):
                                     backend=self.backend_request, default=backend, objective=self.objective_request)
         self._plan = self._eager_plan()
         self._traced = self._traced_plan()
+        self._rebind_norms()
         logger.debug("Fp8Linear %dx%d prepared by %s (%s)", self.out_features, self.in_features,
                      self.kernel.describe(), self.problem.describe())
 
     def __getstate__(self) -> dict[str, Any]:
         # the plans hold this layer's own tensors (closures, parameter aliases): a copy (deepcopy, pickle) binds its
-        # own, the traced plan when it is restored (never while torch.compile traces), the eager one at its first call
+        # own, the traced plan when it is restored (never while torch.compile traces), the eager one at its first call.
+        # The norms feeding it register again when they are restored (their consumer is copied with them).
         state = dict(self.__dict__)
         state["_plan"] = state["_traced"] = None
+        state.pop("_traced_norms", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -613,7 +624,7 @@ class Fp8Linear(nn.Module):
         super()._apply(_keeping_dtype(fn), recurse)
         if self.kernel is not None and any(self._buffers[n] is not b for n, b in before.items()):
             self.kernel = self._plan = self._traced = None
-            self.process_weights_after_loading()
+            self.process_weights_after_loading()  # binds the norms feeding it again
         return self
 
     # ------------------------------------------------------------------------------ forward
@@ -744,6 +755,7 @@ class RMSNormFp8Quant(nn.Module):
         self.norm_backend: NormQuantBackend | None = None
         self._residual_backend: NormQuantBackend | None = None
         self._residual_error: Exception | None = None
+        self._traced_norm: TracedNorm | None = None  # what torch.compile traces (auto provider, inline mode)
         self.quant_linear = quant_linear
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -766,8 +778,12 @@ class RMSNormFp8Quant(nn.Module):
                 raise InvalidInputError(
                     f"quant_linear takes K={linear.in_features} inputs but the norm's hidden size is {self.hidden_size}"
                 )
+        previous = self.__dict__.get("_quant_linear")
+        if previous is not None and previous is not linear:
+            previous.__dict__.get("_traced_norms", set()).discard(self)
         self.__dict__["_quant_linear"] = linear
         self.norm_backend = self._residual_backend = self._residual_error = None  # process again
+        self.__dict__["_traced_norm"] = None
 
     @property
     def emits_quantized(self) -> bool:
@@ -784,6 +800,7 @@ class RMSNormFp8Quant(nn.Module):
         residual calls. A provider without the fused residual add is reported at the first residual
         call, not silently replaced. Without a quantizing consumer there is nothing to resolve."""
         self.norm_backend = self._residual_backend = self._residual_error = None
+        self.__dict__["_traced_norm"] = None
         if not self.emits_quantized:
             return
         lin = self.quant_linear
@@ -796,6 +813,35 @@ class RMSNormFp8Quant(nn.Module):
             self._residual_backend = _resolve_norm(self.backend_request, replace(problem, residual=True))
         except (UnsupportedProblemError, InvalidInputError) as exc:
             self._residual_error = exc
+        if self._auto:
+            # registered with the consumer, which binds this norm's traced call again whenever its own plan changes
+            lin.__dict__.setdefault("_traced_norms", weakref.WeakSet()).add(self)
+        self._bind_traced_norm()
+
+    def _bind_traced_norm(self) -> None:
+        """Bind (or drop) the compiled call of an ``auto`` norm (:func:`fp8_backends.traced_plan.bind_traced_norm`):
+        it needs a processed norm and a consumer with a traced plan, whose input-scale alias it shares."""
+        lin = self.quant_linear
+        traced = None if lin is None else lin.__dict__.get("_traced")
+        if not self._auto or self.norm_backend is None or traced is None or lin.input_scale is None:
+            self.__dict__["_traced_norm"] = None
+            return
+        self.__dict__["_traced_norm"] = bind_traced_norm(
+            h=self.hidden_size, eps=self.eps, dtype=self.weight.dtype, device=self.weight.device, weight=self.weight,
+            input_scale=traced.input_scale, fp8_dtype=lin.input_dtype.torch_dtype())
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the traced call holds this norm's weight and its consumer's scale alias: a copy binds its own when restored
+        state = dict(self.__dict__)
+        state["_traced_norm"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        lin = self.quant_linear
+        if self._auto and self.norm_backend is not None and lin is not None:
+            lin.__dict__.setdefault("_traced_norms", weakref.WeakSet()).add(self)
+        self._bind_traced_norm()
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> RMSNormFp8Quant:
         """Device moves apply; dtype casts do not. A processed norm is processed again after a move."""
@@ -808,6 +854,12 @@ class RMSNormFp8Quant(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | QuantizedActivation | tuple[torch.Tensor | QuantizedActivation, torch.Tensor]:
+        if _compiling():
+            traced = self._traced_norm
+            if traced is not None:
+                out = traced(x, residual)  # None in compile mode "op": the provider's op below
+                if out is not None:
+                    return out
         V.require_tensor(x, "x")
         h = self.hidden_size
         if x.dim() < 1 or x.shape[-1] != h:

@@ -235,4 +235,75 @@ def bind_traced(kernel: PerMGemm, *, k: int, n: int, dtype: torch.dtype, device:
     return plan
 
 
-__all__ = ["TracedPlan", "TracedRow", "bind_traced", "finish", "parameter_alias", "prologue", "shared_index"]
+# ------------------------------------------------------------------------------------------ the fused norm's plan
+#: ``(x [..., H], residual or None) -> QuantizedActivation`` or ``(QuantizedActivation, residual)``: one norm's
+#: traced call
+TracedNorm = Callable[[Any, Any], Any]
+
+
+def norm_input_failed(x: Any, residual: Any, h: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Raise the library's error for a norm input the generated check refused (``x`` or ``residual``): the eager
+    forward's messages, and the device's."""
+    from .core import validation as V
+
+    V.require_tensor(x, "x")
+    if x.dim() < 1 or x.shape[-1] != h:
+        raise InvalidInputError(f"x must be [..., H={h}], got {tuple(x.shape)}")
+    if x.dtype != dtype:
+        raise InvalidInputError(f"x is {x.dtype} but this norm was built for {dtype}")
+    if residual is not None:
+        V.require_matching_residual(residual, x)
+    raise InvalidInputError(f"x is on {x.device} but the norm's weight is on {device}")
+
+
+def bind_traced_norm(*, h: int, eps: float, dtype: torch.dtype, device: torch.device, weight: torch.Tensor,
+                     input_scale: torch.Tensor, fp8_dtype: torch.dtype) -> TracedNorm:
+    """What ``torch.compile`` traces for an :class:`~fp8_backends.layers.RMSNormFp8Quant` whose provider ``auto``
+    chose: in compile mode ``"inline"`` (else it returns ``None``), a function generated for this norm that checks the
+    input (and the residual)
+    and computes :func:`fp8_backends.core.reference.rmsnorm_quant` (or the residual-add form, the sum written back in
+    place) as torch ops that Inductor fuses, returning a :class:`QuantizedActivation` with the consumer's static
+    ``input_scale``.
+
+    ``H``, ``eps`` and the float8 type's largest value are constants of its code; ``weight`` (the norm's parameter)
+    and ``input_scale`` (pass the consumer's traced plan's own alias: one graph input for the two) its closure;
+    dtypes and the mode are read from ``_SHARED``. So the call reads neither the consumer linear, nor the provider,
+    nor enum members through the module tree, each of which Dynamo would guard at every call (an ``a is b`` check
+    for every object two modules reach)."""
+    src = _Source()
+    w_src, s_src = src.var(weight), src.var(input_scale)
+    dt, fp8, static = src.shared(dtype), src.shared(fp8_dtype), src.shared(ActScale.PER_TENSOR_STATIC)
+    dev = src.shared(device)
+    fmax = Fp8Dtype.of(fp8_dtype).max
+    h, eps = int(h), float(eps)
+    body = [
+        "def make_plan(" + "{args}" + "):",
+        "    def traced_norm(x, residual):",
+        "        if quant._compile_mode != 'inline':",  # the provider's op: the caller's general path
+        "            return None",
+        f"        if getattr(x, 'dtype', None) != {dt} or x.dim() < 1 or x.shape[-1] != {h} or "
+        f"x.device != {dev}:",
+        f"            norm_input_failed(x, residual, {h}, {dt}, {dev})",
+        f"        x2 = x.reshape(-1, {h})",
+        "        if residual is None:",
+        f"            y = reference.rmsnorm(x2, {w_src}, {eps!r})",
+        f"            q = reference.scaled_cast(y, {s_src}, {fp8}, {fmax!r})",
+        f"            return QuantizedActivation(q.reshape(x.shape), {s_src}, {dt}, {static})",
+        "        if (getattr(residual, 'shape', None) != x.shape or getattr(residual, 'dtype', None) != x.dtype",
+        "                or residual.device != x.device or not residual.is_contiguous()):",
+        f"            norm_input_failed(x, residual, {h}, {dt}, {dev})",
+        f"        r2 = residual.view(-1, {h})",
+        "        total = x2.float() + r2.float()",
+        "        r2.copy_(total)",
+        f"        q = reference.scaled_cast(reference.rmsnorm(total, {w_src}, {eps!r}), {s_src}, {fp8}, {fmax!r})",
+        f"        return QuantizedActivation(q.reshape(x.shape), {s_src}, {dt}, {static}), residual",
+        "    return traced_norm",
+    ]
+    source = "\n".join(body).replace("{args}", ", ".join(f"c{i}" for i in range(len(src.closure))))
+    norm = _compile_factory(source)(*src.closure)
+    norm.input_scale, norm.weight = input_scale, weight  # type: ignore[attr-defined]  # introspection and tests
+    return norm
+
+
+__all__ = ["TracedNorm", "TracedPlan", "TracedRow", "bind_traced", "bind_traced_norm", "finish", "norm_input_failed",
+           "parameter_alias", "prologue", "shared_index"]

@@ -6,6 +6,7 @@ GPU tests (@pytest.mark.gpu) use whatever ``auto`` picks on the machine.
 
 from __future__ import annotations
 
+import copy
 import io
 from dataclasses import replace
 from typing import ClassVar
@@ -518,6 +519,78 @@ def test_a_compiled_auto_norm_traces_the_reference_and_an_explicit_one_its_provi
         assert CountingNorm.calls == []
     else:
         assert "add_norm" in CountingNorm.calls and "norm" in CountingNorm.calls
+
+
+def test_auto_norms_generated_call_computes_the_eager_result_and_refuses_what_it_refuses():
+    """The generated call a compiled ``auto`` norm traces (:func:`fp8_backends.traced_plan.bind_traced_norm`) is plain
+    Python: called directly it gives the eager forward's codes, scale and residual bit for bit, shares its consumer's
+    input-scale alias, and raises the eager forward's errors."""
+    norm, lin = _norm_pair(STATIC)
+    traced = norm._traced_norm
+    assert traced is not None and traced.input_scale is lin._traced.input_scale and traced.weight is norm.weight
+    x, r = _x(2, 3, 64), _x(2, 3, 64, seed=5)
+    want, got = norm(x), traced(x, None)
+    assert isinstance(got, QuantizedActivation) and got.orig_dtype == torch.bfloat16 and got.mode is STATIC
+    assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)) and torch.equal(got.scale, want.scale)
+    r_eager, r_traced = r.clone(), r.clone()
+    (want, _), (got, r_out) = norm(x, r_eager), traced(x, r_traced)
+    assert r_out is r_traced and torch.equal(r_traced, r_eager)
+    assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+    for bad, res in ((x.float(), None), (x[..., :32], None), ("x", None), (x, r[..., :32]), (x, r.transpose(0, 1)),
+                     (x, r.float())):
+        with pytest.raises(InvalidInputError) as eager_error:
+            norm(bad, None if res is None else res.clone())
+        with pytest.raises(InvalidInputError) as traced_error:
+            traced(bad, None if res is None else res.clone())
+        assert str(traced_error.value) == str(eager_error.value)
+
+
+def test_auto_norms_generated_call_follows_its_consumer():
+    """The norm's generated call shares its consumer's traced-plan scale alias: rebound whenever the consumer binds
+    a new plan (processing again, a copy), dropped while the consumer has none (new weights loaded) or for a new
+    consumer not processed yet; an explicitly named provider, or a dynamic consumer, gets none."""
+    norm, lin = _norm_pair(STATIC)
+    first = norm._traced_norm
+    lin.process_weights_after_loading()
+    assert norm._traced_norm is not first and norm._traced_norm.input_scale is lin._traced.input_scale
+    lin.load_state_dict(lin.state_dict())  # new values: the layer's plans are stale until processed
+    assert lin._traced is None and norm._traced_norm is None
+    lin.process_weights_after_loading()
+    assert norm._traced_norm.input_scale is lin._traced.input_scale
+    model = copy.deepcopy(nn.ModuleDict({"norm": norm, "lin": lin}))
+    assert model["norm"].quant_linear is model["lin"]
+    assert model["norm"]._traced_norm.input_scale is model["lin"]._traced.input_scale
+    assert model["norm"]._traced_norm.input_scale is not lin._traced.input_scale
+    model["lin"].process_weights_after_loading()  # the copy's consumer rebinds the copy's norm, not the original
+    assert model["norm"]._traced_norm.input_scale is model["lin"]._traced.input_scale
+    assert norm._traced_norm.input_scale is lin._traced.input_scale
+    other = Fp8Linear.from_linear(_linear(n=48), act_scale=STATIC, **_static_kw(STATIC, 0.05))
+    norm.quant_linear = other
+    assert norm._traced_norm is None
+    lin.process_weights_after_loading()  # the old consumer no longer binds it
+    assert norm._traced_norm is None
+    norm.process_weights_after_loading()
+    assert norm._traced_norm.input_scale is other._traced.input_scale
+    assert _norm_pair(STATIC, backend="torch")[0]._traced_norm is None
+    assert _norm_pair(DYNAMIC)[0]._traced_norm is None
+
+
+def test_compiled_fused_block_guards_neither_the_norms_consumers_nor_their_provider():
+    """A compiled block whose norms hand their linears quantized inputs reads each norm through its generated call:
+    its guards name neither the norm's consumer (``_quant_linear``) nor its provider (``norm_backend``), which
+    two modules reach and Dynamo would check with a Python ``a is b`` guard at every call."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    block = TinyBlock(STATIC, torch.bfloat16)
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            torch.compile(block, backend="eager", fullgraph=True)(_x(4, 64), _x(4, 64, seed=5))
+        tree = str(_debug_get_cache_entry_list(type(block).forward.__code__)[0].guard_manager)
+    finally:
+        torch._dynamo.reset()
+    assert "_quant_linear" not in tree and "norm_backend" not in tree
+    assert "_traced_norm" in tree  # the norms' generated calls are what it read
 
 
 def test_block_fused_matches_unfused():

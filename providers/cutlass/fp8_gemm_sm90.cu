@@ -205,6 +205,31 @@ bool ensure_smem_attribute(int device) {
   return true;
 }
 
+// Gemm::run's launch, minus what it does at every call that a launch needs once: its cluster path calls
+// cudaFuncSetAttribute(NonPortableClusterSizeAllowed) before each launch (a driver call on the host's hot path), an
+// attribute the portable cluster sizes used here (at most 2) never need. Grid, block, shared memory and the cluster
+// shape are Gemm::run's own.
+cudaError_t launch_gemm(typename GemmKernel::Params& params, cudaStream_t stream) {
+  constexpr int kClusterM = cute::size<0>(ClusterShape{});
+  constexpr int kClusterN = cute::size<1>(ClusterShape{});
+  cudaLaunchConfig_t config{};
+  config.gridDim = Gemm::get_grid_shape(params);
+  config.blockDim = GemmKernel::get_block_shape();
+  config.dynamicSmemBytes = GemmKernel::SharedStorageSize;
+  config.stream = stream;
+  cudaLaunchAttribute cluster[1];
+  if constexpr (kClusterM * kClusterN > 1) {
+    cluster[0].id = cudaLaunchAttributeClusterDimension;
+    cluster[0].val.clusterDim.x = kClusterM;
+    cluster[0].val.clusterDim.y = kClusterN;
+    cluster[0].val.clusterDim.z = 1;
+    config.attrs = cluster;
+    config.numAttrs = 1;
+  }
+  void* args[] = {&params};
+  return cudaLaunchKernelExC(&config, reinterpret_cast<const void*>(cutlass::device_kernel<GemmKernel>), args);
+}
+
 template <class Bcast>
 typename Bcast::StrideMNL dynamic_stride(bool vector) {
   using S = typename Bcast::StrideMNL;
@@ -322,7 +347,7 @@ FP8B_EXPORT int fp8b_gemm(const void* x, const void* w, void* out, int64_t m, in
   }
   auto params = fp8b::GemmKernel::to_underlying_arguments(args, workspace);
   if (!fp8b::ensure_smem_attribute(device)) return FP8B_ERR_SMEM;
-  if (fp8b::Gemm::run(params, cu_stream) != cutlass::Status::kSuccess) {
+  if (fp8b::launch_gemm(params, cu_stream) != cudaSuccess) {
     cudaGetLastError();
     return FP8B_ERR_LAUNCH;
   }
