@@ -717,7 +717,10 @@ class RMSNormFp8Quant(nn.Module):
     norm in Inductor's kernels called in 302 / 519 µs at T = 1 / 256 against 323 / 576 with the Triton norm-quant op,
     at equal graph time (79.7 / 125.7 against 78.5 / 126.4 µs). A norm given an explicit provider (argument or
     ``FP8_NORM_QUANT_BACKEND``) runs that provider's op compiled too, as does every norm under
-    ``set_compile_mode("op")``.
+    ``set_compile_mode("op")``. The traced code is a function generated for the norm when it is processed
+    (:func:`fp8_backends.traced_plan.bind_traced_norm`; bound again whenever its consumer binds a new plan): it holds
+    ``H``, ``eps`` and the consumer's input-scale alias, so a compiled model's guards read neither the consumer nor
+    the provider through the norm (CPU, a compiled block: 181 guards, 1 Python lambda, against 238 and 13 before).
 
     ``forward(x)`` returns that output; ``forward(x, residual)`` returns ``(output, residual)``.
     ``x``: ``[..., H]`` in the model dtype; ``residual``: same shape and dtype, contiguous.
