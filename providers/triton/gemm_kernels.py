@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from . import nan_math
+from .nan_math import nan_clamp, nan_max_reduce, nan_maximum
 
 #: ``X_QUANT`` values: ``x`` already float8 / quantized in the kernel with a static scale / a dynamic per-tensor
 #: scale / dynamic per-token scales (the two dynamic modes are the codes from QUANT_DYNAMIC up)
@@ -64,12 +64,12 @@ def _epilogue(acc, offs_m, offs_n, M, N, out_ptr, stride_om, x_scale_ptr, w_scal
 @triton.jit
 def _quantize(v, scale, FMAX: tl.constexpr, dtype: tl.constexpr):
     """``clamp(v / scale, ±FMAX)`` (IEEE division, as the reference) rounded to ``dtype`` (float8)."""
-    return nan_math.clamp(tl.math.div_rn(v.to(tl.float32), scale), -FMAX, FMAX).to(dtype)
+    return nan_clamp(tl.math.div_rn(v.to(tl.float32), scale), -FMAX, FMAX).to(dtype)
 
 
 @triton.jit
 def _dynamic_scale(amax, FMAX: tl.constexpr):
-    return nan_math.maximum(tl.math.div_rn(amax, FMAX), 1e-12)
+    return nan_maximum(tl.math.div_rn(amax, FMAX), 1e-12)
 
 
 @triton.jit
@@ -82,7 +82,7 @@ def _absmax_rows(x_ptr, offs_m, M, K, stride_xm, BLOCK_K: tl.constexpr):
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + offs_k
         v = tl.load(rows[:, None] + cols[None, :], mask=row_mask[:, None] & (cols < K)[None, :], other=0.0)
-        acc = nan_math.maximum(acc, nan_math.max_reduce(tl.abs(v.to(tl.float32)), 1))
+        acc = nan_maximum(acc, nan_max_reduce(tl.abs(v.to(tl.float32)), 1))
     return acc
 
 
@@ -91,8 +91,8 @@ def _absmax_all(x_ptr, M, K, stride_xm, ROWS: tl.constexpr, BLOCK_K: tl.constexp
     """``max |x|`` over all ``M`` rows (read ``ROWS`` at a time)."""
     amax = tl.zeros((ROWS,), dtype=tl.float32)
     for r0 in range(0, M, ROWS):
-        amax = nan_math.maximum(amax, _absmax_rows(x_ptr, r0 + tl.arange(0, ROWS), M, K, stride_xm, BLOCK_K))
-    return nan_math.max_reduce(amax, 0)
+        amax = nan_maximum(amax, _absmax_rows(x_ptr, r0 + tl.arange(0, ROWS), M, K, stride_xm, BLOCK_K))
+    return nan_max_reduce(amax, 0)
 
 
 @triton.jit
@@ -218,7 +218,7 @@ def fp8_gemv_kernel(
     elif X_QUANT == QUANT_DYNAMIC:
         qscale = _dynamic_scale(_absmax_all(x_ptr, M, K, stride_xm, 1, BLOCK_K), FMAX)
     elif X_QUANT == QUANT_PER_TOKEN:
-        qscale = _dynamic_scale(nan_math.max_reduce(_absmax_rows(x_ptr, tl.full((1,), 0, tl.int32) + m, M, K, stride_xm,
+        qscale = _dynamic_scale(nan_max_reduce(_absmax_rows(x_ptr, tl.full((1,), 0, tl.int32) + m, M, K, stride_xm,
                                                     BLOCK_K), 0), FMAX)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):

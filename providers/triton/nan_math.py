@@ -7,9 +7,13 @@ fp8 NaN, and a NaN anywhere in a dynamic scale's input makes that scale (and eve
 helpers give the kernels the reference's semantics; on SM >= 8.0 they compile to the ``.NaN`` forms of the same
 instructions.
 
-- :func:`maximum` ``(a, b)``: elementwise ``max``; NaN if either is NaN.
-- :func:`max_reduce` ``(x, axis)``: the largest element along ``axis``; NaN if any is NaN.
-- :func:`clamp` ``(x, lo, hi)``: ``min(max(x, lo), hi)``; NaN where ``x`` is NaN.
+Kernels import these by name (``from .nan_math import nan_clamp``) and call them unqualified: Inductor, when it
+launches a kernel from its generated code, copies the kernel's source with the JIT functions it names, and does not
+resolve a module attribute (``nan_math.nan_clamp``).
+
+- :func:`nan_maximum` ``(a, b)``: elementwise ``max``; NaN if either is NaN.
+- :func:`nan_max_reduce` ``(x, axis)``: the largest element along ``axis``; NaN if any is NaN.
+- :func:`nan_clamp` ``(x, lo, hi)``: ``min(max(x, lo), hi)``; NaN where ``x`` is NaN.
 """
 
 from __future__ import annotations
@@ -19,15 +23,15 @@ import triton.language as tl
 
 
 @triton.jit
-def maximum(a, b):
+def nan_maximum(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
-def max_reduce(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, maximum)
+def nan_max_reduce(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, nan_maximum)
 
 
 @triton.jit
-def clamp(x, lo, hi):
+def nan_clamp(x, lo, hi):
     return tl.clamp(x, lo, hi, propagate_nan=tl.PropagateNan.ALL)

@@ -52,8 +52,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _support, nan_math
+from . import _support
 from .launcher import ReplayCache, launcher_for, raw_stream
+from .nan_math import nan_clamp
 from .quant_kernels import FMAX, LARGE_LAUNCH, LARGE_LAUNCH_NORM, RowConfig, is_large, row_config
 
 
@@ -83,7 +84,7 @@ def _norm_quant_block_kernel(
     if ADD:
         tl.store(r_ptrs, x.to(r_ptr.dtype.element_ty), mask=mask)
     rrms = tl.math.rsqrt(tl.sum(x * x, axis=1) / H + eps)
-    y = nan_math.clamp(x * rrms[:, None] * w[None, :] * inv_scale, -FMAX, FMAX)
+    y = nan_clamp(x * rrms[:, None] * w[None, :] * inv_scale, -FMAX, FMAX)
     tl.store(o_ptr + rows64 * stride_o + cols[None, :], y.to(o_ptr.dtype.element_ty), mask=mask)
 
 
@@ -120,7 +121,7 @@ def _norm_quant_loop_kernel(
             v += tl.load(r_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
             tl.store(r_row + cols, v.to(r_ptr.dtype.element_ty), mask=mask)
         w = tl.load(w_ptr + cols * stride_w, mask=mask, other=0.0).to(tl.float32)
-        y = nan_math.clamp(v * rrms * w * inv_scale, -FMAX, FMAX)
+        y = nan_clamp(v * rrms * w * inv_scale, -FMAX, FMAX)
         tl.store(o_row + cols, y.to(o_ptr.dtype.element_ty), mask=mask)
 
 

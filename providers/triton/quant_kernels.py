@@ -65,8 +65,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _support, nan_math
+from . import _support
 from .launcher import ReplayCache, launcher_for, raw_stream
+from .nan_math import nan_clamp, nan_max_reduce, nan_maximum
 
 MIN_SCALE = 1e-12  # fp8_backends.core.reference.MIN_DYNAMIC_SCALE
 FMAX: dict[torch.dtype, float] = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -181,15 +182,15 @@ def _quant_tile_kernel(
     x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
     if FROM_AMAX:
         parts = tl.arange(0, NPART)
-        amax = nan_math.max_reduce(tl.load(part_ptr + parts, mask=parts < n_part, other=0.0), 0)
-        scale = nan_math.maximum(tl.math.div_rn(amax, FMAX), 1e-12)
+        amax = nan_max_reduce(tl.load(part_ptr + parts, mask=parts < n_part, other=0.0), 0)
+        scale = nan_maximum(tl.math.div_rn(amax, FMAX), 1e-12)
     else:
         scale = tl.load(s_ptr)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if FROM_AMAX:
         tl.store(s_ptr, scale, mask=(pid_m == 0) & (pid_k == 0))
-    y = nan_math.clamp(tl.math.div_rn(x.to(tl.float32), scale), -FMAX, FMAX)
+    y = nan_clamp(tl.math.div_rn(x.to(tl.float32), scale), -FMAX, FMAX)
     tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -211,10 +212,10 @@ def _absmax_kernel(
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + row_off + cols[None, :] * stride_xk, mask=row_mask & (cols < K)[None, :], other=0.0)
-            acc = nan_math.maximum(acc, tl.abs(x.to(tl.float32)))
+            acc = nan_maximum(acc, tl.abs(x.to(tl.float32)))
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    tl.store(part_ptr + pid, nan_math.max_reduce(nan_math.max_reduce(acc, 1), 0))
+    tl.store(part_ptr + pid, nan_max_reduce(nan_max_reduce(acc, 1), 0))
 
 
 @triton.jit
@@ -232,9 +233,9 @@ def _quant_dynamic_one_program_kernel(
     x = x.to(tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    scale = nan_math.maximum(tl.math.div_rn(nan_math.max_reduce(nan_math.max_reduce(tl.abs(x), 1), 0), FMAX), 1e-12)
+    scale = nan_maximum(tl.math.div_rn(nan_max_reduce(nan_max_reduce(tl.abs(x), 1), 0), FMAX), 1e-12)
     tl.store(s_ptr, scale)
-    y = nan_math.clamp(tl.math.div_rn(x, scale), -FMAX, FMAX)
+    y = nan_clamp(tl.math.div_rn(x, scale), -FMAX, FMAX)
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -259,16 +260,16 @@ def _per_token_kernel(
             cols = k0 + tl.arange(0, BLOCK)
             mask = row_mask[:, None] & (cols < K)[None, :]
             x = tl.load(x_rows + cols[None, :] * stride_xk, mask=mask, other=0.0, eviction_policy="evict_last")
-            acc = nan_math.maximum(acc, tl.abs(x.to(tl.float32)))
+            acc = nan_maximum(acc, tl.abs(x.to(tl.float32)))
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
-        scale = nan_math.maximum(tl.math.div_rn(nan_math.max_reduce(acc, 1), FMAX), 1e-12)
+        scale = nan_maximum(tl.math.div_rn(nan_max_reduce(acc, 1), FMAX), 1e-12)
         tl.store(s_ptr + rows64, scale, mask=row_mask)
         for k0 in range(0, K, BLOCK):
             cols = k0 + tl.arange(0, BLOCK)
             mask = row_mask[:, None] & (cols < K)[None, :]
             x = tl.load(x_rows + cols[None, :] * stride_xk, mask=mask, other=0.0, eviction_policy="evict_first")
-            y = nan_math.clamp(tl.math.div_rn(x.to(tl.float32), scale[:, None]), -FMAX, FMAX)
+            y = nan_clamp(tl.math.div_rn(x.to(tl.float32), scale[:, None]), -FMAX, FMAX)
             tl.store(q_rows + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
     else:
         cols = tl.arange(0, BLOCK)
@@ -276,9 +277,9 @@ def _per_token_kernel(
         x = tl.load(x_rows + cols[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
-        scale = nan_math.maximum(tl.math.div_rn(nan_math.max_reduce(tl.abs(x), 1), FMAX), 1e-12)
+        scale = nan_maximum(tl.math.div_rn(nan_max_reduce(tl.abs(x), 1), FMAX), 1e-12)
         tl.store(s_ptr + rows64, scale, mask=row_mask)
-        y = nan_math.clamp(tl.math.div_rn(x, scale[:, None]), -FMAX, FMAX)
+        y = nan_clamp(tl.math.div_rn(x, scale[:, None]), -FMAX, FMAX)
         tl.store(q_rows + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
 
 
