@@ -11,7 +11,8 @@ input scales calibrated on the bf16 block):
 each ``eager`` and ``compiled`` (``torch.compile(fullgraph=True, dynamic=False)``, Inductor), each
 timed two ways: per call with CUDA events around one call (``call`` µs: includes host time the GPU
 waits for) and inside a CUDA graph of ``--graph-reps`` calls (``graph`` µs: GPU time, no launch gaps).
-``--rounds`` interleaved rounds; medians reported with the min-max spread.
+``--rounds`` interleaved rounds (within a round the variants' single calls alternate one by one, so a change of the
+GPU's clocks reaches every variant alike); medians reported with the min-max spread.
 
 Also measured in the same run: the device-to-device copy bandwidth (bytes read + written), which
 sets the FP8 weight-read floor at 1 token (``floor µs = FP8 weight bytes / copy bandwidth``).
@@ -136,9 +137,14 @@ def run_size(ex, blocks, cfg, t: int, args, compiled: dict, log) -> dict:
             row["variants"][key]["relerr_vs_plain_compiled"] = ex.relerr(y, base)
     samples: dict[str, dict[str, list[float]]] = {key: {"call": [], "graph": []} for key in calls}
     for _ in range(args.rounds):
-        for key, call in calls.items():
+        try:  # the calls interleaved variant by variant (the GPU's clocks move within a round at large T)
+            for key, us in ex.time_interleaved_us(calls, device, iters=args.iters).items():
+                samples[key]["call"].append(us)
+        except Exception as exc:
+            for key in calls:
+                row["variants"][key]["error"] = f"timing: {type(exc).__name__}: {exc}"[:500]
+        for key in calls:
             try:
-                samples[key]["call"].append(ex.time_eager_us(call, device, iters=args.iters))
                 if key in graphs:
                     g = graphs[key]
                     samples[key]["graph"].append(ex.time_eager_us(g.replay, device, iters=args.iters)
@@ -188,7 +194,8 @@ def render_markdown(merged: dict) -> str:
         + (", ".join(f"{b:.0f}" for b in meta.get("copy_gbs", []) if b) or "n/a") + " GB/s.",
         "",
         "µs per block, median over rounds. `graph`: inside a CUDA graph (GPU time); `call`: one call timed with",
-        "CUDA events (includes host time). Ratios are against `plain_fp8/compiled` in the same mode and run.",
+        "CUDA events (includes host time), the variants' calls interleaved one by one within each round. Ratios are",
+        "against `plain_fp8/compiled` in the same mode and run.",
         "",
     ]
     for kind in ("graph", "call"):

@@ -291,6 +291,33 @@ def time_eager_us(fn: Callable[[], object], device: str, iters: int = 20, warmup
     return statistics.median(times)
 
 
+def time_interleaved_us(fns: dict[str, Callable[[], object]], device: str, iters: int = 20,
+                        warmup: int = 3) -> dict[str, float]:
+    """Median µs of one call of each function, the calls interleaved: each iteration calls every function once, in
+    turn, each call timed alone as :func:`time_eager_us` times it. A change of the GPU's clocks or of the host's speed
+    over the run then reaches every function alike, instead of whichever ran its calls during it."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {key: [] for key in fns}
+    if device == "cuda":
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(iters):
+        for key, fn in fns.items():
+            if device == "cuda":
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times[key].append(start.elapsed_time(end) * 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times[key].append((time.perf_counter() - t0) * 1e6)
+    return {key: statistics.median(ts) for key, ts in times.items()}
+
+
 def capture_graph(fn: Callable[[], object], reps: int) -> torch.cuda.CUDAGraph:
     """One CUDA graph holding ``reps`` back-to-back calls of ``fn`` (warmed up on a side stream)."""
     stream = torch.cuda.Stream()

@@ -833,6 +833,14 @@ def test_example_runs_on_cpu(capsys):
     assert out.count("T=    2") == 4  # bf16, plain, unfused, fused (eager)
 
 
+def test_interleaved_timing_alternates_the_variants_call_by_call():
+    ex = _load("examples/decoder_block.py")
+    order: list[str] = []
+    fns = {name: (lambda name=name: order.append(name)) for name in ("a", "b", "c")}
+    out = ex.time_interleaved_us(fns, "cpu", iters=3, warmup=1)
+    assert order == ["a", "b", "c"] * 4 and set(out) == {"a", "b", "c"} and all(v >= 0 for v in out.values())
+
+
 def test_bench_smoke_writes_json_and_markdown(tmp_path):
     import json
 
