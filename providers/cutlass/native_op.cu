@@ -21,7 +21,12 @@
 //   static     x_q = clamp(x / s, +-448) -> e4m3, s the layer's input scale (device memory, never read on the host)
 //   dynamic    s = max(amax(|x|) / 448, 1e-12) ([1]), then as static
 //   per-token  s[m] = max(amax(|x[m, :]|) / 448, 1e-12) ([M, 1]), then as static per row
-// with NaN propagated as torch propagates it (amax, clamp_min and clamp keep a NaN).
+// with NaN propagated as torch propagates it (amax, clamp_min and clamp keep a NaN). Per call it allocates one buffer
+// (x_q, then from a 16-byte boundary its fp32 words: the scale(s) and the dynamic mode's partial maxima) and launches
+// one quantization kernel: blocks stride over (row, 2048-column chunk) items with 16-byte loads where every row
+// starts on a 16-byte boundary (scalar loads otherwise); dynamic per-tensor is one cooperative launch (partial
+// maxima, a grid barrier, every block reduces them and quantizes), or two launches where a cooperative one fails.
+// Kernels are found by config name, then by epilogue / output dtype / accumulation slot: no string is built per call.
 //
 // Built at first use by providers/cutlass/native_op.py with nvcc against torch's headers (FP8B_CPU_TEST: a
 // CPU-key build with the host C++ compiler for the CPU tests: no CUDA, the stream argument null, the quantization
