@@ -137,12 +137,14 @@ def run_size(ex, blocks, cfg, t: int, args, compiled: dict, log) -> dict:
             row["variants"][key]["relerr_vs_plain_compiled"] = ex.relerr(y, base)
     samples: dict[str, dict[str, list[float]]] = {key: {"call": [], "graph": []} for key in calls}
     for _ in range(args.rounds):
-        try:  # the calls interleaved variant by variant (the GPU's clocks move within a round at large T)
-            for key, us in ex.time_interleaved_us(calls, device, iters=args.iters).items():
-                samples[key]["call"].append(us)
-        except Exception as exc:
-            for key in calls:
-                row["variants"][key]["error"] = f"timing: {type(exc).__name__}: {exc}"[:500]
+        # the calls interleaved variant by variant (the GPU's clocks move within a round at large T); a variant that
+        # fails is dropped, the others go on
+        errors: dict[str, Exception] = {}
+        for key, us in ex.time_interleaved_us(calls, device, iters=args.iters, errors=errors).items():
+            samples[key]["call"].append(us)
+        for key, exc in errors.items():
+            row["variants"][key]["error"] = f"timing: {type(exc).__name__}: {exc}"[:500]
+            calls.pop(key)
         for key in calls:
             try:
                 if key in graphs:

@@ -271,51 +271,44 @@ def relerr(a: torch.Tensor, b: torch.Tensor) -> float:
 # ------------------------------------------------------------------------------------------ timing
 def time_eager_us(fn: Callable[[], object], device: str, iters: int = 20, warmup: int = 3) -> float:
     """Median µs of one call, each call timed alone (CUDA events on the GPU, wall clock on the CPU)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    if device == "cuda":
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(iters):
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-    else:
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
+    return time_interleaved_us({"fn": fn}, device, iters, warmup)["fn"]
 
 
-def time_interleaved_us(fns: dict[str, Callable[[], object]], device: str, iters: int = 20,
-                        warmup: int = 3) -> dict[str, float]:
+def time_interleaved_us(fns: dict[str, Callable[[], object]], device: str, iters: int = 20, warmup: int = 3,
+                        errors: dict[str, Exception] | None = None) -> dict[str, float]:
     """Median µs of one call of each function, the calls interleaved: each iteration calls every function once, in
-    turn, each call timed alone as :func:`time_eager_us` times it. A change of the GPU's clocks or of the host's speed
-    over the run then reaches every function alike, instead of whichever ran its calls during it."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
+    turn, each call timed alone (CUDA events on the GPU, wall clock on the CPU). A change of the GPU's clocks or of the
+    host's speed over the run then reaches every function alike, instead of whichever ran its calls during it.
+    ``errors``: a function that raises is recorded there and dropped (the others go on); without it the exception
+    propagates."""
+    live = dict(fns)
     times: dict[str, list[float]] = {key: [] for key in fns}
+    start = end = None
     if device == "cuda":
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(iters):
-        for key, fn in fns.items():
-            if device == "cuda":
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times[key].append(start.elapsed_time(end) * 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times[key].append((time.perf_counter() - t0) * 1e6)
-    return {key: statistics.median(ts) for key, ts in times.items()}
+    for step in range(warmup + iters):
+        for key, fn in list(live.items()):
+            try:
+                if start is not None:
+                    start.record()
+                    fn()
+                    end.record()
+                    end.synchronize()
+                    us = start.elapsed_time(end) * 1e3
+                else:
+                    t0 = time.perf_counter()
+                    fn()
+                    us = (time.perf_counter() - t0) * 1e6
+            except Exception as exc:
+                if errors is None:
+                    raise
+                errors[key] = exc
+                del live[key]
+                continue
+            if step >= warmup:
+                times[key].append(us)
+    return {key: statistics.median(ts) for key, ts in times.items() if ts}
 
 
 def capture_graph(fn: Callable[[], object], reps: int) -> torch.cuda.CUDAGraph:

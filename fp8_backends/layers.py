@@ -816,15 +816,15 @@ class RMSNormFp8Quant(nn.Module):
             self._residual_backend = _resolve_norm(self.backend_request, replace(problem, residual=True))
         except (UnsupportedProblemError, InvalidInputError) as exc:
             self._residual_error = exc
-        if self._auto:
-            # registered with the consumer, which binds this norm's traced call again whenever its own plan changes
-            lin.__dict__.setdefault("_traced_norms", weakref.WeakSet()).add(self)
         self._bind_traced_norm()
 
     def _bind_traced_norm(self) -> None:
         """Bind (or drop) the compiled call of an ``auto`` norm (:func:`fp8_backends.traced_plan.bind_traced_norm`):
-        it needs a processed norm and a consumer with a traced plan, whose input-scale alias it shares."""
+        it needs a processed norm and a consumer with a traced plan, whose input-scale alias it shares. A processed
+        ``auto`` norm is registered with its consumer, which calls this again whenever its own plan changes."""
         lin = self.quant_linear
+        if self._auto and self.norm_backend is not None and lin is not None:
+            lin.__dict__.setdefault("_traced_norms", weakref.WeakSet()).add(self)
         traced = None if lin is None else lin.__dict__.get("_traced")
         if not self._auto or self.norm_backend is None or traced is None or lin.input_scale is None:
             self.__dict__["_traced_norm"] = None
@@ -841,9 +841,6 @@ class RMSNormFp8Quant(nn.Module):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        lin = self.quant_linear
-        if self._auto and self.norm_backend is not None and lin is not None:
-            lin.__dict__.setdefault("_traced_norms", weakref.WeakSet()).add(self)
         self._bind_traced_norm()
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> RMSNormFp8Quant:
@@ -863,14 +860,7 @@ class RMSNormFp8Quant(nn.Module):
                 out = traced(x, residual)  # None in compile mode "op": the provider's op below
                 if out is not None:
                     return out
-        V.require_tensor(x, "x")
-        h = self.hidden_size
-        if x.dim() < 1 or x.shape[-1] != h:
-            raise InvalidInputError(f"x must be [..., H={h}], got {tuple(x.shape)}")
-        if x.dtype != self.weight.dtype:
-            raise InvalidInputError(f"x is {x.dtype} but this norm was built for {self.weight.dtype}")
-        if residual is not None:
-            V.require_matching_residual(residual, x)
+        V.require_norm_input(x, residual, self.hidden_size, self.weight.dtype)
         if self.emits_quantized:
             return self._forward_quant(x, residual)
         from .core import reference

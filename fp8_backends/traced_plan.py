@@ -246,13 +246,7 @@ def norm_input_failed(x: Any, residual: Any, h: int, dtype: torch.dtype, device:
     forward's messages, and the device's."""
     from .core import validation as V
 
-    V.require_tensor(x, "x")
-    if x.dim() < 1 or x.shape[-1] != h:
-        raise InvalidInputError(f"x must be [..., H={h}], got {tuple(x.shape)}")
-    if x.dtype != dtype:
-        raise InvalidInputError(f"x is {x.dtype} but this norm was built for {dtype}")
-    if residual is not None:
-        V.require_matching_residual(residual, x)
+    V.require_norm_input(x, residual, h, dtype)
     raise InvalidInputError(f"x is on {x.device} but the norm's weight is on {device}")
 
 

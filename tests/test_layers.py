@@ -841,6 +841,20 @@ def test_interleaved_timing_alternates_the_variants_call_by_call():
     assert order == ["a", "b", "c"] * 4 and set(out) == {"a", "b", "c"} and all(v >= 0 for v in out.values())
 
 
+def test_interleaved_timing_drops_a_failing_variant_and_times_the_others():
+    ex = _load("examples/decoder_block.py")
+
+    def broken():
+        raise RuntimeError("boom")
+
+    errors: dict = {}
+    out = ex.time_interleaved_us({"a": lambda: None, "bad": broken, "c": lambda: None}, "cpu", iters=2, warmup=1,
+                                 errors=errors)
+    assert set(out) == {"a", "c"} and list(errors) == ["bad"] and str(errors["bad"]) == "boom"
+    with pytest.raises(RuntimeError, match="boom"):
+        ex.time_interleaved_us({"bad": broken}, "cpu", iters=1)
+
+
 def test_bench_smoke_writes_json_and_markdown(tmp_path):
     import json
 

@@ -139,6 +139,17 @@ def require_eps(eps: object, what: str = "eps") -> float:
     return float(eps)
 
 
+def require_norm_input(x: object, residual: object, h: int, dtype: torch.dtype) -> None:
+    """A norm's input: ``x`` a ``[..., H]`` tensor of ``dtype``, and ``residual`` (unless ``None``) matching it."""
+    require_tensor(x, "x")
+    if x.dim() < 1 or x.shape[-1] != h:
+        raise InvalidInputError(f"x must be [..., H={h}], got {tuple(x.shape)}")
+    if x.dtype != dtype:
+        raise InvalidInputError(f"x is {x.dtype} but this norm was built for {dtype}")
+    if residual is not None:
+        require_matching_residual(residual, x)
+
+
 def require_matching_residual(residual: object, x: torch.Tensor) -> None:
     """``residual`` must be a tensor with ``x``'s shape, dtype and device, row-major (it is updated in place)."""
     require_tensor(residual, "residual")

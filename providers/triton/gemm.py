@@ -159,14 +159,12 @@ class TritonGemmBackend(OpGemmBackend):
         out_dtype: torch.dtype,
         bias: torch.Tensor | None,
     ) -> torch.Tensor | None:
-        from .gemm_ops import fused_launch
-
-        return fused_launch(x, prepared.data, input_scale, prepared.scale, bias, out_dtype, self.config["config"],
-                            act_scale.value)
+        return self.bind_fused_quant_gemm(prepared, act_scale, input_scale, out_dtype, bias)(x)
 
     def bind_fused_quant_gemm(self, prepared: PreparedWeight, act_scale: ActScale, input_scale: torch.Tensor | None,
                               out_dtype: torch.dtype, bias: torch.Tensor | None) -> Callable[[torch.Tensor], Any]:
-        """:meth:`fused_quant_gemm_impl` with its launch's arguments bound once (the same launch, the same declines)."""
+        """The fused launch (:func:`.gemm_ops.fused_launch`, ``None`` where its config does not fuse) with every
+        argument but ``x`` bound once; :meth:`fused_quant_gemm_impl` calls it too."""
         from .gemm_ops import fused_launch
 
         w, w_scale, config, mode = prepared.data, prepared.scale, self.config["config"], act_scale.value
