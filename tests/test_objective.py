@@ -24,7 +24,13 @@ from fp8_backends import quantize_model
 from fp8_backends.core import reference, settings
 from fp8_backends.core.capabilities import GemmCapabilities
 from fp8_backends.core.errors import ConfigurationError, InvalidInputError
-from fp8_backends.core.objective import HOST_CONTEXT_US, HOST_MARGIN, SelectionObjective
+from fp8_backends.core.objective import (
+    HOST_CONTEXT_US,
+    HOST_HIDDEN,
+    HOST_HIDDEN_MARGIN,
+    HOST_MARGIN,
+    SelectionObjective,
+)
 from fp8_backends.core.types import DeviceKind, GemmProblem, QuantizedActivation
 from fp8_backends.layers import Fp8Linear
 from fp8_backends.list import collect, render
@@ -72,9 +78,9 @@ def entry_for(n: int, k: int, m: int, times: dict[str, float], device_fields: bo
 
 
 #: per bucket: torch fastest everywhere; the fake 3% slower at M <= 1 (host-bound: 10 µs against torch's 20 µs of
-#: host and the 50 µs context), 6% slower at M <= 4 (outside the margin), 2.5% slower at M <= 8 where the kernels take
-#: 100 µs (kernel-bound)
-LOCK_TIMES = {1: {"torch": 10.0, "fake": 10.3}, 4: {"torch": 10.0, "fake": 10.6}, 8: {"torch": 100.0, "fake": 102.5}}
+#: host and the 50 µs context), 6% slower at M <= 4 (outside the margin, and 42.4 µs is not hidden behind the fake's
+#: 2 + 50 µs of host work), 2.5% slower at M <= 8 where the kernels take 100 µs (kernel-bound)
+LOCK_TIMES = {1: {"torch": 10.0, "fake": 10.3}, 4: {"torch": 40.0, "fake": 42.4}, 8: {"torch": 100.0, "fake": 102.5}}
 
 
 @pytest.fixture
@@ -112,11 +118,49 @@ def test_host_rule_picks_the_cheapest_call_within_the_margin():
     assert host_aware.choose(rows, "host") is triton  # no incumbent: the plain rule
     text = host_aware.note(won, torch_row, rows)
     assert text == ("host-aware: triton 18.1 µs kernel + ~5 µs host over torch_scaled_mm 17.5 µs + ~25 µs host")
-    # the margin: 6% slower never wins, whatever its host cost
+    # the margin: 6% slower does not win on host cost alone (no context: the kernel is not hidden behind the host's
+    # work), 4.9% does
     slow = Row("slow", 17.48 * 1.06, 0.0, (9,))
-    assert host_aware.choose([torch_row, slow], "host") is torch_row
+    assert host_aware.choose([torch_row, slow], "host", context=0.0) is torch_row
     just = Row("just", 17.48 * 1.049, 0.0, (9,))
-    assert host_aware.choose([torch_row, just], "host") is just
+    assert host_aware.choose([torch_row, just], "host", context=0.0) is just
+    # ... unless the kernel hides behind the host's work: 18.5 µs is at most half of the 50 µs context
+    assert host_aware.hidden(slow, 0.0, 50.0) and host_aware.choose([torch_row, slow], "host", context=50.0) is slow
+    far = Row("far", 17.48 * 1.5, 0.0, (9,))  # 26.2 µs: more than half of 0 + 50
+    assert not host_aware.hidden(far, 0.0, 50.0) and host_aware.choose([torch_row, far], "host", context=50.0) is \
+        torch_row
+    # hidden but more than HOST_HIDDEN_MARGIN (25%) slower: not considered
+    slower = Row("slower", 17.48 * 1.26, 0.0, (9,))  # 22.0 µs <= 30 (half of 0 + 60)
+    assert host_aware.hidden(slower, 0.0, 60.0) and host_aware.choose([torch_row, slower], "host",
+                                                                      context=60.0) is torch_row
+
+
+def test_a_hidden_kernel_may_be_slower_than_the_margin():
+    """Stop 30's compiled decoder block at T = 256 (H200): the QKV GEMM (6144 x 4096, bucket M <= 256) measured
+    ``torch._scaled_mm`` 12.3 µs, cutlass 15.0 (21% slower), triton 15.4 (25.4%) in CUDA graphs; the block's host
+    spends ~250 µs per call on ~130 µs of kernels, and cutlass's call costs ~7 µs less host time than
+    ``torch._scaled_mm``'s. Both hide behind their call and the context; triton is over HOST_HIDDEN_MARGIN."""
+    from fp8_backends.core.objective import HOST_HIDDEN, HOST_HIDDEN_MARGIN
+
+    assert HOST_HIDDEN == 0.5 and HOST_HIDDEN_MARGIN == 0.25
+    torch_row = Row("torch", 12.316, 20.0, (0,), "torch_scaled_mm")
+    cutlass = Row("cutlass", 14.955, 13.0, (1,), "cutlass")
+    triton = Row("triton", 15.449, 5.0, (2,), "triton")
+    rows = [torch_row, cutlass, triton]
+    assert host_aware.choose(rows, "kernel") is torch_row
+    won = host_aware.choose(rows, "host", incumbent="torch", context=50.0)
+    assert won is cutlass
+    assert host_aware.note(won, torch_row, rows) == ("host-aware: cutlass 15.0 µs kernel + ~13 µs host over "
+                                                     "torch_scaled_mm 12.3 µs + ~20 µs host")
+    # within 25% triton's cheaper call would win
+    near = triton._replace(kernel_us=12.316 * 1.2)
+    assert host_aware.choose([torch_row, cutlass, near], "host", incumbent="torch", context=50.0) is near
+    # a context too small to hide them: the margin rule alone, the kernel answer stays
+    assert host_aware.choose(rows, "host", incumbent="torch", context=5.0) is torch_row
+    # the shipped H200 data resolves so (the providers serving on a CPU machine simulating SM 9.0)
+    res = resolution.explain("gemm", "auto", problem=GemmProblem(n=6144, k=4096, m=256), platform=simulate_platform(
+        "9.0"), objective="host")
+    assert res.backend.name == "cutlass" and "host-aware: cutlass 15.0 µs kernel" in res.note, res.note
 
 
 def test_host_rule_keeps_a_kernel_bound_answer_and_breaks_ties_by_kernel_then_rank():
@@ -216,10 +260,13 @@ def test_the_margin_holds_on_random_decisions():
         rows = [Row(i, rng.uniform(1, 60), rng.choice([None, 2.0, 5.0, 10.0, 25.0, 30.0]), (i,))
                 for i in range(rng.randint(1, 6))]
         incumbent = rng.choice([None, *range(len(rows))])
-        won = host_aware.choose(rows, "host", incumbent=incumbent)
+        context = rng.choice([0.0, 10.0, 50.0])
+        won = host_aware.choose(rows, "host", incumbent=incumbent, context=context)
         fastest = min(r.kernel_us for r in rows)
         current = rows[incumbent] if incumbent is not None else None
-        assert won.kernel_us <= fastest * (1 + HOST_MARGIN) or won is current
+        host = host_aware.effective_host(rows)[won.key]
+        assert (won.kernel_us <= fastest * (1 + HOST_MARGIN) or won is current
+                or (won.kernel_us <= fastest * (1 + HOST_HIDDEN_MARGIN) and host_aware.hidden(won, host, context)))
 
 
 def test_host_us_declarations():
@@ -487,9 +534,10 @@ def test_kernel_reproduces_the_measured_choices_on_the_whole_shipped_data():
     assert checked == 1820
 
 
-def test_host_never_runs_a_kernel_over_5_percent_slower_on_the_whole_shipped_data(capsys):
+def test_host_runs_a_kernel_over_5_percent_slower_only_where_it_is_hidden_on_the_whole_shipped_data(capsys):
     """Through the policies (the candidates that can serve here) and through the shared rule with every built-in
-    provider's host cost (all six measured candidates, the kernel answer the recorded choice)."""
+    provider's host cost (all six measured candidates, the kernel answer the recorded choice): a pick more than
+    HOST_MARGIN slower than the fastest kernel is hidden behind its host µs and the context."""
     from fp8_backends.providers.cutlass.backend import CutlassSm90Backend
     from fp8_backends.providers.flashinfer.gemm import FlashinferBmmBackend
     from fp8_backends.providers.triton.gemm import TritonGemmBackend
@@ -499,22 +547,30 @@ def test_host_never_runs_a_kernel_over_5_percent_slower_on_the_whole_shipped_dat
     h200 = simulate_platform("9.0")
     serving = {c.entry.name for c in resolution.explain("gemm", "auto", problem=GemmProblem(n=4096, k=4096, m=1),
                                                         platform=h200).candidates if c.auto_ok}
-    changed = changed_all = 0
+    changed = changed_all = hidden_all = 0
     for entry in _h200_entries().values():
         us = {(r["provider"], tuple(sorted(r["options"].items()))): r["us"] for r in entry["ranking"]}
         res = resolution.explain("gemm", "auto", problem=_problem(entry), platform=h200, objective="host")
         picked = next(r["us"] for r in entry["ranking"] if _recorded_as(res.backend, r))
         fastest_here = min(v for (name, _), v in us.items() if name in serving)
-        assert picked <= fastest_here * (1 + HOST_MARGIN), (entry["problem"], entry["m"], res.note)
+        picked_host = host_aware.host_us_of(type(res.backend), entry["m"], entry["problem"]["n"],
+                                            entry["problem"]["k"], dict(res.backend.config))
+        assert picked <= fastest_here * (1 + HOST_MARGIN) or (
+            picked <= fastest_here * (1 + HOST_HIDDEN_MARGIN)
+            and picked <= HOST_HIDDEN * (picked_host + HOST_CONTEXT_US)
+        ), (entry["problem"], entry["m"], res.note)
         changed += "host-aware" in res.note
+        hidden_all += picked > fastest_here * (1 + HOST_MARGIN)
         rows = [Row(key, v, host_of[key[0]], (i,), key[0]) for i, (key, v) in enumerate(us.items())]
         choice = (entry["choice"]["provider"], tuple(sorted(entry["choice"]["options"].items())))
-        won = host_aware.choose(rows, "host", incumbent=choice)
-        assert won.kernel_us <= min(us.values()) * (1 + HOST_MARGIN) or won.key == choice
+        won = host_aware.choose(rows, "host", incumbent=choice, context=HOST_CONTEXT_US)
+        assert (won.kernel_us <= min(us.values()) * (1 + HOST_MARGIN) or won.key == choice
+                or (won.kernel_us <= min(us.values()) * (1 + HOST_HIDDEN_MARGIN)
+                    and host_aware.hidden(won, host_of[won.key[0]], HOST_CONTEXT_US)))
         changed_all += won.key != choice
     with capsys.disabled():
         print(f"\nhost objective on the H200 data: {changed} of 1820 choices change among the providers serving "
-              f"here, {changed_all} with all four built-ins")
+              f"here ({hidden_all} to a hidden kernel over the margin), {changed_all} with all four built-ins")
     assert changed > 0 and changed_all > 0
 
 
