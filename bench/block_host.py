@@ -166,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also lib_fused with every linear on each of these providers")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--profile-calls", type=int, default=30, help="calls under cProfile per variant")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--small", action="store_true", help="the SMALL block, aot_eager (CPU smoke test)")
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                 "ratio_plain": statistics.median(ratios[v]) if ratios[v] else None,
                 "providers": "; ".join(f"{k}={p}" for k, p in block.providers().items())
                 if hasattr(block, "providers") else "",
-                "profile": profile_us(fn, max(args.calls, 30), args.device, args.top),
+                "profile": profile_us(fn, args.profile_calls, args.device, args.top),
             }
             log(f"T={t} {v}: host {res['variants'][v]['host_us']:.1f} µs "
                 f"({res['variants'][v]['ratio_plain'] or 0:.3f}x plain_fp8)")

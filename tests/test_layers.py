@@ -952,6 +952,30 @@ def test_model_compiled_before_any_eager_call_finds_its_ops_defined():
     assert proc.stdout.startswith("ok")
 
 
+def test_block_host_smoke_runs_on_cpu(tmp_path):
+    """bench/block_host.py on the SMALL block (aot_eager): every variant timed, profiled in µs per call with its
+    layers, and rendered; ``lib_fused@<provider>`` builds the library block on that provider."""
+    import json
+
+    bh = _load("bench/block_host.py")
+    assert bh.main(["--out", str(tmp_path), "--device", "cpu", "--small", "--tokens", "2", "--rounds", "1",
+                    "--calls", "1", "--profile-calls", "1", "--variants", "plain_fp8", "lib_fused",
+                    "--backends", "torch_scaled_mm"]) == 0
+    doc = json.loads((tmp_path / "block_host.json").read_text())
+    (res,) = doc["results"]
+    assert res["T"] == 2 and not res["errors"] and set(res["variants"]) == {"plain_fp8", "lib_fused",
+                                                                           "lib_fused@torch_scaled_mm"}
+    for name, row in res["variants"].items():
+        assert row["host_us"] > 0 and row["profile"]["top"], name
+        assert row["profile"]["layers"]["AOT runtime wrapper"] > 0, name
+        assert row["profile"]["layers"]["AOT runtime wrapper"] <= row["profile"]["layers"][
+            "Dynamo frame (guards + all below)"] + 1e-6, name
+    assert res["variants"]["plain_fp8"]["ratio_plain"] == 1.0
+    assert "torch_scaled_mm" in res["variants"]["lib_fused@torch_scaled_mm"]["providers"]
+    text = (tmp_path / "block_host.md").read_text()
+    assert "## T = 2" in text and "| lib_fused@torch_scaled_mm |" in text
+
+
 def test_block_profile_splits_kernels_per_call_and_smoke_runs_on_cpu(tmp_path):
     prof = _load("bench/block_profile.py")
     events = [("norm", 2.0), ("gemm", 10.0), ("norm", 4.0), ("gemm", 12.0)]
