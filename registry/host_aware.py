@@ -123,11 +123,9 @@ def choose(rows: Sequence[Row], objective: SelectionObjective | str = SelectionO
     - ``kernel`` (or ``auto``, which is kernel for one decision): the incumbent when given and among the rows, else
       the fastest kernel (ties by static rank);
     - ``host``: among rows within ``margin`` of the fastest kernel, or within :data:`HOST_HIDDEN_MARGIN` and hidden
-      (:func:`hidden`), the lowest
-      ``max(kernel µs, host µs + context)``,
-      ties by kernel µs then static rank; the incumbent (the kernel answer) stays when its call is kernel-bound
-      (unless a candidate within :data:`HOST_TIE` of its kernel µs has a cheaper call: that one wins) or nothing
-      costs strictly less."""
+      (:func:`hidden`), the lowest ``max(kernel µs, host µs + context)``, ties by kernel µs then static rank; the
+      incumbent (the kernel answer) stays when its call is kernel-bound (unless a candidate within :data:`HOST_TIE`
+      of its kernel µs has a cheaper call: that one wins) or nothing costs strictly less."""
     rows = [r for r in rows if r.kernel_us > 0 and math.isfinite(r.kernel_us)]
     if not rows:
         return None
