@@ -16,7 +16,7 @@ every launch in it. This times that path per block variant of ``examples/decoder
 Variants: ``plain_fp8``, ``lib_unfused``, ``lib_fused`` (resolved providers) and ``lib_fused@<provider>`` for
 each ``--backends`` name (every linear on that provider).
 
-    python -m bench.block_host --out DIR --tokens 256 [--backends torch_scaled_mm cutlass] [--rounds 9]
+    python -m bench.block_host --out DIR --tokens 256 [--backends torch_scaled_mm cutlass] [--rounds 9] [--pin-cpu 3]
     python -m bench.block_host --out /tmp/bh --device cpu --small --tokens 4 --rounds 2   # smoke test
 
 Writes ``block_host.json`` and ``block_host.md`` into ``--out``.
@@ -28,6 +28,7 @@ import argparse
 import cProfile
 import json
 import logging
+import os
 import pstats
 import statistics
 from collections.abc import Callable
@@ -64,6 +65,15 @@ def build_variants(ex: Any, cfg: Any, device: str, names: list[str]) -> dict[str
         else:
             out[name] = base[name]
     return out
+
+
+def pin(cpu: int | None) -> set[int] | None:
+    """Pin this process to ``cpu`` (None: leave it); returns the affinity to restore, or None."""
+    if cpu is None:
+        return None
+    previous = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpu})
+    return previous
 
 
 def profile_us(fn: Callable[[], Any], calls: int, device: str, top: int) -> dict[str, Any]:
@@ -130,15 +140,18 @@ def extern_gemm_us(shapes: dict[str, tuple[int, int]], m: int, calls: int, round
 def render(header: dict[str, Any], results: list[dict[str, Any]]) -> str:
     lines = common.header_markdown(header, "Host time of a compiled decoder block (no CUDA graph)")
     lines += ["", "Enqueue µs per compiled call while the GPU is kept busy: median over rotated interleaved rounds, "
-              "min, and the median ratio to `plain_fp8` in the same round. Then, per variant, a cProfile of the calls "
+              "min, the median ratio to `plain_fp8` in the same round, and the ratio of the minima (the device's "
+              "host runs in phases of different speed: the minima compare the code, not the phase). Then, per "
+              "variant, a cProfile of the calls "
               "in µs per block call (cProfile's own cost inflates Python frames: compare variants, not totals).", ""]
     for res in results:
         t = res["T"]
         lines += [f"## T = {t}", ""]
         lines += common.md_table(
-            ["variant", "host µs", "min", "/ plain_fp8", *[label for label, _, _ in LAYERS], "providers"],
+            ["variant", "host µs", "min", "/ plain_fp8", "min / plain_fp8 min",
+             *[label for label, _, _ in LAYERS], "providers"],
             [[v, common.fmt(r["host_us"], ".1f"), common.fmt(r["host_us_min"], ".1f"),
-              common.fmt(r.get("ratio_plain"), ".3f"),
+              common.fmt(r.get("ratio_plain"), ".3f"), common.fmt(r.get("ratio_plain_min"), ".3f"),
               *[common.fmt(r["profile"]["layers"][label], ".1f") for label, _, _ in LAYERS], r.get("providers", "")]
              for v, r in res["variants"].items()])
         for v, r in res["variants"].items():
@@ -157,6 +170,37 @@ def render(header: dict[str, Any], results: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def measure(res: dict[str, Any], fns: dict[str, Callable[[], Any]], blocks: dict[str, torch.nn.Module], cfg: Any,
+            t: int, args: argparse.Namespace) -> None:
+    """Fill ``res["variants"]`` (host µs over rotated rounds, ratios to ``plain_fp8``, the cProfile) and, on the GPU,
+    ``res["extern"]`` (the GEMM call alone at M = ``t``)."""
+    samples: dict[str, list[float]] = {v: [] for v in fns}
+    ratios: dict[str, list[float]] = {v: [] for v in fns}
+    for r in range(args.rounds):
+        order = list(fns)[r % len(fns):] + list(fns)[:r % len(fns)]
+        got = {v: common.host_per_call_us(fns[v], args.calls, args.device, warmup=3, busy_cycles=int(2e8))
+               for v in order}
+        for v, us in got.items():
+            samples[v].append(us)
+            if "plain_fp8" in got:
+                ratios[v].append(us / got["plain_fp8"])
+    plain_min = min(samples["plain_fp8"]) if samples.get("plain_fp8") else None
+    for v, fn in fns.items():
+        block = blocks[v]
+        res["variants"][v] = {
+            "host_us": statistics.median(samples[v]), "host_us_min": min(samples[v]),
+            "ratio_plain": statistics.median(ratios[v]) if ratios[v] else None,
+            "ratio_plain_min": min(samples[v]) / plain_min if plain_min else None,
+            "providers": "; ".join(f"{k}={p}" for k, p in block.providers().items())
+            if hasattr(block, "providers") else "",
+            "profile": profile_us(fn, args.profile_calls, args.device, args.top),
+        }
+        log(f"T={t} {v}: host {res['variants'][v]['host_us']:.1f} µs "
+            f"({res['variants'][v]['ratio_plain'] or 0:.3f}x plain_fp8)")
+    if args.device == "cuda":
+        res["extern"] = extern_gemm_us(cfg.linear_shapes(), t, 50, max(3, args.rounds // 2))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -170,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--small", action="store_true", help="the SMALL block, aot_eager (CPU smoke test)")
+    ap.add_argument("--pin-cpu", type=int, default=None,
+                    help="time with this process pinned to this CPU core (after compiling): fewer host-speed phases")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -197,29 +243,13 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"T={t} {name}: ERROR {res['errors'][name]}")
                 continue
             fns[name] = lambda fn=fn, h=hidden, r=residual: fn(h, r)
-        samples: dict[str, list[float]] = {v: [] for v in fns}
-        ratios: dict[str, list[float]] = {v: [] for v in fns}
-        for r in range(args.rounds):
-            order = list(fns)[r % len(fns):] + list(fns)[:r % len(fns)]
-            got = {v: common.host_per_call_us(fns[v], args.calls, args.device, warmup=3, busy_cycles=int(2e8))
-                   for v in order}
-            for v, us in got.items():
-                samples[v].append(us)
-                if "plain_fp8" in got:
-                    ratios[v].append(us / got["plain_fp8"])
-        for v, fn in fns.items():
-            block = blocks[v]
-            res["variants"][v] = {
-                "host_us": statistics.median(samples[v]), "host_us_min": min(samples[v]),
-                "ratio_plain": statistics.median(ratios[v]) if ratios[v] else None,
-                "providers": "; ".join(f"{k}={p}" for k, p in block.providers().items())
-                if hasattr(block, "providers") else "",
-                "profile": profile_us(fn, args.profile_calls, args.device, args.top),
-            }
-            log(f"T={t} {v}: host {res['variants'][v]['host_us']:.1f} µs "
-                f"({res['variants'][v]['ratio_plain'] or 0:.3f}x plain_fp8)")
-        if args.device == "cuda":
-            res["extern"] = extern_gemm_us(cfg.linear_shapes(), t, 50, max(3, args.rounds // 2))
+        affinity = pin(args.pin_cpu)
+        try:
+            measure(res, fns, blocks, cfg, t, args)
+        finally:
+            if affinity is not None:
+                os.sched_setaffinity(0, affinity)
+                res["pinned_cpu"] = args.pin_cpu
         results.append(res)
     (args.out / "block_host.json").write_text(json.dumps({"header": header, "results": results}, indent=1))
     text = render(header, results)

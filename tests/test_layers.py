@@ -956,11 +956,13 @@ def test_block_host_smoke_runs_on_cpu(tmp_path):
     """bench/block_host.py on the SMALL block (aot_eager): every variant timed, profiled in µs per call with its
     layers, and rendered; ``lib_fused@<provider>`` builds the library block on that provider."""
     import json
+    import os
 
+    before = os.sched_getaffinity(0)
     bh = _load("bench/block_host.py")
     assert bh.main(["--out", str(tmp_path), "--device", "cpu", "--small", "--tokens", "2", "--rounds", "1",
                     "--calls", "1", "--profile-calls", "1", "--variants", "plain_fp8", "lib_fused",
-                    "--backends", "torch_scaled_mm"]) == 0
+                    "--backends", "torch_scaled_mm", "--pin-cpu", str(min(os.sched_getaffinity(0)))]) == 0
     doc = json.loads((tmp_path / "block_host.json").read_text())
     (res,) = doc["results"]
     assert res["T"] == 2 and not res["errors"] and set(res["variants"]) == {"plain_fp8", "lib_fused",
@@ -970,7 +972,8 @@ def test_block_host_smoke_runs_on_cpu(tmp_path):
         assert row["profile"]["layers"]["AOT runtime wrapper"] > 0, name
         assert row["profile"]["layers"]["AOT runtime wrapper"] <= row["profile"]["layers"][
             "Dynamo frame (guards + all below)"] + 1e-6, name
-    assert res["variants"]["plain_fp8"]["ratio_plain"] == 1.0
+    assert res["variants"]["plain_fp8"]["ratio_plain"] == 1.0 == res["variants"]["plain_fp8"]["ratio_plain_min"]
+    assert res["pinned_cpu"] == min(os.sched_getaffinity(0)) and os.sched_getaffinity(0) == before
     assert "torch_scaled_mm" in res["variants"]["lib_fused@torch_scaled_mm"]["providers"]
     text = (tmp_path / "block_host.md").read_text()
     assert "## T = 2" in text and "| lib_fused@torch_scaled_mm |" in text
