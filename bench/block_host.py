@@ -125,11 +125,7 @@ def extern_gemm_us(shapes: dict[str, tuple[int, int]], m: int, calls: int, round
                                                                       True)
             fns["cutlass op (C++ entry)"] = lambda x=x, w=w: overload._op(x, w, one, one, None, torch.bfloat16,
                                                                          "auto", True)
-        samples: dict[str, list[float]] = {key: [] for key in fns}
-        for r in range(rounds):
-            order = list(fns)[r % len(fns):] + list(fns)[:r % len(fns)]
-            for key in order:
-                samples[key].append(common.host_per_call_us(fns[key], calls, "cuda", warmup=3, busy_cycles=int(2e8)))
+        samples, _ = common.rotated_host_us(fns, rounds, calls, "cuda")
         for key, got in samples.items():
             rows.append({"linear": name, "N": n, "K": k, "M": m, "call": key, "host_us": statistics.median(got),
                          "host_us_min": min(got)})
@@ -174,16 +170,7 @@ def measure(res: dict[str, Any], fns: dict[str, Callable[[], Any]], blocks: dict
             t: int, args: argparse.Namespace) -> None:
     """Fill ``res["variants"]`` (host µs over rotated rounds, ratios to ``plain_fp8``, the cProfile) and, on the GPU,
     ``res["extern"]`` (the GEMM call alone at M = ``t``)."""
-    samples: dict[str, list[float]] = {v: [] for v in fns}
-    ratios: dict[str, list[float]] = {v: [] for v in fns}
-    for r in range(args.rounds):
-        order = list(fns)[r % len(fns):] + list(fns)[:r % len(fns)]
-        got = {v: common.host_per_call_us(fns[v], args.calls, args.device, warmup=3, busy_cycles=int(2e8))
-               for v in order}
-        for v, us in got.items():
-            samples[v].append(us)
-            if "plain_fp8" in got:
-                ratios[v].append(us / got["plain_fp8"])
+    samples, ratios = common.rotated_host_us(fns, args.rounds, args.calls, args.device, ref="plain_fp8")
     plain_min = min(samples["plain_fp8"]) if samples.get("plain_fp8") else None
     for v, fn in fns.items():
         block = blocks[v]

@@ -343,3 +343,23 @@ def host_per_call_us(fn: Callable[[], Any], calls: int, device: str, busy: bool 
     if device == "cuda":
         torch.cuda.synchronize()
     return elapsed / calls * 1e6
+
+
+def rotated_host_us(fns: Mapping[str, Callable[[], Any]], rounds: int, calls: int, device: str, *,
+                    ref: str | None = None) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Host µs per call of each function (:func:`host_per_call_us`: 3 warm-up calls, then ``calls`` calls enqueued
+    while the GPU is kept busy), every function once per round in an order rotated each round, ``rounds`` rounds:
+    ``(samples, ratios)``, each function's samples and its ratios to ``ref``'s sample of the same round (empty lists
+    without ``ref`` or when ``ref`` is not among ``fns``). A host whose speed drifts reaches every function alike."""
+    keys = list(fns)
+    samples: dict[str, list[float]] = {key: [] for key in keys}
+    ratios: dict[str, list[float]] = {key: [] for key in keys}
+    for r in range(rounds if keys else 0):
+        shift = r % len(keys)
+        got = {key: host_per_call_us(fns[key], calls, device, warmup=3, busy_cycles=int(2e8))
+               for key in keys[shift:] + keys[:shift]}
+        for key, us in got.items():
+            samples[key].append(us)
+            if ref in got:
+                ratios[key].append(us / got[ref])
+    return samples, ratios

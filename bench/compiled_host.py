@@ -154,16 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as exc:  # a provider that cannot serve here: reported, not fatal
                     errors[key] = f"{type(exc).__name__}: {exc}"[:300]
                     log(f"{key}: ERROR {errors[key]}")
-            samples: dict[str, list[float]] = {v: [] for v in fns}
-            ratios: dict[str, list[float]] = {v: [] for v in fns}
-            for r in range(args.rounds):
-                order = list(fns)[r % len(fns):] + list(fns)[:r % len(fns)]
-                got = {v: common.host_per_call_us(fns[v], args.calls, args.device, warmup=3,
-                                                busy_cycles=int(2e8)) for v in order}
-                for v, us in got.items():
-                    samples[v].append(us)
-                    if "nn.Linear" in got:
-                        ratios[v].append(us / got["nn.Linear"])
+            samples, ratios = common.rotated_host_us(fns, args.rounds, args.calls, args.device, ref="nn.Linear")
             for v in fns:
                 row = {"shape": shape, "M": m, "variant": v, "host_us": statistics.median(samples[v]),
                        "host_us_min": min(samples[v]),

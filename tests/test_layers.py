@@ -952,6 +952,29 @@ def test_model_compiled_before_any_eager_call_finds_its_ops_defined():
     assert proc.stdout.startswith("ok")
 
 
+def test_rotated_host_us_rotates_the_order_and_pairs_ratios_by_round(monkeypatch):
+    """bench.common.rotated_host_us (block_host, compiled_host): every function once per round, the order rotated
+    each round, ratios to the reference's sample of the same round."""
+    common = _load("bench/common.py")
+    order, fake_us = [], {"a": [10.0, 30.0], "b": [20.0, 30.0], "c": [40.0, 15.0]}
+    seen = {key: 0 for key in fake_us}
+
+    def sample(fn, calls, device, **kw):
+        key = fn()
+        order.append(key)
+        seen[key] += 1
+        return fake_us[key][seen[key] - 1]
+
+    monkeypatch.setattr(common, "host_per_call_us", sample)
+    fns = {key: (lambda key=key: key) for key in fake_us}
+    samples, ratios = common.rotated_host_us(fns, 2, 5, "cpu", ref="a")
+    assert order == ["a", "b", "c", "b", "c", "a"]
+    assert samples == fake_us and ratios == {"a": [1.0, 1.0], "b": [2.0, 1.0], "c": [4.0, 0.5]}
+    assert common.rotated_host_us({}, 3, 5, "cpu", ref="a") == ({}, {})
+    seen.update(dict.fromkeys(seen, 0))
+    assert common.rotated_host_us({"b": fns["b"]}, 1, 5, "cpu", ref="a") == ({"b": [20.0]}, {"b": []})
+
+
 def test_block_host_smoke_runs_on_cpu(tmp_path):
     """bench/block_host.py on the SMALL block (aot_eager): every variant timed, profiled in µs per call with its
     layers, and rendered; ``lib_fused@<provider>`` builds the library block on that provider."""
