@@ -554,6 +554,26 @@ def test_real_compile_of_one_config(tmp_path, monkeypatch):
     assert build.build_library(spec) == path  # cached now
 
 
+@pytest.mark.build
+def test_real_compile_of_one_block_config(tmp_path, monkeypatch):
+    """One real nvcc build of a block-scaled config (minutes on 2 cores): the swapped stream-K decode tile, whose
+    activation scales travel by cp.async; torch-free, exports the block C ABI, loads and describes itself."""
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path / "cache"))
+    reason = build.missing_toolchain_reason()
+    if reason:
+        pytest.skip(reason)
+    spec = build.BlockLibrarySpec("bw_sk128x16_swap")
+    path = build.build_library(spec)
+    needed = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True)
+    if needed.returncode == 0:
+        libs = re.findall(r"Shared library: \[(.+?)\]", needed.stdout)
+        assert not any("torch" in lib or "c10" in lib or "cudart" in lib for lib in libs), libs
+    lib = build.open_library(spec, path)
+    assert isinstance(lib, build.BlockKernelLibrary) and lib.act_scale_tma is False
+    assert lib._lib.fp8b_block_abi_version() == build.BLOCK_ABI_VERSION
+    assert build.build_library(spec) == path  # cached now
+
+
 # =========================================================================================== GPU
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 MS = [1, 16, 64, 256, 1024, 4096, 8192]
