@@ -462,10 +462,14 @@ def test_options():
     assert b.label == "cutlass[config=ws64x16_swap,fast_accum=false]"
     with pytest.raises(InvalidInputError):
         CutlassSm90Backend(config="nope")
-    assert set(CutlassSm90Backend.options["config"]) == {"auto", *CONFIGS}
+    from fp8_backends.providers.cutlass.block_configs import BLOCK_CONFIG_NAMES
+
+    assert set(CutlassSm90Backend.options["config"]) == {"auto", *CONFIGS, *BLOCK_CONFIG_NAMES}
     from fp8_backends.tuning.workloads import option_combos
 
-    assert option_combos(CutlassSm90Backend) == [{"config": name} for name in configs.CONFIG_NAMES]
+    # the tuner times every config by name; the block-scaled ones refuse the other problems (extra_reasons)
+    assert option_combos(CutlassSm90Backend) == [{"config": name}
+                                                 for name in (*configs.CONFIG_NAMES, *BLOCK_CONFIG_NAMES)]
 
 
 def test_custom_op_schema_and_fake_implementation():

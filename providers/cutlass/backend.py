@@ -11,6 +11,17 @@ Shapes and layouts: ``x_q [M, K]`` and ``w_q [N, K]`` float8_e4m3fn, row-major, 
 N multiples of 16; any M (odd included). The prepared weight is ``w_q`` itself (no copy) with its scale
 as fp32 ``[1]`` or ``[N]``.
 
+Block-scaled problems (weight scale ``block`` 128x128, activation scale ``per_token_group`` with G = 128): a second
+kernel family (``fp8_blockwise_gemm_sm90.cu``, :mod:`.block_configs`, :mod:`.block_ops`) with CUTLASS's blockwise
+mainloop, which applies the scales per 128-deep K block in fp32. ``prepare_weight`` keeps ``w_q`` and converts the
+checkpoint's ``[ceil(N/128), ceil(K/128)]`` scale once to fp32 row-major (what the kernels read); the activation
+scales ``[M, ceil(K/128)]`` are read without a copy in the M-major layout padded to 4 rows
+(:attr:`CutlassSm90Backend.block_act_scale_layout`), any other layout is copied into it per call. Ragged N and K
+(not multiples of 128) are served (the last block's scale covers its rows / columns); K and N stay multiples of 16
+(TMA); G = 64 and other blocks are refused (the mainloop promotes per 128-deep K tile). Bias is fused as in the other
+family. ``config`` takes ``auto`` (the block M-bucket table) or a ``bw_*`` name; a per-tensor config name refuses
+block problems and a ``bw_*`` name refuses the others.
+
 Builds: each (config, epilogue, out dtype, accumulation) is one shared library compiled on first use
 (a few minutes for a family on 2 cores; ``python -m fp8_backends.build cutlass`` prebuilds) and cached
 on disk (see :mod:`.build`). :meth:`availability` never builds: it reports missing nvcc or headers as
@@ -39,9 +50,18 @@ from fp8_backends.core.types import (
     WeightScale,
 )
 
+from .block_configs import ACT_SCALE_LAYOUT, BLOCK_CONFIG_NAMES, BLOCK_CONFIGS, GROUP_K, WEIGHT_BLOCK
+from .block_configs import active_block_table as _active_block_table
 from .configs import CONFIG_NAMES, active_table
 
-_ALL_ACT_SCALES = frozenset(ActScale)
+#: the block-wise contract's modes (None where this fp8_backends does not define them yet)
+_BLOCK: WeightScale | None = getattr(WeightScale, "BLOCK", None)
+_GROUP: ActScale | None = getattr(ActScale, "PER_TOKEN_GROUP", None)
+#: the activation modes the per-tensor / row-wise kernels serve, the ones the C++ op quantizes itself
+_VECTOR_ACT_SCALES = frozenset({ActScale.PER_TENSOR_STATIC, ActScale.PER_TENSOR_DYNAMIC, ActScale.PER_TOKEN})
+_ACT_SCALES = _VECTOR_ACT_SCALES | ({_GROUP} if _GROUP is not None else frozenset())
+_WEIGHT_SCALES = frozenset({WeightScale.PER_TENSOR, WeightScale.PER_CHANNEL}) | (
+    {_BLOCK} if _BLOCK is not None else frozenset())
 
 if TYPE_CHECKING:
     import torch
@@ -57,7 +77,7 @@ class CutlassSm90Backend(OpGemmBackend):
     requires: ClassVar[tuple[str, ...]] = ("torch",)
     install_hint: ClassVar[str] = INSTALL_HINT
     options: ClassVar[dict[str, tuple[str, ...]]] = {
-        "config": ("auto", *CONFIG_NAMES),
+        "config": ("auto", *CONFIG_NAMES, *BLOCK_CONFIG_NAMES),
         "fast_accum": ("true", "false"),
     }
     # the tuner times each config by name; precise accumulation is slower and never wins on time
@@ -66,8 +86,8 @@ class CutlassSm90Backend(OpGemmBackend):
         devices=frozenset({DeviceKind.CUDA}),
         archs=("9.0a",),
         pdl=False,
-        act_scales=frozenset(ActScale),
-        weight_scales=frozenset(WeightScale),
+        act_scales=_ACT_SCALES,  # per_token_group with block weights only (extra_reasons)
+        weight_scales=_WEIGHT_SCALES,
         input_dtypes=frozenset({Fp8Dtype.E4M3FN}),
         mixed_inputs=False,
         out_dtypes=frozenset({OutDtype.BF16, OutDtype.FP16, OutDtype.FP32}),
@@ -113,20 +133,44 @@ class CutlassSm90Backend(OpGemmBackend):
             return Availability.no(st.reason, cls.install_hint)
         from . import native_op
 
-        return Availability.yes(f"{st.reason}; {native_op.status()}")
+        return Availability.yes(f"{st.reason}; {native_op.status()}; {cls._block_note(build)}")
+
+    @classmethod
+    def _block_note(cls, build: Any) -> str:
+        """The block-scaled family's state for the listing (runs nothing)."""
+        names = sorted(_active_block_table().config_names())
+        st = build.status(build.block_specs_for(names))
+        what = f"block-scaled {WEIGHT_BLOCK[0]}x{WEIGHT_BLOCK[1]} / 1x{GROUP_K} kernels"
+        if not st.ok:
+            return f"{what} unavailable: {st.reason}"
+        if st.missing:
+            return (f"{what}: {len(st.missing)} of {len(names)} not built yet (built at the first block GEMM, "
+                    f"~{st.estimate_s} s)")
+        return f"{what}: built"
 
     # ------------------------------------------------------------------ the op
     contiguous_vectors: ClassVar[bool] = True
     #: the C++ op's fused quantize + GEMM (set by :meth:`load_op` where it loads)
     _linear_op: Any = None
 
+    #: the block-scaled op's hot-path callable (set by :meth:`load_op`)
+    _block_op: Any = None
+    #: the activation-scale layout the block kernels read without a copy (the block-wise contract's ``m_major``
+    #: padded to 4 rows): what a quantizer feeding this provider should produce
+    block_act_scale_layout: ClassVar[str] = ACT_SCALE_LAYOUT
+
     def load_op(self) -> Any:
         """The C++ op (:mod:`.native_op`, built at first use) where it loads, else the Python op; both defined now,
-        at load time (see ProviderBase.preload). The C++ op hands what it cannot serve to the Python op."""
+        at load time (see ProviderBase.preload), with the block-scaled op (:mod:`.block_ops`). The C++ op hands what
+        it cannot serve to the Python op."""
         import torch
 
+        from fp8_backends.core.oplib import eager_fast
+
+        from . import block_ops
         from .ops import load_op
 
+        self._block_op = eager_fast(block_ops.load_op())
         python_op = load_op()
         if not torch.cuda.is_available():
             return python_op
@@ -136,7 +180,7 @@ class CutlassSm90Backend(OpGemmBackend):
         if native is None:
             return python_op
         self._linear_op = native.linear_op
-        self.fused_act_quant = _ALL_ACT_SCALES  # the C++ op quantizes in its own kernels (one call per linear)
+        self.fused_act_quant = _VECTOR_ACT_SCALES  # the C++ op quantizes in its own kernels (one call per linear)
         return native.op
 
     def fused_quant_gemm_impl(self, x: torch.Tensor, prepared: PreparedWeight, act_scale: ActScale,
@@ -156,7 +200,7 @@ class CutlassSm90Backend(OpGemmBackend):
         than the overload) with the weight, scales, bias, mode and config bound; ``None`` for an ``x`` whose columns
         are not contiguous. Without the C++ op, the base class's binding of the hook (which declines every call)."""
         op = self._linear_op
-        if op is None:
+        if op is None or act_scale not in _VECTOR_ACT_SCALES:  # group activations (block weights): no fused op
             return super().bind_fused_quant_gemm(prepared, act_scale, input_scale, out_dtype, bias)
         call = getattr(op, "_op", op)
         w, w_scale, mode = prepared.data, prepared.scale, act_scale.value
@@ -170,14 +214,74 @@ class CutlassSm90Backend(OpGemmBackend):
         return fused
 
     def op_arguments(self) -> tuple[str, bool]:
-        return self.config["config"], self.config["fast_accum"] == "true"
+        config = self.config["config"]
+        # a bw_* config runs only block problems (extra_reasons refuses the others): the per-tensor op never sees it
+        return (config if config not in BLOCK_CONFIGS else "auto"), self.config["fast_accum"] == "true"
+
+    @property
+    def block_config(self) -> str:
+        """The block op's ``config`` argument: the ``bw_*`` option, else ``auto``."""
+        config = self.config["config"]
+        return config if config in BLOCK_CONFIGS else "auto"
+
+    def extra_reasons(self, problem: Any, platform: Any) -> list[str]:
+        """Block problems: group size 128, 128x128 weight blocks, group activations with block weights, and the
+        ``config`` option of the right family."""
+        if problem is None:
+            return []
+        config = self.config["config"]
+        block = _BLOCK is not None and problem.weight_scale is _BLOCK
+        group = _GROUP is not None and problem.act_scale is _GROUP
+        if not (block or group):
+            if config in BLOCK_CONFIGS:
+                return [f"config={config} is a block-scaled kernel (block weights, per-token-group activations only)"]
+            return []
+        reasons = []
+        if block != group:
+            reasons.append("block weight scales pair with per_token_group activation scales only")
+        g = getattr(problem, "group_size", GROUP_K)
+        if g != GROUP_K:
+            reasons.append(f"activation group size {g} not supported (1x{GROUP_K} only: CUTLASS's blockwise mainloop "
+                           f"applies the scales per {GROUP_K}-deep K tile)")
+        wb = tuple(getattr(problem, "weight_block", WEIGHT_BLOCK))
+        if wb != WEIGHT_BLOCK:
+            reasons.append(f"weight block {wb[0]}x{wb[1]} not supported ({WEIGHT_BLOCK[0]}x{WEIGHT_BLOCK[1]} only)")
+        if config != "auto" and config not in BLOCK_CONFIGS:
+            reasons.append(f"config={config} is a per-tensor / row-wise kernel; block-scaled problems take auto or "
+                           "a bw_* config")
+        return reasons
 
     def prepare_weight_impl(
         self, w_q: torch.Tensor, w_scale: torch.Tensor, weight_scale: WeightScale
     ) -> PreparedWeight:
         if w_q.data_ptr() % 16:
             raise InvalidInputError("cutlass needs w_q 16-byte aligned (TMA); pass a tensor that starts its allocation")
+        config = self.config["config"]
+        if weight_scale is _BLOCK:
+            if config != "auto" and config not in BLOCK_CONFIGS:
+                raise InvalidInputError(f"cutlass[config={config}] is a per-tensor / row-wise kernel; prepare block "
+                                        "weights with config=auto or a bw_* config")
+            from .block_ops import prepare_block_scale
+
+            n, k = w_q.shape
+            return PreparedWeight(data=w_q, scale=prepare_block_scale(w_scale, n, k), n=n, k=k,
+                                  dtype=Fp8Dtype.of(w_q.dtype), weight_scale=weight_scale, backend=self.name)
+        if config in BLOCK_CONFIGS:
+            raise InvalidInputError(f"cutlass[config={config}] is a block-scaled kernel; prepare {weight_scale.value} "
+                                    "weights with config=auto or a per-tensor / row-wise config")
         return self.prepare_k_major(w_q, w_scale, weight_scale)  # the kernels read [N, K] K-major as it is
+
+    def gemm_impl(self, x_q: torch.Tensor, prepared: PreparedWeight, x_scale: torch.Tensor, out_dtype: torch.dtype,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+        """Block weights: the block op (``x_scale [M, ceil(K/128)]``, any layout: see :mod:`.block_ops`); the
+        others: the per-tensor / row-wise op (:meth:`OpGemmBackend.gemm_impl`)."""
+        if prepared.weight_scale is _BLOCK:  # never true while the contract lacks BLOCK (_BLOCK is None)
+            op = self._block_op
+            if op is None:
+                self._loaded_op()
+                op = self._block_op
+            return op(x_q, prepared.data, x_scale, prepared.scale, bias, out_dtype, self.block_config)
+        return super().gemm_impl(x_q, prepared, x_scale, out_dtype, bias)
 
 
 __all__ = ["CutlassSm90Backend"]
