@@ -228,6 +228,7 @@ def test_first_use_build_is_announced_and_shows_progress(fake_env, monkeypatch, 
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("building 2 kernel libraries at first use" in w and "python -m fp8_backends.build cutlass" in w
                for w in warnings), warnings
+    assert any("first-use build finished: 2 of 2 libraries built" in w for w in warnings), warnings
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     assert any(re.search(r"building 2 libraries: \d of 2 done, \d+ s elapsed", m) for m in infos), infos
     assert any("built fp8b_sm90a_bw_pp64x128_bf16" in m for m in infos), infos

@@ -776,7 +776,11 @@ def get_library(spec: AnySpec, also: Iterable[AnySpec] = ()) -> AnyLibrary:
                     raise BuildError(missing_toolchain_reason() or "no toolchain")
                 wanted = [spec] + [s for s in also if s != spec and s not in _loaded and locate(s) is None]
                 _announce_first_use_build(wanted)
+                start = time.monotonic()
                 results = build_many(wanted)
+                ok = sum(not isinstance(r, BuildError) for r in results.values())
+                logger.warning("cutlass: first-use build finished: %d of %d libraries built in %.0f s", ok,
+                               len(results), time.monotonic() - start)
                 for s, result in results.items():
                     if isinstance(result, BuildError):
                         _failed[s] = result
