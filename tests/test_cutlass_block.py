@@ -651,6 +651,8 @@ def test_bad_inputs_give_one_library_error(block_built):
         cutlass_block_gemm(x_q, w_q, xs[:, :1], ws)
     with pytest.raises(InvalidInputError, match=r"w_scale"):
         cutlass_block_gemm(x_q, w_q, xs, ws[:1])
+    with pytest.raises(InvalidInputError, match="both scales fp32"):
+        cutlass_block_gemm(x_q, w_q, xs, ws.to(torch.bfloat16))
 
 
 @pytest.mark.gpu

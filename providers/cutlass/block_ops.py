@@ -188,6 +188,12 @@ def _run(
         return out
     kb = _ceil_div(k, GROUP_K)
     nb = _ceil_div(n, WEIGHT_BLOCK[0])
+    f32, e4m3 = torch.float32, torch.float8_e4m3fn
+    if x.dtype != e4m3 or w.dtype != e4m3 or x_scale.dtype != f32 or w_scale.dtype != f32 or w.shape[1] != k:
+        raise InvalidInputError(
+            f"cutlass block GEMM: x [M, K] and w [N, K] float8_e4m3fn, both scales fp32; got x {x.dtype} "
+            f"{list(x.shape)}, w {w.dtype} {list(w.shape)}, x_scale {x_scale.dtype}, w_scale {w_scale.dtype}"
+        )
     if tuple(x_scale.shape) != (m, kb) or tuple(w_scale.shape) != (nb, kb):
         raise InvalidInputError(
             f"cutlass block GEMM: x_scale must be [M, ceil(K/{GROUP_K})] = [{m}, {kb}] and w_scale "
