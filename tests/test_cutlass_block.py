@@ -21,7 +21,7 @@ import pytest
 from test_cutlass import _C_TO_CTYPES, _c_params, _calls, fake_env  # noqa: F401  (fake_env is a fixture)
 
 from fp8_backends.core.errors import BuildError, InvalidInputError
-from fp8_backends.core.types import ActScale, GemmProblem, WeightScale
+from fp8_backends.core.types import ActScale, GemmProblem, ScaleLayout, WeightScale
 from fp8_backends.providers.cutlass import block_configs, build
 from fp8_backends.providers.cutlass.backend import CutlassSm90Backend
 from fp8_backends.providers.cutlass.block_configs import (
@@ -387,58 +387,49 @@ def test_bench_summary_builds_a_loadable_block_table(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------ the provider's wiring
-_BLOCK = getattr(WeightScale, "BLOCK", None)
-_GROUP = getattr(ActScale, "PER_TOKEN_GROUP", None)
-needs_contract = pytest.mark.skipif(_BLOCK is None or _GROUP is None,
-                                    reason="the block-wise contract (WeightScale.BLOCK, ActScale.PER_TOKEN_GROUP) "
-                                           "is not in this fp8_backends")
+BLOCK_PROBLEM = {"act_scale": "per_token_group", "weight_scale": "block"}
 
 
 def test_config_families_refuse_each_other():
     h100 = simulate_platform("9.0")
     plain = GemmProblem(n=4096, k=4096, m=16)
+    block = GemmProblem(n=2112, k=7168, m=4, **BLOCK_PROBLEM)
     bw = CutlassSm90Backend(config="bw_sk128x16_swap")
     assert any("block-scaled kernel" in r for r in bw.extra_reasons(plain, h100))
-    assert CutlassSm90Backend(config="ws64x16_swap").extra_reasons(plain, h100) == []
+    assert bw.extra_reasons(block, h100) == [] and bw.block_reasons(block) == []
+    tensor_cfg = CutlassSm90Backend(config="ws64x16_swap")
+    assert tensor_cfg.extra_reasons(plain, h100) == []
+    assert any("per-tensor / row-wise kernel" in r for r in tensor_cfg.block_reasons(block))
+    assert CutlassSm90Backend().block_reasons(block) == [] and CutlassSm90Backend().extra_reasons(plain, h100) == []
     assert bw.op_arguments()[0] == "auto" and bw.block_config == "bw_sk128x16_swap"
-    assert CutlassSm90Backend(config="ws64x16_swap").block_config == "auto"
-    assert CutlassSm90Backend.block_act_scale_layout == block_configs.ACT_SCALE_LAYOUT
+    assert tensor_cfg.block_config == "auto"
 
 
-def test_capabilities_declare_the_modes_explicitly():
+def test_capabilities_declare_block_wise_fp8():
     caps = CutlassSm90Backend.capabilities
-    assert {ActScale.PER_TENSOR_STATIC, ActScale.PER_TENSOR_DYNAMIC, ActScale.PER_TOKEN} <= caps.act_scales
-    assert {WeightScale.PER_TENSOR, WeightScale.PER_CHANNEL} <= caps.weight_scales
-    assert caps.act_scales <= set(ActScale) and caps.weight_scales <= set(WeightScale)
-    if _BLOCK is not None:
-        assert _BLOCK in caps.weight_scales and _GROUP in caps.act_scales
+    assert caps.act_scales == {ActScale.PER_TENSOR_STATIC, ActScale.PER_TENSOR_DYNAMIC, ActScale.PER_TOKEN,
+                               ActScale.PER_TOKEN_GROUP}
+    assert caps.weight_scales == {WeightScale.PER_TENSOR, WeightScale.PER_CHANNEL, WeightScale.BLOCK}
+    assert caps.block_scaled and caps.group_sizes == {128} and caps.weight_blocks == {(128, 128)}
+    assert caps.group_scale_layout is ScaleLayout.M_MAJOR_TMA
+    assert caps.group_scale_layout.value == block_configs.ACT_SCALE_LAYOUT
+    assert "block 128x128 x group 128 (m_major_tma scales)" in caps.scale_summary()
+    h100 = simulate_platform("9.0")
+    assert caps.check(GemmProblem(n=2112, k=7168, **BLOCK_PROBLEM), h100) == []
+    ragged = GemmProblem(n=208, k=1008, m=5, **BLOCK_PROBLEM)  # N and K not multiples of 128: served
+    assert caps.check(ragged, h100) == []
+    assert any("K=1000" in r for r in caps.check(GemmProblem(n=208, k=1000, **BLOCK_PROBLEM), h100))
+    g64 = GemmProblem(n=2112, k=7168, group_size=64, **BLOCK_PROBLEM)
+    assert any("group size 64" in r for r in caps.check(g64, h100))
+    b64 = GemmProblem(n=2112, k=7168, weight_block=(64, 128), **BLOCK_PROBLEM)
+    assert any("weight block 64x128" in r for r in caps.check(b64, h100))
+    assert any("9.0a" in r for r in caps.check(GemmProblem(n=2112, k=7168, **BLOCK_PROBLEM), simulate_platform("10.0")))
 
 
 def test_availability_notes_the_block_kernels(fake_env):  # noqa: F811 (the fixture imported above)
     avail = CutlassSm90Backend.availability()
     assert avail.ok and "block-scaled 128x128 / 1x128 kernels" in avail.reason and "not built yet" in avail.reason
     assert _calls(fake_env["counter"]) == 0
-
-
-@needs_contract
-def test_block_problems_and_their_refusals():
-    h100 = simulate_platform("9.0")
-    b = CutlassSm90Backend()
-    block = GemmProblem(n=2112, k=7168, m=4, act_scale=_GROUP, weight_scale=_BLOCK)
-    assert b.supports(block, h100) == [] or not CutlassSm90Backend.availability().ok
-    assert b.extra_reasons(block, h100) == []
-    ragged = GemmProblem(n=208, k=1008, m=4, act_scale=_GROUP, weight_scale=_BLOCK)
-    assert b.extra_reasons(ragged, h100) == [] and CutlassSm90Backend.capabilities.check(ragged, h100) == []
-    assert any("K=1000" in r for r in CutlassSm90Backend.capabilities.check(
-        GemmProblem(n=208, k=1000, act_scale=_GROUP, weight_scale=_BLOCK), h100))
-    if "group_size" in GemmProblem.__dataclass_fields__:
-        g64 = GemmProblem(n=2112, k=7168, act_scale=_GROUP, weight_scale=_BLOCK, group_size=64)
-        assert any("group size 64" in r for r in b.extra_reasons(g64, h100))
-    mixed = GemmProblem(n=2112, k=7168, act_scale=ActScale.PER_TOKEN, weight_scale=_BLOCK)
-    assert any("pair with per_token_group" in r for r in b.extra_reasons(mixed, h100))
-    tensor_cfg = CutlassSm90Backend(config="ws64x16_swap")
-    assert any("per-tensor / row-wise kernel" in r for r in tensor_cfg.extra_reasons(block, h100))
-    assert CutlassSm90Backend(config="bw_pp64x128").extra_reasons(block, h100) == []
 
 
 # =========================================================================================== GPU
@@ -656,7 +647,6 @@ def test_bad_inputs_give_one_library_error(block_built):
 
 
 @pytest.mark.gpu
-@needs_contract
 @pytest.mark.parametrize("config", ["auto", "bw_sk128x16_swap", "bw_coop128x128_c1x2"])
 def test_provider_prepares_block_weights_once_and_serves_block_gemms(block_built, config):
     import torch
@@ -665,9 +655,28 @@ def test_provider_prepares_block_weights_once_and_serves_block_gemms(block_built
     for m, n, k in ((1, 2112, 7168), (33, 576, 7168), (300, 208, 1008)):
         x_q, xs, w_q, ws = _block_data(m, n, k)
         prepared = b.prepare_weight(w_q, ws.to(torch.bfloat16))  # checkpoints may store bf16 block scales
-        assert prepared.weight_scale is _BLOCK and prepared.scale.dtype == torch.float32
+        assert prepared.weight_scale is WeightScale.BLOCK and prepared.scale.dtype == torch.float32
+        assert prepared.block == (128, 128) and prepared.group_size == 128
         assert prepared.data is w_q
         bias = torch.randn(n, device="cuda").to(torch.bfloat16)
         y = b.gemm(x_q, prepared, xs, out_dtype=torch.bfloat16, bias=bias)
         ref = block_reference(x_q, xs, w_q, prepared.scale, bias)
         assert _relerr(y, ref) < _TOL["bfloat16"], (config, m, n, k)
+
+
+@pytest.mark.gpu
+def test_provider_takes_every_scale_layout_and_refuses_the_wrong_config_family(block_built):
+    import torch
+
+    from fp8_backends.core import group_scales
+
+    b = CutlassSm90Backend()
+    x_q, xs, w_q, ws = _block_data(37, 576, 7168)
+    prepared = b.prepare_weight(w_q, ws)
+    want = b.gemm(x_q, prepared, xs)
+    for layout in ScaleLayout:
+        assert torch.equal(b.gemm(x_q, prepared, group_scales.to_layout(xs.contiguous(), layout)), want), layout
+    with pytest.raises(InvalidInputError, match="per-tensor / row-wise kernel"):
+        CutlassSm90Backend(config="ws64x16_swap").prepare_weight(w_q, ws)
+    with pytest.raises(InvalidInputError):
+        CutlassSm90Backend(config="bw_pp64x128").prepare_weight(w_q, torch.ones(1, device="cuda"))

@@ -15,8 +15,9 @@ Block-scaled problems (weight scale ``block`` 128x128, activation scale ``per_to
 kernel family (``fp8_blockwise_gemm_sm90.cu``, :mod:`.block_configs`, :mod:`.block_ops`) with CUTLASS's blockwise
 mainloop, which applies the scales per 128-deep K block in fp32. ``prepare_weight`` keeps ``w_q`` and converts the
 checkpoint's ``[ceil(N/128), ceil(K/128)]`` scale once to fp32 row-major (what the kernels read); the activation
-scales ``[M, ceil(K/128)]`` are read without a copy in the M-major layout padded to 4 rows
-(:attr:`CutlassSm90Backend.block_act_scale_layout`), any other layout is copied into it per call. Ragged N and K
+scales ``[M, ceil(K/128)]`` are read without a copy in the ``m_major_tma`` layout (M-major, column stride a multiple
+of 4: ``capabilities.group_scale_layout``, what the quantizer feeding this provider writes); ``gemm`` copies any
+other layout into it. Ragged N and K
 (not multiples of 128) are served (the last block's scale covers its rows / columns); K and N stay multiples of 16
 (TMA); G = 64 and other blocks are refused (the mainloop promotes per 128-deep K tile). Bias is fused as in the other
 family. ``config`` takes ``auto`` (the block M-bucket table) or a ``bw_*`` name; a per-tensor config name refuses
@@ -45,23 +46,20 @@ from fp8_backends.core.types import (
     BiasMode,
     DeviceKind,
     Fp8Dtype,
+    GemmProblem,
     OutDtype,
     PreparedWeight,
+    ScaleLayout,
     WeightScale,
 )
 
-from .block_configs import ACT_SCALE_LAYOUT, BLOCK_CONFIG_NAMES, BLOCK_CONFIGS, GROUP_K, WEIGHT_BLOCK
+from .block_configs import BLOCK_CONFIG_NAMES, BLOCK_CONFIGS, GROUP_K, WEIGHT_BLOCK
 from .block_configs import active_block_table as _active_block_table
 from .configs import CONFIG_NAMES, active_table
 
-#: the block-wise contract's modes (None where this fp8_backends does not define them yet)
-_BLOCK: WeightScale | None = getattr(WeightScale, "BLOCK", None)
-_GROUP: ActScale | None = getattr(ActScale, "PER_TOKEN_GROUP", None)
 #: the activation modes the per-tensor / row-wise kernels serve, the ones the C++ op quantizes itself
 _VECTOR_ACT_SCALES = frozenset({ActScale.PER_TENSOR_STATIC, ActScale.PER_TENSOR_DYNAMIC, ActScale.PER_TOKEN})
-_ACT_SCALES = _VECTOR_ACT_SCALES | ({_GROUP} if _GROUP is not None else frozenset())
-_WEIGHT_SCALES = frozenset({WeightScale.PER_TENSOR, WeightScale.PER_CHANNEL}) | (
-    {_BLOCK} if _BLOCK is not None else frozenset())
+_BLOCK = WeightScale.BLOCK
 
 if TYPE_CHECKING:
     import torch
@@ -86,8 +84,8 @@ class CutlassSm90Backend(OpGemmBackend):
         devices=frozenset({DeviceKind.CUDA}),
         archs=("9.0a",),
         pdl=False,
-        act_scales=_ACT_SCALES,  # per_token_group with block weights only (extra_reasons)
-        weight_scales=_WEIGHT_SCALES,
+        act_scales=frozenset({*_VECTOR_ACT_SCALES, ActScale.PER_TOKEN_GROUP}),
+        weight_scales=frozenset({WeightScale.PER_TENSOR, WeightScale.PER_CHANNEL, WeightScale.BLOCK}),
         input_dtypes=frozenset({Fp8Dtype.E4M3FN}),
         mixed_inputs=False,
         out_dtypes=frozenset({OutDtype.BF16, OutDtype.FP16, OutDtype.FP32}),
@@ -95,6 +93,10 @@ class CutlassSm90Backend(OpGemmBackend):
         k_align=16,
         n_align=16,
         priority=8,
+        # block-wise FP8: the blockwise mainloop promotes per 128-deep K tile, so groups of 128 and 128x128 blocks
+        group_sizes=frozenset({GROUP_K}),
+        weight_blocks=frozenset({WEIGHT_BLOCK}),
+        group_scale_layout=ScaleLayout.M_MAJOR_TMA,
     )
     # host µs per call on the compiled path (an opaque custom op: config pick, output allocation, a ctypes call):
     # 5 + the 58 µs a compiled Fp8Linear on it costs more than on the triton op (median over 6 shapes x M, H200,
@@ -133,7 +135,8 @@ class CutlassSm90Backend(OpGemmBackend):
             return Availability.no(st.reason, cls.install_hint)
         from . import native_op
 
-        return Availability.yes(f"{st.reason}; {native_op.status()}; {cls._block_note(build)}")
+        return Availability.yes("; ".join(part for part in (st.reason, native_op.status(), cls._block_note(build))
+                                          if part))
 
     @classmethod
     def _block_note(cls, build: Any) -> str:
@@ -155,9 +158,6 @@ class CutlassSm90Backend(OpGemmBackend):
 
     #: the block-scaled op's hot-path callable (set by :meth:`load_op`)
     _block_op: Any = None
-    #: the activation-scale layout the block kernels read without a copy (the block-wise contract's ``m_major``
-    #: padded to 4 rows): what a quantizer feeding this provider should produce
-    block_act_scale_layout: ClassVar[str] = ACT_SCALE_LAYOUT
 
     def load_op(self) -> Any:
         """The C++ op (:mod:`.native_op`, built at first use) where it loads, else the Python op; both defined now,
@@ -225,31 +225,21 @@ class CutlassSm90Backend(OpGemmBackend):
         return config if config in BLOCK_CONFIGS else "auto"
 
     def extra_reasons(self, problem: Any, platform: Any) -> list[str]:
-        """Block problems: group size 128, 128x128 weight blocks, group activations with block weights, and the
-        ``config`` option of the right family."""
-        if problem is None:
-            return []
+        """A ``bw_*`` config serves block-wise problems only (the block ones get :meth:`block_reasons`)."""
         config = self.config["config"]
-        block = _BLOCK is not None and problem.weight_scale is _BLOCK
-        group = _GROUP is not None and problem.act_scale is _GROUP
-        if not (block or group):
-            if config in BLOCK_CONFIGS:
-                return [f"config={config} is a block-scaled kernel (block weights, per-token-group activations only)"]
-            return []
-        reasons = []
-        if block != group:
-            reasons.append("block weight scales pair with per_token_group activation scales only")
-        g = getattr(problem, "group_size", GROUP_K)
-        if g != GROUP_K:
-            reasons.append(f"activation group size {g} not supported (1x{GROUP_K} only: CUTLASS's blockwise mainloop "
-                           f"applies the scales per {GROUP_K}-deep K tile)")
-        wb = tuple(getattr(problem, "weight_block", WEIGHT_BLOCK))
-        if wb != WEIGHT_BLOCK:
-            reasons.append(f"weight block {wb[0]}x{wb[1]} not supported ({WEIGHT_BLOCK[0]}x{WEIGHT_BLOCK[1]} only)")
+        if problem is not None and not problem.block_scaled and config in BLOCK_CONFIGS:
+            return [f"config={config} is a block-scaled kernel (block weights x per-token-group activations only)"]
+        return []
+
+    def block_reasons(self, problem: GemmProblem) -> list[str]:
+        """A per-tensor / row-wise ``config`` refuses block-wise problems (and :meth:`prepare_weight` block weights);
+        ``auto`` and the ``bw_*`` configs serve any M, N and K the capabilities let through (K and N multiples of 16
+        for TMA; N or K not multiples of 128 included)."""
+        config = self.config["config"]
         if config != "auto" and config not in BLOCK_CONFIGS:
-            reasons.append(f"config={config} is a per-tensor / row-wise kernel; block-scaled problems take auto or "
-                           "a bw_* config")
-        return reasons
+            return [f"config={config} is a per-tensor / row-wise kernel; block-wise FP8 takes config=auto or a bw_* "
+                    "config"]
+        return []
 
     def prepare_weight_impl(
         self, w_q: torch.Tensor, w_scale: torch.Tensor, weight_scale: WeightScale
@@ -257,10 +247,7 @@ class CutlassSm90Backend(OpGemmBackend):
         if w_q.data_ptr() % 16:
             raise InvalidInputError("cutlass needs w_q 16-byte aligned (TMA); pass a tensor that starts its allocation")
         config = self.config["config"]
-        if weight_scale is _BLOCK:
-            if config != "auto" and config not in BLOCK_CONFIGS:
-                raise InvalidInputError(f"cutlass[config={config}] is a per-tensor / row-wise kernel; prepare block "
-                                        "weights with config=auto or a bw_* config")
+        if weight_scale is _BLOCK:  # the base checked block_reasons and made the scale fp32 contiguous
             from .block_ops import prepare_block_scale
 
             n, k = w_q.shape
@@ -275,7 +262,7 @@ class CutlassSm90Backend(OpGemmBackend):
                   bias: torch.Tensor | None) -> torch.Tensor:
         """Block weights: the block op (``x_scale [M, ceil(K/128)]``, any layout: see :mod:`.block_ops`); the
         others: the per-tensor / row-wise op (:meth:`OpGemmBackend.gemm_impl`)."""
-        if prepared.weight_scale is _BLOCK:  # never true while the contract lacks BLOCK (_BLOCK is None)
+        if prepared.weight_scale is _BLOCK:
             op = self._block_op
             if op is None:
                 self._loaded_op()

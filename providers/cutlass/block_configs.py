@@ -14,8 +14,8 @@ token, so the other tile side is free (64-row ping-pong tiles, 16-token swapped 
 
 Activation scales (``[M, ceil(K/128)]`` fp32) are read M-major: token ``t`` of group ``kb`` at ``ptr[kb*ld + t]``.
 Configs whose tile puts 32 or more tokens on one side load them with TMA (:attr:`BlockKernelConfig.act_scale_tma`),
-which needs ``ld % 4 == 0`` and a 16-byte aligned pointer: the ``m_major`` layout padded to 4 of the block-wise
-contract (:data:`ACT_SCALE_LAYOUT`). The other configs load them with ``cp.async`` and take any ``ld >= M``.
+which needs ``ld % 4 == 0`` and a 16-byte aligned pointer: the contract's ``m_major_tma`` layout
+(:data:`ACT_SCALE_LAYOUT`). The other configs load them with ``cp.async`` and take any ``ld >= M``.
 Weight scales are read K-major, the checkpoint's row-major ``[ceil(N/128), ceil(K/128)]`` as it is.
 
 :data:`DEFAULT_BLOCK_TABLE` maps ``(M, N, K)`` to a config per M bucket: per listed ``(N, K)``, else ``long_k``
@@ -36,9 +36,9 @@ from .configs import SCHEDULES
 #: the activation group size along K and the weight block (rows, K) the kernels are built for
 GROUP_K = 128
 WEIGHT_BLOCK = (128, 128)
-#: the activation-scale layout the block kernels read without a copy (the contract's name): M-major with the
-#: K-block stride padded to a multiple of 4 floats; ``m_major`` with M % 4 == 0 is the same layout
-ACT_SCALE_LAYOUT = "m_major_pad4"
+#: the activation-scale layout every block config reads without a copy (``fp8_backends.core.types.ScaleLayout``'s
+#: value): M-major with the K-block stride padded to a multiple of 4 floats; ``m_major`` with M % 4 == 0 is the same
+ACT_SCALE_LAYOUT = "m_major_tma"
 #: a problem with ``K >= LONG_K_RATIO * N`` takes the table's ``long_k`` buckets (unless its shape is listed)
 LONG_K_RATIO = 3
 #: tokens on one side of the tile from which the mainloop loads activation scales with TMA (CUTLASS 4.2's

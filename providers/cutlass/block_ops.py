@@ -115,8 +115,8 @@ def _log_copy_once(reason: str) -> None:
     if not _copy_logged:
         _copy_logged = True
         logger.info(
-            "cutlass: block GEMM activation scales %s: copied into the padded M-major layout at each call (quantize "
-            "with scale_layout='m_major' padded to 4 rows for the cutlass provider to avoid the copy)", reason
+            "cutlass: block GEMM activation scales %s: copied into the m_major_tma layout at each call (quantize "
+            "with scale_layout='m_major_tma' for the cutlass provider to avoid the copy)", reason
         )
 
 
