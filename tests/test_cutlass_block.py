@@ -403,6 +403,8 @@ def test_config_families_refuse_each_other():
     assert CutlassSm90Backend().block_reasons(block) == [] and CutlassSm90Backend().extra_reasons(plain, h100) == []
     assert bw.op_arguments()[0] == "auto" and bw.block_config == "bw_sk128x16_swap"
     assert tensor_cfg.block_config == "auto"
+    # the block op is a Python op: its host cost is the Python op's
+    assert CutlassSm90Backend.host_us_for(16, 2112, 7168, {"config": "bw_sk128x16_swap"}) == CutlassSm90Backend.host_us
 
 
 def test_capabilities_declare_block_wise_fp8():

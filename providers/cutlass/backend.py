@@ -110,9 +110,12 @@ class CutlassSm90Backend(OpGemmBackend):
     @classmethod
     def host_us_for(cls, m: int, n: int, k: int, options: Mapping[str, str]) -> float | None:
         """:attr:`native_host_us` where the C++ op is expected to serve (enabled, not failed, nvcc found), else
-        :attr:`host_us`."""
+        :attr:`host_us`. A ``bw_*`` config runs block-wise problems, which the Python block op serves: :attr:`host_us`
+        (with ``auto`` the problem's mode is not known here: the C++ op's figure, right for the other modes)."""
         from . import native_op
 
+        if options.get("config") in BLOCK_CONFIGS:
+            return cls.host_us
         return cls.native_host_us if native_op.expected() else cls.host_us
 
     @classmethod
