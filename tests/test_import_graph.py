@@ -19,7 +19,7 @@ The floors, bottom up (an edge may stay on its floor or go down, never up). A mo
    third party does;
 3. the rest of ``fp8_backends/``: the engine layer and the tools: quantization ops, layers, functional API, model
    conversion, CLI flags, the listing, the tuner (``tuning/``) and its CLI, builds, shipped-data tools, the
-   conformance kit (``testing/``), and the deprecation shims at the old paths of moved modules.
+   conformance kit (``testing/``).
 
 Beyond the module-level rule, the contract and the registry never name a provider module at all (not even lazily):
 the default activation-quant kernels come to :mod:`fp8_backends.quant` through a provider hook. Only the tools in

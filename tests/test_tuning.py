@@ -587,3 +587,13 @@ def test_fp8linear_runs_each_batch_size_on_its_tuned_provider(lockpath, monkeypa
     explicit = Fp8Linear.from_linear(linear, act_scale="per_tensor_dynamic", backend="torch_scaled_mm")
     assert not explicit.kernel.per_m and len(explicit.kernel.rows) == 1
     assert explicit.backends_text == explicit.gemm_backend.label
+
+
+def test_tune_cli_keeps_the_engine_names():
+    from fp8_backends import tune
+    from fp8_backends.tuning import engine, plan
+
+    for name in ("tune", "measure_candidates", "select_winner", "CandidateResult", "ProblemResult", "TuneReport",
+                 "format_summary", "format_rejections"):
+        assert getattr(tune, name) is getattr(engine, name)
+    assert tune.parse_m_list is plan.parse_m_list and tune.QUICK_M_BUCKETS == plan.QUICK_M_BUCKETS
