@@ -89,32 +89,75 @@ def _is_type_checking(test: ast.expr) -> bool:
                "TYPE_CHECKING" for n in ast.walk(test))
 
 
+#: where an import statement sits, which decides when it runs: ``"module"`` (at import time: the module body, class
+#: bodies, ``try``/``if`` blocks, the ``else`` of ``if TYPE_CHECKING``), ``"function"`` (when a function or method
+#: runs: the library's lazy imports) or ``"type_checking"`` (never: type checkers and IDEs only)
+MODULE_LEVEL = frozenset({"module"})
+RUNTIME = frozenset({"module", "function"})
+EVERY = frozenset({"module", "function", "type_checking"})
+
+
+def _is_import_module(call: ast.Call) -> bool:
+    f = call.func
+    return (isinstance(f, ast.Attribute) and f.attr == "import_module") or (
+        isinstance(f, ast.Name) and f.id == "import_module")
+
+
+def scan(tree: ast.Module) -> tuple[list[tuple[ast.Import | ast.ImportFrom, str]], list[str]]:
+    """``(imports, dynamic)``: every import statement of a module with where it sits (see :data:`EVERY`), an
+    ``importlib.import_module("a.b")`` call with a literal name counted as ``import a.b``; and the source of each
+    ``import_module`` call whose name is computed (which no static walk can follow)."""
+    found: list[tuple[ast.Import | ast.ImportFrom, str]] = []
+    dynamic: list[str] = []
+
+    def visit(node: ast.AST, where: str) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.body:
+                visit(child, "type_checking")
+            for child in node.orelse:
+                visit(child, where)
+            return
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found.append((node, where))
+            return
+        if isinstance(node, ast.Call) and _is_import_module(node):
+            arg = node.args[0] if node.args else None
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and not arg.value.startswith("."):
+                found.append((ast.Import(names=[ast.alias(name=arg.value)]), where))
+            else:
+                dynamic.append(ast.unparse(node))
+        inner = "function" if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) and \
+            where == "module" else where
+        for child in ast.iter_child_nodes(node):
+            visit(child, inner)
+
+    for stmt in tree.body:
+        visit(stmt, "module")
+    return found, dynamic
+
+
 def _import_nodes(body: list[ast.stmt], *, lazy: bool) -> list[ast.Import | ast.ImportFrom]:
     """The import statements of ``body`` that run at import time (``lazy=False``), or every one (``lazy=True``:
     function bodies and ``TYPE_CHECKING`` blocks too)."""
-    out: list[ast.Import | ast.ImportFrom] = []
-    for node in body:
-        if isinstance(node, ast.Import | ast.ImportFrom):
-            out.append(node)
-        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            if lazy:
-                out += [n for n in ast.walk(node) if isinstance(n, ast.Import | ast.ImportFrom)]
-        elif isinstance(node, ast.If) and _is_type_checking(node.test):
-            out += _import_nodes(node.orelse, lazy=lazy)
-            if lazy:
-                out += _import_nodes(node.body, lazy=lazy)
-        else:
-            for field in ("body", "orelse", "finalbody", "handlers", "cases"):
-                block = getattr(node, field, None)
-                if isinstance(block, list):
-                    for item in block:
-                        out += _import_nodes(getattr(item, "body", None) if not isinstance(item, ast.stmt)
-                                             else [item], lazy=lazy)
-    return out
+    scope = EVERY if lazy else MODULE_LEVEL
+    return [node for node, where in scan(ast.Module(body=body, type_ignores=[]))[0] if where in scope]
+
+
+def lazy_exports(module: str) -> dict[str, str]:
+    """A package's lazy export table (``_EXPORTS = {"name": "module", ...}`` in its ``__init__``, imported on first
+    attribute access by its ``__getattr__``), or ``{}``."""
+    path, is_package = MODULES[module]
+    if not is_package:
+        return {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in node.targets):
+            return ast.literal_eval(node.value)
+    return {}
 
 
 def _targets(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
-    """The library modules an import statement of ``module`` runs (the named modules and their parent packages)."""
+    """The modules an import statement of ``module`` runs (the named modules and their parent packages; a name taken
+    from a package's lazy export table, the module that defines it)."""
     path, is_package = MODULES[module]
     named: set[str] = set()
     if isinstance(node, ast.Import):
@@ -126,7 +169,12 @@ def _targets(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
             source = ".".join(base + ([node.module] if node.module else []))
         else:
             source = node.module or ""
-        named = {f"{source}.{a.name}" if f"{source}.{a.name}" in MODULES else source for a in node.names}
+        exports = lazy_exports(source) if source in MODULES else {}
+        for alias in node.names:
+            sub = f"{source}.{alias.name}"
+            named.add(sub if sub in MODULES else source)
+            if sub not in MODULES and alias.name in exports:
+                named.add(exports[alias.name])
     out = set()
     for name in named:
         parts = name.split(".")
@@ -134,11 +182,15 @@ def _targets(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
     return {t for t in out if t in MODULES and t != module}
 
 
-def import_graph(*, lazy: bool = False) -> dict[str, set[str]]:
+def import_graph(*, lazy: bool = False, scope: frozenset[str] | None = None) -> dict[str, set[str]]:
+    """``{module: modules it imports}`` over :data:`MODULES`: the imports that run at import time (the default),
+    every import the source names (``lazy=True``: in functions and under ``TYPE_CHECKING`` too), or those of
+    ``scope`` (:data:`RUNTIME`: every import that can run, at import time or inside a function)."""
+    scope = scope or (EVERY if lazy else MODULE_LEVEL)
     graph = {}
     for module, (path, _) in MODULES.items():
-        tree = ast.parse(path.read_text(), filename=str(path))
-        graph[module] = {t for node in _import_nodes(tree.body, lazy=lazy) for t in _targets(module, node)}
+        imports, _ = scan(ast.parse(path.read_text(), filename=str(path)))
+        graph[module] = {t for node, where in imports if where in scope for t in _targets(module, node)}
     return graph
 
 
