@@ -150,11 +150,11 @@ def _provider_kernels(device_type: str) -> tuple[dict[ActScale, QuantImpl], str,
     ``activation_quant_devices``, is usable (not disabled, blocked or unavailable) and answers; ``({}, "", reasons)``
     when none does, ``reasons`` saying why each provider asked could not serve. A provider whose hook raises anything
     but :class:`~fp8_backends.core.errors.BackendUnavailableError` (a broken install) is passed over with a WARNING."""
-    from fp8_backends.registry import discovery, resolution
+    from fp8_backends.registry import candidates, discovery
 
     entries = [e for kind in ("norm_quant", "gemm") for e in discovery.discover(kind)
                if e.cls is not None and device_type in getattr(e.cls, "activation_quant_devices", ())]
-    entries.sort(key=lambda e: (*resolution.rank_key(e), e.kind))
+    entries.sort(key=lambda e: (*candidates.rank_key(e), e.kind))
     reasons: list[str] = []
     for entry in entries:
         who = f"{entry.name} ({entry.dist})"
