@@ -258,8 +258,13 @@ def test_the_walk_sees_the_library():
     assert "fp8_backends.registry.discovery" in graph["fp8_backends.registry.resolution"]  # relative import
     assert "fp8_backends.registry" in graph["fp8_backends.registry.resolution"]  # its package runs first
     # lazy imports are not module-level edges, but the lazy walk sees them
-    assert "fp8_backends.registry.platform" not in graph["fp8_backends.core.backend"]
-    assert "fp8_backends.registry.platform" in import_graph(lazy=True)["fp8_backends.core.backend"]
+    assert "fp8_backends.tuning.first_use" not in graph["fp8_backends.registry.lockfile_policy"]
+    assert "fp8_backends.tuning.first_use" in import_graph(scope=RUNTIME)["fp8_backends.registry.lockfile_policy"]
+    # an importlib.import_module call with a literal name is an import too
+    assert "fp8_backends.registry.defaults" in import_graph(scope=RUNTIME)["fp8_backends.registry.resolution"]
+    # TYPE_CHECKING imports never run: only the walk of every name (lazy=True) sees them
+    assert "fp8_backends.core.types" in import_graph(lazy=True)["fp8_backends"]
+    assert "fp8_backends.core.types" not in import_graph(scope=RUNTIME)["fp8_backends"]
 
 
 def test_the_folder_tells_the_floor():
