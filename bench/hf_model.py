@@ -83,7 +83,7 @@ def variant_base(name: str) -> str:
     """``"fp8_static_sl+backend=triton"`` -> ``"fp8_static_sl"``: an FP8 variant may carry ``+key=value``
     arguments of :func:`fp8_backends.quantize_model` (``backend``, ``objective``), to compare choices in one run, and
     ``+plan=general``: compiled calls trace the general path instead of each layer's traced plan (an A/B of
-    :mod:`fp8_backends.traced_plan`); ``+host_context=US``: the layers are resolved with
+    :mod:`fp8_backends.layers.traced_plan`); ``+host_context=US``: the layers are resolved with
     ``FP8_SELECTION_HOST_CONTEXT_US=US`` (an A/B of the host objective's context, ``0``: only the provider's own
     host time);
     ``+fuse=0``: ``quantize_model(fuse=False)``, every linear its own GEMM (an A/B of fused q/k/v and gate/up)."""

@@ -69,9 +69,9 @@ _EXPORTS = {
     "add_cli_args": "fp8_backends.cli",
     "fp8_linear": "fp8_backends.functional",
     "quantize_model": "fp8_backends.convert",
-    "Fp8LinearSlice": "fp8_backends.shared_input",
+    "Fp8LinearSlice": "fp8_backends.layers.shared_input",
     "QuantizeSummary": "fp8_backends.convert",
-    "static_launch_triton_ops": "fp8_backends.inductor_setup",
+    "static_launch_triton_ops": "fp8_backends.layers.inductor_setup",
     "backends_from_args": "fp8_backends.cli",
 }
 
@@ -125,8 +125,8 @@ if TYPE_CHECKING:
         WeightScale,
     )
     from .functional import fp8_linear
+    from .layers.shared_input import Fp8LinearSlice
     from .registry.per_m import PerMGemm, init_fp8_gemm
     from .registry.platform import Platform, detect_platform, list_platforms, simulate_platform
     from .registry.registration import Registration, register_provider, registered_providers, unregister_provider
     from .registry.resolution import resolve_gemm_backend, resolve_norm_quant_backend
-    from .shared_input import Fp8LinearSlice

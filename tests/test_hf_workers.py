@@ -172,7 +172,7 @@ def test_a_fuse_variant_builds_the_unfused_layout_beside_the_fused_one(workers):
     from torch import nn
 
     from fp8_backends.layers import Fp8Linear
-    from fp8_backends.shared_input import Fp8LinearSlice
+    from fp8_backends.layers.shared_input import Fp8LinearSlice
 
     _, hf_model = workers
     assert hf_model.variant_kwargs("fp8_dynamic+fuse=0") == {"fuse": "0"}

@@ -46,7 +46,7 @@ PACKAGE_INIT = "fp8_backends"
 FLOOR_NAMES = ("core contract", "registry", "providers", "engine layer and tools")
 #: tools of floor 3 that import a provider's modules (lazily) for its toolchain: ``python -m fp8_backends.build
 #: cutlass`` builds the CUTLASS kernels; shipped-data provenance records the CUTLASS headers and nvcc
-TOOLS_NAMING_PROVIDERS = frozenset({"fp8_backends.build", "fp8_backends.provenance"})
+TOOLS_NAMING_PROVIDERS = frozenset({"fp8_backends.build", "fp8_backends.tuning.provenance"})
 
 
 def folder_floor(path: Path) -> int:

@@ -485,8 +485,8 @@ class Fp8GemmBackend(ProviderBase):
     def traced_extra_keys(self, prepared: PreparedWeight, act_scale: ActScale) -> frozenset[str] | None:
         """The keys of ``prepared.extra`` that :meth:`gemm_impl` may read for activations quantized in
         ``act_scale`` mode, or ``None`` (the default): any of them. A compiled layer
-        (:mod:`fp8_backends.traced_plan`) hands ``gemm_impl`` only these: each tensor it hands over is a graph input
-        that Dynamo guards at every call of the compiled model, whether the kernel reads it or not."""
+        (:mod:`fp8_backends.layers.traced_plan`) hands ``gemm_impl`` only these: each tensor it hands over is a graph
+        input that Dynamo guards at every call of the compiled model, whether the kernel reads it or not."""
         return None
 
     #: activation modes :meth:`fused_quant_gemm_impl` may serve (empty: the provider never fuses)

@@ -3,7 +3,7 @@
 A GEMM provider's ``gemm_impl`` returns a ``torch.Tensor`` ``[M, N]`` in the requested output dtype on the input's
 device; a norm-quant provider's ``*_impl`` hooks write into the ``out`` buffer the base class allocated and return
 ``None`` (or that buffer). The callers (:meth:`Fp8GemmBackend.gemm <fp8_backends.core.backend.Fp8GemmBackend.gemm>`,
-the norm-quant methods and a layer's :class:`~fp8_backends.eager_plan.EagerPlan`) test this inline, with a few
+the norm-quant methods and a layer's :class:`~fp8_backends.layers.eager_plan.EagerPlan`) test this inline, with a few
 attribute comparisons (metadata only, never a host-device sync), and call this module only when a comparison
 fails. It then explains the failure as a :class:`~fp8_backends.core.errors.ProviderOutputError` naming the provider and
 the distribution that installed it, or accepts the result (a tensor subclass, e.g. a fake tensor, with the right

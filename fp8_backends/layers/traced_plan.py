@@ -37,16 +37,16 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from . import quant
-from .core import output_contract, reference
-from .core.errors import InvalidInputError
-from .core.types import ActScale, Fp8Dtype, PreparedWeight, QuantizedActivation
-from .functional import unpack_quantized
+from .. import quant
+from ..core import output_contract, reference
+from ..core.errors import InvalidInputError
+from ..core.types import ActScale, Fp8Dtype, PreparedWeight, QuantizedActivation
+from ..functional import unpack_quantized
 
 if TYPE_CHECKING:
     import torch
 
-    from .registry.per_m import PerMGemm
+    from ..registry.per_m import PerMGemm
 
 #: Objects many layers share (providers, enum members, dtypes, devices), each under one small int: a plan reads them
 #: as ``_SHARED[i]``, so Dynamo guards each once for the whole model instead of once per layer, plus an ``a is b``
@@ -244,7 +244,7 @@ TracedNorm = Callable[[Any, Any], Any]
 def norm_input_failed(x: Any, residual: Any, h: int, dtype: torch.dtype, device: torch.device) -> None:
     """Raise the library's error for a norm input the generated check refused (``x`` or ``residual``): the eager
     forward's messages, and the device's."""
-    from .core import validation as V
+    from ..core import validation as V
 
     V.require_norm_input(x, residual, h, dtype)
     raise InvalidInputError(f"x is on {x.device} but the norm's weight is on {device}")
