@@ -29,6 +29,8 @@ the default activation-quant kernels come to :mod:`fp8_backends.quant` through a
 from __future__ import annotations
 
 import ast
+import functools
+import importlib
 from pathlib import Path
 
 import pytest
@@ -143,16 +145,14 @@ def _import_nodes(body: list[ast.stmt], *, lazy: bool) -> list[ast.Import | ast.
     return [node for node, where in scan(ast.Module(body=body, type_ignores=[]))[0] if where in scope]
 
 
+@functools.cache
 def lazy_exports(module: str) -> dict[str, str]:
-    """A package's lazy export table (``_EXPORTS = {"name": "module", ...}`` in its ``__init__``, imported on first
-    attribute access by its ``__getattr__``), or ``{}``."""
+    """A package's lazy export table (``_EXPORTS``: name -> the module defining it, imported on first attribute access
+    by its ``__getattr__``), or ``{}``. Read from the imported package: a package ``__init__`` imports nothing heavy."""
     path, is_package = MODULES[module]
-    if not is_package:
+    if not is_package or "_EXPORTS" not in path.read_text():
         return {}
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in node.targets):
-            return ast.literal_eval(node.value)
-    return {}
+    return dict(importlib.import_module(module)._EXPORTS)
 
 
 def _targets(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
