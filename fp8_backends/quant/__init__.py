@@ -43,10 +43,10 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .core import validation as V
-from .core.errors import BackendUnavailableError, InvalidInputError
-from .core.oplib import LazyOps
-from .core.types import ActScale, Fp8Dtype, OutDtype, QuantizedActivation
+from ..core import validation as V
+from ..core.errors import BackendUnavailableError, InvalidInputError
+from ..core.oplib import LazyOps
+from ..core.types import ActScale, Fp8Dtype, OutDtype, QuantizedActivation
 
 if TYPE_CHECKING:
     import torch
@@ -115,19 +115,19 @@ def set_compile_mode(mode: str) -> str:
 
 # ---------------------------------------------------------------------------------------------- ops
 def _reference_static(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    from .core import reference
+    from ..core import reference
 
     return reference.quantize_static(x, scale, fp8_dtype)
 
 
 def _reference_dynamic(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    from .core import reference
+    from ..core import reference
 
     return reference.quantize_dynamic_per_tensor(x, fp8_dtype)
 
 
 def _reference_per_token(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    from .core import reference
+    from ..core import reference
 
     return reference.quantize_per_token(x, fp8_dtype)
 
@@ -311,7 +311,7 @@ def quantize_static(x: torch.Tensor, scale: torch.Tensor, dtype: object = Fp8Dty
     V.check_scale_values(scale, "scale")
     fp8 = _fp8(dtype)
     if _inline():
-        from .core import reference
+        from ..core import reference
 
         return reference.quantize_static(x, scale, fp8)
     return _call(ActScale.PER_TENSOR_STATIC)(x, scale, fp8)
@@ -323,7 +323,7 @@ def quantize_dynamic(x: torch.Tensor, dtype: object = Fp8Dtype.E4M3FN) -> tuple[
     _check_x(x)
     fp8 = _fp8(dtype)
     if _inline():
-        from .core import reference
+        from ..core import reference
 
         return reference.quantize_dynamic_per_tensor(x, fp8)
     return _call(ActScale.PER_TENSOR_DYNAMIC)(x, fp8)
@@ -334,7 +334,7 @@ def quantize_per_token(x: torch.Tensor, dtype: object = Fp8Dtype.E4M3FN) -> tupl
     _check_x(x)
     fp8 = _fp8(dtype)
     if _inline():
-        from .core import reference
+        from ..core import reference
 
         return reference.quantize_per_token(x, fp8)
     return _call(ActScale.PER_TOKEN)(x, fp8)
