@@ -18,8 +18,9 @@ one tuple (:attr:`PerMGemm.split` is False) and no call ever asks whether a grap
 
 Consumers: :class:`~fp8_backends.layers.Fp8Linear` holds one (``layer.kernel``), binds its rows into its eager plan
 at load time (:func:`fp8_backends.layers.eager_plan.bind_per_m`: no per-call cost) and hands it to
-:func:`~fp8_backends.functional.apply_fp8_linear` on every other path (``torch.compile`` traces :meth:`PerMGemm.pick`
-with M static); :func:`~fp8_backends.functional.fp8_linear` takes one in place of a prepared weight.
+:func:`~fp8_backends.layers.general_path.apply_fp8_linear` on every other path (``torch.compile`` traces
+:meth:`PerMGemm.pick` with M static); :func:`~fp8_backends.functional.fp8_linear` takes one in place of a prepared
+weight.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ and ``host`` choices disagree: :attr:`~fp8_backends.registry.per_m.PerMGemm.spli
 ``torch.cuda.is_current_stream_capturing()`` and runs the graph rows while a graph is captured, the host rows
 otherwise. A composite whose choices agree binds one set and never asks.
 
-The general path (:func:`fp8_backends.functional.apply_fp8_linear`) still serves every other call: under
+The general path (:func:`~.general_path.apply_fp8_linear`) still serves every other call: under
 ``torch.compile`` (where it is what Dynamo traces: the quantization as torch ops Inductor fuses into the producer,
 the GEMM as the provider's op), under a dispatch mode or tensor subclass, a
 :class:`~fp8_backends.core.types.QuantizedActivation` input, an empty input, or anything the plan's checks refuse

@@ -43,9 +43,9 @@ from ..core.types import (
     QuantizedActivation,
     WeightScale,
 )
-from ..functional import apply_fp8_linear
 from ..registry.per_m import PerMGemm, init_fp8_gemm
 from .eager_plan import EagerPlan, bind_per_m
+from .general_path import apply_fp8_linear
 from .traced_plan import TracedNorm, TracedPlan, bind_traced, bind_traced_norm
 
 if TYPE_CHECKING:

@@ -300,6 +300,27 @@ def _inline() -> bool:
     return _compile_mode == "inline" and torch.compiler.is_compiling()
 
 
+def quantize_checked(x: torch.Tensor, mode: ActScale, scale: torch.Tensor | None = None,
+                     dtype: object = Fp8Dtype.E4M3FN) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q [M, K], scale)`` of ``x`` quantized in ``mode`` (an :class:`ActScale`), for callers that checked ``x``
+    (a ``[M, K]`` bf16/fp16/fp32 tensor) and, static, ``scale`` (fp32, one value, on ``x``'s device) themselves, as
+    the public functions below and a linear's general path (:mod:`fp8_backends.layers.general_path`) do: nothing is
+    checked again. Under ``torch.compile`` in compile mode ``"inline"`` the reference torch code (which the compiler
+    fuses into the producer), otherwise the mode's op."""
+    fp8 = _fp8(dtype)
+    if _inline():
+        from ..core import reference
+
+        if mode is ActScale.PER_TENSOR_STATIC:
+            return reference.quantize_static(x, scale, fp8), scale
+        if mode is ActScale.PER_TENSOR_DYNAMIC:
+            return reference.quantize_dynamic_per_tensor(x, fp8)
+        return reference.quantize_per_token(x, fp8)
+    if mode is ActScale.PER_TENSOR_STATIC:
+        return _call(mode)(x, scale, fp8), scale
+    return _call(mode)(x, fp8)
+
+
 def quantize_static(x: torch.Tensor, scale: torch.Tensor, dtype: object = Fp8Dtype.E4M3FN) -> torch.Tensor:
     """``clamp(x / scale, ±fmax) -> fp8``. ``x: [M, K]`` bf16/fp16/fp32; ``scale``: fp32, one value
     (0-d, ``[1]`` or ``[1, 1]``) on ``x``'s device. Returns ``[M, K]`` in ``dtype`` (e4m3fn default)."""
@@ -309,35 +330,20 @@ def quantize_static(x: torch.Tensor, scale: torch.Tensor, dtype: object = Fp8Dty
         raise InvalidInputError(f"a static scale holds one value, got shape {tuple(scale.shape)}")
     V.require_same_device(scale, "scale", x.device)
     V.check_scale_values(scale, "scale")
-    fp8 = _fp8(dtype)
-    if _inline():
-        from ..core import reference
-
-        return reference.quantize_static(x, scale, fp8)
-    return _call(ActScale.PER_TENSOR_STATIC)(x, scale, fp8)
+    return quantize_checked(x, ActScale.PER_TENSOR_STATIC, scale, dtype)[0]
 
 
 def quantize_dynamic(x: torch.Tensor, dtype: object = Fp8Dtype.E4M3FN) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-tensor dynamic quantization of ``x: [M, K]``; returns ``(q [M, K], scale [1] fp32)``,
     the scale computed on ``x``'s device."""
     _check_x(x)
-    fp8 = _fp8(dtype)
-    if _inline():
-        from ..core import reference
-
-        return reference.quantize_dynamic_per_tensor(x, fp8)
-    return _call(ActScale.PER_TENSOR_DYNAMIC)(x, fp8)
+    return quantize_checked(x, ActScale.PER_TENSOR_DYNAMIC, None, dtype)
 
 
 def quantize_per_token(x: torch.Tensor, dtype: object = Fp8Dtype.E4M3FN) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token (row) dynamic quantization of ``x: [M, K]``; returns ``(q [M, K], scale [M, 1] fp32)``."""
     _check_x(x)
-    fp8 = _fp8(dtype)
-    if _inline():
-        from ..core import reference
-
-        return reference.quantize_per_token(x, fp8)
-    return _call(ActScale.PER_TOKEN)(x, fp8)
+    return quantize_checked(x, ActScale.PER_TOKEN, None, dtype)
 
 
 def quantize(
@@ -368,6 +374,7 @@ __all__ = [
     "op_call",
     "quant_op",
     "quantize",
+    "quantize_checked",
     "quantize_dynamic",
     "quantize_per_token",
     "quantize_static",
