@@ -2,10 +2,15 @@
 
 The graph is read statically (``ast``) from every module of the three folders the package is installed from
 (``fp8_backends/``, ``registry/`` as ``fp8_backends.registry``, ``providers/`` as ``fp8_backends.providers``; see
-``[tool.setuptools.package-dir]``). An edge is a *module-level* import: what runs when the module is imported,
-including imports in class bodies, ``try`` blocks and the ``else`` of ``if TYPE_CHECKING``, and the parent packages
-an import of a submodule runs. Imports inside functions (the library's lazy imports: torch, kernel modules, the
-registry asked at call time) and under ``if TYPE_CHECKING`` are not edges.
+``[tool.setuptools.package-dir]``), and of ``bench/``. An import statement is an edge to the modules it runs (the
+parent packages an import of a submodule runs included; a name taken from a package's lazy export table, the module
+that defines it), and so is an ``importlib.import_module("a.b")`` call with a literal name. Where it sits decides when
+it runs (:data:`EVERY`): at import time (the *module-level* graph: module and class bodies, ``try`` blocks, the
+``else`` of ``if TYPE_CHECKING``), inside a function (the library's lazy imports: torch, kernel modules, the registry
+asked at call time), or never (``if TYPE_CHECKING``). Two graphs must have no cycle: the module-level one (and the
+same between packages), and the *runtime* one, every import that can run, at import time or inside a function, over
+the library and ``bench/``. An ``import_module`` call whose name is computed hides its edge from this walk: only the
+lazy export tables of package ``__init__`` s make one (:data:`DYNAMIC_IMPORTS`).
 
 The floors, bottom up (an edge may stay on its floor or go down, never up). A module's floor is its folder's
 (``FOLDER_FLOORS``), so a module put in the wrong folder fails these tests:
@@ -21,9 +26,16 @@ The floors, bottom up (an edge may stay on its floor or go down, never up). A mo
    conversion, CLI flags, the listing, the tuner (``tuning/``) and its CLI, builds, shipped-data tools, the
    conformance kit (``testing/``).
 
-Beyond the module-level rule, the contract and the registry never name a provider module at all (not even lazily):
-the default activation-quant kernels come to :mod:`fp8_backends.quant` through a provider hook. Only the tools in
-``TOOLS_NAMING_PROVIDERS`` import a provider module (lazily): they serve that provider's toolchain.
+Beyond the module-level rule, the core names no module above it at all, not even lazily or for type checkers: what it
+needs of the registry (the platform detection of ``supports()``, the distribution of a provider class) the registry
+installs as hooks when imported. The contract and the registry never name a provider module (the default
+activation-quant kernels come to :mod:`fp8_backends.quant` through a provider hook); only the tools in
+``TOOLS_NAMING_PROVIDERS`` import a provider module (lazily): they serve that provider's toolchain. The few lazy
+imports up the floors that remain are named in :data:`LAZY_IMPORTS_UP`.
+
+Floor 3 is layered too (the package graph keeps it so): ``quant/`` (the activation-quant ops) under ``layers/`` (the
+modules and how they run), under the top-level modules (``functional``, ``convert``, ``cli`` and the command-line
+tools ``list``, ``tune``, ``build``, ``selection_data``), beside ``tuning/`` and ``testing/``.
 """
 
 from __future__ import annotations
@@ -49,6 +61,15 @@ FLOOR_NAMES = ("core contract", "registry", "providers", "engine layer and tools
 #: tools of floor 3 that import a provider's modules (lazily) for its toolchain: ``python -m fp8_backends.build
 #: cutlass`` builds the CUTLASS kernels; shipped-data provenance records the CUTLASS headers and nvcc
 TOOLS_NAMING_PROVIDERS = frozenset({"fp8_backends.build", "fp8_backends.tuning.provenance"})
+#: the imports up the floors that run (lazily: none at module level), each with why it cannot go down
+LAZY_IMPORTS_UP = {
+    # FP8_BACKENDS_TUNE=1: the lockfile policy of auto tunes a problem the lockfile lacks with the tuner
+    ("fp8_backends.registry.lockfile_policy", "fp8_backends.tuning.first_use"),
+    # a helper that installs the Triton quant kernels as the quant ops' implementation (tests, benchmarks)
+    ("fp8_backends.providers.triton.quant_kernels", "fp8_backends.quant"),
+}
+#: the modules whose ``import_module`` calls compute their name: the lazy export tables (see :func:`lazy_exports`)
+DYNAMIC_IMPORTS = frozenset({"fp8_backends"})
 
 
 def folder_floor(path: Path) -> int:
@@ -84,6 +105,21 @@ def library_modules() -> dict[str, tuple[Path, bool]]:
 
 
 MODULES = library_modules()
+
+
+def bench_modules() -> dict[str, tuple[Path, bool]]:
+    """``{module name: (file, is a package __init__)}`` for the modules of ``bench/`` (not its results)."""
+    base = ROOT / "bench"
+    found = {"bench": (base / "__init__.py", True)}
+    for path in sorted(base.glob("*.py")):
+        if path.name != "__init__.py":
+            found[f"bench.{path.stem}"] = (path, False)
+    return found
+
+
+BENCH_MODULES = bench_modules()
+#: the library and ``bench/``: what the runtime graph walks
+ALL_MODULES = {**MODULES, **BENCH_MODULES}
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -138,13 +174,6 @@ def scan(tree: ast.Module) -> tuple[list[tuple[ast.Import | ast.ImportFrom, str]
     return found, dynamic
 
 
-def _import_nodes(body: list[ast.stmt], *, lazy: bool) -> list[ast.Import | ast.ImportFrom]:
-    """The import statements of ``body`` that run at import time (``lazy=False``), or every one (``lazy=True``:
-    function bodies and ``TYPE_CHECKING`` blocks too)."""
-    scope = EVERY if lazy else MODULE_LEVEL
-    return [node for node, where in scan(ast.Module(body=body, type_ignores=[]))[0] if where in scope]
-
-
 @functools.cache
 def lazy_exports(module: str) -> dict[str, str]:
     """A package's lazy export table (``_EXPORTS``: name -> the module defining it, imported on first attribute access
@@ -155,10 +184,11 @@ def lazy_exports(module: str) -> dict[str, str]:
     return dict(importlib.import_module(module)._EXPORTS)
 
 
-def _targets(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
-    """The modules an import statement of ``module`` runs (the named modules and their parent packages; a name taken
-    from a package's lazy export table, the module that defines it)."""
-    path, is_package = MODULES[module]
+def _targets(module: str, node: ast.Import | ast.ImportFrom,
+             table: dict[str, tuple[Path, bool]] = MODULES) -> set[str]:
+    """The modules of ``table`` an import statement of ``module`` runs (the named modules and their parent packages;
+    a name taken from a package's lazy export table, the module that defines it)."""
+    path, is_package = table[module]
     named: set[str] = set()
     if isinstance(node, ast.Import):
         named = {alias.name for alias in node.names}
@@ -172,25 +202,33 @@ def _targets(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
         exports = lazy_exports(source) if source in MODULES else {}
         for alias in node.names:
             sub = f"{source}.{alias.name}"
-            named.add(sub if sub in MODULES else source)
-            if sub not in MODULES and alias.name in exports:
+            named.add(sub if sub in table else source)
+            if sub not in table and alias.name in exports:
                 named.add(exports[alias.name])
     out = set()
     for name in named:
         parts = name.split(".")
         out |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)}  # importing a.b.c runs a and a.b first
-    return {t for t in out if t in MODULES and t != module}
+    return {t for t in out if t in table and t != module}
 
 
-def import_graph(*, lazy: bool = False, scope: frozenset[str] | None = None) -> dict[str, set[str]]:
-    """``{module: modules it imports}`` over :data:`MODULES`: the imports that run at import time (the default),
-    every import the source names (``lazy=True``: in functions and under ``TYPE_CHECKING`` too), or those of
-    ``scope`` (:data:`RUNTIME`: every import that can run, at import time or inside a function)."""
+@functools.cache
+def _scan(path: Path) -> tuple[tuple[tuple[ast.Import | ast.ImportFrom, str], ...], tuple[str, ...]]:
+    imports, dynamic = scan(ast.parse(path.read_text(), filename=str(path)))
+    return tuple(imports), tuple(dynamic)
+
+
+def import_graph(*, lazy: bool = False, scope: frozenset[str] | None = None,
+                 table: dict[str, tuple[Path, bool]] = MODULES) -> dict[str, set[str]]:
+    """``{module: modules it imports}`` over ``table`` (:data:`MODULES`, or :data:`ALL_MODULES` with ``bench/``):
+    the imports that run at import time (the default), every import the source names (``lazy=True``: in functions
+    and under ``TYPE_CHECKING`` too), or those of ``scope`` (:data:`RUNTIME`: every import that can run, at import
+    time or inside a function)."""
     scope = scope or (EVERY if lazy else MODULE_LEVEL)
     graph = {}
-    for module, (path, _) in MODULES.items():
-        imports, _ = scan(ast.parse(path.read_text(), filename=str(path)))
-        graph[module] = {t for node, where in imports if where in scope for t in _targets(module, node)}
+    for module, (path, _) in table.items():
+        imports, _ = _scan(path)
+        graph[module] = {t for node, where in imports if where in scope for t in _targets(module, node, table)}
     return graph
 
 
@@ -265,6 +303,27 @@ def test_the_walk_sees_the_library():
     # TYPE_CHECKING imports never run: only the walk of every name (lazy=True) sees them
     assert "fp8_backends.core.types" in import_graph(lazy=True)["fp8_backends"]
     assert "fp8_backends.core.types" not in import_graph(scope=RUNTIME)["fp8_backends"]
+    # a name from a package's lazy export table is an edge to the module that defines it
+    assert "fp8_backends.layers.modules" in import_graph(scope=RUNTIME)["fp8_backends.functional"]
+    # bench/ is walked with the library
+    runtime = import_graph(scope=RUNTIME, table=ALL_MODULES)
+    assert {"bench.common", "bench.hf_bench"} <= runtime["bench.hf_workers"]
+    assert "fp8_backends.tuning.timing" in runtime["bench.common"]
+
+
+def test_the_walk_sees_every_kind_of_import():
+    tree = ast.parse(
+        "import a\n"
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    import b\nelse:\n    import c\n"
+        "class K:\n    import d\n    def m(self):\n        import e\n"
+        "def f():\n    importlib.import_module('g')\n    importlib.import_module(name)\n    lambda: __import__('h')\n"
+        "try:\n    import i\nexcept ImportError:\n    pass\n")
+    imports, dynamic = scan(tree)
+    where = {alias.name: w for node, w in imports if isinstance(node, ast.Import) for alias in node.names}
+    assert where == {"a": "module", "b": "type_checking", "c": "module", "d": "module", "e": "function",
+                     "g": "function", "i": "module"}
+    assert dynamic == ["importlib.import_module(name)"]
 
 
 def test_the_folder_tells_the_floor():
@@ -304,6 +363,43 @@ def test_a_module_in_the_wrong_folder_fails():
 def test_no_import_cycle_between_modules():
     found = cycles(import_graph())
     assert not found, "module-level import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_no_import_cycle_counting_imports_inside_functions():
+    """Every import that can run (at import time or inside a function, ``import_module`` with a literal name), over
+    the library and ``bench/``: no two modules reach each other. Break a cycle by moving what both need down (a
+    module of its own, or the lower floor), or by a hook the upper side installs; never by hiding the name."""
+    found = cycles(import_graph(scope=RUNTIME, table=ALL_MODULES))
+    assert not found, "import cycles (imports inside functions included):\n" + "\n".join(
+        " <-> ".join(c) for c in found)
+
+
+def test_the_core_names_nothing_above_it():
+    """Not at import time, not inside a function, not for type checkers (the package ``__init__``'s mirror of its
+    lazy export table aside: it is floor 0 only for what it runs)."""
+    up = sorted(f"{m} -> {t} (floor {floor(t)})" for m, targets in import_graph(lazy=True).items()
+                if floor(m) == 0 and m != PACKAGE_INIT for t in targets if floor(t) > 0)
+    up += sorted(f"{PACKAGE_INIT} -> {t} (floor {floor(t)})" for t in import_graph(scope=RUNTIME)[PACKAGE_INIT]
+                 if floor(t) > 0)
+    assert not up, "the core names modules above it:\n" + "\n".join(up)
+
+
+def test_the_lazy_imports_up_the_floors_are_the_known_few():
+    graph = import_graph(scope=RUNTIME)
+    # a package run on the way to its module (fp8_backends.tuning for tuning.first_use) comes with that module
+    up = {(m, t) for m, targets in graph.items() for t in targets if floor(t) > floor(m)
+          and not any(other.startswith(t + ".") for other in targets)}
+    assert up == LAZY_IMPORTS_UP, (f"new lazy imports up the floors: {sorted(up - LAZY_IMPORTS_UP)} (move the piece "
+                                   f"down, or give the lower floor a hook)" if up - LAZY_IMPORTS_UP
+                                   else f"LAZY_IMPORTS_UP is stale: {sorted(LAZY_IMPORTS_UP - up)}")
+
+
+def test_only_the_lazy_export_tables_compute_a_module_name():
+    """An ``import_module`` call with a computed name hides its edge from this walk (a string-built path is how a
+    cycle would hide): only the lazy export helper of the package ``__init__`` computes one, and its tables are read
+    as edges (:func:`lazy_exports`)."""
+    computing = {m for m, (path, _) in ALL_MODULES.items() if _scan(path)[1]}
+    assert computing == DYNAMIC_IMPORTS, {m: _scan(ALL_MODULES[m][0])[1] for m in computing ^ DYNAMIC_IMPORTS}
 
 
 def package_of(module: str) -> str:
