@@ -43,6 +43,7 @@ from __future__ import annotations
 import ast
 import functools
 import importlib
+import re
 from pathlib import Path
 
 import pytest
@@ -449,3 +450,25 @@ def test_only_the_toolchain_tools_name_a_provider():
 def test_quant_names_no_provider():
     source = (ROOT / "fp8_backends" / "quant" / "__init__.py").read_text()
     assert "fp8_backends.providers" not in source and "triton" not in source.split('"""', 2)[2]
+
+
+MODULE_TABLE = ROOT / "docs" / "architecture-modules.md"
+
+
+def _has_code(path: Path) -> bool:
+    """Whether a module holds more than its docstring (an ``__init__`` that only describes its package does not)."""
+    body = ast.parse(path.read_text()).body
+    return any(not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)) for node in body)
+
+
+def test_the_module_table_lists_every_module():
+    """``docs/architecture-modules.md`` names every module of the library's folders by its path (one line each; a
+    package ``__init__`` only when it holds code), and no module that is gone."""
+    text = MODULE_TABLE.read_text()
+    files = sorted(path.relative_to(ROOT).as_posix() for path, _ in MODULES.values()
+                   if path.name != "__init__.py" or _has_code(path))
+    missing = [f for f in files if f"`{f}`" not in text]
+    assert not missing, f"not in {MODULE_TABLE.relative_to(ROOT)}: {missing}"
+    named = {m for m in re.findall(r"`((?:fp8_backends|registry|providers)/[\w/]+\.py)`", text)}
+    stale = sorted(f for f in named if not (ROOT / f).exists())
+    assert not stale, f"{MODULE_TABLE.relative_to(ROOT)} names modules that do not exist: {stale}"
