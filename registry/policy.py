@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("fp8_backends")
 
+
 class PolicyPick(NamedTuple):
     """A policy's answer: the provider entry (one of the serving candidates'), its options and a note for the
     log and the listing (where the choice came from). A plain ``(entry, options, note)`` tuple is accepted too."""

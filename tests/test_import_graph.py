@@ -16,8 +16,9 @@ The floors, bottom up (an edge may stay on its floor or go down, never up). A mo
 (``FOLDER_FLOORS``), so a module put in the wrong folder fails these tests:
 
 0. ``fp8_backends/core/`` (``fp8_backends.core``): the provider contract and what everything shares: types, errors,
-   settings, capabilities, validation, the output contract, the reference, the provider bases, the op library, the
-   bucket tables, the text table; with them the ``fp8_backends`` package ``__init__``, whose exports are lazy;
+   settings, the selection objective, the platform record, capabilities, validation, the output contract, the
+   reference, the provider bases, the op library, the bucket tables, the text table; with them the ``fp8_backends``
+   package ``__init__``, whose exports are lazy;
 1. ``registry/`` (``fp8_backends.registry``): platforms, discovery and in-process registration, resolution, the
    selection policies and their data;
 2. ``providers/`` (``fp8_backends.providers``): the built-in providers, which register through entry points as a
@@ -36,6 +37,7 @@ imports up the floors that remain are named in :data:`LAZY_IMPORTS_UP`.
 Floor 3 is layered too (the package graph keeps it so): ``quant/`` (the activation-quant ops) under ``layers/`` (the
 modules and how they run), under the top-level modules (``functional``, ``convert``, ``cli`` and the command-line
 tools ``list``, ``tune``, ``build``, ``selection_data``), beside ``tuning/`` and ``testing/``.
+``docs/architecture-modules.md`` names every module, one line each; the last test here keeps it complete.
 """
 
 from __future__ import annotations

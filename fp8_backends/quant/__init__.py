@@ -315,7 +315,8 @@ def quantize_checked(x: torch.Tensor, mode: ActScale, scale: torch.Tensor | None
             return reference.quantize_static(x, scale, fp8), scale
         if mode is ActScale.PER_TENSOR_DYNAMIC:
             return reference.quantize_dynamic_per_tensor(x, fp8)
-        return reference.quantize_per_token(x, fp8)
+        if mode is ActScale.PER_TOKEN:
+            return reference.quantize_per_token(x, fp8)
     if mode is ActScale.PER_TENSOR_STATIC:
         return _call(mode)(x, scale, fp8), scale
     return _call(mode)(x, fp8)
