@@ -2,7 +2,7 @@
 
 Dynamo guards every Python value a traced call reads, and checks those guards at every call of the compiled
 graph, on the host, before any kernel is launched. ``nn.Linear`` costs ~10 guards (its module, its weight, its bias);
-through the general path (:func:`fp8_backends.functional.apply_fp8_linear`) one ``Fp8Linear`` read ~90 values and
+through the general path (:func:`~.general_path.apply_fp8_linear`) one ``Fp8Linear`` read ~90 values and
 made ~5 tensors graph inputs with aliasing checks, and every layer that reached an object the others share (the
 provider, an enum member) added an ``a is b`` guard, a Python call. Guards cost more than a warm loop of checks
 suggests: a model step does much other host work between two checks, so the guard objects are out of the CPU's
@@ -28,7 +28,7 @@ A call validates the input only (as the eager plan does), quantizes it with the 
 op, a ``triton_op`` or ``torch._scaled_mm``. Its operands come from the plan's own quantizer, or from a
 quantized activation checked here, so :meth:`~fp8_backends.core.backend.Fp8GemmBackend.gemm`'s per-call
 validation (evaluated once at trace time, but guarded at every call) is skipped. Under ``torch.compile`` the
-rows are the ``host`` rows, as in the general path (see :func:`~fp8_backends.functional.apply_fp8_linear`).
+rows are the ``host`` rows, as in the general path (see :func:`~.general_path.apply_fp8_linear`).
 """
 
 from __future__ import annotations
@@ -37,16 +37,16 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from . import quant
-from .core import output_contract, reference
-from .core.errors import InvalidInputError
-from .core.types import ActScale, Fp8Dtype, PreparedWeight, QuantizedActivation
-from .functional import unpack_quantized
+from .. import quant
+from ..core import output_contract, reference
+from ..core.errors import InvalidInputError
+from ..core.types import ActScale, Fp8Dtype, PreparedWeight, QuantizedActivation
+from .general_path import unpack_quantized
 
 if TYPE_CHECKING:
     import torch
 
-    from .registry.per_m import PerMGemm
+    from ..registry.per_m import PerMGemm
 
 #: Objects many layers share (providers, enum members, dtypes, devices), each under one small int: a plan reads them
 #: as ``_SHARED[i]``, so Dynamo guards each once for the whole model instead of once per layer, plus an ``a is b``
@@ -244,7 +244,7 @@ TracedNorm = Callable[[Any, Any], Any]
 def norm_input_failed(x: Any, residual: Any, h: int, dtype: torch.dtype, device: torch.device) -> None:
     """Raise the library's error for a norm input the generated check refused (``x`` or ``residual``): the eager
     forward's messages, and the device's."""
-    from .core import validation as V
+    from ..core import validation as V
 
     V.require_norm_input(x, residual, h, dtype)
     raise InvalidInputError(f"x is on {x.device} but the norm's weight is on {device}")

@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .core import validation as V
-from .core.backend import Fp8GemmBackend, NormQuantBackend
-from .core.errors import InvalidInputError, InvalidTypeError, UnsupportedProblemError
-from .core.objective import SelectionObjective
-from .core.types import (
+from ..core import validation as V
+from ..core.backend import Fp8GemmBackend, NormQuantBackend
+from ..core.errors import InvalidInputError, InvalidTypeError, UnsupportedProblemError
+from ..core.objective import SelectionObjective
+from ..core.types import (
     ActScale,
     DeviceKind,
     Fp8Dtype,
@@ -43,9 +43,9 @@ from .core.types import (
     QuantizedActivation,
     WeightScale,
 )
+from ..registry.per_m import PerMGemm, init_fp8_gemm
 from .eager_plan import EagerPlan, bind_per_m
-from .functional import apply_fp8_linear
-from .registry.per_m import PerMGemm, init_fp8_gemm
+from .general_path import apply_fp8_linear
 from .traced_plan import TracedNorm, TracedPlan, bind_traced, bind_traced_norm
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ def _check_backend_request(backend: object, base: type) -> None:
         return
     if not isinstance(backend, str):
         raise InvalidTypeError(f"backend must be a name, a {base.__name__} or None, got {type(backend).__name__}")
-    from .registry.resolution import BackendRequest
+    from ..registry.resolution import BackendRequest
 
     BackendRequest.parse(backend)
 
@@ -131,7 +131,7 @@ def _check_values(t: torch.Tensor, what: str) -> None:
 def _resolve(kind: str, backend: Any, problem: Any) -> Any:
     """A provider for ``problem``: a given instance (checked: it must serve it), else a name or None
     resolved by the registry (``None``: env var or ``auto``). Raises the library's errors."""
-    from .registry.resolution import resolve_or_check
+    from ..registry.resolution import resolve_or_check
 
     return resolve_or_check(kind, backend, problem)
 
@@ -146,13 +146,13 @@ def _resolve_norm(backend: str | NormQuantBackend | None, problem: NormQuantProb
 
 def _requests_auto(kind: str, backend: str | object | None) -> bool:
     """Whether ``backend`` (``None``: the kind's environment variable, else ``auto``) asks for ``auto``."""
-    from .registry.resolution import requests_auto
+    from ..registry.resolution import requests_auto
 
     return requests_auto(kind, backend)
 
 
 def _quant_compile_mode() -> str:
-    from . import quant
+    from .. import quant
 
     return quant.compile_mode()
 
@@ -288,7 +288,7 @@ class Fp8Linear(nn.Module):
         A static ``act_scale`` needs ``input_scale`` (a calibrated float or fp32 one-value tensor).
         ``process=True`` also runs :meth:`process_weights_after_loading` (weights already in place).
         ``objective``: what ``auto`` optimizes (see the class; default ``FP8_SELECTION_OBJECTIVE``, else auto)."""
-        from .core import reference
+        from ..core import reference
 
         if not isinstance(linear, nn.Linear):
             raise InvalidInputError(f"from_linear needs an nn.Linear, got {type(linear).__name__}")
@@ -554,7 +554,7 @@ class Fp8Linear(nn.Module):
             self._traced = self._traced_plan()
 
     def _traced_plan(self) -> TracedPlan:
-        """What ``torch.compile`` traces (:mod:`fp8_backends.traced_plan`): a function generated for this layer that
+        """What ``torch.compile`` traces (:mod:`.traced_plan`): a function generated for this layer that
         checks the input, quantizes it and runs the kernel's host row for its M, the layer's numbers constants of its
         code and its tensors parameter aliases."""
         assert self.kernel is not None
@@ -567,7 +567,7 @@ class Fp8Linear(nn.Module):
                 "fp8_dtype": self.input_dtype.torch_dtype()}
 
     def _eager_plan(self) -> EagerPlan:
-        """The eager hot path (:mod:`fp8_backends.eager_plan`): quantizer and the kernel's rows bound to this layer."""
+        """The eager hot path (:mod:`.eager_plan`): quantizer and the kernel's rows bound to this layer."""
         assert self.kernel is not None
         return bind_per_m(self.kernel, **self._bindings())
 
@@ -633,8 +633,8 @@ class Fp8Linear(nn.Module):
         :class:`QuantizedActivation` in this layer's ``act_scale`` mode (used as is; its
         ``orig_dtype`` must be the model dtype). Returns ``[..., N]`` in the model dtype.
 
-        A plain eager call of a processed layer takes its :class:`~fp8_backends.eager_plan.EagerPlan` (load-time
-        bindings, per-call checks of the input only), a compiled one its traced plan (:mod:`fp8_backends.traced_plan`)
+        A plain eager call of a processed layer takes its :class:`~.eager_plan.EagerPlan` (load-time
+        bindings, per-call checks of the input only), a compiled one its traced plan (:mod:`.traced_plan`)
         (the same, with few guards); every other call the general path."""
         if _compiling():
             traced = self._traced
@@ -718,7 +718,7 @@ class RMSNormFp8Quant(nn.Module):
     at equal graph time (79.7 / 125.7 against 78.5 / 126.4 µs). A norm given an explicit provider (argument or
     ``FP8_NORM_QUANT_BACKEND``) runs that provider's op compiled too, as does every norm under
     ``set_compile_mode("op")``. The traced code is a function generated for the norm when it is processed
-    (:func:`fp8_backends.traced_plan.bind_traced_norm`; bound again whenever its consumer binds a new plan): it holds
+    (:func:`.traced_plan.bind_traced_norm`; bound again whenever its consumer binds a new plan): it holds
     ``H``, ``eps`` and the consumer's input-scale alias, so a compiled model's guards read neither the consumer nor
     the provider through the norm (CPU, a compiled block: 181 guards, 1 Python lambda, against 238 and 13 before).
 
@@ -819,7 +819,7 @@ class RMSNormFp8Quant(nn.Module):
         self._bind_traced_norm()
 
     def _bind_traced_norm(self) -> None:
-        """Bind (or drop) the compiled call of an ``auto`` norm (:func:`fp8_backends.traced_plan.bind_traced_norm`):
+        """Bind (or drop) the compiled call of an ``auto`` norm (:func:`.traced_plan.bind_traced_norm`):
         it needs a processed norm and a consumer with a traced plan, whose input-scale alias it shares. A processed
         ``auto`` norm is registered with its consumer, which calls this again whenever its own plan changes."""
         lin = self.quant_linear
@@ -863,7 +863,7 @@ class RMSNormFp8Quant(nn.Module):
         V.require_norm_input(x, residual, self.hidden_size, self.weight.dtype)
         if self.emits_quantized:
             return self._forward_quant(x, residual)
-        from .core import reference
+        from ..core import reference
 
         if residual is None:
             return reference.rmsnorm(x, self.weight, self.eps).to(x.dtype)
@@ -903,7 +903,7 @@ class RMSNormFp8Quant(nn.Module):
     ) -> QuantizedActivation | tuple[QuantizedActivation, torch.Tensor]:
         """The compiled call of an ``auto`` norm (class docstring): the reference torch code, which Inductor fuses.
         ``x2 [T, H]``; ``residual`` updated in place with ``x + residual`` in its dtype, as every provider does."""
-        from .core import reference
+        from ..core import reference
 
         h = self.hidden_size
         if residual is None:

@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .core.errors import InvalidInputError
-from .core.types import QuantizedActivation
+from ..core.errors import InvalidInputError
+from ..core.types import QuantizedActivation
 
 if TYPE_CHECKING:
-    from .layers import Fp8Linear
+    from .modules import Fp8Linear
 
 logger = logging.getLogger("fp8_backends")
 

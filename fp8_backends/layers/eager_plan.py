@@ -16,7 +16,7 @@ and ``host`` choices disagree: :attr:`~fp8_backends.registry.per_m.PerMGemm.spli
 ``torch.cuda.is_current_stream_capturing()`` and runs the graph rows while a graph is captured, the host rows
 otherwise. A composite whose choices agree binds one set and never asks.
 
-The general path (:func:`fp8_backends.functional.apply_fp8_linear`) still serves every other call: under
+The general path (:func:`~.general_path.apply_fp8_linear`) still serves every other call: under
 ``torch.compile`` (where it is what Dynamo traces: the quantization as torch ops Inductor fuses into the producer,
 the GEMM as the provider's op), under a dispatch mode or tensor subclass, a
 :class:`~fp8_backends.core.types.QuantizedActivation` input, an empty input, or anything the plan's checks refuse
@@ -28,15 +28,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .core import output_contract
-from .core.types import ActScale
+from ..core import output_contract
+from ..core.types import ActScale
 
 if TYPE_CHECKING:
     import torch
 
-    from .core.backend import Fp8GemmBackend
-    from .core.types import PreparedWeight
-    from .registry.per_m import PerMGemm
+    from ..core.backend import Fp8GemmBackend
+    from ..core.types import PreparedWeight
+    from ..registry.per_m import PerMGemm
 
 #: ``(x_q [M, K] fp8, x_scale fp32 [1] or [M, 1]) -> y [M, N]``
 GemmCall = Callable[[Any, Any], Any]
@@ -90,7 +90,7 @@ def bind_linear(backend: Fp8GemmBackend, prepared: PreparedWeight, out_dtype: to
 def bind_quantizer(mode: ActScale, fp8_dtype: torch.dtype, input_scale: torch.Tensor | None) -> Callable[[Any], Any]:
     """``x [M, K] -> (x_q [M, K] fp8, x_scale)`` in ``mode`` through :mod:`fp8_backends.quant`'s ops (their
     implementation is looked up at each call, so :func:`~fp8_backends.quant.register_quant_impl` still applies)."""
-    from . import quant
+    from .. import quant
 
     op = quant.op_call(mode)
     if mode is ActScale.PER_TENSOR_STATIC:
@@ -130,7 +130,7 @@ class EagerPlan:
         # torch.compile traces (Fp8Linear.forward takes the traced plan then), so torch's own query serves directly.
         query = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) if device.type == "cuda" else None
         if query is None:  # a torch without CUDA, or a layer on another device
-            from .registry.per_m import capturing as query
+            from ..registry.per_m import capturing as query
         self.capturing = query
 
     def __call__(self, x: Any) -> Any:

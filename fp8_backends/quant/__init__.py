@@ -45,10 +45,18 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .core import validation as V
-from .core.errors import BackendUnavailableError, InvalidInputError
-from .core.oplib import LazyOps
-from .core.types import DEFAULT_GROUP_SIZE, GROUP_SIZES, ActScale, Fp8Dtype, OutDtype, QuantizedActivation, ScaleLayout
+from ..core import validation as V
+from ..core.errors import BackendUnavailableError, InvalidInputError
+from ..core.oplib import LazyOps
+from ..core.types import (
+    DEFAULT_GROUP_SIZE,
+    GROUP_SIZES,
+    ActScale,
+    Fp8Dtype,
+    OutDtype,
+    QuantizedActivation,
+    ScaleLayout,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -120,26 +128,26 @@ def set_compile_mode(mode: str) -> str:
 
 # ---------------------------------------------------------------------------------------------- ops
 def _reference_static(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    from .core import reference
+    from ..core import reference
 
     return reference.quantize_static(x, scale, fp8_dtype)
 
 
 def _reference_dynamic(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    from .core import reference
+    from ..core import reference
 
     return reference.quantize_dynamic_per_tensor(x, fp8_dtype)
 
 
 def _reference_per_token(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    from .core import reference
+    from ..core import reference
 
     return reference.quantize_per_token(x, fp8_dtype)
 
 
 def _reference_per_token_group(x: torch.Tensor, group_size: int, scale_layout: str,
                                fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    from .core import group_scales, reference
+    from ..core import group_scales, reference
 
     q, scale = reference.quantize_per_token_group(x, group_size, fp8_dtype)
     return q, group_scales.to_layout(scale, ScaleLayout.of(scale_layout))
@@ -164,11 +172,11 @@ def _provider_kernels(device_type: str) -> tuple[dict[ActScale, QuantImpl], str,
     ``activation_quant_devices``, is usable (not disabled, blocked or unavailable) and answers; ``({}, "", reasons)``
     when none does, ``reasons`` saying why each provider asked could not serve. A provider whose hook raises anything
     but :class:`~fp8_backends.core.errors.BackendUnavailableError` (a broken install) is passed over with a WARNING."""
-    from fp8_backends.registry import discovery, resolution
+    from fp8_backends.registry import candidates, discovery
 
     entries = [e for kind in ("norm_quant", "gemm") for e in discovery.discover(kind)
                if e.cls is not None and device_type in getattr(e.cls, "activation_quant_devices", ())]
-    entries.sort(key=lambda e: (*resolution.rank_key(e), e.kind))
+    entries.sort(key=lambda e: (*candidates.rank_key(e), e.kind))
     reasons: list[str] = []
     for entry in entries:
         who = f"{entry.name} ({entry.dist})"
@@ -265,7 +273,7 @@ def _fake_per_token(x, fp8_dtype):
 
 
 def _fake_per_token_group(x, group_size, scale_layout, fp8_dtype):
-    from .core import group_scales
+    from ..core import group_scales
 
     groups = -(-x.shape[1] // group_size)
     scale = group_scales.empty_group_scale(x.shape[0], groups, ScaleLayout.of(scale_layout), x.device)
@@ -329,6 +337,28 @@ def _inline() -> bool:
     return _compile_mode == "inline" and torch.compiler.is_compiling()
 
 
+def quantize_checked(x: torch.Tensor, mode: ActScale, scale: torch.Tensor | None = None,
+                     dtype: object = Fp8Dtype.E4M3FN) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q [M, K], scale)`` of ``x`` quantized in ``mode`` (an :class:`ActScale`), for callers that checked ``x``
+    (a ``[M, K]`` bf16/fp16/fp32 tensor) and, static, ``scale`` (fp32, one value, on ``x``'s device) themselves, as
+    the public functions below and a linear's general path (:mod:`fp8_backends.layers.general_path`) do: nothing is
+    checked again. Under ``torch.compile`` in compile mode ``"inline"`` the reference torch code (which the compiler
+    fuses into the producer), otherwise the mode's op."""
+    fp8 = _fp8(dtype)
+    if _inline():
+        from ..core import reference
+
+        if mode is ActScale.PER_TENSOR_STATIC:
+            return reference.quantize_static(x, scale, fp8), scale
+        if mode is ActScale.PER_TENSOR_DYNAMIC:
+            return reference.quantize_dynamic_per_tensor(x, fp8)
+        if mode is ActScale.PER_TOKEN:
+            return reference.quantize_per_token(x, fp8)
+    if mode is ActScale.PER_TENSOR_STATIC:
+        return _call(mode)(x, scale, fp8), scale
+    return _call(mode)(x, fp8)
+
+
 def quantize_static(x: torch.Tensor, scale: torch.Tensor, dtype: object = Fp8Dtype.E4M3FN) -> torch.Tensor:
     """``clamp(x / scale, ±fmax) -> fp8``. ``x: [M, K]`` bf16/fp16/fp32; ``scale``: fp32, one value
     (0-d, ``[1]`` or ``[1, 1]``) on ``x``'s device. Returns ``[M, K]`` in ``dtype`` (e4m3fn default)."""
@@ -338,35 +368,20 @@ def quantize_static(x: torch.Tensor, scale: torch.Tensor, dtype: object = Fp8Dty
         raise InvalidInputError(f"a static scale holds one value, got shape {tuple(scale.shape)}")
     V.require_same_device(scale, "scale", x.device)
     V.check_scale_values(scale, "scale")
-    fp8 = _fp8(dtype)
-    if _inline():
-        from .core import reference
-
-        return reference.quantize_static(x, scale, fp8)
-    return _call(ActScale.PER_TENSOR_STATIC)(x, scale, fp8)
+    return quantize_checked(x, ActScale.PER_TENSOR_STATIC, scale, dtype)[0]
 
 
 def quantize_dynamic(x: torch.Tensor, dtype: object = Fp8Dtype.E4M3FN) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-tensor dynamic quantization of ``x: [M, K]``; returns ``(q [M, K], scale [1] fp32)``,
     the scale computed on ``x``'s device."""
     _check_x(x)
-    fp8 = _fp8(dtype)
-    if _inline():
-        from .core import reference
-
-        return reference.quantize_dynamic_per_tensor(x, fp8)
-    return _call(ActScale.PER_TENSOR_DYNAMIC)(x, fp8)
+    return quantize_checked(x, ActScale.PER_TENSOR_DYNAMIC, None, dtype)
 
 
 def quantize_per_token(x: torch.Tensor, dtype: object = Fp8Dtype.E4M3FN) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token (row) dynamic quantization of ``x: [M, K]``; returns ``(q [M, K], scale [M, 1] fp32)``."""
     _check_x(x)
-    fp8 = _fp8(dtype)
-    if _inline():
-        from .core import reference
-
-        return reference.quantize_per_token(x, fp8)
-    return _call(ActScale.PER_TOKEN)(x, fp8)
+    return quantize_checked(x, ActScale.PER_TOKEN, None, dtype)
 
 
 def quantize_per_token_group(
@@ -382,7 +397,7 @@ def quantize_per_token_group(
     layout = ScaleLayout.of(scale_layout)
     fp8 = _fp8(dtype)
     if _inline():
-        from .core import reference
+        from ..core import reference
 
         q, s = reference.quantize_per_token_group(x, group_size, fp8)
         return q, s if layout is ScaleLayout.ROW_MAJOR else _traced_layout(s, layout)
@@ -393,7 +408,7 @@ def _traced_layout(scale: torch.Tensor, layout: ScaleLayout) -> torch.Tensor:
     """``scale [M, G]`` re-laid out as torch ops a compiler can fuse into the quantization that made it."""
     if layout is ScaleLayout.M_MAJOR:
         return scale.t().contiguous().t()
-    from .core import group_scales
+    from ..core import group_scales
 
     return group_scales.to_layout(scale, layout)
 
@@ -432,6 +447,7 @@ __all__ = [
     "op_call",
     "quant_op",
     "quantize",
+    "quantize_checked",
     "quantize_dynamic",
     "quantize_per_token",
     "quantize_per_token_group",
