@@ -201,7 +201,8 @@ def compile_model(model: Any, scope: str) -> Any:
     measured after bf16 was never compiled). The limits are raised to hold every layer of every variant.
 
     ``scope="model"`` raises them too: the variants share the model's code objects, so three variants at three
-    prefill lengths are nine compilations of one frame, past the limit of 8 (stop 25: the ninth ran eagerly)."""
+    prefill lengths are nine compilations of one frame, past the limit of 8 (H200, 2026-12-01: the ninth ran eagerly,
+    ``bench/results/hf_model/2026-12-01-h200-host-context-first/``)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 1024)
     if scope == "model":

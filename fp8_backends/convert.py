@@ -363,9 +363,9 @@ def quantize_model(
         input_scales: static input scales by module name (override calibration where both are given).
         weight_dtype / input_dtype: FP8 element types of weights and quantized activations.
         static_launch: also let Inductor launch the Triton kernels of the library's ops with its static CUDA
-            launcher under ``torch.compile`` (:func:`fp8_backends.layers.inductor_setup.static_launch_triton_ops`:
-            a global Inductor setting). Off by default: on the H200 it made a compiled decode step slower (1.7x bf16
-            against 1.03x without it, ``bench/results/2026-12-01-h200-stop16/``).
+            launcher under ``torch.compile`` (:func:`fp8_backends.layers.inductor_setup.static_launch_triton_ops`: a
+            global Inductor setting). Off by default: on the H200 it made a compiled decode step slower (1.7x bf16
+            against 1.03x without it, ``bench/results/hf_model/2026-12-01-h200-static-launcher-on/``).
         objective: what ``auto`` optimizes for every layer (:mod:`fp8_backends.core.objective`): ``"kernel"``
             (the fastest kernel in CUDA graphs: a model that runs in CUDA graphs), ``"host"`` (the cost of a call
             the host enqueues: eager or ``torch.compile`` without CUDA graphs) or ``"auto"`` (default, unless

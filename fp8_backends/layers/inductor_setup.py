@@ -22,7 +22,8 @@ the next compile starts them with the variable.
 :func:`fp8_backends.quantize_model` calls it when asked (``static_launch=True``). It stays opt-in: on the H200 the
 static launcher, once it did launch the library's kernels, made a compiled Llama decode step without CUDA graphs
 slower, not faster (1.68x and 1.73x bf16 in two runs against 1.03x with it off, the same provider choices;
-``bench/results/2026-12-01-h200-stop16/SUMMARY.md``; where the time goes was not isolated).
+``bench/results/hf_model/2026-12-01-h200-static-launcher-on/``, ``.../hf_model/2026-12-01-h200-objective/`` and
+``.../hf_model/2026-12-01-h200-host-choices/``; where the time goes was not isolated).
 """
 
 from __future__ import annotations

@@ -713,7 +713,8 @@ class RMSNormFp8Quant(nn.Module):
     the provider's op, as the activation quantizers do (:func:`fp8_backends.quant.set_compile_mode`, ``"inline"``
     by default), so Inductor fuses the residual add, the norm and the quantization into kernels of its own, launched
     by its static launcher; the library's Triton norm kernel, a user-defined kernel, goes through Triton's Python
-    launcher. Measured (H200, ``bench/decoder_block.py``, one Llama-3-8B block compiled, stop 25): the block with the
+    launcher. Measured (H200, ``bench/decoder_block.py``, one Llama-3-8B block compiled,
+    ``bench/results/decoder_block/2026-12-01-h200/``): the block with the
     norm in Inductor's kernels called in 302 / 519 µs at T = 1 / 256 against 323 / 576 with the Triton norm-quant op,
     at equal graph time (79.7 / 125.7 against 78.5 / 126.4 µs). A norm given an explicit provider (argument or
     ``FP8_NORM_QUANT_BACKEND``) runs that provider's op compiled too, as does every norm under
