@@ -1,14 +1,18 @@
-"""A griffe extension for the API reference: subpackages that live outside their parent's folder.
+"""Griffe extensions for the API reference (``mkdocs.yml`` names them in the python handler's ``extensions``).
 
-``pyproject.toml`` installs the top-level folders ``registry/`` and ``providers/`` as ``fp8_backends.registry``
-and ``fp8_backends.providers`` (``[tool.setuptools.package-dir]``). Griffe reads a package from its folder, so it
-would not see them under ``fp8_backends``; this extension reads that table and attaches each such folder, with its
-modules and subpackages, to the loaded parent package. ``mkdocs.yml`` names it in the python handler's
-``extensions``.
+- :class:`PackageDirs`: subpackages that live outside their parent's folder. ``pyproject.toml`` installs the
+  top-level folders ``registry/`` and ``providers/`` as ``fp8_backends.registry`` and ``fp8_backends.providers``
+  (``[tool.setuptools.package-dir]``). Griffe reads a package from its folder, so it would not see them under
+  ``fp8_backends``; this extension reads that table and attaches each such folder, with its modules and
+  subpackages, to the loaded parent package.
+- :class:`SphinxMarkup`: the docstrings are written for plain reading and Sphinx (``:class:`X```, ``Example::``,
+  lists right under a line of text); this rewrites those few constructs into the Markdown the site renders,
+  without touching the source.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -57,3 +61,34 @@ class PackageDirs(griffe.Extension):
         return griffe.visit(name, path, code, extensions=loader.extensions, parent=parent,
                             docstring_parser=loader.docstring_parser, docstring_options=loader.docstring_options,
                             lines_collection=loader.lines_collection, modules_collection=loader.modules_collection)
+
+
+_ROLE = re.compile(r":(?:class|func|meth|mod|data|attr|exc|obj|const):`(~?)([^`]+)`")
+_LIST_ITEM = re.compile(r"^\s*(?:[-*] |\d+\. )")
+
+
+def _code_span(match: re.Match[str]) -> str:
+    tilde, target = match.groups()
+    return f"``{target.rpartition('.')[2] if tilde else target}``"
+
+
+def markdown_of(text: str) -> str:
+    """A docstring with Sphinx roles as code spans, ``text::`` as ``text:``, and a blank line before each list that
+    follows a line of text (Markdown needs it; plain reading does not)."""
+    lines: list[str] = []
+    for line in _ROLE.sub(_code_span, text).splitlines():
+        if line.rstrip().endswith("::"):
+            line = line.rstrip()[:-1]
+        prev = lines[-1] if lines else ""
+        if _LIST_ITEM.match(line) and prev.strip() and not _LIST_ITEM.match(prev) and not prev.startswith((" ", "\t")):
+            lines.append("")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+class SphinxMarkup(griffe.Extension):
+    """Rewrite each docstring's Sphinx constructs into Markdown as objects are read."""
+
+    def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
+        if obj.docstring is not None:
+            obj.docstring.value = markdown_of(obj.docstring.value)
