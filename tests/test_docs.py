@@ -243,6 +243,23 @@ def test_the_example_providers_are_listed_and_usable(docs_package):
     assert data["resolution"]["gemm"]["chosen"] == "my_gemm"
 
 
+def test_named_files_and_links_exist():
+    """Every repository file a page names in code (``providers/triton/launcher.py``) exists, and every relative link
+    of README.md (mkdocs checks the site's own) reaches a file. Results folders are checked by the results index."""
+    missing = []
+    package_files = {b.file for b in FILES}
+    for page in PAGES:
+        text = page.read_text()
+        for span in re.findall(r"`([^`\n]+)`", text):
+            for path in _REPO_FILE.findall(span):
+                if not path.startswith("bench/results/") and path not in package_files and not (ROOT / path).exists():
+                    missing.append(f"{page.relative_to(ROOT)}: {path}")
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text()):
+        if "://" not in target and not (ROOT / target).exists():
+            missing.append(f"README.md: link to {target}")
+    assert not missing, "\n".join(missing)
+
+
 def test_no_working_vocabulary():
     """Results are cited by benchmark, date and path: no page names a working session's 'stop N' or 'call N'."""
     pattern = re.compile(r"\bstop ?[0-9]+|\bcall ?[0-9]+\b|-stop[0-9]+", re.I)
