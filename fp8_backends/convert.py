@@ -361,7 +361,8 @@ def quantize_model(
         include: optional ``(name, linear) -> bool`` filter applied after ``skip``.
         calibration: batches run through the unmodified model to calibrate static input scales.
         input_scales: static input scales by module name (override calibration where both are given).
-        weight_dtype / input_dtype: FP8 element types of weights and quantized activations.
+        weight_dtype: FP8 element type of the weights.
+        input_dtype: FP8 element type of the quantized activations.
         static_launch: also let Inductor launch the Triton kernels of the library's ops with its static CUDA
             launcher under ``torch.compile`` (:func:`fp8_backends.layers.inductor_setup.static_launch_triton_ops`: a
             global Inductor setting). Off by default: on the H200 it made a compiled decode step slower (1.7x bf16

@@ -172,13 +172,15 @@ class Fp8Linear(nn.Module):
     Scale buffers start as NaN, so a scale that was never loaded is reported at load time.
 
     Args:
-        in_features / out_features: ``K`` / ``N``.
+        in_features: ``K``.
+        out_features: ``N``.
         bias: whether the layer has a bias.
         act_scale: ``"per_tensor_static"`` (calibrated ``input_scale``), ``"per_tensor_dynamic"`` or
             ``"per_token"``: how high-precision inputs are quantized, and the only mode of
             :class:`QuantizedActivation` this layer accepts.
         weight_scale: ``"per_tensor"`` or ``"per_channel"`` (of the checkpoint's weight).
-        weight_dtype / input_dtype: FP8 element types of the weight and the quantized activation.
+        weight_dtype: FP8 element type of the weight.
+        input_dtype: FP8 element type of the quantized activation.
         dtype: the model dtype: what the forward takes and returns (and the bias dtype).
         backend: GEMM provider name (``"auto"``, ``"torch_scaled_mm"``, ``"DIST:NAME@opt=v"``), a
             provider instance, or ``None`` (``FP8_GEMM_BACKEND``, else ``auto``); resolved at
@@ -733,7 +735,8 @@ class RMSNormFp8Quant(nn.Module):
             part of this module's ``state_dict``). Settable later via the attribute.
         backend: norm-quant provider name, a provider instance, or ``None`` (``FP8_NORM_QUANT_BACKEND``,
             else ``auto``); resolved at :meth:`process_weights_after_loading`.
-        dtype / device: of the ``weight`` parameter: the model dtype.
+        dtype: of the ``weight`` parameter: the model dtype.
+        device: of the ``weight`` parameter.
     """
 
     _auto = False  # the provider was chosen by auto: compiled calls may trace the reference (class docstring)
