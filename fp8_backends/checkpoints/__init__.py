@@ -24,7 +24,6 @@ _EXPORTS = {
     "Fp8CheckpointLoader": "fp8_backends.checkpoints.loader",
     "CheckpointSummary": "fp8_backends.checkpoints.summary",
     "detect_format": "fp8_backends.checkpoints.detect",
-    "detect": "fp8_backends.checkpoints.detect",
     "Scheme": "fp8_backends.checkpoints.schemes",
     "QuantFormat": "fp8_backends.checkpoints.formats",
 }
@@ -46,7 +45,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from .detect import detect, detect_format
+    from .detect import detect_format
     from .formats import QuantFormat
     from .loader import Fp8CheckpointLoader, load_fp8_state_dict
     from .pretrained import LoadedModel, load_pretrained
