@@ -15,7 +15,9 @@ Static input scales come from one calibration batch through the bf16 model. Vari
 - ``bf16``: ``transformers.AutoModelForCausalLM.from_pretrained`` of the bf16 checkpoint;
 - ``<format>/lib``: ``fp8_backends.load_pretrained`` of the format's checkpoint;
 - ``<format>/hf``: ``transformers``' own loading of the same checkpoint where it has one (compressed-tensors, ``fp8``;
-  not ModelOpt): what a user has without the library.
+  not ModelOpt): what a user has without the library. Its ``fp8`` GEMM on a GPU is the hub kernel
+  ``kernels-community/finegrained-fp8`` (the ``kernels`` package downloads it at first use): on a machine without
+  the network that variant is reported as an error.
 
 Workloads and modes as ``bench/hf_model.py`` (its step builders and its interleaved rounds): prefill of ``T`` tokens
 (``--prefill``) and one-token decode at ``--context``, eager, ``torch.compile`` and (decode) compiled in a CUDA graph.

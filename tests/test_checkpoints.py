@@ -433,3 +433,23 @@ def test_module_matching_follows_each_format():
     assert mo.scheme_for("model.layers.0.self_attn.q_proj", lin) is None
     assert mo.scheme_for("model.layers.0.mlp.up_proj", lin).describe() == \
         "weights per-tensor, activations static per-tensor"
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("key", [pytest.param("ct_dynamic", marks=needs_ct), "layout_fp8", "hf_dynamic",
+                                 pytest.param("hf_block", id="hf_block (block mode)")])
+def test_a_checkpoint_served_on_the_gpu_eager_and_compiled(ckpt, key):
+    path = ckpt(key)
+    if key == "hf_block" and not block_layer_served():
+        pytest.skip("block-scaled FP8 is not served by this version yet")
+    act = {"ct_dynamic": "token", "layout_fp8": "static", "hf_dynamic": "dynamic", "hf_block": "group"}[key]
+    model, summary = load_pretrained(path, device="cuda")
+    ids = IDS.cuda()
+    ref = cp.reference_logits(path, IDS, act, dtype=torch.bfloat16)
+    with torch.no_grad():
+        eager = model(ids).logits.float().cpu()
+        compiled = torch.compile(model)(ids).logits.float().cpu()
+    assert cp.rel_err(eager, ref) < TIGHT, str(summary)
+    assert cp.rel_err(compiled, ref) < TIGHT
+    assert model.generate(ids[:1, :6], max_new_tokens=3, do_sample=False).shape == (1, 9)

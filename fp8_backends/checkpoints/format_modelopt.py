@@ -26,10 +26,10 @@ from typing import Any
 from .formats import QuantFormat, fail, require_mapping, require_str_list
 from .schemes import Scheme
 
-#: the ``quant_algo`` values served and their schemes
+#: the ``quant_algo`` values served (lower case; the configs write them in upper case) and their schemes
 SCHEMES = {
-    "FP8": Scheme("tensor", "static"),
-    "FP8_PER_CHANNEL_PER_TOKEN": Scheme("channel", "token"),
+    "fp8": Scheme("tensor", "static"),
+    "fp8_per_channel_per_token": Scheme("channel", "token"),
 }
 
 
@@ -85,10 +85,10 @@ class ModelOptFormat(QuantFormat):
 def _scheme(algo: object, source: str, what: str) -> Scheme:
     if not isinstance(algo, str):
         raise fail(f"{what} must be a string, got {algo!r}", source)
-    scheme = SCHEMES.get(algo.upper())
+    scheme = SCHEMES.get(algo.lower())
     if scheme is None:
-        raise fail(f"{what} {algo!r} is not an FP8 scheme this library serves (served: {', '.join(SCHEMES)})",
-                   source)
+        served = ", ".join(name.upper() for name in SCHEMES)
+        raise fail(f"{what} {algo!r} is not an FP8 scheme this library serves (served: {served})", source)
     return scheme
 
 
