@@ -498,6 +498,61 @@ def test_prepare_weight_warms_the_decode_kernels(fake_device, monkeypatch: pytes
         b.prepare_weight(torch.zeros(2080, 256, dtype=torch.float8_e4m3fn), torch.ones(17, 2))
 
 
+@pytest.fixture
+def fake_flashinfer_modules(monkeypatch: pytest.MonkeyPatch, tmp_path):
+    """A stand-in flashinfer (version, JIT env, a built module recording its include folders) for BlockModule."""
+    import sys
+
+    from fp8_backends.providers.flashinfer import _support, block_ops
+
+    module = types.SimpleNamespace(includes=[])
+    module.set_deepgemm_jit_include_dirs = module.includes.append
+    fi = types.SimpleNamespace(gemm=types.SimpleNamespace(fp8_blockscale_gemm_sm90=None))
+    jit = types.ModuleType("flashinfer.jit")
+    jit.env = types.SimpleNamespace(FLASHINFER_CSRC_DIR=tmp_path / "csrc")
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
+    monkeypatch.setitem(sys.modules, "flashinfer.jit", jit)
+    monkeypatch.setattr(_support, "require_flashinfer", lambda features: fi)
+    monkeypatch.setattr(block_jit, "feature_reason", lambda m: None)
+    monkeypatch.setattr(block_jit, "build_module", lambda load=True: module)
+    monkeypatch.setattr(_support, "capturing", lambda: False)
+    monkeypatch.setattr(block_ops, "_MODULE", [])
+    return module
+
+
+def test_module_load_points_deepgemm_at_flashinfers_headers(fake_flashinfer_modules, monkeypatch, caplog, tmp_path):
+    from fp8_backends.providers.flashinfer import block_ops
+
+    monkeypatch.setattr(common, "flashinfer_version", lambda: "0.7.2.post1")
+    loaded = block_ops.load_module()
+    assert loaded.direct and block_ops.load_module() is loaded
+    assert fake_flashinfer_modules.includes == [[str(tmp_path / "csrc" / "nv_internal" / "tensorrt_llm")]]
+    monkeypatch.setattr(block_ops, "_MODULE", [])
+    monkeypatch.setattr(common, "flashinfer_version", lambda: "0.9.0")
+    with caplog.at_level("WARNING", logger="fp8_backends"):
+        assert not block_ops.load_module().direct
+    assert "public function" in caplog.text
+
+
+def test_a_failed_module_build_makes_the_provider_unavailable(fake_flashinfer_modules, monkeypatch):
+    from fp8_backends.core.errors import BackendUnavailableError
+    from fp8_backends.providers.flashinfer import block_ops
+
+    def broken(load=True):
+        raise RuntimeError("ninja: build stopped: subcommand failed")
+
+    monkeypatch.setattr(block_jit, "build_module", broken)
+    monkeypatch.setattr(block_jit, "module_spec", lambda: types.SimpleNamespace(
+        is_aot=False, is_compiled=False, build_dir="/jit/fp8_blockscale_gemm_90"))
+    with pytest.raises(BackendUnavailableError, match="ninja: build stopped") as info:
+        block_ops.load_module()
+    assert "/jit/fp8_blockscale_gemm_90" in str(info.value)
+    b = FlashinferBlockBackend()
+    with pytest.raises(BackendUnavailableError, match="ninja"):
+        b.ensure_preloaded()
+    assert not FlashinferBlockBackend.cached_availability().ok  # auto passes over it from now on
+
+
 def test_fake_implementation_and_schema():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

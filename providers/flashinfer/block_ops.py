@@ -83,10 +83,10 @@ class BlockModule:
         self.version = common.flashinfer_version()
         try:
             self.module = block_jit.build_module()
-        except Exception as exc:
-            raise BuildError(
+        except Exception as exc:  # unusable for this process: resolution marks it so and auto moves on
+            raise BackendUnavailableError(
                 f"flashinfer_block: building or loading flashinfer's fp8_blockscale_gemm_sm90 module failed "
-                f"({type(exc).__name__}: {str(exc)[:400]})") from exc
+                f"({type(exc).__name__}: {str(exc)[:400]}); flashinfer's JIT log is in {self._folder()}") from exc
         from flashinfer.jit import env as jit_env
 
         include = jit_env.FLASHINFER_CSRC_DIR / block_jit.DEEPGEMM_INCLUDE
@@ -98,6 +98,14 @@ class BlockModule:
                 "flashinfer_block: flashinfer %s is not a version whose fp8_blockscale_gemm_sm90 binding this "
                 "provider was written against (0.7.x); calling flashinfer's public function (same results, its "
                 "per-call workspace and checks)", self.version)
+
+
+    @staticmethod
+    def _folder() -> str:
+        try:
+            return str(block_jit.module_state(block_jit.module_spec())[1])
+        except Exception:
+            return "flashinfer's JIT folder"
 
 
 _MODULE: list[BlockModule] = []
