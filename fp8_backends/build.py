@@ -1,16 +1,20 @@
 """``python -m fp8_backends.build PROVIDER``: build a provider's just-in-time kernels ahead of serving.
 
-Providers with JIT kernels: ``cutlass`` (CUTLASS 3.x SM90 FP8 GEMM) and ``flashinfer_block`` (flashinfer's
-``fp8_blockscale_gemm_sm90``). ``cutlass`` works on a machine without a GPU as long as nvcc and the headers are there;
-the libraries land in the provider's disk cache, where a serving process (same cache folder) finds them.
+Providers with JIT kernels: ``cutlass`` (CUTLASS 3.x SM90 FP8 GEMM: per-tensor / row-wise and block-scaled) and
+``flashinfer_block`` (flashinfer's ``fp8_blockscale_gemm_sm90``). ``cutlass`` works on a machine without a GPU as long
+as nvcc and the headers are there; the libraries land in the provider's disk cache, where a serving process (same
+cache folder) finds them.
 
 ``cutlass`` options:
   --arch 90a              nvcc target (only 90a; SM100 needs separate kernels)
   --config NAMES          comma-separated config names, ``table`` (the configs the dispatch table uses)
                           or ``all`` (default: all)
-  --epilogue NAMES        tensor, rowwise or all (default: all)
+  --epilogue NAMES        tensor, rowwise, block (the block-scaled kernel: 1x128 activation groups, 128x128
+                          weight blocks) or all (default: all)
+  --block-config NAMES    block configs (epilogue block): comma-separated names, ``table`` (those the block
+                          table uses) or ``all`` (default: all)
   --out-dtype NAMES       bfloat16, float16, float32 (also bf16, fp16, fp32) or all (default: bfloat16)
-  --accum NAMES           fast, precise or all (default: fast)
+  --accum NAMES           fast, precise or all (default: fast; the block kernel has one accumulation)
   --jobs N                parallel nvcc processes (default: CPU count, or $FP8_BACKENDS_BUILD_JOBS)
   --force                 rebuild even when cached
   --list                  print what would be built and whether it is cached; build nothing
@@ -58,6 +62,7 @@ def _pick(raw: str, allowed: Sequence[str], what: str, aliases: dict[str, str] |
 def _cutlass(argv: Sequence[str]) -> int:
     from fp8_backends.core.errors import BuildError
     from fp8_backends.providers.cutlass import build
+    from fp8_backends.providers.cutlass.block_configs import BLOCK_CONFIG_NAMES, active_block_table
     from fp8_backends.providers.cutlass.configs import CONFIG_NAMES, active_table
 
     parser = argparse.ArgumentParser(prog="python -m fp8_backends.build cutlass",
@@ -65,6 +70,7 @@ def _cutlass(argv: Sequence[str]) -> int:
     parser.add_argument("--arch", default="90a")
     parser.add_argument("--config", default="all")
     parser.add_argument("--epilogue", default="all")
+    parser.add_argument("--block-config", default="all")
     parser.add_argument("--out-dtype", default="bfloat16")
     parser.add_argument("--accum", default="fast")
     parser.add_argument("--jobs", type=int, default=None)
@@ -84,13 +90,20 @@ def _cutlass(argv: Sequence[str]) -> int:
             configs = sorted(active_table().config_names())
         else:
             configs = _pick(args.config, CONFIG_NAMES, "config")
-        epilogues = _pick(args.epilogue, build.EPILOGUES, "epilogue")
+        families = _pick(args.epilogue, (*build.EPILOGUES, "block"), "epilogue")
+        if args.block_config == "table":
+            block_configs = sorted(active_block_table().config_names())
+        else:
+            block_configs = _pick(args.block_config, BLOCK_CONFIG_NAMES, "block config")
         outs = _pick(args.out_dtype, tuple(build.OUT_DTYPES), "output dtype", _OUT_ALIASES)
         accums = _pick(args.accum, ("fast", "precise"), "accumulation")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    specs = build.specs_for(configs, epilogues, outs, [a == "fast" for a in accums], arch)
+    epilogues = [e for e in families if e != "block"]
+    specs: list = build.specs_for(configs, epilogues, outs, [a == "fast" for a in accums], arch)
+    if "block" in families:
+        specs += build.block_specs_for(block_configs, outs, arch)
     print(f"cache: {build.cache_dir()}")
 
     if args.list:

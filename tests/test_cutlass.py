@@ -462,10 +462,14 @@ def test_options():
     assert b.label == "cutlass[config=ws64x16_swap,fast_accum=false]"
     with pytest.raises(InvalidInputError):
         CutlassSm90Backend(config="nope")
-    assert set(CutlassSm90Backend.options["config"]) == {"auto", *CONFIGS}
+    from fp8_backends.providers.cutlass.block_configs import BLOCK_CONFIG_NAMES
+
+    assert set(CutlassSm90Backend.options["config"]) == {"auto", *CONFIGS, *BLOCK_CONFIG_NAMES}
     from fp8_backends.tuning.workloads import option_combos
 
-    assert option_combos(CutlassSm90Backend) == [{"config": name} for name in configs.CONFIG_NAMES]
+    # the tuner times every config by name; the block-scaled ones refuse the other problems (extra_reasons)
+    assert option_combos(CutlassSm90Backend) == [{"config": name}
+                                                 for name in (*configs.CONFIG_NAMES, *BLOCK_CONFIG_NAMES)]
 
 
 def test_custom_op_schema_and_fake_implementation():
@@ -551,6 +555,26 @@ def test_real_compile_of_one_config(tmp_path, monkeypatch):
         assert not any("torch" in lib or "c10" in lib or "cudart" in lib for lib in libs), libs
     lib = build.KernelLibrary(spec, path)
     assert lib._lib.fp8b_abi_version() == build.ABI_VERSION
+    assert build.build_library(spec) == path  # cached now
+
+
+@pytest.mark.build
+def test_real_compile_of_one_block_config(tmp_path, monkeypatch):
+    """One real nvcc build of a block-scaled config (minutes on 2 cores): the swapped stream-K decode tile, whose
+    activation scales travel by cp.async; torch-free, exports the block C ABI, loads and describes itself."""
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path / "cache"))
+    reason = build.missing_toolchain_reason()
+    if reason:
+        pytest.skip(reason)
+    spec = build.BlockLibrarySpec("bw_sk128x16_swap")
+    path = build.build_library(spec)
+    needed = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True)
+    if needed.returncode == 0:
+        libs = re.findall(r"Shared library: \[(.+?)\]", needed.stdout)
+        assert not any("torch" in lib or "c10" in lib or "cudart" in lib for lib in libs), libs
+    lib = build.open_library(spec, path)
+    assert isinstance(lib, build.BlockKernelLibrary) and lib.act_scale_tma is False
+    assert lib._lib.fp8b_block_abi_version() == build.BLOCK_ABI_VERSION
     assert build.build_library(spec) == path  # cached now
 
 

@@ -11,6 +11,18 @@ Shapes and layouts: ``x_q [M, K]`` and ``w_q [N, K]`` float8_e4m3fn, row-major, 
 N multiples of 16; any M (odd included). The prepared weight is ``w_q`` itself (no copy) with its scale
 as fp32 ``[1]`` or ``[N]``.
 
+Block-scaled problems (weight scale ``block`` 128x128, activation scale ``per_token_group`` with G = 128): a second
+kernel family (``fp8_blockwise_gemm_sm90.cu``, :mod:`.block_configs`, :mod:`.block_ops`) with CUTLASS's blockwise
+mainloop, which applies the scales per 128-deep K block in fp32. ``prepare_weight`` keeps ``w_q`` and converts the
+checkpoint's ``[ceil(N/128), ceil(K/128)]`` scale once to fp32 row-major (what the kernels read); the activation
+scales ``[M, ceil(K/128)]`` are read without a copy in the ``m_major_tma`` layout (M-major, column stride a multiple
+of 4: ``capabilities.group_scale_layout``, what the quantizer feeding this provider writes); ``gemm`` copies any
+other layout into it. Ragged N and K
+(not multiples of 128) are served (the last block's scale covers its rows / columns); K and N stay multiples of 16
+(TMA); G = 64 and other blocks are refused (the mainloop promotes per 128-deep K tile). Bias is fused as in the other
+family. ``config`` takes ``auto`` (the block M-bucket table) or a ``bw_*`` name; a per-tensor config name refuses
+block problems and a ``bw_*`` name refuses the others.
+
 Builds: each (config, epilogue, out dtype, accumulation) is one shared library compiled on first use
 (a few minutes for a family on 2 cores; ``python -m fp8_backends.build cutlass`` prebuilds) and cached
 on disk (see :mod:`.build`). :meth:`availability` never builds: it reports missing nvcc or headers as
@@ -34,14 +46,20 @@ from fp8_backends.core.types import (
     BiasMode,
     DeviceKind,
     Fp8Dtype,
+    GemmProblem,
     OutDtype,
     PreparedWeight,
+    ScaleLayout,
     WeightScale,
 )
 
+from .block_configs import BLOCK_CONFIG_NAMES, BLOCK_CONFIGS, GROUP_K, WEIGHT_BLOCK
+from .block_configs import active_block_table as _active_block_table
 from .configs import CONFIG_NAMES, active_table
 
-_ALL_ACT_SCALES = frozenset(ActScale)
+#: the activation modes the per-tensor / row-wise kernels serve, the ones the C++ op quantizes itself
+_VECTOR_ACT_SCALES = frozenset({ActScale.PER_TENSOR_STATIC, ActScale.PER_TENSOR_DYNAMIC, ActScale.PER_TOKEN})
+_BLOCK = WeightScale.BLOCK
 
 if TYPE_CHECKING:
     import torch
@@ -57,7 +75,7 @@ class CutlassSm90Backend(OpGemmBackend):
     requires: ClassVar[tuple[str, ...]] = ("torch",)
     install_hint: ClassVar[str] = INSTALL_HINT
     options: ClassVar[dict[str, tuple[str, ...]]] = {
-        "config": ("auto", *CONFIG_NAMES),
+        "config": ("auto", *CONFIG_NAMES, *BLOCK_CONFIG_NAMES),
         "fast_accum": ("true", "false"),
     }
     # the tuner times each config by name; precise accumulation is slower and never wins on time
@@ -66,8 +84,8 @@ class CutlassSm90Backend(OpGemmBackend):
         devices=frozenset({DeviceKind.CUDA}),
         archs=("9.0a",),
         pdl=False,
-        act_scales=frozenset(ActScale),
-        weight_scales=frozenset(WeightScale),
+        act_scales=frozenset({*_VECTOR_ACT_SCALES, ActScale.PER_TOKEN_GROUP}),
+        weight_scales=frozenset({WeightScale.PER_TENSOR, WeightScale.PER_CHANNEL, WeightScale.BLOCK}),
         input_dtypes=frozenset({Fp8Dtype.E4M3FN}),
         mixed_inputs=False,
         out_dtypes=frozenset({OutDtype.BF16, OutDtype.FP16, OutDtype.FP32}),
@@ -75,6 +93,10 @@ class CutlassSm90Backend(OpGemmBackend):
         k_align=16,
         n_align=16,
         priority=8,
+        # block-wise FP8: the blockwise mainloop promotes per 128-deep K tile, so groups of 128 and 128x128 blocks
+        group_sizes=frozenset({GROUP_K}),
+        weight_blocks=frozenset({WEIGHT_BLOCK}),
+        group_scale_layout=ScaleLayout.M_MAJOR_TMA,
     )
     # host µs per call on the compiled path (an opaque custom op: config pick, output allocation, a ctypes call): 5 +
     # the 58 µs a compiled Fp8Linear on it costs more than on the triton op (median over 6 shapes x M, H200, 2026-12-01,
@@ -88,9 +110,12 @@ class CutlassSm90Backend(OpGemmBackend):
     @classmethod
     def host_us_for(cls, m: int, n: int, k: int, options: Mapping[str, str]) -> float | None:
         """:attr:`native_host_us` where the C++ op is expected to serve (enabled, not failed, nvcc found), else
-        :attr:`host_us`."""
+        :attr:`host_us`. A ``bw_*`` config runs block-wise problems, which the Python block op serves: :attr:`host_us`
+        (with ``auto`` the problem's mode is not known here: the C++ op's figure, right for the other modes)."""
         from . import native_op
 
+        if options.get("config") in BLOCK_CONFIGS:
+            return cls.host_us
         return cls.native_host_us if native_op.expected() else cls.host_us
 
     @classmethod
@@ -113,20 +138,42 @@ class CutlassSm90Backend(OpGemmBackend):
             return Availability.no(st.reason, cls.install_hint)
         from . import native_op
 
-        return Availability.yes("; ".join(part for part in (st.reason, native_op.status()) if part))
+        return Availability.yes("; ".join(part for part in (st.reason, native_op.status(), cls._block_note(build))
+                                          if part))
+
+    @classmethod
+    def _block_note(cls, build: Any) -> str:
+        """The block-scaled family's state for the listing (runs nothing)."""
+        names = sorted(_active_block_table().config_names())
+        st = build.status(build.block_specs_for(names))
+        what = f"block-scaled {WEIGHT_BLOCK[0]}x{WEIGHT_BLOCK[1]} / 1x{GROUP_K} kernels"
+        if not st.ok:
+            return f"{what} unavailable: {st.reason}"
+        if st.missing:
+            return (f"{what}: {len(st.missing)} of {len(names)} not built yet (built at the first block GEMM, "
+                    f"~{st.estimate_s} s)")
+        return f"{what}: built"
 
     # ------------------------------------------------------------------ the op
     contiguous_vectors: ClassVar[bool] = True
     #: the C++ op's fused quantize + GEMM (set by :meth:`load_op` where it loads)
     _linear_op: Any = None
 
+    #: the block-scaled op's hot-path callable (set by :meth:`load_op`)
+    _block_op: Any = None
+
     def load_op(self) -> Any:
         """The C++ op (:mod:`.native_op`, built at first use) where it loads, else the Python op; both defined now,
-        at load time (see ProviderBase.preload). The C++ op hands what it cannot serve to the Python op."""
+        at load time (see ProviderBase.preload), with the block-scaled op (:mod:`.block_ops`). The C++ op hands what
+        it cannot serve to the Python op."""
         import torch
 
+        from fp8_backends.core.oplib import eager_fast
+
+        from . import block_ops
         from .ops import load_op
 
+        self._block_op = eager_fast(block_ops.load_op())
         python_op = load_op()
         if not torch.cuda.is_available():
             return python_op
@@ -136,7 +183,7 @@ class CutlassSm90Backend(OpGemmBackend):
         if native is None:
             return python_op
         self._linear_op = native.linear_op
-        self.fused_act_quant = _ALL_ACT_SCALES  # the C++ op quantizes in its own kernels (one call per linear)
+        self.fused_act_quant = _VECTOR_ACT_SCALES  # the C++ op quantizes in its own kernels (one call per linear)
         return native.op
 
     def fused_quant_gemm_impl(self, x: torch.Tensor, prepared: PreparedWeight, act_scale: ActScale,
@@ -156,7 +203,7 @@ class CutlassSm90Backend(OpGemmBackend):
         than the overload) with the weight, scales, bias, mode and config bound; ``None`` for an ``x`` whose columns
         are not contiguous. Without the C++ op, the base class's binding of the hook (which declines every call)."""
         op = self._linear_op
-        if op is None:
+        if op is None or act_scale not in _VECTOR_ACT_SCALES:  # group activations (block weights): no fused op
             return super().bind_fused_quant_gemm(prepared, act_scale, input_scale, out_dtype, bias)
         call = getattr(op, "_op", op)
         w, w_scale, mode = prepared.data, prepared.scale, act_scale.value
@@ -170,14 +217,61 @@ class CutlassSm90Backend(OpGemmBackend):
         return fused
 
     def op_arguments(self) -> tuple[str, bool]:
-        return self.config["config"], self.config["fast_accum"] == "true"
+        config = self.config["config"]
+        # a bw_* config runs only block problems (extra_reasons refuses the others): the per-tensor op never sees it
+        return (config if config not in BLOCK_CONFIGS else "auto"), self.config["fast_accum"] == "true"
+
+    @property
+    def block_config(self) -> str:
+        """The block op's ``config`` argument: the ``bw_*`` option, else ``auto``."""
+        config = self.config["config"]
+        return config if config in BLOCK_CONFIGS else "auto"
+
+    def extra_reasons(self, problem: Any, platform: Any) -> list[str]:
+        """A ``bw_*`` config serves block-wise problems only (the block ones get :meth:`block_reasons`)."""
+        config = self.config["config"]
+        if problem is not None and not problem.block_scaled and config in BLOCK_CONFIGS:
+            return [f"config={config} is a block-scaled kernel (block weights x per-token-group activations only)"]
+        return []
+
+    def block_reasons(self, problem: GemmProblem) -> list[str]:
+        """A per-tensor / row-wise ``config`` refuses block-wise problems (and :meth:`prepare_weight` block weights);
+        ``auto`` and the ``bw_*`` configs serve any M, N and K the capabilities let through (K and N multiples of 16
+        for TMA; N or K not multiples of 128 included)."""
+        config = self.config["config"]
+        if config != "auto" and config not in BLOCK_CONFIGS:
+            return [f"config={config} is a per-tensor / row-wise kernel; block-wise FP8 takes config=auto or a bw_* "
+                    "config"]
+        return []
 
     def prepare_weight_impl(
         self, w_q: torch.Tensor, w_scale: torch.Tensor, weight_scale: WeightScale
     ) -> PreparedWeight:
         if w_q.data_ptr() % 16:
             raise InvalidInputError("cutlass needs w_q 16-byte aligned (TMA); pass a tensor that starts its allocation")
+        config = self.config["config"]
+        if weight_scale is _BLOCK:  # the base checked block_reasons and made the scale fp32 contiguous
+            from .block_ops import prepare_block_scale
+
+            n, k = w_q.shape
+            return PreparedWeight(data=w_q, scale=prepare_block_scale(w_scale, n, k), n=n, k=k,
+                                  dtype=Fp8Dtype.of(w_q.dtype), weight_scale=weight_scale, backend=self.name)
+        if config in BLOCK_CONFIGS:
+            raise InvalidInputError(f"cutlass[config={config}] is a block-scaled kernel; prepare {weight_scale.value} "
+                                    "weights with config=auto or a per-tensor / row-wise config")
         return self.prepare_k_major(w_q, w_scale, weight_scale)  # the kernels read [N, K] K-major as it is
+
+    def gemm_impl(self, x_q: torch.Tensor, prepared: PreparedWeight, x_scale: torch.Tensor, out_dtype: torch.dtype,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+        """Block weights: the block op (``x_scale [M, ceil(K/128)]``, any layout: see :mod:`.block_ops`); the
+        others: the per-tensor / row-wise op (:meth:`OpGemmBackend.gemm_impl`)."""
+        if prepared.weight_scale is _BLOCK:
+            op = self._block_op
+            if op is None:
+                self._loaded_op()
+                op = self._block_op
+            return op(x_q, prepared.data, x_scale, prepared.scale, bias, out_dtype, self.block_config)
+        return super().gemm_impl(x_q, prepared, x_scale, out_dtype, bias)
 
 
 __all__ = ["CutlassSm90Backend"]

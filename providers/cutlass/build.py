@@ -1,18 +1,24 @@
 """Just-in-time builds of the CUTLASS SM90 kernels: nvcc discovery, cache keys, locked builds, ctypes loading.
 
-One shared library per :class:`LibrarySpec` (a kernel config x epilogue x output dtype x accumulation
-mode), compiled from ``fp8_gemm_sm90.cu`` with ``-D`` macros. The library links the CUDA runtime
-statically and not torch: it exports ``fp8b_gemm`` (raw pointers, sizes and a ``cudaStream_t``),
-called through ctypes on torch's current stream.
+One shared library per spec, compiled with ``-D`` macros from one source file:
+
+- :class:`LibrarySpec` (a kernel config x epilogue x output dtype x accumulation mode): ``fp8_gemm_sm90.cu``, the
+  per-tensor / row-wise scaled GEMM, exporting ``fp8b_gemm``;
+- :class:`BlockLibrarySpec` (a block config x output dtype): ``fp8_blockwise_gemm_sm90.cu``, the block-scaled GEMM
+  (1x128 activation groups, 128x128 weight blocks), exporting ``fp8b_block_gemm``.
+
+A library links the CUDA runtime statically and not torch: its entry takes raw pointers, sizes and a
+``cudaStream_t`` and is called through ctypes on torch's current stream.
 
 Cache: ``$FP8_BACKENDS_CUTLASS_CACHE`` or ``cutlass`` in the cache folder
 (:func:`fp8_backends.core.settings.cache_dir`), one folder per library named ``<library>-<key>`` where the key
-hashes the kernel source, the macros, the flags, the arch, the nvcc version and the CUTLASS version. A file lock
-beside the folder makes parallel processes build once: the second waits and loads the first's result. nvcc runs in
-its own process group and dies with its builder, and a build removes the temp files of builders that died
-(:mod:`.compiler`). Each folder keeps the compiler's ``build.log`` and a ``manifest.json``. A machine without nvcc
-or headers still loads a library prebuilt for the same source, macros and arch (``python -m fp8_backends.build
-cutlass``).
+hashes the library's own kernel source, the macros, the flags, the arch, the nvcc version and the CUTLASS version. A
+file lock beside the folder makes parallel processes build once: the second waits and loads the first's result. nvcc
+runs in its own process group and dies with its builder, and a build removes the temp files of builders that died
+(:mod:`.compiler`). Each folder keeps the compiler's ``build.log`` and a ``manifest.json``. A build at first use says
+so at WARNING level (what, how long to expect, how to build ahead) and logs its progress while nvcc runs. A machine
+without nvcc or headers still loads a library prebuilt for the same source, macros and arch (``python -m
+fp8_backends.build cutlass``).
 
 Nothing here imports torch; nothing builds unless asked (:func:`build_library`, :func:`get_library`).
 """
@@ -36,11 +42,12 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from fp8_backends.core import settings
 from fp8_backends.core.errors import BuildError
 
+from .block_configs import BLOCK_CONFIGS
 from .compiler import run_compiler, sweep_stale_temps, temp_path
 from .configs import CONFIGS
 
@@ -49,6 +56,9 @@ logger = logging.getLogger("fp8_backends")
 ABI_VERSION = 1
 HERE = Path(__file__).resolve().parent
 SOURCE_FILES: tuple[str, ...] = ("fp8_gemm_sm90.cu",)
+#: the block-scaled kernel's source and C ABI version (its own: a change to one source rebuilds only its libraries)
+BLOCK_SOURCE_FILES: tuple[str, ...] = ("fp8_blockwise_gemm_sm90.cu",)
+BLOCK_ABI_VERSION = 1
 SUPPORTED_ARCHS: tuple[str, ...] = ("90a",)
 EPILOGUES: tuple[str, ...] = ("tensor", "rowwise")
 OUT_DTYPES: dict[str, int] = {"bfloat16": 0, "float16": 1, "float32": 2}
@@ -74,6 +84,8 @@ NVCC_FLAGS: tuple[str, ...] = (
 #: alone and ~100 s each for two at once on a 2-core box, 52-69 s for 8-22 libraries on 16 cores (nvcc 13.0)
 SECONDS_PER_LIBRARY = 100
 BUILD_TIMEOUT_S = 1800
+#: seconds between two progress lines while a build runs
+PROGRESS_EVERY_S = 15.0
 LOCK_TIMEOUT_S = 3600
 
 # the C ABI of fp8b_gemm (see fp8_gemm_sm90.cu); tests compare this with the source
@@ -97,6 +109,24 @@ GEMM_RESTYPE = ctypes.c_int
 WORKSPACE_ARGTYPES: tuple[Any, ...] = (ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)
 WORKSPACE_RESTYPE = ctypes.c_size_t
 
+# the C ABI of fp8b_block_gemm (see fp8_blockwise_gemm_sm90.cu); tests compare this with the source
+BLOCK_GEMM_ARGTYPES: tuple[Any, ...] = (
+    ctypes.c_void_p,  # x
+    ctypes.c_void_p,  # w
+    ctypes.c_void_p,  # out
+    ctypes.c_int64,  # m
+    ctypes.c_int64,  # n
+    ctypes.c_int64,  # k
+    ctypes.c_void_p,  # x_scale (M-major)
+    ctypes.c_int64,  # x_scale_ld
+    ctypes.c_void_p,  # w_scale (K-major)
+    ctypes.c_int64,  # w_scale_ld
+    ctypes.c_void_p,  # bias (nullable)
+    ctypes.c_void_p,  # workspace (nullable)
+    ctypes.c_size_t,  # workspace_bytes
+    ctypes.c_void_p,  # stream
+)
+
 #: fp8b_gemm return codes
 RETURN_CODES = {
     1: "invalid arguments (null pointer, bad size, or vector scales for the per-tensor epilogue)",
@@ -106,6 +136,13 @@ RETURN_CODES = {
     5: "workspace initialisation failed",
     6: "could not raise the kernel's shared-memory limit",
     7: "kernel launch failed",
+}
+#: fp8b_block_gemm return codes
+BLOCK_RETURN_CODES = {
+    **RETURN_CODES,
+    1: "invalid arguments (null pointer or bad size)",
+    8: "scale layout not served (a scale stride too small, or for this config an activation-scale stride that is "
+       "not a multiple of 4 or a pointer that is not 16-byte aligned)",
 }
 
 
@@ -127,6 +164,10 @@ class LibrarySpec:
     out_dtype: str = "bfloat16"
     fast_accum: bool = True
     arch: str = "90a"
+
+    #: the kernel source this library compiles and the C ABI version it exports
+    source_files: ClassVar[tuple[str, ...]] = SOURCE_FILES
+    abi: ClassVar[int] = ABI_VERSION
 
     def __post_init__(self) -> None:
         if self.config not in CONFIGS:
@@ -161,6 +202,65 @@ class LibrarySpec:
             f"{self.config};swap={d['FP8B_SWAP_AB']};epilogue={d['FP8B_EPILOGUE']};out={d['FP8B_OUT']};"
             f"fast_accum={d['FP8B_FAST_ACCUM']}"
         )
+
+
+def _check_arch(arch: str) -> None:
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(
+            f"arch {arch!r} is not built by this provider (supported: {', '.join(SUPPORTED_ARCHS)}; "
+            "SM100 kernels need separate instantiations)"
+        )
+
+
+@dataclass(frozen=True)
+class BlockLibrarySpec:
+    """One shared library of the block-scaled GEMM: a block config and an output dtype.
+
+    - ``config``: a name from :data:`block_configs.BLOCK_CONFIGS`.
+    - ``out_dtype``: ``bfloat16``, ``float16`` or ``float32`` (the bias has the same type).
+    - ``arch``: the nvcc target, ``90a`` only.
+
+    There is no accumulation option: the blockwise mainloop promotes every 128-deep K block to fp32 with its scales.
+    """
+
+    config: str
+    out_dtype: str = "bfloat16"
+    arch: str = "90a"
+
+    source_files: ClassVar[tuple[str, ...]] = BLOCK_SOURCE_FILES
+    abi: ClassVar[int] = BLOCK_ABI_VERSION
+
+    def __post_init__(self) -> None:
+        if self.config not in BLOCK_CONFIGS:
+            raise ValueError(f"unknown CUTLASS block config {self.config!r} (known: {', '.join(BLOCK_CONFIGS)})")
+        if self.out_dtype not in OUT_DTYPES:
+            raise ValueError(f"out_dtype must be one of {', '.join(OUT_DTYPES)}, got {self.out_dtype!r}")
+        _check_arch(self.arch)
+
+    @property
+    def name(self) -> str:
+        return f"fp8b_sm{self.arch}_{self.config}_{_OUT_SHORT[self.out_dtype]}"
+
+    def defines(self) -> dict[str, str]:
+        out = dict(BLOCK_CONFIGS[self.config].defines())
+        out["FP8B_OUT"] = str(OUT_DTYPES[self.out_dtype])
+        out["FP8B_CONFIG_NAME"] = f'"{self.config}"'
+        return out
+
+    def describe_expected(self) -> str:
+        """What the built library's ``fp8b_block_describe()`` returns."""
+        d = self.defines()
+        return f"{self.config};swap={d['FP8B_SWAP_AB']};out={d['FP8B_OUT']}"
+
+
+#: any library spec this module builds
+AnySpec = LibrarySpec | BlockLibrarySpec
+
+
+def block_specs_for(configs: Iterable[str], out_dtypes: Iterable[str] = ("bfloat16",),
+                    arch: str = "90a") -> list[BlockLibrarySpec]:
+    """The cross product of block configs and output dtypes, in a stable order."""
+    return [BlockLibrarySpec(c, o, arch) for c in configs for o in out_dtypes]
 
 
 def specs_for(
@@ -289,10 +389,11 @@ def cutlass_version(include: Path) -> str:
     return ".".join(m.group(1) for m in parts) if all(parts) else "unknown"
 
 
-def source_hash() -> str:
-    """sha256 over the kernel sources shipped in this folder."""
+def source_hash(files: Sequence[str] = SOURCE_FILES) -> str:
+    """sha256 over kernel sources shipped in this folder (default: the per-tensor / row-wise kernel's; a spec's own:
+    ``source_hash(spec.source_files)``)."""
     h = hashlib.sha256()
-    for name in sorted(SOURCE_FILES):
+    for name in sorted(files):
         h.update(name.encode())
         h.update(b"\0")
         h.update((HERE / name).read_bytes())
@@ -352,10 +453,10 @@ def cache_dir() -> Path:
     return settings.cache_dir() / "cutlass"
 
 
-def key_material(spec: LibrarySpec, *, src_hash: str, nvcc_ver: str | None, cutlass_ver: str | None) -> dict:
+def key_material(spec: AnySpec, *, src_hash: str, nvcc_ver: str | None, cutlass_ver: str | None) -> dict:
     """Everything a built library depends on; :func:`library_key` hashes it."""
     return {
-        "abi": ABI_VERSION,
+        "abi": spec.abi,
         "source": src_hash,
         "defines": spec.defines(),
         "flags": list(NVCC_FLAGS),
@@ -365,23 +466,23 @@ def key_material(spec: LibrarySpec, *, src_hash: str, nvcc_ver: str | None, cutl
     }
 
 
-def library_key(spec: LibrarySpec, *, src_hash: str, nvcc_ver: str, cutlass_ver: str) -> str:
+def library_key(spec: AnySpec, *, src_hash: str, nvcc_ver: str, cutlass_ver: str) -> str:
     material = key_material(spec, src_hash=src_hash, nvcc_ver=nvcc_ver, cutlass_ver=cutlass_ver)
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 
 
-def library_dir(spec: LibrarySpec, key: str) -> Path:
+def library_dir(spec: AnySpec, key: str) -> Path:
     return cache_dir() / f"{spec.name}-{key[:16]}"
 
 
-def library_file(spec: LibrarySpec, key: str) -> Path:
+def library_file(spec: AnySpec, key: str) -> Path:
     return library_dir(spec, key) / f"lib{spec.name}.so"
 
 
-def find_prebuilt(spec: LibrarySpec, *, nvcc_ver: str | None = None, cutlass_ver: str | None = None) -> Path | None:
+def find_prebuilt(spec: AnySpec, *, nvcc_ver: str | None = None, cutlass_ver: str | None = None) -> Path | None:
     """A cached library for this source, macros, flags and arch (and the given nvcc / CUTLASS
     versions, where known); reads manifests only, runs nothing."""
-    want = key_material(spec, src_hash=source_hash(), nvcc_ver=nvcc_ver, cutlass_ver=cutlass_ver)
+    want = key_material(spec, src_hash=source_hash(spec.source_files), nvcc_ver=nvcc_ver, cutlass_ver=cutlass_ver)
     root = cache_dir()
     if not root.is_dir():
         return None
@@ -398,12 +499,12 @@ def find_prebuilt(spec: LibrarySpec, *, nvcc_ver: str | None = None, cutlass_ver
     return None
 
 
-def compile_command(spec: LibrarySpec, tc: Toolchain, output: Path) -> list[str]:
+def compile_command(spec: AnySpec, tc: Toolchain, output: Path) -> list[str]:
     """The nvcc command line that builds ``spec`` into ``output``."""
     cmd = [tc.nvcc, *NVCC_FLAGS, f"-gencode=arch=compute_{spec.arch},code=sm_{spec.arch}"]
     cmd += [f"-I{tc.include}", f"-I{tc.util_include}", *tc.extra_flags]
     cmd += [f"-D{k}={v}" for k, v in sorted(spec.defines().items())]
-    cmd += [str(HERE / SOURCE_FILES[0]), "-o", str(output)]
+    cmd += [str(HERE / spec.source_files[0]), "-o", str(output)]
     return cmd
 
 
@@ -416,7 +517,7 @@ def _write_atomic(path: Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def build_library(spec: LibrarySpec, toolchain: Toolchain | None = None, *, force: bool = False) -> Path:
+def build_library(spec: AnySpec, toolchain: Toolchain | None = None, *, force: bool = False) -> Path:
     """Build ``spec`` unless the cache has it; return the library path.
 
     Holds a file lock while building so parallel processes build once (the others wait, then find the
@@ -425,7 +526,8 @@ def build_library(spec: LibrarySpec, toolchain: Toolchain | None = None, *, forc
     from filelock import FileLock, Timeout
 
     tc = toolchain or get_toolchain()
-    key = library_key(spec, src_hash=source_hash(), nvcc_ver=tc.nvcc_version, cutlass_ver=tc.cutlass_version)
+    src_hash = source_hash(spec.source_files)
+    key = library_key(spec, src_hash=src_hash, nvcc_ver=tc.nvcc_version, cutlass_ver=tc.cutlass_version)
     folder = library_dir(spec, key)
     lib = library_file(spec, key)
     if lib.is_file() and not force:
@@ -467,7 +569,7 @@ def build_library(spec: LibrarySpec, toolchain: Toolchain | None = None, *, forc
         manifest = {
             "library": spec.name,
             "key": key,
-            "material": key_material(spec, src_hash=source_hash(), nvcc_ver=tc.nvcc_version,
+            "material": key_material(spec, src_hash=src_hash, nvcc_ver=tc.nvcc_version,
                                      cutlass_ver=tc.cutlass_version),
             "nvcc_path": tc.nvcc,
             "build_seconds": round(seconds, 1),
@@ -475,6 +577,7 @@ def build_library(spec: LibrarySpec, toolchain: Toolchain | None = None, *, forc
         }
         _write_atomic(folder / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True))
         os.replace(tmp, lib)
+        _status_cache_clear()
         logger.info("cutlass: built %s in %.1f s", spec.name, seconds)
         return lib
     finally:
@@ -488,24 +591,64 @@ def default_jobs(n: int) -> int:
     return max(1, min(n, settings.env_int(JOBS_ENV, os.cpu_count() or 1)))
 
 
+class _Progress:
+    """Logs ``cutlass: building ...: i of n done, s elapsed`` every :data:`PROGRESS_EVERY_S` seconds while a
+    parallel build runs (a daemon thread; :meth:`close` stops it)."""
+
+    def __init__(self, total: int, what: str, every: float | None = None) -> None:
+        self.total, self.what = total, what
+        self.every = PROGRESS_EVERY_S if every is None else every
+        self.done = 0
+        self.start = time.monotonic()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fp8b-cutlass-build-progress", daemon=True)
+        self._thread.start()
+
+    def finished_one(self) -> None:
+        with self._lock:
+            self.done += 1
+
+    def line(self) -> str:
+        with self._lock:
+            done = self.done
+        return (f"cutlass: building {self.what}: {done} of {self.total} done, "
+                f"{time.monotonic() - self.start:.0f} s elapsed")
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            logger.info("%s", self.line())
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=1.0)
+
+
 def build_many(
-    specs: Sequence[LibrarySpec], *, jobs: int | None = None, force: bool = False
-) -> dict[LibrarySpec, Path | BuildError]:
-    """Build several libraries in parallel (one nvcc per job); failures are returned, not raised."""
+    specs: Sequence[AnySpec], *, jobs: int | None = None, force: bool = False
+) -> dict[AnySpec, Path | BuildError]:
+    """Build several libraries in parallel (one nvcc per job); failures are returned, not raised. While nvcc runs,
+    a progress line is logged (INFO) every :data:`PROGRESS_EVERY_S` seconds."""
     specs = list(dict.fromkeys(specs))
     if not specs:
         return {}
     tc = get_toolchain()
     jobs = jobs or default_jobs(len(specs))
+    progress = _Progress(len(specs), specs[0].name if len(specs) == 1 else f"{len(specs)} libraries")
 
-    def one(spec: LibrarySpec) -> Path | BuildError:
+    def one(spec: AnySpec) -> Path | BuildError:
         try:
             return build_library(spec, tc, force=force)
         except BuildError as exc:
             return exc
+        finally:
+            progress.finished_one()
 
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        results = list(pool.map(one, specs))
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            results = list(pool.map(one, specs))
+    finally:
+        progress.close()
     _status_cache_clear()
     return dict(zip(specs, results))
 
@@ -540,12 +683,61 @@ class KernelLibrary:
         self.workspace_size = lib.fp8b_workspace_size
 
 
-_loaded: dict[LibrarySpec, KernelLibrary] = {}
-_failed: dict[LibrarySpec, BuildError] = {}
+class BlockKernelLibrary:
+    """A loaded block-scaled library: ``gemm`` (``fp8b_block_gemm``) and ``workspace_size`` with their ctypes
+    signatures set, and ``act_scale_tma`` (the kernel loads the activation scales with TMA: they need the padded
+    M-major layout), checked against what the config predicts."""
+
+    def __init__(self, spec: BlockLibrarySpec, path: Path) -> None:
+        self.spec = spec
+        self.path = Path(path)
+        try:
+            lib = ctypes.CDLL(str(self.path))
+        except OSError as exc:
+            raise BuildError(f"cannot load {self.path}: {exc}") from None
+        try:
+            version, describe = lib.fp8b_block_abi_version, lib.fp8b_block_describe
+        except AttributeError:
+            raise BuildError(f"{self.path} is not a block-scaled GEMM library (no fp8b_block_* entry points)") from None
+        version.restype, version.argtypes = ctypes.c_int, []
+        describe.restype, describe.argtypes = ctypes.c_char_p, []
+        abi = version()
+        if abi != BLOCK_ABI_VERSION:
+            raise BuildError(f"{self.path} has block ABI {abi}, this package needs {BLOCK_ABI_VERSION}; rebuild it")
+        desc = describe().decode()
+        if desc != spec.describe_expected():
+            raise BuildError(f"{self.path} describes itself as {desc!r}, expected {spec.describe_expected()!r}")
+        lib.fp8b_block_act_scale_tma.restype, lib.fp8b_block_act_scale_tma.argtypes = ctypes.c_int, []
+        self.act_scale_tma = bool(lib.fp8b_block_act_scale_tma())
+        expected = BLOCK_CONFIGS[spec.config].act_scale_tma
+        if self.act_scale_tma != expected:
+            raise BuildError(f"{self.path} loads activation scales by {'TMA' if self.act_scale_tma else 'cp.async'}, "
+                             f"block_configs.py predicts {'TMA' if expected else 'cp.async'}")
+        lib.fp8b_block_gemm.argtypes = list(BLOCK_GEMM_ARGTYPES)
+        lib.fp8b_block_gemm.restype = GEMM_RESTYPE
+        lib.fp8b_block_workspace_size.argtypes = list(WORKSPACE_ARGTYPES)
+        lib.fp8b_block_workspace_size.restype = WORKSPACE_RESTYPE
+        self._lib = lib
+        self.gemm = lib.fp8b_block_gemm
+        self.workspace_size = lib.fp8b_block_workspace_size
+
+
+AnyLibrary = KernelLibrary | BlockKernelLibrary
+
+
+def open_library(spec: AnySpec, path: Path) -> AnyLibrary:
+    """Load the library at ``path`` built for ``spec`` (checks its ABI and self-description)."""
+    if isinstance(spec, BlockLibrarySpec):
+        return BlockKernelLibrary(spec, path)
+    return KernelLibrary(spec, path)
+
+
+_loaded: dict[AnySpec, AnyLibrary] = {}
+_failed: dict[AnySpec, BuildError] = {}
 _load_lock = threading.RLock()
 
 
-def locate(spec: LibrarySpec) -> Path | None:
+def locate(spec: AnySpec) -> Path | None:
     """The cached library for ``spec`` if there is one (with the local nvcc's version when nvcc is here)."""
     nvcc = find_nvcc()
     headers = find_cutlass()
@@ -554,15 +746,17 @@ def locate(spec: LibrarySpec) -> Path | None:
             tc = get_toolchain()
         except BuildError:
             return find_prebuilt(spec)
-        key = library_key(spec, src_hash=source_hash(), nvcc_ver=tc.nvcc_version, cutlass_ver=tc.cutlass_version)
+        key = library_key(spec, src_hash=source_hash(spec.source_files), nvcc_ver=tc.nvcc_version,
+                          cutlass_ver=tc.cutlass_version)
         lib = library_file(spec, key)
         return lib if lib.is_file() else None
     return find_prebuilt(spec, cutlass_ver=cutlass_version(headers[0]) if headers else None)
 
 
-def get_library(spec: LibrarySpec, also: Iterable[LibrarySpec] = ()) -> KernelLibrary:
+def get_library(spec: AnySpec, also: Iterable[AnySpec] = ()) -> AnyLibrary:
     """The loaded library for ``spec``, building it first if needed (and, in the same parallel build,
-    the missing ones among ``also``: the other configs ``auto`` may pick).
+    the missing ones among ``also``: the other configs ``auto`` may pick). A build here (first use) is announced at
+    WARNING level with its estimate and how to build ahead, and logs progress while it runs.
 
     Raises :class:`BuildError` (also for a build that failed earlier in this process).
     """
@@ -581,7 +775,12 @@ def get_library(spec: LibrarySpec, also: Iterable[LibrarySpec] = ()) -> KernelLi
                 if missing_toolchain_reason() is not None:
                     raise BuildError(missing_toolchain_reason() or "no toolchain")
                 wanted = [spec] + [s for s in also if s != spec and s not in _loaded and locate(s) is None]
+                _announce_first_use_build(wanted)
+                start = time.monotonic()
                 results = build_many(wanted)
+                ok = sum(not isinstance(r, BuildError) for r in results.values())
+                logger.warning("cutlass: first-use build finished: %d of %d libraries built in %.0f s", ok,
+                               len(results), time.monotonic() - start)
                 for s, result in results.items():
                     if isinstance(result, BuildError):
                         _failed[s] = result
@@ -589,7 +788,7 @@ def get_library(spec: LibrarySpec, also: Iterable[LibrarySpec] = ()) -> KernelLi
                 if isinstance(result, BuildError):
                     raise result
                 path = result
-            lib = KernelLibrary(spec, path)
+            lib = open_library(spec, path)
         except BuildError as exc:
             _failed[spec] = exc
             _status_cache_clear()
@@ -599,16 +798,27 @@ def get_library(spec: LibrarySpec, also: Iterable[LibrarySpec] = ()) -> KernelLi
         return lib
 
 
-def loaded(spec: LibrarySpec) -> KernelLibrary | None:
+def _announce_first_use_build(specs: Sequence[AnySpec]) -> None:
+    jobs = default_jobs(len(specs))
+    names = ", ".join(s.name for s in specs[:4]) + (f" and {len(specs) - 4} more" if len(specs) > 4 else "")
+    logger.warning(
+        "cutlass: building %d kernel librar%s at first use with nvcc (%s; about %d s with %d parallel job%s; "
+        "cached in %s afterwards; build ahead with: python -m fp8_backends.build cutlass)",
+        len(specs), "y" if len(specs) == 1 else "ies", names, estimate_seconds(len(specs), jobs), jobs,
+        "" if jobs == 1 else "s", cache_dir(),
+    )
+
+
+def loaded(spec: AnySpec) -> AnyLibrary | None:
     """The library for ``spec`` if this process has loaded it (no build, no file system access)."""
     return _loaded.get(spec)
 
 
-def loaded_libraries() -> dict[LibrarySpec, KernelLibrary]:
+def loaded_libraries() -> dict[AnySpec, AnyLibrary]:
     return dict(_loaded)
 
 
-def failures() -> dict[LibrarySpec, BuildError]:
+def failures() -> dict[AnySpec, BuildError]:
     """Builds that failed in this process (they are not retried until :func:`forget_failures`)."""
     return dict(_failed)
 
@@ -638,9 +848,11 @@ def estimate_seconds(n_libraries: int, jobs: int | None = None) -> int:
 
 
 @functools.lru_cache(maxsize=4)
-def _status(specs: tuple[LibrarySpec, ...]) -> BuildStatus:
-    if _failed:
-        spec, err = next(iter(_failed.items()))
+def _status(specs: tuple[AnySpec, ...]) -> BuildStatus:
+    kinds = {type(s) for s in specs}
+    failed = [(s, e) for s, e in _failed.items() if type(s) in kinds]  # a block build's failure spares the rest
+    if failed:
+        spec, err = failed[0]
         return BuildStatus(False, f"build of {spec.name} failed: {err}")
     built, missing = 0, []
     for spec in specs:
@@ -664,7 +876,7 @@ def _status(specs: tuple[LibrarySpec, ...]) -> BuildStatus:
     )
 
 
-def status(specs: Iterable[LibrarySpec]) -> BuildStatus:
+def status(specs: Iterable[AnySpec]) -> BuildStatus:
     """Built / buildable / unavailable for ``specs``; reads the cache folder and PATH, runs nothing."""
     return _status(tuple(specs))
 
@@ -675,11 +887,15 @@ def _status_cache_clear() -> None:
 
 __all__ = [
     "ABI_VERSION",
+    "BLOCK_ABI_VERSION",
+    "BlockKernelLibrary",
+    "BlockLibrarySpec",
     "BuildStatus",
     "KernelLibrary",
     "LibrarySpec",
     "Toolchain",
     "build_library",
+    "block_specs_for",
     "build_many",
     "cache_dir",
     "compile_command",
@@ -692,6 +908,7 @@ __all__ = [
     "loaded",
     "locate",
     "nvcc_version",
+    "open_library",
     "source_hash",
     "specs_for",
     "status",
