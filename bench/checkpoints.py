@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from bench import common
-from bench import hf_model as hf
+from bench import hf_bench as hf
 
 FORMATS = ("modelopt", "ct_fp8", "ct_dynamic", "ct_block", "hf_block")
 #: formats transformers loads itself (its compressed-tensors and fp8 integrations)
