@@ -440,3 +440,21 @@ def test_gpu_inductor_launches_the_kernel_itself(m):
     assert torch.equal(y, eager)
     if bg.pick_config("auto", m, n, k).family != "tma":
         assert "block_gemm_" in "\n".join(codes) and "triton_block_gemm.default" not in "\n".join(codes)
+
+
+def test_traced_bodies_give_the_op_schemas():
+    """The triton_op bodies (what torch.compile traces on a GPU) infer the schemas of the eager/opaque ops."""
+    from fp8_backends.providers.triton import block_traced_ops as t
+
+    schemas = {
+        t.triton_block_gemm: ("(Tensor x, Tensor w, Tensor x_scale, Tensor w_scale, Tensor? bias, ScalarType out_dtype,"
+                              " SymInt group_size, str config) -> Tensor"),
+        t.triton_quant_per_token_group: "(Tensor x, SymInt group_size, ScalarType fp8_dtype, str scale_layout) -> "
+                                        "(Tensor, Tensor)",
+        t.triton_rmsnorm_quant_dynamic: "(Tensor x, Tensor weight, float eps, SymInt group_size, str scale_layout, "
+                                        "ScalarType fp8_dtype) -> (Tensor, Tensor)",
+    }
+    for fn, schema in schemas.items():
+        assert torch.library.infer_schema(fn, mutates_args=()) == schema
+    add = torch.library.infer_schema(t.triton_fused_add_rmsnorm_quant_dynamic, mutates_args=("residual",))
+    assert "Tensor(a1!) residual" in add

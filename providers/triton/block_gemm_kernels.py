@@ -76,7 +76,7 @@ def _finish(acc, offs_m, offs_n, M, N, tile, split, out_ptr, stride_om, stride_o
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
             total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLIT_K):
+            for s in range(1, SPLIT_K):  # not unrolled: one partial in registers at a time
                 total += tl.load(part_ptr + s * plane + offs, mask=mask, other=0.0, cache_modifier=".cg")
             _bias_store(total, offs_m, offs_n, M, N, out_ptr, stride_om, stride_on, bias_ptr, stride_b, HAS_BIAS)
             tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
