@@ -458,3 +458,22 @@ def test_traced_bodies_give_the_op_schemas():
         assert torch.library.infer_schema(fn, mutates_args=()) == schema
     add = torch.library.infer_schema(t.triton_fused_add_rmsnorm_quant_dynamic, mutates_args=("residual",))
     assert "Tensor(a1!) residual" in add
+
+
+@pytest.mark.slow
+def test_kernels_lower_for_sm90_without_spills():
+    """The interpreter never lowers the kernels: compile one variant of each for sm_90a (Triton's bundled ptxas, no
+    GPU) and require wgmma, the load pipelines, PDL and no register spills (bench/block_kernels_sm90.py)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    code = (f"import sys; sys.path.append({str(root)!r}); from bench.block_kernels_sm90 import main; "
+            "sys.exit(main(['--quick']))")
+    run = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, env=env, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "0 failing variant(s)" in run.stdout
