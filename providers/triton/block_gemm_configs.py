@@ -16,8 +16,16 @@ Every tensor-core family takes one activation group (``G`` = 128, or 64) per K s
 scaled by that group's activation and weight scales before it joins the accumulator (the promotion), so a K step
 never spans two scales. That also fixes what a tile costs in registers: the accumulator plus one step's MMA result,
 two ``BM x BN`` fp32 blocks; 128x128 tiles on 8 warps (two warpgroups of 64 rows) hold 64 + 64 registers per thread,
-which is why no shipped config has a 128x256 tile on 8 warps (the same tile of the per-tensor kernel, whose MMA
-accumulates in place, holds half as many).
+which is why no shipped config has a 128x256 tile on 8 warps (it spills on sm_90a; the same tile of the per-tensor
+kernel, whose MMA accumulates in place, holds half as many).
+
+The promotion waits for its MMA (``wgmma.wait_group 0`` after every K step in the sm_90a code), so the tensor cores
+idle while a warpgroup scales; another warpgroup's MMAs can fill that time only if it is not in the same phase. The
+two warpgroups of an 8-warp program are not: Triton's pipeline puts a CTA-wide barrier in every K step. Two or three
+independent 4-warp programs per SM (64x128 tiles: ``tma_n128_m64_s4_w4_g8_p2``, ``mm_n128_m64_s3_w4_g8_sk0``) are,
+which is why the table's large-M picks are those rather than the 128x128 tiles of the per-tensor kernel (both
+measured by ``bench/block_gemm.py --sweep``). ``python -m bench.block_kernels_sm90`` prints each config's registers
+and shared memory on sm_90a.
 
 ``split_k``: ``1`` none; ``0`` (``sk0``) chosen per launch by :func:`auto_split` from the number of output tiles,
 the SM count and the K groups (tall-skinny problems such as N = 576 or 1536 with K = 7168, where N / BN tiles do
@@ -140,6 +148,8 @@ CONFIG_LIST: tuple[BlockTileConfig, ...] = (
     C("mm", 128, 128, 3, 8, note="M >= 1024 without TMA (rows not 16-byte aligned)"),
     C("tma", 64, 128, 4, 4, persistent=2, note="M >= 1024: two 4-warp programs per SM (106 KB of shared memory "
       "each), whose promotions overlap the other's MMAs"),
+    C("mm", 64, 128, 3, 4, split_k=0, note="M >= 1024 without TMA: three 4-warp programs per SM (72 KB of shared "
+      "memory and 166 registers a thread each; a split launch takes 191 registers: two)"),
     C("tma", 64, 128, 4, 4, persistent=1, note="M ~512-1024, narrow N"),
     C("tma", 128, 128, 4, 8, persistent=1, note="M >= 1024: one 8-warp program per SM"),
     C("tma", 128, 128, 4, 8, note="M >= 1024, one program per tile"),
