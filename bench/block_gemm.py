@@ -15,8 +15,10 @@ per variant over weight copies rotated past L2 (the activation is shared), varia
 wrong variant is reported failed, never timed). Variants:
 
 - ``bf16``: ``torch.mm`` of the dequantized operands in bf16 (what the FP8 path must beat);
-- ``triton``: the Triton block GEMM with ``config=auto`` (the M-bucket table), and ``triton:<config>`` per kernel
-  family where it is eligible (GEMV, swap-AB, tiled, TMA), every shipped config with ``--sweep``;
+- ``triton``: the Triton block GEMM with ``config=auto`` (the M-bucket table), launched with programmatic dependent
+  launch as the library does on SM90 (consecutive calls in the graph overlap their prologues), ``triton_nopdl``: the
+  same kernel without it (like for like with cuBLAS), and ``triton:<config>`` per kernel family where it is eligible
+  (GEMV, swap-AB, tiled, TMA), every shipped config with ``--sweep``;
 - ``scaled_mm``: ``torch._scaled_mm(x_q, w_q.t(), scale_a, scale_b=w_scale.t())`` (SM90, cuBLASLt >= 12.9); the
   activation-scale layouts M-major, M-major padded to 4 and row-major are tried in that order and the first that
   torch accepts and computes right is timed; every refusal's text is recorded;
@@ -325,6 +327,16 @@ def gemm_point(model: str, layer: str, n: int, k: int, m: int, device: str, time
             return bg.launch(data.x_q, data.w_q[i], xs_triton, data.ws[i], None, torch.bfloat16, GROUP, config)
 
         runs[label] = Run(call, data.sets, data.check(FP8_TOL))
+    if device.startswith("cuda"):  # auto without programmatic dependent launch: like for like with cuBLAS
+        auto_cfg = bg.pick_config("auto", m, n, k)
+        configs["triton_nopdl"] = auto_cfg.name
+
+        def nopdl(i: int) -> Any:
+            out = data.x_q.new_empty((m, n), dtype=torch.bfloat16)
+            bg.run_config(auto_cfg, data.x_q, data.w_q[i], xs_triton, data.ws[i], None, out, GROUP, pdl=False)
+            return out
+
+        runs["triton_nopdl"] = Run(nopdl, data.sets, data.check(FP8_TOL))
     call, layout, refused = probe_layouts("scaled_mm", lambda lay: _scaled_mm_call(data, lay), data)
     notes["scaled_mm"] = {"layout": layout, "refused": refused}
     if call is not None:

@@ -219,6 +219,13 @@ def quant_per_token_group(
     return q, scale
 
 
+def quant_impl(x: torch.Tensor, group_size: int, scale_layout: str, fp8_dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quant_per_token_group` with the argument order of the per-token-group entry of
+    :func:`fp8_backends.quant.register_quant_impl`: ``(x, group_size, scale_layout, fp8_dtype) -> (q, scale)``."""
+    return quant_per_token_group(x, group_size, fp8_dtype, str(getattr(scale_layout, "value", scale_layout)))
+
+
 # ---------------------------------------------------------------------------------------------- the torch op
 OP_BASENAME = "triton_quant_per_token_group"
 OP_SCHEMA = (f"{OP_BASENAME}(Tensor x, int group_size, ScalarType fp8_dtype, str scale_layout) "
@@ -265,5 +272,5 @@ def triton_quant_per_token_group(x: torch.Tensor, group_size: int = 128, fp8_dty
 
 __all__ = [
     "GROUP_SIZES", "SCALE_LAYOUTS", "GroupConfig", "group_config", "group_scale_empty", "kernel_args", "load_op",
-    "quant_per_token_group", "scale_layout_of", "triton_quant_per_token_group",
+    "quant_impl", "quant_per_token_group", "scale_layout_of", "triton_quant_per_token_group",
 ]
