@@ -18,7 +18,10 @@ Shared contract of the kernels (validated by the caller, :mod:`.block_gemm_ops`,
 - ``out``: ``[M, N]`` bf16/fp16/fp32 (``stride_om, stride_on``); ``bias``: ``[N]`` (``stride_b``) when ``HAS_BIAS``.
 - fp32 accumulation: every K step of ``G`` columns is one MMA (or CUDA-core dot) whose fp32 result is multiplied by
   ``x_scale[m, g] · w_scale[nb, g·G // WBK]`` and added to the fp32 accumulator (the promotion of DeepGEMM and
-  vLLM's Triton kernel); the bias is added in fp32 and the sum cast once.
+  vLLM's Triton kernel); the bias is added in fp32 and the sum cast once. Triton's software pipeline covers the
+  operand tiles, not the scale loads: those come first in each step, so their latency overlaps the wait for the
+  step's operand tiles instead of following it (the sm_90a code issues them before ``cp.async.wait_group``; loading
+  them steps ahead as loop-carried values made Triton drop the operand pipeline altogether).
 - Ragged edges: rows of ``x``/``w`` past ``M``/``N`` are read through a modulo (always in bounds, discarded at the
   store); columns past ``K`` are masked to zero unless ``EVEN_K`` (``K`` a multiple of the K step): the last group
   may be short. ``N``, ``K`` need no alignment (``ROW_ALIGN`` tells the compiler the largest power of two, at most
@@ -178,6 +181,8 @@ def block_gemm_swap_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for kb in range(kb_first, kb_last):
+        xs = tl.load(xs_ptrs)  # first: their latency overlaps the wait for the operand tiles
+        ws = tl.load(ws_row + ((kb * GROUP_K) // WBK) * stride_wsk)
         if EVEN_K:
             a = tl.load(w_ptrs)
             b = tl.load(x_ptrs)
@@ -185,8 +190,6 @@ def block_gemm_swap_kernel(
             k_left = K - kb * GROUP_K
             a = tl.load(w_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             b = tl.load(x_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        xs = tl.load(xs_ptrs)
-        ws = tl.load(ws_row + ((kb * GROUP_K) // WBK) * stride_wsk)
         acc += tl.dot(a, b) * (xs * ws)[None, :]
         w_ptrs += GROUP_K * stride_wk
         x_ptrs += GROUP_K * stride_xk
@@ -253,6 +256,8 @@ def block_gemm_mm_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(kb_first, kb_last):
+        xs = tl.load(xs_ptrs)  # first: their latency overlaps the wait for the operand tiles
+        ws = _weight_scales(ws_ptr, pid_n, rows_w, (kb * GROUP_K) // WBK, stride_wsn, stride_wsk, BLOCK_N, WBN)
         if EVEN_K:
             a = tl.load(x_ptrs)
             b = tl.load(w_ptrs)
@@ -260,8 +265,6 @@ def block_gemm_mm_kernel(
             k_left = K - kb * GROUP_K
             a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        xs = tl.load(xs_ptrs)
-        ws = _weight_scales(ws_ptr, pid_n, rows_w, (kb * GROUP_K) // WBK, stride_wsn, stride_wsk, BLOCK_N, WBN)
         acc += tl.dot(a, b) * (xs[:, None] * ws)
         x_ptrs += GROUP_K * stride_xk
         w_ptrs += GROUP_K * stride_wk
@@ -300,10 +303,10 @@ def block_gemm_tma_kernel(
         rows_w = offs_n % N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(k_steps):
+            xs = tl.load(xs_ptr + rows_x * stride_xsm + kb * stride_xsk)  # first, as in the pointer kernels
+            ws = _weight_scales(ws_ptr, pid_n, rows_w, (kb * GROUP_K) // WBK, stride_wsn, stride_wsk, BLOCK_N, WBN)
             a = x_desc.load([off_m, kb * GROUP_K])
             b = w_desc.load([off_n, kb * GROUP_K])
-            xs = tl.load(xs_ptr + rows_x * stride_xsm + kb * stride_xsk)
-            ws = _weight_scales(ws_ptr, pid_n, rows_w, (kb * GROUP_K) // WBK, stride_wsn, stride_wsk, BLOCK_N, WBN)
             acc += tl.dot(a, b.T) * (xs[:, None] * ws)
         _bias_store(acc, offs_m[:, None], offs_n[None, :], M, N, out_ptr, stride_om, stride_on, bias_ptr, stride_b,
                     HAS_BIAS)
