@@ -50,10 +50,16 @@ def _caps_dict(cls: Any) -> dict[str, Any]:
     for attr in ("act_scales", "weight_scales", "input_dtypes", "out_dtypes", "in_dtypes", "out_fp8"):
         if hasattr(caps, attr):
             out[attr] = sorted(v.value for v in getattr(caps, attr))
-    for attr in ("bias", "k_align", "n_align", "mixed_inputs", "residual", "hidden_align"):
+    for attr in ("bias", "k_align", "n_align", "mixed_inputs", "residual", "hidden_align", "group_scale_layout"):
         if hasattr(caps, attr):
             value = getattr(caps, attr)
             out[attr] = getattr(value, "value", value)
+    if hasattr(caps, "group_sizes"):
+        out["group_sizes"] = sorted(caps.group_sizes)
+    if hasattr(caps, "weight_blocks"):
+        out["weight_blocks"] = [list(b) for b in sorted(caps.weight_blocks)]
+    if hasattr(caps, "block_scaled"):
+        out["block_scaled"] = caps.block_scaled
     return out
 
 
@@ -125,9 +131,11 @@ def collect(
     providers = []
     for kind in ("gemm", "norm_quant"):
         res = resolutions[kind]
-        by_entry = {id(c.entry): c for c in res.candidates}
+        # matched by what an entry is, not by object: a rescan between the resolution and this listing (an install)
+        # renews changed entries only, and an unchanged provider keeps its verdict
+        by_entry = {_entry_key(c.entry): c for c in res.candidates}
         for entry in sorted(discovery.discover(kind), key=resolution.rank_key):
-            cand = by_entry.get(id(entry))
+            cand = by_entry.get(_entry_key(entry))
             unusable = entry.unusable_reason()
             reasons = cand.reasons if cand is not None else [unusable] if unusable else []
             avail = entry.availability()
@@ -180,6 +188,10 @@ def _clashes_list(kind: str) -> list[dict[str, Any]]:
     entries = [e for e in discovery.discover(kind) if e.status != discovery.BLOCKED and not e.disabled]
     return [{"name": name, "distributions": [e.dist for e in group], "qualified": [e.qualified_name for e in group]}
             for name, group in resolution.name_clashes(entries).items()]
+
+
+def _entry_key(entry: Any) -> tuple:
+    return (entry.kind, entry.name, entry.dist, entry.target, entry.origin)
 
 
 def _defaults_list(kind: str, platform: Platform) -> list[dict[str, Any]]:
@@ -255,10 +267,14 @@ def render(data: dict[str, Any]) -> str:
                 dist += " (in-process)"
             names = pr["name"] + (f" ({','.join(pr['aliases'])})" if pr["aliases"] else "")
             if kind == "gemm":
-                scales = f"{_short(caps.get('act_scales'))} x {_short(caps.get('weight_scales'))}"
+                plain = [v for v in caps.get("act_scales") or [] if v != "per_token_group"]
+                scales = f"{_short(plain)} x {_short([v for v in caps.get('weight_scales') or [] if v != 'block'])}"
+                if caps.get("block_scaled"):
+                    blocks = "/".join("x".join(map(str, b)) for b in caps.get("weight_blocks", []))
+                    scales += f"; block {blocks} x group {'/'.join(map(str, caps.get('group_sizes', [])))}"
                 dtypes = f"{_short(caps.get('input_dtypes'))}->{_short(caps.get('out_dtypes'))}"
             else:
-                scales = "static" if caps else "-"
+                scales = _short(caps.get("act_scales")) if caps else "-"
                 dtypes = f"{_short(caps.get('in_dtypes'))}->{_short(caps.get('out_fp8'))}"
             rows.append([
                 "*" if pr["selected"] else "", names, dist, usable, caps.get("arch", "-"),

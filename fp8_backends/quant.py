@@ -9,6 +9,8 @@ op                                        semantics (``fmax`` = 448 for e4m3fn, 
 ``fp8_backends::quant_static``            ``q = clamp(x / scale, ±fmax) -> fp8``; ``scale`` given
 ``fp8_backends::quant_dynamic``           ``scale = max(amax(|x|) / fmax, 1e-12)`` as ``[1]``, then as above
 ``fp8_backends::quant_per_token``         ``scale[m] = max(amax(|x[m, :]|) / fmax, 1e-12)`` as ``[M, 1]``
+``fp8_backends::quant_per_token_group``   ``scale[m, g] = max(amax(|x[m, gG:(g+1)G]|) / fmax, 1e-12)`` as
+                                          ``[M, ceil(K/G)]`` in the requested :class:`ScaleLayout`
 ========================================  =========================================================
 
 ``x`` is ``[M, K]`` bf16/fp16/fp32 on any device; scales are fp32 on ``x``'s device. Dynamic scales
@@ -46,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 from .core import validation as V
 from .core.errors import BackendUnavailableError, InvalidInputError
 from .core.oplib import LazyOps
-from .core.types import ActScale, Fp8Dtype, OutDtype, QuantizedActivation
+from .core.types import DEFAULT_GROUP_SIZE, GROUP_SIZES, ActScale, Fp8Dtype, OutDtype, QuantizedActivation, ScaleLayout
 
 if TYPE_CHECKING:
     import torch
@@ -64,6 +66,7 @@ _OP_NAMES = {
     ActScale.PER_TENSOR_STATIC: "quant_static",
     ActScale.PER_TENSOR_DYNAMIC: "quant_dynamic",
     ActScale.PER_TOKEN: "quant_per_token",
+    ActScale.PER_TOKEN_GROUP: "quant_per_token_group",
 }
 
 
@@ -72,6 +75,8 @@ def register_quant_impl(mode: ActScale | str, device_type: str, fn: QuantImpl | 
 
     - static: ``fn(x: [M, K], scale: fp32 one value, fp8_dtype: torch.dtype) -> q: [M, K]``
     - dynamic / per-token: ``fn(x: [M, K], fp8_dtype) -> (q: [M, K], scale: [1] or [M, 1] fp32)``
+    - per-token-group: ``fn(x: [M, K], group_size: int, scale_layout: str, fp8_dtype) -> (q: [M, K], scale:
+      [M, ceil(K/G)] fp32 in that layout)`` (:class:`~fp8_backends.core.types.ScaleLayout` values)
 
     ``fn`` must return new tensors (never views of its inputs), run without host syncs, and follow
     the semantics in this module's docstring; ``x`` may be non-contiguous. ``fn=None`` removes the
@@ -132,10 +137,19 @@ def _reference_per_token(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch
     return reference.quantize_per_token(x, fp8_dtype)
 
 
+def _reference_per_token_group(x: torch.Tensor, group_size: int, scale_layout: str,
+                               fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    from .core import group_scales, reference
+
+    q, scale = reference.quantize_per_token_group(x, group_size, fp8_dtype)
+    return q, group_scales.to_layout(scale, ScaleLayout.of(scale_layout))
+
+
 _REFERENCE: dict[ActScale, QuantImpl] = {
     ActScale.PER_TENSOR_STATIC: _reference_static,
     ActScale.PER_TENSOR_DYNAMIC: _reference_dynamic,
     ActScale.PER_TOKEN: _reference_per_token,
+    ActScale.PER_TOKEN_GROUP: _reference_per_token_group,
 }
 
 
@@ -230,6 +244,10 @@ def _op_per_token(x, fp8_dtype):
     return _impl_for(ActScale.PER_TOKEN, x.device.type)(x, fp8_dtype)
 
 
+def _op_per_token_group(x, group_size, scale_layout, fp8_dtype):
+    return _impl_for(ActScale.PER_TOKEN_GROUP, x.device.type)(x, group_size, scale_layout, fp8_dtype)
+
+
 def _fake_static(x, scale, fp8_dtype):
     return x.new_empty(x.shape, dtype=fp8_dtype)
 
@@ -246,10 +264,20 @@ def _fake_per_token(x, fp8_dtype):
     return x.new_empty(x.shape, dtype=fp8_dtype), x.new_empty((x.shape[0], 1), dtype=torch.float32)
 
 
+def _fake_per_token_group(x, group_size, scale_layout, fp8_dtype):
+    from .core import group_scales
+
+    groups = -(-x.shape[1] // group_size)
+    scale = group_scales.empty_group_scale(x.shape[0], groups, ScaleLayout.of(scale_layout), x.device)
+    return x.new_empty(x.shape, dtype=fp8_dtype), scale
+
+
 _SCHEMAS = {
     ActScale.PER_TENSOR_STATIC: ("(Tensor x, Tensor scale, ScalarType fp8_dtype) -> Tensor", _op_static, _fake_static),
     ActScale.PER_TENSOR_DYNAMIC: ("(Tensor x, ScalarType fp8_dtype) -> (Tensor, Tensor)", _op_dynamic, _fake_dynamic),
     ActScale.PER_TOKEN: ("(Tensor x, ScalarType fp8_dtype) -> (Tensor, Tensor)", _op_per_token, _fake_per_token),
+    ActScale.PER_TOKEN_GROUP: ("(Tensor x, int group_size, str scale_layout, ScalarType fp8_dtype) -> (Tensor, Tensor)",
+                               _op_per_token_group, _fake_per_token_group),
 }
 
 
@@ -272,7 +300,8 @@ def _call(mode: ActScale) -> Any:
 def op_call(mode: ActScale | str) -> Any:
     """The op for ``mode`` as a callable for hot paths that validated their input at load time: a plain eager
     call runs the implementation directly (:func:`fp8_backends.core.oplib.eager_fast`), anything else goes through
-    the op. Static: ``(x, scale, fp8_dtype) -> q``; dynamic / per-token: ``(x, fp8_dtype) -> (q, scale)``."""
+    the op. Static: ``(x, scale, fp8_dtype) -> q``; dynamic / per-token: ``(x, fp8_dtype) -> (q, scale)``;
+    per-token-group: ``(x, group_size, scale_layout, fp8_dtype) -> (q, scale)``."""
     return _call(ActScale.of(mode))
 
 
@@ -340,14 +369,47 @@ def quantize_per_token(x: torch.Tensor, dtype: object = Fp8Dtype.E4M3FN) -> tupl
     return _call(ActScale.PER_TOKEN)(x, fp8)
 
 
+def quantize_per_token_group(
+    x: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE, dtype: object = Fp8Dtype.E4M3FN,
+    scale_layout: ScaleLayout | str = ScaleLayout.ROW_MAJOR,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token-group dynamic quantization of ``x: [M, K]`` (any strides) in groups of ``group_size`` (64 or 128)
+    along K; returns ``(q [M, K] row-major, scale [M, ceil(K/G)] fp32)``, the scale written in ``scale_layout`` (the
+    layout the consuming GEMM reads: its ``capabilities.group_scale_layout``)."""
+    _check_x(x)
+    if group_size not in GROUP_SIZES:
+        raise InvalidInputError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size!r}")
+    layout = ScaleLayout.of(scale_layout)
+    fp8 = _fp8(dtype)
+    if _inline():
+        from .core import reference
+
+        q, s = reference.quantize_per_token_group(x, group_size, fp8)
+        return q, s if layout is ScaleLayout.ROW_MAJOR else _traced_layout(s, layout)
+    return _call(ActScale.PER_TOKEN_GROUP)(x, group_size, layout.value, fp8)
+
+
+def _traced_layout(scale: torch.Tensor, layout: ScaleLayout) -> torch.Tensor:
+    """``scale [M, G]`` re-laid out as torch ops a compiler can fuse into the quantization that made it."""
+    if layout is ScaleLayout.M_MAJOR:
+        return scale.t().contiguous().t()
+    from .core import group_scales
+
+    return group_scales.to_layout(scale, layout)
+
+
 def quantize(
     x: torch.Tensor,
     mode: ActScale | str,
     scale: torch.Tensor | None = None,
     dtype: object = Fp8Dtype.E4M3FN,
+    *,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    scale_layout: ScaleLayout | str = ScaleLayout.ROW_MAJOR,
 ) -> QuantizedActivation:
     """Quantize ``x: [M, K]`` in ``mode`` and wrap the result as a :class:`QuantizedActivation`
-    (``orig_dtype = x.dtype``). ``scale`` is required for the static mode and refused otherwise."""
+    (``orig_dtype = x.dtype``). ``scale`` is required for the static mode and refused otherwise; ``group_size``
+    and ``scale_layout`` are the per-token-group mode's (:func:`quantize_per_token_group`)."""
     mode = ActScale.of(mode)
     if mode is ActScale.PER_TENSOR_STATIC:
         if scale is None:
@@ -357,6 +419,8 @@ def quantize(
         raise InvalidInputError(f"{mode.value} quantization computes its own scale; do not pass one")
     if mode is ActScale.PER_TENSOR_DYNAMIC:
         q, s = quantize_dynamic(x, dtype)
+    elif mode is ActScale.PER_TOKEN_GROUP:
+        q, s = quantize_per_token_group(x, group_size, dtype, scale_layout)
     else:
         q, s = quantize_per_token(x, dtype)
     return QuantizedActivation(q, s, x.dtype, mode)
@@ -370,6 +434,7 @@ __all__ = [
     "quantize",
     "quantize_dynamic",
     "quantize_per_token",
+    "quantize_per_token_group",
     "quantize_static",
     "register_quant_impl",
     "registered_quant_impl",

@@ -1,4 +1,5 @@
-"""``torch`` norm-quant provider: the unfused reference path (fp32 RMSNorm, then static quant).
+"""``torch`` norm-quant provider: the unfused reference path (fp32 RMSNorm, then quantization: static per-tensor,
+or dynamic per token / per token group).
 
 Runs anywhere torch runs. It is several kernels per call, so it is the lowest-priority choice;
 fused providers replace it where they are available.
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from fp8_backends.core.backend import NormQuantBackend
 from fp8_backends.core.capabilities import NormQuantCapabilities
-from fp8_backends.core.types import DeviceKind, OutDtype
+from fp8_backends.core.types import ActScale, DeviceKind, OutDtype, ScaleLayout
 
 if TYPE_CHECKING:
     import torch
@@ -27,6 +28,8 @@ class TorchNormQuantBackend(NormQuantBackend):
         in_dtypes=frozenset({OutDtype.BF16, OutDtype.FP16, OutDtype.FP32}),
         residual=True,
         priority=0,
+        act_scales=frozenset({ActScale.PER_TENSOR_STATIC, ActScale.PER_TOKEN, ActScale.PER_TOKEN_GROUP}),
+        group_sizes=frozenset({64, 128}),
     )
 
     def rmsnorm_quant_impl(
@@ -45,3 +48,17 @@ class TorchNormQuantBackend(NormQuantBackend):
         q, new_residual = reference.fused_add_rmsnorm_quant(x, residual, weight, scale, eps)
         out.copy_(q)
         residual.copy_(new_residual)
+
+    def rmsnorm_quant_dynamic_impl(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, act_scale: ActScale,
+        group_size: int, scale_layout: ScaleLayout,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from fp8_backends.core import group_scales, reference
+
+        q, scale, new_residual = reference.rmsnorm_quant_dynamic(
+            x, weight, eps, act_scale=act_scale, group_size=group_size, residual=residual)
+        if new_residual is not None:
+            residual.copy_(new_residual)
+        if act_scale is ActScale.PER_TOKEN_GROUP:
+            scale = group_scales.to_layout(scale, scale_layout)
+        return q, scale

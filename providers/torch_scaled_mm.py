@@ -1,8 +1,10 @@
 """``torch_scaled_mm``: FP8 GEMM through ``torch._scaled_mm`` (cuBLASLt / CUTLASS inside torch).
 
 Per-tensor scales on CUDA SM >= 8.9 and on the CPU; row-wise scales (per-token activation x
-per-channel weight) through torch's row-wise path. The weight is prepared once as the column-major
-``[K, N]`` view ``_scaled_mm`` wants (``w_q.t()`` of a row-major ``[N, K]``: no copy).
+per-channel weight) through torch's row-wise path; block-wise FP8 (1x128 activation groups x 128x128 weight
+blocks) through cuBLASLt's block-scaled GEMM on SM 9.0 where this torch serves it, and torch ops on the CPU
+(:mod:`.torch_block`). The weight is prepared once as the column-major ``[K, N]`` view ``_scaled_mm`` wants
+(``w_q.t()`` of a row-major ``[N, K]``: no copy).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from fp8_backends.core.types import (
     GemmProblem,
     OutDtype,
     PreparedWeight,
+    ScaleLayout,
     WeightScale,
 )
 
@@ -79,6 +82,9 @@ class TorchScaledMMBackend(Fp8GemmBackend):
         k_align=16,
         n_align=16,
         priority=10,
+        group_sizes=frozenset({128}),
+        weight_blocks=frozenset({(128, 128)}),
+        group_scale_layout=ScaleLayout.M_MAJOR,
     )
     # host µs per call on the compiled path (cuBLASLt's heuristics run at every call): 5 + the 16 µs a compiled
     # Fp8Linear on torch._scaled_mm costs more than on the triton op (median over 6 shapes x M, H200, 2026-12-01,
@@ -90,6 +96,8 @@ class TorchScaledMMBackend(Fp8GemmBackend):
             return [_CPU_FAST_ACCUM]
         if problem is None:
             return []
+        if problem.block_scaled:
+            return self._block_platform_reasons(problem, platform)
         rowwise = problem.act_scale is ActScale.PER_TOKEN or problem.weight_scale is WeightScale.PER_CHANNEL
         if problem.device is DeviceKind.CPU:
             return [_CPU_NO_ROWWISE] if rowwise and not cpu_rowwise_supported() else []
@@ -103,11 +111,38 @@ class TorchScaledMMBackend(Fp8GemmBackend):
                 reasons.append("torch's row-wise FP8 kernel writes bfloat16 only")
         return reasons
 
+    def _block_platform_reasons(self, problem: GemmProblem, platform: Platform) -> list[str]:
+        """Block-wise FP8: the CPU path serves every shape; on CUDA cuBLASLt's block-scaled GEMM on SM 9.0 where
+        this torch serves it (probed once per device), bfloat16 out, precise accumulation."""
+        if problem.device is DeviceKind.CPU:
+            return [_CPU_FAST_ACCUM] if self.config["fast_accum"] == "true" else []
+        reasons = []
+        if self.config["fast_accum"] == "true":
+            reasons.append("block-scaled FP8 accumulates precisely (fast_accum=true does not apply)")
+        if problem.input_dtype is not Fp8Dtype.E4M3FN or problem.weight_dtype is not Fp8Dtype.E4M3FN:
+            reasons.append("cuBLASLt's block-scaled FP8 GEMM takes e4m3fn inputs only")
+        if problem.out_dtype is not OutDtype.BF16:
+            reasons.append("cuBLASLt's block-scaled FP8 GEMM is served here for bfloat16 output only")
+        if platform.sm is not None and platform.sm != (9, 0):
+            reasons.append(f"cuBLASLt's block-scaled FP8 GEMM runs on SM 9.0 only; this GPU is SM {platform.arch}")
+        elif platform.sm is not None and not platform.simulated and platform.device_index is not None:
+            from .torch_block import cuda_block_support
+
+            padded, why = cuda_block_support(platform.device_index)
+            if padded is None:
+                reasons.append(why)
+        return reasons
+
+    def block_reasons(self, problem: GemmProblem) -> list[str]:
+        return []
+
     def prepare_weight_impl(
         self, w_q: torch.Tensor, w_scale: torch.Tensor, weight_scale: WeightScale
     ) -> PreparedWeight:
         if w_q.device.type == "cpu" and self.config["fast_accum"] == "true":
             raise InvalidInputError(_CPU_FAST_ACCUM)
+        if weight_scale is WeightScale.BLOCK:
+            return self._prepare_block_weight(w_q, w_scale)
         n, k = w_q.shape
         # row-wise B scale [1, N], used whenever either operand is scaled per row; built once here
         row_scale = w_scale.reshape(-1).expand(n).reshape(1, n).contiguous()
@@ -121,6 +156,23 @@ class TorchScaledMMBackend(Fp8GemmBackend):
             backend=self.name,
             extra={"row_scale": row_scale},
         )
+
+    def _prepare_block_weight(self, w_q: torch.Tensor, w_scale: torch.Tensor) -> PreparedWeight:
+        n, k = w_q.shape
+        if w_q.device.type == "cuda":
+            from .torch_block import cuda_block_support, load_op, prepare_scale
+
+            if self.config["fast_accum"] == "true":
+                raise InvalidInputError("block-scaled FP8 accumulates precisely: use torch_scaled_mm@fast_accum=false")
+            padded, why = cuda_block_support(w_q.get_device())
+            if padded is None:
+                raise InvalidInputError(f"{self.name}: {why}")
+            load_op()
+            scale = prepare_scale(w_scale, padded)
+        else:
+            scale = w_scale.contiguous()
+        return PreparedWeight(data=w_q.t(), scale=scale, n=n, k=k, dtype=Fp8Dtype.of(w_q.dtype),
+                              weight_scale=WeightScale.BLOCK, backend=self.name)
 
     def traced_extra_keys(self, prepared: PreparedWeight, act_scale: ActScale) -> frozenset[str]:
         # the row-wise B scale is read only when either operand is scaled per row (see gemm_impl)
@@ -137,6 +189,13 @@ class TorchScaledMMBackend(Fp8GemmBackend):
     ) -> torch.Tensor:
         import torch
 
+        if prepared.block is not None:
+            from . import torch_block
+
+            if x_q.device.type == "cpu":
+                return torch_block.cpu_gemm(x_q, prepared.data.t(), x_scale, prepared.scale, bias, out_dtype,
+                                            prepared.group_size, prepared.block)
+            return torch_block.cuda_gemm(x_q, prepared.data, x_scale, prepared.scale, bias, out_dtype)
         if x_scale.numel() != 1 or prepared.weight_scale is WeightScale.PER_CHANNEL:
             # row-wise path: scale_a [M, 1], scale_b [1, N]. A per-tensor x_scale with a
             # per-channel weight is broadcast to [M, 1] here (M floats, the only per-call copy).

@@ -175,26 +175,66 @@ def _read_entry_points(group: str) -> tuple[list[Any], dict[tuple[str, str], lis
     return unique, dist_of
 
 
-def path_fingerprint() -> tuple[tuple[str, int, int], ...]:
-    """``sys.path`` with each entry's modification time (ns) and inode (``-1, -1`` when it does not exist): what
-    changes when a distribution is installed, removed or reinstalled (editable or not) into any folder the
-    interpreter searches, a ``.pth`` file adds a folder, ``sys.path`` is edited, or the working directory
-    (the ``""`` entry) changes. A few ``stat`` calls (about 1 µs each): cheap enough for every :func:`discover`."""
-    out = []
-    stat = os.stat
-    for entry in sys.path:
-        try:
-            st = stat(entry or os.curdir)
-        except OSError:
-            out.append((entry, -1, -1))
-        else:
-            out.append((entry, st.st_mtime_ns, st.st_ino))
-    return tuple(out)
+#: a file or folder name that makes a ``sys.path`` folder hold distributions (and so entry points)
+_METADATA_SUFFIXES = (".dist-info", ".egg-info", ".egg-link", ".pth")
+
+
+def _holds_metadata(folder: str) -> bool:
+    """Whether ``folder`` holds installed-distribution metadata (``*.dist-info``, ``*.egg-info``, ``.pth`` files):
+    where an install, uninstall or reinstall shows up. A missing or unreadable folder holds none."""
+    try:
+        with os.scandir(folder or os.curdir) as it:
+            return any(e.name.endswith(_METADATA_SUFFIXES) for e in it)
+    except OSError:
+        return False
+
+
+class PathWatch:
+    """What the entry points depend on, checked at every :func:`discover` for a few ``stat`` calls (about 1 µs each):
+    the ``sys.path`` list, and the modification time and inode of each folder on it that holds distribution metadata
+    (an install, uninstall or editable reinstall there changes the folder's time). A folder on ``sys.path`` without
+    metadata (the working directory, a script's folder) is watched too, but a change of its time rescans only once
+    metadata appears in it: a log file, a cache or a plugin writing there never costs a rescan (nor forgets what the
+    last scan found)."""
+
+    def __init__(self) -> None:
+        self.path: tuple[str, ...] = ()
+        self.stats: dict[str, tuple[int, int]] = {}
+        self.metadata: dict[str, bool] = {}
+
+    def record(self) -> None:
+        """Take the current state (at a scan)."""
+        self.path = tuple(sys.path)
+        self.stats = {entry: _stat(entry) for entry in self.path}
+        self.metadata = {entry: _holds_metadata(entry) for entry in self.path}
+
+    def changed(self) -> bool:
+        """Whether an install, uninstall or a ``sys.path`` edit may have changed the entry points since
+        :meth:`record`. A folder without metadata whose time moved is re-read once (``scandir``) and, still without
+        metadata, recorded with its new time."""
+        if tuple(sys.path) != self.path:
+            return True
+        for entry in self.path:
+            now = _stat(entry)
+            if now == self.stats.get(entry):
+                continue
+            if self.metadata.get(entry) or _holds_metadata(entry):
+                return True
+            self.stats[entry] = now
+        return False
+
+
+def _stat(entry: str) -> tuple[int, int]:
+    try:
+        st = os.stat(entry or os.curdir)
+    except OSError:
+        return (-1, -1)
+    return (st.st_mtime_ns, st.st_ino)
 
 
 _lock = threading.Lock()
 _cache: dict[tuple[str, frozenset[str] | None], list[ProviderEntry]] = {}
-_fingerprints: dict[tuple[str, frozenset[str] | None], tuple] = {}
+_watches: dict[tuple[str, frozenset[str] | None], PathWatch] = {}
 
 
 def discover(kind: str) -> list[ProviderEntry]:
@@ -203,24 +243,28 @@ def discover(kind: str) -> list[ProviderEntry]:
 
     The entry points are read from :mod:`importlib.metadata` (never from stevedore's disk cache), so a new
     process always sees what is installed. Within a process the result is cached per value of
-    ``FP8_BACKENDS_PLUGINS`` and rescanned when :func:`path_fingerprint` changes (an install, uninstall or
-    editable reinstall into a ``sys.path`` folder); :func:`refresh` forces a rescan (e.g. after editing an
-    installed ``entry_points.txt`` in place, which no folder time records).
+    ``FP8_BACKENDS_PLUGINS`` and rescanned when :class:`PathWatch` sees a change (an install, uninstall or
+    editable reinstall into a ``sys.path`` folder, a ``sys.path`` edit; not a file written into the working
+    directory); :func:`refresh` forces a rescan (e.g. after editing an installed ``entry_points.txt`` in place, which
+    no folder time records). A rescan keeps the entries of unchanged entry points (the same objects, with what was
+    recorded about them: a provider found unusable stays so).
     """
     if kind not in GROUPS:
         raise ValueError(f"unknown provider kind {kind!r} (expected one of {', '.join(GROUPS)})")
     allowed = settings.allowed_plugin_dists()
     key = (kind, None if allowed is None else frozenset(allowed))
-    fingerprint = path_fingerprint()
     with _lock:
-        if key not in _cache or _fingerprints.get(key) != fingerprint:
-            if key in _fingerprints:  # something was installed or removed since the last scan
+        watch = _watches.get(key)
+        if key not in _cache or watch is None or watch.changed():
+            if watch is None:
+                watch = _watches[key] = PathWatch()
+            else:  # something was installed or removed since the last scan: probe availability again
                 importlib.invalidate_caches()
                 from fp8_backends.core.backend import clear_availability_cache
 
-                clear_availability_cache()
-            _cache[key] = _scan(kind, allowed)
-            _fingerprints[key] = fingerprint
+                clear_availability_cache(faults=False)
+            watch.record()
+            _cache[key] = _keep_known(_cache.get(key, []), _scan(kind, allowed))
         found = _cache[key]
         registered = in_process  # replaced, never mutated, by .registration: one read is a consistent view
         if not registered:
@@ -248,6 +292,21 @@ def _gated(entry: ProviderEntry, allowed: set[str] | None) -> ProviderEntry:
                                    error=f"blocked: distribution {entry.dist} not in {settings.PLUGINS_ENV}")
         held = _blocked_views[key] = (entry, view)
     return held[1]
+
+
+def _keep_known(old: list[ProviderEntry], new: list[ProviderEntry]) -> list[ProviderEntry]:
+    """``new`` with each entry that equals one of ``old`` (same kind, name, target, distribution and version,
+    status, class) replaced by that old object: a rescan keeps what the process recorded about unchanged providers
+    (identity, availability found at run time) and renews only what an install changed."""
+    if not old:
+        return new
+    known = {_identity(e): e for e in old}
+    return [known.get(_identity(e), e) for e in new]
+
+
+def _identity(entry: ProviderEntry) -> tuple:
+    return (entry.kind, entry.name, entry.target, entry.dist, entry.dist_version, entry.status, entry.error,
+            entry.cls)
 
 
 def _scan(kind: str, allowed: set[str] | None) -> list[ProviderEntry]:
@@ -301,4 +360,4 @@ def refresh() -> None:
     importlib.invalidate_caches()
     with _lock:
         _cache.clear()
-        _fingerprints.clear()
+        _watches.clear()

@@ -41,7 +41,7 @@ from fp8_backends.core.errors import (
     UnsupportedProblemError,
 )
 from fp8_backends.core.objective import SelectionObjective
-from fp8_backends.core.types import Availability, GemmProblem, NormQuantProblem
+from fp8_backends.core.types import GemmProblem, NormQuantProblem
 
 from .discovery import BLOCKED, ProviderEntry, discover
 from .platform import Platform, detect_platform
@@ -235,9 +235,9 @@ def _mark_unavailable(entry: ProviderEntry, reason: str) -> None:
     and every later resolution give ``reason``; ``discovery.refresh()`` forgets it."""
     if entry.cls is None:
         return
-    from fp8_backends.core.backend import _AVAILABILITY
+    from fp8_backends.core.backend import record_fault
 
-    _AVAILABILITY[entry.cls] = Availability.no(reason)
+    record_fault(entry.cls, reason)
     logger.warning("%s provider %s (%s) is unusable: %s", KIND_LABEL.get(entry.kind, entry.kind), entry.name,
                    entry.dist, reason)
 

@@ -114,11 +114,58 @@ def test_refresh_rescans(monkeypatch):
     assert again is not first and [e.name for e in again] == [e.name for e in first]
 
 
-def test_fingerprint_tracks_sys_path_and_folder_times(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "path", [str(tmp_path)])
-    before = discovery.path_fingerprint()
-    assert before == discovery.path_fingerprint()
-    (tmp_path / "new.dist-info").mkdir()
-    assert discovery.path_fingerprint() != before
-    monkeypatch.setattr(sys, "path", [str(tmp_path), str(tmp_path / "missing")])
-    assert discovery.path_fingerprint()[-1][1:] == (-1, -1)
+def test_watch_tracks_sys_path_and_metadata_folders(tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "old.dist-info").mkdir()
+    monkeypatch.setattr(sys, "path", [str(site)])
+    watch = discovery.PathWatch()
+    watch.record()
+    assert not watch.changed()
+    (site / "new.dist-info").mkdir()  # an install
+    assert watch.changed()
+    watch.record()
+    monkeypatch.setattr(sys, "path", [str(site), str(tmp_path / "missing")])  # a sys.path edit
+    assert watch.changed()
+
+
+def test_watch_ignores_files_written_into_a_folder_without_metadata(tmp_path, monkeypatch):
+    """The working directory (or a script's folder) on sys.path: a log file written there is no install."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setattr(sys, "path", ["", str(work)])
+    monkeypatch.chdir(work)
+    watch = discovery.PathWatch()
+    watch.record()
+    (work / "run.log").write_text("x")
+    os.utime(work, ns=(1, 1))  # the folder's time moved for sure
+    assert not watch.changed()
+    assert not watch.changed()  # its new time was recorded: no re-read either
+    (work / "plugin-1.0.dist-info").mkdir()  # an install into that folder does count
+    assert watch.changed()
+
+
+def test_a_recorded_fault_survives_a_rescan_and_cwd_writes_cost_no_rescan(tmp_path, monkeypatch):
+    """A provider found unusable at run time stays so when discovery rescans; a file written into the working
+    directory does not make discovery rescan (the listing's verdicts stay attached to their entries)."""
+    from fp8_backends.core.backend import record_fault
+
+    monkeypatch.chdir(tmp_path)
+    discovery.refresh()
+    first = discovery.discover("norm_quant")
+    torch_entry = next(e for e in first if e.name == "torch")
+    record_fault(torch_entry.cls, "support check raised RuntimeError: boom")
+    try:
+        (tmp_path / "plugin.log").write_text("written by a plugin")
+        os.utime(tmp_path, ns=(2, 2))
+        again = discovery.discover("norm_quant")
+        assert again is first  # no rescan
+        discovery._watches[("norm_quant", None)].path = ()  # force the next call to rescan
+        rescanned = discovery.discover("norm_quant")
+        assert rescanned is not first
+        entry = next(e for e in rescanned if e.name == "torch")
+        assert entry is torch_entry and not entry.availability().ok
+        assert "boom" in entry.availability().reason
+    finally:
+        discovery.refresh()
+    assert next(e for e in discovery.discover("norm_quant") if e.name == "torch").availability().ok

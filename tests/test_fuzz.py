@@ -44,7 +44,7 @@ from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from fp8_backends import fp8_linear, quant  # noqa: E402
-from fp8_backends.core.types import ActScale, Fp8Dtype, GemmProblem, NormQuantProblem  # noqa: E402
+from fp8_backends.core.types import ActScale, Fp8Dtype, GemmProblem, NormQuantProblem, WeightScale  # noqa: E402
 
 SEED = int(os.environ.get("FP8_FUZZ_SEED", "20261130"))
 SCALE = float(os.environ.get("FP8_FUZZ_SCALE", "1"))
@@ -198,7 +198,7 @@ def _gemm_combos(backend, device: str) -> list[tuple]:
 
     caps, platform, combos = backend.capabilities, detect_platform(device), []
     for act in (ActScale.PER_TENSOR_STATIC, ActScale.PER_TOKEN):
-        for wsc in caps.weight_scales:
+        for wsc in caps.weight_scales - {WeightScale.BLOCK}:  # block-wise FP8: test_fuzz_block_gemm
             for out in caps.out_dtypes:
                 for fp8 in caps.input_dtypes:
                     for bias in (False, True):
@@ -285,6 +285,108 @@ def test_fuzz_gemm(target: Target, fuzz_cases, exact_interpreter_casts):
                     f"data seed {call['seed']}")
             check_close(y, ref, gemm_bound(ref, mag, k, out, target.gpu), what)
             fuzz_cases(target.label, len(call["problems"]))
+
+    run()
+
+
+# ------------------------------------------------------------------------------------------ block-wise GEMM
+BLOCK_TARGETS = [
+    _target("gemm", "torch_scaled_mm", "cpu"),
+    _target("gemm", "triton", "cpu"),
+    _target("gemm", "torch_scaled_mm", "cuda"),
+    _target("gemm", "triton", "cuda"),
+    _target("gemm", "cutlass", "cuda", pytest.mark.build),
+    _target("gemm", "flashinfer_block", "cuda"),
+]
+#: (examples, problems per example) per target: CPU problems are small (600 per CPU provider, a tenth of that under
+#: Triton's interpreter)
+BLOCK_EXAMPLES = {"cpu": (60, 10), "cuda": (60, 10)}
+
+
+def _block_backend(target: Target):
+    """The provider for block problems, or a skip with the registry's reasons."""
+    from fp8_backends.core.errors import Fp8BackendError
+    from fp8_backends.registry.resolution import resolve_gemm_backend
+
+    if target.device == "cpu" and "triton" in target.spec and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the triton providers run on the CPU only under TRITON_INTERPRET=1 (conftest sets it)")
+    try:
+        return resolve_gemm_backend(target.spec, problem=GemmProblem(
+            n=256, k=256, m=8, act_scale="per_token_group", weight_scale="block", device=target.device))
+    except Fp8BackendError as exc:
+        pytest.skip(f"{target.spec} on {target.device}: {exc}")
+
+
+@st.composite
+def block_problems(draw, gpu: bool, n_problems: int) -> list[dict]:
+    """Shapes with ragged 128-blocks where the provider's alignment allows (N, K multiples of 16), any M, every
+    output type it declares, a bias or not, and the scale layouts a caller may hand it."""
+    m_cap, nk_cap = (300, 24) if gpu else (24, 12)
+    return [dict(m=draw(st.integers(1, m_cap)), n=16 * draw(st.integers(1, nk_cap)),
+                 k=16 * draw(st.integers(1, nk_cap)),
+                 x_style=draw(st.sampled_from(STYLES)), w_style=draw(st.sampled_from(STYLES)),
+                 layout=draw(st.sampled_from(("row_major", "m_major", "m_major_tma"))), bias=draw(st.booleans()),
+                 out=draw(st.sampled_from(("bfloat16", "float16", "float32"))), seed=draw(st.integers(0, 2**31 - 1)))
+            for _ in range(n_problems)]
+
+
+def build_block_call(p: dict, device: str):
+    """fp8 operands, per-token-group activation scales [M, ceil(K/128)] and 128x128 weight block scales with random
+    powers of two, and the float64 reference with its magnitude sums (the fuzz's error-bound inputs)."""
+    from fp8_backends.core import group_scales
+    from fp8_backends.core.types import ScaleLayout
+
+    gen = torch.Generator().manual_seed(p["seed"])
+    m, n, k = p["m"], p["n"], p["k"]
+    kb, nb = -(-k // 128), -(-n // 128)
+    x_q = data(gen, (m, k), p["x_style"], 56.0).clamp(-448, 448).to(torch.float8_e4m3fn)
+    w_q = data(gen, (n, k), p["w_style"], 56.0).clamp(-448, 448).to(torch.float8_e4m3fn)
+    x_s, w_s = random_scale(gen, (m, kb), -14, -4), random_scale(gen, (nb, kb), -14, -4)
+    out = getattr(torch, p["out"])
+    bias = data(gen, (n,), "normal", 4.0).to(out) if p["bias"] else None
+    xd = x_q.to(F64) * x_s.to(F64).repeat_interleave(128, 1)[:, :k]
+    wd = w_q.to(F64) * w_s.to(F64).repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
+    if out == torch.float16:  # keep |y| inside fp16's range (exact power-of-two rescale of x's scales)
+        peak = float((xd.abs() @ wd.abs().t()).max()) + (float(bias.abs().max()) if bias is not None else 0.0)
+        if peak > 3e4:
+            shift = 2.0 ** -math.ceil(math.log2(peak / 3e4))
+            x_s, xd = x_s * shift, xd * shift
+    ref, mag = xd @ wd.t(), xd.abs() @ wd.abs().t()
+    if bias is not None:
+        ref, mag = ref + bias.to(F64), mag + bias.to(F64).abs()
+    x_s = group_scales.to_layout(x_s.to(device), ScaleLayout(p["layout"]))
+    return (x_q.to(device), w_q.to(device), x_s, w_s.to(device), None if bias is None else bias.to(device), out,
+            ref, mag)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+@pytest.mark.parametrize("target", BLOCK_TARGETS)
+def test_fuzz_block_gemm(target: Target, fuzz_cases, exact_interpreter_casts):
+    """Block-wise FP8 (1x128 activation groups x 128x128 weight blocks) against float64, every scale layout, ragged
+    edges, bias, every output type the provider serves (others must be refused with the library's error)."""
+    from fp8_backends.core.errors import InvalidInputError
+
+    backend = _block_backend(target)
+    examples, per_example = BLOCK_EXAMPLES[target.device]
+    if target.device == "cpu" and "triton" in target.spec:
+        examples = max(1, examples // 5)
+
+    @fuzz(examples)
+    @given(block_problems(target.gpu, per_example))
+    def run(problems):
+        for p in problems:
+            problem = GemmProblem(n=p["n"], k=p["k"], m=p["m"], act_scale="per_token_group", weight_scale="block",
+                                  out_dtype=p["out"], has_bias=p["bias"], device=target.device)
+            x_q, w_q, x_s, w_s, bias, out, ref, mag = build_block_call(p, target.device)
+            if backend.supports(problem):
+                with pytest.raises(InvalidInputError):
+                    backend.gemm(x_q, backend.prepare_weight(w_q, w_s), x_s, out_dtype=out, bias=bias)
+                continue
+            y = backend.gemm(x_q, backend.prepare_weight(w_q, w_s), x_s, out_dtype=out, bias=bias)
+            what = (f"{backend.label} on {target.device}: block M={p['m']} N={p['n']} K={p['k']} -> {out}, "
+                    f"bias={p['bias']}, scales {p['layout']}, styles {p['x_style']}/{p['w_style']}, seed {p['seed']}")
+            check_close(y, ref, gemm_bound(ref, mag, p["k"], out, target.gpu), what)
+            fuzz_cases(target.label + "-block", 1)
 
     run()
 

@@ -115,6 +115,11 @@ def test_opcheck(mode):
     op = quant.quant_op(mode)
     x = _x(m=4, k=16)
     args = (x, torch.tensor([0.1]), FP8) if mode is ActScale.PER_TENSOR_STATIC else (x, FP8)
+    if mode is ActScale.PER_TOKEN_GROUP:
+        x = _x(m=5, k=200)
+        for layout in ("row_major", "m_major", "m_major_tma"):
+            torch.library.opcheck(op, (x, 128, layout, FP8), test_utils=("test_schema", "test_faketensor"))
+        return
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 
 
@@ -163,9 +168,9 @@ def test_compile_op_mode_keeps_the_library_op(mode):
     def fn(x):
         return quant.quantize(x * 2, mode, s if mode is ActScale.PER_TENSOR_STATIC else None)
 
+    eager = fn(x)  # the op is defined at its first eager call (never inside tracing)
     targets, out = _graph_targets(fn, x)
     assert any(f"fp8_backends.{quant._OP_NAMES[mode]}" in t for t in targets), targets
-    eager = fn(x)
     assert torch.equal(_bits(out.data), _bits(eager.data)) and torch.equal(out.scale, eager.scale)
 
 

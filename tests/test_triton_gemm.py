@@ -26,6 +26,9 @@ needs_kernels = pytest.mark.skipif(
     not ON_GPU and not _support.interpreting(), reason="needs a GPU or TRITON_INTERPRET=1 (conftest sets it)"
 )
 
+#: the activation modes of the per-tensor / per-token machinery (block-wise FP8 has its own tests)
+PLAIN_ACT_SCALES = [m for m in ActScale if m is not ActScale.PER_TOKEN_GROUP]
+
 
 # ------------------------------------------------------------------------------------ registration
 def test_entry_point_registered_and_resolvable_by_name():
@@ -728,7 +731,7 @@ def _quantized(x, mode, static_scale):
 
 @needs_kernels
 @pytest.mark.usefixtures("exact_interpreter_casts")
-@pytest.mark.parametrize("mode", list(ActScale))
+@pytest.mark.parametrize("mode", PLAIN_ACT_SCALES)
 @pytest.mark.parametrize(("config", "m", "n", "k"), [
     ("auto", 1, 64, 96), ("auto", 5, 32, 64), ("auto", 40, 64, 128),  # gemv, swap, declined above FUSED_MAX_M
     ("mm_n128_m64_k128_s4_w4_g8", 8, 64, 128),  # declined: the mm kernels never fuse
@@ -763,7 +766,7 @@ def test_fused_activation_quant_is_the_unfused_path_bit_for_bit(mode, config, m,
 
 @needs_kernels
 @pytest.mark.usefixtures("exact_interpreter_casts")
-@pytest.mark.parametrize("mode", list(ActScale))
+@pytest.mark.parametrize("mode", PLAIN_ACT_SCALES)
 @pytest.mark.parametrize(("config", "m"), [("gemv_n4_k512_w4", 3), ("swap_n64_m16_k128_s8_w4", 5)])
 def test_fused_activation_quant_keeps_a_nan_as_the_unfused_path(mode, config, m):
     """A NaN in the activation: the fused kernels' amax and clamp propagate it as quantize + GEMM does (a NaN row per
@@ -788,7 +791,7 @@ def test_fused_activation_quant_keeps_a_nan_as_the_unfused_path(mode, config, m)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (none visible to torch)")
-@pytest.mark.parametrize("mode", list(ActScale))
+@pytest.mark.parametrize("mode", PLAIN_ACT_SCALES)
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 4096, 4096), (1, 1024, 14336), (4, 6144, 4096), (16, 4096, 1008)])
 def test_gpu_fused_activation_quant_matches_the_unfused_path(mode, m, n, k):
     """On the GPU at model sizes (the kernels auto picks there: GEMV at M = 1, swap-AB above), the fused launch gives

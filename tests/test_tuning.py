@@ -587,3 +587,34 @@ def test_fp8linear_runs_each_batch_size_on_its_tuned_provider(lockpath, monkeypa
     explicit = Fp8Linear.from_linear(linear, act_scale="per_tensor_dynamic", backend="torch_scaled_mm")
     assert not explicit.kernel.per_m and len(explicit.kernel.rows) == 1
     assert explicit.backends_text == explicit.gemm_backend.label
+
+
+class ContractBreakingMM(fake_provider.FakeMM):
+    """A provider that overrides ``gemm`` itself (skipping the base class's output check) and returns the right
+    values in the wrong dtype (``variant=dtype``), shape (``shape``) or as a view on another device type (``cpu``
+    tensors are what it makes anyway, so only dtype and shape are exercised on the CPU)."""
+
+    options: ClassVar[dict[str, tuple[str, ...]]] = {"variant": ("auto", "dtype", "shape")}
+    capabilities: ClassVar[GemmCapabilities] = GemmCapabilities(devices=frozenset({DeviceKind.CPU}), priority=1)
+
+    def gemm(self, x_q, prepared, x_scale, *, out_dtype="bfloat16", bias=None):
+        y = super().gemm(x_q, prepared, x_scale, out_dtype=out_dtype, bias=bias)
+        if self.config["variant"] == "dtype":
+            return y.float()
+        if self.config["variant"] == "shape":
+            return y[:, :-1]
+        return y
+
+
+@pytest.mark.parametrize("variant", ["dtype", "shape"])
+def test_tuner_rejects_a_candidate_whose_output_breaks_the_contract(lockpath, monkeypatch, variant):
+    install_fake(monkeypatch, ContractBreakingMM)
+    lockfile.reset_state()
+    label = f"fake_mm[variant={variant}]"
+    report = tuner.tune([gemm()], m_buckets=[8], platform=CPU, timer=fake_timer({label: 1.0}), lockfile=lockpath,
+                        progress=False)
+    (pr,) = report.problems
+    (bad,) = [c for c in pr.results if c.label == label]
+    assert bad.wrong_output == "output contract" and bad.reason.startswith("gemm returned")
+    assert ("dtype torch.float32" if variant == "dtype" else "shape [8, 31]") in bad.reason
+    assert pr.winner is not None and pr.winner.label != label

@@ -29,11 +29,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from . import output_contract
+from . import group_scales, output_contract
 from . import validation as V
 from .capabilities import Capabilities, GemmCapabilities, NormQuantCapabilities
 from .errors import BackendOptionError, BackendUnavailableError, Fp8BackendError, InvalidInputError
 from .types import (
+    DEFAULT_GROUP_SIZE,
     ActScale,
     Availability,
     BiasMode,
@@ -44,6 +45,7 @@ from .types import (
     OutDtype,
     PreparedWeight,
     QuantizedActivation,
+    ScaleLayout,
     WeightScale,
 )
 
@@ -93,8 +95,13 @@ class ProviderBase(ABC):
 
     @classmethod
     def cached_availability(cls) -> Availability:
-        """:meth:`availability`, computed once per process (never raises); cleared by
+        """:meth:`availability`, computed once per process (never raises), unless a fault was recorded for the class
+        (:func:`record_fault`: a failed preload or construction), which wins. The probe is cleared when discovery
+        rescans (an install may have brought a missing module), the faults only by
         ``fp8_backends.registry.discovery.refresh()``."""
+        fault = _FAULTS.get(cls)
+        if fault is not None:
+            return fault
         cached = _AVAILABILITY.get(cls)
         if cached is None:
             try:
@@ -144,7 +151,7 @@ class ProviderBase(ABC):
             if isinstance(exc, Fp8BackendError) and not isinstance(exc, BackendUnavailableError):
                 raise
             reason = f"preload() failed ({type(exc).__name__}: {exc})"
-            _AVAILABILITY[type(self)] = Availability.no(reason)
+            record_fault(type(self), reason)
             raise BackendUnavailableError(f"{self.label}: {reason}; the provider cannot be used") from exc
         self._preloaded = True
 
@@ -204,8 +211,20 @@ def _tensor_type() -> Any:
     return torch.Tensor
 
 
-def clear_availability_cache() -> None:
+#: providers found unusable at run time (a preload or a construction that raised), by class: kept across rescans
+_FAULTS: dict[type, Availability] = {}
+
+
+def record_fault(cls: type, reason: str) -> None:
+    """Mark provider class ``cls`` unusable in this process with ``reason`` (its preload or construction raised)."""
+    _FAULTS[cls] = Availability.no(reason)
+
+
+def clear_availability_cache(*, faults: bool = True) -> None:
+    """Forget the availability probes (and, unless ``faults=False``, the recorded faults)."""
     _AVAILABILITY.clear()
+    if faults:
+        _FAULTS.clear()
 
 
 def _find_spec(mod: str):
@@ -245,12 +264,21 @@ class Fp8GemmBackend(ProviderBase):
         return cls.host_us
 
     # ------------------------------------------------------------------ load time
-    def prepare_weight(self, w_q: torch.Tensor, w_scale: torch.Tensor) -> PreparedWeight:
+    def prepare_weight(
+        self, w_q: torch.Tensor, w_scale: torch.Tensor, *, block: tuple[int, int] | None = None,
+        group_size: int | None = None,
+    ) -> PreparedWeight:
         """Convert a weight once for this provider's kernels.
 
         - ``w_q``: ``[N, K]`` float8 (e4m3fn or e5m2), row-major contiguous.
         - ``w_scale``: float32; one value (0-d, ``[1]``, ``[1, 1]``) for per-tensor, or ``[N]`` /
-          ``[N, 1]`` for per-channel. Values must be finite and > 0 (checked here; this may sync).
+          ``[N, 1]`` for per-channel; or, for block-wise FP8, ``[ceil(N/BN), ceil(K/BK)]`` per ``block = (BN, BK)``
+          (float32, bfloat16 or float16 as checkpoints store them: converted to float32 here, once). Values must be
+          finite and > 0 (checked here; this may sync).
+        - ``block``: ``(BN, BK)`` to read ``w_scale`` as block scales. ``None``: block scales are recognised by their
+          shape ``[ceil(N/128), ceil(K/128)]`` (128x128 blocks) where no other mode has that shape.
+        - ``group_size``: the activation group size the block weight is served with (``BK`` by default; block mode
+          only).
 
         Returns a :class:`PreparedWeight` that only this provider's ``gemm`` accepts.
         """
@@ -269,6 +297,9 @@ class Fp8GemmBackend(ProviderBase):
             raise InvalidInputError(
                 f"{self.name} needs K % {caps.k_align} == 0 and N % {caps.n_align} == 0; got N={n}, K={k}"
             )
+        block, group_size = V.weight_block_of(w_scale, n, k, block, group_size)
+        if block is not None:
+            return self._prepare_block_scales(w_q, w_scale, dtype, block, group_size)
         V.require_fp32_scale(w_scale, "w_scale")
         V.require_same_device(w_scale, "w_scale", w_q.device)
         if V.is_scalar_shape(w_scale):
@@ -277,18 +308,53 @@ class Fp8GemmBackend(ProviderBase):
             mode = WeightScale.PER_CHANNEL
         else:
             raise InvalidInputError(
-                f"w_scale must have one value (per-tensor) or N={n} values as [N] or [N, 1] "
-                f"(per-channel); got shape {tuple(w_scale.shape)}"
+                f"w_scale must have one value (per-tensor) or N={n} values as [N] or [N, 1] (per-channel), or "
+                f"[ceil(N/128), ceil(K/128)] = [{-(-n // 128)}, {-(-k // 128)}] (128x128 blocks; other blocks: "
+                f"prepare_weight(..., block=(BN, BK))); got shape {tuple(w_scale.shape)}"
             )
         if mode not in caps.weight_scales:
             raise InvalidInputError(f"{self.name} does not support {mode.value} weight scales")
         V.check_scale_values(w_scale, "w_scale", force=True)
-        prepared = self.prepare_weight_impl(w_q, w_scale, mode)
+        return self._finish_prepare(self.prepare_weight_impl(w_q, w_scale, mode))
+
+    def _prepare_block_scales(self, w_q: torch.Tensor, w_scale: torch.Tensor, dtype: Fp8Dtype, block: tuple[int, int],
+                       group_size: int) -> PreparedWeight:
+        """``prepare_weight`` for block scales: checked against the capabilities, made fp32 contiguous once."""
+        n, k = w_q.shape
+        problem = GemmProblem(n=n, k=k, input_dtype=dtype, weight_dtype=dtype, act_scale=ActScale.PER_TOKEN_GROUP,
+                              weight_scale=WeightScale.BLOCK, group_size=group_size, weight_block=block,
+                              device=DeviceKind.of(w_q.device))
+        reasons = self.capabilities._block_reasons(problem) + self.block_reasons(problem)
+        if reasons:
+            raise InvalidInputError(f"{self.name} cannot serve block-wise FP8 {problem.describe()}: "
+                                    + "; ".join(reasons))
+        V.require_same_device(w_scale, "w_scale", w_q.device)
+        w_scale = V.block_scale_fp32(w_scale)
+        V.check_scale_values(w_scale, "w_scale", force=True)
+        prepared = self.prepare_weight_impl(w_q, w_scale, WeightScale.BLOCK)
+        prepared.block, prepared.group_size = block, group_size
+        return self._finish_prepare(prepared)
+
+    def _finish_prepare(self, prepared: PreparedWeight) -> PreparedWeight:
         prepared.backend = self.name
         if self._fast is None:
             self._fast = _FastPath(self)
             output_contract.preload()  # the op a wrong fake output reaches under torch.compile
         return prepared
+
+    def block_reasons(self, problem: GemmProblem) -> list[str]:
+        """Why this provider cannot serve the block-wise ``problem`` (its kernels' shape rules: N or K multiples,
+        ...) beyond what :attr:`capabilities` states, independent of the platform; :meth:`supports` adds them for
+        block problems the capabilities accept, and :meth:`prepare_weight` refuses a block weight with them.
+        Default: none."""
+        return []
+
+    def supports(self, problem: Any = None, platform: Platform | None = None) -> list[str]:
+        reasons = super().supports(problem, platform)
+        if (isinstance(problem, GemmProblem) and problem.block_scaled and self.capabilities.block_scaled
+                and self.cached_availability().ok):
+            reasons += self.block_reasons(problem)
+        return reasons
 
     @abstractmethod
     def prepare_weight_impl(
@@ -298,9 +364,13 @@ class Fp8GemmBackend(ProviderBase):
 
     def prepare_k_major(self, w_q: torch.Tensor, w_scale: torch.Tensor, weight_scale: WeightScale) -> PreparedWeight:
         """A ready-made ``prepare_weight_impl`` for kernels that read the ``[N, K]`` row-major weight as it is
-        (K-major, no copy), with its scale as contiguous fp32 ``[1]`` (per-tensor) or ``[N]`` (per-channel)."""
+        (K-major, no copy), with its scale as contiguous fp32 ``[1]`` (per-tensor), ``[N]`` (per-channel) or
+        ``[ceil(N/BN), ceil(K/BK)]`` row-major (block)."""
         n, k = w_q.shape
-        scale = w_scale.reshape(n if weight_scale is WeightScale.PER_CHANNEL else 1).contiguous()
+        if weight_scale is WeightScale.BLOCK:
+            scale = w_scale.contiguous()
+        else:
+            scale = w_scale.reshape(n if weight_scale is WeightScale.PER_CHANNEL else 1).contiguous()
         return PreparedWeight(data=w_q, scale=scale, n=n, k=k, dtype=Fp8Dtype.of(w_q.dtype),
                               weight_scale=weight_scale, backend=self.name)
 
@@ -325,7 +395,9 @@ class Fp8GemmBackend(ProviderBase):
 
         - ``x_q``: ``[M, K]`` float8, row-major contiguous, on the weight's device.
         - ``prepared``: from this provider's :meth:`prepare_weight`.
-        - ``x_scale``: float32, one value (per-tensor) or ``[M, 1]`` (per-token).
+        - ``x_scale``: float32, one value (per-tensor) or ``[M, 1]`` (per-token); for a block weight
+          ``[M, ceil(K/G)]`` per token group, in any layout (one not the provider's
+          ``capabilities.group_scale_layout`` is copied into it first: quantize into that layout to avoid the copy).
         - ``bias``: optional ``[N]`` in ``out_dtype``.
         """
         out = self._accept_common_case(x_q, prepared, x_scale, out_dtype, bias)
@@ -333,6 +405,8 @@ class Fp8GemmBackend(ProviderBase):
             out = self.validate_gemm_inputs(x_q, prepared, x_scale, out_dtype, bias).torch_dtype()
             if x_q.shape[0] == 0:  # M = 0 (any scale mode): the empty result, without asking the kernel
                 return x_q.new_empty((0, prepared.n), dtype=out)
+            if prepared.block is not None:
+                x_scale = group_scales.to_layout(x_scale, self.capabilities.group_scale_layout)
         y = self.gemm_impl(x_q, prepared, x_scale, out, bias)
         # the output contract, from metadata (no sync): a plain tensor [M, N] in `out` on x_q's device
         if (
@@ -420,7 +494,9 @@ class Fp8GemmBackend(ProviderBase):
             )
         V.require_fp32_scale(x_scale, "x_scale")
         V.require_same_device(x_scale, "x_scale", device)
-        if not V.is_scalar_shape(x_scale):
+        if prepared.block is not None:
+            V.require_group_scale(x_scale, m, k, prepared.group_size)
+        elif not V.is_scalar_shape(x_scale):
             if tuple(x_scale.shape) != (m, 1):
                 raise InvalidInputError(
                     f"x_scale must have one value (per-tensor) or shape [M, 1] = [{m}, 1] (per-token); "
@@ -507,6 +583,9 @@ class Fp8GemmBackend(ProviderBase):
 
     def problem_for(self, prepared: PreparedWeight, m: int | None = None, **kw: Any) -> GemmProblem:
         """The :class:`GemmProblem` a prepared weight stands for (convenience for callers)."""
+        if prepared.block is not None:
+            kw = {"act_scale": ActScale.PER_TOKEN_GROUP, "group_size": prepared.group_size,
+                  "weight_block": prepared.block, **kw}
         return GemmProblem(n=prepared.n, k=prepared.k, m=m, weight_dtype=prepared.dtype,
                            weight_scale=prepared.weight_scale, **kw)
 
@@ -711,11 +790,20 @@ class NormQuantBackend(ProviderBase):
         )
 
     def rmsnorm_quant(
-        self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6,
-        *, out: torch.Tensor | None = None,
+        self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, eps: float = 1e-6,
+        *, out: torch.Tensor | None = None, act_scale: ActScale | str = ActScale.PER_TENSOR_STATIC,
+        group_size: int = DEFAULT_GROUP_SIZE, scale_layout: ScaleLayout | str = ScaleLayout.ROW_MAJOR,
     ) -> QuantizedActivation:
         """``x: [T, H]`` bf16/fp16 (row-major), ``weight: [H]`` same dtype, ``scale``: fp32 one value on
-        x's device. Returns a :class:`QuantizedActivation` (``data: [T, H]`` float8_e4m3fn)."""
+        x's device. Returns a :class:`QuantizedActivation` (``data: [T, H]`` float8_e4m3fn).
+
+        Dynamic modes (``act_scale="per_token"`` or ``"per_token_group"``, where the provider declares them in
+        ``capabilities.act_scales``): ``scale`` is ``None``, ``x`` may be row-strided (``x[:, :H]`` of a wider
+        buffer: unit column stride), and the scale is computed from the normalized rows: ``[T, 1]`` per token, or
+        ``[T, ceil(H/group_size)]`` per group, written in ``scale_layout`` (the layout the next linear's kernel
+        reads: :class:`~fp8_backends.core.types.ScaleLayout`)."""
+        if act_scale is not ActScale.PER_TENSOR_STATIC and act_scale != "per_tensor_static":
+            return self._dynamic(x, None, weight, scale, eps, act_scale, group_size, scale_layout)[0]
         if not self._accept_common_case(x, weight, scale, eps):
             self._validate(x, weight, scale, eps)
         out = self._out_buffer(x, out)
@@ -725,14 +813,19 @@ class NormQuantBackend(ProviderBase):
         return QuantizedActivation(out, scale, x.dtype, ActScale.PER_TENSOR_STATIC)
 
     def fused_add_rmsnorm_quant(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
         eps: float = 1e-6, *, out: torch.Tensor | None = None,
+        act_scale: ActScale | str = ActScale.PER_TENSOR_STATIC, group_size: int = DEFAULT_GROUP_SIZE,
+        scale_layout: ScaleLayout | str = ScaleLayout.ROW_MAJOR,
     ) -> tuple[QuantizedActivation, torch.Tensor]:
         """``residual <- x + residual`` (in place), then RMSNorm + quant of the sum.
 
-        Returns ``(QuantizedActivation, residual)``; the second item is the updated ``residual``."""
+        Returns ``(QuantizedActivation, residual)``; the second item is the updated ``residual``. Dynamic modes as in
+        :meth:`rmsnorm_quant`."""
         if not self.capabilities.residual:
             raise InvalidInputError(f"{self.name} does not support the fused residual add")
+        if act_scale is not ActScale.PER_TENSOR_STATIC and act_scale != "per_tensor_static":
+            return self._dynamic(x, residual, weight, scale, eps, act_scale, group_size, scale_layout)
         if not self._accept_common_case(x, weight, scale, eps, residual):
             self._validate(x, weight, scale, eps, residual)
         out = self._out_buffer(x, out)
@@ -740,6 +833,70 @@ class NormQuantBackend(ProviderBase):
         if returned is not None and returned is not out:
             output_contract.norm_quant_output_failed(self, returned, "fused_add_rmsnorm_quant_impl")
         return QuantizedActivation(out, scale, x.dtype, ActScale.PER_TENSOR_STATIC), residual
+
+    def _dynamic(
+        self, x: Any, residual: Any, weight: Any, scale: Any, eps: Any, act_scale: Any, group_size: Any,
+        scale_layout: Any,
+    ) -> tuple[QuantizedActivation, Any]:
+        """The dynamic modes: validate, run :meth:`rmsnorm_quant_dynamic_impl`, check its output."""
+        mode = ActScale.of(act_scale)
+        layout = ScaleLayout.of(scale_layout)
+        caps = self.capabilities
+        if mode is ActScale.PER_TENSOR_DYNAMIC:
+            raise InvalidInputError("per_tensor_dynamic is not a norm-quant mode (its global amax needs every row "
+                                    "first): quantize the norm's output with fp8_backends.quant instead")
+        if mode not in caps.act_scales:
+            raise InvalidInputError(f"{self.name} does not quantize {mode.value} (it serves "
+                                    f"{', '.join(sorted(a.value for a in caps.act_scales))})")
+        if scale is not None:
+            raise InvalidInputError(f"scale must be None in the dynamic {mode.value} mode (it is computed)")
+        if mode is ActScale.PER_TOKEN_GROUP and group_size not in caps.group_sizes:
+            have = ", ".join(map(str, sorted(caps.group_sizes))) or "none"
+            raise InvalidInputError(f"{self.name} does not serve group size {group_size!r} (serves {have})")
+        self._validate_dynamic(x, weight, eps, residual)
+        q, x_scale = self.rmsnorm_quant_dynamic_impl(x, weight, float(eps), residual, mode, int(group_size), layout)
+        output_contract.check_norm_quant_dynamic(self, q, x_scale, x, mode, int(group_size), layout)
+        return QuantizedActivation(q, x_scale, x.dtype, mode), residual
+
+    def _validate_dynamic(self, x: Any, weight: Any, eps: Any, residual: Any) -> None:
+        V.require_tensor(x, "x")
+        if x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1) or (x.shape[0] > 1 and x.stride(0) < x.shape[1]):
+            raise InvalidInputError(
+                f"x must be 2-D [T, H] with unit column stride (rows may be strided), got shape {tuple(x.shape)} "
+                f"strides {tuple(x.stride()) if x.dim() == 2 else '-'}")
+        self._require_device(x, "x")
+        try:
+            dt = OutDtype.of(x.dtype)
+        except ValueError:
+            raise InvalidInputError(f"x must be bfloat16, float16 or float32, got {x.dtype}") from None
+        if dt not in self.capabilities.in_dtypes:
+            raise InvalidInputError(f"{self.name} does not support input dtype {dt.value}")
+        hidden = x.shape[1]
+        if hidden == 0 or hidden % self.capabilities.hidden_align:
+            raise InvalidInputError(f"{self.name} needs a hidden size H >= 1 and a multiple of "
+                                    f"{self.capabilities.hidden_align}, got {hidden}")
+        V.require_tensor(weight, "weight")
+        if tuple(weight.shape) != (hidden,) or weight.dtype != x.dtype:
+            raise InvalidInputError(f"weight must be [H] = [{hidden}] in x's dtype {x.dtype}; got "
+                                    f"{tuple(weight.shape)} {weight.dtype}")
+        V.require_same_device(weight, "weight", x.device)
+        V.require_eps(eps)
+        if residual is not None:
+            V.require_matching_residual(residual, x)
+
+    def rmsnorm_quant_dynamic_impl(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, act_scale: ActScale,
+        group_size: int, scale_layout: ScaleLayout,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Provider hook of the dynamic modes (inputs validated; only modes the capabilities declare reach it):
+        returns ``(q [T, H] float8_e4m3fn row-major, scale)``, ``scale`` fp32 ``[T, 1]`` (``per_token``) or
+        ``[T, ceil(H/group_size)]`` in ``scale_layout`` (``per_token_group``), computed from the fp32 RMSNorm of
+        ``x`` (of ``x + residual``, written into ``residual`` in place in its dtype, when ``residual`` is given):
+        :func:`fp8_backends.core.reference.rmsnorm_quant_dynamic` states the numbers. ``x`` has unit column
+        stride and may have a row stride > H."""
+        from .errors import UnsupportedProblemError
+
+        raise UnsupportedProblemError(f"{self.name} declares no dynamic norm-quant mode")
 
     @staticmethod
     def _out_buffer(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -771,9 +928,9 @@ class NormQuantBackend(ProviderBase):
     ) -> None:
         """``residual <- x + residual``; write the quantized RMSNorm of the fp32 sum into ``out``."""
 
-    def problem_for(self, x: torch.Tensor, residual: bool = False) -> NormQuantProblem:
+    def problem_for(self, x: torch.Tensor, residual: bool = False, **kw: Any) -> NormQuantProblem:
         return NormQuantProblem(hidden=x.shape[-1], tokens=x.shape[0], in_dtype=x.dtype,
-                                residual=residual, device=DeviceKind(x.device.type))
+                                residual=residual, device=DeviceKind(x.device.type), **kw)
 
 
 class OpNormQuantBackend(NormQuantBackend):

@@ -18,6 +18,7 @@ from .types import (
     GemmProblem,
     NormQuantProblem,
     OutDtype,
+    ScaleLayout,
     WeightScale,
 )
 
@@ -110,6 +111,12 @@ class GemmCapabilities(Capabilities):
     - ``out_dtypes``: output dtypes.
     - ``bias``: fused into the kernel, added after it, or unsupported.
     - ``k_align`` / ``n_align``: K and N must be multiples of these (elements).
+    - ``group_sizes``: activation group sizes served in ``per_token_group`` mode, and ``weight_blocks``: the
+      ``(BN, BK)`` weight blocks served in ``block`` mode. Block-wise FP8 is opt-in: with either empty (the
+      default) the provider serves no block problem, whatever ``act_scales`` / ``weight_scales`` say (a provider
+      written before the mode existed, declaring ``frozenset(ActScale)``, never claims it by accident).
+    - ``group_scale_layout``: the layout its kernel reads per-token-group activation scales in
+      (:class:`~fp8_backends.core.types.ScaleLayout`); the quantizer feeding it writes that layout.
     """
 
     act_scales: frozenset[ActScale] = _fs(ActScale.PER_TENSOR_STATIC, ActScale.PER_TENSOR_DYNAMIC)
@@ -120,6 +127,16 @@ class GemmCapabilities(Capabilities):
     bias: BiasMode = BiasMode.NONE
     k_align: int = 16
     n_align: int = 16
+    group_sizes: frozenset[int] = frozenset()
+    weight_blocks: frozenset[tuple[int, int]] = frozenset()
+    group_scale_layout: ScaleLayout = ScaleLayout.ROW_MAJOR
+
+    @property
+    def block_scaled(self) -> bool:
+        """Whether the provider serves block-wise FP8 at all (a group size and a weight block declared, and both
+        modes listed)."""
+        return bool(self.group_sizes and self.weight_blocks and ActScale.PER_TOKEN_GROUP in self.act_scales
+                    and WeightScale.BLOCK in self.weight_scales)
 
     def check(self, problem: GemmProblem | None, platform: Platform) -> list[str]:
         """Every reason this record rules the problem out on this platform (empty: it can serve)."""
@@ -127,16 +144,19 @@ class GemmCapabilities(Capabilities):
             device = DeviceKind.CPU if platform.kind is DeviceKind.CPU else DeviceKind.CUDA
             return self.platform_reasons(platform, device)
         reasons = self.platform_reasons(platform, problem.device)
-        if problem.act_scale not in self.act_scales:
-            reasons.append(
-                f"activation scale {problem.act_scale.value} not supported "
-                f"(supports {_names(self.act_scales)})"
-            )
-        if problem.weight_scale not in self.weight_scales:
-            reasons.append(
-                f"weight scale {problem.weight_scale.value} not supported "
-                f"(supports {_names(self.weight_scales)})"
-            )
+        if problem.block_scaled:
+            reasons += self._block_reasons(problem)
+        else:
+            if problem.act_scale not in self.act_scales:
+                reasons.append(
+                    f"activation scale {problem.act_scale.value} not supported "
+                    f"(supports {_names(self.act_scales)})"
+                )
+            if problem.weight_scale not in self.weight_scales:
+                reasons.append(
+                    f"weight scale {problem.weight_scale.value} not supported "
+                    f"(supports {_names(self.weight_scales)})"
+                )
         for role, dt in (("input", problem.input_dtype), ("weight", problem.weight_dtype)):
             if dt not in self.input_dtypes:
                 reasons.append(f"{role} dtype {dt.value} not supported (supports {_names(self.input_dtypes)})")
@@ -156,6 +176,29 @@ class GemmCapabilities(Capabilities):
             reasons.append(f"N={problem.n} is not a multiple of {self.n_align}")
         return reasons
 
+    def _block_reasons(self, problem: GemmProblem) -> list[str]:
+        if not self.block_scaled:
+            return ["block-wise FP8 (per_token_group activations x block weights) not supported"]
+        reasons = []
+        if problem.group_size not in self.group_sizes:
+            reasons.append(f"activation group size {problem.group_size} not supported "
+                           f"(supports {', '.join(map(str, sorted(self.group_sizes)))})")
+        if problem.weight_block not in self.weight_blocks:
+            have = ", ".join(f"{bn}x{bk}" for bn, bk in sorted(self.weight_blocks))
+            reasons.append(f"weight block {problem.weight_block[0]}x{problem.weight_block[1]} not supported "
+                           f"(supports {have})")
+        return reasons
+
+    def scale_summary(self) -> str:
+        """The scale modes for the listing: ``act x weight`` granularities, and the block-wise mode's shape."""
+        text = f"act {_names(self.act_scales - {ActScale.PER_TOKEN_GROUP})}; weight " \
+               f"{_names(self.weight_scales - {WeightScale.BLOCK})}"
+        if self.block_scaled:
+            groups = "/".join(map(str, sorted(self.group_sizes)))
+            blocks = "/".join(f"{bn}x{bk}" for bn, bk in sorted(self.weight_blocks))
+            text += f"; block {blocks} x group {groups} ({self.group_scale_layout.value} scales)"
+        return text
+
 
 @dataclass(frozen=True)
 class NormQuantCapabilities(Capabilities):
@@ -165,12 +208,17 @@ class NormQuantCapabilities(Capabilities):
     - ``out_fp8``: FP8 output types.
     - ``residual``: supports ``fused_add_rmsnorm_quant``.
     - ``hidden_align``: the hidden size must be a multiple of this.
+    - ``act_scales``: how the output is scaled: ``per_tensor_static`` (a given scale; every provider), and the
+      dynamic ``per_token`` / ``per_token_group`` modes (opt-in); ``group_sizes``: the groups served in
+      ``per_token_group`` mode.
     """
 
     in_dtypes: frozenset[OutDtype] = _fs(OutDtype.BF16, OutDtype.FP16)
     out_fp8: frozenset[Fp8Dtype] = _fs(Fp8Dtype.E4M3FN)
     residual: bool = True
     hidden_align: int = 1
+    act_scales: frozenset[ActScale] = _fs(ActScale.PER_TENSOR_STATIC)
+    group_sizes: frozenset[int] = frozenset()
 
     def check(self, problem: NormQuantProblem | None, platform: Platform) -> list[str]:
         if problem is None:
@@ -182,9 +230,15 @@ class NormQuantCapabilities(Capabilities):
                 f"input dtype {problem.in_dtype.value} not supported (supports {_names(self.in_dtypes)})"
             )
         if problem.out_fp8 not in self.out_fp8:
-            reasons.append(f"FP8 output {problem.out_fp8.value} not supported")
+            reasons.append(f"FP8 output {problem.out_fp8.value} not supported (serves {_names(self.out_fp8)})")
         if problem.residual and not self.residual:
             reasons.append("fused residual add not supported")
+        if problem.act_scale not in self.act_scales:
+            reasons.append(f"output scale {problem.act_scale.value} not supported (supports "
+                           f"{_names(self.act_scales)})")
+        elif problem.act_scale is ActScale.PER_TOKEN_GROUP and problem.group_size not in self.group_sizes:
+            have = ", ".join(map(str, sorted(self.group_sizes))) or "none"
+            reasons.append(f"group size {problem.group_size} not supported (supports {have})")
         if problem.hidden % self.hidden_align:
             reasons.append(f"hidden size {problem.hidden} is not a multiple of {self.hidden_align}")
         return reasons

@@ -149,4 +149,38 @@ def norm_quant_output_failed(backend: Any, returned: Any, hook: str) -> None:
                                   "into `out` (return None, or `out` itself)")
 
 
-__all__ = ["describe_gemm_mismatch", "distribution_of", "gemm_output_failed", "norm_quant_output_failed", "preload"]
+def check_norm_quant_dynamic(backend: Any, q: Any, scale: Any, x: Any, mode: Any, group_size: int,
+                             layout: Any) -> None:
+    """A dynamic norm-quant hook's ``(q, scale)``, from metadata: ``q`` a float8_e4m3fn ``[T, H]`` row-major tensor
+    on ``x``'s device; ``scale`` fp32 ``[T, 1]`` (per token) or ``[T, ceil(H/G)]`` in ``layout`` (per group)."""
+    import torch
+
+    from .group_scales import is_layout
+    from .types import ActScale
+
+    t, h = x.shape
+    groups = 1 if mode is ActScale.PER_TOKEN else -(-h // group_size)
+    problems = []
+    if not isinstance(q, torch.Tensor) or q.dtype != torch.float8_e4m3fn or tuple(q.shape) != (t, h) \
+            or q.device != x.device or not q.is_contiguous():
+        problems.append(f"q must be a row-major float8_e4m3fn [{t}, {h}] tensor on {x.device}, got "
+                        f"{_describe(q)}")
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or tuple(scale.shape) != (t, groups) \
+            or scale.device != x.device:
+        problems.append(f"scale must be a float32 [{t}, {groups}] tensor on {x.device}, got {_describe(scale)}")
+    elif mode is ActScale.PER_TOKEN_GROUP and not is_layout(scale, layout):
+        problems.append(f"scale must be laid out {layout.value}, got strides {tuple(scale.stride())}")
+    if problems:
+        raise _backend_error(backend, "rmsnorm_quant_dynamic_impl broke the output contract: " + "; ".join(problems))
+
+
+def _describe(t: Any) -> str:
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{t.dtype} {tuple(t.shape)} strides {tuple(t.stride())} on {t.device}"
+
+
+__all__ = ["check_norm_quant_dynamic", "describe_gemm_mismatch", "distribution_of", "gemm_output_failed",
+           "norm_quant_output_failed", "preload"]

@@ -1,7 +1,10 @@
 """Pure-torch reference semantics. Every provider is tested against these functions.
 
 - GEMM: ``y = (x_q·s_x) @ (w_q·s_w)ᵀ + bias``, computed in fp32 and cast to ``out_dtype``.
-  ``s_x`` is one value or ``[M, 1]``; ``s_w`` one value, ``[N]`` or ``[N, 1]``.
+  ``s_x`` is one value or ``[M, 1]``; ``s_w`` one value, ``[N]`` or ``[N, 1]``. Block-wise FP8: ``s_x`` is
+  ``[M, ceil(K/G)]`` (one scale per token and group of ``G`` columns) and ``s_w`` ``[ceil(N/BN), ceil(K/BK)]``
+  (one per ``BN x BK`` block); each operand is dequantized in fp32 by its own scale before the fp32 matmul, so the
+  reference is exact up to fp32 summation whatever order a kernel applies the scales in.
 - Quantization: ``clamp(x / s, -448, 448) -> float8_e4m3fn`` (``±57344`` for e5m2).
 - RMSNorm: in fp32, ``x · rsqrt(mean(x²) + eps) · weight``.
 
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .types import ActScale, Fp8Dtype
+from .types import DEFAULT_GROUP_SIZE, DEFAULT_WEIGHT_BLOCK, ActScale, Fp8Dtype
 
 if TYPE_CHECKING:
     import torch
@@ -31,6 +34,28 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.float().reshape(-1, 1) if scale.numel() > 1 else q.float() * scale.float()
 
 
+def expand_groups(scale: torch.Tensor, rows: int, cols: int, block: tuple[int, int]) -> torch.Tensor:
+    """A ``[ceil(rows/BR), ceil(cols/BC)]`` grid of scales spread to one fp32 value per element ``[rows, cols]``
+    (element ``(r, c)`` takes ``scale[r // BR, c // BC]``; the last block of a ragged edge is cut short). Any
+    strides."""
+    br, bc = block
+    full = scale.float().repeat_interleave(br, dim=0).repeat_interleave(bc, dim=1)
+    return full[:rows, :cols]
+
+
+def dequantize_block(w_q: torch.Tensor, w_scale: torch.Tensor,
+                     block: tuple[int, int] = DEFAULT_WEIGHT_BLOCK) -> torch.Tensor:
+    """fp32 ``[N, K]``: ``w_q[n, k] * w_scale[n // BN, k // BK]`` (``w_scale [ceil(N/BN), ceil(K/BK)]``)."""
+    n, k = w_q.shape
+    return w_q.float() * expand_groups(w_scale, n, k, block)
+
+
+def dequantize_groups(x_q: torch.Tensor, x_scale: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> torch.Tensor:
+    """fp32 ``[M, K]``: ``x_q[m, k] * x_scale[m, k // G]`` (``x_scale [M, ceil(K/G)]``, any layout)."""
+    m, k = x_q.shape
+    return x_q.float() * expand_groups(x_scale, m, k, (1, group_size))
+
+
 def fp8_gemm(
     x_q: torch.Tensor,
     w_q: torch.Tensor,
@@ -38,14 +63,35 @@ def fp8_gemm(
     w_scale: torch.Tensor,
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
+    *,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    weight_block: tuple[int, int] = DEFAULT_WEIGHT_BLOCK,
 ) -> torch.Tensor:
-    """Reference FP8 GEMM. ``x_q: [M, K]``, ``w_q: [N, K]`` (float8), scales fp32; returns ``[M, N]``."""
-    x = x_q.float() * (x_scale.float().reshape(-1, 1) if x_scale.numel() > 1 else x_scale.float().reshape(()))
-    w = w_q.float() * (w_scale.float().reshape(-1, 1) if w_scale.numel() > 1 else w_scale.float().reshape(()))
+    """Reference FP8 GEMM. ``x_q: [M, K]``, ``w_q: [N, K]`` (float8), scales fp32; returns ``[M, N]``.
+
+    Scales: ``x_scale`` one value, ``[M, 1]`` (per token) or ``[M, ceil(K/G)]`` with more than one column (per
+    token and group of ``group_size``); ``w_scale`` one value, ``[N]`` / ``[N, 1]`` (per channel) or a 2-D
+    ``[ceil(N/BN), ceil(K/BK)]`` with ``weight_block = (BN, BK)`` (per block; told from ``[N, 1]`` by its shape:
+    the two coincide only when both mean the same numbers)."""
+    m, k = x_q.shape
+    n = w_q.shape[0]
+    if x_scale.dim() == 2 and x_scale.shape[1] > 1:
+        x = dequantize_groups(x_q, x_scale, group_size)
+    else:
+        x = x_q.float() * (x_scale.float().reshape(-1, 1) if x_scale.numel() > 1 else x_scale.float().reshape(()))
+    if _is_block_scale(w_scale, n, k, weight_block):
+        w = dequantize_block(w_q, w_scale, weight_block)
+    else:
+        w = w_q.float() * (w_scale.float().reshape(-1, 1) if w_scale.numel() > 1 else w_scale.float().reshape(()))
     y = x @ w.t()
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype)
+
+
+def _is_block_scale(w_scale: torch.Tensor, n: int, k: int, block: tuple[int, int]) -> bool:
+    grid = (-(-n // block[0]), -(-k // block[1]))
+    return w_scale.dim() == 2 and tuple(w_scale.shape) == grid and tuple(w_scale.shape) != (n, 1)
 
 
 def quantize_static(x: torch.Tensor, scale: torch.Tensor, dtype: object = "e4m3fn") -> torch.Tensor:
@@ -70,6 +116,40 @@ def quantize_per_token(x: torch.Tensor, dtype: object = "e4m3fn") -> tuple[torch
     fp8, fmax = _fp8(dtype)
     scale = per_token_scale(x, fmax)
     return scaled_cast(x, scale, fp8, fmax), scale
+
+
+def quantize_per_token_group(
+    x: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE, dtype: object = "e4m3fn"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token-group dynamic quantization of ``x: [M, K]``: ``scale [M, ceil(K/G)]`` fp32 row-major, each
+    ``max(amax(|x[m, g*G:(g+1)*G]|) / max, 1e-12)`` (the last group of a ragged K covers the columns left);
+    ``q [M, K]`` = ``clamp(x / scale of its group, ±max)``."""
+    fp8, fmax = _fp8(dtype)
+    scale = group_scale(x, group_size, fmax)
+    return scaled_cast_groups(x, scale, group_size, fp8, fmax).contiguous(), scale
+
+
+def quantize_block(
+    w: torch.Tensor, block: tuple[int, int] = DEFAULT_WEIGHT_BLOCK, dtype: object = "e4m3fn"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block quantization of a weight ``w: [N, K]`` (any float dtype): ``scale [ceil(N/BN), ceil(K/BK)]`` fp32, each
+    ``max(amax(|block|) / max, 1e-12)``; ``w_q [N, K]`` row-major = ``clamp(w / scale of its block, ±max)``. What
+    block-wise FP8 checkpoints store (as ``weight_scale_inv`` / ``weight_scale``)."""
+    import torch
+    import torch.nn.functional as F
+
+    fp8, fmax = _fp8(dtype)
+    n, k = w.shape
+    bn, bk = block
+    nb, kb = -(-n // bn), -(-k // bk)
+    padded = F.pad(w.detach().float().abs(), (0, kb * bk - k, 0, nb * bn - n))
+    amax = padded.reshape(nb, bn, kb, bk).amax(dim=(1, 3))
+    scale = (amax / fmax).clamp_min(MIN_DYNAMIC_SCALE)
+    if n and k and bool(torch.isnan(w).any()):  # a NaN block keeps a NaN scale, as the other modes do
+        nan = F.pad(torch.isnan(w.detach()), (0, kb * bk - k, 0, nb * bn - n))
+        scale = scale.masked_fill(nan.reshape(nb, bn, kb, bk).any(dim=3).any(dim=1), float("nan"))
+    q = (w.float() / expand_groups(scale, n, k, block)).clamp(-fmax, fmax).to(fp8)
+    return q.contiguous(), scale.contiguous()
 
 
 # The math itself, with the float8 torch dtype and its largest value given: what the functions above compute once
@@ -98,10 +178,34 @@ def per_token_scale(x: torch.Tensor, fmax: float) -> torch.Tensor:
     return (x.detach().abs().amax(dim=-1, keepdim=True).float() / fmax).clamp_min(MIN_DYNAMIC_SCALE)
 
 
+def group_scale(x: torch.Tensor, group_size: int, fmax: float) -> torch.Tensor:
+    """``[M, ceil(K/G)]`` fp32 row-major: each group's ``max(amax / fmax, 1e-12)`` (NaN where the group holds one,
+    as ``amax`` gives; an empty ``x`` with K = 0 gets ``[M, 0]``)."""
+    import torch
+    import torch.nn.functional as F
+
+    m, k = x.shape
+    groups = -(-k // group_size)
+    if k == 0:
+        return x.new_empty((m, 0), dtype=torch.float32)
+    padded = F.pad(x.detach().float().abs(), (0, groups * group_size - k))
+    amax = padded.reshape(m, groups, group_size).amax(dim=-1)
+    return (amax / fmax).clamp_min(MIN_DYNAMIC_SCALE).contiguous()
+
+
+def scaled_cast_groups(x: torch.Tensor, scale: torch.Tensor, group_size: int, fp8: torch.dtype,
+                       fmax: float) -> torch.Tensor:
+    """``clamp(x / scale[m, k // G], ±fmax).to(fp8)`` for ``x [M, K]`` and group scales ``[M, ceil(K/G)]``."""
+    m, k = x.shape
+    return (x.float() / expand_groups(scale, m, k, (1, group_size))).clamp(-fmax, fmax).to(fp8)
+
+
 def quantize(
-    x: torch.Tensor, mode: ActScale, scale: torch.Tensor | None = None, dtype: object = "e4m3fn"
+    x: torch.Tensor, mode: ActScale, scale: torch.Tensor | None = None, dtype: object = "e4m3fn",
+    group_size: int = DEFAULT_GROUP_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``x`` in ``mode``; ``scale`` is required for (and only used by) the static mode."""
+    """Quantize ``x`` in ``mode``; ``scale`` is required for (and only used by) the static mode; ``group_size``
+    only by the per-token-group mode."""
     mode = ActScale.of(mode)
     if mode is ActScale.PER_TENSOR_STATIC:
         if scale is None:
@@ -111,6 +215,8 @@ def quantize(
         return quantize_static(x, scale, dtype), scale
     if mode is ActScale.PER_TENSOR_DYNAMIC:
         return quantize_dynamic_per_tensor(x, dtype)
+    if mode is ActScale.PER_TOKEN_GROUP:
+        return quantize_per_token_group(x, group_size, dtype)
     return quantize_per_token(x, dtype)
 
 
@@ -139,8 +245,39 @@ def fused_add_rmsnorm_quant(
     return quantize_static(rmsnorm(total, weight, eps), scale, dtype), total.to(x.dtype)
 
 
+def rmsnorm_quant_dynamic(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, act_scale: ActScale = ActScale.PER_TOKEN,
+    group_size: int = DEFAULT_GROUP_SIZE, residual: torch.Tensor | None = None, dtype: object = "e4m3fn",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Fused RMSNorm (+ residual add) + dynamic quantization, per token or per token group: returns ``(q [T, H],
+    scale, new_residual)``: the fp32 RMSNorm of ``x`` (of ``x + residual`` in fp32 when ``residual`` is given),
+    quantized as :func:`quantize_per_token` (``scale [T, 1]``) or :func:`quantize_per_token_group` (``scale
+    [T, ceil(H/G)]``) quantize it; ``new_residual`` is the sum in ``x``'s dtype (``None`` without a residual). Does
+    not modify its inputs."""
+    mode = ActScale.of(act_scale)
+    if mode not in (ActScale.PER_TOKEN, ActScale.PER_TOKEN_GROUP):
+        from .errors import InvalidInputError
+
+        raise InvalidInputError(f"rmsnorm_quant_dynamic quantizes per_token or per_token_group, not {mode.value}")
+    total = x.float() if residual is None else x.float() + residual.float()
+    normed = rmsnorm(total, weight, eps)
+    if mode is ActScale.PER_TOKEN:
+        q, scale = quantize_per_token(normed, dtype)
+    else:
+        q, scale = quantize_per_token_group(normed, group_size, dtype)
+    return q, scale, None if residual is None else total.to(x.dtype)
+
+
 __all__ = [
     "dequantize",
+    "dequantize_block",
+    "dequantize_groups",
+    "expand_groups",
+    "group_scale",
+    "quantize_block",
+    "quantize_per_token_group",
+    "rmsnorm_quant_dynamic",
+    "scaled_cast_groups",
     "dynamic_scale",
     "fp8_gemm",
     "fused_add_rmsnorm_quant",

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from fp8_backends.core.settings import check_scales_flag
 
 from .errors import InvalidInputError, InvalidTypeError
-from .types import Fp8Dtype, OutDtype
+from .types import DEFAULT_WEIGHT_BLOCK, GROUP_SIZES, Fp8Dtype, OutDtype
 
 if TYPE_CHECKING:
     import torch
@@ -59,6 +59,55 @@ def require_fp32_scale(s: object, what: str) -> None:
     require_tensor(s, what)
     if s.dtype != torch.float32:
         raise InvalidInputError(f"{what} must be a float32 tensor, got {s.dtype}")
+
+
+def weight_block_of(
+    w_scale: object, n: int, k: int, block: object, group_size: object
+) -> tuple[tuple[int, int] | None, int | None]:
+    """``(block, group_size)`` for a weight ``[N, K]`` whose scale is ``w_scale``: ``block`` as given (two positive
+    ints), or the default 128x128 when ``w_scale`` has that grid's shape ``[ceil(N/128), ceil(K/128)]`` and no other
+    mode's (per-tensor ``[1, 1]``, per-channel ``[N, 1]``); ``(None, None)`` for the other modes. ``group_size``
+    defaults to the block's K extent and must divide it."""
+    require_tensor(w_scale, "w_scale")
+    if block is None:
+        grid = (-(-n // DEFAULT_WEIGHT_BLOCK[0]), -(-k // DEFAULT_WEIGHT_BLOCK[1]))
+        if w_scale.dim() != 2 or tuple(w_scale.shape) != grid or is_scalar_shape(w_scale) or grid == (n, 1):
+            if group_size is not None:
+                raise InvalidInputError("group_size is a block-wise FP8 argument: give block=(BN, BK) too")
+            return None, None
+        block = DEFAULT_WEIGHT_BLOCK
+    from .types import _block_field, _int_field
+
+    block = _block_field("prepare_weight", block)
+    group = block[1] if group_size is None else _int_field("prepare_weight", "group_size", group_size, 1)
+    if group not in GROUP_SIZES or block[1] % group:
+        raise InvalidInputError(
+            f"group_size must be one of {', '.join(map(str, GROUP_SIZES))} and divide the block's K extent "
+            f"{block[1]}; got {group}")
+    grid = (-(-n // block[0]), -(-k // block[1]))
+    if w_scale.dim() != 2 or tuple(w_scale.shape) != grid:
+        raise InvalidInputError(
+            f"block w_scale for a [N, K] = [{n}, {k}] weight in {block[0]}x{block[1]} blocks must be "
+            f"[ceil(N/{block[0]}), ceil(K/{block[1]})] = {list(grid)}; got shape {tuple(w_scale.shape)}")
+    return block, group
+
+
+def block_scale_fp32(w_scale: torch.Tensor) -> torch.Tensor:
+    """Block scales as a contiguous fp32 tensor (checkpoints store fp32, bf16 or fp16): load time only."""
+    import torch
+
+    if w_scale.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise InvalidInputError(f"block w_scale must be float32, bfloat16 or float16, got {w_scale.dtype}")
+    return w_scale.to(torch.float32).contiguous()
+
+
+def require_group_scale(x_scale: torch.Tensor, m: int, k: int, group_size: int) -> None:
+    """A per-token-group activation scale for ``x [M, K]``: 2-D ``[M, ceil(K/G)]`` (any strides)."""
+    groups = -(-k // group_size)
+    if x_scale.dim() != 2 or tuple(x_scale.shape) != (m, groups):
+        raise InvalidInputError(
+            f"a block-scaled weight needs per-token-group activation scales x_scale [M, ceil(K/{group_size})] = "
+            f"[{m}, {groups}]; got shape {tuple(x_scale.shape)}")
 
 
 def is_scalar_shape(s: torch.Tensor) -> bool:

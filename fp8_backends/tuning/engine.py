@@ -27,7 +27,7 @@ from fp8_backends.core.types import GemmProblem, NormQuantProblem
 from fp8_backends.registry import lockfile as lockfile_io
 from fp8_backends.registry.platform import Platform, detect_platform
 from fp8_backends.tuning.timing import Measurement, Timer, TimerConfig, default_timer
-from fp8_backends.tuning.workloads import CandidateSpec, expand_candidates, kind_of, make_workload
+from fp8_backends.tuning.workloads import CONTRACT_BROKEN, CandidateSpec, expand_candidates, kind_of, make_workload
 
 logger = logging.getLogger("fp8_backends")
 
@@ -376,7 +376,10 @@ def measure_candidates(
                 runs[cand.label] = workload.run(cand, m)
                 by_label[cand.label] = res
             else:
-                res.wrong_output = "reference"
+                if res.reason.startswith(CONTRACT_BROKEN):
+                    res.wrong_output, res.reason = "output contract", res.reason[len(CONTRACT_BROKEN):].lstrip(": ")
+                else:
+                    res.wrong_output = "reference"
         except Exception as exc:
             res.reason = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
             if isinstance(exc, ProviderOutputError):

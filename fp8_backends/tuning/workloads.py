@@ -129,6 +129,10 @@ def expand_candidates(
     return out, skipped
 
 
+#: how a verification reason starts when the candidate's output broke the output contract (the tuner reports it so)
+CONTRACT_BROKEN = "broke the output contract"
+
+
 def _relative_error(torch: Any, out: Any, ref: Any) -> tuple[float, str | None]:
     if tuple(out.shape) != tuple(ref.shape):
         return float("inf"), f"output shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
@@ -242,6 +246,13 @@ class GemmWorkload:
 
     # ---------------------------------------------------------------- runs
     def check(self, out: Any, m: int) -> tuple[float, str | None]:
+        """The output contract first (a plain tensor ``[M, N]`` in the problem's output dtype on this device: a
+        provider that overrides ``gemm`` itself skips the base class's check), then the reference."""
+        from fp8_backends.core.output_contract import describe_gemm_mismatch
+
+        contract = describe_gemm_mismatch(out, m, self.base.n, self.base.out_dtype.torch_dtype(), self.device)
+        if contract is not None:
+            return float("inf"), f"{CONTRACT_BROKEN}: {contract}"
         expected = self.activations(m)[2]
         err, reason = _relative_error(self.torch, out, expected)
         if reason is None and not err <= self.rtol:
@@ -350,8 +361,12 @@ class NormQuantWorkload:
         """Dequantized relative error against the reference codes, and the share of differing codes."""
         torch, acts = self.torch, self.activations(t)
         ref_q = acts["ref_q"]
-        if tuple(out.shape) != tuple(ref_q.shape) or out.dtype != ref_q.dtype:
-            return float("inf"), f"output {out.dtype} {tuple(out.shape)}, expected {ref_q.dtype} {tuple(ref_q.shape)}"
+        if (not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(ref_q.shape) or out.dtype != ref_q.dtype
+                or out.device != ref_q.device):
+            got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else \
+                type(out).__name__
+            return float("inf"), (f"{CONTRACT_BROKEN}: output {got}, expected {ref_q.dtype} {tuple(ref_q.shape)} on "
+                                  f"{ref_q.device}")
         o = out.float()
         if not bool(torch.isfinite(o).all()):
             return float("inf"), "output has NaN"

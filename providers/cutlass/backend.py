@@ -113,7 +113,7 @@ class CutlassSm90Backend(OpGemmBackend):
             return Availability.no(st.reason, cls.install_hint)
         from . import native_op
 
-        return Availability.yes(f"{st.reason}; {native_op.status()}")
+        return Availability.yes("; ".join(part for part in (st.reason, native_op.status()) if part))
 
     # ------------------------------------------------------------------ the op
     contiguous_vectors: ClassVar[bool] = True
