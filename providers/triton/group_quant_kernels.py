@@ -42,16 +42,18 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8_backends.core.errors import InvalidInputError
+from fp8_backends.core import group_scales
+from fp8_backends.core.errors import Fp8BackendError, InvalidInputError
 from fp8_backends.core.oplib import LazyOps, TritonOpSpec
+from fp8_backends.core.types import ScaleLayout
 
 from . import _support
 from .launcher import ReplayCache, launcher_for, raw_stream
 from .nan_math import nan_clamp, nan_max_reduce, nan_maximum
 from .quant_kernels import FMAX
 
-#: the scale layouts :func:`group_scale_empty` makes (module docstring)
-SCALE_LAYOUTS = ("row_major", "m_major", "m_major_tma")
+#: the scale layouts :func:`group_scale_empty` makes (:class:`fp8_backends.core.types.ScaleLayout` values)
+SCALE_LAYOUTS = tuple(layout.value for layout in ScaleLayout)
 GROUP_SIZES = (64, 128)
 #: elements per program and its warps
 TILE = 4096
@@ -116,28 +118,22 @@ def _fmax(fp8_dtype: torch.dtype) -> float:
             from None
 
 
-def group_scale_empty(m: int, kg: int, layout: str, like: torch.Tensor) -> torch.Tensor:
-    """A new fp32 ``[m, kg]`` scale tensor on ``like``'s device in ``layout`` (:data:`SCALE_LAYOUTS`)."""
-    if layout == "row_major":
-        return like.new_empty((m, kg), dtype=torch.float32)
-    if layout == "m_major":
-        return like.new_empty((kg, m), dtype=torch.float32).t()
-    if layout == "m_major_tma":
-        return like.new_empty((kg, -(-m // 4) * 4), dtype=torch.float32)[:, :m].t()
-    raise InvalidInputError(f"scale_layout must be one of {', '.join(SCALE_LAYOUTS)}, got {layout!r}")
+def group_scale_empty(m: int, kg: int, layout: str | ScaleLayout, like: torch.Tensor) -> torch.Tensor:
+    """A new fp32 ``[m, kg]`` scale tensor on ``like``'s device in ``layout`` (:data:`SCALE_LAYOUTS`;
+    :func:`fp8_backends.core.group_scales.empty_group_scale`)."""
+    try:
+        layout = ScaleLayout.of(layout)
+    except (ValueError, Fp8BackendError):
+        raise InvalidInputError(f"scale_layout must be one of {', '.join(SCALE_LAYOUTS)}, got {layout!r}") from None
+    return group_scales.empty_group_scale(m, kg, layout, like.device)
 
 
 def scale_layout_of(scale: torch.Tensor) -> str | None:
-    """The :data:`SCALE_LAYOUTS` name of a ``[M, Kg]`` scale tensor's strides (``None``: another layout)."""
-    m, kg = scale.shape
-    s0, s1 = scale.stride()
-    if (s1 == 1 or kg <= 1) and (s0 == kg or m <= 1):
-        return "row_major"
-    if s0 == 1 or m <= 1:
-        if s1 == m or kg <= 1:
-            return "m_major"
-        if s1 == -(-m // 4) * 4:
-            return "m_major_tma"
+    """The :data:`SCALE_LAYOUTS` name of a ``[M, Kg]`` scale tensor's strides (``None``: another layout; the first
+    that fits where a size-1 dimension makes several fit)."""
+    for layout in ScaleLayout:
+        if group_scales.is_layout(scale, layout):
+            return layout.value
     return None
 
 
