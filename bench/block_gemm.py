@@ -115,27 +115,17 @@ def gemm_shapes(args: argparse.Namespace) -> list[tuple[str, str, int, int]]:
 
 # ---------------------------------------------------------------------------------------------- data
 def _quantize_groups(x: Any, fp8: Any) -> tuple[Any, Any]:
-    """Per-token-group quantization (G = 128) of fp32 ``x``: ``(x_q, scale [M, Kg] row-major)``."""
-    import torch
+    """Per-token-group quantization (G = 128) of ``x``: ``(x_q, scale [M, Kg] row-major)`` (the reference's)."""
+    from fp8_backends.core import reference
 
-    m, k = x.shape
-    kg = -(-k // GROUP)
-    padded = torch.nn.functional.pad(x, (0, kg * GROUP - k)).view(m, kg, GROUP)
-    scale = (padded.abs().amax(-1) / 448.0).clamp_min(1e-12)
-    q = (x / scale.repeat_interleave(GROUP, 1)[:, :k]).clamp(-448, 448).to(fp8)
-    return q, scale
+    return reference.quantize_per_token_group(x, GROUP, fp8)
 
 
 def _quantize_blocks(w: Any, fp8: Any) -> tuple[Any, Any]:
-    """128x128 block quantization of fp32 ``w``: ``(w_q, scale [Nb, Kb] row-major fp32)``."""
-    import torch
+    """128x128 block quantization of ``w``: ``(w_q, scale [Nb, Kb] row-major fp32)`` (the reference's)."""
+    from fp8_backends.core import reference
 
-    n, k = w.shape
-    nb, kb = -(-n // BLOCK[0]), -(-k // BLOCK[1])
-    padded = torch.nn.functional.pad(w, (0, kb * BLOCK[1] - k, 0, nb * BLOCK[0] - n))
-    scale = (padded.view(nb, BLOCK[0], kb, BLOCK[1]).abs().amax((1, 3)) / 448.0).clamp_min(1e-12)
-    full = scale.repeat_interleave(BLOCK[0], 0)[:n].repeat_interleave(BLOCK[1], 1)[:, :k]
-    return (w / full).clamp(-448, 448).to(fp8), scale.contiguous()
+    return reference.quantize_block(w, BLOCK, fp8)
 
 
 def scale_layouts(xs: Any) -> dict[str, Any]:
@@ -422,7 +412,7 @@ def _norm_reference(x: Any, weight: Any, eps: float, residual: Any, per_token: b
     padded = torch.nn.functional.pad(y, (0, kg * GROUP - h)).view(t, kg, GROUP)
     scale = (padded.abs().amax(-1) / 448.0).clamp_min(1e-12)
     q = (y / scale.repeat_interleave(GROUP, 1)[:, :h]).clamp(-448, 448).to(torch.float8_e4m3fn)
-    return q, scale
+    return q, scale  # written out as torch ops (not the reference's helpers) so torch.compile sees plain code
 
 
 def norm_point(hidden: int, tokens: int, residual: bool, device: str, timer: Any, args: argparse.Namespace,
