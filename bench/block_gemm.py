@@ -19,9 +19,12 @@ wrong variant is reported failed, never timed). Variants:
   launch as the library does on SM90 (consecutive calls in the graph overlap their prologues), ``triton_nopdl``: the
   same kernel without it (like for like with cuBLAS), and ``triton:<config>`` per kernel family where it is eligible
   (GEMV, swap-AB, tiled, TMA), every shipped config with ``--sweep``;
-- ``scaled_mm``: ``torch._scaled_mm(x_q, w_q.t(), scale_a, scale_b=w_scale.t())`` (SM90, cuBLASLt >= 12.9); the
-  activation-scale layouts M-major, M-major padded to 4 and row-major are tried in that order and the first that
-  torch accepts and computes right is timed; every refusal's text is recorded;
+- ``scaled_mm``: ``torch._scaled_mm(x_q, w_q.t(), scale_a, scale_b=w_scale.t())`` (SM90, cuBLASLt >= 12.9) called
+  directly; the activation-scale layouts M-major, M-major padded to 4 and row-major are tried in that order and the
+  first that torch accepts and computes right is timed; every refusal's text is recorded;
+- ``provider:<name>``: every other registered provider that serves the block problem (``torch_scaled_mm``, and
+  ``cutlass`` or a flashinfer provider where installed), called as a layer calls it: ``prepare_weight`` once,
+  ``gemm`` with the activation scales in the layout the provider declares (its M padding included);
 - ``flashinfer``: ``flashinfer.gemm.fp8_blockscale_gemm_sm90(x_q, w_q, x_scale, w_scale, out_dtype=bf16)`` when it
   imports (its first call JIT-builds the module, about 130 s on the H200: done once, timed and logged), scale
   layouts probed the same way.
@@ -58,7 +61,7 @@ QUICK_SHAPES = (("deepseek-v3", "kv_a"), ("deepseek-v3", "o"), ("qwen3-8b", "qkv
 QUICK_M = (1, 16, 256, 4096)
 TOKENS = (1, 16, 256, 4096, 16384)
 QUICK_TOKENS = (16, 4096)
-SMOKE_SHAPES = (("smoke", "ragged", 136, 264),)
+SMOKE_SHAPES = (("smoke", "ragged", 144, 272),)
 SMOKE_M = (1, 5)
 GROUP = 128
 BLOCK = (128, 128)
@@ -331,6 +334,7 @@ def gemm_point(model: str, layer: str, n: int, k: int, m: int, device: str, time
     notes["scaled_mm"] = {"layout": layout, "refused": refused}
     if call is not None:
         runs["scaled_mm"] = Run(call, data.sets, data.check(FP8_TOL))
+    _provider_runs(runs, notes, data, m, n, k, device)
     if flashinfer.fn is not None:
         if k % 128 or n % 64:
             notes["flashinfer"] = {"layout": None, "refused": {"all": "needs K % 128 == 0 and N % 64 == 0"}}
@@ -344,6 +348,38 @@ def gemm_point(model: str, layer: str, n: int, k: int, m: int, device: str, time
         _check_first_calls(runs)  # the CPU timer checks nothing itself
     measured: dict[str, Measurement] = timer(runs)
     return analyse_point(model, layer, n, k, m, measured, configs, notes, copy_gbps)
+
+
+def _provider_runs(runs: dict[str, Any], notes: dict[str, Any], data: GemmData, m: int, n: int, k: int,
+                   device: str) -> None:
+    """``provider:<name>``: every registered GEMM provider but ``triton`` (timed per kernel family above) that serves
+    the block problem, called as a layer calls it (``prepare_weight`` once per weight copy, ``gemm`` with the
+    activation scales in the layout it declares); the refusals of the others in ``notes["providers"]``."""
+    from fp8_backends.core import group_scales
+    from fp8_backends.core.types import GemmProblem
+    from fp8_backends.registry.discovery import discover
+    from fp8_backends.registry.resolution import resolve_gemm_backend
+    from fp8_backends.tuning.timing import Run
+
+    problem = GemmProblem(n=n, k=k, m=m, act_scale="per_token_group", weight_scale="block",
+                          device="cuda" if device.startswith("cuda") else "cpu")
+    refused: dict[str, str] = {}
+    for entry in discover("gemm"):
+        if entry.name == "triton" or f"provider:{entry.name}" in runs:
+            continue
+        try:
+            backend = resolve_gemm_backend(entry.name, problem=problem)
+            prepared = [backend.prepare_weight(w, s) for w, s in zip(data.w_q, data.ws)]
+            xs = group_scales.to_layout(data.xs["row_major"], backend.capabilities.group_scale_layout)
+        except Exception as exc:  # refused (capabilities, platform) or broken: recorded, the run goes on
+            refused[entry.name] = f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:300]
+            continue
+
+        def call(i: int, backend: Any = backend, prepared: list = prepared, xs: Any = xs) -> Any:
+            return backend.gemm(data.x_q, prepared[i], xs)
+
+        runs[f"provider:{entry.name}"] = Run(call, data.sets, data.check(FP8_TOL))
+    notes["providers"] = {"layout": None, "refused": refused}
 
 
 def _check_first_calls(runs: dict[str, Any]) -> None:

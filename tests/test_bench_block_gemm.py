@@ -21,10 +21,11 @@ def test_smoke_run_writes_json_and_markdown(tmp_path):
     assert bench.main(["--device", "cpu", "--smoke", "--no-compile-baseline", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "block_gemm.json").read_text())
     assert data["schema"] == "fp8_backends.bench.block_gemm/1" and data["meta"]["versions"]["torch"]
-    assert [(p["n"], p["k"], p["m"]) for p in data["gemm"]] == [(136, 264, 1), (136, 264, 5)]
+    assert [(p["n"], p["k"], p["m"]) for p in data["gemm"]] == [(144, 272, 1), (144, 272, 5)]
     for point in data["gemm"]:
         labels = set(point["variants"])
-        assert {"bf16", "triton"} <= labels and any(lab.startswith("triton:") for lab in labels)
+        assert {"bf16", "triton", "provider:torch_scaled_mm"} <= labels  # the library's CPU path of the mode
+        assert any(lab.startswith("triton:") for lab in labels)
         assert all(v["error"] is None and v["us"] > 0 for lab, v in point["variants"].items()), point["variants"]
         assert point["variants"]["triton"]["config"] in bc.CONFIGS
         assert point["notes"]["scaled_mm"]["refused"]  # the CPU build refuses block scales: recorded, not fatal
