@@ -48,7 +48,7 @@ class _Stop(Exception):
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.auto_eval", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", nargs="+", default=[], help="model shape tables (fp8_backends/models.py)")
+    ap.add_argument("--model", nargs="+", default=[], help="model shape tables (fp8_backends/tuning/models.py)")
     ap.add_argument("--shipped-grid", action="store_true", help="every model of the shipped grid (grid.py)")
     ap.add_argument("--exclude-model", nargs="+", default=[], help="leave these models' shapes out")
     ap.add_argument("--tp", nargs="+", type=int, default=list(grid.SHIPPED_TPS), help="TP degrees (default 1 2 4 8)")

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
 
-    from fp8_backends.inductor_setup import static_launch_triton_ops
+    from fp8_backends.layers.inductor_setup import static_launch_triton_ops
     from fp8_backends.registry.platform import detect_platform
 
     static_launch_triton_ops(args.static_launch == "on")

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from bench import common
-from bench import hf_model as hf
+from bench import hf_bench as hf
 
 #: the file holding the slot that may run now
 TURN = "turn"

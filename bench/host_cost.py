@@ -106,7 +106,7 @@ def triton_breakdown(device: str) -> list[Timed]:
     ``torch.empty``."""
     import torch
 
-    from fp8_backends.providers.triton import gemm_ops, launcher
+    from fp8_backends.providers.triton import gemm_args, gemm_ops, launcher
     from fp8_backends.providers.triton.gemm import TritonGemmBackend
 
     x = torch.ones(16, 4096, device=device).to(torch.float8_e4m3fn)
@@ -115,7 +115,7 @@ def triton_breakdown(device: str) -> list[Timed]:
     b = TritonGemmBackend()
     p = b.prepare_weight(w, s)
     out = torch.empty(16, 4096, device=device, dtype=torch.bfloat16)
-    cfg = gemm_ops.pick_config("auto", 16, 4096, 4096)
+    cfg = gemm_args.pick_config("auto", 16, 4096, 4096)
     op = gemm_ops.load_op()
     problem = "4096x4096"
 
@@ -131,8 +131,8 @@ def triton_breakdown(device: str) -> list[Timed]:
     ]
     if cfg.family != "tma":
         pdl = gemm_ops._support.pdl_on(0)
-        grid, args = gemm_ops.pointer_kernel_args(cfg, x, w, s, p.scale, None, out, pdl)
-        lau = launcher.launcher_for(gemm_ops._kernel(cfg.family))
+        grid, args = gemm_args.pointer_kernel_args(cfg, x, w, s, p.scale, None, out, pdl)
+        lau = launcher.launcher_for(gemm_args.kernel_of(cfg.family))
         rows.append(row("KernelLauncher call", lambda: lau(grid, args, num_warps=cfg.warps, num_stages=cfg.stages,
                                                            pdl=pdl, device_index=0)))
         rows.append(row("specialization key + run args", lambda: lau.plan(args)))

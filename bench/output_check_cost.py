@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     from fp8_backends.core.backend import Fp8GemmBackend
     from fp8_backends.core.capabilities import GemmCapabilities
     from fp8_backends.core.types import ActScale, DeviceKind
-    from fp8_backends.eager_plan import EagerPlan, bind_linear
+    from fp8_backends.layers.eager_plan import EagerPlan, bind_linear
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--number", type=int, default=20000)

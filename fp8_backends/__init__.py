@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -69,26 +70,36 @@ _EXPORTS = {
     "add_cli_args": "fp8_backends.cli",
     "fp8_linear": "fp8_backends.functional",
     "quantize_model": "fp8_backends.convert",
-    "Fp8LinearSlice": "fp8_backends.shared_input",
+    "Fp8LinearSlice": "fp8_backends.layers.shared_input",
     "QuantizeSummary": "fp8_backends.convert",
-    "static_launch_triton_ops": "fp8_backends.inductor_setup",
+    "static_launch_triton_ops": "fp8_backends.layers.inductor_setup",
     "backends_from_args": "fp8_backends.cli",
 }
 
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'fp8_backends' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+def _lazy_exports(namespace: dict[str, Any], exports: Mapping[str, str]) -> tuple[Callable[[str], Any],
+                                                                                Callable[[], list[str]]]:
+    """``(__getattr__, __dir__)`` for a package whose public names (``exports``: name -> the module defining it) are
+    imported on first attribute access (PEP 562) and then kept in ``namespace``, the package's globals. This package,
+    :mod:`fp8_backends.layers` and :mod:`fp8_backends.testing` export their names so."""
+    package = namespace["__name__"]
+
+    def get(name: str) -> Any:
+        module = exports.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = namespace[name] = getattr(importlib.import_module(module), name)
+        return value
+
+    def names() -> list[str]:
+        return sorted(set(namespace) | set(exports))
+
+    return get, names
 
 
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = _lazy_exports(globals(), _EXPORTS)
 
 
 if TYPE_CHECKING:
@@ -125,8 +136,8 @@ if TYPE_CHECKING:
         WeightScale,
     )
     from .functional import fp8_linear
+    from .layers.shared_input import Fp8LinearSlice
     from .registry.per_m import PerMGemm, init_fp8_gemm
     from .registry.platform import Platform, detect_platform, list_platforms, simulate_platform
     from .registry.registration import Registration, register_provider, registered_providers, unregister_provider
     from .registry.resolution import resolve_gemm_backend, resolve_norm_quant_backend
-    from .shared_input import Fp8LinearSlice

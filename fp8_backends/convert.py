@@ -19,8 +19,9 @@ Siblings that read one input (``fuse``, on by default): the linears of one paren
 :data:`DEFAULT_FUSE_GROUPS` (``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``, ...) with the same
 ``in_features``, dtype, device and bias presence become one :class:`~fp8_backends.layers.Fp8Linear` over their
 concatenated weights, quantized as one weight (one per-tensor scale, or per-channel scales as asked), and each
-sibling an :class:`~fp8_backends.shared_input.Fp8LinearSlice` that returns its columns of the fused output: one GEMM
-and one activation quantization where the model makes two or three calls (see :mod:`fp8_backends.shared_input` for
+sibling an :class:`~fp8_backends.layers.shared_input.Fp8LinearSlice` that returns its columns of the fused output: one
+GEMM and one activation quantization where the model makes two or three calls (see
+:mod:`fp8_backends.layers.shared_input` for
 why results stay correct when siblings are called with different inputs). With calibration batches, a group whose
 siblings did not receive the same tensors in every call is not fused. Static input scales of fused siblings: their
 maximum.
@@ -44,7 +45,7 @@ from .core.errors import InvalidInputError, InvalidTypeError, UnsupportedProblem
 from .core.objective import SelectionObjective
 from .core.types import ActScale, Fp8Dtype, WeightScale
 from .layers import Fp8Linear
-from .shared_input import Fp8LinearSlice, SharedInputGroup, version_of
+from .layers.shared_input import Fp8LinearSlice, SharedInputGroup, version_of
 
 logger = logging.getLogger("fp8_backends")
 
@@ -362,9 +363,9 @@ def quantize_model(
         input_scales: static input scales by module name (override calibration where both are given).
         weight_dtype / input_dtype: FP8 element types of weights and quantized activations.
         static_launch: also let Inductor launch the Triton kernels of the library's ops with its static CUDA
-            launcher under ``torch.compile`` (:func:`fp8_backends.inductor_setup.static_launch_triton_ops`: a global
-            Inductor setting). Off by default: on the H200 it made a compiled decode step slower (1.7x bf16 against
-            1.03x without it, ``bench/results/2026-12-01-h200-stop16/``).
+            launcher under ``torch.compile`` (:func:`fp8_backends.layers.inductor_setup.static_launch_triton_ops`: a
+            global Inductor setting). Off by default: on the H200 it made a compiled decode step slower (1.7x bf16
+            against 1.03x without it, ``bench/results/hf_model/2026-12-01-h200-static-launcher-on/``).
         objective: what ``auto`` optimizes for every layer (:mod:`fp8_backends.core.objective`): ``"kernel"``
             (the fastest kernel in CUDA graphs: a model that runs in CUDA graphs), ``"host"`` (the cost of a call
             the host enqueues: eager or ``torch.compile`` without CUDA graphs) or ``"auto"`` (default, unless
@@ -445,7 +446,7 @@ def quantize_model(
         _set_module(model, name, layer)
         summary.swapped.append(SwappedLayer(name, layer.out_features, layer.in_features, layer.backends_text))
     if static_launch and summary.swapped:
-        from .inductor_setup import static_launch_triton_ops
+        from .layers.inductor_setup import static_launch_triton_ops
 
         static_launch_triton_ops(True)
     logger.info("%s", summary)

@@ -147,7 +147,7 @@ def pack(doc: Mapping[str, Any], *, exclude: Sequence[str] = (), partial: bool =
         entries = exclude_models(entries, exclude)
     if tie_margin is not None:
         entries = redecide(entries, tie_margin)
-    from fp8_backends.provenance import now_iso
+    from fp8_backends.tuning.provenance import now_iso
 
     previous = prov.get("packed")  # packing a shipped file again: keep how it was packed before
     prov["packed"] = {"date": now_iso(), "command": command, "excluded_models": list(exclude),

@@ -23,7 +23,7 @@ skipped; the run goes on. This module is the command line; the engine is :mod:`f
 Runs resume: problems the lockfile already holds for this platform are skipped (``--retune`` measures them
 again), so a long grid can be tuned in chunks (``--limit-seconds``) or shards (``--shard I/N``, one process per
 GPU). ``--shipped-grid`` tunes the grid of the selection data that ships with the package and records its
-provenance (:mod:`fp8_backends.tuning.grid`, :mod:`fp8_backends.provenance`).
+provenance (:mod:`fp8_backends.tuning.grid`, :mod:`fp8_backends.tuning.provenance`).
 
 Exit status: 0 when at least one problem got a choice (or none was left to do), 1 when none did, 2 on bad
 arguments, 3 when ``--limit-seconds`` (or SIGTERM) stopped the run with problems left (run it again to resume).
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None, *, timer: Timer | None = None) -> int:
     skip = set() if args.retune else done_keys(path, platform)
     provenance = None
     if (args.shipped_grid or args.provenance) and path is not None:
-        from fp8_backends.provenance import build_provenance
+        from fp8_backends.tuning.provenance import build_provenance
 
         provenance = build_provenance(platform, argv, plan.grid)
     deadline = None if args.limit_seconds is None else time.perf_counter() + args.limit_seconds

@@ -88,7 +88,7 @@ class TorchScaledMMBackend(Fp8GemmBackend):
     )
     # host µs per call on the compiled path (cuBLASLt's heuristics run at every call): 5 + the 16 µs a compiled
     # Fp8Linear on torch._scaled_mm costs more than on the triton op (median over 6 shapes x M, H200, 2026-12-01,
-    # bench/results/2026-12-01-h200-stop16/call2/compiled_host_sl-*.md; the triton op counted at 5)
+    # bench/results/compiled_host/2026-12-01-h200-static-launcher/compiled_host_sl-*.md; the triton op counted at 5)
     host_us: ClassVar[float | None] = 20.0
 
     def extra_reasons(self, problem: GemmProblem | None, platform: Platform) -> list[str]:

@@ -4,7 +4,7 @@ lockfile covers the problem.
 Static priorities rank the providers the same way for every problem (``torch_scaled_mm`` first). On the H200
 the ``triton`` decode kernels (GEMV at M = 1, swap-AB up to 16 tokens, launched with PDL) beat cuBLAS at every
 decode point measured: 1.12x ``torch._scaled_mm`` geomean at M <= 16 over the Llama-3-8B shapes (1.01-1.18x;
-``bench/results/2026-11-29-h200-triton/triton_configs.md``), while cuBLAS stays ahead at M 64-256 and the
+``bench/results/triton_configs/2026-11-29-h200/triton_configs.md``), while cuBLAS stays ahead at M 64-256 and the
 providers are within a few percent of each other above. This module holds such measured preferences as data:
 per SM range, an M bucket and the provider names preferred there (the first that can serve wins; where none
 can, static priorities decide). A tuned lockfile (:mod:`.lockfile_policy`) is asked first; ``FP8_BACKENDS_DEFAULTS=0``

@@ -24,7 +24,7 @@ from typing import Any
 
 from stevedore import ExtensionManager
 
-from fp8_backends.core import settings
+from fp8_backends.core import output_contract, settings
 from fp8_backends.core.types import Availability
 
 logger = logging.getLogger("fp8_backends")
@@ -361,3 +361,16 @@ def refresh() -> None:
     with _lock:
         _cache.clear()
         _watches.clear()
+
+
+def _distribution_of(cls: type) -> str | None:
+    """``"acme-fp8 1.2.0"``: the distribution whose entry point registers provider class ``cls``, or None (the
+    output contract's errors name it: :func:`fp8_backends.core.output_contract.distribution_of`)."""
+    for kind in ("gemm", "norm_quant"):
+        for entry in discover(kind):
+            if entry.cls is cls and entry.dist:
+                return f"{entry.dist} {entry.dist_version or ''}".strip()
+    return None
+
+
+output_contract.set_distribution_lookup(_distribution_of)

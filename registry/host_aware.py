@@ -47,8 +47,8 @@ from fp8_backends.core.objective import (
 )
 
 if TYPE_CHECKING:
+    from .candidates import Candidate
     from .discovery import ProviderEntry
-    from .resolution import Candidate
 
 logger = logging.getLogger("fp8_backends")
 

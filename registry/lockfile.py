@@ -71,9 +71,10 @@ SCHEMA = "fp8_backends.selection/1"
 DEFAULT_M_BUCKETS: tuple[int, ...] = tuple(2**i for i in range(15))  # 1 ... 16384
 #: near-ties (within this relative margin of the fastest) go to static priority. 0: the measured fastest wins (static
 #: priority breaks exact ties only). It was 0.02 until 2026-12-01: re-deciding the shipped H200 data at 0 raised `auto`
-#: on 364 in-grid points of an independent run from 0.9949 to 0.9976 of the fastest (geomean), its minimum from 0.871
-#: to 0.918, and cut the points below 0.97 from 18 to 5 (bench/results/2026-12-01-h200-stop23/SUMMARY.md): priority's
-#: pick among near-ties was slower in another run more often than the measured fastest
+#: on 364 in-grid points of an independent run from 0.9949 to 0.9976 of the fastest (geomean), its minimum from 0.871 to
+#: 0.918, and cut the points below 0.97 from 18 to 5
+#: (bench/results/auto_eval/2026-12-01-h200-tie-margin-2pct/tie_margin_replay.md): priority's pick among near-ties was
+#: slower in another run more often than the measured fastest
 DEFAULT_TIE_MARGIN = 0.0
 DEFAULT_LOCK_TIMEOUT_S = 600.0
 #: distributions whose versions do not change kernels (left out of the platform key)

@@ -16,7 +16,8 @@ from fp8_backends.core import settings
 from fp8_backends.core.errors import ConfigurationError
 from fp8_backends.core.objective import SelectionObjective
 
-from . import host_aware, resolution
+from . import host_aware
+from .candidates import Candidate, provider_instance
 from .discovery import ProviderEntry
 from .lockfile import (
     DEFAULT_M_BUCKETS,
@@ -60,7 +61,7 @@ def _tune_missing(kind: str, problem: Any, platform: Platform, path: Path, bucke
 
 
 def pick_from_entry(
-    kind: str, problem: Any, platform: Platform, serving: Sequence[resolution.Candidate], record: Mapping[str, Any]
+    kind: str, problem: Any, platform: Platform, serving: Sequence[Candidate], record: Mapping[str, Any]
 ) -> tuple[ProviderEntry, dict[str, str], int] | None:
     """The first of the entry's ``choice`` then ``ranking`` that can serve here:
     ``(provider entry, options, rank)`` (rank 0 = the recorded choice)."""
@@ -80,7 +81,7 @@ def pick_from_entry(
 
 
 def servable_choice(
-    kind: str, problem: Any, platform: Platform, serving: Sequence[resolution.Candidate], choice: Mapping[str, Any]
+    kind: str, problem: Any, platform: Platform, serving: Sequence[Candidate], choice: Mapping[str, Any]
 ) -> tuple[ProviderEntry, dict[str, str]] | None:
     """The serving provider entry a recorded candidate ``{"provider", "distribution", "options"}`` names, with its
     options, when it can serve ``problem`` here with them; else None."""
@@ -96,7 +97,7 @@ def servable_choice(
             logger.debug("lockfile choice %s: options no longer valid", candidate_label(provider, options))
             return None
         try:
-            backend = resolution.provider_instance(e, tuple(sorted(options.items())))
+            backend = provider_instance(e, tuple(sorted(options.items())))
             # ``e`` is serving, so it is available: check what the options may change (not the
             # availability probe ``supports()`` repeats on every call)
             reasons = list(backend.capabilities.check(problem, platform))
@@ -112,7 +113,7 @@ def servable_choice(
 
 
 def host_rerank(
-    kind: str, problem: Any, platform: Platform, serving: Sequence[resolution.Candidate], record: Mapping[str, Any],
+    kind: str, problem: Any, platform: Platform, serving: Sequence[Candidate], record: Mapping[str, Any],
     picked: tuple[ProviderEntry, dict[str, str], str],
 ) -> tuple[ProviderEntry, dict[str, str], str]:
     """The host objective on a measured entry (:func:`.host_aware.rerank_record`): ``picked`` (the kernel answer
@@ -129,7 +130,7 @@ _MAX_PICKS = 1 << 16
 
 
 def lockfile_policy(
-    kind: str, problem: Any, platform: Platform, serving: list[resolution.Candidate],
+    kind: str, problem: Any, platform: Platform, serving: list[Candidate],
     objective: SelectionObjective = SelectionObjective.KERNEL,
 ) -> tuple[ProviderEntry, dict[str, str], str] | None:
     """The ``auto`` policy: the lockfile's choice for this problem's M bucket, or None (static priorities). A
@@ -148,7 +149,7 @@ def lockfile_policy(
 
 
 def _lockfile_policy(
-    kind: str, problem: Any, platform: Platform, serving: list[resolution.Candidate], objective: SelectionObjective
+    kind: str, problem: Any, platform: Platform, serving: list[Candidate], objective: SelectionObjective
 ) -> tuple[ProviderEntry, dict[str, str], str] | None:
     if problem is None or not serving:
         return None
@@ -231,10 +232,10 @@ class LockfilePolicy(SelectionPolicy):
     name = POLICY_NAME
     rank = 100
 
-    def pick(self, kind: str, problem: Any, platform: Platform, serving: Sequence[resolution.Candidate]):
+    def pick(self, kind: str, problem: Any, platform: Platform, serving: Sequence[Candidate]):
         return lockfile_policy(kind, problem, platform, list(serving))
 
-    def pick_for(self, kind: str, problem: Any, platform: Platform, serving: Sequence[resolution.Candidate],
+    def pick_for(self, kind: str, problem: Any, platform: Platform, serving: Sequence[Candidate],
                  objective: SelectionObjective):
         return lockfile_policy(kind, problem, platform, list(serving), objective)
 

@@ -43,10 +43,10 @@ a 2% tie margin the first model (log N, log K only); both are kept for compariso
 (``python -m fp8_backends.selection_data loo --compare vote baseline``).
 
 So the answer is local where the data is dense and follows the data's trend where it is sparse: it comes from the
-data of this GPU family at this M, never from a global rule. :func:`leave_out` runs the model on the data itself
-(each group of shapes predicted from a model built without it), which measures how well it generalizes without
-any GPU time: ``bench/results/2026-12-01-loo-model2/`` (held out by model on the H200 data, >= 0.95 of the fastest at
-1277 of 1323 points, geomean 0.994, min 0.802; the vote alone: 1264, 0.993, 0.697).
+data of this GPU family at this M, never from a global rule. :func:`leave_out` runs the model on the data itself (each
+group of shapes predicted from a model built without it), which measures how well it generalizes without any GPU time:
+``bench/results/selection_data_loo/2026-12-01-cpu/`` (held out by model on the H200 data, >= 0.95 of the fastest at 1277
+of 1323 points, geomean 0.994, min 0.802; the vote alone: 1264, 0.993, 0.697).
 
 Pure Python, no torch; the trend is fitted once per class when the model is built.
 """

@@ -17,9 +17,10 @@ captured run), sharing the prepared weights; :meth:`PerMGemm.pick` takes ``graph
 one tuple (:attr:`PerMGemm.split` is False) and no call ever asks whether a graph is being captured.
 
 Consumers: :class:`~fp8_backends.layers.Fp8Linear` holds one (``layer.kernel``), binds its rows into its eager plan
-at load time (:func:`fp8_backends.eager_plan.bind_per_m`: no per-call cost) and hands it to
-:func:`~fp8_backends.functional.apply_fp8_linear` on every other path (``torch.compile`` traces :meth:`PerMGemm.pick`
-with M static); :func:`~fp8_backends.functional.fp8_linear` takes one in place of a prepared weight.
+at load time (:func:`fp8_backends.layers.eager_plan.bind_per_m`: no per-call cost) and hands it to
+:func:`~fp8_backends.layers.general_path.apply_fp8_linear` on every other path (``torch.compile`` traces
+:meth:`PerMGemm.pick` with M static); :func:`~fp8_backends.functional.fp8_linear` takes one in place of a prepared
+weight.
 """
 
 from __future__ import annotations

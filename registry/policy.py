@@ -12,14 +12,14 @@ A selection policy is an object (:class:`SelectionPolicy`) with a ``name``, a ``
 ``auto`` asks the registered policies by descending rank (:func:`ordered`), then falls back to static priority:
 the built-ins are the tuned lockfile (rank 100, :mod:`.lockfile_policy`), the shipped selection data (exact -10,
 nearest -20, :mod:`.shipped`) and the measured defaults (-100, :mod:`.defaults`). They live in their own modules,
-which import this one and :mod:`.resolution`; neither imports them: :func:`load_builtins` imports them by module
-path on the first resolution. A bare callable registered with :func:`register_selection_policy` (the API before
-policies were objects) is wrapped in a :class:`CallablePolicy`, which distinguishes no buckets.
+which import this one and :mod:`.candidates`; this module never imports them: resolution loads them on its first
+``auto`` (:func:`~.resolution.load_builtin_policies`). A bare callable registered with
+:func:`register_selection_policy` (the API before policies were objects) is wrapped in a :class:`CallablePolicy`,
+which distinguishes no buckets.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
 from abc import ABC, abstractmethod
@@ -31,14 +31,11 @@ from fp8_backends.core.errors import InvalidInputError, InvalidTypeError
 if TYPE_CHECKING:
     from fp8_backends.core.objective import SelectionObjective
 
+    from .candidates import Candidate
     from .discovery import ProviderEntry
     from .platform import Platform
-    from .resolution import Candidate
 
 logger = logging.getLogger("fp8_backends")
-
-#: the built-in policies' modules, imported on the first resolution (each registers its policies)
-BUILTIN_MODULES = ("lockfile_policy", "shipped", "defaults")
 
 
 class PolicyPick(NamedTuple):
@@ -159,31 +156,11 @@ def ordered() -> tuple[SelectionPolicy, ...]:
     return tuple(_registered)
 
 
-_builtins_loaded = False
-
-
-def load_builtins() -> None:
-    """Import the built-in policies' modules once (:data:`BUILTIN_MODULES`, by path: this module and the
-    resolution core never import them statically); their ranks, not this order, decide which is asked first. A
-    module that fails to import is reported (WARNING) and left out: resolution goes on without it."""
-    global _builtins_loaded
-    if _builtins_loaded:
-        return
-    _builtins_loaded = True
-    for module in BUILTIN_MODULES:
-        try:
-            importlib.import_module(f"{__package__}.{module}")  # each registers its policies
-        except Exception as exc:  # a broken policy module must not break resolution
-            logger.warning("%s selection policy unavailable (%s: %s)", module, type(exc).__name__, exc)
-
-
 __all__ = [
-    "BUILTIN_MODULES",
     "CallablePolicy",
     "PolicyCallable",
     "PolicyPick",
     "SelectionPolicy",
-    "load_builtins",
     "ordered",
     "register_selection_policy",
     "unregister_selection_policy",

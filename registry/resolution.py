@@ -21,6 +21,7 @@ Rules:
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import threading
@@ -43,15 +44,19 @@ from fp8_backends.core.errors import (
 from fp8_backends.core.objective import SelectionObjective
 from fp8_backends.core.types import GemmProblem, NormQuantProblem
 
+# the candidates' record, instance cache and order, below resolution and the policies (public here too)
+from .candidates import Candidate as Candidate
+from .candidates import forget_instances
+from .candidates import provider_instance as provider_instance
+from .candidates import rank_key as rank_key
 from .discovery import BLOCKED, ProviderEntry, discover
 from .platform import Platform, detect_platform
 
 # the policy contract, re-exported here (its public home before policies were objects); the built-in policies
-# import this module, never the reverse
+# import it and the candidates, never this module: this module loads them (:func:`load_builtin_policies`)
 from .policy import CallablePolicy as CallablePolicy
 from .policy import PolicyPick as PolicyPick
 from .policy import SelectionPolicy as SelectionPolicy
-from .policy import load_builtins as load_builtin_policies
 from .policy import ordered as selection_policies
 from .policy import register_selection_policy as register_selection_policy
 from .policy import unregister_selection_policy as unregister_selection_policy
@@ -61,26 +66,6 @@ logger = logging.getLogger("fp8_backends")
 AUTO = "auto"
 KIND_LABEL = {"gemm": "GEMM", "norm_quant": "norm-quant"}
 ENV_FOR_KIND = {"gemm": settings.GEMM_BACKEND_ENV, "norm_quant": settings.NORM_QUANT_BACKEND_ENV}
-
-
-@dataclass
-class Candidate:
-    """One provider considered during resolution and why it can or cannot serve."""
-
-    entry: ProviderEntry
-    reasons: list[str] = field(default_factory=list)
-    #: why ``auto`` passes over a provider that could serve (it serves only when named), or None
-    explicit_only: str | None = None
-    #: the exception the provider's construction or support check raised (a fault, not a reason), or None
-    fault: BaseException | None = None
-
-    @property
-    def ok(self) -> bool:
-        return not self.reasons
-
-    @property
-    def auto_ok(self) -> bool:
-        return not self.reasons and self.explicit_only is None
 
 
 @dataclass
@@ -174,23 +159,8 @@ class BackendRequest:
         return self.name == AUTO and self.dist is None
 
 
-_instances: dict[tuple[str, str, tuple[tuple[str, str], ...]], Any] = {}
 _logged: set[tuple] = set()
 _lock = threading.Lock()
-
-
-def provider_instance(entry: ProviderEntry, options: Sequence[tuple[str, str]] = ()) -> Any:
-    """The provider instance of ``entry`` with ``options`` (``(key, value)`` pairs), made once per process and
-    reused (resolution, the policies and the tuner share it). Bad options raise
-    :class:`~fp8_backends.core.errors.InvalidInputError`; whatever else the provider's constructor raises propagates."""
-    key = (entry.kind, entry.qualified_name, tuple(sorted(options)))
-    with _lock:
-        if key not in _instances:
-            _instances[key] = entry.cls(**dict(options))  # bad options raise InvalidInputError
-        return _instances[key]
-
-
-_instance = provider_instance  # the name before it was public
 
 
 def _platform_for(problem: Any, platform: Platform | None) -> Platform:
@@ -262,12 +232,6 @@ def _unavailable_reasons(entry: ProviderEntry, avail: Any, problem: Any, platfor
     if platform.simulated:
         return [*declared, f"also unavailable in this process: {avail.reason}"]
     return declared
-
-
-def rank_key(entry: ProviderEntry) -> tuple:
-    """``auto``'s order of providers of one kind: higher priority first, built-ins before plugins on a tie, then
-    name and distribution."""
-    return (-entry.priority, not entry.builtin, entry.name, entry.dist or "")
 
 
 def resolution_objective(objective: SelectionObjective | str | None = None) -> SelectionObjective:
@@ -356,6 +320,31 @@ def _explain_auto(res: Resolution) -> Resolution:
         return res
     res.source, res.note, res.chosen, res.backend = choice
     return res
+
+
+#: the built-in policies' modules, loaded on the first ``auto`` resolution (each registers its policies on import)
+BUILTIN_POLICY_MODULES = {
+    "lockfile_policy": lambda: importlib.import_module("fp8_backends.registry.lockfile_policy"),
+    "shipped": lambda: importlib.import_module("fp8_backends.registry.shipped"),
+    "defaults": lambda: importlib.import_module("fp8_backends.registry.defaults"),
+}
+_builtins_loaded = False
+
+
+def load_builtin_policies() -> None:
+    """Import the built-in policies' modules once (:data:`BUILTIN_POLICY_MODULES`: importing this module does not;
+    they import the policy contract and the candidates, never this module); their ranks, not this order, decide
+    which is asked first. A module that fails to import is reported (WARNING) and left out: resolution goes on
+    without it."""
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    _builtins_loaded = True
+    for module, load in BUILTIN_POLICY_MODULES.items():
+        try:
+            load()  # registers its policies
+        except Exception as exc:  # a broken policy module must not break resolution
+            logger.warning("%s selection policy unavailable (%s: %s)", module, type(exc).__name__, exc)
 
 
 def _auto_ladder(kind: str, problem: Any, platform: Platform, serving: list[Candidate],
@@ -811,7 +800,7 @@ def requests_auto(kind: str, name: Any) -> bool:
 
 def reset_caches() -> None:
     """Forget provider instances and the log-once memory (tests, plugin reloads)."""
+    forget_instances()
     with _lock:
-        _instances.clear()
         _logged.clear()
         ignored_picks.clear()

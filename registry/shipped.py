@@ -35,7 +35,8 @@ from fp8_backends.core import settings
 from fp8_backends.core.errors import DataFileError
 from fp8_backends.core.objective import SelectionObjective
 
-from . import host_aware, lockfile, lockfile_policy, resolution, shipped_data
+from . import host_aware, lockfile, lockfile_policy, shipped_data
+from .candidates import Candidate
 from .nearest import (
     DEFAULT_METRIC,
     DEFAULT_NEIGHBOURS,
@@ -236,7 +237,7 @@ def reset_state() -> None:
 
 
 # ---------------------------------------------------------------------------------------- the policies
-def _answer(kind: str, problem: Any, platform: Platform, serving: list[resolution.Candidate],
+def _answer(kind: str, problem: Any, platform: Platform, serving: list[Candidate],
             objective: SelectionObjective = SelectionObjective.KERNEL) -> tuple | None:
     """``(policy name, (entry, options, note))`` or None; computed once per problem, serving set and objective
     (under ``host`` the measured or predicted candidates are re-ranked by host cost, :mod:`.host_aware`)."""
@@ -319,12 +320,12 @@ def _nearest(kind, problem, platform, serving, data: ShippedData, objective=Sele
     return POLICY_NEAREST, (entry, options, note)
 
 
-def exact_policy(kind: str, problem: Any, platform: Platform, serving: list[resolution.Candidate]):
+def exact_policy(kind: str, problem: Any, platform: Platform, serving: list[Candidate]):
     """``auto`` policy: the shipped data's measured choice for this exact problem and M bucket (:data:`EXACT`)."""
     return EXACT.pick(kind, problem, platform, serving)
 
 
-def nearest_policy(kind: str, problem: Any, platform: Platform, serving: list[resolution.Candidate]):
+def nearest_policy(kind: str, problem: Any, platform: Platform, serving: list[Candidate]):
     """``auto`` policy: the nearest measured shapes' vote for a problem the shipped data does not hold
     (:data:`NEAREST`)."""
     return NEAREST.pick(kind, problem, platform, serving)
@@ -370,10 +371,10 @@ class ShippedPolicy(SelectionPolicy):
     def __init__(self, name: str, rank: int, buckets: Callable[[str, Any, Platform], list[int]]) -> None:
         self.name, self.rank, self._buckets = name, rank, buckets
 
-    def pick(self, kind: str, problem: Any, platform: Platform, serving: Sequence[resolution.Candidate]):
+    def pick(self, kind: str, problem: Any, platform: Platform, serving: Sequence[Candidate]):
         return self.pick_for(kind, problem, platform, serving, SelectionObjective.KERNEL)
 
-    def pick_for(self, kind: str, problem: Any, platform: Platform, serving: Sequence[resolution.Candidate],
+    def pick_for(self, kind: str, problem: Any, platform: Platform, serving: Sequence[Candidate],
                  objective: SelectionObjective):
         answer = _answer(kind, problem, platform, list(serving), objective)
         return answer[1] if answer is not None and answer[0] == self.name else None

@@ -23,7 +23,7 @@ from fp8_backends.core import reference  # noqa: E402
 from fp8_backends.core.errors import InvalidInputError, UnsupportedProblemError  # noqa: E402
 from fp8_backends.core.types import ActScale  # noqa: E402
 from fp8_backends.layers import Fp8Linear  # noqa: E402
-from fp8_backends.shared_input import Fp8LinearSlice  # noqa: E402
+from fp8_backends.layers.shared_input import Fp8LinearSlice  # noqa: E402
 
 
 def _tiny(arch: str = "llama", layers: int = 2, seed: int = 0, hidden: int = 64) -> nn.Module:
@@ -377,7 +377,7 @@ def test_quantize_model_lets_inductor_launch_triton_ops_statically(monkeypatch):
     library's triton_ops); by default it changes no Inductor setting, nor for a model with nothing to swap."""
     from torch._inductor import config
 
-    from fp8_backends.inductor_setup import static_launch_triton_ops
+    from fp8_backends.layers.inductor_setup import static_launch_triton_ops
 
     monkeypatch.setenv("TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS", "")  # recorded: removed after
     monkeypatch.delenv("TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS")
@@ -400,7 +400,7 @@ def test_static_launch_reaches_inductors_compile_workers(monkeypatch):
 
     from torch._inductor import config
 
-    from fp8_backends import inductor_setup
+    from fp8_backends.layers import inductor_setup
 
     monkeypatch.setenv(inductor_setup.ENV, "")  # recorded, so the test's own settings are removed after it
     monkeypatch.delenv(inductor_setup.ENV)

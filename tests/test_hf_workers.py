@@ -20,15 +20,15 @@ ROOT = Path(__file__).resolve().parents[1]
 def workers():
     sys.path.insert(0, str(ROOT))
     try:
-        from bench import hf_model, hf_workers
+        from bench import hf_bench, hf_model, hf_workers
 
-        yield hf_workers, hf_model
+        yield hf_workers, hf_model, hf_bench
     finally:
         sys.path.remove(str(ROOT))
 
 
 def test_schedule_interleaves_rounds_rotated_as_one_process_does_then_one_profile_slot_each(workers):
-    hf_workers, _ = workers
+    hf_workers, _, _ = workers
     slots = hf_workers.schedule(rows=2, rounds=3, active=[0, 1, 2])
     first_row = [(r, w) for j, r, w in slots if j == 0]
     assert first_row == [(0, 0), (0, 1), (0, 2), (1, 1), (1, 2), (1, 0), (2, 2), (2, 0), (2, 1),
@@ -41,7 +41,7 @@ def test_schedule_interleaves_rounds_rotated_as_one_process_does_then_one_profil
 
 
 def test_the_token_runs_slots_in_order_across_threads(workers, tmp_path):
-    hf_workers, _ = workers
+    hf_workers, _, _ = workers
     (tmp_path / hf_workers.TURN).write_text("0")
     slots = hf_workers.schedule(rows=1, rounds=4, active=[0, 1])
     ran: list[int] = []
@@ -64,7 +64,7 @@ def test_the_token_runs_slots_in_order_across_threads(workers, tmp_path):
 
 
 def test_a_token_nobody_hands_on_times_out_and_a_passed_slot_is_an_error(workers, tmp_path):
-    hf_workers, _ = workers
+    hf_workers, _, _ = workers
     (tmp_path / hf_workers.TURN).write_text("3")
     turns = hf_workers.Turns(tmp_path, 0, timeout=0.05)
     with pytest.raises(TimeoutError):
@@ -74,7 +74,7 @@ def test_a_token_nobody_hands_on_times_out_and_a_passed_slot_is_an_error(workers
 
 
 def test_the_barrier_waits_for_every_process_and_returns_the_ready_ones(workers, tmp_path):
-    hf_workers, _ = workers
+    hf_workers, _, _ = workers
     got: list[list[int]] = []
     t = threading.Thread(target=lambda: got.append(hf_workers.barrier(tmp_path, 0, 3, True, timeout=10)))
     t.start()
@@ -87,7 +87,7 @@ def test_the_barrier_waits_for_every_process_and_returns_the_ready_ones(workers,
 
 
 def test_merge_puts_each_process_variant_side_by_side_per_row(workers):
-    hf_workers, _ = workers
+    hf_workers, _, _ = workers
     part = lambda v, us: {"header": {"gpu": "x"}, "model": "llama", "notes": {v: {"n": 1}}, "errors": {},  # noqa: E731
                           "rows": [{"workload": "decode", "mode": "eager", "us": {v: us}, "host_us": {v: us / 2}}]}
     merged = hf_workers.merge([part("bf16", 10.0), part("fp8_static", 8.0)])
@@ -97,7 +97,7 @@ def test_merge_puts_each_process_variant_side_by_side_per_row(workers):
 
 
 def test_worker_arguments_override_the_parents(workers, tmp_path):
-    hf_workers, hf_model = workers
+    hf_workers, hf_model, _ = workers
     argv = hf_workers.worker_argv(["--variants", "bf16", "fp8_static", "--parallel-compile", "--out", "x",
                                    "--check-tokens", "64"], "fp8_static", 1, 2, tmp_path / "w", tmp_path / "s")
     args = hf_model.parse_args(argv)
@@ -106,7 +106,7 @@ def test_worker_arguments_override_the_parents(workers, tmp_path):
 
 
 def test_one_process_refuses_fp8_variants_with_and_without_the_static_launcher(workers, tmp_path):
-    _, hf_model = workers
+    _, hf_model, _ = workers
     args = hf_model.parse_args(["--variants", "fp8_static", "fp8_static_sl", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="--parallel-compile"):
         hf_model.check_args(args)
@@ -116,7 +116,7 @@ def test_one_process_refuses_fp8_variants_with_and_without_the_static_launcher(w
 
 
 def test_parallel_run_on_the_cpu_measures_every_variant_in_one_report(workers, tmp_path):
-    _, hf_model = workers
+    _, hf_model, _ = workers
     assert hf_model.main(["--device", "cpu", "--small", "--layers", "1", "--out", str(tmp_path), "--prefill", "8",
                           "--context", "8", "--rounds", "2", "--iters", "2", "--host-rounds", "0", "--check-tokens",
                           "8", "--modes", "eager", "--variants", "bf16", "fp8_static", "--parallel-compile"]) == 0
@@ -142,11 +142,11 @@ def test_a_host_context_variant_sets_the_variable_while_it_is_built_then_restore
     from fp8_backends import convert
     from fp8_backends.core.settings import HOST_CONTEXT_ENV
 
-    _, hf_model = workers
-    assert hf_model.variant_kwargs("fp8_dynamic+host_context=0+plan=general") == {"host_context": "0",
+    _, _, hf_bench = workers
+    assert hf_bench.variant_kwargs("fp8_dynamic+host_context=0+plan=general") == {"host_context": "0",
                                                                                  "plan": "general"}
     with pytest.raises(ValueError, match="host_context=US"):
-        hf_model.variant_kwargs("fp8_dynamic+context=0")
+        hf_bench.variant_kwargs("fp8_dynamic+context=0")
     monkeypatch.setenv(HOST_CONTEXT_ENV, "7")
     seen = []
     real = convert.quantize_model
@@ -160,7 +160,7 @@ def test_a_host_context_variant_sets_the_variable_while_it_is_built_then_restore
     monkeypatch.setattr(fp8_backends, "quantize_model", spy, raising=False)
     monkeypatch.setattr(convert, "quantize_model", spy)
     base = nn.Sequential(nn.Linear(64, 32, bias=False, dtype=torch.bfloat16))
-    models, notes = hf_model.make_variants(base, ["fp8_dynamic+host_context=0"], torch.zeros(1, 4, dtype=torch.long))
+    models, notes = hf_bench.make_variants(base, ["fp8_dynamic+host_context=0"], torch.zeros(1, 4, dtype=torch.long))
     assert notes["fp8_dynamic+host_context=0"]["host_context_us"] == 0.0 and set(models) == {
         "fp8_dynamic+host_context=0"}
     assert seen == ["0"] and os.environ[HOST_CONTEXT_ENV] == "7"
@@ -172,17 +172,17 @@ def test_a_fuse_variant_builds_the_unfused_layout_beside_the_fused_one(workers):
     from torch import nn
 
     from fp8_backends.layers import Fp8Linear
-    from fp8_backends.shared_input import Fp8LinearSlice
+    from fp8_backends.layers.shared_input import Fp8LinearSlice
 
-    _, hf_model = workers
-    assert hf_model.variant_kwargs("fp8_dynamic+fuse=0") == {"fuse": "0"}
+    _, _, hf_bench = workers
+    assert hf_bench.variant_kwargs("fp8_dynamic+fuse=0") == {"fuse": "0"}
     for bad in ("fp8_dynamic+fuse=no", "fp8_dynamic+fuse=2"):
         with pytest.raises(ValueError, match="fuse=0"):
-            hf_model.variant_kwargs(bad)
+            hf_bench.variant_kwargs(bad)
     base = nn.Module()
     base.gate_proj = nn.Linear(64, 32, bias=False, dtype=torch.bfloat16)
     base.up_proj = nn.Linear(64, 32, bias=False, dtype=torch.bfloat16)
-    models, notes = hf_model.make_variants(base, ["fp8_dynamic", "fp8_dynamic+fuse=0"],
+    models, notes = hf_bench.make_variants(base, ["fp8_dynamic", "fp8_dynamic+fuse=0"],
                                            torch.zeros(1, 4, dtype=torch.long))
     assert isinstance(models["fp8_dynamic"].up_proj, Fp8LinearSlice)
     assert isinstance(models["fp8_dynamic+fuse=0"].up_proj, Fp8Linear)

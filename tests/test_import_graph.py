@@ -2,33 +2,50 @@
 
 The graph is read statically (``ast``) from every module of the three folders the package is installed from
 (``fp8_backends/``, ``registry/`` as ``fp8_backends.registry``, ``providers/`` as ``fp8_backends.providers``; see
-``[tool.setuptools.package-dir]``). An edge is a *module-level* import: what runs when the module is imported,
-including imports in class bodies, ``try`` blocks and the ``else`` of ``if TYPE_CHECKING``, and the parent packages
-an import of a submodule runs. Imports inside functions (the library's lazy imports: torch, kernel modules, the
-registry asked at call time) and under ``if TYPE_CHECKING`` are not edges.
+``[tool.setuptools.package-dir]``), and of ``bench/``. An import statement is an edge to the modules it runs (the
+parent packages an import of a submodule runs included; a name taken from a package's lazy export table, the module
+that defines it), and so is an ``importlib.import_module("a.b")`` call with a literal name. Where it sits decides when
+it runs (:data:`EVERY`): at import time (the *module-level* graph: module and class bodies, ``try`` blocks, the
+``else`` of ``if TYPE_CHECKING``), inside a function (the library's lazy imports: torch, kernel modules, the registry
+asked at call time), or never (``if TYPE_CHECKING``). Two graphs must have no cycle: the module-level one (and the
+same between packages), and the *runtime* one, every import that can run, at import time or inside a function, over
+the library and ``bench/``. An ``import_module`` call whose name is computed hides its edge from this walk: only the
+lazy export tables of package ``__init__`` s make one (:data:`DYNAMIC_IMPORTS`).
 
 The floors, bottom up (an edge may stay on its floor or go down, never up). A module's floor is its folder's
 (``FOLDER_FLOORS``), so a module put in the wrong folder fails these tests:
 
 0. ``fp8_backends/core/`` (``fp8_backends.core``): the provider contract and what everything shares: types, errors,
-   settings, capabilities, validation, the output contract, the reference, the provider bases, the op library, the
-   bucket tables, the text table; with them the ``fp8_backends`` package ``__init__``, whose exports are lazy;
+   settings, the selection objective, the platform record, capabilities, validation, the output contract, the
+   reference, the provider bases, the op library, the bucket tables, the text table; with them the ``fp8_backends``
+   package ``__init__``, whose exports are lazy;
 1. ``registry/`` (``fp8_backends.registry``): platforms, discovery and in-process registration, resolution, the
    selection policies and their data;
 2. ``providers/`` (``fp8_backends.providers``): the built-in providers, which register through entry points as a
    third party does;
 3. the rest of ``fp8_backends/``: the engine layer and the tools: quantization ops, layers, functional API, model
    conversion, CLI flags, the listing, the tuner (``tuning/``) and its CLI, builds, shipped-data tools, the
-   conformance kit (``testing/``), and the deprecation shims at the old paths of moved modules.
+   conformance kit (``testing/``).
 
-Beyond the module-level rule, the contract and the registry never name a provider module at all (not even lazily):
-the default activation-quant kernels come to :mod:`fp8_backends.quant` through a provider hook. Only the tools in
-``TOOLS_NAMING_PROVIDERS`` import a provider module (lazily): they serve that provider's toolchain.
+Beyond the module-level rule, the core names no module above it at all, not even lazily or for type checkers: what it
+needs of the registry (the platform detection of ``supports()``, the distribution of a provider class) the registry
+installs as hooks when imported. The contract and the registry never name a provider module (the default
+activation-quant kernels come to :mod:`fp8_backends.quant` through a provider hook); only the tools in
+``TOOLS_NAMING_PROVIDERS`` import a provider module (lazily): they serve that provider's toolchain. The few lazy
+imports up the floors that remain are named in :data:`LAZY_IMPORTS_UP`.
+
+Floor 3 is layered too (the package graph keeps it so): ``quant/`` (the activation-quant ops) under ``layers/`` (the
+modules and how they run), under the top-level modules (``functional``, ``convert``, ``cli`` and the command-line
+tools ``list``, ``tune``, ``build``, ``selection_data``), beside ``tuning/`` and ``testing/``.
+``docs/architecture-modules.md`` names every module, one line each; the last test here keeps it complete.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
+import importlib
+import re
 from pathlib import Path
 
 import pytest
@@ -46,7 +63,16 @@ PACKAGE_INIT = "fp8_backends"
 FLOOR_NAMES = ("core contract", "registry", "providers", "engine layer and tools")
 #: tools of floor 3 that import a provider's modules (lazily) for its toolchain: ``python -m fp8_backends.build
 #: cutlass`` builds the CUTLASS kernels; shipped-data provenance records the CUTLASS headers and nvcc
-TOOLS_NAMING_PROVIDERS = frozenset({"fp8_backends.build", "fp8_backends.provenance"})
+TOOLS_NAMING_PROVIDERS = frozenset({"fp8_backends.build", "fp8_backends.tuning.provenance"})
+#: the imports up the floors that run (lazily: none at module level), each with why it cannot go down
+LAZY_IMPORTS_UP = {
+    # FP8_BACKENDS_TUNE=1: the lockfile policy of auto tunes a problem the lockfile lacks with the tuner
+    ("fp8_backends.registry.lockfile_policy", "fp8_backends.tuning.first_use"),
+    # a helper that installs the Triton quant kernels as the quant ops' implementation (tests, benchmarks)
+    ("fp8_backends.providers.triton.quant_kernels", "fp8_backends.quant"),
+}
+#: the modules whose ``import_module`` calls compute their name: the lazy export tables (see :func:`lazy_exports`)
+DYNAMIC_IMPORTS = frozenset({"fp8_backends"})
 
 
 def folder_floor(path: Path) -> int:
@@ -84,38 +110,88 @@ def library_modules() -> dict[str, tuple[Path, bool]]:
 MODULES = library_modules()
 
 
+def bench_modules() -> dict[str, tuple[Path, bool]]:
+    """``{module name: (file, is a package __init__)}`` for the modules of ``bench/`` (not its results)."""
+    base = ROOT / "bench"
+    found = {"bench": (base / "__init__.py", True)}
+    for path in sorted(base.glob("*.py")):
+        if path.name != "__init__.py":
+            found[f"bench.{path.stem}"] = (path, False)
+    return found
+
+
+BENCH_MODULES = bench_modules()
+#: the library and ``bench/``: what the runtime graph walks
+ALL_MODULES = {**MODULES, **BENCH_MODULES}
+
+
 def _is_type_checking(test: ast.expr) -> bool:
     return any(isinstance(n, ast.Name | ast.Attribute) and getattr(n, "id", getattr(n, "attr", None)) ==
                "TYPE_CHECKING" for n in ast.walk(test))
 
 
-def _import_nodes(body: list[ast.stmt], *, lazy: bool) -> list[ast.Import | ast.ImportFrom]:
-    """The import statements of ``body`` that run at import time (``lazy=False``), or every one (``lazy=True``:
-    function bodies and ``TYPE_CHECKING`` blocks too)."""
-    out: list[ast.Import | ast.ImportFrom] = []
-    for node in body:
+#: where an import statement sits, which decides when it runs: ``"module"`` (at import time: the module body, class
+#: bodies, ``try``/``if`` blocks, the ``else`` of ``if TYPE_CHECKING``), ``"function"`` (when a function or method
+#: runs: the library's lazy imports) or ``"type_checking"`` (never: type checkers and IDEs only)
+MODULE_LEVEL = frozenset({"module"})
+RUNTIME = frozenset({"module", "function"})
+EVERY = frozenset({"module", "function", "type_checking"})
+
+
+def _is_import_module(call: ast.Call) -> bool:
+    f = call.func
+    return (isinstance(f, ast.Attribute) and f.attr == "import_module") or (
+        isinstance(f, ast.Name) and f.id == "import_module")
+
+
+def scan(tree: ast.Module) -> tuple[list[tuple[ast.Import | ast.ImportFrom, str]], list[str]]:
+    """``(imports, dynamic)``: every import statement of a module with where it sits (see :data:`EVERY`), an
+    ``importlib.import_module("a.b")`` call with a literal name counted as ``import a.b``; and the source of each
+    ``import_module`` call whose name is computed (which no static walk can follow)."""
+    found: list[tuple[ast.Import | ast.ImportFrom, str]] = []
+    dynamic: list[str] = []
+
+    def visit(node: ast.AST, where: str) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.body:
+                visit(child, "type_checking")
+            for child in node.orelse:
+                visit(child, where)
+            return
         if isinstance(node, ast.Import | ast.ImportFrom):
-            out.append(node)
-        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            if lazy:
-                out += [n for n in ast.walk(node) if isinstance(n, ast.Import | ast.ImportFrom)]
-        elif isinstance(node, ast.If) and _is_type_checking(node.test):
-            out += _import_nodes(node.orelse, lazy=lazy)
-            if lazy:
-                out += _import_nodes(node.body, lazy=lazy)
-        else:
-            for field in ("body", "orelse", "finalbody", "handlers", "cases"):
-                block = getattr(node, field, None)
-                if isinstance(block, list):
-                    for item in block:
-                        out += _import_nodes(getattr(item, "body", None) if not isinstance(item, ast.stmt)
-                                             else [item], lazy=lazy)
-    return out
+            found.append((node, where))
+            return
+        if isinstance(node, ast.Call) and _is_import_module(node):
+            arg = node.args[0] if node.args else None
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and not arg.value.startswith("."):
+                found.append((ast.Import(names=[ast.alias(name=arg.value)]), where))
+            else:
+                dynamic.append(ast.unparse(node))
+        inner = "function" if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) and \
+            where == "module" else where
+        for child in ast.iter_child_nodes(node):
+            visit(child, inner)
+
+    for stmt in tree.body:
+        visit(stmt, "module")
+    return found, dynamic
 
 
-def _targets(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
-    """The library modules an import statement of ``module`` runs (the named modules and their parent packages)."""
+@functools.cache
+def lazy_exports(module: str) -> dict[str, str]:
+    """A package's lazy export table (``_EXPORTS``: name -> the module defining it, imported on first attribute access
+    by its ``__getattr__``), or ``{}``. Read from the imported package: a package ``__init__`` imports nothing heavy."""
     path, is_package = MODULES[module]
+    if not is_package or "_EXPORTS" not in path.read_text():
+        return {}
+    return dict(importlib.import_module(module)._EXPORTS)
+
+
+def _targets(module: str, node: ast.Import | ast.ImportFrom,
+             table: dict[str, tuple[Path, bool]] = MODULES) -> set[str]:
+    """The modules of ``table`` an import statement of ``module`` runs (the named modules and their parent packages;
+    a name taken from a package's lazy export table, the module that defines it)."""
+    path, is_package = table[module]
     named: set[str] = set()
     if isinstance(node, ast.Import):
         named = {alias.name for alias in node.names}
@@ -126,19 +202,36 @@ def _targets(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
             source = ".".join(base + ([node.module] if node.module else []))
         else:
             source = node.module or ""
-        named = {f"{source}.{a.name}" if f"{source}.{a.name}" in MODULES else source for a in node.names}
+        exports = lazy_exports(source) if source in MODULES else {}
+        for alias in node.names:
+            sub = f"{source}.{alias.name}"
+            named.add(sub if sub in table else source)
+            if sub not in table and alias.name in exports:
+                named.add(exports[alias.name])
     out = set()
     for name in named:
         parts = name.split(".")
         out |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)}  # importing a.b.c runs a and a.b first
-    return {t for t in out if t in MODULES and t != module}
+    return {t for t in out if t in table and t != module}
 
 
-def import_graph(*, lazy: bool = False) -> dict[str, set[str]]:
+@functools.cache
+def _scan(path: Path) -> tuple[tuple[tuple[ast.Import | ast.ImportFrom, str], ...], tuple[str, ...]]:
+    imports, dynamic = scan(ast.parse(path.read_text(), filename=str(path)))
+    return tuple(imports), tuple(dynamic)
+
+
+def import_graph(*, lazy: bool = False, scope: frozenset[str] | None = None,
+                 table: dict[str, tuple[Path, bool]] = MODULES) -> dict[str, set[str]]:
+    """``{module: modules it imports}`` over ``table`` (:data:`MODULES`, or :data:`ALL_MODULES` with ``bench/``):
+    the imports that run at import time (the default), every import the source names (``lazy=True``: in functions
+    and under ``TYPE_CHECKING`` too), or those of ``scope`` (:data:`RUNTIME`: every import that can run, at import
+    time or inside a function)."""
+    scope = scope or (EVERY if lazy else MODULE_LEVEL)
     graph = {}
-    for module, (path, _) in MODULES.items():
-        tree = ast.parse(path.read_text(), filename=str(path))
-        graph[module] = {t for node in _import_nodes(tree.body, lazy=lazy) for t in _targets(module, node)}
+    for module, (path, _) in table.items():
+        imports, _ = _scan(path)
+        graph[module] = {t for node, where in imports if where in scope for t in _targets(module, node, table)}
     return graph
 
 
@@ -206,8 +299,34 @@ def test_the_walk_sees_the_library():
     assert "fp8_backends.registry.discovery" in graph["fp8_backends.registry.resolution"]  # relative import
     assert "fp8_backends.registry" in graph["fp8_backends.registry.resolution"]  # its package runs first
     # lazy imports are not module-level edges, but the lazy walk sees them
-    assert "fp8_backends.registry.platform" not in graph["fp8_backends.core.backend"]
-    assert "fp8_backends.registry.platform" in import_graph(lazy=True)["fp8_backends.core.backend"]
+    assert "fp8_backends.tuning.first_use" not in graph["fp8_backends.registry.lockfile_policy"]
+    assert "fp8_backends.tuning.first_use" in import_graph(scope=RUNTIME)["fp8_backends.registry.lockfile_policy"]
+    # an importlib.import_module call with a literal name is an import too
+    assert "fp8_backends.registry.defaults" in import_graph(scope=RUNTIME)["fp8_backends.registry.resolution"]
+    # TYPE_CHECKING imports never run: only the walk of every name (lazy=True) sees them
+    assert "fp8_backends.core.types" in import_graph(lazy=True)["fp8_backends"]
+    assert "fp8_backends.core.types" not in import_graph(scope=RUNTIME)["fp8_backends"]
+    # a name from a package's lazy export table is an edge to the module that defines it
+    assert "fp8_backends.layers.modules" in import_graph(scope=RUNTIME)["fp8_backends.functional"]
+    # bench/ is walked with the library
+    runtime = import_graph(scope=RUNTIME, table=ALL_MODULES)
+    assert {"bench.common", "bench.hf_bench"} <= runtime["bench.hf_workers"]
+    assert "fp8_backends.tuning.timing" in runtime["bench.common"]
+
+
+def test_the_walk_sees_every_kind_of_import():
+    tree = ast.parse(
+        "import a\n"
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    import b\nelse:\n    import c\n"
+        "class K:\n    import d\n    def m(self):\n        import e\n"
+        "def f():\n    importlib.import_module('g')\n    importlib.import_module(name)\n    lambda: __import__('h')\n"
+        "try:\n    import i\nexcept ImportError:\n    pass\n")
+    imports, dynamic = scan(tree)
+    where = {alias.name: w for node, w in imports if isinstance(node, ast.Import) for alias in node.names}
+    assert where == {"a": "module", "b": "type_checking", "c": "module", "d": "module", "e": "function",
+                     "g": "function", "i": "module"}
+    assert dynamic == ["importlib.import_module(name)"]
 
 
 def test_the_folder_tells_the_floor():
@@ -247,6 +366,43 @@ def test_a_module_in_the_wrong_folder_fails():
 def test_no_import_cycle_between_modules():
     found = cycles(import_graph())
     assert not found, "module-level import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_no_import_cycle_counting_imports_inside_functions():
+    """Every import that can run (at import time or inside a function, ``import_module`` with a literal name), over
+    the library and ``bench/``: no two modules reach each other. Break a cycle by moving what both need down (a
+    module of its own, or the lower floor), or by a hook the upper side installs; never by hiding the name."""
+    found = cycles(import_graph(scope=RUNTIME, table=ALL_MODULES))
+    assert not found, "import cycles (imports inside functions included):\n" + "\n".join(
+        " <-> ".join(c) for c in found)
+
+
+def test_the_core_names_nothing_above_it():
+    """Not at import time, not inside a function, not for type checkers (the package ``__init__``'s mirror of its
+    lazy export table aside: it is floor 0 only for what it runs)."""
+    up = sorted(f"{m} -> {t} (floor {floor(t)})" for m, targets in import_graph(lazy=True).items()
+                if floor(m) == 0 and m != PACKAGE_INIT for t in targets if floor(t) > 0)
+    up += sorted(f"{PACKAGE_INIT} -> {t} (floor {floor(t)})" for t in import_graph(scope=RUNTIME)[PACKAGE_INIT]
+                 if floor(t) > 0)
+    assert not up, "the core names modules above it:\n" + "\n".join(up)
+
+
+def test_the_lazy_imports_up_the_floors_are_the_known_few():
+    graph = import_graph(scope=RUNTIME)
+    # a package run on the way to its module (fp8_backends.tuning for tuning.first_use) comes with that module
+    up = {(m, t) for m, targets in graph.items() for t in targets if floor(t) > floor(m)
+          and not any(other.startswith(t + ".") for other in targets)}
+    assert up == LAZY_IMPORTS_UP, (f"new lazy imports up the floors: {sorted(up - LAZY_IMPORTS_UP)} (move the piece "
+                                   f"down, or give the lower floor a hook)" if up - LAZY_IMPORTS_UP
+                                   else f"LAZY_IMPORTS_UP is stale: {sorted(LAZY_IMPORTS_UP - up)}")
+
+
+def test_only_the_lazy_export_tables_compute_a_module_name():
+    """An ``import_module`` call with a computed name hides its edge from this walk (a string-built path is how a
+    cycle would hide): only the lazy export helper of the package ``__init__`` computes one, and its tables are read
+    as edges (:func:`lazy_exports`)."""
+    computing = {m for m, (path, _) in ALL_MODULES.items() if _scan(path)[1]}
+    assert computing == DYNAMIC_IMPORTS, {m: _scan(ALL_MODULES[m][0])[1] for m in computing ^ DYNAMIC_IMPORTS}
 
 
 def package_of(module: str) -> str:
@@ -294,5 +450,27 @@ def test_only_the_toolchain_tools_name_a_provider():
 
 
 def test_quant_names_no_provider():
-    source = (ROOT / "fp8_backends" / "quant.py").read_text()
+    source = (ROOT / "fp8_backends" / "quant" / "__init__.py").read_text()
     assert "fp8_backends.providers" not in source and "triton" not in source.split('"""', 2)[2]
+
+
+MODULE_TABLE = ROOT / "docs" / "architecture-modules.md"
+
+
+def _has_code(path: Path) -> bool:
+    """Whether a module holds more than its docstring (an ``__init__`` that only describes its package does not)."""
+    body = ast.parse(path.read_text()).body
+    return any(not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)) for node in body)
+
+
+def test_the_module_table_lists_every_module():
+    """``docs/architecture-modules.md`` names every module of the library's folders by its path (one line each; a
+    package ``__init__`` only when it holds code), and no module that is gone."""
+    text = MODULE_TABLE.read_text()
+    files = sorted(path.relative_to(ROOT).as_posix() for path, _ in MODULES.values()
+                   if path.name != "__init__.py" or _has_code(path))
+    missing = [f for f in files if f"`{f}`" not in text]
+    assert not missing, f"not in {MODULE_TABLE.relative_to(ROOT)}: {missing}"
+    named = {m for m in re.findall(r"`((?:fp8_backends|registry|providers)/[\w/]+\.py)`", text)}
+    stale = sorted(f for f in named if not (ROOT / f).exists())
+    assert not stale, f"{MODULE_TABLE.relative_to(ROOT)} names modules that do not exist: {stale}"

@@ -525,7 +525,8 @@ def test_a_compiled_auto_norm_traces_the_reference_and_an_explicit_one_its_provi
 
 
 def test_auto_norms_generated_call_computes_the_eager_result_and_refuses_what_it_refuses():
-    """The generated call a compiled ``auto`` norm traces (:func:`fp8_backends.traced_plan.bind_traced_norm`) is plain
+    """The generated call a compiled ``auto`` norm traces (:func:`~fp8_backends.layers.traced_plan.bind_traced_norm`)
+    is plain
     Python: called directly it gives the eager forward's codes, scale and residual bit for bit, shares its consumer's
     input-scale alias, and raises the eager forward's errors."""
     norm, lin = _norm_pair(STATIC)

@@ -1,6 +1,6 @@
-"""The trend under the nearest shapes' vote (``registry/nearest.py``): its features, its fit, when it applies, and
-that the model stays deterministic and local. CPU only, synthetic data (made-up cost rules, never shipped); the
-evaluation on the shipped H200 data is documented in ``bench/results/2026-12-01-loo-model2/``, not asserted here."""
+"""The trend under the nearest shapes' vote (``registry/nearest.py``): its features, its fit, when it applies, and that
+the model stays deterministic and local. CPU only, synthetic data (made-up cost rules, never shipped); the evaluation on
+the shipped H200 data is documented in ``bench/results/selection_data_loo/2026-12-01-cpu/``, not asserted here."""
 
 from __future__ import annotations
 

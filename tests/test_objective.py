@@ -136,9 +136,10 @@ def test_host_rule_picks_the_cheapest_call_within_the_margin():
 
 
 def test_a_hidden_kernel_may_be_slower_than_the_margin(monkeypatch):
-    """Stop 30's compiled decoder block at T = 256 (H200): the QKV GEMM (6144 x 4096, bucket M <= 256) measured
-    ``torch._scaled_mm`` 12.3 µs, cutlass 15.0 (21% slower), triton 15.4 (25.4%) in CUDA graphs; the block's host
-    spends ~250 µs per call on ~130 µs of kernels, and cutlass's call costs ~7 µs less host time than
+    """The compiled decoder block at T = 256 (H200,
+    ``bench/results/block_host/2026-12-02-h200-before-hidden-kernel-rule/``): the QKV GEMM (6144 x 4096, bucket
+    M <= 256) measured ``torch._scaled_mm`` 12.3 µs, cutlass 15.0 (21% slower), triton 15.4 (25.4%) in CUDA graphs; the
+    block's host spends ~250 µs per call on ~130 µs of kernels, and cutlass's call costs ~7 µs less host time than
     ``torch._scaled_mm``'s. Both hide behind their call and the context; triton is over HOST_HIDDEN_MARGIN."""
     from fp8_backends.core.objective import HOST_HIDDEN, HOST_HIDDEN_MARGIN
 
@@ -205,9 +206,10 @@ def test_host_rule_keeps_a_kernel_bound_answer_and_breaks_ties_by_kernel_then_ra
 
 
 def test_a_kernel_bound_tie_goes_to_the_cheaper_call():
-    """Stop 26's fused gate_up (28672 x 4096) bucket M <= 1024: ``cutlass`` 167.2 µs against ``torch._scaled_mm``
-    168.0 (0.5%). Its call is kernel-bound at M = 1024 (60 + 50 µs of host), but the bucket serves M = 512 too, where
-    the kernel is half as long: the tie goes to the cheaper call."""
+    """The fused gate_up (28672 x 4096) bucket M <= 1024 (H200,
+    ``bench/results/hf_model/2026-12-01-h200-fused-siblings-prefill-512/``): ``cutlass`` 167.2 µs against
+    ``torch._scaled_mm`` 168.0 (0.5%). Its call is kernel-bound at M = 1024 (60 + 50 µs of host), but the bucket serves
+    M = 512 too, where the kernel is half as long: the tie goes to the cheaper call."""
     from fp8_backends.core.objective import HOST_TIE
 
     assert HOST_TIE == 0.01
@@ -336,11 +338,12 @@ def test_host_cost_per_problem():
 
 @pytest.mark.parametrize("cutlass_native", [False, True])
 def test_the_h200_data_keeps_triton_tma_buckets_out_of_host_bound_steps(monkeypatch, cutlass_native):
-    """Stop 25 call 1: q/o (4096x4096) at M <= 1024 had turned to triton (kernel 25.8 against 25.6 µs) whose TMA
-    config costs ~110 µs of host per call; the host objective keeps it out there, and still takes triton where its
-    kernels are Inductor-launched (decode). The call there is torch_scaled_mm's (host 20 µs) while cutlass runs on
-    its Python op (60 µs), cutlass's where its C++ op serves (13 µs: stop 28, cheaper than cuBLASLt's per-call
-    heuristics) and its kernel is within the 5% margin."""
+    """``bench/results/hf_model/2026-12-01-h200-host-context-first/``: q/o (4096x4096) at M <= 1024 had turned to triton
+    (kernel 25.8 against 25.6 µs) whose TMA config costs ~110 µs of host per call; the host objective keeps it out
+    there, and still takes triton where its kernels are Inductor-launched (decode). The call there is torch_scaled_mm's
+    (host 20 µs) while cutlass runs on its Python op (60 µs), cutlass's where its C++ op serves (13 µs:
+    ``bench/results/compiled_host/2026-12-02-h200/``, cheaper than cuBLASLt's per-call heuristics) and its kernel is
+    within the 5% margin."""
     from fp8_backends.providers.cutlass import native_op
 
     monkeypatch.setattr(native_op, "expected", lambda: cutlass_native)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from fp8_backends import (
@@ -67,6 +70,32 @@ def test_mixed_gpus_resolve_per_device(monkeypatch):
         P.detect_platform("cuda:5")
     with pytest.raises(ValueError, match="unsupported device"):
         P.detect_platform("tpu")
+
+
+def test_supports_detects_the_platform_through_the_registry():
+    """The contract (floor 0) never imports the registry: ``supports(problem)`` without a platform asks the detection
+    the registry's platform module installs when imported; before that the CPU needs none, and a GPU problem is told
+    to pass a platform."""
+    from fp8_backends.core import backend
+
+    assert backend._PLATFORM_DETECTOR[0] is P.detect_platform
+    code = (
+        "import sys\n"
+        "from fp8_backends.core.types import GemmProblem\n"
+        "from fp8_backends.providers.torch_scaled_mm import TorchScaledMMBackend as B\n"
+        "assert not [m for m in sys.modules if m.startswith('fp8_backends.registry')]\n"
+        "assert B().supports(GemmProblem(n=16, k=32, device='cpu')) == []\n"
+        "try:\n"
+        "    B().supports(GemmProblem(n=16, k=32, device='cuda'))\n"
+        "except ValueError as exc:\n"
+        "    assert 'pass platform=' in str(exc)\n"
+        "else:\n"
+        "    raise AssertionError('no error')\n"
+        "import fp8_backends.registry.platform as P\n"
+        "p = P.detect_platform('cuda')\n"
+        "assert B().supports(GemmProblem(n=16, k=32, device='cuda')) == B().supports(GemmProblem(n=16, k=32), p)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_library_versions_without_import():

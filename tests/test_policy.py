@@ -13,7 +13,7 @@ import pytest
 from fake_provider import SplitAt8, install_split
 
 from fp8_backends import GemmProblem, InvalidInputError, InvalidTypeError
-from fp8_backends.registry import policy, resolution
+from fp8_backends.registry import resolution
 from fp8_backends.registry.platform import cpu_platform
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,13 +113,16 @@ def _imports(path: Path) -> set[str]:
     return found
 
 
-def test_the_resolution_core_never_imports_a_policy_module():
-    """Policies import the core, not the reverse: the core loads the built-ins by module path, at first use."""
-    builtins = set(policy.BUILTIN_MODULES)
-    for core in ("resolution.py", "policy.py", "discovery.py", "platform.py"):
+def test_the_policy_contract_never_imports_a_policy_module():
+    """Policies import the contract and the candidates, not the reverse; resolution loads the built-ins at its first
+    ``auto`` (by name, in a function), never when it is imported."""
+    builtins = set(resolution.BUILTIN_POLICY_MODULES)
+    for core in ("policy.py", "candidates.py", "discovery.py", "platform.py"):
         imported = _imports(ROOT / "registry" / core)
         assert not imported & builtins, (core, imported & builtins)
         assert not {m for m in imported if m.rsplit(".", 1)[-1] in builtins}, core
+    for module in builtins:
+        assert "resolution" not in {m.rsplit(".", 1)[-1] for m in _imports(ROOT / "registry" / f"{module}.py")}
     code = ("import sys; import fp8_backends.registry.resolution as r; "
             "assert not [m for m in sys.modules if m.endswith(('.defaults', '.shipped', '.lockfile_policy'))]; "
             "r.load_builtin_policies(); print(sorted(p.name for p in r.selection_policies()))")

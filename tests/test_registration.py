@@ -267,3 +267,22 @@ def test_the_higher_priority_supplier_wins():
     with register_provider(QuantSupplier, dist="quant-plugin"), register_provider(Second, dist="quant-plugin"):
         assert quant._provider_kernels("cpu")[1] == "second_supplier (quant-plugin)"
         assert quant.default_quant_impl("per_tensor_static", "cpu") is reference.quantize_static
+
+
+def test_entry_point_names_unchanged():
+    from importlib.metadata import entry_points
+
+    def names(group):
+        return {ep.name: ep.value for ep in entry_points(group=group) if ep.value.startswith("fp8_backends.")}
+
+    assert names("fp8_backends.gemm") == {
+        "torch_scaled_mm": "fp8_backends.providers.torch_scaled_mm:TorchScaledMMBackend",
+        "cutlass": "fp8_backends.providers.cutlass.backend:CutlassSm90Backend",
+        "flashinfer_bmm": "fp8_backends.providers.flashinfer.gemm:FlashinferBmmBackend",
+        "triton": "fp8_backends.providers.triton.gemm:TritonGemmBackend",
+    }
+    assert names("fp8_backends.norm_quant") == {
+        "torch": "fp8_backends.providers.torch_norm_quant:TorchNormQuantBackend",
+        "flashinfer": "fp8_backends.providers.flashinfer.norm_quant:FlashinferNormQuantBackend",
+        "triton": "fp8_backends.providers.triton.norm_quant:TritonNormQuantBackend",
+    }

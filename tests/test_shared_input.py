@@ -1,4 +1,5 @@
-"""Sibling linears that read one input run as one GEMM (``quantize_model(fuse=...)``, :mod:`fp8_backends.shared_input`):
+"""Sibling linears that read one input run as one GEMM (``quantize_model(fuse=...)``,
+:mod:`fp8_backends.layers.shared_input`):
 which siblings are fused, that every slice returns its own input's result whatever order and inputs the model
 calls them with, and that a compiled model runs one GEMM per group (CPU)."""
 
@@ -18,7 +19,7 @@ from fp8_backends.core import reference  # noqa: E402
 from fp8_backends.core.errors import Fp8BackendError, InvalidInputError, InvalidTypeError  # noqa: E402
 from fp8_backends.core.types import QuantizedActivation  # noqa: E402
 from fp8_backends.layers import Fp8Linear  # noqa: E402
-from fp8_backends.shared_input import Fp8LinearSlice, SharedInputGroup  # noqa: E402
+from fp8_backends.layers.shared_input import Fp8LinearSlice, SharedInputGroup  # noqa: E402
 
 BF16 = torch.bfloat16
 

@@ -1,4 +1,4 @@
-"""The ``torch.compile`` path of ``Fp8Linear`` (:mod:`fp8_backends.traced_plan`) on the CPU: it computes what the
+"""The ``torch.compile`` path of ``Fp8Linear`` (:mod:`fp8_backends.layers.traced_plan`) on the CPU: it computes what the
 general path does, refuses the same bad inputs at trace time, keeps the guards of a compiled model few (no aliasing
 guard on the layer's tensors, the shared provider and enums guarded once) and is rebound by copies."""
 
@@ -16,10 +16,10 @@ transformers = pytest.importorskip("transformers")
 
 from torch import nn  # noqa: E402
 
-from fp8_backends import functional, quantize_model, traced_plan  # noqa: E402
+from fp8_backends import functional, quantize_model  # noqa: E402
 from fp8_backends.core import reference  # noqa: E402
 from fp8_backends.core.types import QuantizedActivation  # noqa: E402
-from fp8_backends.layers import Fp8Linear  # noqa: E402
+from fp8_backends.layers import Fp8Linear, traced_plan  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_convert import _tiny  # noqa: E402
@@ -56,7 +56,7 @@ def test_compiled_call_takes_the_traced_plan_and_matches_the_reference(monkeypat
         raise AssertionError("the compiled call went through apply_fp8_linear")
 
     monkeypatch.setattr(functional, "apply_fp8_linear", general_path_called)
-    monkeypatch.setattr(sys.modules["fp8_backends.layers"], "apply_fp8_linear", general_path_called)
+    monkeypatch.setattr(sys.modules["fp8_backends.layers.modules"], "apply_fp8_linear", general_path_called)
     got = _compiled(layer, x)
     assert got.shape == (2, 5, 48) and got.dtype == torch.bfloat16
     assert torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)

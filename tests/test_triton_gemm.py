@@ -756,7 +756,8 @@ def test_fused_activation_quant_is_the_unfused_path_bit_for_bit(mode, config, m,
     static = torch.tensor([0.05], device=DEVICE)
     y = be.fused_quant_gemm_impl(x, prep, mode, static if mode is ActScale.PER_TENSOR_STATIC else None,
                                  torch.bfloat16, bias)
-    from fp8_backends.providers.triton.gemm_ops import FUSED_MAX_M, pick_config
+    from fp8_backends.providers.triton.gemm_args import pick_config
+    from fp8_backends.providers.triton.gemm_ops import FUSED_MAX_M
 
     family = CONFIGS[pick_config(be.config["config"], m, n, k).name].family
     if family not in ("swap", "gemv") or m > FUSED_MAX_M:

@@ -17,12 +17,12 @@ from fp8_backends import selection_data
 from fp8_backends import tune as tune_cli
 from fp8_backends.core.errors import DataFileError
 from fp8_backends.core.types import DeviceKind, GemmProblem
-from fp8_backends.provenance import build_provenance, canonical_command
 from fp8_backends.registry import lockfile, resolution, shipped, shipped_data
 from fp8_backends.registry.platform import Platform, cpu_platform, simulate_platform
 from fp8_backends.tuning import engine as tuner
 from fp8_backends.tuning import grid, models
 from fp8_backends.tuning.plan import parse_pin, select_shard
+from fp8_backends.tuning.provenance import build_provenance, canonical_command
 from fp8_backends.tuning.timing import Measurement
 from fp8_backends.tuning.workloads import expand_candidates
 

@@ -618,3 +618,13 @@ def test_tuner_rejects_a_candidate_whose_output_breaks_the_contract(lockpath, mo
     assert bad.wrong_output == "output contract" and bad.reason.startswith("gemm returned")
     assert ("dtype torch.float32" if variant == "dtype" else "shape [8, 31]") in bad.reason
     assert pr.winner is not None and pr.winner.label != label
+
+
+def test_tune_cli_keeps_the_engine_names():
+    from fp8_backends import tune
+    from fp8_backends.tuning import engine, plan
+
+    for name in ("tune", "measure_candidates", "select_winner", "CandidateResult", "ProblemResult", "TuneReport",
+                 "format_summary", "format_rejections"):
+        assert getattr(tune, name) is getattr(engine, name)
+    assert tune.parse_m_list is plan.parse_m_list and tune.QUICK_M_BUCKETS == plan.QUICK_M_BUCKETS

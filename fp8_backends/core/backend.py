@@ -52,7 +52,7 @@ from .types import (
 if TYPE_CHECKING:
     import torch
 
-    from fp8_backends.registry.platform import Platform
+    from .platform import Platform
 
 
 class ProviderBase(ABC):
@@ -176,12 +176,11 @@ class ProviderBase(ABC):
     def supports(self, problem: Any = None, platform: Platform | None = None) -> list[str]:
         """Every reason this provider cannot serve ``problem`` on ``platform``; empty means it can.
 
-        ``platform`` defaults to the detected one for the problem's device.
+        ``platform`` defaults to the detected one for the problem's device (the registry's detection,
+        :func:`fp8_backends.registry.platform.detect_platform`, installed here by :func:`set_platform_detector`).
         """
-        from fp8_backends.registry.platform import detect_platform
-
         if platform is None:
-            platform = detect_platform(None if problem is None else problem.device)
+            platform = _detect_platform(None if problem is None else problem.device)
         avail = self.cached_availability()
         if not avail.ok:
             return [avail.reason + (f" (install: {avail.install_hint})" if avail.install_hint else "")]
@@ -209,6 +208,32 @@ def _tensor_type() -> Any:
 
     _TENSOR[0] = torch.Tensor
     return torch.Tensor
+
+
+#: ``[detect(device) -> Platform]``: how :meth:`ProviderBase.supports` finds the platform it was not given. The registry
+#: installs its detection when its platform module is imported (:func:`set_platform_detector`): this floor never
+#: imports the registry
+_PLATFORM_DETECTOR: list[Callable[[Any], Platform] | None] = [None]
+
+
+def set_platform_detector(detect: Callable[[Any], Platform] | None) -> None:
+    """Make ``detect(device)`` (a :class:`~fp8_backends.core.types.DeviceKind`, or None: the current device) the
+    platform :meth:`ProviderBase.supports` uses when given none (the registry's platform module sets it on import)."""
+    _PLATFORM_DETECTOR[0] = detect
+
+
+def _detect_platform(device: Any) -> Platform:
+    detect = _PLATFORM_DETECTOR[0]
+    if detect is None:  # the registry is not loaded: the CPU needs no detection, a GPU does
+        if device is DeviceKind.CPU:
+            from .platform import Platform
+
+            return Platform(kind=DeviceKind.CPU, name="CPU")
+        raise InvalidInputError(
+            "supports() was given no platform and none is detected before the registry's platform module is "
+            "loaded: pass platform= (fp8_backends.detect_platform(device), or simulate_platform(...))"
+        )
+    return detect(device)
 
 
 #: providers found unusable at run time (a preload or a construction that raised), by class: kept across rescans
@@ -536,8 +561,8 @@ class Fp8GemmBackend(ProviderBase):
     def traced_extra_keys(self, prepared: PreparedWeight, act_scale: ActScale) -> frozenset[str] | None:
         """The keys of ``prepared.extra`` that :meth:`gemm_impl` may read for activations quantized in
         ``act_scale`` mode, or ``None`` (the default): any of them. A compiled layer
-        (:mod:`fp8_backends.traced_plan`) hands ``gemm_impl`` only these: each tensor it hands over is a graph input
-        that Dynamo guards at every call of the compiled model, whether the kernel reads it or not."""
+        (:mod:`fp8_backends.layers.traced_plan`) hands ``gemm_impl`` only these: each tensor it hands over is a graph
+        input that Dynamo guards at every call of the compiled model, whether the kernel reads it or not."""
         return None
 
     #: activation modes :meth:`fused_quant_gemm_impl` may serve (empty: the provider never fuses)

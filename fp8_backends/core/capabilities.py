@@ -23,7 +23,7 @@ from .types import (
 )
 
 if TYPE_CHECKING:
-    from fp8_backends.registry.platform import Platform
+    from .platform import Platform
 
 
 def _fs(*items):  # frozenset factory for dataclass defaults

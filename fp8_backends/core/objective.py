@@ -35,21 +35,22 @@ from .errors import InvalidInputError, InvalidTypeError
 #: host-aware choice never costs more than that inside a CUDA graph
 HOST_MARGIN = 0.05
 
-#: the host µs of the rest of a model's work around each linear call (its norms, attention, activations, the
-#: compiled wrapper's launches and guards), which that linear's kernel must also outlast before the host, not the GPU,
-#: stops deciding a step's time. Measured on the H200 (stop 24): a compiled 8-layer Llama at Llama-3-8B sizes spends
-#: 4152 µs of host time on a 512-token bf16 step, 74 µs per linear, of which ``torch.mm``'s own call is ~20 µs.
-#: ``FP8_SELECTION_HOST_CONTEXT_US`` overrides it (:func:`fp8_backends.core.settings.host_context_us`; ``0``: only the
-#: provider's own host time counts, as before stop 25; kernel-time ties still go to the cheaper call)
+#: the host µs of the rest of a model's work around each linear call (its norms, attention, activations, the compiled
+#: wrapper's launches and guards), which that linear's kernel must also outlast before the host, not the GPU, stops
+#: deciding a step's time. Measured on the H200 (``bench/results/hf_model/2026-12-01-h200-traced-plan/``): a compiled
+#: 8-layer Llama at Llama-3-8B sizes spends 4152 µs of host time on a 512-token bf16 step, 74 µs per linear, of which
+#: ``torch.mm``'s own call is ~20 µs. ``FP8_SELECTION_HOST_CONTEXT_US`` overrides it
+#: (:func:`fp8_backends.core.settings.host_context_us`; ``0``: only the provider's own host time counts, as before the
+#: context existed; kernel-time ties still go to the cheaper call)
 HOST_CONTEXT_US = 50.0
 
 #: a kernel at most this fraction of ``host µs + context`` (its own call's host time plus the model's other work around
 #: it) is hidden behind the host's work with room to spare: the host objective considers it even when it is more than
 #: :data:`HOST_MARGIN` slower than the fastest kernel (up to :data:`HOST_HIDDEN_MARGIN`), because a host-bound call
-#: never waits for it. Half, so that an estimate of the context twice too large still leaves the kernel hidden.
-#: Measured case (stop 30, H200, Llama-3-8B QKV 6144 x 4096 at M = 256): ``torch._scaled_mm``'s 12.3 µs kernel against
-#: 15.0 (cutlass, whose call costs ~7 µs less host time), in a compiled decoder block whose host spends ~250 µs per
-#: call on ~130 µs of kernels (``bench/block_host.py``)
+#: never waits for it. Half, so that an estimate of the context twice too large still leaves the kernel hidden. Measured
+#: case (H200, 2026-12-02, Llama-3-8B QKV 6144 x 4096 at M = 256): ``torch._scaled_mm``'s 12.3 µs kernel against 15.0
+#: (cutlass, whose call costs ~7 µs less host time), in a compiled decoder block whose host spends ~250 µs per call on
+#: ~130 µs of kernels (``bench/block_host.py``, ``bench/results/block_host/2026-12-02-h200-before-hidden-kernel-rule/``)
 HOST_HIDDEN = 0.5
 
 #: how much slower than the fastest a hidden kernel may be (25%): the bound on what the host objective can lose where
@@ -59,8 +60,9 @@ HOST_HIDDEN_MARGIN = 0.25
 
 #: kernel times within this fraction of each other are one kernel time to the host objective: a kernel-bound answer
 #: gives way to a candidate this close whose call costs less host time. Graph-replay timings of one shape differ by
-#: about this much between runs, and a bucket's kernel time is measured at its largest M, so the calls at its smaller
-#: M are host-bound sooner than that time says (stop 26, H200: ``cutlass`` kept at 167.2 µs against
+#: about this much between runs, and a bucket's kernel time is measured at its largest M, so the calls at its smaller M
+#: are host-bound sooner than that time says (H200, 2026-12-01,
+#: ``bench/results/hf_model/2026-12-01-h200-fused-siblings-prefill-512/``: ``cutlass`` kept at 167.2 µs against
 #: ``torch_scaled_mm``'s 168.0 for a 28672 x 4096 M <= 1024 bucket cost a 512-token compiled step 760 µs of host time)
 HOST_TIE = 0.01
 

@@ -3,7 +3,7 @@
 A GEMM provider's ``gemm_impl`` returns a ``torch.Tensor`` ``[M, N]`` in the requested output dtype on the input's
 device; a norm-quant provider's ``*_impl`` hooks write into the ``out`` buffer the base class allocated and return
 ``None`` (or that buffer). The callers (:meth:`Fp8GemmBackend.gemm <fp8_backends.core.backend.Fp8GemmBackend.gemm>`,
-the norm-quant methods and a layer's :class:`~fp8_backends.eager_plan.EagerPlan`) test this inline, with a few
+the norm-quant methods and a layer's :class:`~fp8_backends.layers.eager_plan.EagerPlan`) test this inline, with a few
 attribute comparisons (metadata only, never a host-device sync), and call this module only when a comparison
 fails. It then explains the failure as a :class:`~fp8_backends.core.errors.ProviderOutputError` naming the provider and
 the distribution that installed it, or accepts the result (a tensor subclass, e.g. a fake tensor, with the right
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .errors import ProviderOutputError
@@ -33,17 +34,27 @@ _VIOLATION_OP = "output_contract_violation"
 
 
 # ------------------------------------------------------------------------------------------ who broke it
+#: ``[lookup(cls) -> "dist version" or None]``: the distribution that registers a provider class, from the registry's
+#: entry points; the registry installs it when its discovery module is imported (:func:`set_distribution_lookup`):
+#: this floor never imports the registry
+_DISTRIBUTION_LOOKUP: list[Callable[[type], str | None] | None] = [None]
+
+
+def set_distribution_lookup(lookup: Callable[[type], str | None] | None) -> None:
+    """Make ``lookup(cls)`` the first answer of :func:`distribution_of` (the registry's discovery sets it on import)."""
+    _DISTRIBUTION_LOOKUP[0] = lookup
+    distribution_of.cache_clear()
+
+
 @functools.lru_cache(maxsize=64)
 def distribution_of(cls: type) -> str:
     """``"acme-fp8 1.2.0"``: the distribution that registers provider class ``cls`` (from the registry's entry
     points, else from the package that holds its module), or ``"no installed distribution"``. Error path only."""
+    lookup = _DISTRIBUTION_LOOKUP[0]
     try:
-        from ..registry import discovery
-
-        for kind in ("gemm", "norm_quant"):
-            for entry in discovery.discover(kind):
-                if entry.cls is cls and entry.dist:
-                    return f"{entry.dist} {entry.dist_version or ''}".strip()
+        found = lookup(cls) if lookup is not None else None
+        if found:
+            return found
     except Exception:  # explaining an error must not raise another one
         logger.debug("cannot look up the distribution of %r", cls, exc_info=True)
     try:
@@ -183,4 +194,4 @@ def _describe(t: Any) -> str:
 
 
 __all__ = ["check_norm_quant_dynamic", "describe_gemm_mismatch", "distribution_of", "gemm_output_failed",
-           "norm_quant_output_failed", "preload"]
+           "norm_quant_output_failed", "preload", "set_distribution_lookup"]

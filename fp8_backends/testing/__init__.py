@@ -28,8 +28,9 @@ The contracts check what the provider declares (see :mod:`.gemm` and :mod:`.norm
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from fp8_backends import _lazy_exports
 
 _EXPORTS = {
     "GemmProviderContract": "fp8_backends.testing.gemm",
@@ -43,13 +44,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'fp8_backends.testing' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = _lazy_exports(globals(), _EXPORTS)
 
 
 if TYPE_CHECKING:

@@ -5,7 +5,8 @@
 - :mod:`.workloads`: a problem's inputs and each provider's candidates (option combinations, pins);
 - :mod:`.models`: the linear shapes of known models at a tensor-parallel degree;
 - :mod:`.plan`: what one run covers (problems, labels, M buckets, pins, shards, resumption);
-- :mod:`.grid`: the grid of the shipped selection data and its time estimate.
+- :mod:`.grid`: the grid of the shipped selection data and its time estimate;
+- :mod:`.provenance`: where, with what and by which command shipped selection data was measured.
 
 Importing this package imports nothing heavy: torch loads when something is measured.
 """

@@ -426,7 +426,7 @@ def _write(report: TuneReport, path: Path, done: list[ProblemResult]) -> None:
         if report.provenance is None:
             report.lockfile_entries_total = lockfile_io.write_entries(path, key, entries)
             return
-        from fp8_backends.provenance import merge_provenance
+        from fp8_backends.tuning.provenance import merge_provenance
 
         def mutate(doc: dict[str, Any]) -> None:
             report.lockfile_entries_total = lockfile_io.merge_entries(doc, key, entries)

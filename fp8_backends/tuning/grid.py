@@ -12,7 +12,7 @@
   measures for the per-GPU selection data that ships with the package (:mod:`fp8_backends.registry.shipped`).
 
 Sizing the shipped grid (:func:`estimate_seconds`): the H200 tuned 60 problems with 15 candidates each in 46.0 s
-(``bench/results/2026-11-29-h200/tune.log``), 51 ms per candidate run all included (inputs, reference check,
+(``bench/results/tune/2026-11-29-h200/tune.txt``), 51 ms per candidate run all included (inputs, reference check,
 graph capture, 5 rounds x 3 replays, first-use kernel loads). Every one of the 7 M buckets doubles as a point the
 held-out check benches; powers of 4 sample decode (1: the GEMV kernels; 2-4; 5-16), the memory-to-compute
 transition (17-64, 65-256) and prefill (257-1024, 1025-4096; larger M uses the 4096 choice).

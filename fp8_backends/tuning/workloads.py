@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fp8_backends.core.types import ActScale, GemmProblem, NormQuantProblem, WeightScale
-from fp8_backends.registry import resolution
+from fp8_backends.registry.candidates import provider_instance, rank_key
 from fp8_backends.registry.discovery import ProviderEntry, discover
 from fp8_backends.registry.lockfile import candidate_label
 from fp8_backends.registry.platform import Platform
@@ -78,7 +78,7 @@ def make_candidate(
 ) -> tuple[CandidateSpec | None, str]:
     """A candidate for ``entry`` with ``options``, or ``(None, reasons)`` when it cannot serve."""
     try:
-        backend = resolution.provider_instance(entry, tuple(sorted(options.items())))
+        backend = provider_instance(entry, tuple(sorted(options.items())))
         reasons = list(backend.supports(problem, platform))
     except Exception as exc:
         return None, f"{type(exc).__name__}: {exc}"
@@ -105,7 +105,7 @@ def expand_candidates(
     ``only``: provider names (or aliases) to keep; others are left out silently. ``pins``: provider name ->
     options held at one value (see :func:`option_combos`).
     """
-    ordered = sorted(entries if entries is not None else discover(kind), key=resolution.rank_key)
+    ordered = sorted(entries if entries is not None else discover(kind), key=rank_key)
     counts: dict[str, int] = {}
     for e in ordered:
         counts[e.name] = counts.get(e.name, 0) + 1

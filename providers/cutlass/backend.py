@@ -76,13 +76,13 @@ class CutlassSm90Backend(OpGemmBackend):
         n_align=16,
         priority=8,
     )
-    # host µs per call on the compiled path (an opaque custom op: config pick, output allocation, a ctypes call):
-    # 5 + the 58 µs a compiled Fp8Linear on it costs more than on the triton op (median over 6 shapes x M, H200,
-    # 2026-12-01, bench/results/2026-12-01-h200-stop23/call6/ch/compiled_host_sl-off.md; the triton op counted at 5)
+    # host µs per call on the compiled path (an opaque custom op: config pick, output allocation, a ctypes call): 5 +
+    # the 58 µs a compiled Fp8Linear on it costs more than on the triton op (median over 6 shapes x M, H200, 2026-12-01,
+    # bench/results/compiled_host/2026-12-01-h200-cutlass/compiled_host_sl-off.md; the triton op counted at 5)
     host_us: ClassVar[float | None] = 60.0
     #: the same through the C++ op (:mod:`.native_op`): ~8 µs over the triton op's call (median of the per-call minima
-    #: over 2 shapes x M = 1 / 16 / 512, H200, bench/results/2026-12-02-h200-stop28/call1/ch/native), against ~50 on
-    #: the Python op in the same call (call1/ch/python)
+    #: over 2 shapes x M = 1 / 16 / 512, H200, bench/results/compiled_host/2026-12-02-h200/cpp_op.md), against ~50 on
+    #: the Python op in the same measurement (python_op.md there)
     native_host_us: ClassVar[float] = 13.0
 
     @classmethod

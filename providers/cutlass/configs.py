@@ -86,7 +86,8 @@ class KernelConfig:
 
 
 #: Every config the provider can build. Names say schedule, tile (of the kernel's problem) and cluster.
-#: Notes say where each one was the fastest in the H200 measurement of 2026-11-29 (bench/results/).
+#: Notes say where each one was the fastest in the H200 measurement of 2026-11-29
+#: (bench/results/cutlass_configs/2026-11-29-h200/).
 CONFIG_LIST: tuple[KernelConfig, ...] = (
     # decode: swapped (tokens on the tile's N), one 64-row consumer warpgroup per CTA, not persistent
     KernelConfig("ws64x16_swap", (64, 16, 256), (1, 1), "ws", swap_ab=True, note="M <= 16"),
@@ -124,7 +125,7 @@ class DispatchTable(BucketTable):
 
 
 #: The built-in table: measured on an H200 (bench/cutlass_configs.py, two runs of 7 interleaved rounds each,
-#: 2026-11-29; bench/results/2026-11-29-h200-cutlass-table.json). Per Llama-3-8B shape, the config with the
+#: 2026-11-29; bench/results/cutlass_configs/2026-11-29-h200/table.json). Per Llama-3-8B shape, the config with the
 #: lowest time (geometric mean of the two runs) at M = 1, 16, 64, 256, 1024, 4096, 8192; bucket bounds are the
 #: geometric midpoints. ``default`` (other shapes) is the config with the best geometric-mean speed over the
 #: four shapes at each M.

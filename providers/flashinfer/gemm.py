@@ -91,7 +91,8 @@ class FlashinferBmmBackend(OpGemmBackend):
     )
     # host µs per call on the compiled path (an opaque custom op): 5 + the 34-40 µs a compiled Fp8Linear on it costs
     # more than on the triton op (median over 6 shapes x M, H200, 2026-12-01,
-    # bench/results/2026-12-01-h200-stop16/call2/compiled_host_sl-*.md; eager: flashinfer_host_2026-11-29_h200.md)
+    # bench/results/compiled_host/2026-12-01-h200-static-launcher/compiled_host_sl-*.md; eager:
+    # bench/results/flashinfer_host/2026-11-29-h200/flashinfer_host.md)
     host_us: ClassVar[float | None] = 40.0
 
     def __init__(self, **options: str) -> None:

@@ -7,6 +7,9 @@ Modules:
 - ``launcher``: low-host-cost launches through the compiled kernels Triton returns;
 - ``gemm`` / ``gemm_ops`` / ``gemm_kernels`` / ``gemm_configs``: the GEMM provider, its torch op and
   launcher, its kernels (GEMV, swap-AB, tiled, persistent TMA) and its tile configs with the M-bucket table;
+- ``gemm_args``: one GEMM launch (config pick, kernel, grid and arguments), shared by the eager launcher and
+  ``traced_ops``;
+- ``traced_ops``: what ``torch.compile`` sees of the Triton ops (their ``triton_op`` bodies);
 - ``norm_quant`` / ``norm_kernels``: the norm-quant provider and its kernels;
 - ``quant_kernels``: static, dynamic per-tensor and per-token quant, the CUDA default of
   :mod:`fp8_backends.quant`'s ops.

@@ -86,12 +86,12 @@ class TritonGemmBackend(OpGemmBackend):
         group_scale_layout=ScaleLayout.M_MAJOR_TMA,
     )
     # host µs per call when Inductor launches the kernel (torch.compile, static launcher): a few µs; the reference
-    # point of the other providers' figures (bench/results/2026-12-01-h200-stop16/call2/compiled_host_sl-*.md)
+    # point of the other providers' figures (bench/results/compiled_host/2026-12-01-h200-static-launcher/)
     host_us: ClassVar[float | None] = 5.0
     #: host µs per call of the persistent TMA configs (prefill M), which stay an opaque op under torch.compile: its
-    #: Python body builds two tensor descriptors and launches through Triton's JIT. Measured (stop 25 call 2,
-    #: bench.compiled_host, M = 1024): 195-232 µs a compiled linear against 108-141 through torch._scaled_mm
-    #: (declared 20), so ~90 µs more
+    #: Python body builds two tensor descriptors and launches through Triton's JIT. Measured (H200,
+    #: bench/results/compiled_host/2026-12-01-h200/, M = 1024): 195-232 µs a compiled linear against 108-141 through
+    #: torch._scaled_mm (declared 20), so ~90 µs more
     tma_host_us: ClassVar[float] = 110.0
 
     @classmethod

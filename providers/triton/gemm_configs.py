@@ -79,7 +79,7 @@ class TileConfig:
 
 
 #: Every config the provider ships: the winners of ``bench/triton_configs.py --configs explore`` on the H200
-#: (2026-11-29, 38 configs x the Llama-3-8B shapes x M 1-4096; bench/results/2026-11-29-h200/triton/), each
+#: (2026-11-29, 38 configs x the Llama-3-8B shapes x M 1-4096; bench/results/triton_configs/2026-11-29-h200/), each
 #: noted with where it won.
 CONFIG_LIST: tuple[TileConfig, ...] = (
     TileConfig("gemv", 1, 2, 1024, 1, 2, note="M = 1 (4096x4096, 28672x4096, 4096x14336)"),

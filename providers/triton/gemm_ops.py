@@ -16,11 +16,11 @@ import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
-from fp8_backends.core.errors import InvalidInputError
 from fp8_backends.core.oplib import LazyOps, TritonOpSpec, gemm_fake, gemm_schema
 
 from . import _support
-from .gemm_configs import CONFIGS, TileConfig, active_table
+from .gemm_args import cdiv, kernel_of, pick_config, pointer_kernel_args
+from .gemm_configs import TileConfig
 from .launcher import ReplayCache, launcher_for, raw_stream
 
 if TYPE_CHECKING:
@@ -34,16 +34,6 @@ OP_NAME = f"fp8_backends::{OP_BASENAME}"
 TMA_OP_BASENAME = "triton_gemm_tma"
 #: the ops' option after the GEMM arguments (:func:`fp8_backends.core.oplib.gemm_schema`)
 OP_OPTIONS = ("str config",)
-_GRID_Y_MAX = 65535  # CUDA's limit on gridDim.y
-
-
-def pick_config(config: str, m: int, n: int, k: int) -> TileConfig:
-    """The :class:`TileConfig` for ``config`` (a name, or ``auto``: the active table's pick for M x N x K)."""
-    return CONFIGS[active_table().pick(m, n, k) if config == "auto" else config]
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 #: run_config's replays of the pointer kernels; the 12 arguments each call passes itself: x, w, out, x_scale,
@@ -125,39 +115,11 @@ def _launch_general(cfg: TileConfig, x: torch.Tensor, w: torch.Tensor, x_scale: 
         _launch_tma(cfg, x, w, x_scale, w_scale, bias, out, use_pdl)
         return
     grid, args = pointer_kernel_args(cfg, x, w, x_scale, w_scale, bias, out, use_pdl, x_quant)
-    kernel_launcher = launcher_for(_kernel(cfg.family))
+    kernel_launcher = launcher_for(kernel_of(cfg.family))
     options = {"num_warps": cfg.warps, "num_stages": cfg.stages, "pdl": use_pdl, "device_index": max(index, 0)}
     kernel_launcher(grid, args, **options)
     if key is not None:
         _replays.record(key, kernel_launcher, grid, args, **options)
-
-
-def pointer_kernel_args(cfg: TileConfig, x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor,
-                        w_scale: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-                        use_pdl: bool, x_quant: int = 0) -> tuple[tuple[int, ...], tuple[Any, ...]]:
-    """``(grid, args)`` of ``cfg``'s kernel (family ``mm``, ``swap`` or ``gemv``): every parameter in
-    declaration order, constexprs included, as :func:`.launcher.launch` takes them. ``x_quant`` (``swap`` and
-    ``gemv``): see :func:`run_config`."""
-    m, k = x.shape
-    n = w.shape[0]
-    head = (x, w, out, x_scale, w_scale, out if bias is None else bias, m, n, k, x.stride(0), w.stride(0),
-            out.stride(0))  # the arguments run_config's replays pass themselves
-    tail = (x_scale.numel() > 1 and not x_quant, w_scale.numel() > 1, bias is not None, k % cfg.block_k == 0,
-            use_pdl)
-    if cfg.family != "mm":
-        from .quant_kernels import FMAX  # the general path only (replays keep their tail)
-
-        tail = (*tail, x_quant, FMAX[w.dtype])
-    elif x_quant:
-        raise ValueError(f"config {cfg.name}: only the swap and gemv kernels quantize their input")
-    if cfg.family == "mm":
-        return (_cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n),), (*head, cfg.block_m, cfg.block_n, cfg.block_k,
-                                                                   cfg.group_m, *tail)
-    if cfg.family == "swap":
-        _check_grid_y(_cdiv(m, cfg.block_m), cfg)
-        return (_cdiv(n, cfg.block_n), _cdiv(m, cfg.block_m)), (*head, cfg.block_m, cfg.block_n, cfg.block_k, *tail)
-    _check_grid_y(m, cfg)
-    return (_cdiv(n, cfg.block_n), m), (*head, cfg.block_n, cfg.block_k, *tail)
 
 
 #: the largest M :func:`fused_launch` serves: every program of a dynamic per-tensor launch reads all of ``x`` for
@@ -204,7 +166,7 @@ def _launch_tma(cfg: TileConfig, x: torch.Tensor, w: torch.Tensor, x_scale: torc
     x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [cfg.block_m, cfg.block_k])
     w_desc = TensorDescriptor(w, [n, k], [w.stride(0), 1], [cfg.block_n, cfg.block_k])
     flags = (x_scale.numel() > 1, w_scale.numel() > 1, bias is not None)
-    tiles = _cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n)
+    tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
     progs = min(tiles, cfg.persistent * _sm_count(x.device)) if cfg.persistent else tiles
     extra: dict[str, Any] = {"num_warps": cfg.warps, "num_stages": cfg.stages}
     if use_pdl:
@@ -213,13 +175,6 @@ def _launch_tma(cfg: TileConfig, x: torch.Tensor, w: torch.Tensor, x_scale: torc
         x_desc, w_desc, out, x_scale, w_scale, out if bias is None else bias, m, n, k, out.stride(0), progs,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         X_PER_TOKEN=flags[0], W_PER_CHANNEL=flags[1], HAS_BIAS=flags[2], USE_PDL=use_pdl, **extra)
-
-
-@functools.cache
-def _kernel(family: str) -> Any:
-    from . import gemm_kernels as K
-
-    return {"mm": K.fp8_gemm_mm_kernel, "swap": K.fp8_gemm_swap_kernel, "gemv": K.fp8_gemv_kernel}[family]
 
 
 @functools.lru_cache(maxsize=64)
@@ -243,12 +198,6 @@ def _sm_count_of(device_type: str, index: int | None) -> int:
 
 def _sm_count(device: torch.device) -> int:
     return _sm_count_of(device.type, device.index)
-
-
-def _check_grid_y(programs: int, cfg: TileConfig) -> None:
-    if programs > _GRID_Y_MAX:
-        raise InvalidInputError(f"triton config {cfg.name} cannot launch {programs} token blocks (CUDA limit "
-                                f"{_GRID_Y_MAX}); use config=auto or an mm config for this M")
 
 
 def _dispatch_keys() -> tuple[str, ...]:
@@ -294,5 +243,5 @@ def triton_gemm(
 
 
 __all__ = [
-    "OP_NAME", "fused_launch", "launch", "load_op", "pick_config", "pointer_kernel_args", "run_config", "triton_gemm",
+    "OP_NAME", "fused_launch", "launch", "load_op", "run_config", "triton_gemm",
 ]

@@ -22,8 +22,8 @@ import typing
 import torch
 from torch.library import wrap_triton
 
+from .gemm_args import kernel_of, pick_config, pointer_kernel_args
 from .gemm_configs import TileConfig
-from .gemm_ops import _kernel, pick_config, pointer_kernel_args
 from .norm_kernels import default_config, kernel_args
 
 #: the opaque op of the TMA configs (defined by :mod:`.gemm_ops` beside ``triton_gemm``)
@@ -49,7 +49,7 @@ def triton_gemm(
     if cfg.family == "tma":
         return getattr(torch.ops.fp8_backends, TMA_OP)(x, w, x_scale, w_scale, bias, out_dtype, cfg.name)
     grid, args = pointer_kernel_args(cfg, x, w, x_scale, w_scale, bias, out, False)
-    wrap_triton(_kernel(cfg.family))[grid](*args, num_warps=cfg.warps, num_stages=cfg.stages)
+    wrap_triton(kernel_of(cfg.family))[grid](*args, num_warps=cfg.warps, num_stages=cfg.stages)
     return out
 
 

@@ -1,0 +1,459 @@
+"""FP8 activation quantization as torch library ops.
+
+Three ops, defined with :func:`fp8_backends.core.oplib.define_ops` (each with a fake implementation, so
+``torch.compile`` traces them without running them) on first use, never at import, for CPU and CUDA tensors:
+
+========================================  =========================================================
+op                                        semantics (``fmax`` = 448 for e4m3fn, 57344 for e5m2)
+========================================  =========================================================
+``fp8_backends::quant_static``            ``q = clamp(x / scale, ±fmax) -> fp8``; ``scale`` given
+``fp8_backends::quant_dynamic``           ``scale = max(amax(|x|) / fmax, 1e-12)`` as ``[1]``, then as above
+``fp8_backends::quant_per_token``         ``scale[m] = max(amax(|x[m, :]|) / fmax, 1e-12)`` as ``[M, 1]``
+``fp8_backends::quant_per_token_group``   ``scale[m, g] = max(amax(|x[m, gG:(g+1)G]|) / fmax, 1e-12)`` as
+                                          ``[M, ceil(K/G)]`` in the requested :class:`ScaleLayout`
+========================================  =========================================================
+
+``x`` is ``[M, K]`` bf16/fp16/fp32 on any device; scales are fp32 on ``x``'s device. Dynamic scales
+are computed on the device: no op here synchronises with the host.
+
+Implementations: a kernel registered per mode and device type with :func:`register_quant_impl` always wins
+(``x.device.type`` picks the entry at run time). Without one, the default is a provider's, through the provider hook
+:meth:`~fp8_backends.core.backend.ProviderBase.activation_quant_kernels`: the first provider, in ``auto``'s order
+(priority, built-ins first), that lists the device type in its ``activation_quant_devices``, is usable here (not
+disabled by ``FP8_BACKENDS_DISABLED``, blocked by ``FP8_BACKENDS_PLUGINS`` or unavailable) and answers with kernels;
+else :mod:`fp8_backends.core.reference`. This module names no provider. With the built-ins:
+
+- CUDA tensors: the built-in ``triton`` norm-quant provider supplies its Triton quant kernels when triton is
+  installed, the provider is not disabled and every visible GPU is SM >= 8.9 (FP8 conversions); otherwise the
+  reference. Decided once per device type and process, at the first call on it (which imports triton; each new
+  kernel configuration then compiles at its first use: make those first calls outside CUDA graph capture); later
+  calls cost a dict lookup. :func:`reset_default_impls` forgets the decision; :func:`default_quant_impl` tells
+  what it is.
+- every other device type (the CPU included): :mod:`fp8_backends.core.reference`.
+
+Under ``torch.compile`` the public functions trace the reference torch code inline instead of the
+opaque op (``set_compile_mode("inline")``, the default), so Inductor can fuse the quantization into
+whatever produced ``x`` (an activation, a transpose, SiLU·mul): one kernel and one pass over ``x``
+instead of two. ``set_compile_mode("op")`` keeps the op (and any registered kernel) in compiled
+graphs too. Eager calls always go through the op.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..core import validation as V
+from ..core.errors import BackendUnavailableError, InvalidInputError
+from ..core.oplib import LazyOps
+from ..core.types import (
+    DEFAULT_GROUP_SIZE,
+    GROUP_SIZES,
+    ActScale,
+    Fp8Dtype,
+    OutDtype,
+    QuantizedActivation,
+    ScaleLayout,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger("fp8_backends")
+
+#: ``fn(x, scale, fp8_dtype) -> q`` for the static mode; ``fn(x, fp8_dtype) -> (q, scale)`` otherwise
+QuantImpl = Callable[..., Any]
+
+_impls: dict[tuple[ActScale, str], QuantImpl] = {}
+_lock = threading.Lock()
+_compile_mode = "inline"
+
+_OP_NAMES = {
+    ActScale.PER_TENSOR_STATIC: "quant_static",
+    ActScale.PER_TENSOR_DYNAMIC: "quant_dynamic",
+    ActScale.PER_TOKEN: "quant_per_token",
+    ActScale.PER_TOKEN_GROUP: "quant_per_token_group",
+}
+
+
+def register_quant_impl(mode: ActScale | str, device_type: str, fn: QuantImpl | None) -> QuantImpl | None:
+    """Use ``fn`` for ``mode`` on tensors of ``device_type`` (``"cuda"``, ``"cpu"``, ...).
+
+    - static: ``fn(x: [M, K], scale: fp32 one value, fp8_dtype: torch.dtype) -> q: [M, K]``
+    - dynamic / per-token: ``fn(x: [M, K], fp8_dtype) -> (q: [M, K], scale: [1] or [M, 1] fp32)``
+    - per-token-group: ``fn(x: [M, K], group_size: int, scale_layout: str, fp8_dtype) -> (q: [M, K], scale:
+      [M, ceil(K/G)] fp32 in that layout)`` (:class:`~fp8_backends.core.types.ScaleLayout` values)
+
+    ``fn`` must return new tensors (never views of its inputs), run without host syncs, and follow
+    the semantics in this module's docstring; ``x`` may be non-contiguous. ``fn=None`` removes the
+    entry. Returns the entry it replaced (or None), so a caller can restore it.
+    """
+    mode = ActScale.of(mode)
+    key = (mode, str(device_type))
+    with _lock:
+        previous = _impls.get(key)
+        if fn is None:
+            _impls.pop(key, None)
+        else:
+            if not callable(fn):
+                raise InvalidInputError(f"register_quant_impl needs a callable, got {type(fn).__name__}")
+            _impls[key] = fn
+    logger.debug("quant impl for %s on %s: %r", mode.value, device_type, fn)
+    return previous
+
+
+def registered_quant_impl(mode: ActScale | str, device_type: str) -> QuantImpl | None:
+    """The kernel registered for ``mode`` on ``device_type`` (None: the reference runs)."""
+    return _impls.get((ActScale.of(mode), str(device_type)))
+
+
+def compile_mode() -> str:
+    """The current compile mode (:func:`set_compile_mode`): ``"inline"`` or ``"op"``."""
+    return _compile_mode
+
+
+def set_compile_mode(mode: str) -> str:
+    """``"inline"`` (default): under torch.compile trace the reference torch code so the compiler can
+    fuse it; ``"op"``: keep the library op (and registered kernels) in compiled graphs. It also decides what a
+    compiled :class:`~fp8_backends.layers.RMSNormFp8Quant` resolved by ``auto`` traces (the reference torch code
+    under ``"inline"``, its provider's op under ``"op"``). Returns the previous mode."""
+    global _compile_mode
+    if mode not in ("inline", "op"):
+        raise InvalidInputError(f"compile mode must be 'inline' or 'op', got {mode!r}")
+    previous, _compile_mode = _compile_mode, mode
+    return previous
+
+
+# ---------------------------------------------------------------------------------------------- ops
+def _reference_static(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    from ..core import reference
+
+    return reference.quantize_static(x, scale, fp8_dtype)
+
+
+def _reference_dynamic(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    from ..core import reference
+
+    return reference.quantize_dynamic_per_tensor(x, fp8_dtype)
+
+
+def _reference_per_token(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    from ..core import reference
+
+    return reference.quantize_per_token(x, fp8_dtype)
+
+
+def _reference_per_token_group(x: torch.Tensor, group_size: int, scale_layout: str,
+                               fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    from ..core import group_scales, reference
+
+    q, scale = reference.quantize_per_token_group(x, group_size, fp8_dtype)
+    return q, group_scales.to_layout(scale, ScaleLayout.of(scale_layout))
+
+
+_REFERENCE: dict[ActScale, QuantImpl] = {
+    ActScale.PER_TENSOR_STATIC: _reference_static,
+    ActScale.PER_TENSOR_DYNAMIC: _reference_dynamic,
+    ActScale.PER_TOKEN: _reference_per_token,
+    ActScale.PER_TOKEN_GROUP: _reference_per_token_group,
+}
+
+
+#: the default per (mode, device type) when nothing is registered; filled at the first call per device type
+_defaults: dict[tuple[ActScale, str], QuantImpl] = {}
+
+
+def _provider_kernels(device_type: str) -> tuple[dict[ActScale, QuantImpl], str, list[str]]:
+    """The activation-quant kernels the providers supply for ``device_type`` (the provider hook
+    :meth:`~fp8_backends.core.backend.ProviderBase.activation_quant_kernels`): ``(kernels, provider, reasons)`` from the
+    first provider, in ``auto``'s order (priority, built-ins first, name), that declares ``device_type`` in its
+    ``activation_quant_devices``, is usable (not disabled, blocked or unavailable) and answers; ``({}, "", reasons)``
+    when none does, ``reasons`` saying why each provider asked could not serve. A provider whose hook raises anything
+    but :class:`~fp8_backends.core.errors.BackendUnavailableError` (a broken install) is passed over with a WARNING."""
+    from fp8_backends.registry import candidates, discovery
+
+    entries = [e for kind in ("norm_quant", "gemm") for e in discovery.discover(kind)
+               if e.cls is not None and device_type in getattr(e.cls, "activation_quant_devices", ())]
+    entries.sort(key=lambda e: (*candidates.rank_key(e), e.kind))
+    reasons: list[str] = []
+    for entry in entries:
+        who = f"{entry.name} ({entry.dist})"
+        why = entry.unusable_reason()
+        if why is None:
+            try:
+                kernels = dict(entry.cls.activation_quant_kernels(device_type))
+            except BackendUnavailableError as exc:
+                why = str(exc)
+            except Exception as exc:  # a broken kernel install must not break quantization
+                logger.warning("quant: %s's activation-quant kernels are unusable on %s (%s: %s); passing over them",
+                               who, device_type, type(exc).__name__, exc)
+                why = f"raised {type(exc).__name__}: {exc}"
+            else:
+                if kernels:
+                    return {ActScale.of(mode): fn for mode, fn in kernels.items()}, who, reasons
+                continue
+        reasons.append(f"{who}: {why}")
+    return {}, "", reasons
+
+
+def _resolve_default(mode: ActScale, device_type: str) -> QuantImpl:
+    """Decide (once per device type) what runs when no impl is registered; see the module docstring."""
+    with _lock:
+        fn = _defaults.get((mode, device_type))
+        if fn is not None:
+            return fn
+        chosen: dict[ActScale, QuantImpl] = dict(_REFERENCE)
+        try:
+            kernels, who, reasons = _provider_kernels(device_type)
+        except Exception as exc:  # a broken registry or plugin must not break quantization
+            logger.warning("quant: cannot ask the providers for %s activation-quant kernels (%s: %s); using the "
+                           "reference", device_type, type(exc).__name__, exc)
+            kernels, who, reasons = {}, "", []
+        if kernels:
+            chosen.update(kernels)
+            logger.debug("quant: the %s default is %s's kernels (%s)", device_type, who,
+                         ", ".join(m.value for m in kernels))
+        elif reasons:
+            logger.info("quant: the %s default is the reference torch code, not a provider's kernels (%s)",
+                        device_type.upper(), "; ".join(reasons))
+        for m, impl in chosen.items():
+            _defaults[(m, device_type)] = impl
+        return chosen[mode]
+
+
+def reset_default_impls() -> None:
+    """Forget the per-device-type default decisions (tests; after changing ``FP8_BACKENDS_DISABLED``)."""
+    with _lock:
+        _defaults.clear()
+
+
+def default_quant_impl(mode: ActScale | str, device_type: str) -> QuantImpl:
+    """What runs for ``mode`` on ``device_type`` when nothing is registered (decides it if needed)."""
+    mode = ActScale.of(mode)
+    return _defaults.get((mode, str(device_type))) or _resolve_default(mode, str(device_type))
+
+
+def _impl_for(mode: ActScale, device_type: str) -> QuantImpl:
+    key = (mode, device_type)
+    return _impls.get(key) or _defaults.get(key) or _resolve_default(mode, device_type)
+
+
+def _op_static(x, scale, fp8_dtype):
+    return _impl_for(ActScale.PER_TENSOR_STATIC, x.device.type)(x, scale, fp8_dtype)
+
+
+def _op_dynamic(x, fp8_dtype):
+    return _impl_for(ActScale.PER_TENSOR_DYNAMIC, x.device.type)(x, fp8_dtype)
+
+
+def _op_per_token(x, fp8_dtype):
+    return _impl_for(ActScale.PER_TOKEN, x.device.type)(x, fp8_dtype)
+
+
+def _op_per_token_group(x, group_size, scale_layout, fp8_dtype):
+    return _impl_for(ActScale.PER_TOKEN_GROUP, x.device.type)(x, group_size, scale_layout, fp8_dtype)
+
+
+def _fake_static(x, scale, fp8_dtype):
+    return x.new_empty(x.shape, dtype=fp8_dtype)
+
+
+def _fake_dynamic(x, fp8_dtype):
+    import torch
+
+    return x.new_empty(x.shape, dtype=fp8_dtype), x.new_empty((1,), dtype=torch.float32)
+
+
+def _fake_per_token(x, fp8_dtype):
+    import torch
+
+    return x.new_empty(x.shape, dtype=fp8_dtype), x.new_empty((x.shape[0], 1), dtype=torch.float32)
+
+
+def _fake_per_token_group(x, group_size, scale_layout, fp8_dtype):
+    from ..core import group_scales
+
+    groups = -(-x.shape[1] // group_size)
+    scale = group_scales.empty_group_scale(x.shape[0], groups, ScaleLayout.of(scale_layout), x.device)
+    return x.new_empty(x.shape, dtype=fp8_dtype), scale
+
+
+_SCHEMAS = {
+    ActScale.PER_TENSOR_STATIC: ("(Tensor x, Tensor scale, ScalarType fp8_dtype) -> Tensor", _op_static, _fake_static),
+    ActScale.PER_TENSOR_DYNAMIC: ("(Tensor x, ScalarType fp8_dtype) -> (Tensor, Tensor)", _op_dynamic, _fake_dynamic),
+    ActScale.PER_TOKEN: ("(Tensor x, ScalarType fp8_dtype) -> (Tensor, Tensor)", _op_per_token, _fake_per_token),
+    ActScale.PER_TOKEN_GROUP: ("(Tensor x, int group_size, str scale_layout, ScalarType fp8_dtype) -> (Tensor, Tensor)",
+                               _op_per_token_group, _fake_per_token_group),
+}
+
+
+_OPS = LazyOps(  # defined on first use
+    {_OP_NAMES[mode]: (_OP_NAMES[mode] + schema, impl, fake) for mode, (schema, impl, fake) in _SCHEMAS.items()},
+    ("CPU", "CUDA"),
+)
+
+
+def quant_op(mode: ActScale | str) -> Any:
+    """The op for ``mode`` (defined on first call): ``torch.ops.fp8_backends.<name>.default``."""
+    return _OPS.op(_OP_NAMES[ActScale.of(mode)])
+
+
+def _call(mode: ActScale) -> Any:
+    """The op for ``mode`` as the hot path calls it (:func:`fp8_backends.core.oplib.eager_fast`)."""
+    return _OPS.call(_OP_NAMES[mode])
+
+
+def op_call(mode: ActScale | str) -> Any:
+    """The op for ``mode`` as a callable for hot paths that validated their input at load time: a plain eager
+    call runs the implementation directly (:func:`fp8_backends.core.oplib.eager_fast`), anything else goes through
+    the op. Static: ``(x, scale, fp8_dtype) -> q``; dynamic / per-token: ``(x, fp8_dtype) -> (q, scale)``;
+    per-token-group: ``(x, group_size, scale_layout, fp8_dtype) -> (q, scale)``."""
+    return _call(ActScale.of(mode))
+
+
+# ------------------------------------------------------------------------------------- public API
+def _check_x(x: object, what: str = "x") -> None:
+    V.require_tensor(x, what)
+    try:
+        OutDtype.of(x.dtype)
+    except ValueError:
+        raise InvalidInputError(f"{what} must be bfloat16, float16 or float32 to quantize, got {x.dtype}") from None
+    if x.dim() != 2:
+        raise InvalidInputError(f"{what} must be 2-D [M, K], got shape {tuple(x.shape)}")
+
+
+def _fp8(dtype: object) -> torch.dtype:
+    try:
+        return Fp8Dtype.of(dtype).torch_dtype()
+    except ValueError as exc:
+        raise InvalidInputError(str(exc)) from None
+
+
+def _inline() -> bool:
+    import torch
+
+    return _compile_mode == "inline" and torch.compiler.is_compiling()
+
+
+def quantize_checked(x: torch.Tensor, mode: ActScale, scale: torch.Tensor | None = None,
+                     dtype: object = Fp8Dtype.E4M3FN) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q [M, K], scale)`` of ``x`` quantized in ``mode`` (an :class:`ActScale`), for callers that checked ``x``
+    (a ``[M, K]`` bf16/fp16/fp32 tensor) and, static, ``scale`` (fp32, one value, on ``x``'s device) themselves, as
+    the public functions below and a linear's general path (:mod:`fp8_backends.layers.general_path`) do: nothing is
+    checked again. Under ``torch.compile`` in compile mode ``"inline"`` the reference torch code (which the compiler
+    fuses into the producer), otherwise the mode's op."""
+    fp8 = _fp8(dtype)
+    if _inline():
+        from ..core import reference
+
+        if mode is ActScale.PER_TENSOR_STATIC:
+            return reference.quantize_static(x, scale, fp8), scale
+        if mode is ActScale.PER_TENSOR_DYNAMIC:
+            return reference.quantize_dynamic_per_tensor(x, fp8)
+        if mode is ActScale.PER_TOKEN:
+            return reference.quantize_per_token(x, fp8)
+    if mode is ActScale.PER_TENSOR_STATIC:
+        return _call(mode)(x, scale, fp8), scale
+    return _call(mode)(x, fp8)
+
+
+def quantize_static(x: torch.Tensor, scale: torch.Tensor, dtype: object = Fp8Dtype.E4M3FN) -> torch.Tensor:
+    """``clamp(x / scale, ±fmax) -> fp8``. ``x: [M, K]`` bf16/fp16/fp32; ``scale``: fp32, one value
+    (0-d, ``[1]`` or ``[1, 1]``) on ``x``'s device. Returns ``[M, K]`` in ``dtype`` (e4m3fn default)."""
+    _check_x(x)
+    V.require_fp32_scale(scale, "scale")
+    if not V.is_scalar_shape(scale):
+        raise InvalidInputError(f"a static scale holds one value, got shape {tuple(scale.shape)}")
+    V.require_same_device(scale, "scale", x.device)
+    V.check_scale_values(scale, "scale")
+    return quantize_checked(x, ActScale.PER_TENSOR_STATIC, scale, dtype)[0]
+
+
+def quantize_dynamic(x: torch.Tensor, dtype: object = Fp8Dtype.E4M3FN) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor dynamic quantization of ``x: [M, K]``; returns ``(q [M, K], scale [1] fp32)``,
+    the scale computed on ``x``'s device."""
+    _check_x(x)
+    return quantize_checked(x, ActScale.PER_TENSOR_DYNAMIC, None, dtype)
+
+
+def quantize_per_token(x: torch.Tensor, dtype: object = Fp8Dtype.E4M3FN) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (row) dynamic quantization of ``x: [M, K]``; returns ``(q [M, K], scale [M, 1] fp32)``."""
+    _check_x(x)
+    return quantize_checked(x, ActScale.PER_TOKEN, None, dtype)
+
+
+def quantize_per_token_group(
+    x: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE, dtype: object = Fp8Dtype.E4M3FN,
+    scale_layout: ScaleLayout | str = ScaleLayout.ROW_MAJOR,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token-group dynamic quantization of ``x: [M, K]`` (any strides) in groups of ``group_size`` (64 or 128)
+    along K; returns ``(q [M, K] row-major, scale [M, ceil(K/G)] fp32)``, the scale written in ``scale_layout`` (the
+    layout the consuming GEMM reads: its ``capabilities.group_scale_layout``)."""
+    _check_x(x)
+    if group_size not in GROUP_SIZES:
+        raise InvalidInputError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size!r}")
+    layout = ScaleLayout.of(scale_layout)
+    fp8 = _fp8(dtype)
+    if _inline():
+        from ..core import reference
+
+        q, s = reference.quantize_per_token_group(x, group_size, fp8)
+        return q, s if layout is ScaleLayout.ROW_MAJOR else _traced_layout(s, layout)
+    return _call(ActScale.PER_TOKEN_GROUP)(x, group_size, layout.value, fp8)
+
+
+def _traced_layout(scale: torch.Tensor, layout: ScaleLayout) -> torch.Tensor:
+    """``scale [M, G]`` re-laid out as torch ops a compiler can fuse into the quantization that made it."""
+    if layout is ScaleLayout.M_MAJOR:
+        return scale.t().contiguous().t()
+    from ..core import group_scales
+
+    return group_scales.to_layout(scale, layout)
+
+
+def quantize(
+    x: torch.Tensor,
+    mode: ActScale | str,
+    scale: torch.Tensor | None = None,
+    dtype: object = Fp8Dtype.E4M3FN,
+    *,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    scale_layout: ScaleLayout | str = ScaleLayout.ROW_MAJOR,
+) -> QuantizedActivation:
+    """Quantize ``x: [M, K]`` in ``mode`` and wrap the result as a :class:`QuantizedActivation`
+    (``orig_dtype = x.dtype``). ``scale`` is required for the static mode and refused otherwise; ``group_size``
+    and ``scale_layout`` are the per-token-group mode's (:func:`quantize_per_token_group`)."""
+    mode = ActScale.of(mode)
+    if mode is ActScale.PER_TENSOR_STATIC:
+        if scale is None:
+            raise InvalidInputError("static quantization needs a scale (the layer's input_scale)")
+        return QuantizedActivation(quantize_static(x, scale, dtype), scale, x.dtype, mode)
+    if scale is not None:
+        raise InvalidInputError(f"{mode.value} quantization computes its own scale; do not pass one")
+    if mode is ActScale.PER_TENSOR_DYNAMIC:
+        q, s = quantize_dynamic(x, dtype)
+    elif mode is ActScale.PER_TOKEN_GROUP:
+        q, s = quantize_per_token_group(x, group_size, dtype, scale_layout)
+    else:
+        q, s = quantize_per_token(x, dtype)
+    return QuantizedActivation(q, s, x.dtype, mode)
+
+
+__all__ = [
+    "compile_mode",
+    "default_quant_impl",
+    "op_call",
+    "quant_op",
+    "quantize",
+    "quantize_checked",
+    "quantize_dynamic",
+    "quantize_per_token",
+    "quantize_per_token_group",
+    "quantize_static",
+    "register_quant_impl",
+    "registered_quant_impl",
+    "reset_default_impls",
+    "set_compile_mode",
+]
