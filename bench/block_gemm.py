@@ -448,7 +448,7 @@ def _norm_reference(x: Any, weight: Any, eps: float, residual: Any, per_token: b
     padded = torch.nn.functional.pad(y, (0, kg * GROUP - h)).view(t, kg, GROUP)
     scale = (padded.abs().amax(-1) / 448.0).clamp_min(1e-12)
     q = (y / scale.repeat_interleave(GROUP, 1)[:, :h]).clamp(-448, 448).to(torch.float8_e4m3fn)
-    return q, scale  # written out as torch ops (not the reference's helpers) so torch.compile sees plain code
+    return q, scale  # written out as torch ops (not the reference's functions) so torch.compile sees plain code
 
 
 def norm_point(hidden: int, tokens: int, residual: bool, device: str, timer: Any, args: argparse.Namespace,

@@ -1,5 +1,5 @@
 """``bench/block_gemm.py`` on the CPU: the smoke run end to end (tiny shapes on Triton's interpreter: every variant
-built, checked and timed, refusals recorded, JSON and markdown written), and its pure helpers (family picks, targets,
+built, checked and timed, refusals recorded, JSON and markdown written), and its pure functions (family picks, targets,
 the sweep's table)."""
 
 from __future__ import annotations

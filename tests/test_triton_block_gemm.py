@@ -46,7 +46,7 @@ SMALL = {
 TOL = {torch.float32: 2e-5, torch.float16: 1.5e-3, torch.bfloat16: 4e-3}
 
 
-# ------------------------------------------------------------------------------------ helpers
+# ------------------------------------------------------------------------------------ operands and checks
 def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.float(), b.float()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
