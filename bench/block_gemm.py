@@ -45,7 +45,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sweep", action="store_true", help="time every shipped Triton config where it is eligible")
     ap.add_argument("--flashinfer", choices=("auto", "on", "off"), default="auto",
                     help="time flashinfer's fp8_blockscale_gemm_sm90 (auto: on unless --quick/--smoke)")
+    ap.add_argument("--skip-providers", default="", help="comma-separated registered providers not to time "
+                    "(e.g. cutlass where its kernels are not built yet: resolving it would build them)")
     ap.add_argument("--no-norm", action="store_true", help="skip the fused norm + quant part")
     ap.add_argument("--no-gemm", action="store_true", help="skip the GEMM part")
     ap.add_argument("--no-compile-baseline", action="store_true", help="norm part without torch.compile")
@@ -334,7 +336,7 @@ def gemm_point(model: str, layer: str, n: int, k: int, m: int, device: str, time
     notes["scaled_mm"] = {"layout": layout, "refused": refused}
     if call is not None:
         runs["scaled_mm"] = Run(call, data.sets, data.check(FP8_TOL))
-    _provider_runs(runs, notes, data, m, n, k, device)
+    _provider_runs(runs, notes, data, m, n, k, device, {p.strip() for p in args.skip_providers.split(",") if p})
     if flashinfer.fn is not None:
         if k % 128 or n % 64:
             notes["flashinfer"] = {"layout": None, "refused": {"all": "needs K % 128 == 0 and N % 64 == 0"}}
@@ -351,7 +353,7 @@ def gemm_point(model: str, layer: str, n: int, k: int, m: int, device: str, time
 
 
 def _provider_runs(runs: dict[str, Any], notes: dict[str, Any], data: GemmData, m: int, n: int, k: int,
-                   device: str) -> None:
+                   device: str, skip: Collection[str] = ()) -> None:
     """``provider:<name>``: every registered GEMM provider but ``triton`` (timed per kernel family above) that serves
     the block problem, called as a layer calls it (``prepare_weight`` once per weight copy, ``gemm`` with the
     activation scales in the layout it declares); the refusals of the others in ``notes["providers"]``."""
@@ -365,7 +367,7 @@ def _provider_runs(runs: dict[str, Any], notes: dict[str, Any], data: GemmData, 
                           device="cuda" if device.startswith("cuda") else "cpu")
     refused: dict[str, str] = {}
     for entry in discover("gemm"):
-        if entry.name == "triton" or f"provider:{entry.name}" in runs:
+        if entry.name == "triton" or entry.name in skip or f"provider:{entry.name}" in runs:
             continue
         try:
             backend = resolve_gemm_backend(entry.name, problem=problem)
