@@ -458,7 +458,7 @@ def norm_point(hidden: int, tokens: int, residual: bool, device: str, timer: Any
     import torch
 
     from bench.compiled_baseline import _raise_recompile_limits
-    from fp8_backends.providers.triton import norm_dynamic_kernels as nd
+    from fp8_backends.providers.triton import norm_dynamic_ops as nd
     from fp8_backends.tuning.timing import Run, rotation_count
 
     g = torch.Generator(device=device).manual_seed(tokens * 7 + hidden)

@@ -445,19 +445,22 @@ def test_gpu_inductor_launches_the_kernel_itself(m):
 
 def test_traced_bodies_give_the_op_schemas():
     """The triton_op bodies (what torch.compile traces on a GPU) infer the schemas of the eager/opaque ops."""
-    from fp8_backends.providers.triton import block_traced_ops as t
+    from fp8_backends.providers.triton import block_gemm_traced, group_quant_traced, norm_dynamic_traced
 
     schemas = {
-        t.triton_block_gemm: ("(Tensor x, Tensor w, Tensor x_scale, Tensor w_scale, Tensor? bias, ScalarType out_dtype,"
-                              " SymInt group_size, str config) -> Tensor"),
-        t.triton_quant_per_token_group: "(Tensor x, SymInt group_size, ScalarType fp8_dtype, str scale_layout) -> "
-                                        "(Tensor, Tensor)",
-        t.triton_rmsnorm_quant_dynamic: "(Tensor x, Tensor weight, float eps, SymInt group_size, str scale_layout, "
-                                        "ScalarType fp8_dtype) -> (Tensor, Tensor)",
+        block_gemm_traced.triton_block_gemm: (
+            "(Tensor x, Tensor w, Tensor x_scale, Tensor w_scale, Tensor? bias, ScalarType out_dtype, "
+            "SymInt group_size, str config) -> Tensor"),
+        group_quant_traced.triton_quant_per_token_group: (
+            "(Tensor x, SymInt group_size, ScalarType fp8_dtype, str scale_layout) -> (Tensor, Tensor)"),
+        norm_dynamic_traced.triton_rmsnorm_quant_dynamic: (
+            "(Tensor x, Tensor weight, float eps, SymInt group_size, str scale_layout, ScalarType fp8_dtype) -> "
+            "(Tensor, Tensor)"),
     }
     for fn, schema in schemas.items():
         assert torch.library.infer_schema(fn, mutates_args=()) == schema
-    add = torch.library.infer_schema(t.triton_fused_add_rmsnorm_quant_dynamic, mutates_args=("residual",))
+    add = torch.library.infer_schema(norm_dynamic_traced.triton_fused_add_rmsnorm_quant_dynamic,
+                                     mutates_args=("residual",))
     assert "Tensor(a1!) residual" in add
 
 

@@ -1,4 +1,4 @@
-"""The Triton per-token-group FP8 quantization (``providers/triton/group_quant_kernels.py``) against the reference
+"""The Triton per-token-group FP8 quantization (``providers/triton/group_quant_*.py``) against the reference
 (``tests/block_reference.py``).
 
 CPU part: the kernel on Triton's interpreter with exact float conversions (a module fixture), so codes and scales
@@ -19,7 +19,8 @@ import block_reference as R  # noqa: E402
 
 from fp8_backends.core.errors import InvalidInputError  # noqa: E402
 from fp8_backends.providers.triton import _support  # noqa: E402
-from fp8_backends.providers.triton import group_quant_kernels as gq  # noqa: E402
+from fp8_backends.providers.triton import group_quant_kernels as gk  # noqa: E402
+from fp8_backends.providers.triton import group_quant_ops as gq  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -78,12 +79,12 @@ def test_matches_reference(m, k, group, dtype, fp8):
 
 
 @needs_kernels
-@pytest.mark.parametrize("layout", gq.SCALE_LAYOUTS)
+@pytest.mark.parametrize("layout", gk.SCALE_LAYOUTS)
 @pytest.mark.parametrize(("m", "k"), [(1, 300), (6, 512), (7, 130)])
 def test_every_scale_layout(layout, m, k):
     x = _x(m, k, seed=1)
     q, s = gq.quant_per_token_group(x, 128, scale_layout=layout)
-    assert gq.scale_layout_of(s) == layout or m == 1
+    assert gk.scale_layout_of(s) == layout or m == 1
     if layout != "row_major" and m > 1:
         assert s.stride(0) == 1 and s.stride(1) == (m if layout == "m_major" else -(-m // 4) * 4)
     assert_same(q, s, *R.quantize_per_token_group(x, 128))
@@ -151,20 +152,20 @@ def test_bad_arguments():
 
 
 def test_group_config_wastes_few_groups():
-    assert gq.group_config(7168, 128) == gq.GroupConfig(4, 8, gq.TILE_WARPS)  # 56 groups: 7 x 8
-    assert gq.group_config(4096, 128).groups == 32
-    assert gq.group_config(4096, 64).groups == 64
-    assert gq.group_config(200, 128) == gq.GroupConfig(16, 2, gq.TILE_WARPS)
+    assert gk.group_config(7168, 128) == gk.GroupConfig(4, 8, gk.TILE_WARPS)  # 56 groups: 7 x 8
+    assert gk.group_config(4096, 128).groups == 32
+    assert gk.group_config(4096, 64).groups == 64
+    assert gk.group_config(200, 128) == gk.GroupConfig(16, 2, gk.TILE_WARPS)
     for k in (1, 100, 1000, 6840, 18432):
-        cfg = gq.group_config(k, 128)
-        assert cfg.rows * cfg.groups * 128 <= max(gq.TILE, 128)
+        cfg = gk.group_config(k, 128)
+        assert cfg.rows * cfg.groups * 128 <= max(gk.TILE, 128)
 
 
 def test_scale_layout_of():
     like = torch.empty(1)
-    for layout in gq.SCALE_LAYOUTS:
-        assert gq.scale_layout_of(gq.group_scale_empty(6, 3, layout, like)) == layout
-    assert gq.scale_layout_of(torch.empty(8, 6)[:, ::2]) is None
+    for layout in gk.SCALE_LAYOUTS:
+        assert gk.scale_layout_of(gk.group_scale_empty(6, 3, layout, like)) == layout
+    assert gk.scale_layout_of(torch.empty(8, 6)[:, ::2]) is None
 
 
 @needs_kernels
@@ -185,7 +186,7 @@ def test_op_and_fake():
 
 # ------------------------------------------------------------------------------------ GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", gq.SCALE_LAYOUTS)
+@pytest.mark.parametrize("layout", gk.SCALE_LAYOUTS)
 @pytest.mark.parametrize(("m", "k", "group"), [(1, 7168, 128), (33, 4096, 64), (4096, 7168, 128), (257, 6840, 128)])
 def test_gpu_real_sizes(m, k, group, layout):
     x = _x(m, k)

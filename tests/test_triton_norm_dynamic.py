@@ -1,5 +1,5 @@
 """The Triton fused RMSNorm (+ residual add) + dynamic FP8 quantization, per token group and per token
-(``providers/triton/norm_dynamic_kernels.py``), against the reference (``tests/block_reference.py``).
+(``providers/triton/norm_dynamic_*.py``), against the reference (``tests/block_reference.py``).
 
 CPU part: the kernels on Triton's interpreter with exact float conversions (a module fixture): hidden sizes that are
 not multiples of the group (33, 200, 1000) and real ones (4096), G = 64 and 128, both modes with and without the
@@ -20,7 +20,8 @@ import block_reference as R  # noqa: E402
 
 from fp8_backends.core.errors import InvalidInputError  # noqa: E402
 from fp8_backends.providers.triton import _support  # noqa: E402
-from fp8_backends.providers.triton import norm_dynamic_kernels as nd  # noqa: E402
+from fp8_backends.providers.triton import norm_dynamic_kernels as nk  # noqa: E402
+from fp8_backends.providers.triton import norm_dynamic_ops as nd  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -121,7 +122,7 @@ def test_e5m2(mode):
 def test_chunked_path(h, group, loop_block, mode, residual):
     """The path of hidden sizes past 32768, reached at small H by lowering the one-pass limit; the tail chunk is
     partial in the first two cases."""
-    cfg = nd.dyn_config(3, h, residual, group, mode == "token", single_pass_max=64, loop_block=loop_block)
+    cfg = nk.dyn_config(3, h, residual, group, mode == "token", single_pass_max=64, loop_block=loop_block)
     assert cfg.path == "loop" and cfg.ng * cfg.gb == loop_block
     _run_and_check(3, h, mode, residual, group=group, config=cfg)
 
@@ -132,7 +133,7 @@ def test_chunked_path(h, group, loop_block, mode, residual):
 def test_a_nan_row_is_nan_and_alone(mode, chunked):
     x, r, w = _inputs(4, 384, torch.float32, seed=3)
     x[2, 5] = float("nan")
-    cfg = nd.dyn_config(4, 384, False, 128, mode == "token", single_pass_max=64, loop_block=128) if chunked else None
+    cfg = nk.dyn_config(4, 384, False, 128, mode == "token", single_pass_max=64, loop_block=128) if chunked else None
     q, s, _ = nd.rmsnorm_quant_dynamic(x, w, EPS, act_scale=MODES[mode], config=cfg)
     rq, rs, _ = R.rmsnorm_quant_dynamic(x, w, EPS, None, mode == "token")
     assert torch.isnan(s[2]).all() and torch.isnan(q[2].float()).all()
@@ -167,12 +168,12 @@ def test_bad_arguments():
 
 def test_dyn_config():
     # real hidden sizes: one pass, group blocks of G (per token: one block of the row)
-    cfg = nd.dyn_config(4096, 7168, True, 128, False)
+    cfg = nk.dyn_config(4096, 7168, True, 128, False)
     assert cfg.path == "block" and cfg.ng * cfg.gb == 8192 and cfg.gb == 128
-    assert nd.dyn_config(4096, 7168, True, 128, True) == nd.DynConfig("block", cfg.rows, 1, 8192, cfg.num_warps)
-    small = nd.dyn_config(64, 96, False, 128, False)
+    assert nk.dyn_config(4096, 7168, True, 128, True) == nk.DynConfig("block", cfg.rows, 1, 8192, cfg.num_warps)
+    small = nk.dyn_config(64, 96, False, 128, False)
     assert small.path == "block" and small.rows > 1 and small.ng * small.gb >= 96
-    big = nd.dyn_config(8, 65536, False, 128, False)
+    big = nk.dyn_config(8, 65536, False, 128, False)
     assert big.path == "loop" and big.ng * big.gb == 16384
 
 

@@ -10,8 +10,8 @@ Entry points:
   bf16/fp16/fp32, ``group_size`` G (128 or 64). Returns a new ``[M, N]`` tensor (or writes ``out``).
 - :func:`launch`: the same without the checks (a provider that validated its inputs).
 - :func:`run_config`: one config's launch into ``out`` (benchmarks and tests name configs).
-- :func:`kernel_args`: ``(kernel, grid, args)`` of a pointer-kernel launch, shared with the traced op body
-  (:mod:`.block_traced_ops`), so ``torch.compile`` launches the same kernel from Inductor's code.
+- the launch itself (config, K split, kernel, grid, arguments) is :mod:`.block_gemm_args`, shared with the traced op
+  body (:mod:`.block_gemm_traced`), so ``torch.compile`` launches the same kernel from Inductor's code.
 
 Split K (``swap``/``mm`` configs with ``split_k != 1``): the partial tiles go to a new fp32 ``[S, M, N]`` buffer of
 the launch (torch's caching allocator: a CUDA graph captures it from its pool) and the arrival counters to a zeroed
@@ -27,10 +27,8 @@ This module imports torch and triton: import it lazily.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import logging
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -38,34 +36,30 @@ from fp8_backends.core.errors import InvalidInputError
 from fp8_backends.core.oplib import LazyOps, TritonOpSpec
 
 from . import _support
-from .block_gemm_configs import CONFIGS, WEIGHT_BLOCK, BlockTileConfig, active_table, auto_split
+from .block_gemm_args import (
+    COUNTER_SLOTS,
+    TMA_OP_BASENAME,
+    Plan,
+    cdiv,
+    empty_k,
+    kernel_args,
+    pick_config,
+    plan_launch,
+    pointer_twin,
+    row_align,
+    sm_count,
+    tiles_of,
+    tma_ok,
+)
+from .block_gemm_configs import CONFIGS, WEIGHT_BLOCK, BlockTileConfig
 from .launcher import ReplayCache, launcher_for, raw_stream
-
-logger = logging.getLogger("fp8_backends")
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 GROUP_SIZES = (64, 128)
-#: arrival counters per (device, stream): at most this many output tiles in one split-K launch
-COUNTER_SLOTS = 16384
-_GRID_Y_MAX = 65535
-
 OP_BASENAME = "triton_block_gemm"
-TMA_OP_BASENAME = "triton_block_gemm_tma"
 OP_SCHEMA_ARGS = ("Tensor x, Tensor w, Tensor x_scale, Tensor w_scale, Tensor? bias, ScalarType out_dtype, "
                   "int group_size, str config")
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def pick_config(config: str, m: int, n: int, k: int) -> BlockTileConfig:
-    """The :class:`BlockTileConfig` for ``config`` (a name, or ``auto``: the active table's pick for M x N x K)."""
-    try:
-        return CONFIGS[active_table().pick(m, n, k) if config == "auto" else config]
-    except KeyError:
-        raise InvalidInputError(f"unknown block GEMM config {config!r}") from None
 
 
 # ---------------------------------------------------------------------------------------------- weight scales
@@ -98,11 +92,11 @@ def check_inputs(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor, w_scal
                                 f"got {group_size}")
     if wbn < 16 or wbn & (wbn - 1) or wbk & (wbk - 1):
         raise InvalidInputError(f"weight_block must be powers of two with N >= 16, got {weight_block}")
-    want_xs = (m, _cdiv(k, group_size))
+    want_xs = (m, cdiv(k, group_size))
     if tuple(x_scale.shape) != want_xs or x_scale.dtype != torch.float32:
         raise InvalidInputError(f"x_scale must be fp32 {list(want_xs)} ([M, ceil(K/{group_size})]), got "
                                 f"{x_scale.dtype} {list(x_scale.shape)}")
-    want_ws = (_cdiv(n, wbn), _cdiv(k, wbk))
+    want_ws = (cdiv(n, wbn), cdiv(k, wbk))
     if tuple(w_scale.shape) != want_ws or w_scale.dtype != torch.float32:
         raise InvalidInputError(f"w_scale must be fp32 {list(want_ws)} ([ceil(N/{wbn}), ceil(K/{wbk})]), got "
                                 f"{w_scale.dtype} {list(w_scale.shape)}")
@@ -114,69 +108,6 @@ def check_inputs(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor, w_scal
 
 
 # ---------------------------------------------------------------------------------------------- the plan
-class Plan(NamedTuple):
-    """What a launch runs: the config (a TMA config may become its pointer twin), the K split and the activation
-    groups each split covers."""
-
-    cfg: BlockTileConfig
-    split: int
-    groups_per_split: int
-
-
-@functools.lru_cache(maxsize=64)
-def _sm_count_of(device_type: str, index: int) -> int:
-    if device_type != "cuda":
-        return 4  # the interpreter: a few programs exercise the split-K and persistent paths
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def sm_count(device: torch.device) -> int:
-    return _sm_count_of(device.type, device.index if device.index is not None else 0)
-
-
-def tiles_of(cfg: BlockTileConfig, m: int, n: int) -> int:
-    return _cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n)
-
-
-def plan_launch(cfg: BlockTileConfig, m: int, n: int, k: int, group_size: int, sms: int) -> Plan:
-    """The split-K of ``cfg`` on ``M x N x K`` (``split_k = 0``: :func:`.block_gemm_configs.auto_split`)."""
-    groups = _cdiv(k, group_size)
-    if cfg.family not in ("swap", "mm") or groups == 0:
-        return Plan(cfg, 1, groups)
-    tiles = tiles_of(cfg, m, n)
-    split = cfg.split_k if cfg.split_k else auto_split(tiles, groups, sms)
-    split = max(1, min(split, groups))
-    if split > 1 and tiles > COUNTER_SLOTS:
-        split = 1
-    per = _cdiv(groups, split)
-    return Plan(cfg, _cdiv(groups, per), per)
-
-
-def row_align(*values: int) -> int:
-    """The largest power of two (at most 16) dividing every value (K and the row strides, in elements = bytes for
-    float8): what the kernels may assume for vector loads."""
-    align = 16
-    for s in values:
-        while align > 1 and s % align:
-            align //= 2
-    return align
-
-
-def tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """TMA can address both operands: 16-byte aligned bases and row strides, unit column strides."""
-    return (x.stride(1) == 1 and w.stride(1) == 1 and not (x.stride(0) % 16 or w.stride(0) % 16)
-            and not (x.data_ptr() % 16 or w.data_ptr() % 16))
-
-
-@functools.lru_cache(maxsize=64)
-def pointer_twin(cfg: BlockTileConfig) -> BlockTileConfig:
-    """The ``mm`` config with ``cfg``'s tiles (for operands TMA cannot address); logged once per config (INFO)."""
-    twin = dataclasses.replace(cfg, family="mm", persistent=0, split_k=1)
-    logger.info("triton block GEMM: TMA cannot address an operand (16-byte alignment), so %s runs as %s (same "
-                "tiles, pointer loads); logged once per config", cfg.name, twin.name)
-    return twin
-
-
 # ---------------------------------------------------------------------------------------------- buffers
 _counters: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -196,53 +127,6 @@ def counters_for(device: torch.device) -> torch.Tensor:
 def reset_buffers() -> None:
     """Forget the counter buffers (tests)."""
     _counters.clear()
-
-
-# ---------------------------------------------------------------------------------------------- kernel arguments
-@functools.cache
-def _kernel(family: str) -> Any:
-    from . import block_gemm_kernels as K
-
-    return {"gemv": K.block_gemv_kernel, "swap": K.block_gemm_swap_kernel, "mm": K.block_gemm_mm_kernel}[family]
-
-
-def kernel_args(plan: Plan, x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
-                bias: torch.Tensor | None, out: torch.Tensor, part: torch.Tensor | None, counters: torch.Tensor | None,
-                group_size: int, weight_block: tuple[int, int], use_pdl: bool
-                ) -> tuple[Any, tuple[int, ...], tuple[Any, ...]]:
-    """``(kernel, grid, args)`` of a pointer-kernel launch (``gemv``/``swap``/``mm``): every kernel parameter in
-    declaration order, constexprs included, pointers first (``x, w, out, x_scale, w_scale, bias`` and, for the
-    tensor-core kernels, ``part, counters``; a replay passes those itself). Sizes may be symbolic under tracing."""
-    cfg = plan.cfg
-    m, k = x.shape
-    n = w.shape[0]
-    wbn, wbk = weight_block
-    b = out if bias is None else bias
-    strides = (x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-               x_scale.stride(0), x_scale.stride(1), w_scale.stride(0), w_scale.stride(1), b.stride(0))
-    align = row_align(k, x.stride(0), w.stride(0))
-    if cfg.family == "gemv":
-        step = cfg.groups * group_size
-        if m > _GRID_Y_MAX:
-            raise InvalidInputError(f"config {cfg.name} cannot launch {m} tokens (CUDA grid limit {_GRID_Y_MAX})")
-        return (_kernel("gemv"), (_cdiv(n, cfg.block_n), m),
-                (x, w, out, x_scale, w_scale, b, m, n, k, *strides, cfg.block_n, cfg.groups, group_size, wbn, wbk,
-                 bias is not None, k % step == 0, align, use_pdl))
-    part_t = out if part is None else part
-    cnt_t = out if counters is None else counters
-    head = (x, w, out, x_scale, w_scale, b, part_t, cnt_t, m, n, k, plan.groups_per_split, *strides)
-    even = k % group_size == 0
-    if cfg.family == "swap":
-        m_tiles = _cdiv(m, cfg.block_m)
-        if m_tiles > _GRID_Y_MAX:
-            raise InvalidInputError(f"config {cfg.name} cannot launch {m_tiles} token blocks (CUDA grid limit "
-                                    f"{_GRID_Y_MAX}); use config=auto or an mm config for this M")
-        return (_kernel("swap"), (_cdiv(n, cfg.block_n), m_tiles, plan.split),
-                (*head, cfg.block_m, cfg.block_n, group_size, wbn, wbk, plan.split, bias is not None, even, align,
-                 use_pdl))
-    return (_kernel("mm"), (tiles_of(cfg, m, n), plan.split),
-            (*head, cfg.block_m, cfg.block_n, group_size, wbn, wbk, cfg.group_m, plan.split, bias is not None, even,
-             align, use_pdl))
 
 
 # ---------------------------------------------------------------------------------------------- launches
@@ -332,13 +216,6 @@ def _launch_tma(cfg: BlockTileConfig, x: torch.Tensor, w: torch.Tensor, x_scale:
         GROUP_M=cfg.group_m, HAS_BIAS=bias is not None, USE_PDL=use_pdl, **extra)
 
 
-def _empty_k(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """K = 0: the product is zero; the output is the bias (or zeros)."""
-    if bias is None:
-        return out.zero_()
-    return out.copy_(bias.to(out.dtype).expand_as(out))
-
-
 def launch(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
            bias: torch.Tensor | None, out_dtype: torch.dtype, group_size: int = 128, config: str = "auto",
            out: torch.Tensor | None = None, weight_block: tuple[int, int] = WEIGHT_BLOCK) -> torch.Tensor:
@@ -350,7 +227,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor, w_scale: tor
     if m == 0 or n == 0:
         return out
     if k == 0:
-        return _empty_k(out, bias)
+        return empty_k(out, bias)
     run_config(pick_config(config, m, n, k), x, w, x_scale, w_scale, bias, out, group_size, weight_block)
     return out
 
@@ -389,14 +266,14 @@ def _dispatch_keys() -> tuple[str, ...]:
 
 def _specs() -> dict[str, Any]:
     """``triton_block_gemm`` as a ``triton_op`` (torch.compile launches the pointer kernels itself, see
-    :mod:`.block_traced_ops`) beside the opaque ``triton_block_gemm_tma`` its traced body calls for the TMA configs.
+    :mod:`.block_gemm_traced`) beside the opaque ``triton_block_gemm_tma`` its traced body calls for the TMA configs.
     Under Triton's interpreter both are plain opaque ops: Inductor cannot launch interpreted kernels."""
     schemas = {name: f"{name}({OP_SCHEMA_ARGS}) -> Tensor" for name in (OP_BASENAME, TMA_OP_BASENAME)}
     if _support.interpreting():
         return {name: (schema, _op_launch, _fake) for name, schema in schemas.items()}
-    from . import block_traced_ops
+    from . import block_gemm_traced
 
-    return {OP_BASENAME: TritonOpSpec(block_traced_ops.triton_block_gemm, _op_launch),
+    return {OP_BASENAME: TritonOpSpec(block_gemm_traced.triton_block_gemm, _op_launch),
             TMA_OP_BASENAME: (schemas[TMA_OP_BASENAME], _op_launch, _fake)}
 
 

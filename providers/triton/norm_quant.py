@@ -165,8 +165,8 @@ class TritonNormQuantBackend(OpNormQuantBackend):
     def _dynamic_call(self) -> Any:
         call = self._dynamic_op
         if call is None:
-            from .norm_dynamic_kernels import load_ops as load_dynamic_ops
-            from .norm_dynamic_kernels import triton_rmsnorm_quant_dynamic
+            from .norm_dynamic_ops import load_ops as load_dynamic_ops
+            from .norm_dynamic_ops import triton_rmsnorm_quant_dynamic
 
             load_dynamic_ops()
             call = self._dynamic_op = triton_rmsnorm_quant_dynamic

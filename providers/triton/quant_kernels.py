@@ -442,10 +442,10 @@ def quant_per_token(
 # ------------------------------------------------------------------------------------------ registration
 def impls() -> dict[Any, Callable[..., Any]]:
     """``{ActScale: fn}`` for the four modes (what :func:`register` installs): the three of this module and the
-    per-token-group quantization of :mod:`.group_quant_kernels`."""
+    per-token-group quantization of :mod:`.group_quant_ops`."""
     from fp8_backends.core.types import ActScale
 
-    from .group_quant_kernels import quant_impl
+    from .group_quant_ops import quant_impl
 
     return {
         ActScale.PER_TENSOR_STATIC: quant_static,
