@@ -27,8 +27,11 @@ from bench import common
 from bench.common import host_per_call_us  # noqa: F401 - also hf_workers' (hf.host_per_call_us)
 from fp8_backends.core.settings import HOST_CONTEXT_ENV
 
-VARIANTS = ("bf16", "torchao", "fp8_dynamic", "fp8_static", "fp8_dynamic_sl", "fp8_static_sl")
-FP8_VARIANTS = ("fp8_dynamic", "fp8_static", "fp8_dynamic_sl", "fp8_static_sl")
+VARIANTS = ("bf16", "torchao", "fp8_dynamic", "fp8_static", "fp8_dynamic_sl", "fp8_static_sl", "fp8_block",
+            "fp8_channel")
+#: fp8_block: block-wise FP8 (quantize_model(weight_scale="block"): 128x128 weight blocks, groups of 128);
+#: fp8_channel: per-channel weights with dynamic per-token activations (the FP8_DYNAMIC checkpoint scheme)
+FP8_VARIANTS = ("fp8_dynamic", "fp8_static", "fp8_dynamic_sl", "fp8_static_sl", "fp8_block", "fp8_channel")
 #: variants quantized with ``quantize_model(static_launch=True)`` (a global Inductor setting: ``--parallel-compile``)
 STATIC_LAUNCH_VARIANTS = ("fp8_dynamic_sl", "fp8_static_sl")
 
@@ -79,6 +82,10 @@ MODELS: dict[str, dict[str, Any]] = {
               "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 500000.0, "rms_norm_eps": 1e-5},
     "qwen2": {"arch": "Qwen2ForCausalLM", "config": "Qwen2Config", "hidden_size": 3584, "intermediate_size": 18944,
               "num_attention_heads": 28, "num_key_value_heads": 4, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6},
+    # Qwen3-8B layer sizes (the block-wise FP8 checkpoints Qwen3-*-FP8 ship): q/k norms, head_dim 128
+    "qwen3": {"arch": "Qwen3ForCausalLM", "config": "Qwen3Config", "hidden_size": 4096, "intermediate_size": 12288,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 1000000.0,
+              "rms_norm_eps": 1e-6},
 }
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
 VOCAB = 32000
@@ -96,6 +103,8 @@ def build_model(name: str, layers: int, device: str, small: bool, max_positions:
     arch, cfg_name = spec.pop("arch"), spec.pop("config")
     if small:
         spec.update(SMALL)
+        if "head_dim" in spec:
+            spec["head_dim"] = 16
     config = getattr(transformers, cfg_name)(num_hidden_layers=layers, vocab_size=VOCAB if not small else 256,
                                              max_position_embeddings=max_positions, tie_word_embeddings=False, **spec)
     torch.manual_seed(0)
@@ -135,6 +144,12 @@ def make_variants(base: Any, names: list[str], calib_ids: torch.Tensor,
                 notes[name] = {"config": "Float8DynamicActivationFloat8WeightConfig(PerTensor())"}
             elif kind == "fp8_dynamic":
                 summary = quantize_model(model, static_launch=launch, **extra)
+                notes[name] = {"swapped": summary.count, "gemms": summary.gemms, "providers": summary.providers(),
+                               "bytes_saved": summary.bytes_saved}
+            elif kind in ("fp8_block", "fp8_channel"):
+                scheme = ({"weight_scale": "block"} if kind == "fp8_block"
+                          else {"weight_scale": "per_channel", "act_scale": "per_token"})
+                summary = quantize_model(model, static_launch=launch, **scheme, **extra)
                 notes[name] = {"swapped": summary.count, "gemms": summary.gemms, "providers": summary.providers(),
                                "bytes_saved": summary.bytes_saved}
             elif kind == "fp8_static":

@@ -55,6 +55,7 @@ _EXPORTS = {
     "BuildError": "fp8_backends.core.errors",
     "DataFileError": "fp8_backends.core.errors",
     "ProviderOutputError": "fp8_backends.core.errors",
+    "CheckpointError": "fp8_backends.core.errors",
     "resolve_gemm_backend": "fp8_backends.registry.resolution",
     "resolve_norm_quant_backend": "fp8_backends.registry.resolution",
     "init_fp8_gemm": "fp8_backends.registry.per_m",
@@ -74,6 +75,10 @@ _EXPORTS = {
     "QuantizeSummary": "fp8_backends.convert",
     "static_launch_triton_ops": "fp8_backends.layers.inductor_setup",
     "backends_from_args": "fp8_backends.cli",
+    "load_pretrained": "fp8_backends.checkpoints.pretrained",
+    "swap_fp8_layers": "fp8_backends.checkpoints.swap",
+    "load_fp8_state_dict": "fp8_backends.checkpoints.loader",
+    "CheckpointSummary": "fp8_backends.checkpoints.summary",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -103,6 +108,10 @@ __getattr__, __dir__ = _lazy_exports(globals(), _EXPORTS)
 
 
 if TYPE_CHECKING:
+    from .checkpoints.loader import load_fp8_state_dict
+    from .checkpoints.pretrained import load_pretrained
+    from .checkpoints.summary import CheckpointSummary
+    from .checkpoints.swap import swap_fp8_layers
     from .cli import add_cli_args, backends_from_args
     from .convert import QuantizeSummary, quantize_model
     from .core.backend import Fp8GemmBackend, NormQuantBackend, OpGemmBackend, OpNormQuantBackend, ProviderBase
@@ -112,6 +121,7 @@ if TYPE_CHECKING:
         BackendOptionError,
         BackendUnavailableError,
         BuildError,
+        CheckpointError,
         ConfigurationError,
         DataFileError,
         Fp8BackendError,

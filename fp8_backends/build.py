@@ -1,8 +1,8 @@
 """``python -m fp8_backends.build PROVIDER``: build a provider's just-in-time kernels ahead of serving.
 
-Providers with JIT kernels: ``cutlass`` (CUTLASS 3.x SM90 FP8 GEMM). Works on a machine without a GPU
-as long as nvcc and the headers are there; the libraries land in the provider's disk cache, where a
-serving process (same cache folder) finds them.
+Providers with JIT kernels: ``cutlass`` (CUTLASS 3.x SM90 FP8 GEMM) and ``flashinfer_block`` (flashinfer's
+``fp8_blockscale_gemm_sm90``). ``cutlass`` works on a machine without a GPU as long as nvcc and the headers are there;
+the libraries land in the provider's disk cache, where a serving process (same cache folder) finds them.
 
 ``cutlass`` options:
   --arch 90a              nvcc target (only 90a; SM100 needs separate kernels)
@@ -16,6 +16,14 @@ serving process (same cache folder) finds them.
   --list                  print what would be built and whether it is cached; build nothing
   --json PATH             also write a JSON report
   --native auto|yes|no    also build the provider's C++ op against this torch (auto: where torch has CUDA)
+
+``flashinfer_block`` options (without any: build flashinfer's module, about 2 minutes the first time; no GPU
+needed, but then set ``FLASHINFER_CUDA_ARCH_LIST=9.0a``):
+  --shapes NxK,...        also compile the DeepGEMM kernels of these weights [N, K] (needs the SM 9.0 GPU)
+  --m LIST                the batch sizes to cover, e.g. 1-31,32-4096 (default 1-31: the decode kernels)
+  --sms N                 SM count for --list without a GPU (default: the GPU's, else 132 as on H100/H200 SXM)
+  --list                  print the module's state and the kernels --shapes/--m need, cached or not; build nothing
+  --json PATH             also write a JSON report
 
 Exit status: 0 all built, 1 some build failed (the compiler log path is printed), 2 bad arguments or
 no toolchain.
@@ -155,7 +163,138 @@ def _native(mode: str) -> dict:
     return {"ok": True, "path": str(path)}
 
 
-BUILDERS = {"cutlass": _cutlass}
+def _parse_shapes(text: str) -> list[tuple[int, int]]:
+    shapes = []
+    for item in (p.strip() for p in text.split(",") if p.strip()):
+        n, sep, k = item.lower().partition("x")
+        try:
+            shape = (int(n), int(k))
+        except ValueError:
+            shape = (0, 0)
+        if not sep or min(shape) < 1:
+            raise ValueError(f"bad shape {item!r} (use NxK, e.g. 7168x2048)")
+        shapes.append(shape)
+    return shapes
+
+
+def _flashinfer_block(argv: Sequence[str]) -> int:
+    """flashinfer's fp8_blockscale_gemm_sm90 module, and optionally the DeepGEMM kernels of given weight shapes."""
+    from fp8_backends.providers.flashinfer import block_jit, common
+
+    parser = argparse.ArgumentParser(prog="python -m fp8_backends.build flashinfer_block",
+                                     description="Prebuild flashinfer's block-scaled FP8 GEMM module and kernels.")
+    parser.add_argument("--shapes", default="")
+    parser.add_argument("--m", default="1-31")
+    parser.add_argument("--sms", type=int, default=None)
+    parser.add_argument("--list", action="store_true")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(list(argv))
+    try:
+        shapes = _parse_shapes(args.shapes)
+        ms = block_jit.parse_ms(args.m)
+        bad = [f"{n}x{k}: {'; '.join(block_jit.shape_reasons(n, k))}" for n, k in shapes
+               if block_jit.shape_reasons(n, k)]
+        if bad:
+            raise ValueError("shapes the kernels cannot serve: " + " | ".join(bad))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if common._find_spec("flashinfer") is None:
+        print(f"error: flashinfer is not installed ({common.INSTALL_HINT})", file=sys.stderr)
+        return 2
+    missing = block_jit.missing_sources()
+    if missing:
+        print(f"error: this flashinfer install lacks the JIT sources {', '.join(missing)} (under flashinfer/data/csrc)",
+              file=sys.stderr)
+        return 2
+    nvcc = block_jit.find_nvcc()
+    if nvcc is None:
+        print("error: no nvcc ($TRTLLM_DG_NVCC_COMPILER, $CUDA_HOME/bin/nvcc or nvcc on the PATH)", file=sys.stderr)
+        return 2
+    module, reason = common.import_flashinfer()
+    reason = reason if module is None else block_jit.feature_reason(module)
+    if reason:
+        print(f"error: {reason}", file=sys.stderr)
+        return 2
+    import torch
+
+    gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+    sms = args.sms or (torch.cuda.get_device_properties(0).multi_processor_count if gpu else 132)
+    try:
+        built, folder = block_jit.module_state(block_jit.module_spec())
+    except Exception as exc:  # no GPU and no FLASHINFER_CUDA_ARCH_LIST, a broken JIT environment
+        print(f"error: flashinfer's JIT spec: {type(exc).__name__}: {exc} (without a GPU, set "
+              "FLASHINFER_CUDA_ARCH_LIST=9.0a)", file=sys.stderr)
+        return 2
+    report: dict = {"flashinfer": common.flashinfer_version(), "nvcc": nvcc, "module": str(folder),
+                    "kernel_cache": str(block_jit.kernel_cache_dir()), "sms": sms, "kernels": []}
+    print(f"flashinfer {common.flashinfer_version()}, nvcc {nvcc}; module {'built' if built else 'not built'} "
+          f"({folder}); DeepGEMM kernel cache {block_jit.kernel_cache_dir()}; {sms} SMs")
+    if args.list:
+        for n, k in shapes:
+            for config, m in block_jit.configs_for(ms, n, k, sms).items():
+                cached = block_jit.kernel_cached_on_disk(config, n, k)
+                print(f"  N={n} K={k} from M={m}: {config.describe():42s} {'cached' if cached else 'not built'}")
+                report["kernels"].append({"n": n, "k": k, "m": m, "config": config.describe(), "cached": cached})
+        return _write_report(args.json, report, 0)
+    if shapes and not gpu:
+        print("error: --shapes compiles DeepGEMM kernels, which needs the SM 9.0 GPU here", file=sys.stderr)
+        return 2
+    lib_logger = logging.getLogger("fp8_backends")
+    level = lib_logger.level
+    lib_logger.setLevel(logging.INFO)  # the build's and each kernel's compile lines
+    try:
+        return _flashinfer_block_build(args, shapes, ms, report)
+    finally:
+        lib_logger.setLevel(level)
+
+
+def _flashinfer_block_build(args: argparse.Namespace, shapes: list[tuple[int, int]], ms: list[int],
+                            report: dict) -> int:
+    import torch
+
+    from fp8_backends.providers.flashinfer import block_jit
+
+    start = time.monotonic()
+    try:
+        block_jit.build_module(load=bool(shapes))
+    except Exception as exc:
+        print(f"  FAILED module: {type(exc).__name__}: {str(exc)[:500]}")
+        report["module_error"] = str(exc)
+        return _write_report(args.json, report, 1)
+    print(f"module ready in {time.monotonic() - start:.1f} s")
+    failed = 0
+    if shapes:
+        from fp8_backends.providers.flashinfer import block_ops
+
+        for n, k in shapes:
+            w = torch.zeros((n, k), dtype=torch.float8_e4m3fn, device="cuda")
+            w_scale = torch.ones((-(-n // 128), k // 128), dtype=torch.float32, device="cuda")
+            try:
+                ran = block_ops.warm_up(w, w_scale, ms)
+            except Exception as exc:
+                failed += 1
+                print(f"  FAILED N={n} K={k}: {type(exc).__name__}: {str(exc)[:300]}")
+                report["kernels"].append({"n": n, "k": k, "ok": False, "error": str(exc)})
+                continue
+            torch.cuda.synchronize()
+            for m, config, seconds in ran:
+                print(f"  N={n} K={k} from M={m}: {config} ready in {seconds:.1f} s")
+                report["kernels"].append({"n": n, "k": k, "m": m, "config": config, "seconds": round(seconds, 1),
+                                          "ok": True})
+            if not ran:
+                print(f"  N={n} K={k}: every kernel for M in {args.m} ran already")
+    return _write_report(args.json, report, 1 if failed else 0)
+
+
+def _write_report(path: str | None, report: dict, status: int) -> int:
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+    return status
+
+
+BUILDERS = {"cutlass": _cutlass, "flashinfer_block": _flashinfer_block}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -335,7 +335,7 @@ def _swap_fused(model: nn.Module, members: Sequence[tuple[str, nn.Linear]], scal
 def quantize_model(
     model: nn.Module,
     *,
-    act_scale: ActScale | str = ActScale.PER_TENSOR_DYNAMIC,
+    act_scale: ActScale | str | None = None,
     weight_scale: WeightScale | str = WeightScale.PER_TENSOR,
     backend: str | Fp8GemmBackend | None = None,
     skip: Sequence[str] = DEFAULT_SKIP,
@@ -353,15 +353,19 @@ def quantize_model(
     Args:
         model: any ``nn.Module``; its linears keep their device and dtype (bf16/fp16/fp32 model dtype).
         act_scale: ``"per_tensor_dynamic"`` (default), ``"per_token"`` or ``"per_tensor_static"`` (needs
-            ``calibration`` or ``input_scales``).
-        weight_scale: ``"per_tensor"`` (default) or ``"per_channel"``.
+            ``calibration`` or ``input_scales``); ``"per_token_group"`` (groups of 128 along K) for block weights,
+            their default.
+        weight_scale: ``"per_tensor"`` (default), ``"per_channel"`` or ``"block"`` (block-wise FP8 as DeepSeek-V3
+            and Qwen3-FP8 ship it: one scale per 128x128 weight block, activations quantized per token in groups
+            of 128; fused siblings are quantized as one weight, so a block may span two of them).
         backend: GEMM provider for every layer: a name (``"auto"``, ``"triton"``, ``"DIST:NAME@opt=v"``), an
             instance, or ``None`` (``FP8_GEMM_BACKEND``, else ``auto``).
         skip: fnmatch patterns on the qualified module name or its last part (default :data:`DEFAULT_SKIP`).
         include: optional ``(name, linear) -> bool`` filter applied after ``skip``.
         calibration: batches run through the unmodified model to calibrate static input scales.
         input_scales: static input scales by module name (override calibration where both are given).
-        weight_dtype / input_dtype: FP8 element types of weights and quantized activations.
+        weight_dtype: FP8 element type of the weights.
+        input_dtype: FP8 element type of the quantized activations.
         static_launch: also let Inductor launch the Triton kernels of the library's ops with its static CUDA
             launcher under ``torch.compile`` (:func:`fp8_backends.layers.inductor_setup.static_launch_triton_ops`: a
             global Inductor setting). Off by default: on the H200 it made a compiled decode step slower (1.7x bf16
@@ -377,11 +381,17 @@ def quantize_model(
     """
     if not isinstance(model, nn.Module):
         raise InvalidTypeError(f"quantize_model needs an nn.Module, got {type(model).__name__}")
-    mode = ActScale.of(act_scale)
     try:
         wmode = WeightScale(weight_scale)
     except (ValueError, TypeError):
-        raise InvalidInputError(f"weight_scale must be per_tensor or per_channel, got {weight_scale!r}") from None
+        raise InvalidInputError(
+            f"weight_scale must be per_tensor, per_channel or block, got {weight_scale!r}") from None
+    if act_scale is None:
+        act_scale = ActScale.PER_TOKEN_GROUP if wmode is WeightScale.BLOCK else ActScale.PER_TENSOR_DYNAMIC
+    mode = ActScale.of(act_scale)
+    if (mode is ActScale.PER_TOKEN_GROUP) != (wmode is WeightScale.BLOCK):
+        raise InvalidInputError(f"block weight scales pair with per_token_group activation scales (block-wise FP8); "
+                                f"got act_scale={mode.value} with weight_scale={wmode.value}")
     fp8_in = Fp8Dtype.of(input_dtype)
     Fp8Dtype.of(weight_dtype)
     skip = _patterns(skip)

@@ -96,12 +96,14 @@ class PerMGemm:
     def prepare(cls, default: Fp8GemmBackend, w_q: torch.Tensor, w_scale: torch.Tensor,
                 table: Sequence[tuple[int, Fp8GemmBackend]] = (),
                 graph_table: Sequence[tuple[int, Fp8GemmBackend]] | None = None,
-                objective: SelectionObjective | None = None) -> PerMGemm:
+                objective: SelectionObjective | None = None, **weight_kw: Any) -> PerMGemm:
         """Prepare ``w_q`` / ``w_scale`` for ``default`` and for every provider of ``table`` (``[(bucket,
         provider), ...]`` ascending, as :func:`~.resolution.resolve_gemm_buckets` returns it) and of
         ``graph_table`` (the rows of CUDA-graph captures, when they differ: ``None`` means ``table``), once per
-        distinct provider. A table that names only ``default`` (or none) gives one row."""
-        prepared = {id(default): default.prepare_weight(w_q, w_scale)}
+        distinct provider. A table that names only ``default`` (or none) gives one row. ``weight_kw``: what
+        :meth:`~fp8_backends.core.backend.Fp8GemmBackend.prepare_weight` takes besides the tensors (a block weight's
+        ``block`` and ``group_size``)."""
+        prepared = {id(default): default.prepare_weight(w_q, w_scale, **weight_kw)}
         base = PerMRow(ANY_M, default, prepared[id(default)])
 
         def rows_of(tab: Sequence[tuple[int, Fp8GemmBackend]]) -> list[PerMRow]:
@@ -110,7 +112,7 @@ class PerMGemm:
             out = []
             for bucket, backend in tab:
                 if id(backend) not in prepared:
-                    prepared[id(backend)] = backend.prepare_weight(w_q, w_scale)
+                    prepared[id(backend)] = backend.prepare_weight(w_q, w_scale, **weight_kw)
                 out.append(PerMRow(int(bucket), backend, prepared[id(backend)]))
             return out
 
@@ -238,7 +240,8 @@ def init_fp8_gemm(
                                                           objective=SelectionObjective.KERNEL)
         else:
             table = resolution.resolve_gemm_buckets(backend, problem=problem, platform=platform, objective=objective)
-    kernel = PerMGemm.prepare(default, w_q, w_scale, table, graph_table, objective)
+    weight_kw = {"block": problem.weight_block, "group_size": problem.group_size} if problem.block_scaled else {}
+    kernel = PerMGemm.prepare(default, w_q, w_scale, table, graph_table, objective, **weight_kw)
     logger.debug("GEMM %dx%d prepared for %s (%s)", kernel.n, kernel.k, kernel.describe(), problem.describe())
     return kernel
 

@@ -172,7 +172,7 @@ def test_import_is_light():
 
 
 def test_one_registry_of_environment_variables(monkeypatch, capsys):
-    """Every ``FP8_*`` variable the library's code names is in ``settings.ENV_VARS``, the README's table names each,
+    """Every ``FP8_*`` variable the library's code names is in ``settings.ENV_VARS``, the docs' table names each,
     and the listing's ``env`` shows each one that is set."""
     import re
     from pathlib import Path
@@ -186,8 +186,8 @@ def test_one_registry_of_environment_variables(monkeypatch, capsys):
         for path in (root / folder).rglob("*.py"):
             for name in re.findall(r"""["'](FP8_[A-Z_]+)["']""", path.read_text()):
                 assert name in names, f"{path}: {name} is not in fp8_backends.core.settings.ENV_VARS"
-    readme = (root / "README.md").read_text()
-    assert not [name for name in names if f"`{name}" not in readme and f", `{name}`" not in readme]
+    table = (root / "docs" / "user-guide" / "environment.md").read_text()
+    assert not [name for name in names if f"`{name}" not in table and f", `{name}`" not in table]
     for name in names:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(settings.TRITON_TABLE_ENV, "/nowhere/table.json")

@@ -296,7 +296,8 @@ BLOCK_TARGETS = [
     _target("gemm", "torch_scaled_mm", "cuda"),
     _target("gemm", "triton", "cuda"),
     _target("gemm", "cutlass", "cuda", pytest.mark.build),
-    _target("gemm", "flashinfer_block", "cuda"),
+    # each new (N, K) and tile config compiles a DeepGEMM kernel (seconds): no decode warm-up of every fuzzed weight
+    _target("gemm", "flashinfer_block@warmup=off", "cuda"),
 ]
 #: (examples, problems per example) per target: CPU problems are small (600 per CPU provider, a tenth of that under
 #: Triton's interpreter)

@@ -37,7 +37,7 @@ imports up the floors that remain are named in :data:`LAZY_IMPORTS_UP`.
 Floor 3 is layered too (the package graph keeps it so): ``quant/`` (the activation-quant ops) under ``layers/`` (the
 modules and how they run), under the top-level modules (``functional``, ``convert``, ``cli`` and the command-line
 tools ``list``, ``tune``, ``build``, ``selection_data``), beside ``tuning/`` and ``testing/``.
-``docs/architecture-modules.md`` names every module, one line each; the last test here keeps it complete.
+``docs/architecture.md`` names every module, one line each; the last test here keeps it complete.
 """
 
 from __future__ import annotations
@@ -454,7 +454,7 @@ def test_quant_names_no_provider():
     assert "fp8_backends.providers" not in source and "triton" not in source.split('"""', 2)[2]
 
 
-MODULE_TABLE = ROOT / "docs" / "architecture-modules.md"
+MODULE_TABLE = ROOT / "docs" / "architecture.md"
 
 
 def _has_code(path: Path) -> bool:
@@ -464,7 +464,7 @@ def _has_code(path: Path) -> bool:
 
 
 def test_the_module_table_lists_every_module():
-    """``docs/architecture-modules.md`` names every module of the library's folders by its path (one line each; a
+    """``docs/architecture.md`` names every module of the library's folders by its path (one line each; a
     package ``__init__`` only when it holds code), and no module that is gone."""
     text = MODULE_TABLE.read_text()
     files = sorted(path.relative_to(ROOT).as_posix() for path, _ in MODULES.values()

@@ -279,6 +279,7 @@ def test_entry_point_names_unchanged():
         "torch_scaled_mm": "fp8_backends.providers.torch_scaled_mm:TorchScaledMMBackend",
         "cutlass": "fp8_backends.providers.cutlass.backend:CutlassSm90Backend",
         "flashinfer_bmm": "fp8_backends.providers.flashinfer.gemm:FlashinferBmmBackend",
+        "flashinfer_block": "fp8_backends.providers.flashinfer.block:FlashinferBlockBackend",
         "triton": "fp8_backends.providers.triton.gemm:TritonGemmBackend",
     }
     assert names("fp8_backends.norm_quant") == {

@@ -58,6 +58,19 @@ class InvalidInputError(Fp8BackendError, ValueError):
     """A tensor handed to a provider or layer has the wrong dtype, shape, layout, device or value."""
 
 
+class CheckpointError(InvalidInputError):
+    """A quantized checkpoint the library cannot serve as it is: no or an unknown quantization config, a scheme it does
+    not serve, a missing, misshapen or non-positive scale, a tensor of the wrong dtype. Raised before any weight is
+    loaded; the message names the tensor and the file (``tensor`` and ``file`` hold them; empty where the config is
+    at fault)."""
+
+    def __init__(self, message: str, *, tensor: str = "", file: str = "") -> None:
+        self.tensor = tensor
+        self.file = file
+        where = ": ".join(part for part in (file, tensor) if part)
+        super().__init__(f"{where}: {message}" if where else message)
+
+
 class InvalidTypeError(InvalidInputError, TypeError):
     """An argument of the wrong type (a ``dict`` where a :class:`~fp8_backends.core.types.GemmProblem` belongs, a
     number as a backend name, a string as a platform). Also a ``TypeError`` (and, as an
@@ -108,6 +121,7 @@ __all__ = [
     "BackendOptionError",
     "BackendUnavailableError",
     "BuildError",
+    "CheckpointError",
     "ConfigurationError",
     "DataFileError",
     "Fp8BackendError",

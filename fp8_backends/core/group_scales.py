@@ -40,8 +40,6 @@ def is_layout(scale: torch.Tensor, layout: ScaleLayout) -> bool:
     if layout is ScaleLayout.ROW_MAJOR:
         return (g <= 1 or s1 == 1) and (m <= 1 or s0 == g)
     lead = m if layout is ScaleLayout.M_MAJOR else tma_stride(m)
-    if layout is ScaleLayout.M_MAJOR_TMA and g > 1 and scale.storage_offset() % TMA_ALIGN:
-        return False
     return (m <= 1 or s0 == 1) and (g <= 1 or s1 == lead)
 
 

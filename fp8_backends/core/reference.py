@@ -38,22 +38,33 @@ def expand_groups(scale: torch.Tensor, rows: int, cols: int, block: tuple[int, i
     """A ``[ceil(rows/BR), ceil(cols/BC)]`` grid of scales spread to one fp32 value per element ``[rows, cols]``
     (element ``(r, c)`` takes ``scale[r // BR, c // BC]``; the last block of a ragged edge is cut short). Any
     strides."""
+    return _blockwise(scale.new_ones((rows, cols), dtype=scale.float().dtype), scale, block, "mul")
+
+
+def _blockwise(t: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], op: str) -> torch.Tensor:
+    """``t [R, C]`` (as fp32) multiplied (``op="mul"``) or divided (``"div"``) by the scale of its ``BR x BC`` block,
+    ``scale [ceil(R/BR), ceil(C/BC)]``: ``t`` padded to whole blocks and viewed ``[Rb, BR, Cb, BC]`` so each scale
+    broadcasts over its block (no per-element copy of the scales; a form ``torch.compile`` lowers correctly)."""
+    import torch.nn.functional as F
+
+    rows, cols = t.shape
     br, bc = block
-    full = scale.float().repeat_interleave(br, dim=0).repeat_interleave(bc, dim=1)
-    return full[:rows, :cols]
+    rb, cb = scale.shape
+    tf = F.pad(t.float(), (0, cb * bc - cols, 0, rb * br - rows)).view(rb, br, cb, bc)
+    sf = scale.float()[:, None, :, None]
+    out = tf * sf if op == "mul" else tf / sf
+    return out.reshape(rb * br, cb * bc)[:rows, :cols]
 
 
 def dequantize_block(w_q: torch.Tensor, w_scale: torch.Tensor,
                      block: tuple[int, int] = DEFAULT_WEIGHT_BLOCK) -> torch.Tensor:
     """fp32 ``[N, K]``: ``w_q[n, k] * w_scale[n // BN, k // BK]`` (``w_scale [ceil(N/BN), ceil(K/BK)]``)."""
-    n, k = w_q.shape
-    return w_q.float() * expand_groups(w_scale, n, k, block)
+    return _blockwise(w_q, w_scale, block, "mul")
 
 
 def dequantize_groups(x_q: torch.Tensor, x_scale: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> torch.Tensor:
     """fp32 ``[M, K]``: ``x_q[m, k] * x_scale[m, k // G]`` (``x_scale [M, ceil(K/G)]``, any layout)."""
-    m, k = x_q.shape
-    return x_q.float() * expand_groups(x_scale, m, k, (1, group_size))
+    return _blockwise(x_q, x_scale, (1, group_size), "mul")
 
 
 def fp8_gemm(
@@ -148,7 +159,7 @@ def quantize_block(
     if n and k and bool(torch.isnan(w).any()):  # a NaN block keeps a NaN scale, as the other modes do
         nan = F.pad(torch.isnan(w.detach()), (0, kb * bk - k, 0, nb * bn - n))
         scale = scale.masked_fill(nan.reshape(nb, bn, kb, bk).any(dim=3).any(dim=1), float("nan"))
-    q = (w.float() / expand_groups(scale, n, k, block)).clamp(-fmax, fmax).to(fp8)
+    q = _blockwise(w, scale, block, "div").clamp(-fmax, fmax).to(fp8)
     return q.contiguous(), scale.contiguous()
 
 
@@ -196,8 +207,7 @@ def group_scale(x: torch.Tensor, group_size: int, fmax: float) -> torch.Tensor:
 def scaled_cast_groups(x: torch.Tensor, scale: torch.Tensor, group_size: int, fp8: torch.dtype,
                        fmax: float) -> torch.Tensor:
     """``clamp(x / scale[m, k // G], ±fmax).to(fp8)`` for ``x [M, K]`` and group scales ``[M, ceil(K/G)]``."""
-    m, k = x.shape
-    return (x.float() / expand_groups(scale, m, k, (1, group_size))).clamp(-fmax, fmax).to(fp8)
+    return _blockwise(x, scale, (1, group_size), "div").clamp(-fmax, fmax).to(fp8)
 
 
 def quantize(

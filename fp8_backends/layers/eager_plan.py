@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..core import output_contract
-from ..core.types import ActScale
+from ..core.types import ActScale, ScaleLayout
 
 if TYPE_CHECKING:
     import torch
@@ -87,12 +87,21 @@ def bind_linear(backend: Fp8GemmBackend, prepared: PreparedWeight, out_dtype: to
     return fused_linear
 
 
-def bind_quantizer(mode: ActScale, fp8_dtype: torch.dtype, input_scale: torch.Tensor | None) -> Callable[[Any], Any]:
+def bind_quantizer(mode: ActScale, fp8_dtype: torch.dtype, input_scale: torch.Tensor | None,
+                   group_size: int | None = None, scale_layout: ScaleLayout | None = None) -> Callable[[Any], Any]:
     """``x [M, K] -> (x_q [M, K] fp8, x_scale)`` in ``mode`` through :mod:`fp8_backends.quant`'s ops (their
-    implementation is looked up at each call, so :func:`~fp8_backends.quant.register_quant_impl` still applies)."""
+    implementation is looked up at each call, so :func:`~fp8_backends.quant.register_quant_impl` still applies).
+    Per-token-group: groups of ``group_size``, the scale written in ``scale_layout`` (the consuming provider's)."""
     from .. import quant
 
     op = quant.op_call(mode)
+    if mode is ActScale.PER_TOKEN_GROUP:
+        group, layout = int(group_size or 128), (scale_layout or ScaleLayout.ROW_MAJOR).value
+
+        def grouped(x: Any) -> Any:
+            return op(x, group, layout, fp8_dtype)
+
+        return grouped
     if mode is ActScale.PER_TENSOR_STATIC:
         assert input_scale is not None
         scale = input_scale
@@ -167,11 +176,20 @@ class EagerPlan:
 def bind_per_m(kernel: PerMGemm, *, k: int, n: int, dtype: torch.dtype, device: torch.device,
                bias: torch.Tensor | None, mode: ActScale, input_scale: torch.Tensor | None,
                fp8_dtype: torch.dtype) -> EagerPlan:
-    """The eager plan of a linear over ``kernel``: one quantizer of ``mode`` (``input_scale`` for static), and each
+    """The eager plan of a linear over ``kernel``: a quantizer of ``mode`` (``input_scale`` for static; per-token-group:
+    one per scale layout its providers read), and each
     of the kernel's rows bound once (:func:`bind_linear`), so that a call costs what it did before the rows were a
     composite (the bucket loop, and no more). A kernel whose CUDA-graph rows differ (``split``) has those bound too
     (one binding per provider and prepared weight)."""
-    quantize = bind_quantizer(mode, fp8_dtype, input_scale)
+    quantizers: dict[Any, Callable[[Any], Any]] = {}
+
+    def quantizer(row: Any) -> Callable[[Any], Any]:
+        """One quantizer per scale layout the rows' providers read (the per-token-group mode; one otherwise)."""
+        layout = row.backend.capabilities.group_scale_layout if mode is ActScale.PER_TOKEN_GROUP else None
+        if layout not in quantizers:
+            quantizers[layout] = bind_quantizer(mode, fp8_dtype, input_scale, row.prepared.group_size, layout)
+        return quantizers[layout]
+
     bound: dict[tuple[int, int], LinearCall] = {}
 
     def bind(rows: Sequence[Any]) -> list[tuple[int, LinearCall]]:
@@ -179,7 +197,7 @@ def bind_per_m(kernel: PerMGemm, *, k: int, n: int, dtype: torch.dtype, device: 
         for row in rows:
             key = (id(row.backend), id(row.prepared))
             if key not in bound:
-                bound[key] = bind_linear(row.backend, row.prepared, dtype, bias, quantize, mode, input_scale,
+                bound[key] = bind_linear(row.backend, row.prepared, dtype, bias, quantizer(row), mode, input_scale,
                                          fp8_dtype)
             out.append((row.bucket, bound[key]))
         return out

@@ -64,11 +64,13 @@ def apply_fp8_linear(
     if prepared is None:  # a per-M composite: its row for this batch's M is picked below
         kernel = backend
         k, n = kernel.k, kernel.n
+        group_size, layout_of = kernel.prepared.group_size, kernel.backend
     else:
         k, n = prepared.k, prepared.n
+        group_size, layout_of = prepared.group_size, backend
     # 1. the activation: quantized by the caller, or here
     if isinstance(x, QuantizedActivation):
-        x_q, scale = unpack_quantized(x, act_scale, k)
+        x_q, scale = unpack_quantized(x, act_scale, k, group_size)
         out = _out_dtype(x.orig_dtype, out_dtype, "QuantizedActivation.orig_dtype")
         lead = x.data.shape[:-1]
     else:
@@ -79,7 +81,11 @@ def apply_fp8_linear(
         scale = input_scale if act_scale is ActScale.PER_TENSOR_STATIC else None
         if scale is not None:
             check_static_scale(scale, x.device)
-        x_q, scale = quant.quantize_checked(x.reshape(-1, k), act_scale, scale, input_dtype)
+        if act_scale is ActScale.PER_TOKEN_GROUP:  # in the layout the weight's (default) provider reads
+            x_q, scale = quant.quantize_checked(x.reshape(-1, k), act_scale, None, input_dtype, group_size,
+                                                layout_of.capabilities.group_scale_layout)
+        else:
+            x_q, scale = quant.quantize_checked(x.reshape(-1, k), act_scale, scale, input_dtype)
     if x_q.shape[0] == 0:
         return _empty(lead, n, out, x_q.device)
     # 2. the GEMM of the batch's M bucket
@@ -118,10 +124,12 @@ def check_static_scale(scale: object, device: torch.device) -> None:
     V.check_scale_values(scale, "scale")
 
 
-def unpack_quantized(x: QuantizedActivation, act_scale: ActScale, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def unpack_quantized(x: QuantizedActivation, act_scale: ActScale, k: int,
+                     group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x_q [M, K], scale)`` of a :class:`QuantizedActivation` handed to a linear prepared for ``act_scale``
     activations of width ``k``: its mode must be ``act_scale`` (a linear never re-quantizes), its data ``[..., K]``
-    (leading dims flattened) and a per-token scale ``[..., 1]`` with one value per row (returned ``[M, 1]``).
+    (leading dims flattened), a per-token scale ``[..., 1]`` with one value per row (returned ``[M, 1]``) and a
+    per-token-group scale ``[..., ceil(K/group_size)]`` (returned ``[M, ceil(K/G)]``, its layout kept when it is 2-D).
     Raises :class:`InvalidInputError`; the data's dtype and device are the caller's to check."""
     data, scale, _, mode = x
     if ActScale.of(mode) is not act_scale:  # .of: a dict lookup, safe while torch.compile traces
@@ -141,6 +149,15 @@ def unpack_quantized(x: QuantizedActivation, act_scale: ActScale, k: int) -> tup
                 f"got {tuple(scale.shape)}"
             )
         scale = scale.reshape(-1, 1)
+    elif act_scale is ActScale.PER_TOKEN_GROUP:
+        V.require_tensor(scale, "QuantizedActivation.scale")
+        groups = -(-k // (group_size or 128))
+        if scale.dim() < 1 or scale.shape[-1] != groups or scale.numel() != x_q.shape[0] * groups:
+            raise InvalidInputError(
+                f"a per-token-group scale must be [..., ceil(K/{group_size})] = [..., {groups}] with one row per "
+                f"token ({x_q.shape[0]}), got {tuple(scale.shape)}")
+        if scale.dim() != 2:
+            scale = scale.reshape(-1, groups)
     return x_q, scale
 
 

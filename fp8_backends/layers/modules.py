@@ -28,11 +28,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .. import quant
 from ..core import validation as V
 from ..core.backend import Fp8GemmBackend, NormQuantBackend
 from ..core.errors import InvalidInputError, InvalidTypeError, UnsupportedProblemError
 from ..core.objective import SelectionObjective
 from ..core.types import (
+    DEFAULT_WEIGHT_BLOCK,
     ActScale,
     DeviceKind,
     Fp8Dtype,
@@ -172,13 +174,20 @@ class Fp8Linear(nn.Module):
     Scale buffers start as NaN, so a scale that was never loaded is reported at load time.
 
     Args:
-        in_features / out_features: ``K`` / ``N``.
+        in_features: ``K``.
+        out_features: ``N``.
         bias: whether the layer has a bias.
         act_scale: ``"per_tensor_static"`` (calibrated ``input_scale``), ``"per_tensor_dynamic"`` or
             ``"per_token"``: how high-precision inputs are quantized, and the only mode of
             :class:`QuantizedActivation` this layer accepts.
-        weight_scale: ``"per_tensor"`` or ``"per_channel"`` (of the checkpoint's weight).
-        weight_dtype / input_dtype: FP8 element types of the weight and the quantized activation.
+        weight_scale: ``"per_tensor"``, ``"per_channel"`` or ``"block"`` (of the checkpoint's weight). Block-wise
+            FP8 (DeepSeek-V3, Qwen3-FP8): ``weight_scale [ceil(N/BN), ceil(K/BK)]`` per ``weight_block`` and the
+            activation quantized per token in groups of ``group_size`` (``act_scale="per_token_group"``, the
+            default for block weights).
+        weight_block: ``(BN, BK)`` of block weight scales (default 128x128).
+        group_size: the activation group along K of block-wise layers (default: ``BK``).
+        weight_dtype: FP8 element type of the weight.
+        input_dtype: FP8 element type of the quantized activation.
         dtype: the model dtype: what the forward takes and returns (and the bias dtype).
         backend: GEMM provider name (``"auto"``, ``"torch_scaled_mm"``, ``"DIST:NAME@opt=v"``), a
             provider instance, or ``None`` (``FP8_GEMM_BACKEND``, else ``auto``); resolved at
@@ -204,7 +213,7 @@ class Fp8Linear(nn.Module):
         out_features: int,
         *,
         bias: bool = False,
-        act_scale: ActScale | str = ActScale.PER_TENSOR_DYNAMIC,
+        act_scale: ActScale | str | None = None,
         weight_scale: WeightScale | str = WeightScale.PER_TENSOR,
         weight_dtype: object = Fp8Dtype.E4M3FN,
         input_dtype: object = Fp8Dtype.E4M3FN,
@@ -214,15 +223,28 @@ class Fp8Linear(nn.Module):
         shard_scales: str = "auto",
         device: torch.device | str | None = None,
         objective: SelectionObjective | str | None = None,
+        weight_block: Sequence[int] = DEFAULT_WEIGHT_BLOCK,
+        group_size: int | None = None,
     ) -> None:
         super().__init__()
         self.in_features = _positive_int(in_features, "in_features")
         self.out_features = _positive_int(out_features, "out_features")
-        self.act_scale = ActScale.of(act_scale)
         try:
             self.weight_scale_mode = WeightScale(weight_scale)
         except (ValueError, TypeError):
-            raise InvalidInputError(f"weight_scale must be per_tensor or per_channel, got {weight_scale!r}") from None
+            raise InvalidInputError(
+                f"weight_scale must be per_tensor, per_channel or block, got {weight_scale!r}") from None
+        block_scaled = self.weight_scale_mode is WeightScale.BLOCK
+        if act_scale is None:
+            act_scale = ActScale.PER_TOKEN_GROUP if block_scaled else ActScale.PER_TENSOR_DYNAMIC
+        self.act_scale = ActScale.of(act_scale)
+        # the block-wise pairing and sizes, checked as the problem checks them (one error for a bad combination)
+        check = GemmProblem(n=self.out_features, k=self.in_features, act_scale=self.act_scale,
+                            weight_scale=self.weight_scale_mode, weight_block=tuple(weight_block),
+                            group_size=(weight_block[1] if group_size is None else group_size) if block_scaled
+                            else 128)
+        self.weight_block: tuple[int, int] | None = check.weight_block if block_scaled else None
+        self.group_size: int | None = check.group_size if block_scaled else None
         _check_backend_request(backend, Fp8GemmBackend)
         self.weight_dtype = _fp8_dtype(weight_dtype, "weight_dtype")
         self.input_dtype = _fp8_dtype(input_dtype, "input_dtype")
@@ -252,9 +274,17 @@ class Fp8Linear(nn.Module):
         self.shard_sizes: list[int] | None = sizes
         n, k = self.out_features, self.in_features
         fused = sizes is not None
+        if block_scaled and sizes is not None and any(size % self.weight_block[0] for size in sizes[:-1]):
+            raise InvalidInputError(
+                f"fused block-scaled shards {sizes}: every shard but the last must span whole {self.weight_block[0]}-"
+                "row weight blocks (a block would straddle two shards); fuse only block-aligned siblings")
         self.register_buffer("weight", torch.empty((n, k), dtype=self.weight_dtype.torch_dtype(), device=device))
-        n_scales = n if (fused or self.weight_scale_mode is WeightScale.PER_CHANNEL) else 1
-        self.register_buffer("weight_scale", torch.full((n_scales,), float("nan"), device=device))
+        if block_scaled:
+            grid = (-(-n // self.weight_block[0]), -(-k // self.weight_block[1]))
+            self.register_buffer("weight_scale", torch.full(grid, float("nan"), device=device))
+        else:
+            n_scales = n if (fused or self.weight_scale_mode is WeightScale.PER_CHANNEL) else 1
+            self.register_buffer("weight_scale", torch.full((n_scales,), float("nan"), device=device))
         if self.act_scale is ActScale.PER_TENSOR_STATIC:
             self.register_buffer("input_scale", torch.full((len(sizes) if fused else 1,), float("nan"),
                                                            device=device))
@@ -274,7 +304,7 @@ class Fp8Linear(nn.Module):
         cls,
         linear: nn.Linear,
         *,
-        act_scale: ActScale | str = ActScale.PER_TENSOR_DYNAMIC,
+        act_scale: ActScale | str | None = None,
         weight_scale: WeightScale | str = WeightScale.PER_TENSOR,
         input_scale: torch.Tensor | float | None = None,
         weight_dtype: object = Fp8Dtype.E4M3FN,
@@ -282,9 +312,12 @@ class Fp8Linear(nn.Module):
         backend: str | Fp8GemmBackend | None = None,
         process: bool = True,
         objective: SelectionObjective | str | None = None,
+        weight_block: Sequence[int] = DEFAULT_WEIGHT_BLOCK,
+        group_size: int | None = None,
     ) -> Fp8Linear:
-        """Quantize a bf16/fp16/fp32 ``nn.Linear`` (``weight [N, K]``): ``s_w = amax / fmax`` per
-        tensor or per output row, ``w_q = clamp(w / s_w) -> fp8``. The model dtype is the linear's.
+        """Quantize a bf16/fp16/fp32 ``nn.Linear`` (``weight [N, K]``): ``s_w = amax / fmax`` per tensor, per output
+        row or per ``weight_block`` block (``weight_scale="block"``), ``w_q = clamp(w / s_w) -> fp8``. The model dtype
+        is the linear's.
         A static ``act_scale`` needs ``input_scale`` (a calibrated float or fp32 one-value tensor).
         ``process=True`` also runs :meth:`process_weights_after_loading` (weights already in place).
         ``objective``: what ``auto`` optimizes (see the class; default ``FP8_SELECTION_OBJECTIVE``, else auto)."""
@@ -296,13 +329,17 @@ class Fp8Linear(nn.Module):
         dtype = _model_dtype(w.dtype)
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, act_scale=act_scale,
                     weight_scale=weight_scale, weight_dtype=weight_dtype, input_dtype=input_dtype, dtype=dtype,
-                    backend=backend, device=w.device, objective=objective)
+                    backend=backend, device=w.device, objective=objective, weight_block=weight_block,
+                    group_size=group_size)
         fp8 = layer.weight_dtype
         if layer.weight_scale_mode is WeightScale.PER_TENSOR:
             w_q, w_s = reference.quantize_dynamic_per_tensor(w, fp8)
+        elif layer.weight_scale_mode is WeightScale.BLOCK:
+            w_q, w_s = reference.quantize_block(w, layer.weight_block, fp8)
         else:
             w_q, w_s = reference.quantize_per_token(w, fp8)
-        layer.load_weights(w_q, w_s.reshape(-1), input_scale=input_scale,
+        layer.load_weights(w_q, w_s if w_s.dim() == 2 and layer.weight_block else w_s.reshape(-1),
+                           input_scale=input_scale,
                            bias=None if linear.bias is None else linear.bias.detach())
         if process:
             layer.process_weights_after_loading()
@@ -374,6 +411,20 @@ class Fp8Linear(nn.Module):
             return s.reshape(rows)
         raise InvalidInputError(f"{what} must have one value or {rows} values ([N] or [N, 1]); got {tuple(s.shape)}")
 
+    def _block_scales(self, w_scale: object, rows: int, what: str) -> torch.Tensor:
+        """A block-scaled weight's scales for ``rows`` output rows: ``[ceil(rows/BN), ceil(K/BK)]`` fp32 (bf16 and
+        fp16, as checkpoints store them, converted)."""
+        assert self.weight_block is not None
+        V.require_tensor(w_scale, what)
+        bn, bk = self.weight_block
+        grid = (-(-rows // bn), -(-self.in_features // bk))
+        if w_scale.dim() != 2 or tuple(w_scale.shape) != grid:
+            raise InvalidInputError(f"{what} of a {bn}x{bk}-block layer must be [ceil(N/{bn}), ceil(K/{bk})] = "
+                                    f"{list(grid)}, got {tuple(w_scale.shape)}")
+        if w_scale.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise InvalidInputError(f"{what} must be float32, bfloat16 or float16, got {w_scale.dtype}")
+        return w_scale.to(device=self.weight.device, dtype=torch.float32)
+
     def load_weights(
         self,
         weight: torch.Tensor,
@@ -382,11 +433,21 @@ class Fp8Linear(nn.Module):
         input_scale: torch.Tensor | float | None = None,
         bias: torch.Tensor | None = None,
     ) -> None:
-        """Load an unfused layer: ``weight [N, K]`` fp8, ``weight_scale`` one value (per-tensor) or
-        ``[N]`` (per-channel), ``input_scale`` (static layers only), ``bias [N]``."""
+        """Load an unfused layer: ``weight [N, K]`` fp8, ``weight_scale`` one value (per-tensor), ``[N]`` (per-channel)
+        or ``[ceil(N/BN), ceil(K/BK)]`` (block), ``input_scale`` (static layers only), ``bias [N]``."""
         if self.shard_sizes is not None:
             raise InvalidInputError("this layer is fused from shards: load it with load_shard(i, ...)")
         self._check_weight(weight, self.out_features, "weight")
+        if self.weight_block is not None:
+            grid = self._block_scales(weight_scale, self.out_features, "weight_scale")
+            with torch.no_grad():
+                self.weight.copy_(weight)
+                self.weight_scale.copy_(grid)
+            self._load_input_scale(0, input_scale)
+            if bias is not None:
+                self.load_bias(bias)
+            self._mark_loaded()
+            return
         rows = self._scale_rows(weight_scale, self.out_features, "weight_scale")
         if self.weight_scale_mode is WeightScale.PER_TENSOR and _numel(weight_scale) != 1:
             raise InvalidInputError(f"a per-tensor layer takes one weight_scale value, got {_numel(weight_scale)}")
@@ -415,9 +476,18 @@ class Fp8Linear(nn.Module):
         start = sum(self.shard_sizes[:index])
         rows = self.shard_sizes[index]
         self._check_weight(weight, rows, f"shard {index} weight")
-        scale_rows = self._scale_rows(weight_scale, rows, f"shard {index} weight_scale")
         if not self._raw:
             raise InvalidInputError("this fused layer was already processed; build a new one to load shards")
+        if self.weight_block is not None:  # the shard's own blocks (shards start on block rows: checked at build)
+            grid = self._block_scales(weight_scale, rows, f"shard {index} weight_scale")
+            first = start // self.weight_block[0]
+            with torch.no_grad():
+                self.weight[start:start + rows].copy_(weight)
+                self.weight_scale[first:first + grid.shape[0]].copy_(grid)
+            self._load_input_scale(index, input_scale, f"shard {index} input_scale")
+            self._mark_loaded()
+            return
+        scale_rows = self._scale_rows(weight_scale, rows, f"shard {index} weight_scale")
         with torch.no_grad():
             self.weight[start:start + rows].copy_(weight)
             self.weight_scale[start:start + rows].copy_(scale_rows)
@@ -496,10 +566,11 @@ class Fp8Linear(nn.Module):
         return None if self.kernel is None else self.kernel.prepared
 
     def _problem(self, weight_scale: WeightScale) -> GemmProblem:
+        block = {} if self.weight_block is None else {"weight_block": self.weight_block, "group_size": self.group_size}
         return GemmProblem(
             n=self.out_features, k=self.in_features, input_dtype=self.input_dtype, weight_dtype=self.weight_dtype,
             out_dtype=self.out_dtype, act_scale=self.act_scale, weight_scale=weight_scale,
-            has_bias=self.bias is not None, device=DeviceKind(self.weight.device.type),
+            has_bias=self.bias is not None, device=DeviceKind(self.weight.device.type), **block,
         )
 
     def process_weights_after_loading(self) -> None:
@@ -511,7 +582,8 @@ class Fp8Linear(nn.Module):
             raise InvalidInputError(f"cannot run on {self.weight.device} tensors")
         if not self.weight.is_contiguous():
             self.weight = self.weight.contiguous()
-        fused = self.shard_sizes is not None and self._raw
+        block = self.weight_block is not None
+        fused = self.shard_sizes is not None and self._raw and not block  # block shards keep their own blocks
         if fused:
             self._check_shards()
             if self.input_scale is not None:
@@ -524,6 +596,9 @@ class Fp8Linear(nn.Module):
             raise InvalidInputError(f"bias must be {self.dtype}, got {self.bias.dtype}")
         if fused:
             mode, backend = self._combine_shard_scales()
+        elif block:
+            mode = WeightScale.BLOCK
+            backend = _resolve_gemm(self.backend_request, self._problem(mode))
         else:
             mode = WeightScale.PER_TENSOR if self.weight_scale.numel() == 1 else WeightScale.PER_CHANNEL
             backend = _resolve_gemm(self.backend_request, self._problem(mode))
@@ -733,7 +808,8 @@ class RMSNormFp8Quant(nn.Module):
             part of this module's ``state_dict``). Settable later via the attribute.
         backend: norm-quant provider name, a provider instance, or ``None`` (``FP8_NORM_QUANT_BACKEND``,
             else ``auto``); resolved at :meth:`process_weights_after_loading`.
-        dtype / device: of the ``weight`` parameter: the model dtype.
+        dtype: of the ``weight`` parameter: the model dtype.
+        device: of the ``weight`` parameter.
     """
 
     _auto = False  # the provider was chosen by auto: compiled calls may trace the reference (class docstring)
@@ -791,9 +867,10 @@ class RMSNormFp8Quant(nn.Module):
 
     @property
     def emits_quantized(self) -> bool:
-        """True when the forward returns a :class:`QuantizedActivation` (static per-tensor consumer)."""
+        """True when the forward returns a :class:`QuantizedActivation`: a static per-tensor consumer (quantized with
+        its input scale) or a per-token-group one (block-wise FP8: the norm computes the group scales)."""
         lin = self.quant_linear
-        return lin is not None and lin.act_scale is ActScale.PER_TENSOR_STATIC
+        return lin is not None and lin.act_scale in _NORM_QUANT_MODES
 
     @property
     def is_processed(self) -> bool:
@@ -809,8 +886,10 @@ class RMSNormFp8Quant(nn.Module):
             return
         lin = self.quant_linear
         assert lin is not None
+        group = {} if lin.act_scale is not ActScale.PER_TOKEN_GROUP else {
+            "act_scale": ActScale.PER_TOKEN_GROUP, "group_size": lin.group_size}
         problem = NormQuantProblem(hidden=self.hidden_size, in_dtype=self.weight.dtype, out_fp8=lin.input_dtype,
-                                   residual=False, device=DeviceKind(self.weight.device.type))
+                                   residual=False, device=DeviceKind(self.weight.device.type), **group)
         self.norm_backend = _resolve_norm(self.backend_request, problem)
         self._auto = _requests_auto("norm_quant", self.backend_request)
         try:
@@ -887,26 +966,41 @@ class RMSNormFp8Quant(nn.Module):
         scale = lin.input_scale
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.hidden_size)
+        group = {}
+        if lin.act_scale is ActScale.PER_TOKEN_GROUP:  # scales computed here, in the consumer provider's layout
+            group = {"act_scale": ActScale.PER_TOKEN_GROUP, "group_size": lin.group_size,
+                     "scale_layout": lin.gemm_backend.capabilities.group_scale_layout}
         if self._auto and _compiling() and _quant_compile_mode() == "inline":
-            return self._traced_quant(x2, residual, scale, lin.input_dtype.torch_dtype(), lead)
+            return self._traced_quant(x2, residual, scale, lin.input_dtype.torch_dtype(), lead, group)
         if residual is None:
-            qa = self.norm_backend.rmsnorm_quant(x2, self.weight, scale, self.eps)
+            qa = self.norm_backend.rmsnorm_quant(x2, self.weight, scale, self.eps, **group)
             return QuantizedActivation(qa.data.reshape(*lead, self.hidden_size), qa.scale, qa.orig_dtype, qa.mode)
         if self._residual_backend is None:
             raise self._residual_error or InvalidInputError("no norm-quant provider for the residual add")
         r2 = residual.view(-1, self.hidden_size)
-        qa, _ = self._residual_backend.fused_add_rmsnorm_quant(x2, r2, self.weight, scale, self.eps)
+        qa, _ = self._residual_backend.fused_add_rmsnorm_quant(x2, r2, self.weight, scale, self.eps, **group)
         return QuantizedActivation(qa.data.reshape(*lead, self.hidden_size), qa.scale, qa.orig_dtype, qa.mode), residual
 
     def _traced_quant(
         self, x2: torch.Tensor, residual: torch.Tensor | None, scale: torch.Tensor, fp8: torch.dtype,
-        lead: torch.Size,
+        lead: torch.Size, group: dict[str, Any] | None = None,
     ) -> QuantizedActivation | tuple[QuantizedActivation, torch.Tensor]:
         """The compiled call of an ``auto`` norm (class docstring): the reference torch code, which Inductor fuses.
-        ``x2 [T, H]``; ``residual`` updated in place with ``x + residual`` in its dtype, as every provider does."""
+        ``x2 [T, H]``; ``residual`` updated in place with ``x + residual`` in its dtype, as every provider does.
+        ``group``: the per-token-group mode's arguments (the scales computed from the normalized rows)."""
         from ..core import reference
 
         h = self.hidden_size
+        if group:
+            r2 = None if residual is None else residual.view(-1, h)
+            q, s, total = reference.rmsnorm_quant_dynamic(
+                x2, self.weight, self.eps, act_scale=ActScale.PER_TOKEN_GROUP, group_size=group["group_size"],
+                residual=r2, dtype=fp8)
+            if r2 is not None:
+                r2.copy_(total)
+            s = quant.traced_layout(s, group["scale_layout"])
+            qa = QuantizedActivation(q.reshape(*lead, h), s, x2.dtype, ActScale.PER_TOKEN_GROUP)
+            return qa if residual is None else (qa, residual)
         if residual is None:
             q = reference.rmsnorm_quant(x2, self.weight, scale, self.eps, fp8)
         else:
@@ -922,6 +1016,10 @@ class RMSNormFp8Quant(nn.Module):
         nb = self.norm_backend.label if self.norm_backend is not None else "-"
         return (f"{self.hidden_size}, eps={self.eps}, dtype={OutDtype.of(self.weight.dtype).value}, "
                 f"quant_linear={consumer}, backend={nb}")
+
+
+#: the consumer modes a norm hands a quantized activation to: static (the consumer's scale) and per-token-group
+_NORM_QUANT_MODES = frozenset({ActScale.PER_TENSOR_STATIC, ActScale.PER_TOKEN_GROUP})
 
 
 def process_weights_after_loading(model: nn.Module) -> nn.Module:

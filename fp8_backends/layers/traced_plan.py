@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from .. import quant
 from ..core import output_contract, reference
 from ..core.errors import InvalidInputError
-from ..core.types import ActScale, Fp8Dtype, PreparedWeight, QuantizedActivation
+from ..core.types import ActScale, Fp8Dtype, PreparedWeight, QuantizedActivation, ScaleLayout
 from .general_path import unpack_quantized
 
 if TYPE_CHECKING:
@@ -95,8 +95,8 @@ class TracedRow(NamedTuple):
 
 # ------------------------------------------------------------------------------------------ what a plan calls
 def prologue(x: Any, k: int, dtype: torch.dtype, device: torch.device, mode: ActScale, fp8: torch.dtype,
-             fmax: float, kind: str, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor,
-                                                                             tuple[int, ...]]:
+             fmax: float, kind: str, input_scale: torch.Tensor | None,
+             group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
     """``(x_q [M, K], scale, leading dims)``: ``x [..., K]`` in ``dtype`` on ``device`` quantized in ``mode`` (the
     static scale ``input_scale``), or a :class:`QuantizedActivation` in ``mode`` checked and flattened.
 
@@ -107,7 +107,7 @@ def prologue(x: Any, k: int, dtype: torch.dtype, device: torch.device, mode: Act
     :func:`fp8_backends.quant.quantize`, whose dtype and mode parsing Dynamo would guard at every call (~30 guards
     a model, 8 of them Python lambdas). The input was checked here and the static scale at load time."""
     if isinstance(x, QuantizedActivation):
-        x_q, scale = unpack_quantized(x, mode, k)
+        x_q, scale = unpack_quantized(x, mode, k, group_size)
         if x.orig_dtype != dtype:
             raise InvalidInputError(f"QuantizedActivation.orig_dtype is {x.orig_dtype} but this linear was prepared "
                                     f"for {dtype} activations and outputs")
@@ -127,8 +127,11 @@ def prologue(x: Any, k: int, dtype: torch.dtype, device: torch.device, mode: Act
     # calling one would make Dynamo reach the quant module through a second source and guard the two are one object
     # (a Python guard per model); this plan only runs under torch.compile, so the mode alone decides
     if quant._compile_mode != "inline":
-        x_q, scale = quant.quantize(x2, mode, input_scale, fp8)[:2]
+        x_q, scale = quant.quantize(x2, mode, input_scale, fp8, group_size=group_size)[:2]
         return x_q, scale, x.shape[:-1]
+    if kind == "per_token_group":  # row-major group scales; each row's provider gets its layout (relayout)
+        scale = reference.group_scale(x2, group_size, fmax)
+        return reference.scaled_cast_groups(x2, scale, group_size, fp8, fmax), scale, x.shape[:-1]
     if kind == "per_tensor_static":
         scale = input_scale
     elif kind == "per_tensor_dynamic":
@@ -136,6 +139,14 @@ def prologue(x: Any, k: int, dtype: torch.dtype, device: torch.device, mode: Act
     else:
         scale = reference.per_token_scale(x2, fmax)
     return reference.scaled_cast(x2, scale, fp8, fmax), scale, x.shape[:-1]
+
+
+def relayout(scale: torch.Tensor, layout: str) -> torch.Tensor:
+    """Per-token-group scales in the layout a row's provider reads (``layout``: a :class:`ScaleLayout` value, a
+    constant of the generated code), as torch ops Inductor fuses into the quantization (nothing when it is there)."""
+    from ..core import group_scales
+
+    return group_scales.to_layout(scale, ScaleLayout(layout))
 
 
 def finish(backend: Any, x_q: torch.Tensor, prepared: Any, scale: torch.Tensor, dtype: torch.dtype,
@@ -182,9 +193,12 @@ def _row_source(src: _Source, row: Any, act_scale: ActScale) -> tuple[str, str, 
         extra_src = "{" + ", ".join(f"{name!r}: {src.var(value)}" for name, value in extra.items()) + "}"
     else:  # other keys: the dict itself, read as one object
         extra_src = src.var(extra)
+    block = "None" if prepared.block is None else f"({int(prepared.block[0])}, {int(prepared.block[1])})"
+    group = "None" if prepared.group_size is None else str(int(prepared.group_size))
     expr = (f"PreparedWeight(data={src.var(tensors['data'])}, scale={src.var(tensors['scale'])}, "
             f"n={int(prepared.n)}, k={int(prepared.k)}, dtype={src.shared(prepared.dtype)}, "
-            f"weight_scale={src.shared(prepared.weight_scale)}, backend={str(prepared.backend)!r}, extra={extra_src})")
+            f"weight_scale={src.shared(prepared.weight_scale)}, backend={str(prepared.backend)!r}, extra={extra_src}, "
+            f"block={block}, group_size={group})")
     return src.shared(backend), expr, TracedRow(row.bucket, backend, prepared, tensors)
 
 
@@ -204,6 +218,7 @@ def bind_traced(kernel: PerMGemm, *, k: int, n: int, dtype: torch.dtype, device:
     """The traced plan of a linear over ``kernel``'s ``host`` rows: a function ``plan(x) -> y [..., N]`` (see the
     module docstring). Its :class:`TracedRow` s are its ``rows`` attribute."""
     src = _Source()
+    group_size = getattr(kernel.rows[0].prepared, "group_size", None) or 128
     bias_alias = parameter_alias(bias)
     scale_alias = parameter_alias(input_scale) if mode is ActScale.PER_TENSOR_STATIC else None
     bias_src, scale_src = src.var(bias_alias), src.var(scale_alias)
@@ -212,7 +227,7 @@ def bind_traced(kernel: PerMGemm, *, k: int, n: int, dtype: torch.dtype, device:
         "def make_plan(" + "{args}" + "):",
         "    def traced_linear(x):",
         f"        x_q, scale, lead = prologue(x, {int(k)}, {dt}, {src.shared(device)}, {src.shared(mode)}, "
-        f"{src.shared(fp8_dtype)}, {Fp8Dtype.of(fp8_dtype).max!r}, {mode.value!r}, {scale_src})",
+        f"{src.shared(fp8_dtype)}, {Fp8Dtype.of(fp8_dtype).max!r}, {mode.value!r}, {scale_src}, {int(group_size)})",
         "        if x_q.shape[0] == 0:",
         f"            return x_q.new_empty((*lead, {int(n)}), dtype={dt})",
     ]
@@ -221,7 +236,10 @@ def bind_traced(kernel: PerMGemm, *, k: int, n: int, dtype: torch.dtype, device:
     for i, row in enumerate(host_rows):
         backend_src, prepared_src, bound = _row_source(src, row, mode)
         rows.append(bound)
-        call = f"finish({backend_src}, x_q, {prepared_src}, scale, {dt}, {bias_src}, lead, {int(n)})"
+        row_scale = "scale"
+        if mode is ActScale.PER_TOKEN_GROUP:
+            row_scale = f"relayout(scale, {row.backend.capabilities.group_scale_layout.value!r})"
+        call = f"finish({backend_src}, x_q, {prepared_src}, {row_scale}, {dt}, {bias_src}, lead, {int(n)})"
         if i < len(host_rows) - 1:
             body.append(f"        if x_q.shape[0] <= {int(row.bucket)}:")
             body.append(f"            return {call}")

@@ -338,12 +338,14 @@ def _inline() -> bool:
 
 
 def quantize_checked(x: torch.Tensor, mode: ActScale, scale: torch.Tensor | None = None,
-                     dtype: object = Fp8Dtype.E4M3FN) -> tuple[torch.Tensor, torch.Tensor]:
+                     dtype: object = Fp8Dtype.E4M3FN, group_size: int = DEFAULT_GROUP_SIZE,
+                     scale_layout: ScaleLayout = ScaleLayout.ROW_MAJOR) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q [M, K], scale)`` of ``x`` quantized in ``mode`` (an :class:`ActScale`), for callers that checked ``x``
     (a ``[M, K]`` bf16/fp16/fp32 tensor) and, static, ``scale`` (fp32, one value, on ``x``'s device) themselves, as
     the public functions below and a linear's general path (:mod:`fp8_backends.layers.general_path`) do: nothing is
-    checked again. Under ``torch.compile`` in compile mode ``"inline"`` the reference torch code (which the compiler
-    fuses into the producer), otherwise the mode's op."""
+    checked again. ``group_size`` and ``scale_layout`` (a :class:`ScaleLayout`) are the per-token-group mode's. Under
+    ``torch.compile`` in compile mode ``"inline"`` the reference torch code (which the compiler fuses into the
+    producer), otherwise the mode's op."""
     fp8 = _fp8(dtype)
     if _inline():
         from ..core import reference
@@ -354,9 +356,22 @@ def quantize_checked(x: torch.Tensor, mode: ActScale, scale: torch.Tensor | None
             return reference.quantize_dynamic_per_tensor(x, fp8)
         if mode is ActScale.PER_TOKEN:
             return reference.quantize_per_token(x, fp8)
+        q, s = reference.quantize_per_token_group(x, group_size, fp8)
+        return q, s if scale_layout is ScaleLayout.ROW_MAJOR else traced_layout(s, scale_layout)
     if mode is ActScale.PER_TENSOR_STATIC:
         return _call(mode)(x, scale, fp8), scale
+    if mode is ActScale.PER_TOKEN_GROUP:
+        return _call(mode)(x, group_size, scale_layout.value, fp8)
     return _call(mode)(x, fp8)
+
+
+def traced_layout(scale: torch.Tensor, layout: ScaleLayout) -> torch.Tensor:
+    """``scale [M, G]`` (row-major) re-laid out as torch ops a compiler can fuse into the quantization that made it."""
+    if layout is ScaleLayout.M_MAJOR:
+        return scale.t().contiguous().t()
+    from ..core import group_scales
+
+    return group_scales.to_layout(scale, layout)
 
 
 def quantize_static(x: torch.Tensor, scale: torch.Tensor, dtype: object = Fp8Dtype.E4M3FN) -> torch.Tensor:
@@ -394,23 +409,7 @@ def quantize_per_token_group(
     _check_x(x)
     if group_size not in GROUP_SIZES:
         raise InvalidInputError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size!r}")
-    layout = ScaleLayout.of(scale_layout)
-    fp8 = _fp8(dtype)
-    if _inline():
-        from ..core import reference
-
-        q, s = reference.quantize_per_token_group(x, group_size, fp8)
-        return q, s if layout is ScaleLayout.ROW_MAJOR else _traced_layout(s, layout)
-    return _call(ActScale.PER_TOKEN_GROUP)(x, group_size, layout.value, fp8)
-
-
-def _traced_layout(scale: torch.Tensor, layout: ScaleLayout) -> torch.Tensor:
-    """``scale [M, G]`` re-laid out as torch ops a compiler can fuse into the quantization that made it."""
-    if layout is ScaleLayout.M_MAJOR:
-        return scale.t().contiguous().t()
-    from ..core import group_scales
-
-    return group_scales.to_layout(scale, layout)
+    return quantize_checked(x, ActScale.PER_TOKEN_GROUP, None, dtype, group_size, ScaleLayout.of(scale_layout))
 
 
 def quantize(

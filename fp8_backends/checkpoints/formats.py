@@ -1,0 +1,80 @@
+"""What the formats share: :class:`QuantFormat` (which scheme each module has) and the config checks (torch-free).
+
+A format is parsed from a checkpoint's quantization config (``config.json``'s ``quantization_config`` or ModelOpt's
+``hf_quant_config.json``) by one of :mod:`.format_modelopt`, :mod:`.format_compressed_tensors`,
+:mod:`.format_hf_fp8`; :func:`fp8_backends.checkpoints.detect.detect_format` picks the parser. A parsed format answers
+one question per module: :meth:`QuantFormat.scheme_for` (``None``: the module stays in the model dtype). Any config
+the library cannot serve raises :class:`~fp8_backends.core.errors.CheckpointError` naming the config file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..core.errors import CheckpointError
+from .schemes import Scheme
+
+#: tensors a checkpoint may hold beside a quantized linear's that the library does not use: KV-cache and attention
+#: quantization scales (the served model's KV cache stays in the model dtype)
+KV_CACHE_SCALES = ("k_scale", "v_scale", "q_scale", "prob_scale", "kv_scale")
+
+
+class QuantFormat:
+    """A parsed quantization config.
+
+    Attributes: ``kind`` (``"modelopt"``, ``"compressed-tensors"`` or ``"fp8"``), ``source`` (the file the config was
+    read from), ``description`` (one line for the summary), ``notes`` (what the library does not use, e.g. KV-cache
+    scales), ``soft_keep`` (module leaf names kept in the model dtype when the checkpoint stores them unquantized even
+    though the config covers them: HF ``fp8`` never quantizes the output head)."""
+
+    kind = ""
+
+    def __init__(self, source: str, description: str) -> None:
+        self.source = source
+        self.description = description
+        self.notes: list[str] = []
+        self.soft_keep: tuple[str, ...] = ()
+
+    def scheme_for(self, name: str, classes: Sequence[str]) -> Scheme | None:
+        """The scheme of module ``name`` (``classes``: its class and base-class names, e.g. ``["Linear",
+        "Module"]``), or ``None`` when the config keeps it in the model dtype."""
+        raise NotImplementedError
+
+    def keep_reason(self, name: str, classes: Sequence[str]) -> str:
+        """Why :meth:`scheme_for` keeps ``name`` (for the summary)."""
+        return "not covered by the quantization config"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.description!r}, source={self.source!r})"
+
+
+def fail(message: str, source: str) -> CheckpointError:
+    """The error of a config the library cannot serve (raise it)."""
+    return CheckpointError(message, file=source)
+
+
+def require_mapping(value: object, what: str, source: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise fail(f"{what} must be a JSON object, got {type(value).__name__}", source)
+    return value
+
+
+def require_str_list(value: object, what: str, source: str) -> list[str]:
+    """``value`` as a list of strings (``None`` -> ``[]``)."""
+    if value is None:
+        return []
+    if isinstance(value, str) or not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
+        raise fail(f"{what} must be a list of strings, got {value!r}", source)
+    return list(value)
+
+
+def require_block(value: object, what: str, source: str) -> tuple[int, int]:
+    """A ``[BN, BK]`` block size of two positive integers."""
+    if (not isinstance(value, Sequence) or isinstance(value, str) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+        raise fail(f"{what} must be two positive integers [BN, BK], got {value!r}", source)
+    return int(value[0]), int(value[1])
+
+
+__all__ = ["KV_CACHE_SCALES", "QuantFormat", "fail", "require_block", "require_mapping", "require_str_list"]

@@ -1,0 +1,151 @@
+"""Block-wise FP8 in the layers: ``Fp8Linear(weight_scale="block")``, fused block shards, ``RMSNormFp8Quant`` handing
+group-quantized activations, ``quantize_model(weight_scale="block")``; eager, general path and ``torch.compile``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fp8_backends import QuantizedActivation, quantize_model
+from fp8_backends.core import group_scales, reference
+from fp8_backends.core.errors import InvalidInputError
+from fp8_backends.core.types import ActScale, ScaleLayout, WeightScale
+from fp8_backends.layers import Fp8Linear, RMSNormFp8Quant
+from fp8_backends.layers.general_path import apply_fp8_linear
+
+
+def _linear(n=208, k=304, bias=True, seed=0):
+    torch.manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.mul_(4)
+    return lin
+
+
+def _reference(layer: Fp8Linear, x: torch.Tensor) -> torch.Tensor:
+    """The layer's output by the reference: the input quantized per token group, the block GEMM in fp32."""
+    x2 = x.reshape(-1, layer.in_features)
+    xq, xs = reference.quantize_per_token_group(x2, layer.group_size)
+    bias = None if layer.bias is None else layer.bias.float()
+    y = reference.fp8_gemm(xq, layer.weight, xs, layer.weight_scale, torch.float32, bias, group_size=layer.group_size,
+                           weight_block=layer.weight_block)
+    return y.reshape(*x.shape[:-1], layer.out_features)
+
+
+@pytest.mark.parametrize("n,k", [(208, 304), (256, 128), (96, 48)])
+def test_block_linear_eager_general_and_compiled_match_the_reference(n, k):
+    layer = Fp8Linear.from_linear(_linear(n, k), weight_scale="block")
+    assert layer.act_scale is ActScale.PER_TOKEN_GROUP and layer.weight_scale_mode is WeightScale.BLOCK
+    assert tuple(layer.weight_scale.shape) == (-(-n // 128), -(-k // 128)) and "w=block" in repr(layer)
+    x = torch.randn(3, 5, k, dtype=torch.bfloat16)
+    ref = _reference(layer, x)
+    y = layer(x)
+    assert y.shape == (3, 5, n) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), ref, rtol=1e-2, atol=1e-2)
+    general = apply_fp8_linear(x, layer.kernel, act_scale=layer.act_scale, bias=layer.bias, out_dtype=layer.out_dtype)
+    assert torch.equal(general, y)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True)(x)
+    torch.testing.assert_close(compiled.float(), y.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_block_linear_takes_a_group_quantized_activation_in_any_layout():
+    layer = Fp8Linear.from_linear(_linear(), weight_scale="block")
+    x = torch.randn(7, 304, dtype=torch.bfloat16)
+    y = layer(x)
+    for layout in ScaleLayout:
+        xq, xs = reference.quantize_per_token_group(x)
+        qa = QuantizedActivation(xq, group_scales.to_layout(xs, layout), torch.bfloat16, ActScale.PER_TOKEN_GROUP)
+        assert torch.equal(layer(qa), y)
+    with pytest.raises(InvalidInputError, match="per-token-group scale"):
+        layer(QuantizedActivation(xq, torch.ones(7, 1), torch.bfloat16, ActScale.PER_TOKEN_GROUP))
+    with pytest.raises(InvalidInputError, match="never re-quantizes"):
+        layer(QuantizedActivation(xq, torch.ones(7, 1), torch.bfloat16, ActScale.PER_TOKEN))
+
+
+def test_block_linear_loads_checkpoint_scales_in_bf16_and_refuses_bad_ones():
+    w_q, w_s = reference.quantize_block(torch.randn(208, 304) * 0.05)
+    layer = Fp8Linear(304, 208, weight_scale="block")
+    layer.load_weights(w_q, w_s.bfloat16())
+    layer.process_weights_after_loading()
+    assert layer.weight_scale.dtype == torch.float32
+    with pytest.raises(InvalidInputError, match=r"\[ceil\(N/128\), ceil\(K/128\)\] = \[2, 3\]"):
+        Fp8Linear(304, 208, weight_scale="block").load_weights(w_q, w_s[:, :2])
+    bad = Fp8Linear(304, 208, weight_scale="block")
+    bad.load_weights(w_q, w_s * float("nan"))
+    with pytest.raises(InvalidInputError, match="NaN"):
+        bad.process_weights_after_loading()
+    with pytest.raises(InvalidInputError, match="pair"):
+        Fp8Linear(304, 208, weight_scale="block", act_scale="per_token")
+    with pytest.raises(InvalidInputError, match="pair"):
+        Fp8Linear(304, 208, act_scale="per_token_group")
+
+
+def test_fused_block_shards_keep_their_blocks():
+    """q/k/v checkpoints with their own block scales: each shard's blocks go to its rows (no requantization)."""
+    sizes = [256, 128, 128]
+    shards = [reference.quantize_block(torch.randn(rows, 192) * 0.05) for rows in sizes]
+    layer = Fp8Linear(192, sum(sizes), weight_scale="block", shard_sizes=sizes)
+    for i, (w_q, w_s) in enumerate(shards):
+        layer.load_shard(i, w_q, w_s)
+    layer.process_weights_after_loading()
+    assert torch.equal(layer.weight_scale, torch.cat([s for _, s in shards]))
+    x = torch.randn(4, 192, dtype=torch.bfloat16)
+    y = layer(x)
+    for i, (w_q, w_s) in enumerate(shards):
+        xq, xs = reference.quantize_per_token_group(x)
+        part = reference.fp8_gemm(xq, w_q, xs, w_s, torch.float32)
+        start = sum(sizes[:i])
+        torch.testing.assert_close(y[:, start:start + sizes[i]].float(), part, rtol=1e-2, atol=1e-2)
+    with pytest.raises(InvalidInputError, match="straddle"):
+        Fp8Linear(192, 200, weight_scale="block", shard_sizes=[100, 100])
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_norm_hands_a_block_linear_group_scales(residual):
+    torch.manual_seed(1)
+    lin = Fp8Linear.from_linear(_linear(256, 320), weight_scale="block")
+    norm = RMSNormFp8Quant(320, quant_linear=lin)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(320) + 0.5)
+    norm.process_weights_after_loading()
+    assert norm.emits_quantized
+    x = torch.randn(2, 3, 320, dtype=torch.bfloat16)
+    res = torch.randn(2, 3, 320, dtype=torch.bfloat16) if residual else None
+    res_in = None if res is None else res.clone()
+    out = norm(x, res) if residual else norm(x)
+    qa = out[0] if residual else out
+    assert isinstance(qa, QuantizedActivation) and qa.mode is ActScale.PER_TOKEN_GROUP
+    want_layout = lin.gemm_backend.capabilities.group_scale_layout
+    assert group_scales.is_layout(qa.scale, want_layout)
+    q, s, total = reference.rmsnorm_quant_dynamic(x.reshape(-1, 320), norm.weight, norm.eps,
+                                                  act_scale="per_token_group",
+                                                  residual=None if res_in is None else res_in.reshape(-1, 320))
+    assert torch.equal(qa.scale, s)
+    assert torch.equal(qa.data.reshape(-1, 320).view(torch.uint8), q.view(torch.uint8))
+    if residual:
+        assert torch.equal(res.reshape(-1, 320), total)
+    y = lin(qa)
+    assert y.shape == (2, 3, 256)
+
+
+def test_quantize_model_block_on_a_transformers_model():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                   num_key_value_heads=2, num_hidden_layers=2, vocab_size=128)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    ids = torch.randint(0, 128, (1, 12))
+    with torch.no_grad():
+        want = model(ids).logits.float()
+    summary = quantize_model(model, weight_scale="block")
+    assert summary.weight_scale == "block" and summary.act_scale == "per_token_group" and summary.fused
+    with torch.no_grad():
+        got = model(ids).logits.float()
+    assert (got - want).norm() / want.norm() < 0.1
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 15)
+    with pytest.raises(InvalidInputError, match="pair"):
+        quantize_model(nn.Sequential(nn.Linear(128, 128)), weight_scale="block", act_scale="per_token")
