@@ -184,6 +184,38 @@ def test_norm_quant_capabilities():
     assert caps.check(NormQuantProblem(hidden=7168, act_scale="per_token", residual=True), h100) == []
 
 
+# ------------------------------------------------------------------------------ the layers on the triton providers
+@needs_kernels
+@pytest.mark.parametrize("residual", [False, True])
+def test_block_layers_on_the_triton_providers(residual):
+    """A norm handing a block linear its group-quantized activation, both on the triton providers: the norm writes the
+    layout the Triton GEMM declares (m_major_tma), the linear matches the reference."""
+    from torch import nn
+
+    from fp8_backends import QuantizedActivation
+    from fp8_backends.layers import Fp8Linear, RMSNormFp8Quant
+
+    torch.manual_seed(2)
+    lin = nn.Linear(320, 256, bias=True).to(torch.bfloat16).to(DEVICE)
+    layer = Fp8Linear.from_linear(lin, weight_scale="block", backend="triton")
+    norm = RMSNormFp8Quant(320, quant_linear=layer, backend="triton").to(DEVICE)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(320) + 0.5)
+    norm.process_weights_after_loading()
+    assert layer.gemm_backend.name == "triton" and norm.emits_quantized
+    x = torch.randn(5, 320, dtype=torch.bfloat16, device=DEVICE)
+    res = torch.randn(5, 320, dtype=torch.bfloat16, device=DEVICE) if residual else None
+    res_in = None if res is None else res.clone()
+    out = norm(x, res) if residual else norm(x)
+    qa = out[0] if residual else out
+    assert isinstance(qa, QuantizedActivation) and group_scales.is_layout(qa.scale, ScaleLayout.M_MAJOR_TMA)
+    q, s, _ = reference.rmsnorm_quant_dynamic(x, norm.weight, norm.eps, act_scale="per_token_group", residual=res_in)
+    torch.testing.assert_close(qa.scale, s, rtol=4e-7, atol=0)
+    y = layer(qa)
+    ref = reference.fp8_gemm(qa.data, layer.weight, qa.scale, layer.weight_scale, torch.float32, layer.bias.float())
+    assert y.shape == (5, 256) and _relerr(y, ref) < 4e-3
+
+
 # ------------------------------------------------------------------------------------ the quant op
 @pytest.mark.skipif(not _support.interpreting(), reason="needs TRITON_INTERPRET=1 (CPU tensors)")
 @pytest.mark.parametrize("layout", list(ScaleLayout))
