@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (with --device cpu: Triton's interpreter)")
     ap.add_argument("--sweep", action="store_true", help="time every shipped Triton config where it is eligible")
     ap.add_argument("--flashinfer", choices=("auto", "on", "off"), default="auto",
-                    help="time flashinfer's fp8_blockscale_gemm_sm90 (auto: on unless --quick/--smoke)")
+                    help="time flashinfer's fp8_blockscale_gemm_sm90, directly and as the flashinfer_block provider "
+                    "(auto: on unless --quick/--smoke)")
     ap.add_argument("--skip-providers", default="", help="comma-separated registered providers not to time "
                     "(e.g. cutlass where its kernels are not built yet: resolving it would build them)")
     ap.add_argument("--no-norm", action="store_true", help="skip the fused norm + quant part")
@@ -336,7 +337,10 @@ def gemm_point(model: str, layer: str, n: int, k: int, m: int, device: str, time
     notes["scaled_mm"] = {"layout": layout, "refused": refused}
     if call is not None:
         runs["scaled_mm"] = Run(call, data.sets, data.check(FP8_TOL))
-    _provider_runs(runs, notes, data, m, n, k, device, {p.strip() for p in args.skip_providers.split(",") if p})
+    skip = {p.strip() for p in args.skip_providers.split(",") if p}
+    if flashinfer.fn is None:  # flashinfer off (--quick, or not importable): its provider too (its first call builds)
+        skip |= {"flashinfer_block"}
+    _provider_runs(runs, notes, data, m, n, k, device, skip)
     if flashinfer.fn is not None:
         if k % 128 or n % 64:
             notes["flashinfer"] = {"layout": None, "refused": {"all": "needs K % 128 == 0 and N % 64 == 0"}}
