@@ -23,7 +23,8 @@ group() {  # name marker paths/args...
   return "$rc"
 }
 
-named="test_cutlass.py test_triton_gemm.py test_triton_norm_quant.py test_fuzz.py test_flashinfer.py test_torch_providers.py"
+block="test_triton_block_gemm.py test_triton_group_quant.py test_triton_norm_dynamic.py test_triton_block_provider.py"
+named="test_cutlass.py test_triton_gemm.py test_triton_norm_quant.py test_fuzz.py test_flashinfer.py test_torch_providers.py $block"
 rest=()
 for path in tests/test_*.py; do
   case " $named " in *" $(basename "$path") "*) continue ;; esac
@@ -35,6 +36,7 @@ group cutlass gpu tests/test_cutlass.py & pids+=($!)
 group triton gpu tests/test_triton_gemm.py & pids+=($!)
 group norm gpu tests/test_triton_norm_quant.py & pids+=($!)
 group providers gpu tests/test_flashinfer.py tests/test_torch_providers.py & pids+=($!)
+group triton_block gpu $(for f in $block; do echo "tests/$f"; done) & pids+=($!)
 group rest gpu "${rest[@]}" & pids+=($!)
 group fuzz_gemm "gpu and not build" tests/test_fuzz.py -k "fuzz_gemm" & pids+=($!)
 group fuzz_linear "gpu and not build" tests/test_fuzz.py -k "functional_linear or quant_ops" & pids+=($!)

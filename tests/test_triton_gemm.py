@@ -126,7 +126,11 @@ def test_options_and_tuner_candidates():
     assert TritonGemmBackend().config == {"config": "auto"}
     with pytest.raises(InvalidInputError):
         TritonGemmBackend(config="nope")
-    assert option_combos(TritonGemmBackend) == [{"config": n} for n in gemm_configs.CONFIG_NAMES]
+    # one option for both kernel families: a candidate serves the problems of its family (extra_reasons)
+    from fp8_backends.providers.triton import block_gemm_configs
+
+    assert option_combos(TritonGemmBackend) == [{"config": n} for n in (*gemm_configs.CONFIG_NAMES,
+                                                                         *block_gemm_configs.CONFIG_NAMES)]
 
 
 def test_pdl_policy(monkeypatch):

@@ -1,4 +1,4 @@
-"""``triton``: FP8 GEMM written in Triton, with a decode path (GEMV and swap-AB kernels) and PDL.
+"""``triton``: FP8 GEMM written in Triton, with a decode path (GEMV and swap-AB kernels) and PDL; block-wise FP8 too.
 
 Kernels (:mod:`.gemm_kernels`): a CUDA-core GEMV for M = 1, a swap-AB tensor-core kernel for small M
 (weight rows on the MMA's 64-row side) and a grouped tiled kernel for prefill; fp32 accumulation; the
@@ -10,6 +10,14 @@ each). Launched with programmatic dependent launch on SM >= 9.0 (``FP8_BACKENDS_
 Shapes and layouts: ``x_q [M, K]`` and ``w_q [N, K]`` float8 (e4m3fn, or e5m2 for both), row-major;
 K and N multiples of 16; any M. The prepared weight is ``w_q`` itself (no copy) with its scale as fp32
 ``[1]`` or ``[N]``.
+
+Block-wise FP8 (``per_token_group`` activations x ``block`` weights: 1x128 or 1x64 groups, 128x128 weight blocks):
+its own kernel family (:mod:`.block_gemm_kernels`: GEMV, swap-AB with split K, tiled with split K, persistent TMA)
+with its own M-bucket table (:mod:`.block_gemm_configs`), through the op ``fp8_backends::triton_block_gemm``. The
+prepared weight is ``w_q`` with its block scales as fp32 ``[ceil(N/128), ceil(K/128)]`` row-major; the kernels read
+activation scales in any layout and declare ``m_major_tma`` (the tokens of a group adjacent: one coalesced load per
+K step and tile, and the layout flashinfer's and DeepGEMM's block kernels share). Option ``config``: ``auto`` picks
+from the table of the problem's mode; a named config serves the mode its family belongs to.
 
 Runs on any NVIDIA GPU with FP8 tensor cores (SM >= 8.9), and on the CPU under Triton's interpreter
 (``TRITON_INTERPRET=1``: slow, for tests).
@@ -31,10 +39,12 @@ from fp8_backends.core.types import (
     GemmProblem,
     OutDtype,
     PreparedWeight,
+    ScaleLayout,
     WeightScale,
 )
 
 from . import _support
+from . import block_gemm_configs as block_configs
 from .gemm_configs import CONFIG_NAMES, CONFIGS, active_table
 
 if TYPE_CHECKING:
@@ -51,17 +61,19 @@ class TritonGemmBackend(OpGemmBackend):
     """Triton FP8 GEMM; option ``config`` (``auto`` or a tile config name)."""
 
     name: ClassVar[str] = "triton"
-    description: ClassVar[str] = "Triton FP8 GEMM: GEMV / swap-AB decode kernels, tiled prefill, fused epilogue, PDL"
+    description: ClassVar[str] = ("Triton FP8 GEMM: GEMV / swap-AB decode kernels, tiled prefill, fused epilogue, PDL; "
+                                  "block-wise FP8 (split-K decode, TMA prefill)")
     requires: ClassVar[tuple[str, ...]] = _support.REQUIRES
     install_hint: ClassVar[str] = _support.INSTALL_HINT
-    options: ClassVar[dict[str, tuple[str, ...]]] = {"config": ("auto", *CONFIG_NAMES)}
+    options: ClassVar[dict[str, tuple[str, ...]]] = {"config": ("auto", *CONFIG_NAMES, *block_configs.CONFIG_NAMES)}
     tunable_options: ClassVar[tuple[str, ...]] = ("config",)
     capabilities: ClassVar[GemmCapabilities] = GemmCapabilities(
         devices=_support.DEVICES,
         min_sm=_support.MIN_SM,
         pdl=True,
-        act_scales=frozenset(ActScale),
-        weight_scales=frozenset(WeightScale),
+        act_scales=frozenset({ActScale.PER_TENSOR_STATIC, ActScale.PER_TENSOR_DYNAMIC, ActScale.PER_TOKEN,
+                              ActScale.PER_TOKEN_GROUP}),
+        weight_scales=frozenset({WeightScale.PER_TENSOR, WeightScale.PER_CHANNEL, WeightScale.BLOCK}),
         input_dtypes=frozenset({Fp8Dtype.E4M3FN, Fp8Dtype.E5M2}),
         mixed_inputs=False,
         out_dtypes=frozenset({OutDtype.BF16, OutDtype.FP16, OutDtype.FP32}),
@@ -69,6 +81,9 @@ class TritonGemmBackend(OpGemmBackend):
         k_align=16,
         n_align=16,
         priority=6,
+        group_sizes=frozenset({64, 128}),
+        weight_blocks=frozenset({block_configs.WEIGHT_BLOCK}),
+        group_scale_layout=ScaleLayout.M_MAJOR_TMA,
     )
     # host µs per call when Inductor launches the kernel (torch.compile, static launcher): a few µs; the reference
     # point of the other providers' figures (bench/results/compiled_host/2026-12-01-h200-static-launcher/)
@@ -84,13 +99,17 @@ class TritonGemmBackend(OpGemmBackend):
         """:attr:`tma_host_us` where the config (``auto``: the active table's pick for M x N x K) is a TMA one, else
         :attr:`host_us`."""
         config = options.get("config", "auto")
-        tile = CONFIGS.get(active_table().pick(m, n, k) if config == "auto" else config)
+        tile = CONFIGS.get(active_table().pick(m, n, k) if config == "auto" else config) or block_configs.CONFIGS.get(
+            config)
         return cls.tma_host_us if tile is not None and tile.family == "tma" else cls.host_us
 
     def __init__(self, **options: str) -> None:
         super().__init__(**options)
         config = self.config["config"]
-        if config != "auto" and CONFIGS[config].family == "tma":
+        #: the config of block problems: ``auto`` (the block table) unless a block config is named
+        self._block_config = config if config in block_configs.CONFIGS else "auto"
+        tile = CONFIGS.get(config) or block_configs.CONFIGS.get(config)
+        if tile is not None and tile.family == "tma":
             # a forced TMA config never runs another kernel family: misaligned operands are refused (auto's own
             # TMA picks fall back to the same tiles without TMA). An instance attribute, so that no other config
             # pays for the check on the hot path.
@@ -128,10 +147,18 @@ class TritonGemmBackend(OpGemmBackend):
 
     def extra_reasons(self, problem: GemmProblem | None, platform: Platform) -> list[str]:
         config = self.config["config"]
-        if problem is None or problem.m is None or config == "auto":
+        if problem is None or config == "auto":
             return []
-        family = CONFIGS[config].family
-        limit = _FORCED_MAX_M.get(family)
+        block = config in block_configs.CONFIGS
+        if problem.block_scaled != block:
+            return [f"config {config} is a {'block-wise' if block else 'per-tensor / per-token / per-channel'} "
+                    f"FP8 kernel; this problem is {'block-wise' if problem.block_scaled else 'not block-wise'}"]
+        if problem.m is None:
+            return []
+        if block:
+            limit = block_configs.CONFIGS[config].max_m
+        else:
+            limit = _FORCED_MAX_M.get(CONFIGS[config].family)
         if limit is not None and problem.m > limit:
             return [f"config {config} is a small-M kernel (M <= {limit}); M={problem.m} would re-read the weight"]
         return []
@@ -144,10 +171,39 @@ class TritonGemmBackend(OpGemmBackend):
 
         return load_op()  # defines triton_gemm and triton_gemm_tma now (see ProviderBase.preload)
 
-    def op_arguments(self) -> tuple[str]:
-        return (self.config["config"],)
+    _block_op: Any = None  # triton_block_gemm as the hot path calls it (defined at preload)
 
-    # the swap-AB and GEMV kernels (small M) quantize the activation themselves: one launch per eager linear
+    def preload(self) -> None:
+        """Define both ops now (load time): ``triton_gemm`` and the block-wise ``triton_block_gemm``."""
+        super().preload()
+        self._loaded_block_op()
+
+    def _loaded_block_op(self) -> Any:
+        op = self._block_op
+        if op is None:
+            from fp8_backends.core.oplib import eager_fast
+
+            from .block_gemm_ops import load_op as load_block_op
+
+            op = self._block_op = eager_fast(load_block_op())
+        return op
+
+    def op_arguments(self) -> tuple[str]:
+        # a block config is never passed to the per-tensor op (extra_reasons refuses those problems)
+        return (self.config["config"] if self.config["config"] in CONFIGS else "auto",)
+
+    def gemm_impl(self, x_q: torch.Tensor, prepared: PreparedWeight, x_scale: torch.Tensor, out_dtype: torch.dtype,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+        """Block weights go to ``triton_block_gemm`` (activation scales ``[M, ceil(K/G)]`` in any layout), the rest
+        to ``triton_gemm`` (:meth:`OpGemmBackend.gemm_impl`)."""
+        if prepared.block is None:
+            return OpGemmBackend.gemm_impl(self, x_q, prepared, x_scale, out_dtype, bias)
+        op = self._block_op or self._loaded_block_op()
+        return op(x_q, prepared.data, x_scale, prepared.scale, bias, out_dtype, prepared.group_size,
+                  self._block_config)
+
+    # the swap-AB and GEMV kernels (small M) quantize the activation themselves: one launch per eager linear (the
+    # per-tensor / per-token modes; block-wise FP8 quantizes per group first)
     fused_act_quant = frozenset({ActScale.PER_TENSOR_STATIC, ActScale.PER_TENSOR_DYNAMIC, ActScale.PER_TOKEN})
 
     def fused_quant_gemm_impl(

@@ -1,4 +1,5 @@
-"""``triton`` norm-quant provider: fused RMSNorm + static per-tensor FP8 quant written in Triton.
+"""``triton`` norm-quant provider: fused RMSNorm + FP8 quant written in Triton: static per-tensor, and the dynamic
+per-token and per-token-group modes (:mod:`.norm_dynamic_kernels`).
 
 - ``rmsnorm_quant``: ``x [T, H]`` bf16/fp16/fp32 row-major, ``weight [H]`` same dtype, ``scale`` one fp32
   value on x's device -> ``out [T, H]`` float8_e4m3fn = ``clamp(rmsnorm(x)·weight · (1/scale), ±448)``,
@@ -26,6 +27,11 @@ tests the kernels through the ops).
 Numerics: the kernel multiplies by ``1/scale`` where the reference divides, and sums squares in another
 order, so an fp8 code can rarely land one step away from ``fp8_backends.core.reference``.
 
+Dynamic modes (``rmsnorm_quant(..., act_scale="per_token" | "per_token_group")``): ``scale`` is computed from the
+normalized rows (``[T, 1]`` per token, ``[T, ceil(H/G)]`` per group of 64 or 128 in the requested scale layout) with
+IEEE divisions as the reference; ``x`` may be row-strided. Through the ``triton_op`` ops
+``fp8_backends::triton_rmsnorm_quant_dynamic`` and ``triton_fused_add_rmsnorm_quant_dynamic``.
+
 This module imports neither torch nor triton at import time (stevedore imports it during discovery).
 """
 
@@ -37,7 +43,7 @@ from fp8_backends.core.backend import OpNormQuantBackend
 from fp8_backends.core.capabilities import NormQuantCapabilities
 from fp8_backends.core.errors import BackendUnavailableError
 from fp8_backends.core.oplib import LazyOps, TritonOpSpec
-from fp8_backends.core.types import ActScale, OutDtype
+from fp8_backends.core.types import ActScale, OutDtype, ScaleLayout
 
 from . import _support
 
@@ -122,6 +128,8 @@ class TritonNormQuantBackend(OpNormQuantBackend):
         residual=True,
         hidden_align=1,
         priority=25,
+        act_scales=frozenset({ActScale.PER_TENSOR_STATIC, ActScale.PER_TOKEN, ActScale.PER_TOKEN_GROUP}),
+        group_sizes=frozenset({64, 128}),
     )
 
     def explicit_only_reason(self, problem: Any, platform: Any) -> str | None:
@@ -147,6 +155,33 @@ class TritonNormQuantBackend(OpNormQuantBackend):
 
     def load_ops(self) -> tuple[Any, Any]:
         return load_ops()
+
+    def preload(self) -> None:
+        super().preload()
+        self._dynamic_call()
+
+    _dynamic_op: Any = None  # the dynamic modes' entry point (through their ops), bound at preload
+
+    def _dynamic_call(self) -> Any:
+        call = self._dynamic_op
+        if call is None:
+            from .norm_dynamic_ops import load_ops as load_dynamic_ops
+            from .norm_dynamic_ops import triton_rmsnorm_quant_dynamic
+
+            load_dynamic_ops()
+            call = self._dynamic_op = triton_rmsnorm_quant_dynamic
+        return call
+
+    def rmsnorm_quant_dynamic_impl(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, act_scale: ActScale,
+        group_size: int, scale_layout: ScaleLayout,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused RMSNorm (+ residual add, in place) + per-token or per-token-group quant (one kernel)."""
+        import torch
+
+        call = self._dynamic_op or self._dynamic_call()
+        group = 0 if act_scale is ActScale.PER_TOKEN else group_size
+        return call(x, weight, eps, residual, group, scale_layout.value, torch.float8_e4m3fn)
 
 
 __all__ = ["ADD_NORM_OP", "NORM_OP", "TritonNormQuantBackend", "load_ops"]

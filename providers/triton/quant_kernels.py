@@ -1,4 +1,5 @@
-"""Triton FP8 activation-quant kernels: static per-tensor, dynamic per-tensor and per-token.
+"""Triton FP8 activation-quant kernels: static per-tensor, dynamic per-tensor and per-token (per token group:
+:mod:`.group_quant_kernels`, installed beside these by :func:`impls`).
 
 The three functions follow the contract of :func:`fp8_backends.quant.register_quant_impl` (and the
 semantics of :mod:`fp8_backends.core.reference`); ``fmax`` is 448 for ``float8_e4m3fn``, 57344 for ``float8_e5m2``:
@@ -440,13 +441,17 @@ def quant_per_token(
 
 # ------------------------------------------------------------------------------------------ registration
 def impls() -> dict[Any, Callable[..., Any]]:
-    """``{ActScale: fn}`` for the three modes (what :func:`register` installs)."""
+    """``{ActScale: fn}`` for the four modes (what :func:`register` installs): the three of this module and the
+    per-token-group quantization of :mod:`.group_quant_ops`."""
     from fp8_backends.core.types import ActScale
+
+    from .group_quant_ops import quant_impl
 
     return {
         ActScale.PER_TENSOR_STATIC: quant_static,
         ActScale.PER_TENSOR_DYNAMIC: quant_dynamic,
         ActScale.PER_TOKEN: quant_per_token,
+        ActScale.PER_TOKEN_GROUP: quant_impl,
     }
 
 

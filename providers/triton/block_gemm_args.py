@@ -1,0 +1,160 @@
+"""What one launch of the block-scaled Triton GEMM is, shared by the eager launcher (:mod:`.block_gemm_ops`) and the op
+body ``torch.compile`` traces (:mod:`.block_gemm_traced`): the config picked for ``M x N x K`` (a TMA config becomes its
+pointer twin where TMA cannot address the operands), the K split, and the kernel with its grid and every argument.
+Pure host arithmetic on shapes and strides (no launch, no device sync); the kernels' module (and triton) is imported
+when a kernel is first asked for. This module imports torch."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any, NamedTuple
+
+import torch
+
+from fp8_backends.core.errors import InvalidInputError
+
+from .block_gemm_configs import CONFIGS, BlockTileConfig, active_table, auto_split
+
+logger = logging.getLogger("fp8_backends")
+
+#: arrival counters per (device, stream): at most this many output tiles in one split-K launch
+COUNTER_SLOTS = 16384
+_GRID_Y_MAX = 65535
+#: the opaque op of the TMA configs (defined beside ``triton_block_gemm`` by :mod:`.block_gemm_ops`)
+TMA_OP_BASENAME = "triton_block_gemm_tma"
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def pick_config(config: str, m: int, n: int, k: int) -> BlockTileConfig:
+    """The :class:`BlockTileConfig` for ``config`` (a name, or ``auto``: the active table's pick for M x N x K)."""
+    try:
+        return CONFIGS[active_table().pick(m, n, k) if config == "auto" else config]
+    except KeyError:
+        raise InvalidInputError(f"unknown block GEMM config {config!r}") from None
+
+
+class Plan(NamedTuple):
+    """What a launch runs: the config (a TMA config may become its pointer twin), the K split and the activation
+    groups each split covers."""
+
+    cfg: BlockTileConfig
+    split: int
+    groups_per_split: int
+
+
+@functools.lru_cache(maxsize=64)
+def _sm_count_of(device_type: str, index: int) -> int:
+    if device_type != "cuda":
+        return 4  # the interpreter: a few programs exercise the split-K and persistent paths
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    return _sm_count_of(device.type, device.index if device.index is not None else 0)
+
+
+def tiles_of(cfg: BlockTileConfig, m: int, n: int) -> int:
+    return cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
+
+
+def plan_launch(cfg: BlockTileConfig, m: int, n: int, k: int, group_size: int, sms: int) -> Plan:
+    """The split-K of ``cfg`` on ``M x N x K`` (``split_k = 0``: :func:`.block_gemm_configs.auto_split`)."""
+    groups = cdiv(k, group_size)
+    if cfg.family not in ("swap", "mm") or groups == 0:
+        return Plan(cfg, 1, groups)
+    tiles = tiles_of(cfg, m, n)
+    split = cfg.split_k if cfg.split_k else auto_split(tiles, groups, sms)
+    split = max(1, min(split, groups))
+    if split > 1 and tiles > COUNTER_SLOTS:
+        split = 1
+    per = cdiv(groups, split)
+    return Plan(cfg, cdiv(groups, per), per)
+
+
+def row_align(*values: int) -> int:
+    """The largest power of two (at most 16) dividing every value (K and the row strides, in elements = bytes for
+    float8): what the kernels may assume for vector loads."""
+    align = 16
+    for s in values:
+        while align > 1 and s % align:
+            align //= 2
+    return align
+
+
+def tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """TMA can address both operands: 16-byte aligned bases and row strides, unit column strides."""
+    return (x.stride(1) == 1 and w.stride(1) == 1 and not (x.stride(0) % 16 or w.stride(0) % 16)
+            and not (x.data_ptr() % 16 or w.data_ptr() % 16))
+
+
+@functools.lru_cache(maxsize=64)
+def pointer_twin(cfg: BlockTileConfig) -> BlockTileConfig:
+    """The ``mm`` config with ``cfg``'s tiles (for operands TMA cannot address); logged once per config (INFO)."""
+    twin = dataclasses.replace(cfg, family="mm", persistent=0, split_k=1)
+    logger.info("triton block GEMM: TMA cannot address an operand (16-byte alignment), so %s runs as %s (same "
+                "tiles, pointer loads); logged once per config", cfg.name, twin.name)
+    return twin
+
+
+@functools.cache
+def kernel_of(family: str) -> Any:
+    from . import block_gemm_kernels as K
+
+    return {"gemv": K.block_gemv_kernel, "swap": K.block_gemm_swap_kernel, "mm": K.block_gemm_mm_kernel}[family]
+
+
+def kernel_args(plan: Plan, x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
+                bias: torch.Tensor | None, out: torch.Tensor, part: torch.Tensor | None, counters: torch.Tensor | None,
+                group_size: int, weight_block: tuple[int, int], use_pdl: bool
+                ) -> tuple[Any, tuple[int, ...], tuple[Any, ...]]:
+    """``(kernel, grid, args)`` of a pointer-kernel launch (``gemv``/``swap``/``mm``): every kernel parameter in
+    declaration order, constexprs included, pointers first (``x, w, out, x_scale, w_scale, bias`` and, for the
+    tensor-core kernels, ``part, counters``; a replay passes those itself). Sizes may be symbolic under tracing."""
+    cfg = plan.cfg
+    m, k = x.shape
+    n = w.shape[0]
+    wbn, wbk = weight_block
+    b = out if bias is None else bias
+    strides = (x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
+               x_scale.stride(0), x_scale.stride(1), w_scale.stride(0), w_scale.stride(1), b.stride(0))
+    align = row_align(k, x.stride(0), w.stride(0))
+    if cfg.family == "gemv":
+        step = cfg.groups * group_size
+        if m > _GRID_Y_MAX:
+            raise InvalidInputError(f"config {cfg.name} cannot launch {m} tokens (CUDA grid limit {_GRID_Y_MAX})")
+        return (kernel_of("gemv"), (cdiv(n, cfg.block_n), m),
+                (x, w, out, x_scale, w_scale, b, m, n, k, *strides, cfg.block_n, cfg.groups, group_size, wbn, wbk,
+                 bias is not None, k % step == 0, align, use_pdl))
+    part_t = out if part is None else part
+    cnt_t = out if counters is None else counters
+    head = (x, w, out, x_scale, w_scale, b, part_t, cnt_t, m, n, k, plan.groups_per_split, *strides)
+    even = k % group_size == 0
+    if cfg.family == "swap":
+        m_tiles = cdiv(m, cfg.block_m)
+        if m_tiles > _GRID_Y_MAX:
+            raise InvalidInputError(f"config {cfg.name} cannot launch {m_tiles} token blocks (CUDA grid limit "
+                                    f"{_GRID_Y_MAX}); use config=auto or an mm config for this M")
+        return (kernel_of("swap"), (cdiv(n, cfg.block_n), m_tiles, plan.split),
+                (*head, cfg.block_m, cfg.block_n, group_size, wbn, wbk, plan.split, bias is not None, even, align,
+                 use_pdl))
+    return (kernel_of("mm"), (tiles_of(cfg, m, n), plan.split),
+            (*head, cfg.block_m, cfg.block_n, group_size, wbn, wbk, cfg.group_m, plan.split, bias is not None, even,
+             align, use_pdl))
+
+
+def empty_k(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """K = 0: the product is zero; the output is the bias (or zeros)."""
+    if bias is None:
+        return out.zero_()
+    return out.copy_(bias.to(out.dtype).expand_as(out))
+
+
+__all__ = [
+    "COUNTER_SLOTS", "TMA_OP_BASENAME", "Plan", "cdiv", "empty_k", "kernel_args", "kernel_of", "pick_config",
+    "plan_launch", "pointer_twin", "row_align", "sm_count", "tiles_of", "tma_ok",
+]

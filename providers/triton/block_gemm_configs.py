@@ -1,0 +1,228 @@
+"""Tile configurations of the block-scaled Triton FP8 GEMM and its M-bucket dispatch table (data: no torch/triton).
+
+Four kernel families (:mod:`.block_gemm_kernels`):
+
+- ``gemv``: CUDA-core GEMV, ``block_n`` weight rows per program and ``groups`` activation groups per K step
+  (``groups · G`` columns: 1024 at G = 128 with ``groups = 8``); one program column per token, so the weight is
+  streamed once per token: M = 1.
+- ``swap``: swap-AB tensor-core GEMM for small M: ``outᵀ[BN, BM] = w[BN, K] · x[BM, K]ᵀ``, the weight rows on the
+  MMA's 64-row side (wgmma on SM90) and ``block_m`` (16-64) tokens on its narrow side; one K step per activation
+  group; optional split-K.
+- ``mm``: the classic tiled GEMM ``out[BM, BN] = x[BM, K] · w[BN, K]ᵀ`` with grouped tile order; optional split-K.
+- ``tma``: the tiled GEMM with its operand tiles through TMA descriptors (SM >= 9.0, 16-byte aligned rows),
+  optionally persistent (``persistent`` programs per SM walking the tiles).
+
+Every tensor-core family takes one activation group (``G`` = 128, or 64) per K step: the MMA's fp32 result is
+scaled by that group's activation and weight scales before it joins the accumulator (the promotion), so a K step
+never spans two scales. That also fixes what a tile costs in registers: the accumulator plus one step's MMA result,
+two ``BM x BN`` fp32 blocks; 128x128 tiles on 8 warps (two warpgroups of 64 rows) hold 64 + 64 registers per thread,
+which is why no shipped config has a 128x256 tile on 8 warps (it spills on sm_90a; the same tile of the per-tensor
+kernel, whose MMA accumulates in place, holds half as many).
+
+The promotion waits for its MMA (``wgmma.wait_group 0`` after every K step in the sm_90a code), so the tensor cores
+idle while a warpgroup scales; another warpgroup's MMAs can fill that time only if it is not in the same phase. The
+two warpgroups of an 8-warp program are not: Triton's pipeline puts a CTA-wide barrier in every K step. Two or three
+independent 4-warp programs per SM (64x128 tiles: ``tma_n128_m64_s4_w4_g8_p2``, ``mm_n128_m64_s3_w4_g8_sk0``) are,
+which is why the table's large-M picks are those rather than the 128x128 tiles of the per-tensor kernel (both
+measured by ``bench/block_gemm.py --sweep``). ``python -m bench.block_kernels_sm90`` prints each config's registers
+and shared memory on sm_90a.
+
+``split_k``: ``1`` none; ``0`` (``sk0``) chosen per launch by :func:`auto_split` from the number of output tiles,
+the SM count and the K groups (tall-skinny problems such as N = 576 or 1536 with K = 7168, where N / BN tiles do
+not fill 132 SMs); ``n > 1`` fixed.
+
+A config's name spells its family and tile, e.g. ``swap_n64_m16_s8_w4_sk0``. The dispatch table maps ``(M, N, K)``
+to a config name; :func:`use_table` replaces it (``bench/block_gemm.py --sweep`` writes a measured one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from fp8_backends.core.bucket_tables import BucketTable
+
+FAMILIES = ("gemv", "swap", "mm", "tma")
+#: the weight block the configs are laid out for (``(128, 128)``: DeepSeek-V3, Qwen3-FP8, compressed-tensors)
+WEIGHT_BLOCK = (128, 128)
+#: split-K: at most this many splits, each covering at least MIN_GROUPS_PER_SPLIT activation groups
+MAX_SPLIT_K = 16
+MIN_GROUPS_PER_SPLIT = 4
+
+
+def _pow2(v: int) -> bool:
+    return v >= 1 and not v & (v - 1)
+
+
+@dataclass(frozen=True)
+class BlockTileConfig:
+    """One launch configuration of the block-scaled GEMM.
+
+    - ``family``: ``gemv``, ``swap``, ``mm`` or ``tma`` (module docstring).
+    - ``block_m`` / ``block_n``: the tile over tokens (M) and output channels (N); ``gemv`` has ``block_m = 1``.
+    - ``groups``: ``gemv`` only, activation groups per K step.
+    - ``stages``: software-pipelining depth; ``warps``: ``num_warps``.
+    - ``group_m``: ``mm``/``tma`` grouped tile order.
+    - ``split_k``: ``swap``/``mm``: 1, a fixed count, or 0 (per launch, :func:`auto_split`).
+    - ``persistent``: ``tma`` only, programs per SM walking the tiles (0: one program per tile).
+    """
+
+    family: str
+    block_m: int
+    block_n: int
+    stages: int
+    warps: int
+    groups: int = 1
+    group_m: int = 8
+    split_k: int = 1
+    persistent: int = 0
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
+        for what in ("block_m", "block_n", "warps", "groups"):
+            if not _pow2(getattr(self, what)):
+                raise ValueError(f"{self.name}: {what} must be a power of two, got {getattr(self, what)}")
+        wbn = WEIGHT_BLOCK[0]
+        if self.family == "gemv":
+            if self.block_m != 1 or self.block_n > wbn:
+                raise ValueError(f"{self.name}: gemv takes block_m = 1 and block_n <= {wbn}")
+        elif self.block_m < 16 or self.block_n < 16:
+            raise ValueError(f"{self.name}: tensor-core tiles need block_m, block_n >= 16")
+        if self.family == "swap" and self.block_n > wbn:
+            raise ValueError(f"{self.name}: swap tiles stay within one weight block (block_n <= {wbn})")
+        if self.split_k < 0 or self.split_k > MAX_SPLIT_K:
+            raise ValueError(f"{self.name}: split_k must be 0 (auto) .. {MAX_SPLIT_K}")
+        if self.split_k != 1 and self.family not in ("swap", "mm"):
+            raise ValueError(f"{self.name}: only swap and mm configs split K")
+        if self.persistent and self.family != "tma":
+            raise ValueError(f"{self.name}: only tma configs can be persistent")
+
+    @property
+    def name(self) -> str:
+        if self.family == "gemv":
+            return f"gemv_n{self.block_n}_g{self.groups}_w{self.warps}"
+        g = f"_g{self.group_m}" if self.family in ("mm", "tma") else ""
+        sk = f"_sk{self.split_k}" if self.family in ("swap", "mm") else ""
+        p = f"_p{self.persistent}" if self.persistent else ""
+        return f"{self.family}_n{self.block_n}_m{self.block_m}_s{self.stages}_w{self.warps}{g}{sk}{p}"
+
+    @property
+    def max_m(self) -> int | None:
+        """The largest M this config is meant for (``None``: any). Larger M still computes correctly."""
+        return {"gemv": 4, "swap": 256}.get(self.family)
+
+
+def auto_split(tiles: int, groups: int, sms: int) -> int:
+    """Splits of K for a launch of ``tiles`` output tiles over ``groups`` activation groups on ``sms`` SMs: enough
+    programs to give every SM one (a memory-bound small-M GEMM wants bytes in flight on every SM), each split keeping
+    at least :data:`MIN_GROUPS_PER_SPLIT` groups, at most :data:`MAX_SPLIT_K`; rounded so that no split is empty."""
+    if tiles >= sms or groups < 2 * MIN_GROUPS_PER_SPLIT:
+        return 1
+    split = min(-(-sms // tiles), groups // MIN_GROUPS_PER_SPLIT, MAX_SPLIT_K)
+    if split <= 1:
+        return 1
+    per = -(-groups // split)
+    return -(-groups // per)
+
+
+C = BlockTileConfig
+#: Every config the provider ships. Not measured yet: reasoned from the per-tensor kernels' H200 sweep
+#: (../gemm_configs.py: GEMV with 2 rows x 1024 columns on 2 warps at M = 1, swap-AB with 64 weight rows and
+#: 16-64 tokens at 4-8 stages for M <= 64, 128-row tiles on 8 warps above) with one K step per 128-column group
+#: (half the per-tensor kernels' 256-column steps, hence more stages for the same bytes in flight).
+CONFIG_LIST: tuple[BlockTileConfig, ...] = (
+    C("gemv", 1, 2, 1, 2, groups=8, note="M = 1, N >= 2048: 2 rows x 1024 columns per step, 64 threads"),
+    C("gemv", 1, 4, 1, 4, groups=4, note="M = 1, K <= 2048 (q_b 24576x1536, kv_b 32768x512)"),
+    C("swap", 16, 64, 8, 4, split_k=0, note="M <= 16: 64 KB of weight in flight per program"),
+    C("swap", 16, 64, 6, 4, split_k=0, note="M <= 16, fewer stages (more programs per SM)"),
+    C("swap", 16, 128, 4, 4, split_k=0, note="M <= 16, wide N"),
+    C("swap", 32, 64, 6, 4, split_k=0, note="M 17-32"),
+    C("swap", 64, 64, 5, 4, split_k=0, note="M 33-64"),
+    C("swap", 64, 128, 4, 8, split_k=0, note="M 65-128, wide N"),
+    C("mm", 64, 64, 5, 4, split_k=0, note="M ~64-128, narrow N (split K)"),
+    C("mm", 64, 128, 4, 4, split_k=0, note="M ~128-256"),
+    C("mm", 128, 128, 4, 8, split_k=0, note="M ~256-1024 (split K where tiles do not fill the SMs)"),
+    C("mm", 128, 128, 3, 8, note="M >= 1024 without TMA (rows not 16-byte aligned)"),
+    C("tma", 64, 128, 4, 4, persistent=2, note="M >= 1024: two 4-warp programs per SM (106 KB of shared memory "
+      "each), whose promotions overlap the other's MMAs"),
+    C("mm", 64, 128, 3, 4, split_k=0, note="M >= 1024 without TMA: three 4-warp programs per SM (72 KB of shared "
+      "memory and 166 registers a thread each; a split launch takes 191 registers: two)"),
+    C("tma", 64, 128, 4, 4, persistent=1, note="M ~512-1024, narrow N"),
+    C("tma", 128, 128, 4, 8, persistent=1, note="M >= 1024: one 8-warp program per SM"),
+    C("tma", 128, 128, 4, 8, note="M >= 1024, one program per tile"),
+)
+del C
+
+CONFIGS: dict[str, BlockTileConfig] = {c.name: c for c in CONFIG_LIST}
+CONFIG_NAMES: tuple[str, ...] = tuple(CONFIGS)
+
+
+class BlockTable(BucketTable):
+    """The block-scaled GEMM's M-bucket table (buckets name configs of :data:`CONFIGS`)."""
+
+    FORMAT: ClassVar[str] = "fp8_backends.triton_block_table/1"
+
+    @classmethod
+    def known_names(cls) -> Sequence[str]:
+        return CONFIG_NAMES
+
+
+_GEMV = "gemv_n2_g8_w2"
+_GEMV_SHORT_K = "gemv_n4_g4_w4"
+_SWAP16 = "swap_n64_m16_s8_w4_sk0"
+_SWAP32 = "swap_n64_m32_s6_w4_sk0"
+_SWAP64 = "swap_n64_m64_s5_w4_sk0"
+_MM64 = "mm_n128_m64_s4_w4_g8_sk0"
+_TMA = "tma_n128_m64_s4_w4_g8_p2"
+
+
+def _narrow() -> tuple[tuple[int | None, str], ...]:
+    """Buckets of a narrow-N shape (N <= 2048: N / 64 tiles leave most SMs idle): swap-AB with split K from M = 1
+    (the GEMV's 64-thread programs would be too few to keep the weight stream in flight), tiled with split K up to
+    M = 1024."""
+    return ((16, _SWAP16), (32, _SWAP32), (64, _SWAP64), (1024, _MM64), (None, _TMA))
+
+
+def _short_k() -> tuple[tuple[int | None, str], ...]:
+    """Buckets of a short-K shape (K <= 2048: q_b 24576x1536, kv_b 32768x512): the GEMV's 512-column step."""
+    return ((1, _GEMV_SHORT_K), (16, _SWAP16), (32, _SWAP32), (64, _SWAP64), (512, _MM64), (None, _TMA))
+
+
+#: The built-in table, reasoned (not yet measured) for the H200: GEMV at M = 1 for N >= 2048 (the per-tensor sweep's
+#: winner at M = 1 on 4096-28672 x 4096-14336), swap-AB with automatic split K up to M = 64, tiled 128x64 / 128x128 with
+#: automatic split K up to M = 1024, the persistent TMA kernel beyond. Shapes: DeepSeek-V3 (hidden 7168) attention and
+#: dense MLP projections, Qwen3-8B and -32B; ``default`` covers the rest.
+DEFAULT_TABLE = BlockTable(
+    default=((1, _GEMV), (16, _SWAP16), (32, _SWAP32), (64, _SWAP64), (512, _MM64), (None, _TMA)),
+    shapes={
+        # DeepSeek-V3: q_a, kv_a (narrow N, K = 7168), q_b, kv_b (short K)
+        (1536, 7168): _narrow(),
+        (576, 7168): _narrow(),
+        (24576, 1536): _short_k(),
+        (32768, 512): _short_k(),
+    },
+    source="reasoned defaults (not measured): bench/block_gemm.py --sweep measures a replacement",
+)
+
+_active: BlockTable | None = None
+
+
+def active_table() -> BlockTable:
+    """The table ``auto`` uses: the one :func:`use_table` set, else :data:`DEFAULT_TABLE`."""
+    return _active if _active is not None else DEFAULT_TABLE
+
+
+def use_table(table: BlockTable | None) -> BlockTable | None:
+    """Make ``table`` the active one (``None``: back to the built-in); returns the previous override."""
+    global _active
+    previous, _active = _active, table
+    return previous
+
+
+__all__ = [
+    "CONFIGS", "CONFIG_LIST", "CONFIG_NAMES", "DEFAULT_TABLE", "FAMILIES", "MAX_SPLIT_K", "MIN_GROUPS_PER_SPLIT",
+    "WEIGHT_BLOCK", "BlockTable", "BlockTileConfig", "active_table", "auto_split", "use_table",
+]

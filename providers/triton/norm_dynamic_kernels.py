@@ -1,0 +1,231 @@
+"""Triton kernels: fused RMSNorm (+ residual add, in place) + dynamic FP8 quantization, per token group or per token.
+
+What vLLM calls ``rms_norm_per_block_quant`` and ``rms_norm_dynamic_per_token_quant``. Per row, in fp32 (the order of
+:func:`fp8_backends.core.reference.rmsnorm`; then the reference's per-token / per-token-group quantization)::
+
+    s = x (+ residual)                   # the add variant stores s to residual (its dtype), normalizes the fp32 s
+    y = (s * rsqrt(sum(s * s) / H + eps)) * w
+    per_token_group:  scale[t, g] = max(amax(|y[g·G : (g+1)·G]|) / fmax, 1e-12)   -> [T, ceil(H / G)]
+    per_token:        scale[t, 0] = max(amax(|y|) / fmax, 1e-12)                  -> [T, 1]
+    q = fp8(clamp(y / scale, ±fmax))     # IEEE division, fmax 448 (e4m3fn) or 57344 (e5m2)
+
+Operands (what :func:`rmsnorm_quant_dynamic` takes; a provider validates them):
+
+- ``x``: ``[T, H]`` bf16/fp16/fp32, unit column stride, any row stride (``x[:, :H]`` of a wider buffer works).
+- ``residual`` (add variant): ``[T, H]`` in any float dtype, unit column stride, updated **in place**.
+- ``weight``: ``[H]``, any stride.
+- ``q``: ``[T, H]`` float8 (new, row-major; or ``q_out``); ``scale``: fp32, new in the requested layout
+  (:data:`.group_quant_kernels.SCALE_LAYOUTS`; ``[T, 1]`` contiguous per token) or ``scale_out`` in any layout.
+
+The codes and scales match the reference up to the order of the sum of squares (a code may rarely sit one step away,
+a scale an fp32 ulp); a NaN in a row makes its whole normalized row, so all its scales and codes, NaN, as in the
+reference.
+
+Paths (the launch shape of :func:`.norm_kernels.default_config`, measured on the H200 for the static kernel):
+
+- one pass (``next_pow2(H) <= 32768``): ``ROWS`` whole rows per program as a ``[ROWS, NG, GB]`` block: ``NG`` groups
+  of ``GB = G`` columns (per token: one "group" of ``GB = next_pow2(H)`` columns), so each group's amax is a reduction
+  over the last axis and the row's sum of squares over the last two. One read of ``x`` (and ``residual``), one write
+  of ``q``, the scales (and ``residual``).
+- two / three passes (larger ``H``): one row per program in chunks of ``NGC x G`` columns: the sum of squares, then
+  (per token) the amax of the normalized row, then normalize / quantize / store, re-reading the row (mostly from L2);
+  the residual is stored in the last pass, from the same fp32 sum.
+
+PDL as the static kernels (``gdc_wait`` before the first load, ``gdc_launch_dependents`` once the inputs are read).
+No host-device synchronisation and no allocation besides the outputs: CUDA-graph capturable.
+
+This module holds the kernels and what one launch is (:func:`dyn_config`, :func:`kernel_args`), shared by the eager
+call and the ops (:mod:`.norm_dynamic_ops`) and the ops' traced bodies (:mod:`.norm_dynamic_traced`). It imports torch
+and triton: import it lazily.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from fp8_backends.core.errors import InvalidInputError
+
+from .group_quant_kernels import FMAX, group_scale_empty
+from .nan_math import nan_clamp, nan_max_reduce, nan_maximum
+from .norm_kernels import default_config
+from .quant_kernels import LOOP_BLOCK, LOOP_WARPS
+
+#: act_scale values (``fp8_backends.core.types.ActScale`` values): per token and per token group
+PER_TOKEN = "per_token"
+PER_TOKEN_GROUP = "per_token_group"
+
+
+@triton.jit
+def _norm_dyn_block_kernel(
+    x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, T, H, stride_x, stride_r, stride_q, stride_w, stride_sm, stride_sg, eps,
+    FMAX: tl.constexpr, ROWS: tl.constexpr, NG: tl.constexpr, GB: tl.constexpr, ADD: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """``ROWS`` whole rows per program as ``[ROWS, NG, GB]``: ``NG`` scale groups of ``GB`` columns each."""
+    eps = tl.cast(eps, tl.float32)  # Inductor passes a Python float as fp64
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    groups = tl.arange(0, NG)
+    cols = groups[:, None] * GB + tl.arange(0, GB)[None, :]  # [NG, GB]
+    col_in = cols < H
+    row_in = rows < T
+    mask = row_in[:, None, None] & col_in[None, :, :]
+    rows2 = rows.to(tl.int64)[:, None]
+    rows64 = rows2[:, :, None]
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    x = tl.load(x_ptr + rows64 * stride_x + cols[None, :, :], mask=mask, other=0.0).to(tl.float32)
+    if ADD:
+        r_ptrs = r_ptr + rows64 * stride_r + cols[None, :, :]
+        x += tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols * stride_w, mask=col_in, other=0.0).to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if ADD:
+        tl.store(r_ptrs, x.to(r_ptr.dtype.element_ty), mask=mask)
+    rrms = tl.math.rsqrt(tl.sum(tl.sum(x * x, axis=2), axis=1) / H + eps)  # [ROWS]
+    y = x * rrms[:, None, None] * w[None, :, :]
+    scale = nan_maximum(tl.math.div_rn(nan_max_reduce(tl.abs(y), 2), FMAX), 1e-12)  # [ROWS, NG]
+    tl.store(s_ptr + rows2 * stride_sm + groups[None, :] * stride_sg, scale,
+             mask=row_in[:, None] & (groups * GB < H)[None, :])
+    q = nan_clamp(tl.math.div_rn(y, scale[:, :, None]), -FMAX, FMAX)
+    tl.store(q_ptr + rows64 * stride_q + cols[None, :, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _row_chunk(x_row, r_row, cols, mask, ADD: tl.constexpr, EVICT: tl.constexpr):
+    """One chunk of a row: the fp32 sum ``x (+ residual)``."""
+    v = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    if ADD:
+        v += tl.load(r_row + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _norm_dyn_loop_kernel(
+    x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, H, stride_x, stride_r, stride_q, stride_w, stride_sm, stride_sg, eps,
+    FMAX: tl.constexpr, NGC: tl.constexpr, G: tl.constexpr, PER_TOKEN: tl.constexpr, ADD: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """One row per program in chunks of ``NGC`` groups of ``G`` columns: sum of squares; (per token) the row's amax;
+    then normalize, quantize and store (module docstring)."""
+    eps = tl.cast(eps, tl.float32)
+    CHUNK: tl.constexpr = NGC * G
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    r_row = r_ptr + row * stride_r
+    q_row = q_ptr + row * stride_q
+    groups = tl.arange(0, NGC)
+    local = groups[:, None] * G + tl.arange(0, G)[None, :]  # [NGC, G]
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    acc = tl.zeros([NGC, G], dtype=tl.float32)
+    for start in range(0, H, CHUNK):
+        cols = start + local
+        v = _row_chunk(x_row, r_row, cols, cols < H, ADD, "evict_last")
+        acc += v * v
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    rrms = tl.math.rsqrt(tl.sum(tl.sum(acc, axis=1), axis=0) / H + eps)
+    if PER_TOKEN:
+        amax = tl.zeros([NGC, G], dtype=tl.float32)
+        for start in range(0, H, CHUNK):
+            cols = start + local
+            mask = cols < H
+            v = _row_chunk(x_row, r_row, cols, mask, ADD, "evict_last")
+            w = tl.load(w_ptr + cols * stride_w, mask=mask, other=0.0).to(tl.float32)
+            amax = nan_maximum(amax, tl.abs(v * rrms * w))
+        token_scale = nan_maximum(tl.math.div_rn(nan_max_reduce(nan_max_reduce(amax, 1), 0), FMAX), 1e-12)
+        tl.store(s_ptr + row * stride_sm, token_scale)
+    for start in range(0, H, CHUNK):
+        cols = start + local
+        mask = cols < H
+        v = _row_chunk(x_row, r_row, cols, mask, ADD, "evict_first")
+        if ADD:
+            tl.store(r_row + cols, v.to(r_ptr.dtype.element_ty), mask=mask)
+        w = tl.load(w_ptr + cols * stride_w, mask=mask, other=0.0).to(tl.float32)
+        y = v * rrms * w
+        if PER_TOKEN:
+            scale = token_scale
+        else:
+            group_scale = nan_maximum(tl.math.div_rn(nan_max_reduce(tl.abs(y), 1), FMAX), 1e-12)  # [NGC]
+            g = start // G + groups
+            tl.store(s_ptr + row * stride_sm + g * stride_sg, group_scale, mask=g * G < H)
+            scale = group_scale[:, None]
+        q = nan_clamp(tl.math.div_rn(y, scale), -FMAX, FMAX)
+        tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+class DynConfig(NamedTuple):
+    """A launch: ``path`` ``"block"`` (``rows`` rows of ``ng`` groups of ``gb`` columns per program) or ``"loop"``
+    (one row per program, chunks of ``ng`` groups of ``gb`` columns), and its warps."""
+
+    path: str
+    rows: int
+    ng: int
+    gb: int
+    num_warps: int
+
+
+def dyn_config(t: int, h: int, add: bool, group_size: int, per_token: bool, single_pass_max: int | None = None,
+               loop_block: int = LOOP_BLOCK) -> DynConfig:
+    """The launch shape for ``[t, h]`` rows: :func:`.norm_kernels.default_config` (rows per program and warps as
+    measured for the static kernel), with the row block split into scale groups. ``single_pass_max`` /
+    ``loop_block`` let tests reach the chunked path at small ``H``."""
+    from .quant_kernels import SINGLE_PASS_MAX
+
+    base = default_config(t, h, add)
+    limit = SINGLE_PASS_MAX if single_pass_max is None else single_pass_max
+    block = triton.next_power_of_2(max(h, 1))
+    if block <= limit and base.path != "loop":
+        if per_token:
+            return DynConfig("block", base.rows, 1, max(base.block, block), base.num_warps)
+        gb = group_size
+        ng = max(1, max(base.block, block) // gb)
+        return DynConfig("block", base.rows, ng, gb, base.num_warps)
+    gb = group_size
+    chunk = max(gb, min(triton.next_power_of_2(loop_block), block))
+    return DynConfig("loop", 1, chunk // gb, gb, LOOP_WARPS if chunk >= LOOP_BLOCK else 8)
+
+
+def kernel_args(cfg: DynConfig, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                q: torch.Tensor, scale: torch.Tensor, eps: float, per_token: bool, use_pdl: bool
+                ) -> tuple[Any, tuple[int, ...], tuple[Any, ...]]:
+    """``(kernel, grid, args)`` of a launch: every kernel parameter in order, the five pointers first (a replay passes
+    those and ``eps`` itself). Sizes may be symbolic under tracing."""
+    t, h = x.shape
+    add = residual is not None
+    r = residual if add else x
+    strides = (x.stride(0), r.stride(0), q.stride(0), weight.stride(0), scale.stride(0), scale.stride(1))
+    fmax = FMAX[q.dtype]
+    if cfg.path == "loop":
+        return (_norm_dyn_loop_kernel, (t,),
+                (x, r, weight, q, scale, h, *strides, eps, fmax, cfg.ng, cfg.gb, per_token, add, use_pdl))
+    return (_norm_dyn_block_kernel, ((t + cfg.rows - 1) // cfg.rows,),
+            (x, r, weight, q, scale, t, h, *strides, eps, fmax, cfg.rows, cfg.ng, cfg.gb, add, use_pdl))
+
+
+def per_token_mode(act_scale: object) -> bool:
+    """True for per token, False for per token group (``act_scale``: an ActScale or its value)."""
+    value = getattr(act_scale, "value", act_scale)
+    if value == PER_TOKEN:
+        return True
+    if value == PER_TOKEN_GROUP:
+        return False
+    raise InvalidInputError(f"act_scale must be {PER_TOKEN!r} or {PER_TOKEN_GROUP!r}, got {act_scale!r}")
+
+
+def outputs_like(x: torch.Tensor, group_size: int, scale_layout: str, fp8_dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """New ``q`` and ``scale`` of the ops (also their fake implementations)."""
+    t, h = x.shape
+    q = x.new_empty((t, h), dtype=fp8_dtype)
+    if group_size == 0:
+        return q, x.new_empty((t, 1), dtype=torch.float32)
+    return q, group_scale_empty(t, (h + group_size - 1) // group_size, scale_layout, x)
+
+
+__all__ = ["PER_TOKEN", "PER_TOKEN_GROUP", "DynConfig", "dyn_config", "kernel_args", "outputs_like", "per_token_mode"]

@@ -1,0 +1,88 @@
+"""``bench/block_gemm.py`` on the CPU: the smoke run end to end (tiny shapes on Triton's interpreter: every variant
+built, checked and timed, refusals recorded, JSON and markdown written), and its pure functions (family picks, targets,
+the sweep's table)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("triton")
+torch = pytest.importorskip("torch")
+
+from bench import block_gemm as bench  # noqa: E402
+from fp8_backends.providers.triton import _support  # noqa: E402
+from fp8_backends.providers.triton import block_gemm_configs as bc  # noqa: E402
+
+
+@pytest.mark.skipif(not _support.interpreting(), reason="the smoke run is the CPU one (TRITON_INTERPRET=1)")
+def test_smoke_run_writes_json_and_markdown(tmp_path):
+    assert bench.main(["--device", "cpu", "--smoke", "--no-compile-baseline", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "block_gemm.json").read_text())
+    assert data["schema"] == "fp8_backends.bench.block_gemm/1" and data["meta"]["versions"]["torch"]
+    assert [(p["n"], p["k"], p["m"]) for p in data["gemm"]] == [(144, 272, 1), (144, 272, 5)]
+    for point in data["gemm"]:
+        labels = set(point["variants"])
+        assert {"bf16", "triton", "provider:torch_scaled_mm"} <= labels  # the library's CPU path of the mode
+        assert any(lab.startswith("triton:") for lab in labels)
+        assert all(v["error"] is None and v["us"] > 0 for lab, v in point["variants"].items()), point["variants"]
+        assert point["variants"]["triton"]["config"] in bc.CONFIGS
+        assert point["notes"]["scaled_mm"]["refused"]  # the CPU build refuses block scales: recorded, not fatal
+    assert data["flashinfer"]["error"] == "off"
+    assert {(p["residual"]) for p in data["norm"]} == {False, True}
+    for point in data["norm"]:
+        assert {"triton_group", "triton_group_tma", "triton_token"} <= set(point["variants"])
+    text = (tmp_path / "block_gemm.md").read_text()
+    for section in ("## Targets", "## GEMM: Triton (auto)", "## GEMM: every variant", "## Refusals",
+                    "## Fused RMSNorm"):
+        assert section in text
+
+
+def test_family_configs():
+    assert set(bench.family_configs(1, 4096, 4096, False)) == {
+        "triton", "triton:gemv_n2_g8_w2", "triton:swap_n64_m16_s8_w4_sk0", "triton:mm_n128_m64_s4_w4_g8_sk0"}
+    assert "triton:gemv_n4_g4_w4" in bench.family_configs(1, 24576, 1536, False)
+    big = bench.family_configs(4096, 4096, 6840, False)  # K not 16-byte aligned: no TMA variant
+    assert set(big) == {"triton", "triton:mm_n128_m128_s4_w8_g8_sk0"}
+    assert "triton:tma_n128_m64_s4_w4_g8_p2" in bench.family_configs(4096, 4096, 4096, False)
+    sweep = bench.family_configs(16, 4096, 4096, True)
+    assert all(name in bc.CONFIGS for lab, name in sweep.items() if lab != "triton")
+    assert not any("gemv" in lab for lab in sweep)  # GEMV configs stop at M = 4
+
+
+def _point(m, us, model="deepseek-v3", layer="kv_a", n=576, k=7168, floor=None):
+    variants = {lab: {"us": v, "config": lab.split(":")[-1] if ":" in lab else "swap_n64_m16_s8_w4_sk0"}
+                for lab, v in us.items()}
+    if floor is not None:
+        variants["triton"]["pct_floor"] = floor
+    return bench.analyse_point(model, layer, n, k, m, {}, {}, {}, None) | {
+        "variants": variants, "triton_over_bf16": us["bf16"] / us["triton"]}
+
+
+def test_targets_name_every_miss():
+    gemm = [_point(1, {"bf16": 10.0, "triton": 12.0}, floor=60.0), _point(4096, {"bf16": 100.0, "triton": 80.0})]
+    norm = [{"hidden": 7168, "tokens": 4096, "residual": True, "group_compiled_over_triton": 0.9,
+             "token_compiled_over_triton": 1.2,
+             "variants": {"triton_group": {"pct_copy": 80.0}, "triton_token": {"pct_copy": 90.0}}}]
+    got = bench.targets(gemm, norm)
+    assert len(got["triton_slower_than_bf16"]) == 1 and "M=1" in got["triton_slower_than_bf16"][0]
+    assert len(got["below_75pct_floor"]) == 1
+    assert len(got["below_1.6x_bf16"]) == 1 and "M=4096" in got["below_1.6x_bf16"][0]
+    assert got["norm_below_85pct_copy"] == ["H=7168 T=4096 +res group: 80.0%"]
+    assert got["norm_slower_than_compiled"] == ["H=7168 T=4096 +res group: 0.900x"]
+
+
+def test_sweep_table_is_a_loadable_block_table():
+    points = []
+    for m, best in ((1, "gemv_n2_g8_w2"), (16, "swap_n64_m16_s6_w4_sk0"), (64, "swap_n64_m64_s5_w4_sk0"),
+                    (256, "swap_n64_m64_s5_w4_sk0"), (4096, "tma_n128_m128_s4_w8_g8_p1")):
+        us = {"bf16": 10.0, "triton": 9.0, f"triton:{best}": 5.0, "triton:mm_n128_m64_s4_w4_g8_sk0": 7.0}
+        points.append(_point(m, us))
+    table = bench.sweep_table(points)
+    again = bc.BlockTable.from_json(json.loads(json.dumps(table.to_json())))
+    assert again.pick(1, 576, 7168) == "gemv_n2_g8_w2"
+    assert again.pick(16, 576, 7168) == "swap_n64_m16_s6_w4_sk0"
+    assert again.pick(100, 576, 7168) == again.pick(256, 576, 7168) == "swap_n64_m64_s5_w4_sk0"
+    assert again.pick(8192, 576, 7168) == "tma_n128_m128_s4_w8_g8_p1"
+    assert again.pick(1, 4096, 4096) == bc.DEFAULT_TABLE.pick(1, 4096, 4096)  # unmeasured shapes keep the default

@@ -1,0 +1,245 @@
+"""The Triton fused RMSNorm (+ residual add) + dynamic FP8 quantization, per token group and per token
+(``providers/triton/norm_dynamic_*.py``), against the reference (``tests/block_reference.py``).
+
+CPU part: the kernels on Triton's interpreter with exact float conversions (a module fixture): hidden sizes that are
+not multiples of the group (33, 200, 1000) and real ones (4096), G = 64 and 128, both modes with and without the
+residual, row-strided inputs, every scale layout, e5m2, NaN rows, the chunked path for large hidden sizes (reached at
+small H), the ops and their fakes. The normalized row's sum of squares runs in another order than torch's, so a scale
+may sit an fp32 ulp away and a code one step away, rarely. GPU part: real sizes, CUDA graphs, PDL on and off,
+``torch.compile`` launching the kernels itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+import block_reference as R  # noqa: E402
+
+from fp8_backends.core.errors import InvalidInputError  # noqa: E402
+from fp8_backends.providers.triton import _support  # noqa: E402
+from fp8_backends.providers.triton import norm_dynamic_kernels as nk  # noqa: E402
+from fp8_backends.providers.triton import norm_dynamic_ops as nd  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+needs_kernels = pytest.mark.skipif(
+    not ON_GPU and not _support.interpreting(), reason="needs a GPU or TRITON_INTERPRET=1 (conftest sets it)"
+)
+pytestmark = pytest.mark.usefixtures("exact_interpreter_casts")
+EPS = 1e-6
+MODES = {"group": nd.PER_TOKEN_GROUP, "token": nd.PER_TOKEN}
+
+
+def _inputs(t, h, dtype=torch.bfloat16, seed=0, device=DEVICE):
+    g = torch.Generator().manual_seed(seed * 1000 + t * 7 + h)
+    x = torch.randn(t, h, generator=g)
+    x[:, ::11] *= 20  # loud columns: group scales differ from the row's
+    r = torch.randn(t, h, generator=g)
+    w = 1 + 0.25 * torch.randn(h, generator=g)
+    return x.to(dtype).to(device), r.to(dtype).to(device), w.to(dtype).to(device)
+
+
+def _ordinal(q: torch.Tensor) -> torch.Tensor:
+    b = q.view(torch.uint8).to(torch.int16)
+    mag = b & 0x7F
+    return torch.where(b >= 0x80, -mag, mag)
+
+
+def assert_close(q, s, rq, rs, max_fraction=5e-3):
+    assert q.shape == rq.shape and q.dtype == rq.dtype and s.shape == rs.shape
+    q, s, rq, rs = q.cpu(), s.cpu(), rq.cpu(), rs.cpu()
+    nan_q, nan_s = torch.isnan(rq.float()), torch.isnan(rs)
+    assert torch.equal(torch.isnan(q.float()), nan_q) and torch.equal(torch.isnan(s), nan_s)
+    torch.testing.assert_close(s[~nan_s], rs[~nan_s], rtol=4e-7, atol=0)
+    diff = (_ordinal(q) - _ordinal(rq)).abs()[~nan_q]
+    assert (int(diff.max()) if diff.numel() else 0) <= 1, "a code is more than one fp8 step from the reference"
+    assert int((diff > 0).sum()) <= max(2, int(max_fraction * diff.numel()))
+
+
+def _run_and_check(t, h, mode, residual, *, group=128, dtype=torch.bfloat16, layout="row_major",
+                   fp8=torch.float8_e4m3fn, x_view=None, config=None, seed=0):
+    x, r, w = _inputs(t, h, dtype, seed)
+    if x_view is not None:
+        x = x_view(x)
+    res = r.clone() if residual else None
+    q, s, new_r = nd.rmsnorm_quant_dynamic(x, w, EPS, res, act_scale=MODES[mode], group_size=group,
+                                           scale_layout=layout, fp8_dtype=fp8, config=config)
+    rq, rs, rr = R.rmsnorm_quant_dynamic(x, w, EPS, r if residual else None, mode == "token", group, fp8)
+    assert_close(q, s, rq, rs)
+    if residual:
+        assert new_r is res and torch.equal(res, rr)
+    else:
+        assert new_r is None
+    return q, s
+
+
+# ------------------------------------------------------------------------------------ numerics
+@needs_kernels
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize(("t", "h", "group"), [(1, 33, 128), (3, 200, 128), (5, 1000, 64), (2, 4096, 128),
+                                               (9, 96, 64)])
+def test_matches_reference(t, h, group, mode, residual):
+    q, s = _run_and_check(t, h, mode, residual, group=group)
+    assert s.shape == ((t, 1) if mode == "token" else (t, -(-h // group)))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_input_dtypes(dtype, mode):
+    _run_and_check(3, 384, mode, True, dtype=dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("layout", ["row_major", "m_major", "m_major_tma"])
+def test_group_scale_layouts(layout):
+    q, s = _run_and_check(5, 640, "group", False, layout=layout)
+    if layout != "row_major":
+        assert s.stride(0) == 1 and s.stride(1) == (5 if layout == "m_major" else 8)
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", list(MODES))
+def test_row_strided_input(mode):
+    """``x[:, :H]`` of a wider buffer (row stride > H)."""
+    _run_and_check(4, 300, mode, True, x_view=lambda x: torch.cat([x, x[:, :50]], dim=1)[:, :300])
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", list(MODES))
+def test_e5m2(mode):
+    _run_and_check(3, 256, mode, False, fp8=torch.float8_e5m2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize(("h", "group", "loop_block"), [(1000, 128, 256), (700, 64, 128), (4096, 128, 1024)])
+def test_chunked_path(h, group, loop_block, mode, residual):
+    """The path of hidden sizes past 32768, reached at small H by lowering the one-pass limit; the tail chunk is
+    partial in the first two cases."""
+    cfg = nk.dyn_config(3, h, residual, group, mode == "token", single_pass_max=64, loop_block=loop_block)
+    assert cfg.path == "loop" and cfg.ng * cfg.gb == loop_block
+    _run_and_check(3, h, mode, residual, group=group, config=cfg)
+
+
+@needs_kernels
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_nan_row_is_nan_and_alone(mode, chunked):
+    x, r, w = _inputs(4, 384, torch.float32, seed=3)
+    x[2, 5] = float("nan")
+    cfg = nk.dyn_config(4, 384, False, 128, mode == "token", single_pass_max=64, loop_block=128) if chunked else None
+    q, s, _ = nd.rmsnorm_quant_dynamic(x, w, EPS, act_scale=MODES[mode], config=cfg)
+    rq, rs, _ = R.rmsnorm_quant_dynamic(x, w, EPS, None, mode == "token")
+    assert torch.isnan(s[2]).all() and torch.isnan(q[2].float()).all()
+    assert not torch.isnan(s[[0, 1, 3]]).any()
+    assert_close(q, s, rq, rs)
+
+
+@needs_kernels
+def test_outputs_given_and_empty():
+    x, r, w = _inputs(3, 256)
+    q_out = torch.empty(3, 256, dtype=torch.float8_e4m3fn, device=DEVICE)
+    s_out = torch.empty(2, 3, device=DEVICE).t()
+    q, s, _ = nd.rmsnorm_quant_dynamic(x, w, EPS, q_out=q_out, scale_out=s_out)
+    assert q is q_out and s is s_out
+    assert_close(q, s, *R.rmsnorm_quant_dynamic(x, w, EPS)[:2])
+    q0, s0, _ = nd.rmsnorm_quant_dynamic(x[:0], w, EPS)
+    assert q0.shape == (0, 256) and s0.shape == (0, 2)
+
+
+def test_bad_arguments():
+    x = torch.zeros(2, 64)
+    w = torch.ones(64)
+    with pytest.raises(InvalidInputError, match="act_scale"):
+        nd.rmsnorm_quant_dynamic(x, w, EPS, act_scale="per_tensor_static")
+    with pytest.raises(InvalidInputError, match="group_size"):
+        nd.rmsnorm_quant_dynamic(x, w, EPS, group_size=100)
+    with pytest.raises(InvalidInputError, match="fp8_dtype"):
+        nd.rmsnorm_quant_dynamic(x, w, EPS, fp8_dtype=torch.int8)
+    with pytest.raises(InvalidInputError, match="scale_layout"):
+        nd.rmsnorm_quant_dynamic(x, w, EPS, scale_layout="nope")
+
+
+def test_dyn_config():
+    # real hidden sizes: one pass, group blocks of G (per token: one block of the row)
+    cfg = nk.dyn_config(4096, 7168, True, 128, False)
+    assert cfg.path == "block" and cfg.ng * cfg.gb == 8192 and cfg.gb == 128
+    assert nk.dyn_config(4096, 7168, True, 128, True) == nk.DynConfig("block", cfg.rows, 1, 8192, cfg.num_warps)
+    small = nk.dyn_config(64, 96, False, 128, False)
+    assert small.path == "block" and small.rows > 1 and small.ng * small.gb >= 96
+    big = nk.dyn_config(8, 65536, False, 128, False)
+    assert big.path == "loop" and big.ng * big.gb == 16384
+
+
+@needs_kernels
+def test_ops_and_fakes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    norm_op, add_op = nd.load_ops()
+    assert "Tensor(a!) residual" in str(add_op._schema)
+    x, r, w = _inputs(3, 256)
+    res = r.clone()
+    q, s = add_op(x, res, w, EPS, 128, "m_major", torch.float8_e4m3fn)
+    rq, rs, rr = R.rmsnorm_quant_dynamic(x, w, EPS, r)
+    assert_close(q, s, rq, rs) and torch.equal(res, rr)
+    q, s = nd.triton_rmsnorm_quant_dynamic(x, w, EPS, None, 0)
+    assert s.shape == (3, 1)
+    assert_close(q, s, *R.rmsnorm_quant_dynamic(x, w, EPS, None, True)[:2])
+    with FakeTensorMode():
+        fx = torch.empty(5, 300, dtype=torch.bfloat16, device=DEVICE)
+        fw = torch.empty(300, dtype=torch.bfloat16, device=DEVICE)
+        fq, fs = norm_op(fx, fw, EPS, 128, "m_major_tma", torch.float8_e4m3fn)
+    assert fq.shape == (5, 300) and fs.shape == (5, 3) and fs.stride() == (1, 8)
+
+
+# ------------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize(("t", "h"), [(1, 7168), (16, 4096), (4096, 5120), (333, 7168), (2, 40960)])
+def test_gpu_real_sizes(t, h, mode, residual):
+    _run_and_check(t, h, mode, residual, layout="m_major_tma")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(MODES))
+def test_gpu_graph_capture_and_pdl_agree(mode, monkeypatch):
+    x, r, w = _inputs(256, 7168)
+    res_a, res_b = r.clone(), r.clone()
+    q_a, s_a, _ = nd.rmsnorm_quant_dynamic(x, w, EPS, res_a, act_scale=MODES[mode])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q_b, s_b, _ = nd.rmsnorm_quant_dynamic(x, w, EPS, res_b, act_scale=MODES[mode])
+    res_b.copy_(r)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(q_a.view(torch.uint8), q_b.view(torch.uint8)) and torch.equal(s_a, s_b)
+    assert torch.equal(res_a, res_b)
+    monkeypatch.setenv("FP8_BACKENDS_PDL", "0")
+    q_c, s_c, _ = nd.rmsnorm_quant_dynamic(x, w, EPS, r.clone(), act_scale=MODES[mode])
+    assert torch.equal(q_a.view(torch.uint8), q_c.view(torch.uint8)) and torch.equal(s_a, s_c)
+
+
+@pytest.mark.gpu
+def test_gpu_inductor_launches_the_kernels_itself():
+    from torch._inductor.utils import run_and_get_code
+
+    nd.load_ops()
+    x, r, w = _inputs(32, 4096)
+
+    def f(a, res):
+        return nd.triton_rmsnorm_quant_dynamic(a * 2, w, EPS, res, 128, "m_major_tma")
+
+    res_c, res_e = r.clone(), r.clone()
+    (q, s), codes = run_and_get_code(torch.compile(f, fullgraph=True), x, res_c)
+    q_e, s_e, _ = nd.rmsnorm_quant_dynamic(x * 2, w, EPS, res_e, scale_layout="m_major_tma")
+    assert torch.equal(q.view(torch.uint8), q_e.view(torch.uint8)) and torch.equal(s, s_e)
+    assert torch.equal(res_c, res_e)
+    assert "_norm_dyn_block_kernel" in "\n".join(codes)
