@@ -74,6 +74,7 @@ class CutlassSm90Backend(OpGemmBackend):
         bias=BiasMode.FUSED,
         k_align=16,
         n_align=16,
+        align_reason="the CUTLASS kernels load tiles through TMA, which needs 16-byte aligned rows",
         priority=8,
     )
     # host µs per call on the compiled path (an opaque custom op: config pick, output allocation, a ctypes call): 5 +

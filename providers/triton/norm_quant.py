@@ -1,6 +1,7 @@
 """``triton`` norm-quant provider: fused RMSNorm + static per-tensor FP8 quant written in Triton.
 
-- ``rmsnorm_quant``: ``x [T, H]`` bf16/fp16/fp32 row-major, ``weight [H]`` same dtype, ``scale`` one fp32
+- ``rmsnorm_quant``: ``x [T, H]`` bf16/fp16/fp32 with unit column stride (rows may be strided: ``x[:, :H]`` of a
+  wider buffer), ``weight [H]`` same dtype, ``scale`` one fp32
   value on x's device -> ``out [T, H]`` float8_e4m3fn = ``clamp(rmsnorm(x)·weight · (1/scale), ±448)``,
   RMSNorm in fp32.
 - ``fused_add_rmsnorm_quant``: ``residual <- x + residual`` **in place** (summed in fp32, stored in the
@@ -121,6 +122,7 @@ class TritonNormQuantBackend(OpNormQuantBackend):
         in_dtypes=frozenset({OutDtype.BF16, OutDtype.FP16, OutDtype.FP32}),
         residual=True,
         hidden_align=1,
+        strided_rows=True,  # the kernels address rows by x.stride(0)
         priority=25,
     )
 
