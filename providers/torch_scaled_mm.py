@@ -82,7 +82,7 @@ class TorchScaledMMBackend(Fp8GemmBackend):
         k_align=16,
         n_align=16,
         # the CPU's _scaled_mm takes any N and K (fp32 math); cuBLASLt's does not (torch checks it before the call)
-        align_reason="torch._scaled_mm on CUDA (cuBLASLt's FP8 GEMM) needs 16-byte aligned rows",
+        align_reason="cuBLASLt's FP8 GEMM behind torch._scaled_mm on CUDA needs 16-byte aligned rows",
         align_devices=frozenset({DeviceKind.CUDA}),
         priority=10,
         group_sizes=frozenset({128}),
