@@ -168,11 +168,21 @@ def quantize_block(
 # The math itself, with the float8 torch dtype and its largest value given: what the functions above compute once
 # they parsed their dtype, and what a compiled layer's generated plan calls with both as constants (no parsing, no
 # enum lookups for Dynamo to guard).
+def row_major(q: torch.Tensor) -> torch.Tensor:
+    """``q [M, K]`` with strides ``(K, 1)``: itself when it has them, else a row-major copy. Elementwise ops keep a
+    transposed input's layout, and ``is_contiguous()`` also accepts odd strides on a dimension of size 1 (``[1, K]``
+    with strides ``(1, 1)``, from ``a.t()`` of a ``[K, 1]`` tensor), which ``torch._scaled_mm`` refuses as not
+    row-major. Under ``torch.compile`` Inductor writes the copy from the kernel that computes ``q``."""
+    if q.stride(-1) == 1 and q.stride(0) == max(q.shape[-1], 1):
+        return q
+    import torch
+
+    return q.clone(memory_format=torch.contiguous_format)
+
+
 def scaled_cast(x: torch.Tensor, scale: torch.Tensor, fp8: torch.dtype, fmax: float) -> torch.Tensor:
-    """``clamp(x.float() / scale.float(), ±fmax).to(fp8)``, row-major whatever ``x``'s strides (elementwise ops keep a
-    transposed input's layout; ``contiguous`` costs nothing for a row-major one, and under ``torch.compile`` Inductor
-    writes the row-major codes from the same kernel that computes them)."""
-    return (x.float() / scale.float()).clamp(-fmax, fmax).to(fp8).contiguous()
+    """``clamp(x.float() / scale.float(), ±fmax).to(fp8)``, row-major whatever ``x``'s strides (:func:`row_major`)."""
+    return row_major((x.float() / scale.float()).clamp(-fmax, fmax).to(fp8))
 
 
 def dynamic_scale(x: torch.Tensor, fmax: float) -> torch.Tensor:
@@ -212,7 +222,7 @@ def scaled_cast_groups(x: torch.Tensor, scale: torch.Tensor, group_size: int, fp
                        fmax: float) -> torch.Tensor:
     """``clamp(x / scale[m, k // G], ±fmax).to(fp8)`` for ``x [M, K]`` and group scales ``[M, ceil(K/G)]``, row-major
     (row stride ``K``: the blockwise form computes on whole groups, a ragged K's last one cut off by a slice)."""
-    return _blockwise(x, scale, (1, group_size), "div").clamp(-fmax, fmax).to(fp8).contiguous()
+    return row_major(_blockwise(x, scale, (1, group_size), "div").clamp(-fmax, fmax).to(fp8))
 
 
 def quantize(
@@ -292,6 +302,7 @@ __all__ = [
     "quantize_block",
     "quantize_per_token_group",
     "rmsnorm_quant_dynamic",
+    "row_major",
     "scaled_cast_groups",
     "dynamic_scale",
     "fp8_gemm",

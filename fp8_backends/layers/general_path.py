@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .. import quant
+from ..core import reference
 from ..core import validation as V
 from ..core.errors import InvalidInputError
 from ..core.types import ActScale, Fp8Dtype, OutDtype, PreparedWeight, QuantizedActivation
@@ -141,7 +142,7 @@ def unpack_quantized(x: QuantizedActivation, act_scale: ActScale, k: int,
     V.require_tensor(data, "QuantizedActivation.data")
     if data.dim() < 1 or data.shape[-1] != k:
         raise InvalidInputError(f"QuantizedActivation.data must be [..., K={k}], got {tuple(data.shape)}")
-    x_q = data.reshape(-1, k).contiguous()  # any strides in, the row-major codes every kernel reads out
+    x_q = reference.row_major(data.reshape(-1, k))  # any strides in, the row-major codes every kernel reads out
     if act_scale is ActScale.PER_TOKEN:
         V.require_tensor(scale, "QuantizedActivation.scale")
         if scale.numel() != x_q.shape[0] or (scale.dim() > 0 and scale.shape[-1] != 1):

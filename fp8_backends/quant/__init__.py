@@ -243,11 +243,15 @@ def _impl_for(mode: ActScale, device_type: str) -> QuantImpl:
     return _impls.get(key) or _defaults.get(key) or _resolve_default(mode, device_type)
 
 
-# The ops' bodies. Whatever the implementation, the codes come out row-major (what the fake implementations promise
-# and every GEMM kernel reads): an implementation that kept a strided x's layout gets its codes copied (fp8, M x K
-# bytes); the library's own implementations write row-major codes, so this costs one stride check.
+# The ops' bodies. Whatever the implementation, the codes come out row-major with strides (K, 1) (what the fake
+# implementations promise and every GEMM kernel reads, reference.row_major): an implementation that kept a strided
+# x's layout gets its codes copied (fp8, M x K bytes); the library's own write row-major codes (two stride reads).
 def _row_major(q):
-    return q if q.is_contiguous() else q.contiguous()
+    if q.stride(-1) == 1 and q.stride(0) == max(q.shape[-1], 1):
+        return q
+    from ..core import reference
+
+    return reference.row_major(q)
 
 
 def _op_static(x, scale, fp8_dtype):
