@@ -50,10 +50,13 @@ def _caps_dict(cls: Any) -> dict[str, Any]:
     for attr in ("act_scales", "weight_scales", "input_dtypes", "out_dtypes", "in_dtypes", "out_fp8"):
         if hasattr(caps, attr):
             out[attr] = sorted(v.value for v in getattr(caps, attr))
-    for attr in ("bias", "k_align", "n_align", "mixed_inputs", "residual", "hidden_align", "group_scale_layout"):
+    for attr in ("bias", "k_align", "n_align", "align_reason", "mixed_inputs", "residual", "hidden_align",
+                 "strided_rows", "group_scale_layout"):
         if hasattr(caps, attr):
             value = getattr(caps, attr)
             out[attr] = getattr(value, "value", value)
+    if hasattr(caps, "align_devices"):
+        out["align_devices"] = sorted(d.value for d in caps.align_devices)
     if hasattr(caps, "group_sizes"):
         out["group_sizes"] = sorted(caps.group_sizes)
     if hasattr(caps, "weight_blocks"):

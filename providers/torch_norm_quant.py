@@ -30,6 +30,7 @@ class TorchNormQuantBackend(NormQuantBackend):
         priority=0,
         act_scales=frozenset({ActScale.PER_TENSOR_STATIC, ActScale.PER_TOKEN, ActScale.PER_TOKEN_GROUP}),
         group_sizes=frozenset({64, 128}),
+        strided_rows=True,  # torch ops read any strides
     )
 
     def rmsnorm_quant_impl(

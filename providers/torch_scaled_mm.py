@@ -81,6 +81,9 @@ class TorchScaledMMBackend(Fp8GemmBackend):
         bias=BiasMode.FUSED,
         k_align=16,
         n_align=16,
+        # the CPU's _scaled_mm takes any N and K (fp32 math); cuBLASLt's does not (torch checks it before the call)
+        align_reason="cuBLASLt's FP8 GEMM behind torch._scaled_mm on CUDA needs 16-byte aligned rows",
+        align_devices=frozenset({DeviceKind.CUDA}),
         priority=10,
         group_sizes=frozenset({128}),
         weight_blocks=frozenset({(128, 128)}),

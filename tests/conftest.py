@@ -4,7 +4,8 @@
 - ``@pytest.mark.build`` tests compile CUDA code; they run only with ``--run-build`` (CI runs them once).
 - Every test starts with fresh registry caches and no fp8_backends environment variables.
 - Helper modules beside the tests (``fake_provider``) are importable by name.
-- ``fuzz_cases(label, n)`` counts fuzzed problems (tests/test_fuzz.py); the session ends with one line per label.
+- ``fuzz_cases(label, n)`` counts fuzzed problems (tests/test_fuzz.py), ``view_cases(label, n)`` fuzzed strided
+  inputs (tests/test_fuzz_views.py); the session ends with one line per label of each.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def _clean_registry(monkeypatch: pytest.MonkeyPatch):
 
 
 _FUZZ_CASES: dict[str, int] = {}
+_VIEW_CASES: dict[str, int] = {}
 
 
 @pytest.fixture
@@ -103,23 +105,33 @@ def fresh_selection_state(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     lockfile.reset_state()
 
 
-@pytest.fixture
-def fuzz_cases():
-    """``count(label, n)``: add ``n`` fuzzed problems to ``label``'s total (reported at the end of the session)."""
-
+def _counter(totals: dict[str, int]):
     def count(label: str, n: int) -> None:
-        _FUZZ_CASES[label] = _FUZZ_CASES.get(label, 0) + n
+        totals[label] = totals.get(label, 0) + n
 
     return count
 
 
+@pytest.fixture
+def fuzz_cases():
+    """``count(label, n)``: add ``n`` fuzzed problems to ``label``'s total (reported at the end of the session)."""
+    return _counter(_FUZZ_CASES)
+
+
+@pytest.fixture
+def view_cases():
+    """``count(label, n)``: add ``n`` fuzzed strided inputs to ``label``'s total (reported at the end of the
+    session, apart from the problems)."""
+    return _counter(_VIEW_CASES)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    if not _FUZZ_CASES:
-        return
     seed = os.environ.get("FP8_FUZZ_SEED", "20261130")
-    terminalreporter.section(f"fuzz cases (FP8_FUZZ_SEED={seed})")
-    for label, n in sorted(_FUZZ_CASES.items()):
-        terminalreporter.write_line(f"{label}: {n} cases")
+    for title, totals in (("fuzz cases", _FUZZ_CASES), ("view cases", _VIEW_CASES)):
+        if totals:
+            terminalreporter.section(f"{title} (FP8_FUZZ_SEED={seed})")
+            for label, n in sorted(totals.items()):
+                terminalreporter.write_line(f"{label}: {n} cases")
 
 
 PLUGIN_SRC = __import__("pathlib").Path(__file__).parent / "data" / "thirdparty_plugin"

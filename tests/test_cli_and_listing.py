@@ -93,7 +93,9 @@ def test_listing_exits_non_zero_when_an_explicit_choice_fails(capsys, monkeypatc
     assert "unknown GEMM backend 'nosuch'" in proc.stderr
     assert listing.main(["--norm-quant-backend", "nosuch"]) == 1
     assert listing.main(["--gemm-backend", "torch", "--norm-quant-backend", "torch"]) == 0
-    assert listing.main(["--gemm-backend", "torch", "--problem", "4,32,20"]) == 1  # K=20: cannot serve
+    # K=20: cuBLASLt cannot serve it (torch's CPU _scaled_mm can)
+    assert listing.main(["--gemm-backend", "torch", "--problem", "4,32,20", "--simulate-sm", "9.0"]) == 1
+    assert listing.main(["--gemm-backend", "torch", "--problem", "4,32,20", "--device", "cpu"]) == 0
     monkeypatch.setenv("FP8_GEMM_BACKEND", "nosuch")
     assert listing.main([]) == 1
     monkeypatch.delenv("FP8_GEMM_BACKEND")
@@ -157,7 +159,8 @@ def test_flag_choice_that_cannot_serve_fails_loudly():
     fp8_backends.add_cli_args(parser)
     args = parser.parse_args(["--fp8-gemm-backend", "torch_scaled_mm"])
     with pytest.raises(UnsupportedProblemError, match="K=20 is not a multiple of 16"):
-        fp8_backends.backends_from_args(args, gemm_problem=GemmProblem(n=32, k=20, device="cpu"))
+        fp8_backends.backends_from_args(args, gemm_problem=GemmProblem(n=32, k=20),
+                                        platform=fp8_backends.simulate_platform("9.0"))
 
 
 def test_import_is_light():

@@ -159,20 +159,28 @@ def test_compiled_quantization_is_traced_as_torch_ops():
         assert ("amax" in code) == (mode != "per_tensor_static"), code
 
 
-def test_skip_include_and_unservable_layers():
+def test_skip_include_and_unservable_layers(monkeypatch):
     model = nn.Sequential()
     model.add_module("proj", nn.Linear(64, 32, dtype=torch.bfloat16))
-    model.add_module("odd", nn.Linear(10, 32, dtype=torch.bfloat16))  # K = 10: no provider aligns it
+    model.add_module("odd", nn.Linear(10, 30, dtype=torch.bfloat16))  # K = 10, N = 30: torch's CPU _scaled_mm serves
     model.add_module("embed_out", nn.Linear(64, 32, dtype=torch.bfloat16))
     model.add_module("keep", nn.Linear(32, 16, dtype=torch.bfloat16))
+    odd = copy.deepcopy(model.odd)
     summary = quantize_model(model, include=lambda name, lin: name != "keep")
-    assert [s.name for s in summary.swapped] == ["proj"]
+    assert [s.name for s in summary.swapped] == ["proj", "odd"]
+    x = torch.randn(3, 10, dtype=torch.bfloat16)
+    assert _relerr(model.odd(x), odd(x)) < 0.1
     reasons = dict(summary.skipped)
-    assert "no provider can serve it" in reasons["odd"] and "16" in reasons["odd"]
     assert reasons["embed_out"] == "matches skip" and reasons["keep"] == "rejected by include"
-    assert "1 nn.Linear -> Fp8Linear" in str(summary)
+    assert "2 nn.Linear -> Fp8Linear" in str(summary)
+    # with no provider for the CPU, a layer stays as it is, with the reason
+    monkeypatch.setenv("FP8_BACKENDS_DISABLED", "torch_scaled_mm")
+    single = nn.Sequential(nn.Linear(10, 30, dtype=torch.bfloat16))
+    assert "no provider can serve it" in dict(quantize_model(single).skipped)["0"]
+    monkeypatch.delenv("FP8_BACKENDS_DISABLED")
     with pytest.raises(UnsupportedProblemError):  # an explicit provider that cannot serve a layer fails loudly
-        quantize_model(nn.Sequential(nn.Linear(10, 32, dtype=torch.bfloat16)), backend="torch_scaled_mm")
+        quantize_model(nn.Sequential(nn.Linear(10, 32, dtype=torch.bfloat16)),
+                       backend="torch_scaled_mm@fast_accum=true")
 
 
 def test_static_needs_scales_and_explicit_scales_win():

@@ -6,7 +6,8 @@ GPU suite loads the CUDA one) checks what the op hands them: the M bucket of eac
 bias and scale pointers, the stream-K workspace; and that everything it cannot serve reaches the fallback op with the
 same arguments (an unknown shape, an unregistered kernel, an unaligned pointer, a non-zero return code) and that the
 fallback's exception reaches the caller as it was raised. The fused linear op quantizes its input as the reference does
-(static, dynamic, per-token; NaN kept; a row stride) before the same routing. Also: ``torch.compile`` (``aot_eager``,
+(static, dynamic, per-token; NaN kept; a row stride, a transposed view, a column stride, broadcast rows) before the
+same routing. Also: ``torch.compile`` (``aot_eager``,
 ``fullgraph``) traces both ops through their fakes. On the GPU, ``tests/test_cutlass.py`` runs the provider's real
 kernels through them.
 """
@@ -224,9 +225,22 @@ for bad_key in ("a|tensor|bfloat16", "a|colwise|bfloat16|1", "a|tensor|int8|1", 
     else:
         raise AssertionError(f"registered {bad_key}")
 assert lin(xin[:0], w, ws, None, None, torch.bfloat16, "per_token", "auto", True).shape == (0, 32)
+# any strides: the codes the GEMM receives are those of the row-major copy
 one_row = torch.randn(64, 3, dtype=torch.bfloat16)[:, 1].unsqueeze(0)  # M = 1, a column stride of 3
-for bad in (dict(mode="per_channel"), dict(x=xin.t().contiguous().t()), dict(mode="per_tensor_static", scale=None),
-            dict(x=xin.to(torch.float8_e4m3fn)), dict(x=one_row)):
+wide3 = torch.randn(8, 192, dtype=torch.bfloat16)
+for name, view in (("transposed", xin.t().contiguous().t()), ("column stride", one_row),
+                   ("column slice with a column stride", wide3[:, ::3]), ("broadcast rows", xin[:1].expand(8, 64))):
+    for mode, ref_mode in (("per_tensor_dynamic", "PER_TENSOR_DYNAMIC"), ("per_token", "PER_TOKEN")):
+        calls = rec.calls
+        y = lin(view, w, ws, None, None, torch.bfloat16, mode, "auto", True)
+        m = view.shape[0]
+        assert rec.calls == calls + 1 and y.shape == (m, 32), (name, mode)
+        q_ref, _ = reference.quantize(view.contiguous(), reference.ActScale[ref_mode])
+        got = torch.tensor(list(x_bytes[:m * 64]), dtype=torch.uint8).view(torch.float8_e4m3fn).view(m, 64)
+        same = (got.float() == q_ref.float()) | (got.float().isnan() & q_ref.float().isnan())
+        assert bool(same.all()), (name, mode, int((~same).sum()))
+for bad in (dict(mode="per_channel"), dict(mode="per_tensor_static", scale=None),
+            dict(x=xin.to(torch.float8_e4m3fn)), dict(x=xin.unsqueeze(0))):
     try:
         lin(bad.get("x", xin), w, ws, bad.get("scale", s_in), None, torch.bfloat16,
             bad.get("mode", "per_tensor_static"), "auto", True)
@@ -334,9 +348,9 @@ def test_host_cost_model_follows_the_op_that_will_serve(monkeypatch, tmp_path):
     assert CutlassSm90Backend.native_host_us < CutlassSm90Backend.host_us
 
 
-def test_fused_hook_declines_columns_that_are_not_contiguous():
-    """The C++ linear op's kernels read each row with unit stride: the provider's eager hook hands it only such
-    inputs (a strided one, M = 1 included, goes the quantize-then-GEMM way) and serves the rest."""
+def test_fused_hook_serves_any_strides():
+    """The C++ linear op's quantization reads any strides and writes row-major codes: the provider's eager hook hands
+    it every input, a column-strided one (M = 1 included) and a row-strided one alike."""
     import torch
 
     from fp8_backends.core.types import ActScale
@@ -348,13 +362,13 @@ def test_fused_hook_declines_columns_that_are_not_contiguous():
     prepared = type("P", (), {"data": None, "scale": None})()
     strided = torch.randn(64, 3, dtype=torch.bfloat16)[:, 1].unsqueeze(0)
     assert strided.shape == (1, 64) and strided.stride(1) == 3
-    assert b.fused_quant_gemm_impl(strided, prepared, ActScale.PER_TENSOR_DYNAMIC, None, torch.bfloat16, None) is None
-    assert not calls
+    assert b.fused_quant_gemm_impl(strided, prepared, ActScale.PER_TENSOR_DYNAMIC, None, torch.bfloat16,
+                                   None) == "served"
+    assert calls[0][0] is strided and calls[0][6] == "per_tensor_dynamic"
     rows = torch.randn(4, 80, dtype=torch.bfloat16)[:, :64]  # a row stride, unit column stride: served
     assert b.fused_quant_gemm_impl(rows, prepared, ActScale.PER_TENSOR_DYNAMIC, None, torch.bfloat16, None) == "served"
-    assert calls[0][6] == "per_tensor_dynamic"
-    # the call an eager layer binds: the same declines, the same op arguments, the mode and config bound once
+    # the call an eager layer binds: the same op arguments, the mode and config bound once
     bound = b.bind_fused_quant_gemm(prepared, ActScale.PER_TOKEN, None, torch.bfloat16, None)
-    assert bound(strided) is None and len(calls) == 1
-    assert bound(rows) == "served" and calls[1][0] is rows
-    assert calls[1][1:] == (None, None, None, None, torch.bfloat16, "per_token", *b.op_args)
+    assert bound(strided) == "served" and calls[2][0] is strided
+    assert bound(rows) == "served" and calls[3][0] is rows
+    assert calls[3][1:] == (None, None, None, None, torch.bfloat16, "per_token", *b.op_args)

@@ -40,32 +40,20 @@ import pytest
 hypothesis = pytest.importorskip("hypothesis")
 torch = pytest.importorskip("torch")
 
-from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
+from fuzz_support import SEED, Target, fuzz, provider  # noqa: E402
+from fuzz_support import target as _target  # noqa: E402
+from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from fp8_backends import fp8_linear, quant  # noqa: E402
-from fp8_backends.core.types import ActScale, Fp8Dtype, GemmProblem, NormQuantProblem, WeightScale  # noqa: E402
+from fp8_backends.core.types import ActScale, Fp8Dtype, GemmProblem, WeightScale  # noqa: E402
 
-SEED = int(os.environ.get("FP8_FUZZ_SEED", "20261130"))
-SCALE = float(os.environ.get("FP8_FUZZ_SCALE", "1"))
 CUDA = torch.cuda.is_available()
 F64 = torch.float64
 
 FP8 = {"e4m3fn": (torch.float8_e4m3fn, 448.0, 3, -6), "e5m2": (torch.float8_e5m2, 57344.0, 2, -14)}
 OUT = {torch.bfloat16: (2.0**-8, 2.0**-133), torch.float16: (2.0**-11, 2.0**-24), torch.float32: (2.0**-24, 2.0**-149)}
 STYLES = ("normal", "wide", "saturate", "tiny", "sparse", "integers")
-
-
-def fuzz(examples: int):
-    """Hypothesis settings for one fuzz test: ``examples`` × FP8_FUZZ_SCALE examples, the session seed, no example
-    database (CI is stateless: the seed and the printed blob reproduce a failure), no deadline."""
-
-    def wrap(fn):
-        fn = settings(max_examples=max(1, round(examples * SCALE)), deadline=None, database=None, print_blob=True,
-                      suppress_health_check=list(HealthCheck))(fn)
-        return seed(SEED)(fn)
-
-    return wrap
 
 
 def gamma(n: int, u: float) -> float:
@@ -103,24 +91,6 @@ def random_scale(gen: torch.Generator, shape: tuple[int, ...], lo: int, hi: int)
 
 
 # ------------------------------------------------------------------------------------------ providers
-@dataclass(frozen=True)
-class Target:
-    kind: str  # "gemm" or "norm_quant"
-    spec: str  # a registry request
-    device: str
-    label: str
-
-    @property
-    def gpu(self) -> bool:
-        return self.device == "cuda"
-
-
-def _target(kind: str, spec: str, device: str, *marks) -> object:
-    label = f"{kind}:{spec.split('@')[0]}@{device}" + ("-interpreter" if device == "cpu" and "triton" in spec else "")
-    gpu = (pytest.mark.gpu,) if device == "cuda" else ()
-    return pytest.param(Target(kind, spec, device, label), marks=(*gpu, *marks), id=label)
-
-
 GEMM_TARGETS = [
     _target("gemm", "torch_scaled_mm", "cpu"),
     _target("gemm", "triton", "cpu"),
@@ -137,21 +107,6 @@ NORM_TARGETS = [
     _target("norm_quant", "triton", "cuda"),
     _target("norm_quant", "flashinfer", "cuda"),
 ]
-
-
-def provider(target: Target):
-    """The provider instance, or a skip with the registry's reason."""
-    from fp8_backends.core.errors import Fp8BackendError
-    from fp8_backends.registry.resolution import resolve_gemm_backend, resolve_norm_quant_backend
-
-    if target.device == "cpu" and "triton" in target.spec and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the triton providers run on the CPU only under TRITON_INTERPRET=1 (conftest sets it)")
-    try:
-        if target.kind == "gemm":
-            return resolve_gemm_backend(target.spec, problem=GemmProblem(n=64, k=64, m=8, device=target.device))
-        return resolve_norm_quant_backend(target.spec, problem=NormQuantProblem(hidden=64, device=target.device))
-    except Fp8BackendError as exc:
-        pytest.skip(f"{target.spec} on {target.device}: {exc}")
 
 
 # ------------------------------------------------------------------------------------------ GEMM
@@ -175,18 +130,21 @@ GEMM_EXAMPLES = {"torch_scaled_mm": (1000, 10), "triton": (700, 4)}
 
 
 @st.composite
-def gemm_calls(draw, combos: list[tuple], limits: Limits, n_calls: int) -> list[dict]:
+def gemm_calls(draw, combos: list[tuple], limits: Limits, n_calls: int, align: tuple[int, int] = (16, 16)
+               ) -> list[dict]:
     """``n_calls`` calls; each: one supported (act, weight, out, fp8, bias) combination and ``limits.problems``
-    problems packed (one in a tenth of the calls: a solo problem, up to ``limits.solo_m`` rows)."""
+    problems packed (one in a tenth of the calls: a solo problem, up to ``limits.solo_m`` rows), each problem's N and
+    K multiples of ``align`` (the provider's alignment on the device: 1 where it serves any N and K)."""
+    na, ka = align
     calls = []
     for _ in range(n_calls):
         act, wsc, out, fp8, bias = draw(st.sampled_from(combos))
         solo = draw(st.integers(0, 9)) == 0
         count = 1 if solo else limits.problems
         m_cap = limits.solo_m if solo else max(1, limits.m // count)
-        n_cap, k_cap = max(1, limits.n // count // 16), max(1, limits.k // count // 16)
-        problems = [dict(m=draw(st.integers(1, m_cap)), n=16 * draw(st.integers(1, n_cap)),
-                         k=16 * draw(st.integers(1, k_cap)), x_style=draw(st.sampled_from(STYLES)),
+        n_cap, k_cap = max(1, limits.n // count // na), max(1, limits.k // count // ka)
+        problems = [dict(m=draw(st.integers(1, m_cap)), n=na * draw(st.integers(1, n_cap)),
+                         k=ka * draw(st.integers(1, k_cap)), x_style=draw(st.sampled_from(STYLES)),
                          w_style=draw(st.sampled_from(STYLES))) for _ in range(count)]
         calls.append(dict(act=act, wsc=wsc, out=out, fp8=fp8, bias=bias, problems=problems,
                           seed=draw(st.integers(0, 2**31 - 1))))
@@ -273,7 +231,7 @@ def test_fuzz_gemm(target: Target, fuzz_cases, exact_interpreter_casts):
     examples, n_calls = (300, 10) if target.gpu else GEMM_EXAMPLES[name]
 
     @fuzz(examples)
-    @given(gemm_calls(combos, limits, n_calls))
+    @given(gemm_calls(combos, limits, n_calls, alignment(backend, target.device)))
     def run(calls):
         for call in calls:
             x_q, w_q, x_s, w_s, bias, out, ref, mag, k = build_gemm_call(call, target.device)
@@ -318,13 +276,22 @@ def _block_backend(target: Target):
         pytest.skip(f"{target.spec} on {target.device}: {exc}")
 
 
+def alignment(backend, device: str) -> tuple[int, int]:
+    """``(N, K)`` multiples the provider needs on ``device`` (its capabilities' alignment where it applies, else 1)."""
+    from fp8_backends.core.types import DeviceKind
+
+    caps = backend.capabilities
+    return (caps.n_align, caps.k_align) if DeviceKind(device) in caps.align_devices else (1, 1)
+
+
 @st.composite
-def block_problems(draw, gpu: bool, n_problems: int) -> list[dict]:
-    """Shapes with ragged 128-blocks where the provider's alignment allows (N, K multiples of 16), any M, every
-    output type it declares, a bias or not, and the scale layouts a caller may hand it."""
+def block_problems(draw, gpu: bool, n_problems: int, align: int = 16) -> list[dict]:
+    """Shapes with ragged 128-blocks where the provider's alignment allows (N, K multiples of ``align``: 1 for
+    torch's CPU path, which serves any N and K), any M, every output type it declares, a bias or not, and the scale
+    layouts a caller may hand it."""
     m_cap, nk_cap = (300, 24) if gpu else (24, 12)
-    return [dict(m=draw(st.integers(1, m_cap)), n=16 * draw(st.integers(1, nk_cap)),
-                 k=16 * draw(st.integers(1, nk_cap)),
+    return [dict(m=draw(st.integers(1, m_cap)), n=align * draw(st.integers(1, nk_cap * 16 // align)),
+                 k=align * draw(st.integers(1, nk_cap * 16 // align)),
                  x_style=draw(st.sampled_from(STYLES)), w_style=draw(st.sampled_from(STYLES)),
                  layout=draw(st.sampled_from(("row_major", "m_major", "m_major_tma"))), bias=draw(st.booleans()),
                  out=draw(st.sampled_from(("bfloat16", "float16", "float32"))), seed=draw(st.integers(0, 2**31 - 1)))
@@ -373,7 +340,7 @@ def test_fuzz_block_gemm(target: Target, fuzz_cases, exact_interpreter_casts):
         examples = max(1, examples // 5)
 
     @fuzz(examples)
-    @given(block_problems(target.gpu, per_example))
+    @given(block_problems(target.gpu, per_example, max(alignment(backend, target.device))))
     def run(problems):
         for p in problems:
             problem = GemmProblem(n=p["n"], k=p["k"], m=p["m"], act_scale="per_token_group", weight_scale="block",

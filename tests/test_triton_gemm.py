@@ -105,9 +105,24 @@ def test_capabilities_and_refusals():
     h100 = simulate_platform("9.0")
     assert caps.check(GemmProblem(n=64, k=64, input_dtype="e5m2", weight_dtype="e5m2"), h100) == []
     assert any("mixed" in r for r in caps.check(GemmProblem(n=64, k=64, input_dtype="e5m2"), h100))
-    assert any("N=40" in r for r in caps.check(GemmProblem(n=40, k=64), h100))
-    assert any("K=24" in r for r in caps.check(GemmProblem(n=64, k=24), h100))
+    # any N and K (masked pointer kernels): the TP splits of real models, vLLM's and flashinfer's 3420 / 6840
+    for n, k in ((40, 64), (64, 24), (6840, 3420), (3420, 6840), (1, 1)):
+        assert caps.check(GemmProblem(n=n, k=k), h100) == [], (n, k)
     assert caps.pdl
+
+
+def test_forced_tma_configs_refuse_unaligned_k():
+    """A forced TMA config needs 16-byte rows (K % 16): refused with the reason; auto and the pointer configs serve."""
+    h100 = simulate_platform("9.0")
+    if not TritonGemmBackend.availability().ok:
+        pytest.skip(TritonGemmBackend.availability().reason)
+    tma = next(name for name, cfg in CONFIGS.items() if cfg.family == "tma")
+    reasons = TritonGemmBackend(config=tma).supports(GemmProblem(n=6840, k=3420, m=2048), h100)
+    assert reasons and "TMA" in reasons[0] and "K=3420" in reasons[0]
+    assert TritonGemmBackend(config=tma).supports(GemmProblem(n=6840, k=6848, m=2048), h100) == []
+    mm = next(name for name, cfg in CONFIGS.items() if cfg.family == "mm")
+    for config in ("auto", mm):
+        assert TritonGemmBackend(config=config).supports(GemmProblem(n=6840, k=3420, m=2048), h100) == []
 
 
 def test_forced_small_m_configs_refuse_large_m():
@@ -244,6 +259,44 @@ def test_tma_config_with_misaligned_operand_uses_pointer_loads():
     assert _relerr(out, reference.fp8_gemm(x, w, xs, ws, torch.float32)) < 1e-2
 
 
+@needs_kernels
+@pytest.mark.parametrize("family", ["gemv", "swap", "mm", "tma"])
+def test_unaligned_n_and_k(family):
+    """N and K of any size (not multiples of 16: rows 16-byte misaligned, a ragged last K block) through each family;
+    a TMA config runs its tiles as pointer kernels then (TMA needs 16-byte rows), with the same result."""
+    from fp8_backends.core import reference
+    from fp8_backends.providers.triton.gemm_ops import run_config
+
+    cfg = TileConfig("tma", 64, 64, 64, 3, 4) if family == "tma" else CONFIGS[SMALL[family]]
+    for m, n, k in ((1, 37, 71), (3, 40, 24), (19, 5, 137)):
+        if family == "gemv" and m > 1:
+            continue
+        x, w, xs, ws = _data(m, n, k, per_token=m > 1, per_channel=m > 1)
+        bias = torch.randn(n, device=DEVICE).to(torch.bfloat16)
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=DEVICE)
+        run_config(cfg, x, w, xs, ws, bias, out)
+        assert _relerr(out, reference.fp8_gemm(x, w, xs, ws, torch.float32, bias)) < 1e-2, (family, m, n, k)
+
+
+@needs_kernels
+def test_unaligned_shapes_through_the_provider_and_fused_quantization(exact_interpreter_casts):
+    """prepare_weight, gemm and the fused quantize+GEMM launch of a layer serve K = 71, N = 37 (TP-split sizes); the
+    fused launch gives the unfused result bit for bit."""
+    from fp8_backends import quant
+    from fp8_backends.core import reference
+
+    b = TritonGemmBackend()
+    _check(b, 5, 37, 71, per_token=True, per_channel=True, bias=True)
+    x = torch.randn(2, 71, device=DEVICE).to(torch.bfloat16)
+    w, ws = _data(2, 37, 71)[1::2]
+    prepared = b.prepare_weight(w, ws)
+    fused = b.fused_quant_gemm_impl(x, prepared, ActScale.PER_TOKEN, None, torch.bfloat16, None)
+    x_q, x_s = quant.quantize_per_token(x)
+    unfused = b.gemm(x_q, prepared, x_s)
+    assert fused is not None and torch.equal(fused, unfused)
+    assert _relerr(unfused, reference.fp8_gemm(x_q, w, x_s, ws, torch.float32)) < 1e-2
+
+
 # ------------------------------------------------------------------------------------ GPU, real sizes
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 MS = [1, 16, 64, 256, 1024, 4096]
@@ -263,6 +316,16 @@ def _sampled_cases():
 @pytest.mark.parametrize("name, m, n, k", list(_sampled_cases()))
 def test_gpu_every_config_llama_shapes(name, m, n, k):
     _check(TritonGemmBackend(config=name), m, n, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 5, 16, 77, 512, 2048])
+@pytest.mark.parametrize("n, k", [(3420, 6840), (6840, 3420), (3456, 6912), (1000, 1001)])
+def test_gpu_unaligned_shapes_auto(m, n, k):
+    """N and K of vLLM's and flashinfer's unaligned cases (and their aligned neighbours) through config=auto: every M
+    bucket's kernel (GEMV, swap-AB, tiled, TMA run as pointer tiles where K % 16)."""
+    _check(TritonGemmBackend(), m, n, k, per_token=True, per_channel=True, bias=True)
+    _check(TritonGemmBackend(), m, n, k)
 
 
 @pytest.mark.gpu

@@ -318,10 +318,9 @@ class Fp8GemmBackend(ProviderBase):
         caps = self.capabilities
         if dtype not in caps.input_dtypes:
             raise InvalidInputError(f"{self.name} does not support weight dtype {dtype.value}")
-        if k % caps.k_align or n % caps.n_align:
-            raise InvalidInputError(
-                f"{self.name} needs K % {caps.k_align} == 0 and N % {caps.n_align} == 0; got N={n}, K={k}"
-            )
+        shape = caps.alignment_reasons(n, k, DeviceKind.of(w_q.device))
+        if shape:
+            raise InvalidInputError(f"{self.name} cannot serve a [N, K] = [{n}, {k}] weight: " + "; ".join(shape))
         block, group_size = V.weight_block_of(w_scale, n, k, block, group_size)
         if block is not None:
             return self._prepare_block_scales(w_q, w_scale, dtype, block, group_size)
@@ -741,7 +740,8 @@ class NormQuantBackend(ProviderBase):
         residual: torch.Tensor | None = None,
     ) -> None:
         V.require_tensor(x, "x")
-        V.require_row_major_2d(x, "x", "[T, H]")
+        if x.dim() != 2:
+            raise InvalidInputError(f"x must be 2-D [T, H], got shape {tuple(x.shape)}")
         self._require_device(x, "x")
         try:
             dt = OutDtype.of(x.dtype)
@@ -819,18 +819,20 @@ class NormQuantBackend(ProviderBase):
         *, out: torch.Tensor | None = None, act_scale: ActScale | str = ActScale.PER_TENSOR_STATIC,
         group_size: int = DEFAULT_GROUP_SIZE, scale_layout: ScaleLayout | str = ScaleLayout.ROW_MAJOR,
     ) -> QuantizedActivation:
-        """``x: [T, H]`` bf16/fp16 (row-major), ``weight: [H]`` same dtype, ``scale``: fp32 one value on
-        x's device. Returns a :class:`QuantizedActivation` (``data: [T, H]`` float8_e4m3fn).
+        """``x: [T, H]`` bf16/fp16 with any strides (a row-strided ``x[:, :H]`` of a wider buffer reaches a provider
+        declaring ``capabilities.strided_rows`` as it is; other layouts are copied row-major first), ``weight: [H]``
+        same dtype, ``scale``: fp32 one value on x's device. Returns a :class:`QuantizedActivation` (``data: [T, H]``
+        float8_e4m3fn, row-major).
 
         Dynamic modes (``act_scale="per_token"`` or ``"per_token_group"``, where the provider declares them in
-        ``capabilities.act_scales``): ``scale`` is ``None``, ``x`` may be row-strided (``x[:, :H]`` of a wider
-        buffer: unit column stride), and the scale is computed from the normalized rows: ``[T, 1]`` per token, or
-        ``[T, ceil(H/group_size)]`` per group, written in ``scale_layout`` (the layout the next linear's kernel
-        reads: :class:`~fp8_backends.core.types.ScaleLayout`)."""
+        ``capabilities.act_scales``): ``scale`` is ``None`` and the scale is computed from the normalized rows:
+        ``[T, 1]`` per token, or ``[T, ceil(H/group_size)]`` per group, written in ``scale_layout`` (the layout the
+        next linear's kernel reads: :class:`~fp8_backends.core.types.ScaleLayout`)."""
         if act_scale is not ActScale.PER_TENSOR_STATIC and act_scale != "per_tensor_static":
             return self._dynamic(x, None, weight, scale, eps, act_scale, group_size, scale_layout)[0]
         if not self._accept_common_case(x, weight, scale, eps):
             self._validate(x, weight, scale, eps)
+            x = self._kernel_input(x, self.capabilities.strided_rows)
         out = self._out_buffer(x, out)
         returned = self.rmsnorm_quant_impl(out, x, weight, scale, float(eps))
         if returned is not None and returned is not out:  # the output contract: results go into `out`
@@ -853,6 +855,7 @@ class NormQuantBackend(ProviderBase):
             return self._dynamic(x, residual, weight, scale, eps, act_scale, group_size, scale_layout)
         if not self._accept_common_case(x, weight, scale, eps, residual):
             self._validate(x, weight, scale, eps, residual)
+            x = self._kernel_input(x, self.capabilities.strided_rows)
         out = self._out_buffer(x, out)
         returned = self.fused_add_rmsnorm_quant_impl(out, x, residual, weight, scale, float(eps))
         if returned is not None and returned is not out:
@@ -879,16 +882,25 @@ class NormQuantBackend(ProviderBase):
             have = ", ".join(map(str, sorted(caps.group_sizes))) or "none"
             raise InvalidInputError(f"{self.name} does not serve group size {group_size!r} (serves {have})")
         self._validate_dynamic(x, weight, eps, residual)
+        x = self._kernel_input(x, True)
         q, x_scale = self.rmsnorm_quant_dynamic_impl(x, weight, float(eps), residual, mode, int(group_size), layout)
         output_contract.check_norm_quant_dynamic(self, q, x_scale, x, mode, int(group_size), layout)
         return QuantizedActivation(q, x_scale, x.dtype, mode), residual
 
+    @staticmethod
+    def _kernel_input(x: Any, strided_rows: bool) -> Any:
+        """``x [T, H]`` in the layout the hooks read: itself when row-major, or when ``strided_rows`` and its rows
+        are strided apart (unit column stride, row stride >= H: ``x[:, :H]`` of a wider buffer); otherwise a
+        row-major copy (a transposed view, a column slice with a column stride, broadcast or overlapping rows)."""
+        t, h = x.shape
+        if x.is_contiguous() or (strided_rows and (h <= 1 or x.stride(1) == 1) and (t <= 1 or x.stride(0) >= h)):
+            return x
+        return x.contiguous()
+
     def _validate_dynamic(self, x: Any, weight: Any, eps: Any, residual: Any) -> None:
         V.require_tensor(x, "x")
-        if x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1) or (x.shape[0] > 1 and x.stride(0) < x.shape[1]):
-            raise InvalidInputError(
-                f"x must be 2-D [T, H] with unit column stride (rows may be strided), got shape {tuple(x.shape)} "
-                f"strides {tuple(x.stride()) if x.dim() == 2 else '-'}")
+        if x.dim() != 2:
+            raise InvalidInputError(f"x must be 2-D [T, H], got shape {tuple(x.shape)}")
         self._require_device(x, "x")
         try:
             dt = OutDtype.of(x.dtype)
@@ -927,10 +939,8 @@ class NormQuantBackend(ProviderBase):
     def _out_buffer(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         import torch
 
-        if out is None:
-            if x.is_contiguous():  # the common case; empty_like parses fewer arguments (about 2 µs less)
-                return torch.empty_like(x, dtype=torch.float8_e4m3fn)
-            return torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        if out is None:  # empty_like parses fewer arguments (about 2 µs less); row-major strides whatever x's
+            return torch.empty_like(x, dtype=torch.float8_e4m3fn, memory_format=torch.contiguous_format)
         if out.shape != x.shape or out.dtype != torch.float8_e4m3fn or out.device != x.device:
             raise InvalidInputError(
                 f"out must be float8_e4m3fn {tuple(x.shape)} on {x.device}; got {out.dtype} "

@@ -110,7 +110,10 @@ class GemmCapabilities(Capabilities):
       ``x`` and ``w`` of different FP8 types.
     - ``out_dtypes``: output dtypes.
     - ``bias``: fused into the kernel, added after it, or unsupported.
-    - ``k_align`` / ``n_align``: K and N must be multiples of these (elements).
+    - ``k_align`` / ``n_align``: K and N must be multiples of these (elements) for tensors on the devices of
+      ``align_devices`` (default: every device); ``align_reason`` says why (the kernels' rule: TMA's 16-byte rows, a
+      library's FP8 layout), shown with every refusal. The default, 16, is what most FP8 kernels need; a provider
+      whose kernels serve any N and K (masked loads) says 1.
     - ``group_sizes``: activation group sizes served in ``per_token_group`` mode, and ``weight_blocks``: the
       ``(BN, BK)`` weight blocks served in ``block`` mode. Block-wise FP8 is opt-in: with either empty (the
       default) the provider serves no block problem, whatever ``act_scales`` / ``weight_scales`` say (a provider
@@ -127,6 +130,8 @@ class GemmCapabilities(Capabilities):
     bias: BiasMode = BiasMode.NONE
     k_align: int = 16
     n_align: int = 16
+    align_reason: str = ""
+    align_devices: frozenset[DeviceKind] = _fs(DeviceKind.CUDA, DeviceKind.CPU)
     group_sizes: frozenset[int] = frozenset()
     weight_blocks: frozenset[tuple[int, int]] = frozenset()
     group_scale_layout: ScaleLayout = ScaleLayout.ROW_MAJOR
@@ -170,10 +175,20 @@ class GemmCapabilities(Capabilities):
             )
         if problem.has_bias and self.bias is BiasMode.NONE:
             reasons.append("bias not supported")
-        if problem.k % self.k_align:
-            reasons.append(f"K={problem.k} is not a multiple of {self.k_align}")
-        if problem.n % self.n_align:
-            reasons.append(f"N={problem.n} is not a multiple of {self.n_align}")
+        reasons += self.alignment_reasons(problem.n, problem.k, problem.device)
+        return reasons
+
+    def alignment_reasons(self, n: int, k: int, device: DeviceKind) -> list[str]:
+        """Why ``k_align`` / ``n_align`` rule out an ``[N, K]`` weight on ``device`` tensors (with ``align_reason``;
+        empty: they do not)."""
+        reasons: list[str] = []
+        if device not in self.align_devices:
+            return reasons
+        why = f" ({self.align_reason})" if self.align_reason else ""
+        if k % self.k_align:
+            reasons.append(f"K={k} is not a multiple of {self.k_align}{why}")
+        if n % self.n_align:
+            reasons.append(f"N={n} is not a multiple of {self.n_align}{why}")
         return reasons
 
     def _block_reasons(self, problem: GemmProblem) -> list[str]:
@@ -211,6 +226,10 @@ class NormQuantCapabilities(Capabilities):
     - ``act_scales``: how the output is scaled: ``per_tensor_static`` (a given scale; every provider), and the
       dynamic ``per_token`` / ``per_token_group`` modes (opt-in); ``group_sizes``: the groups served in
       ``per_token_group`` mode.
+    - ``strided_rows``: the static hooks read ``x`` with its row stride (``x[:, :H]`` of a wider buffer, unit column
+      stride): such an ``x`` reaches them as it is. Otherwise (the default) they get a row-major copy. Any other
+      layout (a transposed view, broadcast rows) is copied row-major for every provider; the dynamic hooks always
+      take row-strided inputs.
     """
 
     in_dtypes: frozenset[OutDtype] = _fs(OutDtype.BF16, OutDtype.FP16)
@@ -219,6 +238,7 @@ class NormQuantCapabilities(Capabilities):
     hidden_align: int = 1
     act_scales: frozenset[ActScale] = _fs(ActScale.PER_TENSOR_STATIC)
     group_sizes: frozenset[int] = frozenset()
+    strided_rows: bool = False
 
     def check(self, problem: NormQuantProblem | None, platform: Platform) -> list[str]:
         if problem is None:

@@ -5,7 +5,9 @@
   ``[M, ceil(K/G)]`` (one scale per token and group of ``G`` columns) and ``s_w`` ``[ceil(N/BN), ceil(K/BK)]``
   (one per ``BN x BK`` block); each operand is dequantized in fp32 by its own scale before the fp32 matmul, so the
   reference is exact up to fp32 summation whatever order a kernel applies the scales in.
-- Quantization: ``clamp(x / s, -448, 448) -> float8_e4m3fn`` (``±57344`` for e5m2).
+- Quantization: ``clamp(x / s, -448, 448) -> float8_e4m3fn`` (``±57344`` for e5m2). The codes are a new row-major
+  tensor whatever ``x``'s strides (a transposed view, a column slice, broadcast rows): the GEMM kernels read them
+  with unit column stride and a row stride of ``K``.
 - RMSNorm: in fp32, ``x · rsqrt(mean(x²) + eps) · weight``.
 
 These run on any device torch supports; they are slow by design (several kernels, fp32 copies).
@@ -137,7 +139,7 @@ def quantize_per_token_group(
     ``q [M, K]`` = ``clamp(x / scale of its group, ±max)``."""
     fp8, fmax = _fp8(dtype)
     scale = group_scale(x, group_size, fmax)
-    return scaled_cast_groups(x, scale, group_size, fp8, fmax).contiguous(), scale
+    return scaled_cast_groups(x, scale, group_size, fp8, fmax), scale
 
 
 def quantize_block(
@@ -166,9 +168,21 @@ def quantize_block(
 # The math itself, with the float8 torch dtype and its largest value given: what the functions above compute once
 # they parsed their dtype, and what a compiled layer's generated plan calls with both as constants (no parsing, no
 # enum lookups for Dynamo to guard).
+def row_major(q: torch.Tensor) -> torch.Tensor:
+    """``q [M, K]`` with strides ``(K, 1)``: itself when it has them, else a row-major copy. Elementwise ops keep a
+    transposed input's layout, and ``is_contiguous()`` also accepts odd strides on a dimension of size 1 (``[1, K]``
+    with strides ``(1, 1)``, from ``a.t()`` of a ``[K, 1]`` tensor), which ``torch._scaled_mm`` refuses as not
+    row-major. Under ``torch.compile`` Inductor writes the copy from the kernel that computes ``q``."""
+    if q.stride(-1) == 1 and q.stride(0) == max(q.shape[-1], 1):
+        return q
+    import torch
+
+    return q.clone(memory_format=torch.contiguous_format)
+
+
 def scaled_cast(x: torch.Tensor, scale: torch.Tensor, fp8: torch.dtype, fmax: float) -> torch.Tensor:
-    """``clamp(x.float() / scale.float(), ±fmax).to(fp8)``."""
-    return (x.float() / scale.float()).clamp(-fmax, fmax).to(fp8)
+    """``clamp(x.float() / scale.float(), ±fmax).to(fp8)``, row-major whatever ``x``'s strides (:func:`row_major`)."""
+    return row_major((x.float() / scale.float()).clamp(-fmax, fmax).to(fp8))
 
 
 def dynamic_scale(x: torch.Tensor, fmax: float) -> torch.Tensor:
@@ -206,8 +220,9 @@ def group_scale(x: torch.Tensor, group_size: int, fmax: float) -> torch.Tensor:
 
 def scaled_cast_groups(x: torch.Tensor, scale: torch.Tensor, group_size: int, fp8: torch.dtype,
                        fmax: float) -> torch.Tensor:
-    """``clamp(x / scale[m, k // G], ±fmax).to(fp8)`` for ``x [M, K]`` and group scales ``[M, ceil(K/G)]``."""
-    return _blockwise(x, scale, (1, group_size), "div").clamp(-fmax, fmax).to(fp8)
+    """``clamp(x / scale[m, k // G], ±fmax).to(fp8)`` for ``x [M, K]`` and group scales ``[M, ceil(K/G)]``, row-major
+    (row stride ``K``: the blockwise form computes on whole groups, a ragged K's last one cut off by a slice)."""
+    return row_major(_blockwise(x, scale, (1, group_size), "div").clamp(-fmax, fmax).to(fp8))
 
 
 def quantize(
@@ -287,6 +302,7 @@ __all__ = [
     "quantize_block",
     "quantize_per_token_group",
     "rmsnorm_quant_dynamic",
+    "row_major",
     "scaled_cast_groups",
     "dynamic_scale",
     "fp8_gemm",

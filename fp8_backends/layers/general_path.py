@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .. import quant
+from ..core import reference
 from ..core import validation as V
 from ..core.errors import InvalidInputError
 from ..core.types import ActScale, Fp8Dtype, OutDtype, PreparedWeight, QuantizedActivation
@@ -128,7 +129,8 @@ def unpack_quantized(x: QuantizedActivation, act_scale: ActScale, k: int,
                      group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x_q [M, K], scale)`` of a :class:`QuantizedActivation` handed to a linear prepared for ``act_scale``
     activations of width ``k``: its mode must be ``act_scale`` (a linear never re-quantizes), its data ``[..., K]``
-    (leading dims flattened), a per-token scale ``[..., 1]`` with one value per row (returned ``[M, 1]``) and a
+    with any strides (returned row-major: leading dims flattened, a strided view copied), a per-token scale
+    ``[..., 1]`` with one value per row (returned ``[M, 1]`` contiguous) and a
     per-token-group scale ``[..., ceil(K/group_size)]`` (returned ``[M, ceil(K/G)]``, its layout kept when it is 2-D).
     Raises :class:`InvalidInputError`; the data's dtype and device are the caller's to check."""
     data, scale, _, mode = x
@@ -140,7 +142,7 @@ def unpack_quantized(x: QuantizedActivation, act_scale: ActScale, k: int,
     V.require_tensor(data, "QuantizedActivation.data")
     if data.dim() < 1 or data.shape[-1] != k:
         raise InvalidInputError(f"QuantizedActivation.data must be [..., K={k}], got {tuple(data.shape)}")
-    x_q = data.reshape(-1, k)
+    x_q = reference.row_major(data.reshape(-1, k))  # any strides in, the row-major codes every kernel reads out
     if act_scale is ActScale.PER_TOKEN:
         V.require_tensor(scale, "QuantizedActivation.scale")
         if scale.numel() != x_q.shape[0] or (scale.dim() > 0 and scale.shape[-1] != 1):
@@ -148,7 +150,7 @@ def unpack_quantized(x: QuantizedActivation, act_scale: ActScale, k: int,
                 f"a per-token scale must be [..., 1] with one value per row ({x_q.shape[0]}), "
                 f"got {tuple(scale.shape)}"
             )
-        scale = scale.reshape(-1, 1)
+        scale = scale.reshape(-1, 1).contiguous()
     elif act_scale is ActScale.PER_TOKEN_GROUP:
         V.require_tensor(scale, "QuantizedActivation.scale")
         groups = -(-k // (group_size or 128))

@@ -13,8 +13,10 @@ op                                        semantics (``fmax`` = 448 for e4m3fn, 
                                           ``[M, ceil(K/G)]`` in the requested :class:`ScaleLayout`
 ========================================  =========================================================
 
-``x`` is ``[M, K]`` bf16/fp16/fp32 on any device; scales are fp32 on ``x``'s device. Dynamic scales
-are computed on the device: no op here synchronises with the host.
+``x`` is ``[M, K]`` bf16/fp16/fp32 on any device, with any strides (a transposed view, a column slice of a wider
+buffer, broadcast rows of stride 0); ``q`` is always a new row-major ``[M, K]`` tensor (the layout every GEMM kernel
+reads); scales are fp32 on ``x``'s device. Dynamic scales are computed on the device: no op here synchronises with
+the host.
 
 Implementations: a kernel registered per mode and device type with :func:`register_quant_impl` always wins
 (``x.device.type`` picks the entry at run time). Without one, the default is a provider's, through the provider hook
@@ -87,8 +89,9 @@ def register_quant_impl(mode: ActScale | str, device_type: str, fn: QuantImpl | 
       [M, ceil(K/G)] fp32 in that layout)`` (:class:`~fp8_backends.core.types.ScaleLayout` values)
 
     ``fn`` must return new tensors (never views of its inputs), run without host syncs, and follow
-    the semantics in this module's docstring; ``x`` may be non-contiguous. ``fn=None`` removes the
-    entry. Returns the entry it replaced (or None), so a caller can restore it.
+    the semantics in this module's docstring; ``x`` may have any strides (a transposed view, a column slice,
+    broadcast rows) and ``q`` should be row-major (codes returned in another layout are copied into one).
+    ``fn=None`` removes the entry. Returns the entry it replaced (or None), so a caller can restore it.
     """
     mode = ActScale.of(mode)
     key = (mode, str(device_type))
@@ -240,20 +243,34 @@ def _impl_for(mode: ActScale, device_type: str) -> QuantImpl:
     return _impls.get(key) or _defaults.get(key) or _resolve_default(mode, device_type)
 
 
+# The ops' bodies. Whatever the implementation, the codes come out row-major with strides (K, 1) (what the fake
+# implementations promise and every GEMM kernel reads, reference.row_major): an implementation that kept a strided
+# x's layout gets its codes copied (fp8, M x K bytes); the library's own write row-major codes (two stride reads).
+def _row_major(q):
+    if q.stride(-1) == 1 and q.stride(0) == max(q.shape[-1], 1):
+        return q
+    from ..core import reference
+
+    return reference.row_major(q)
+
+
 def _op_static(x, scale, fp8_dtype):
-    return _impl_for(ActScale.PER_TENSOR_STATIC, x.device.type)(x, scale, fp8_dtype)
+    return _row_major(_impl_for(ActScale.PER_TENSOR_STATIC, x.device.type)(x, scale, fp8_dtype))
 
 
 def _op_dynamic(x, fp8_dtype):
-    return _impl_for(ActScale.PER_TENSOR_DYNAMIC, x.device.type)(x, fp8_dtype)
+    q, scale = _impl_for(ActScale.PER_TENSOR_DYNAMIC, x.device.type)(x, fp8_dtype)
+    return _row_major(q), scale
 
 
 def _op_per_token(x, fp8_dtype):
-    return _impl_for(ActScale.PER_TOKEN, x.device.type)(x, fp8_dtype)
+    q, scale = _impl_for(ActScale.PER_TOKEN, x.device.type)(x, fp8_dtype)
+    return _row_major(q), scale
 
 
 def _op_per_token_group(x, group_size, scale_layout, fp8_dtype):
-    return _impl_for(ActScale.PER_TOKEN_GROUP, x.device.type)(x, group_size, scale_layout, fp8_dtype)
+    q, scale = _impl_for(ActScale.PER_TOKEN_GROUP, x.device.type)(x, group_size, scale_layout, fp8_dtype)
+    return _row_major(q), scale
 
 
 def _fake_static(x, scale, fp8_dtype):

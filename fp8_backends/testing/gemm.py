@@ -246,12 +246,15 @@ class GemmProviderContract(ContractBase):
                                    {"x_dtype": a, "w_dtype": b}))
             if caps.bias is BiasMode.NONE:
                 out.append(Refusal("bias", here, {"has_bias": True}, "gemm", {"bias": True}))
+        # the alignment, on a device where it applies (capabilities.align_devices)
+        aligned = next((d for d in run if DeviceKind(d) in caps.align_devices), None)
+        if aligned is not None:
             if caps.k_align > 1:
                 k_bad = caps.k_align * 3 + max(1, caps.k_align // 2)
-                out.append(Refusal("k-misaligned", here, {"k": k_bad}, "prepare", {"k": k_bad}))
+                out.append(Refusal("k-misaligned", aligned, {"k": k_bad}, "prepare", {"k": k_bad}))
             if caps.n_align > 1:
                 n_bad = caps.n_align * 3 + max(1, caps.n_align // 2)
-                out.append(Refusal("n-misaligned", here, {"n": n_bad}, "prepare", {"n": n_bad}))
+                out.append(Refusal("n-misaligned", aligned, {"n": n_bad}, "prepare", {"n": n_bad}))
         for dev in ("cpu", "cuda"):
             if dev not in declared and (dev == "cpu" or _cuda_here()):
                 out.append(Refusal(f"device-{dev}", dev, {"device": DeviceKind(dev)}, "prepare", {}))

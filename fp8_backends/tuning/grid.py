@@ -3,8 +3,8 @@
 - :func:`model_shapes`: the linear weights of models (:mod:`fp8_backends.tuning.models`) at several tensor-parallel
   degrees, deduplicated across models (Mistral-7B and Llama-3-8B share every shape), each shape labelled
   ``"model/tpN/layer"`` with every place it comes from. A degree that does not divide a model's heads or
-  intermediate size is skipped, and so is a weight whose N or K is not a multiple of 16 (the alignment every
-  FP8 GEMM provider here needs).
+  intermediate size is skipped, and so is a weight whose N or K is not a multiple of ``align`` (16 by default: the
+  alignment every provider but ``triton`` needs on the GPU, so only such shapes have several candidates to compare).
 - :func:`read_shapes_file`: the same from a JSON or CSV file (N, K, optional bias and model / TP / layer
   labels), so an engine can tune its own model in one command.
 - The *shipped grid* (:data:`SHIPPED_MODELS` x :data:`SHIPPED_TPS` x :data:`SHIPPED_M_BUCKETS`, per-tensor scales,

@@ -92,6 +92,7 @@ class CutlassSm90Backend(OpGemmBackend):
         bias=BiasMode.FUSED,
         k_align=16,
         n_align=16,
+        align_reason="the CUTLASS kernels load tiles through TMA, which needs 16-byte aligned rows",
         priority=8,
         # block-wise FP8: the blockwise mainloop promotes per 128-deep K tile, so groups of 128 and 128x128 blocks
         group_sizes=frozenset({GROUP_K}),
@@ -191,8 +192,8 @@ class CutlassSm90Backend(OpGemmBackend):
                               bias: torch.Tensor | None) -> torch.Tensor | None:
         """The C++ op's quantize + GEMM in one dispatcher call (:mod:`.native_op`; ``None`` without it): what an
         eager :class:`~fp8_backends.layers.Fp8Linear` on this provider runs. Same numbers as
-        :func:`fp8_backends.quant.quantize` then :meth:`gemm_impl`. Declines (``None``) an ``x`` whose columns are
-        not contiguous: its kernels read rows of unit stride. The call :meth:`bind_fused_quant_gemm` binds."""
+        :func:`fp8_backends.quant.quantize` then :meth:`gemm_impl`, for an ``x`` of any strides (its quantization
+        kernels read them and write row-major codes). The call :meth:`bind_fused_quant_gemm` binds."""
         if self._linear_op is None:
             return None
         return self.bind_fused_quant_gemm(prepared, act_scale, input_scale, out_dtype, bias)(x)
@@ -200,8 +201,8 @@ class CutlassSm90Backend(OpGemmBackend):
     def bind_fused_quant_gemm(self, prepared: PreparedWeight, act_scale: ActScale, input_scale: torch.Tensor | None,
                               out_dtype: torch.dtype, bias: torch.Tensor | None) -> Callable[[torch.Tensor], Any]:
         """The fused call bound once: the C++ linear op's overload entry (``OpOverload._op``, one Python frame less
-        than the overload) with the weight, scales, bias, mode and config bound; ``None`` for an ``x`` whose columns
-        are not contiguous. Without the C++ op, the base class's binding of the hook (which declines every call)."""
+        than the overload) with the weight, scales, bias, mode and config bound. Without the C++ op, the base class's
+        binding of the hook (which declines every call)."""
         op = self._linear_op
         if op is None or act_scale not in _VECTOR_ACT_SCALES:  # group activations (block weights): no fused op
             return super().bind_fused_quant_gemm(prepared, act_scale, input_scale, out_dtype, bias)
@@ -210,8 +211,6 @@ class CutlassSm90Backend(OpGemmBackend):
         config, fast_accum = self.op_args
 
         def fused(x: torch.Tensor) -> torch.Tensor | None:
-            if x.stride(1) != 1 and x.shape[1] > 1:
-                return None
             return call(x, w, w_scale, input_scale, bias, out_dtype, mode, config, fast_accum)
 
         return fused

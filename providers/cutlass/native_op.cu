@@ -15,8 +15,8 @@
 // fallback op (the Python one) through the dispatcher with the same arguments: that op builds or loads the
 // library, registers it here and raises the library's own exceptions. So a miss costs one Python call, once.
 //
-// cutlass_sm90_linear_native takes the unquantized activation x [M, K] (bf16, fp16 or fp32, unit column stride)
-// and quantizes it to float8_e4m3fn itself before the same GEMM: one dispatcher call for an eager linear instead of
+// cutlass_sm90_linear_native takes the unquantized activation x [M, K] (bf16, fp16 or fp32, any strides: a row-strided
+// slice, a transposed view, broadcast rows) and quantizes it to row-major float8_e4m3fn itself before the same GEMM: one dispatcher call for an eager linear instead of
 // a quantization launch plus the GEMM op. Its kernels compute what fp8_backends.core.reference does:
 //   static     x_q = clamp(x / s, +-448) -> e4m3, s the layer's input scale (device memory, never read on the host)
 //   dynamic    s = max(amax(|x|) / 448, 1e-12) ([1]), then as static
@@ -24,7 +24,7 @@
 // with NaN propagated as torch propagates it (amax, clamp_min and clamp keep a NaN). Per call it allocates one buffer
 // (x_q, then from a 16-byte boundary its fp32 words: the scale(s) and the dynamic mode's partial maxima) and launches
 // one quantization kernel: blocks stride over (row, 2048-column chunk) items with 16-byte loads where every row
-// starts on a 16-byte boundary (scalar loads otherwise); dynamic per-tensor is one cooperative launch (partial
+// starts on a 16-byte boundary and columns are contiguous (scalar loads at the column stride otherwise); dynamic per-tensor is one cooperative launch (partial
 // maxima, a grid barrier, every block reduces them and quantizes), or two launches where a cooperative one fails.
 // Kernels are found by config name, then by epilogue / output dtype / accumulation slot: no string is built per call.
 //
@@ -263,9 +263,10 @@ __device__ __forceinline__ uint8_t to_fp8(float x, float s) {  // clamp(x / s, +
   return __nv_fp8_e4m3(v).__x;
 }
 
-// kVec elements of a row from `src` (16-byte aligned when Vec) into v; past `left` (the row's remaining elements) 0.
+// kVec elements of a row from `src` (16-byte aligned and contiguous when Vec; else `cs` elements apart) into v; past
+// `left` (the row's remaining elements) 0.
 template <typename T, bool Vec>
-__device__ __forceinline__ void load8(const T* src, int64_t left, float* v) {
+__device__ __forceinline__ void load8(const T* src, int64_t left, int64_t cs, float* v) {
   if (Vec && left >= kVec) {
     alignas(16) T tmp[kVec];
 #pragma unroll
@@ -274,7 +275,7 @@ __device__ __forceinline__ void load8(const T* src, int64_t left, float* v) {
     for (int i = 0; i < kVec; ++i) v[i] = static_cast<float>(tmp[i]);
   } else {
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) v[i] = i < left ? static_cast<float>(src[i]) : 0.0f;
+    for (int i = 0; i < kVec; ++i) v[i] = i < left ? static_cast<float>(src[i * cs]) : 0.0f;
   }
 }
 
@@ -308,9 +309,10 @@ __device__ __forceinline__ float block_nan_max(float v, float* shared) {  // blo
   return shared[0];
 }
 
-// Work items: (row, chunk of kChunk columns), items = M * chunks_per_row, strided over the grid.
+// Work items: (row, chunk of kChunk columns), items = M * chunks_per_row, strided over the grid. x's element (r, c) is
+// at r * row_stride + c * col_stride; x_q is row-major (r * k + c).
 struct Items {
-  int64_t k, row_stride, per_row, total;
+  int64_t k, row_stride, col_stride, per_row, total;
 };
 
 template <typename T, bool Vec>
@@ -320,7 +322,7 @@ __device__ float items_amax(const T* __restrict__ x, const Items& it) {
     const int64_t r = item / it.per_row, c = (item - r * it.per_row) * kChunk + threadIdx.x * kVec;
     if (c < it.k) {
       float e[kVec];
-      load8<T, Vec>(x + r * it.row_stride + c, it.k - c, e);
+      load8<T, Vec>(x + r * it.row_stride + c * it.col_stride, it.k - c, it.col_stride, e);
 #pragma unroll
       for (int i = 0; i < kVec; ++i) v = nan_max(v, fabsf(e[i]));
     }
@@ -334,7 +336,7 @@ __device__ void items_quant(const T* __restrict__ x, uint8_t* __restrict__ q, co
     const int64_t r = item / it.per_row, c = (item - r * it.per_row) * kChunk + threadIdx.x * kVec;
     if (c < it.k) {
       float e[kVec];
-      load8<T, Vec>(x + r * it.row_stride + c, it.k - c, e);
+      load8<T, Vec>(x + r * it.row_stride + c * it.col_stride, it.k - c, it.col_stride, e);
       store8<Vec>(q + r * it.k + c, it.k - c, e, s);
     }
   }
@@ -373,7 +375,8 @@ __global__ void __launch_bounds__(kThreads) quant_dynamic_kernel(const T* __rest
 }
 
 template <typename T, bool Vec>
-__global__ void __launch_bounds__(kThreads) quant_token_kernel(const T* __restrict__ x, int64_t row_stride, int64_t k,
+__global__ void __launch_bounds__(kThreads) quant_token_kernel(const T* __restrict__ x, int64_t row_stride,
+                                                               int64_t col_stride, int64_t k,
                                                                float* __restrict__ scale, uint8_t* __restrict__ q) {
   __shared__ float shared[32];  // one block per row
   const T* row = x + blockIdx.x * row_stride;
@@ -381,7 +384,7 @@ __global__ void __launch_bounds__(kThreads) quant_token_kernel(const T* __restri
   float v = 0.0f;
   for (int64_t c = threadIdx.x * kVec; c < k; c += kChunk) {
     float e[kVec];
-    load8<T, Vec>(row + c, k - c, e);
+    load8<T, Vec>(row + c * col_stride, k - c, col_stride, e);
 #pragma unroll
     for (int i = 0; i < kVec; ++i) v = nan_max(v, fabsf(e[i]));
   }
@@ -389,7 +392,7 @@ __global__ void __launch_bounds__(kThreads) quant_token_kernel(const T* __restri
   if (threadIdx.x == 0) scale[blockIdx.x] = s;
   for (int64_t c = threadIdx.x * kVec; c < k; c += kChunk) {
     float e[kVec];
-    load8<T, Vec>(row + c, k - c, e);
+    load8<T, Vec>(row + c * col_stride, k - c, col_stride, e);
     store8<Vec>(out + c, k - c, e, s);
   }
 }
@@ -425,11 +428,12 @@ void launch_quant(Mode mode, const at::Tensor& x, const float* static_scale, uin
   const int64_t m = x.size(0), k = x.size(1);
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
   const int64_t per_row = (k + kChunk - 1) / kChunk;
-  const Items it{k, x.stride(0), per_row, m * per_row};
+  const Items it{k, x.stride(0), x.stride(1), per_row, m * per_row};
   if (mode == Mode::kStatic) {
     quant_static_kernel<T, Vec><<<blocks_for(it.total), kThreads, 0, stream>>>(xp, it, static_scale, q);
   } else if (mode == Mode::kToken) {
-    quant_token_kernel<T, Vec><<<static_cast<unsigned int>(m), kThreads, 0, stream>>>(xp, it.row_stride, k, f32, q);
+    quant_token_kernel<T, Vec><<<static_cast<unsigned int>(m), kThreads, 0, stream>>>(xp, it.row_stride,
+                                                                                      it.col_stride, k, f32, q);
   } else {
     float* scale = f32;
     float* partial = f32 + 1;
@@ -454,8 +458,10 @@ void launch_quant(Mode mode, const at::Tensor& x, const float* static_scale, uin
 template <typename T>
 void launch_quant(Mode mode, const at::Tensor& x, const float* static_scale, uint8_t* q, float* f32,
                   cudaStream_t stream) {
-  // 16-byte loads where every row starts on a 16-byte boundary (and x_q's rows on 8: K % 8 == 0)
-  const bool vec = aligned(x.data_ptr()) && (x.stride(0) * int64_t(sizeof(T))) % 16 == 0 && x.size(1) % kVec == 0;
+  // 16-byte loads where columns are contiguous and every row starts on a 16-byte boundary (and x_q's rows on 8:
+  // K % 8 == 0); scalar loads at the column stride otherwise (a transposed view, a column slice)
+  const bool vec = x.stride(1) == 1 && aligned(x.data_ptr()) && (x.stride(0) * int64_t(sizeof(T))) % 16 == 0 &&
+                   x.size(1) % kVec == 0;
   if (vec) {
     launch_quant<T, true>(mode, x, static_scale, q, f32, stream);
   } else {
@@ -512,8 +518,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_
                   at::ScalarType out_dtype, c10::string_view mode, c10::string_view config, bool fast_accum) {
   Mode md;
   TORCH_CHECK(mode_of(mode, &md), "cutlass_sm90_linear_native: unknown activation scale mode ", mode);
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && (x.size(1) <= 1 || x.stride(1) == 1),
-              "cutlass_sm90_linear_native: x must be [M, K] with unit column stride and w [N, K]");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
+              "cutlass_sm90_linear_native: x must be [M, K] (any strides) and w [N, K]");
   const at::ScalarType xt = x.scalar_type();
   TORCH_CHECK(xt == at::kBFloat16 || xt == at::kHalf || xt == at::kFloat,
               "cutlass_sm90_linear_native: x must be bfloat16, float16 or float32");

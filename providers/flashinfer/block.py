@@ -72,6 +72,7 @@ class FlashinferBlockBackend(OpGemmBackend):
         bias=BiasMode.ADDED_AFTER,
         k_align=16,  # the kernels' own rules (K % 128, N % 64) are stated by block_reasons
         n_align=16,
+        align_reason="DeepGEMM's kernels load tiles through TMA, which needs 16-byte aligned rows",
         group_sizes=frozenset({128}),
         weight_blocks=frozenset({(128, 128)}),
         group_scale_layout=ScaleLayout.M_MAJOR_TMA,

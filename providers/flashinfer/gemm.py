@@ -87,6 +87,7 @@ class FlashinferBmmBackend(OpGemmBackend):
         bias=BiasMode.ADDED_AFTER,
         k_align=16,
         n_align=16,
+        align_reason="flashinfer's bmm_fp8 runners (cuBLASLt, cuDNN, CUTLASS) need 16-byte aligned rows",
         priority=5,
     )
     # host µs per call on the compiled path (an opaque custom op): 5 + the 34-40 µs a compiled Fp8Linear on it costs

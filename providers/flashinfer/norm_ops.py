@@ -62,10 +62,15 @@ def norm_device(device: torch.device) -> NormDevice:
     return support.per_device(_NORM_DEVICES, NormDevice, device, "loading flashinfer's norm module")
 
 
-def _norm_check_alignment(x: torch.Tensor, out: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> None:
-    # the kernels load gcd(16 / itemsize, H) elements per vector access
+def _norm_aligned(x: torch.Tensor, out: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``x`` as flashinfer's kernels can read it, after checking the other operands. The kernels load gcd(16 /
+    itemsize, H) elements per vector access from row ``t`` at ``x + t * x.stride(0)``: an ``x`` whose start or row
+    stride breaks that alignment (a row-strided view of a buffer of odd width, a view at an odd offset) is copied
+    row-major (a fresh, aligned allocation); a misaligned weight, residual (updated in place) or out is refused."""
     vec = math.gcd(16 // x.element_size(), x.shape[1])
     nbytes = vec * x.element_size()
+    if support.misaligned(x, nbytes) or (x.shape[0] > 1 and x.stride(0) % vec):
+        x = x.clone(memory_format=torch.contiguous_format)
     for t in tensors:
         if support.misaligned(t, nbytes):
             raise InvalidInputError(
@@ -73,6 +78,7 @@ def _norm_check_alignment(x: torch.Tensor, out: torch.Tensor, tensors: tuple[tor
             )
     if support.misaligned(out, vec):
         raise InvalidInputError(f"flashinfer norm-quant needs out's data pointer {vec}-byte aligned")
+    return x
 
 
 def _scale_1d(scale: torch.Tensor) -> torch.Tensor:
@@ -84,7 +90,7 @@ def _rmsnorm_quant_impl(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
     if x.shape[0] == 0:
         return
     state = _NORM_DEVICES.get(x.get_device()) or norm_device(x.device)
-    _norm_check_alignment(x, out, (x, weight))
+    x = _norm_aligned(x, out, (weight,))
     state.rq(out, x, weight, _scale_1d(scale), eps, state.pdl)
 
 
@@ -93,7 +99,7 @@ def _fused_add_rmsnorm_quant_impl(out: torch.Tensor, x: torch.Tensor, residual: 
     if x.shape[0] == 0:
         return
     state = _NORM_DEVICES.get(x.get_device()) or norm_device(x.device)
-    _norm_check_alignment(x, out, (x, residual, weight))
+    x = _norm_aligned(x, out, (residual, weight))
     state.arq(out, x, residual, weight, _scale_1d(scale), eps, state.pdl)
 
 

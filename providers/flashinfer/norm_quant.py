@@ -71,6 +71,7 @@ class FlashinferNormQuantBackend(OpNormQuantBackend):
         in_dtypes=frozenset({OutDtype.BF16, OutDtype.FP16}),
         residual=True,
         hidden_align=1,
+        strided_rows=True,  # flashinfer's kernels take x.stride(0); rows its vector loads cannot read are copied
         priority=20,
     )
 

@@ -7,8 +7,10 @@ epilogue applies per-tensor or per-token activation scales, per-tensor or per-ch
 M-bucket table measured on the H200 (option ``config=auto``) or is forced by name (the tuner times
 each). Launched with programmatic dependent launch on SM >= 9.0 (``FP8_BACKENDS_PDL=0`` turns it off).
 
-Shapes and layouts: ``x_q [M, K]`` and ``w_q [N, K]`` float8 (e4m3fn, or e5m2 for both), row-major;
-K and N multiples of 16; any M. The prepared weight is ``w_q`` itself (no copy) with its scale as fp32
+Shapes and layouts: ``x_q [M, K]`` and ``w_q [N, K]`` float8 (e4m3fn, or e5m2 for both), row-major; any M, N
+and K: the pointer kernels mask K and wrap N and M, so N and K need not be multiples of 16 (3420, 6840: TP splits).
+The TMA configs need 16-byte aligned rows (K a multiple of 16): ``auto`` runs their tiles as pointer kernels for
+other K, a forced TMA config refuses it. The prepared weight is ``w_q`` itself (no copy) with its scale as fp32
 ``[1]`` or ``[N]``.
 
 Block-wise FP8 (``per_token_group`` activations x ``block`` weights: 1x128 or 1x64 groups, 128x128 weight blocks):
@@ -78,8 +80,8 @@ class TritonGemmBackend(OpGemmBackend):
         mixed_inputs=False,
         out_dtypes=frozenset({OutDtype.BF16, OutDtype.FP16, OutDtype.FP32}),
         bias=BiasMode.FUSED,
-        k_align=16,
-        n_align=16,
+        k_align=1,  # masked pointer kernels; the TMA configs' own rule is in extra_reasons
+        n_align=1,
         priority=6,
         group_sizes=frozenset({64, 128}),
         weight_blocks=frozenset({block_configs.WEIGHT_BLOCK}),
@@ -119,13 +121,13 @@ class TritonGemmBackend(OpGemmBackend):
         self, x_q: torch.Tensor, prepared: PreparedWeight, x_scale: torch.Tensor, out_dtype: torch.dtype,
         bias: torch.Tensor | None,
     ) -> torch.Tensor:
-        """``gemm_impl`` of a forced TMA config: refuse operands TMA cannot address (16-byte aligned bases)."""
+        """``gemm_impl`` of a forced TMA config: refuse operands TMA cannot address (16-byte aligned bases and rows)."""
         for what, t in (("x_q", x_q), ("the prepared weight", prepared.data)):
-            if t.data_ptr() % 16:
+            if t.data_ptr() % 16 or t.stride(0) % 16:
                 raise InvalidInputError(
-                    f"triton@config={self.config['config']}: {what} starts at an address that is not 16-byte "
-                    "aligned, which TMA cannot load; pass an aligned tensor (e.g. .clone()) or use config=auto "
-                    "(which runs these tiles without TMA then)"
+                    f"triton@config={self.config['config']}: {what} starts at an address or has rows (K={t.shape[1]}) "
+                    "that are not 16-byte aligned, which TMA cannot load; pass an aligned tensor (e.g. .clone()) or "
+                    "use config=auto (which runs these tiles without TMA then)"
                 )
         return TritonGemmBackend.gemm_impl(self, x_q, prepared, x_scale, out_dtype, bias)
 
@@ -153,15 +155,19 @@ class TritonGemmBackend(OpGemmBackend):
         if problem.block_scaled != block:
             return [f"config {config} is a {'block-wise' if block else 'per-tensor / per-token / per-channel'} "
                     f"FP8 kernel; this problem is {'block-wise' if problem.block_scaled else 'not block-wise'}"]
-        if problem.m is None:
-            return []
+        reasons = []
         if block:
-            limit = block_configs.CONFIGS[config].max_m
+            family, limit = block_configs.CONFIGS[config].family, block_configs.CONFIGS[config].max_m
         else:
-            limit = _FORCED_MAX_M.get(CONFIGS[config].family)
-        if limit is not None and problem.m > limit:
-            return [f"config {config} is a small-M kernel (M <= {limit}); M={problem.m} would re-read the weight"]
-        return []
+            family = CONFIGS[config].family
+            limit = _FORCED_MAX_M.get(family)
+        if family == "tma" and problem.k % 16:
+            reasons.append(f"config {config} loads tiles through TMA, which needs 16-byte aligned rows: K={problem.k} "
+                           "is not a multiple of 16 (config=auto runs these tiles without TMA)")
+        if limit is not None and problem.m is not None and problem.m > limit:
+            reasons.append(f"config {config} is a small-M kernel (M <= {limit}); M={problem.m} would re-read the "
+                           "weight")
+        return reasons
 
     # ---------------------------------------------- the op (gemm_impl and prepare_weight_impl: OpGemmBackend's)
     contiguous_vectors: ClassVar[bool] = True  # the kernels index x_scale [M, 1] and bias [N] with unit stride

@@ -50,8 +50,11 @@ def launch(
     out_dtype: torch.dtype,
     config: str,
 ) -> torch.Tensor:
-    """``out[M, N] = x_scale · w_scale · (x @ wᵀ) (+ bias)``; inputs as :func:`triton_gemm` states."""
+    """``out[M, N] = x_scale · w_scale · (x @ wᵀ) (+ bias)``; inputs as :func:`triton_gemm` states (an ``x`` whose
+    columns are strided, which the kernels cannot address, is copied row-major first)."""
     m, k = x.shape
+    if k > 1 and x.stride(1) != 1:
+        x = x.contiguous()
     n = w.shape[0]
     out = x.new_empty((m, n), dtype=out_dtype)  # x's device; fewer arguments to parse than torch.empty
     if m == 0:
@@ -99,9 +102,10 @@ def run_config(
                 r.run(r.g0, r.g1, r.g2, raw_stream(index), r.function, r.packed, None, None, None,
                       px, pw, po, psx, psw, pb, m, n, k, sx, sw, so, *tail)
                 return
-    if cfg.family == "tma" and (x.data_ptr() % 16 or w.data_ptr() % 16):
-        # TMA needs 16-byte aligned bases (a view at an odd offset): the same tiles without TMA. Only auto's picks
-        # get here (a forced TMA config refuses such operands: TritonGemmBackend._forced_tma_gemm)
+    if cfg.family == "tma" and (x.data_ptr() % 16 or w.data_ptr() % 16 or x.stride(0) % 16 or w.stride(0) % 16):
+        # TMA needs 16-byte aligned bases and rows (a view at an odd offset, K not a multiple of 16): the same tiles
+        # without TMA. Only auto's picks get here (a forced TMA config refuses such operands:
+        # TritonGemmBackend._forced_tma_gemm)
         cfg = _pointer_tiles(cfg)
     _support.on_device(index, _launch_general, cfg, x, w, x_scale, w_scale, bias, out, use_pdl, index, key, x_quant)
 
@@ -181,8 +185,8 @@ def _launch_tma(cfg: TileConfig, x: torch.Tensor, w: torch.Tensor, x_scale: torc
 def _pointer_tiles(cfg: TileConfig) -> TileConfig:
     """The ``mm`` config with ``cfg``'s tiles (for operands TMA cannot address); logged once per config (INFO)."""
     twin = dataclasses.replace(cfg, family="mm", persistent=0)
-    logger.info("triton GEMM: an operand is not 16-byte aligned, so TMA config %s runs as %s (same tiles, "
-                "pointer loads); logged once per config", cfg.name, twin.name)
+    logger.info("triton GEMM: an operand's base or rows are not 16-byte aligned, so TMA config %s runs as %s (same "
+                "tiles, pointer loads); logged once per config", cfg.name, twin.name)
     return twin
 
 

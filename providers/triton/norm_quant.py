@@ -1,7 +1,8 @@
 """``triton`` norm-quant provider: fused RMSNorm + FP8 quant written in Triton: static per-tensor, and the dynamic
 per-token and per-token-group modes (:mod:`.norm_dynamic_kernels`).
 
-- ``rmsnorm_quant``: ``x [T, H]`` bf16/fp16/fp32 row-major, ``weight [H]`` same dtype, ``scale`` one fp32
+- ``rmsnorm_quant``: ``x [T, H]`` bf16/fp16/fp32 with unit column stride (rows may be strided: ``x[:, :H]`` of a
+  wider buffer), ``weight [H]`` same dtype, ``scale`` one fp32
   value on x's device -> ``out [T, H]`` float8_e4m3fn = ``clamp(rmsnorm(x)·weight · (1/scale), ±448)``,
   RMSNorm in fp32.
 - ``fused_add_rmsnorm_quant``: ``residual <- x + residual`` **in place** (summed in fp32, stored in the
@@ -127,6 +128,7 @@ class TritonNormQuantBackend(OpNormQuantBackend):
         in_dtypes=frozenset({OutDtype.BF16, OutDtype.FP16, OutDtype.FP32}),
         residual=True,
         hidden_align=1,
+        strided_rows=True,  # the kernels address rows by x.stride(0)
         priority=25,
         act_scales=frozenset({ActScale.PER_TENSOR_STATIC, ActScale.PER_TOKEN, ActScale.PER_TOKEN_GROUP}),
         group_sizes=frozenset({64, 128}),

@@ -360,11 +360,12 @@ def _launch_tiles(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fmax: f
 
 
 def _fp8_like(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """A new row-major ``[M, K]`` fp8 tensor on x's device (``empty_like`` parses fewer arguments than
-    ``torch.empty(shape, device=...)``: about 2 µs less per call on the H200 host)."""
-    if x.is_contiguous():
-        return torch.empty_like(x, dtype=fp8_dtype)
-    return x.new_empty(x.shape, dtype=fp8_dtype)
+    """A new row-major ``[M, K]`` fp8 tensor on x's device, strides ``(K, 1)`` whatever x's (``empty_like`` parses
+    fewer arguments than ``torch.empty(shape, device=...)``: about 2 µs less per call on the H200 host). Not
+    ``empty_like``'s default, which copies the strides of a dense ``x``: an ``x`` that ``is_contiguous()`` may still
+    have odd strides on a dimension of size 1 (``a.t()`` of a ``[K, 1]`` tensor: ``[1, K]`` with strides
+    ``(1, 1)``), which ``torch._scaled_mm`` refuses as not row-major."""
+    return torch.empty_like(x, dtype=fp8_dtype, memory_format=torch.contiguous_format)
 
 
 def quant_static(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:

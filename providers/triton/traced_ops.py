@@ -41,6 +41,8 @@ def triton_gemm(
 ) -> torch.Tensor:
     """``out[M, N] = x_scale · w_scale · (x @ wᵀ) (+ bias)``; operands as :func:`.gemm_ops.triton_gemm` states."""
     m, k = x.shape
+    if k > 1 and x.stride(1) != 1:  # the kernels read unit-stride columns (never the case for the library's x_q)
+        x = x.contiguous()
     n = w.shape[0]
     out = x.new_empty((m, n), dtype=out_dtype)
     if m == 0:
