@@ -10,7 +10,8 @@
 # heldout (bench.auto_eval on HELDOUT_MODELS against HELDOUT_DATA, the data packed without them) and auto_eval
 # (bench.auto_eval with EVAL_ARGS; EVAL_SHARDS=N splits both over N GPUs: bench/auto_eval.sh), not in the default list
 # ingrid (bench.auto_eval on the shipped grid's INGRID_MODELS at TP 1/2/4/8: issue 15's in-grid targets) is not in the
-# default list either; heldout packs HELDOUT_DATA itself (the shipped file without HELDOUT_MODELS) when it is missing.
+# default list either; block_gemm (bench/block_gemm.py, --quick unless BLOCK_GEMM_ARGS), unaligned (bench/unaligned.py)
+# and ckpt (bench/checkpoints.py) are not in it either; heldout packs HELDOUT_DATA itself (the shipped file without HELDOUT_MODELS) when it is missing.
 # The tests stage runs 8 pytest processes side by side (bench/gpu_tests_sharded.sh: one per group of test files, the
 # GPU fuzz at FP8_FUZZ_SCALE, 0.1 by default), which fits the device tool's 10-minute call; TESTS_SHARDS=1 or
 # TESTS_PATHS runs one process.
@@ -24,7 +25,7 @@
 # be prebuilt on a CPU machine's torch); run it before tests, or the first test that needs it builds it.
 # Each stage has its own time limit (override: LIMIT_<stage>=seconds), logs to $OUT/logs/<stage>.log, and a
 # failing stage does not stop the others. TESTS_PATHS narrows the tests stage. Extra arguments per stage: TESTS_ARGS, TUNE_ARGS, GEMM_ARGS,
-# NORM_ARGS, BLOCK_ARGS, CUTLASS_ARGS, TRITON_ARGS, HOST_ARGS, CHAIN_ARGS, NORM_CFG_ARGS, PROFILE_ARGS, HF_ARGS (e.g. GEMM_ARGS="--models llama3-8b --m 1,16,256,4096").
+# NORM_ARGS, BLOCK_ARGS, BLOCK_GEMM_ARGS, UNALIGNED_ARGS, CKPT_ARGS, CUTLASS_ARGS, TRITON_ARGS, HOST_ARGS, CHAIN_ARGS, NORM_CFG_ARGS, PROFILE_ARGS, HF_ARGS (e.g. GEMM_ARGS="--models llama3-8b --m 1,16,256,4096").
 # At the end everything under $OUT/work is packed into $OUT/results.tar.gz (the device tool returns at most
 # 8 files) and a summary of every stage is printed.
 set -uo pipefail
@@ -37,6 +38,9 @@ if [ -f .prebuilt/cutlass.tar.xz ]; then  # the CUTLASS build cache, packed on a
     export FP8_BACKENDS_CUTLASS_CACHE=/tmp/fp8b-cutlass/cutlass
 elif [ -d .prebuilt/cutlass ]; then
   export FP8_BACKENDS_CUTLASS_CACHE=$PWD/.prebuilt/cutlass
+fi
+if [ -f .prebuilt/fi-ws.tar.xz ] && [ ! -d /tmp/fi-ws/.cache ]; then  # flashinfer's built fp8_blockscale module
+  tar -C /tmp -xJf .prebuilt/fi-ws.tar.xz  # (its JIT cache, .device/setup.sh's FLASHINFER_WORKSPACE_BASE=/tmp/fi-ws)
 fi
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(install list tests build cutlass_cfg triton_cfg flashinfer host tune gemm norm chain block)
@@ -119,6 +123,16 @@ for stage in "${stages[@]}"; do
     block)
       [ -f bench/decoder_block.py ] && FP8_BACKENDS_LOCKFILE="$W/selection.lock.json" \
         run_stage block 900 python3 -m bench.decoder_block --out "$W/block" ${BLOCK_ARGS:-} ;;
+    block_gemm)
+      [ -f bench/block_gemm.py ] && run_stage block_gemm 600 python3 -m bench.block_gemm --out "$W/block_gemm" \
+        ${BLOCK_GEMM_ARGS:---quick} ;;
+    unaligned)
+      [ -f bench/unaligned.py ] && run_stage unaligned 300 python3 -m bench.unaligned --out "$W/unaligned" \
+        ${UNALIGNED_ARGS:---quick} ;;
+    ckpt)
+      # needs transformers and compressed-tensors: ../shared/tools/make-device-bundle --hf
+      [ -f bench/checkpoints.py ] && run_stage ckpt 900 python3 -m bench.checkpoints --out "$W/checkpoints" \
+        ${CKPT_ARGS:-} ;;
     hf)
       # needs transformers (+ torchao for its baseline): ../shared/tools/make-device-bundle --hf
       [ -f bench/hf_model.py ] && run_stage hf 900 python3 -m bench.hf_model --out "$W/hf" ${HF_ARGS:-} ;;
