@@ -109,11 +109,6 @@ def assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
                              f"{got[tuple(bad)].item()} vs {want[tuple(bad)].item()} (FP8_FUZZ_SEED={SEED})")
 
 
-def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
-    ref = ref.to(F64).cpu()
-    return float((y.to(F64).cpu() - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
 def describe(spec: dict, v: torch.Tensor) -> str:
     return f"{spec['kind']} view {tuple(v.shape)} strides {v.stride()} offset {v.storage_offset()}"
 
@@ -215,10 +210,14 @@ def test_fuzz_views_linear(target: Target, path: str, view_cases, exact_interpre
         what = (f"{target.spec} on {target.device} ({path}): {c['act'].value} x {c['wsc'].value} -> {dtype}, "
                 f"N={n} K={k} bias={c['bias']}, {describe(c['view'], v)}, data seed {c['seed']}")
         ref = v.to(F64) @ lin.weight.to(F64).t() + (lin.bias.to(F64) if c["bias"] else 0)
+        # FP8 rounding errs per product term by a fraction of |x||w|: measured against the cancellation-free
+        # magnitude |v| @ |W|ᵀ (+ |bias|), a few outputs that nearly cancel do not inflate the bound
+        size = (v.to(F64).abs() @ lin.weight.to(F64).abs().t() + (lin.bias.to(F64).abs() if c["bias"] else 0)).norm()
         for name, fn in paths.items():
             y = fn(v)
             assert_same(y, fn(v.contiguous()), f"{name} {what}")
-            assert relative_error(y, ref) < 0.1, f"{name} {what}: relative error {relative_error(y, ref):.3g}"
+            err = ((y.to(F64) - ref).norm() / size.clamp_min(1e-30)).item()
+            assert err < 0.1, f"{name} {what}: error {err:.3g} of the magnitude |v| @ |W|ᵀ"
             view_cases(f"{target.label}:{name}[{path}]", 1)
 
     with torch._dynamo.config.patch(recompile_limit=64):  # each example compiles its own graphs

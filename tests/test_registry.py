@@ -207,7 +207,8 @@ def test_explicit_choice_never_falls_back():
 
 def test_odd_k_rejected_with_reason():
     """cuBLASLt's FP8 GEMM needs K and N multiples of 16 (the reason says why); torch's CPU _scaled_mm does not."""
-    with pytest.raises(UnsupportedProblemError, match=r"K=17 is not a multiple of 16 \(torch._scaled_mm on CUDA"):
+    with pytest.raises(UnsupportedProblemError,
+                       match=r"K=17 is not a multiple of 16 \(cuBLASLt.s FP8 GEMM behind torch._scaled_mm on CUDA"):
         resolve_gemm_backend("torch", problem=GemmProblem(n=32, k=17), platform=simulate_platform("9.0"))
     assert resolve_gemm_backend("torch", problem=GemmProblem(n=30, k=17, device="cpu")).name == "torch_scaled_mm"
 

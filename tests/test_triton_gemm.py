@@ -111,18 +111,33 @@ def test_capabilities_and_refusals():
     assert caps.pdl
 
 
-def test_forced_tma_configs_refuse_unaligned_k():
-    """A forced TMA config needs 16-byte rows (K % 16): refused with the reason; auto and the pointer configs serve."""
+def test_forced_tma_configs_serve_unaligned_k():
+    """Per-tensor / per-channel weights are K-padded at prepare_weight, so a forced TMA config serves K % 16 too."""
     h100 = simulate_platform("9.0")
     if not TritonGemmBackend.availability().ok:
         pytest.skip(TritonGemmBackend.availability().reason)
     tma = next(name for name, cfg in CONFIGS.items() if cfg.family == "tma")
-    reasons = TritonGemmBackend(config=tma).supports(GemmProblem(n=6840, k=3420, m=2048), h100)
-    assert reasons and "TMA" in reasons[0] and "K=3420" in reasons[0]
-    assert TritonGemmBackend(config=tma).supports(GemmProblem(n=6840, k=6848, m=2048), h100) == []
     mm = next(name for name, cfg in CONFIGS.items() if cfg.family == "mm")
-    for config in ("auto", mm):
+    for config in ("auto", mm, tma):
         assert TritonGemmBackend(config=config).supports(GemmProblem(n=6840, k=3420, m=2048), h100) == []
+
+
+@needs_kernels
+def test_unaligned_k_weights_are_padded_once():
+    """K = 71: the prepared weight is a zero-padded [N, 80] copy (16-byte rows); gemm pads the activation to match
+    and gives the reference's answer; an aligned K keeps the weight itself (no copy)."""
+    from fp8_backends.core import reference
+
+    b = TritonGemmBackend()
+    x, w, xs, ws = _data(3, 37, 71, per_token=True, per_channel=True)
+    prepared = b.prepare_weight(w, ws)
+    assert tuple(prepared.data.shape) == (37, 80) and prepared.k == 71
+    assert torch.equal(prepared.data[:, :71].view(torch.uint8), w.view(torch.uint8))
+    assert not prepared.data[:, 71:].view(torch.uint8).any()
+    y = b.gemm(x, prepared, xs)
+    assert _relerr(y, reference.fp8_gemm(x, w, xs, ws, torch.float32)) < 1e-2
+    aligned = _data(3, 32, 64)[1]
+    assert b.prepare_weight(aligned, torch.ones(1)).data is aligned
 
 
 def test_forced_small_m_configs_refuse_large_m():

@@ -72,7 +72,7 @@ def _finish(acc, offs_m, offs_n, M, N, tile, split, out_ptr, stride_om, stride_o
         _bias_store(acc, offs_m, offs_n, M, N, out_ptr, stride_om, stride_on, bias_ptr, stride_b, HAS_BIAS)
     else:
         mask = (offs_m < M) & (offs_n < N)
-        plane = M.to(tl.int64) * N
+        plane = tl.cast(M, tl.int64) * N  # M may arrive as a Python int (Triton specializes 1)
         offs = offs_m.to(tl.int64) * N + offs_n
         tl.store(part_ptr + split * plane + offs, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is written before the counter moves (release is cumulative)

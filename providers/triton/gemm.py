@@ -9,9 +9,9 @@ each). Launched with programmatic dependent launch on SM >= 9.0 (``FP8_BACKENDS_
 
 Shapes and layouts: ``x_q [M, K]`` and ``w_q [N, K]`` float8 (e4m3fn, or e5m2 for both), row-major; any M, N
 and K: the pointer kernels mask K and wrap N and M, so N and K need not be multiples of 16 (3420, 6840: TP splits).
-The TMA configs need 16-byte aligned rows (K a multiple of 16): ``auto`` runs their tiles as pointer kernels for
-other K, a forced TMA config refuses it. The prepared weight is ``w_q`` itself (no copy) with its scale as fp32
-``[1]`` or ``[N]``.
+Where K is not a multiple of 16 the weight is zero-padded along K once at ``prepare_weight`` and
+the activation per call, so the kernels (TMA ones included) read 16-byte aligned rows. The prepared weight is
+``w_q`` itself otherwise (no copy), with its scale as fp32 ``[1]`` or ``[N]``.
 
 Block-wise FP8 (``per_token_group`` activations x ``block`` weights: 1x128 or 1x64 groups, 128x128 weight blocks):
 its own kernel family (:mod:`.block_gemm_kernels`: GEMV, swap-AB with split K, tiled with split K, persistent TMA)
@@ -161,7 +161,7 @@ class TritonGemmBackend(OpGemmBackend):
         else:
             family = CONFIGS[config].family
             limit = _FORCED_MAX_M.get(family)
-        if family == "tma" and problem.k % 16:
+        if block and family == "tma" and problem.k % 16:  # (other weights are K-padded: prepare_weight_impl)
             reasons.append(f"config {config} loads tiles through TMA, which needs 16-byte aligned rows: K={problem.k} "
                            "is not a multiple of 16 (config=auto runs these tiles without TMA)")
         if limit is not None and problem.m is not None and problem.m > limit:
@@ -198,11 +198,31 @@ class TritonGemmBackend(OpGemmBackend):
         # a block config is never passed to the per-tensor op (extra_reasons refuses those problems)
         return (self.config["config"] if self.config["config"] in CONFIGS else "auto",)
 
+    def prepare_weight_impl(self, w_q: torch.Tensor, w_scale: torch.Tensor,
+                            weight_scale: WeightScale) -> PreparedWeight:
+        """The row-major ``[N, K]`` weight as it is, except where K is not a multiple of :data:`ROW_ALIGN`
+        (per-tensor / per-channel weights): then a zero-padded ``[N, K16]`` copy, made once here, so that the
+        kernels read 16-byte aligned rows with vector loads (rows of an odd byte length make every load a byte
+        load: ~100x slower at K = 6840 on the H200, ``bench/results/unaligned/2026-12-03-h200/``); the
+        activation is padded to match per call (:meth:`gemm_impl`)."""
+        prepared = self.prepare_k_major(w_q, w_scale, weight_scale)
+        n, k = w_q.shape
+        if weight_scale is not WeightScale.BLOCK and k % ROW_ALIGN:
+            padded = w_q.new_zeros((n, _round_up(k, ROW_ALIGN)))
+            padded[:, :k] = w_q
+            prepared.data = padded
+        return prepared
+
     def gemm_impl(self, x_q: torch.Tensor, prepared: PreparedWeight, x_scale: torch.Tensor, out_dtype: torch.dtype,
                   bias: torch.Tensor | None) -> torch.Tensor:
         """Block weights go to ``triton_block_gemm`` (activation scales ``[M, ceil(K/G)]`` in any layout), the rest
-        to ``triton_gemm`` (:meth:`OpGemmBackend.gemm_impl`)."""
+        to ``triton_gemm`` (:meth:`OpGemmBackend.gemm_impl`), with ``x_q`` zero-padded along K to the prepared
+        weight's padded K where :meth:`prepare_weight_impl` padded it (zeros add nothing to the dot products; under
+        ``torch.compile`` the pad is a torch op Inductor can fuse into the quantization that produces ``x_q``)."""
         if prepared.block is None:
+            k_pad = prepared.data.shape[1]
+            if k_pad != x_q.shape[1]:
+                x_q = pad_columns(x_q, k_pad)
             return OpGemmBackend.gemm_impl(self, x_q, prepared, x_scale, out_dtype, bias)
         op = self._block_op or self._loaded_block_op()
         return op(x_q, prepared.data, x_scale, prepared.scale, bias, out_dtype, prepared.group_size,
@@ -230,6 +250,8 @@ class TritonGemmBackend(OpGemmBackend):
         from .gemm_ops import fused_launch
 
         w, w_scale, config, mode = prepared.data, prepared.scale, self.config["config"], act_scale.value
+        if w.shape[1] != prepared.k:  # a K-padded weight: its [N, K] view, rows still 16-byte aligned
+            w = w[:, :prepared.k]
 
         def fused(x: torch.Tensor) -> torch.Tensor | None:
             return fused_launch(x, w, input_scale, w_scale, bias, out_dtype, config, mode)
@@ -237,4 +259,21 @@ class TritonGemmBackend(OpGemmBackend):
         return fused
 
 
-__all__ = ["TritonGemmBackend"]
+#: the row alignment, in fp8 elements (bytes), of the weight the per-tensor / per-channel kernels read
+ROW_ALIGN = 16
+
+
+def _round_up(v: int, m: int) -> int:
+    return -(-v // m) * m
+
+
+def pad_columns(x_q: torch.Tensor, k_pad: int) -> torch.Tensor:
+    """``x_q [M, K]`` (float8) zero-padded to ``[M, k_pad]``, row-major (a pad of its bytes: float8 has no pad
+    kernel of its own)."""
+    import torch
+
+    raw = x_q.view(torch.uint8) if x_q.stride(-1) == 1 else x_q.contiguous().view(torch.uint8)
+    return torch.nn.functional.pad(raw, (0, k_pad - x_q.shape[1])).view(x_q.dtype)
+
+
+__all__ = ["ROW_ALIGN", "TritonGemmBackend", "pad_columns"]
