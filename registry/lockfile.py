@@ -27,7 +27,9 @@ File (JSON, schema ``fp8_backends.selection/1``)::
   only the section whose key equals this process's; otherwise it logs ONE warning naming what
   differs and falls back to static priorities.
 - An *entry* key is the problem without M (kind, N, K, dtypes, scale modes, bias; hidden size etc.
-  for norm-quant) plus an M bucket. A problem's M maps to the smallest covered bucket >= M, or the
+  for norm-quant) plus an M bucket. Block-wise FP8 problems add their group size and weight block
+  (``.../act=per_token_group/g=128/w=block/128x128/bias=0/m=16``); the other modes' keys carry neither.
+  A problem's M maps to the smallest covered bucket >= M, or the
   largest covered bucket when M is larger than all of them (:func:`bucket_for`). ``m=None`` (batch
   size unknown, e.g. at load time) does not use the lockfile: static priorities decide.
 - ``choice`` was decided at tune time: among candidates within ``tie_margin`` of the fastest, the
