@@ -181,7 +181,8 @@ def collect(
         "clashes": {kind: _clashes_list(kind) for kind in ("gemm", "norm_quant")},
         "lockfile": _lockfile_dict(platform),
         "shipped_data": _shipped_dict(platform),
-        "measured_defaults": {kind: _defaults_list(kind, platform) for kind in ("gemm", "norm_quant")},
+        "measured_defaults": {kind: _defaults_list(kind, platform, resolutions[kind].problem if kind in resolutions
+                                                   else None) for kind in ("gemm", "norm_quant")},
     }
 
 
@@ -197,17 +198,19 @@ def _entry_key(entry: Any) -> tuple:
     return (entry.kind, entry.name, entry.dist, entry.target, entry.origin)
 
 
-def _defaults_list(kind: str, platform: Platform) -> list[dict[str, Any]]:
-    """The measured ``auto`` defaults that apply on ``platform`` (``registry/defaults.py``), as rules."""
+def _defaults_list(kind: str, platform: Platform, problem: Any = None) -> list[dict[str, Any]]:
+    """The measured ``auto`` defaults that apply to ``problem`` on ``platform`` (``registry/defaults.py``), as rules
+    (``max_m`` None: any larger M; ``block``: the block-wise table, whose ladders take ready providers only)."""
     try:
         from fp8_backends.registry import defaults
 
-        table = defaults.defaults_for(kind, platform)
+        table = defaults.defaults_for(kind, platform, problem)
     except Exception:  # the listing must print even if the defaults module breaks
         return []
     if table is None:
         return []
-    return [{"max_m": r.max_m, "prefer": list(r.prefer), "source": table.source} for r in table.rules]
+    return [{"max_m": r.max_m, "prefer": list(r.prefer), "source": r.source or table.source, "block": table.block}
+            for r in table.rules]
 
 
 def _lockfile_dict(platform: Platform) -> dict[str, Any]:
@@ -300,7 +303,10 @@ def render(data: dict[str, Any]) -> str:
             out.append(f"  name clash: {clash['name']!r} is registered by {', '.join(clash['distributions'])}; "
                        f"auto ranks them all; pin one as {' or '.join(clash['qualified'])}")
         for rule in data.get("measured_defaults", {}).get(kind, []):
-            out.append(f"  measured default: M <= {rule['max_m']} -> {', '.join(rule['prefer'])} where it can serve "
+            where = "any M" if rule["max_m"] is None else f"M <= {rule['max_m']}"
+            ready = " and is ready (nothing to build for minutes)" if rule.get("block") else ""
+            out.append(f"  measured {'block-wise ' if rule.get('block') else ''}default: {where} -> "
+                       f"{', '.join(rule['prefer'])}: the first that can serve{ready} "
                        f"({rule['source']}; FP8_BACKENDS_DEFAULTS=0 turns it off)")
         res = data["resolution"][kind]
         problem = res["problem"] or "any problem"

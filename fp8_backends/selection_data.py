@@ -3,6 +3,8 @@
     python -m fp8_backends.selection_data pack OUT/sm90.lock.json                 # -> fp8_backends/data/selection/
     python -m fp8_backends.selection_data pack OUT/sm90.lock.json --exclude-model gemma3-12b mistral-nemo-12b \\
         --out /tmp/heldout.json                                                    # data without held-out models
+    python -m fp8_backends.selection_data merge fp8_backends/data/selection/sm90-nvidia-h200.json \\
+        OUT/sm90-block.lock.json                                                   # add the block grid's entries
     python -m fp8_backends.selection_data check fp8_backends/data/selection/*.json
     python -m fp8_backends.selection_data loo fp8_backends/data/selection/sm90-nvidia-h200.json \\
         --group model family tp shape --compare vote baseline
@@ -12,6 +14,8 @@
   optionally leaves out models (entries whose every label is an excluded model: a held-out set), checks the result
   (format in :mod:`fp8_backends.registry.shipped_data`), refuses an incomplete grid unless ``--partial``, and
   writes the compact file named ``sm<SM>-<gpu>.json``.
+- ``merge`` adds the entries of another ``--shipped-grid`` run (e.g. ``--shipped-grid --block``, the block-wise FP8
+  grid) to a shipped file, packed and checked as ``pack`` does; ``provenance.merged`` records each merged run.
 - ``check`` validates files (exit 1 when any is unusable, listing every problem).
 - ``loo`` measures the model for unseen shapes (:mod:`fp8_backends.registry.nearest`) on the data itself: every
   shape unique to one model (``--group model``), one model family (``family``: llama, qwen, ...), one TP split
@@ -165,6 +169,37 @@ def pack(doc: Mapping[str, Any], *, exclude: Sequence[str] = (), partial: bool =
     return out
 
 
+def merge(shipped: Mapping[str, Any], doc: Mapping[str, Any], *, partial: bool = False, command: str = "",
+          tie_margin: float | None = None) -> dict[str, Any]:
+    """``shipped`` (a checked shipped document) with the entries of another tuner run added: ``doc`` is a tuner
+    lockfile with provenance (e.g. ``python -m fp8_backends.tune --shipped-grid --block``), packed first as
+    :func:`pack` does (complete unless ``partial``; ``tie_margin`` re-decides its choices). Both must be measured on
+    the same GPU and SM; an entry of ``doc`` replaces the shipped one with the same key. The shipped section's
+    platform stays; ``provenance.merged`` lists each merged run (its date, command, grid, platform and entry count),
+    so the file says where every part was measured."""
+    packed = pack(doc, partial=partial, command=command, tie_margin=tie_margin)
+    base_prov, new_prov = dict(shipped["provenance"]), packed["provenance"]
+    differs = [f"{name}: {base_prov.get(name)!r} (shipped) vs {new_prov.get(name)!r} (merged run)"
+               for name in ("gpu", "sm") if base_prov.get(name) != new_prov.get(name)]
+    if differs:
+        raise DataFileError("<merge>", ["the runs were measured on different GPUs: " + "; ".join(differs)])
+    section = dict(shipped_data.the_section(shipped))
+    added = shipped_data.the_section(packed)["entries"]
+    entries = {**section["entries"], **added}
+    replaced = sum(1 for key in added if key in section["entries"])
+    record = {name: new_prov.get(name) for name in ("date", "command", "grid", "driver", "cuda", "libraries")}
+    record.update({"merged": new_prov["packed"]["date"], "merge_command": command, "entries": len(added),
+                   "replaced": replaced})
+    prov = {**base_prov, "merged": [*(base_prov.get("merged") or []), record]}
+    section["entries"] = entries
+    out = {"schema": lockfile.SCHEMA, "updated": packed.get("updated") or shipped.get("updated"), "provenance": prov,
+           "sections": {next(iter(shipped["sections"])): section}}
+    problems = shipped_data.check_document(out)
+    if problems:
+        raise DataFileError("<merged data>", problems)
+    return out
+
+
 # ---------------------------------------------------------------------------------------- leave-one-out
 def _static_rank(priorities: Mapping[str, int]) -> Callable[[nearest.CandKey], tuple]:
     def rank(ck: nearest.CandKey) -> tuple:
@@ -306,8 +341,10 @@ def leave_out_markdown(report: Mapping[str, Any]) -> str:
              "fastest measured candidate at the held-out shape (1.000 = the fastest), geomean / min", ""]
     for cls in report["classes"]:
         c = cls["class"]
-        lines += [f"### {c.get('input_dtype')}x{c.get('weight_dtype')}->{c.get('out_dtype')} act={c.get('act_scale')} "
-                  f"w={c.get('weight_scale')} bias={int(bool(c.get('has_bias')))}", "",
+        act = str(c.get("act_scale")) + (f"/{c['group_size']}" if "group_size" in c else "")
+        weight = str(c.get("weight_scale")) + (f"/{c['weight_block']}" if "weight_block" in c else "")
+        lines += [f"### {c.get('input_dtype')}x{c.get('weight_dtype')}->{c.get('out_dtype')} act={act} "
+                  f"w={weight} bias={int(bool(c.get('has_bias')))}", "",
                   "| M | points | nearest | >= 0.95 | " + "".join(f"{MODEL_TITLES[o]} | >= 0.95 | " for o in others)
                   + "global per-M rule | static priority | worst (nearest) |",
                   "|---|---|---|---|---|---|---|" + "---|---|" * len(others)]
@@ -376,6 +413,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sms", type=int, default=None, metavar="N",
                    help="record the SM count of the GPU the data was measured on (the nearest model's wave feature; "
                         f"default {nearest.DEFAULT_METRIC.sms}, the H100/H200 SXM)")
+    m = sub.add_parser("merge", help="add another tuner run's entries (e.g. the block grid) to a shipped file")
+    m.add_argument("shipped", help="the shipped data file (rewritten in place unless --out)")
+    m.add_argument("lockfile", help="a tuner lockfile with provenance (--shipped-grid [--block] or --provenance)")
+    m.add_argument("--out", default=None, help="write here instead of over the shipped file")
+    m.add_argument("--partial", action="store_true", help="merge even if that run's grid is not fully measured")
+    m.add_argument("--tie-margin", type=float, default=None, metavar="M",
+                   help="decide the merged run's choices again with this near-tie margin (default: the tuner's)")
     c = sub.add_parser("check", help="validate shipped data files")
     c.add_argument("files", nargs="+")
     e = sub.add_parser("loo", help="leave-one-out evaluation of the nearest-shape model on a data file")
@@ -399,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "pack":
             return _pack_cli(args, argv)
+        if args.command == "merge":
+            return _merge_cli(args, argv)
         if args.command == "check":
             return _check_cli(args.files)
         doc = shipped_data.load_file(args.file)
@@ -448,6 +494,29 @@ def _pack_cli(args: argparse.Namespace, argv: list[str]) -> int:
     entries = len(shipped_data.the_section(packed)["entries"])
     print(f"{out}: {entries} entries, {prov['gpu']} SM {prov['sm']}, measured {prov['date']}"
           + (f", without {', '.join(args.exclude_model)}" if args.exclude_model else ""))
+    return 0
+
+
+def _merge_cli(args: argparse.Namespace, argv: list[str]) -> int:
+    shipped = shipped_data.load_file(args.shipped)
+    src = Path(args.lockfile)
+    doc, problem = lockfile.read_document(src)
+    if doc is None:
+        raise DataFileError(src, [problem or "unreadable"])
+    merged = merge(shipped, doc, partial=args.partial, tie_margin=args.tie_margin,
+                   command=" ".join(["python -m fp8_backends.selection_data", *argv]))
+    out = Path(args.out or args.shipped)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = shipped_data.dumps_compact(merged)
+    if out.name.endswith(".gz"):
+        import gzip
+
+        out.write_bytes(gzip.compress(text.encode("utf-8"), mtime=0))
+    else:
+        out.write_text(text, encoding="utf-8")
+    record = merged["provenance"]["merged"][-1]
+    print(f"{out}: {len(shipped_data.the_section(merged)['entries'])} entries ({record['entries']} from {src}, "
+          f"{record['replaced']} of them replacing earlier ones)")
     return 0
 
 

@@ -10,6 +10,7 @@ Examples::
     python -m fp8_backends.tune --model llama3-8b --list              # what would be timed, no GPU work
     python -m fp8_backends.tune --shapes-file my_model.csv --m 1-4096   # an engine's own shapes
     python -m fp8_backends.tune --shipped-grid --lockfile sm90.json --limit-seconds 480   # resumable chunks
+    python -m fp8_backends.tune --shipped-grid --block --lockfile sm90-block.json --limit-seconds 200  # block FP8
 
 For each problem and M bucket, every provider that can serve it is a candidate, once per value
 combination of its ``tunable_options``. Each candidate is first run once and compared with
@@ -94,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--shipped-grid", action="store_true",
                       help="the grid of the shipped selection data (fp8_backends/grid.py: 25 models x TP 1/2/4/8 "
                            "x M 1,4,16,64,256,1024,4096, kernel-config tables pinned to auto) with provenance")
+    what.add_argument("--block", action="store_true",
+                      help="block-wise FP8 problems (per_token_group activations x 128x128 block weights); TP "
+                           "splits whose shards would cut a checkpoint's blocks are left out. With --shipped-grid: "
+                           "the block grid (DeepSeek-V3 and Qwen3 0.6B-32B x TP 1/2/4/8 x the 7 M buckets; "
+                           "DeepSeek-V3 TP1/TP8 and Qwen3-8B/32B TP1/TP2 first)")
+    what.add_argument("--group-size", type=int, default=128, choices=[64, 128],
+                      help="activation group size of per_token_group problems (default 128)")
     what.add_argument("--hidden", nargs="+", type=int, default=[], metavar="H", help="norm-quant hidden sizes")
     what.add_argument("--m", default=None, metavar="LIST",
                       help="M (token) buckets: '1,16,256' or '1-16384' (powers of two; default 1-16384)")
@@ -112,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="norm-quant: with the fused residual add, without, or both (default)")
     how = ap.add_argument_group("tuning")
     how.add_argument("--providers", default=None, help="comma-separated provider names (default: all discovered)")
+    how.add_argument("--allow-builds", action="store_true",
+                     help="also time candidates whose first call builds kernels for minutes (flashinfer_block's "
+                          "module, cutlass libraries not built yet); default: skip them with the reason and the "
+                          "command that builds them ahead")
     how.add_argument("--pin", action="append", type=parse_pin, default=[], metavar="PROVIDER:OPTION=VALUE",
                      help="hold a provider option at one value instead of timing each (e.g. cutlass:config=auto)")
     how.add_argument("--no-pins", action="store_true", help="with --shipped-grid: time every kernel config")
@@ -155,13 +167,14 @@ def problems_from_args(args: argparse.Namespace, device: str) -> list[Any]:
 
 
 def _list_candidates(problems: list[Any], buckets: list[int], platform: Platform, providers,
-                     pins=None) -> tuple[str, float]:
+                     pins=None, allow_builds: bool = False) -> tuple[str, float]:
     lines = [f"platform: {platform.describe()}", f"M buckets: {', '.join(map(str, buckets))}"]
     total = 0
     for p in problems:
         kind = kind_of(p)
         probe = p.with_m(buckets[0]) if kind == "gemm" else p
-        cands, skipped = expand_candidates(kind, probe, platform, only=providers, pins=pins)
+        cands, skipped = expand_candidates(kind, probe, platform, only=providers, pins=pins,
+                                           allow_builds=allow_builds)
         total += len(cands)
         lines.append(f"{p.describe()}: {len(cands)} candidate(s): {', '.join(c.label for c in cands) or 'none'}")
         lines += [f"    skipped {label}: {why}" for label, why in skipped]
@@ -220,7 +233,8 @@ def main(argv: list[str] | None = None, *, timer: Timer | None = None) -> int:
         print(f"left out: {note}", file=sys.stderr)
     providers = None if args.providers is None else {p.strip() for p in args.providers.split(",") if p.strip()}
     if args.list:
-        text, per_problem = _list_candidates(plan.problems, plan.buckets, platform, providers, plan.pins)
+        text, per_problem = _list_candidates(plan.problems, plan.buckets, platform, providers, plan.pins,
+                                             args.allow_builds)
         print(text)
         print(_estimate_text(len(plan.problems) * len(plan.buckets), per_problem))
         return 0
@@ -253,7 +267,7 @@ def main(argv: list[str] | None = None, *, timer: Timer | None = None) -> int:
         report = tune(plan.problems, m_buckets=plan.buckets, platform=platform, timer=timer, timer_config=config,
                       tie_margin=args.tie_margin, rtol=args.rtol, providers=providers, lockfile=path,
                       progress=not args.no_progress, seed=args.seed, pins=plan.pins, labels=plan.labels, skip=skip,
-                      deadline=deadline, provenance=provenance)
+                      deadline=deadline, provenance=provenance, allow_builds=args.allow_builds)
     if report.already_done:
         print(f"{report.already_done} problem(s) already in {path}: skipped (--retune measures them again)")
     print(format_summary(report))

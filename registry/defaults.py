@@ -17,6 +17,16 @@ cuBLAS on others, e.g. 0.89x at N=4608 K=3584 M=1) and these rules step aside en
 Only built-in providers are named here (a third-party provider that happens to be called ``triton`` is never
 picked by these rules). :func:`buckets` gives :class:`fp8_backends.layers.Fp8Linear` the M buckets to
 prepare one weight per provider for, as the lockfile's buckets do.
+
+Block-wise FP8 problems (``per_token_group`` activations x ``block`` weights) have tables of their own
+(:attr:`PlatformDefaults.block`; the per-tensor tables never apply to them, nor theirs to other problems). They
+apply wherever no tuned lockfile and no shipped data covers the block problem (the shipped file for the H200 holds
+per-tensor problems only: it does not make them step aside; when it holds block problems, its policies, ranked
+above, answer first). Their rules are a ladder per M bucket: the first provider that can serve *and is ready* wins.
+Ready means its first call builds nothing for minutes (:meth:`~fp8_backends.core.backend.ProviderBase.first_use_build`:
+flashinfer's block module, about 2 minutes; cutlass's block libraries, about 100 s each): ``auto`` never silently
+stalls a model's first step on a JIT build. Whatever the ladder passes over, and why, is in the choice's note
+(``python -m fp8_backends.list --problem M,N,K --act-scale per_token_group --weight-scale block``).
 """
 
 from __future__ import annotations
@@ -38,28 +48,51 @@ POLICY_NAME = "measured-default"
 
 @dataclass(frozen=True)
 class MRule:
-    """Problems with ``M <= max_m`` prefer the built-in providers ``prefer`` (in order)."""
+    """Problems with ``M <= max_m`` (any M when ``max_m`` is None) prefer the built-in providers ``prefer`` (in
+    order). ``source``: this bucket's evidence, when it has its own (else the table's)."""
 
-    max_m: int
+    max_m: int | None
     prefer: tuple[str, ...]
+    source: str = ""
+
+    def covers(self, m: int) -> bool:
+        return self.max_m is None or m <= self.max_m
+
+    @property
+    def label(self) -> str:
+        """``M <= 16`` or ``any M``."""
+        return "any M" if self.max_m is None else f"M <= {self.max_m}"
 
 
 @dataclass(frozen=True)
 class PlatformDefaults:
-    """The rules of one kind (``gemm``) for GPUs with ``min_sm <= SM <= max_sm``; rules ascend in ``max_m``."""
+    """The rules of one kind (``gemm``) for GPUs with ``min_sm <= SM <= max_sm``; rules ascend in ``max_m`` (a last
+    rule with ``max_m=None`` takes every larger M). ``block``: the rules of block-wise FP8 problems (which no other
+    table applies to); they take only providers that are ready (module docstring)."""
 
     kind: str
     min_sm: tuple[int, int]
     max_sm: tuple[int, int]
     rules: tuple[MRule, ...]
     source: str
+    block: bool = False
 
-    def covers(self, kind: str, platform: Platform) -> bool:
-        return kind == self.kind and platform.sm is not None and self.min_sm <= platform.sm <= self.max_sm
+    def covers(self, kind: str, platform: Platform, problem: Any = None) -> bool:
+        return (kind == self.kind and platform.sm is not None and self.min_sm <= platform.sm <= self.max_sm
+                and self.block == is_block(problem))
 
     def rule_for(self, m: int) -> MRule | None:
-        return next((r for r in self.rules if m <= r.max_m), None)
+        return next((r for r in self.rules if r.covers(m)), None)
 
+
+def is_block(problem: Any) -> bool:
+    """Whether ``problem`` is a block-wise FP8 GEMM (False for None and other kinds)."""
+    return bool(getattr(problem, "block_scaled", False))
+
+
+#: the block-wise ladder measured so far: flashinfer's DeepGEMM kernels where their module is built, then cuBLASLt's
+#: block-scaled GEMM (torch._scaled_mm, nothing to build), then the JIT-built CUTLASS kernels where built, then Triton
+_BLOCK_LADDER = ("flashinfer_block", "torch_scaled_mm", "cutlass", "triton")
 
 DEFAULTS: tuple[PlatformDefaults, ...] = (
     PlatformDefaults(
@@ -69,16 +102,42 @@ DEFAULTS: tuple[PlatformDefaults, ...] = (
         rules=(MRule(16, ("triton",)),),
         source="H200, 2026-11-29: triton 1.12x torch._scaled_mm geomean at M <= 16 (Llama-3-8B shapes)",
     ),
+    # Block-wise FP8 on SM 9.0. One rule per M range the 2026-12-03 H200 probe measured (5 shapes: 6144x4096,
+    # 4096x12288, 7168x16384, 2112x7168, 576x7168; µs, L2 flushed, eager), so that the winners of a full bench can
+    # replace each ladder on its own. Probe: flashinfer's kernels beat torch._scaled_mm's at M = 16 and 128 on all 5
+    # shapes (geomean of the µs ratios 0.85x and 0.73x; e.g. 7168x16384: 40.5 vs 50.8 µs at M = 16, 45.4 vs 54.6 at
+    # 128), at M = 1024 by 0.91x geomean (slower on the 3 larger shapes by 1-5%, faster on the 2 thin ones), at
+    # M = 4096 by 0.96x geomean (730 vs 827 µs on 7168x16384, slower by 1-5% on 3 shapes).
+    # torch._scaled_mm was not measured at M = 1 (flashinfer 40.9 µs, bf16 73.7 on 7168x16384).
+    # triton's and cutlass's block kernels are not measured on the H200 yet: they follow in the ladder.
+    PlatformDefaults(
+        kind="gemm",
+        min_sm=(9, 0),
+        max_sm=(9, 0),
+        rules=(
+            MRule(16, _BLOCK_LADDER, "H200 probe 2026-12-03: flashinfer 0.85x torch._scaled_mm's µs at M = 16, "
+                                     "faster on 5 of 5 shapes"),
+            MRule(128, _BLOCK_LADDER, "H200 probe 2026-12-03: flashinfer 0.73x torch._scaled_mm's µs at M = 128, "
+                                      "faster on 5 of 5 shapes"),
+            MRule(1024, _BLOCK_LADDER, "H200 probe 2026-12-03: flashinfer 0.91x torch._scaled_mm's µs at M = 1024, "
+                                       "faster on 2 of 5 shapes"),
+            MRule(None, _BLOCK_LADDER, "H200 probe 2026-12-03: flashinfer 0.96x torch._scaled_mm's µs at M = 4096, "
+                                       "faster on 2 of 5 shapes"),
+        ),
+        source="H200 block-wise FP8 probe 2026-12-03, 5 shapes (geomean over them)",
+        block=True,
+    ),
 )
 
 
-def defaults_for(kind: str, platform: Platform) -> PlatformDefaults | None:
-    """The rules for ``kind`` on ``platform``; None when turned off, when none apply, or when shipped selection
-    data covers the GPU."""
+def defaults_for(kind: str, platform: Platform, problem: Any = None) -> PlatformDefaults | None:
+    """The rules for ``problem`` (of ``kind``) on ``platform``: the block-wise table for a block-wise problem, else
+    the other one (also for ``problem=None``). None when turned off, when none apply, or (other problems) when
+    shipped selection data covers the GPU."""
     if not settings.measured_defaults_enabled():
         return None
-    table = next((d for d in DEFAULTS if d.covers(kind, platform)), None)
-    if table is not None:
+    table = next((d for d in DEFAULTS if d.covers(kind, platform, problem)), None)
+    if table is not None and not table.block:
         from . import shipped
 
         if shipped.covers(platform):
@@ -86,31 +145,60 @@ def defaults_for(kind: str, platform: Platform) -> PlatformDefaults | None:
     return table
 
 
+def _pending_build(cand: Any, problem: Any, platform: Platform) -> str | None:
+    """The candidate's pending first-use build (None: ready), from its provider instance with default options."""
+    from .candidates import provider_instance
+
+    try:
+        backend = provider_instance(cand.entry)
+        check = getattr(backend, "first_use_build", None)
+        return check(problem, platform) if check is not None else None
+    except Exception as exc:  # noqa: BLE001 - a provider's probe must not break auto
+        logger.debug("first-use build check of %s failed: %s: %s", cand.entry.name, type(exc).__name__, exc)
+        return None
+
+
 def measured_default_policy(
     kind: str, problem: Any, platform: Platform, serving: list[Any]
 ) -> tuple[Any, dict[str, str], str] | None:
-    """The ``auto`` policy: the first preferred built-in provider that can serve this problem's M, or None."""
+    """The ``auto`` policy: the first preferred built-in provider that can serve this problem's M (and, for the
+    block-wise table, is ready: nothing to build for minutes at its first call), or None. The note says which
+    preferred providers were passed over and why."""
     m = getattr(problem, "m", None) if problem is not None else None
-    table = defaults_for(kind, platform) if m is not None else None
+    table = defaults_for(kind, platform, problem) if m is not None else None
     rule = table.rule_for(m) if table is not None else None
     if rule is None:
         return None
+    passed: list[str] = []
     for name in rule.prefer:
-        for cand in serving:
-            if cand.entry.builtin and cand.entry.name == name:
-                return cand.entry, {}, f"measured default for M <= {rule.max_m} on SM {platform.arch} ({table.source})"
-    logger.debug("measured default for M <= %d prefers %s, none of which can serve %s", rule.max_m,
-                 ", ".join(rule.prefer), problem.describe())
+        cand = next((c for c in serving if c.entry.builtin and c.entry.name == name), None)
+        if cand is None:
+            if table.block:
+                passed.append(f"{name} cannot serve it here")
+            continue
+        if table.block:
+            pending = _pending_build(cand, problem, platform)
+            if pending:
+                passed.append(f"{name} passed over: {pending}")
+                continue
+        what = "measured block-wise default" if table.block else "measured default"
+        note = f"{what} for {rule.label} on SM {platform.arch} ({rule.source or table.source})"
+        if passed:
+            note += "; " + "; ".join(passed)
+        return cand.entry, {}, note
+    logger.debug("measured default for %s prefers %s, none of which can serve %s%s", rule.label,
+                 ", ".join(rule.prefer), problem.describe(), f" ({'; '.join(passed)})" if passed else "")
     return None
 
 
-def buckets(kind: str, platform: Platform) -> list[int]:
-    """The M buckets the defaults distinguish on ``platform`` (each rule's ``max_m``, then one bucket for
-    every larger M), or ``[]``."""
-    table = defaults_for(kind, platform)
-    if table is None or not table.rules:
+def buckets(kind: str, platform: Platform, problem: Any = None) -> list[int]:
+    """The M buckets the defaults distinguish for ``problem`` on ``platform`` (each bounded rule's ``max_m``, then
+    one bucket for every larger M), or ``[]``."""
+    table = defaults_for(kind, platform, problem)
+    bounds = [r.max_m for r in table.rules if r.max_m is not None] if table is not None else []
+    if not bounds:
         return []
-    return [r.max_m for r in table.rules] + [table.rules[-1].max_m + 1]
+    return bounds + [bounds[-1] + 1]
 
 
 class MeasuredDefaultPolicy(SelectionPolicy):
@@ -124,10 +212,10 @@ class MeasuredDefaultPolicy(SelectionPolicy):
         return measured_default_policy(kind, problem, platform, list(serving))
 
     def buckets(self, kind: str, problem: Any, platform: Platform) -> list[int]:
-        return buckets(kind, platform)
+        return buckets(kind, platform, problem)
 
 
 POLICY = register_selection_policy(MeasuredDefaultPolicy())
 
 __all__ = ["DEFAULTS", "POLICY", "MRule", "MeasuredDefaultPolicy", "POLICY_NAME", "PlatformDefaults", "buckets",
-           "defaults_for", "measured_default_policy"]
+           "defaults_for", "is_block", "measured_default_policy"]

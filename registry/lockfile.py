@@ -27,7 +27,9 @@ File (JSON, schema ``fp8_backends.selection/1``)::
   only the section whose key equals this process's; otherwise it logs ONE warning naming what
   differs and falls back to static priorities.
 - An *entry* key is the problem without M (kind, N, K, dtypes, scale modes, bias; hidden size etc.
-  for norm-quant) plus an M bucket. A problem's M maps to the smallest covered bucket >= M, or the
+  for norm-quant) plus an M bucket. Block-wise FP8 problems add their group size and weight block
+  (``.../act=per_token_group/g=128/w=block/128x128/bias=0/m=16``); the other modes' keys carry neither.
+  A problem's M maps to the smallest covered bucket >= M, or the
   largest covered bucket when M is larger than all of them (:func:`bucket_for`). ``m=None`` (batch
   size unknown, e.g. at load time) does not use the lockfile: static priorities decide.
 - ``choice`` was decided at tune time: among candidates within ``tie_margin`` of the fastest, the
@@ -50,6 +52,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import tempfile
 import threading
 import time
@@ -59,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8_backends.core import settings
-from fp8_backends.core.types import ActScale, GemmProblem, NormQuantProblem
+from fp8_backends.core.types import ActScale, GemmProblem, NormQuantProblem, WeightScale
 
 from .discovery import ProviderEntry, discover
 from .once import WarnOnce
@@ -152,20 +155,43 @@ def problem_fields(kind: str, problem: Any) -> dict[str, Any]:
 
     Static and dynamic per-tensor activation scales share one key (``act_scale: "per_tensor"``): the
     kernels see one fp32 scale either way. A recorded choice that cannot serve the other mode is
-    skipped at lookup (the next of its ranking is used)."""
+    skipped at lookup (the next of its ranking is used).
+
+    Block-wise FP8 (``per_token_group`` activations x ``block`` weights) keys on its own mode with the activation
+    group size and the weight block: ``"group_size": 128`` and ``"weight_block": "128x128"`` (a string, so that a
+    problem class stays hashable; :mod:`.nearest`). The other modes carry neither field, so their keys are what they
+    were before block problems existed."""
     if kind == "gemm":
         p: GemmProblem = problem
-        act = "per_token" if p.act_scale is ActScale.PER_TOKEN else "per_tensor"
-        return {
+        if p.act_scale is ActScale.PER_TOKEN_GROUP:
+            act = "per_token_group"
+        else:
+            act = "per_token" if p.act_scale is ActScale.PER_TOKEN else "per_tensor"
+        out: dict[str, Any] = {
             "n": int(p.n), "k": int(p.k), "input_dtype": p.input_dtype.value, "weight_dtype": p.weight_dtype.value,
             "out_dtype": p.out_dtype.value, "act_scale": act, "weight_scale": p.weight_scale.value,
             "has_bias": bool(p.has_bias),
         }
+        if act == "per_token_group" or p.weight_scale is WeightScale.BLOCK:
+            out["group_size"] = int(p.group_size)
+            out["weight_block"] = block_text(p.weight_block)
+        return out
     if kind == "norm_quant":
         q: NormQuantProblem = problem
         return {"hidden": int(q.hidden), "in_dtype": q.in_dtype.value, "out_fp8": q.out_fp8.value,
                 "residual": bool(q.residual)}
     raise ValueError(f"unknown provider kind {kind!r}")
+
+
+def block_text(block: Sequence[int]) -> str:
+    """``(128, 128)`` -> ``"128x128"`` (a weight block as the keys write it)."""
+    bn, bk = block
+    return f"{int(bn)}x{int(bk)}"
+
+
+def is_block_fields(fields: Mapping[str, Any]) -> bool:
+    """Whether problem fields describe a block-wise FP8 GEMM (either side of the pairing)."""
+    return fields.get("act_scale") == "per_token_group" or fields.get("weight_scale") == "block"
 
 
 def problem_m(kind: str, problem: Any) -> int | None:
@@ -174,12 +200,18 @@ def problem_m(kind: str, problem: Any) -> int | None:
 
 
 def problem_key(kind: str, fields: Mapping[str, Any]) -> str:
-    """``gemm/n=4096/k=4096/e4m3fn.e4m3fn->bfloat16/act=per_tensor/w=per_tensor/bias=0``."""
+    """``gemm/n=4096/k=4096/e4m3fn.e4m3fn->bfloat16/act=per_tensor/w=per_tensor/bias=0``; block-wise FP8:
+    ``gemm/n=7168/k=16384/e4m3fn.e4m3fn->bfloat16/act=per_token_group/g=128/w=block/128x128/bias=0``. Block fields
+    without their group size or weight block raise ``KeyError`` (a reader skips such an entry)."""
     f = fields
     if kind == "gemm":
+        if is_block_fields(f):  # block-wise FP8: the group size and the weight block are part of the problem
+            scales = f"act={f['act_scale']}/g={int(f['group_size'])}/w={f['weight_scale']}/{f['weight_block']}"
+        else:
+            scales = f"act={f['act_scale']}/w={f['weight_scale']}"
         return (
             f"gemm/n={f['n']}/k={f['k']}/{f['input_dtype']}.{f['weight_dtype']}->{f['out_dtype']}"
-            f"/act={f['act_scale']}/w={f['weight_scale']}/bias={int(bool(f['has_bias']))}"
+            f"/{scales}/bias={int(bool(f['has_bias']))}"
         )
     if kind == "norm_quant":
         return f"norm_quant/h={f['hidden']}/{f['in_dtype']}->{f['out_fp8']}/residual={int(bool(f['residual']))}"
@@ -236,7 +268,29 @@ PROBLEM_FIELD_TYPES: dict[str, dict[str, type]] = {
              "weight_scale": str, "has_bias": bool},
     "norm_quant": {"hidden": int, "in_dtype": str, "out_fp8": str, "residual": bool},
 }
+#: the extra problem fields of a block-wise FP8 GEMM entry (``act_scale`` ``per_token_group`` or ``weight_scale``
+#: ``block``), with their JSON types
+BLOCK_FIELD_TYPES: dict[str, type] = {"group_size": int, "weight_block": str}
 _SCALARS = (str, int, float, bool)
+_BLOCK_RE = re.compile(r"^[1-9][0-9]*x[1-9][0-9]*$")
+
+
+def block_field_problems(problem: Mapping[str, Any]) -> list[str]:
+    """Why a GEMM entry's block-wise fields are unusable (empty: fine, or not a block problem): both sides of the
+    pairing (``per_token_group`` activations with ``block`` weights; an entry with one but not the other was written
+    before block problems had keys of their own), an integer ``group_size`` and a ``weight_block`` like ``128x128``."""
+    if not is_block_fields(problem):
+        return [f"problem field {name!r} belongs to block-wise entries only" for name in BLOCK_FIELD_TYPES
+                if name in problem]
+    out = []
+    if problem.get("act_scale") != "per_token_group" or problem.get("weight_scale") != "block":
+        out.append(f"block-wise problem with act_scale {problem.get('act_scale')!r} and weight_scale "
+                   f"{problem.get('weight_scale')!r} (block weights pair with per_token_group activations; re-tune)")
+    if not _is_int(problem.get("group_size")) or problem["group_size"] < 1:
+        out.append("problem field 'group_size' is not a positive int")
+    if not isinstance(problem.get("weight_block"), str) or not _BLOCK_RE.match(problem["weight_block"]):
+        out.append("problem field 'weight_block' is not a block like '128x128'")
+    return out
 
 
 def _is_int(value: Any) -> bool:
@@ -275,6 +329,8 @@ def entry_problems(entry: Any) -> list[str]:
             value = problem.get(name)
             if not (isinstance(value, typ) and (typ is not int or _is_int(value))):
                 out.append(f"problem field {name!r} is not a {typ.__name__}")
+        if kind == "gemm":
+            out += block_field_problems(problem)
     if not _is_int(entry.get("m")) or entry["m"] < 0:
         out.append("no integer 'm'")
     bad_choice = choice_problems(entry.get("choice"))
@@ -709,10 +765,14 @@ __all__ = [
     "DEFAULT_M_BUCKETS",
     "DEFAULT_TIE_MARGIN",
     "SCHEMA",
+    "BLOCK_FIELD_TYPES",
+    "block_field_problems",
+    "block_text",
     "bucket_for",
     "default_lockfile_path",
     "describe_lockfile",
     "entry_key",
+    "is_block_fields",
     "lockfile_path",
     "platform_key",
     "problem_fields",

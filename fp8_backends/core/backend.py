@@ -173,6 +173,14 @@ class ProviderBase(ABC):
         when named, e.g. a kernel emulated on the CPU for tests), or None (default)."""
         return None
 
+    def first_use_build(self, problem: Any, platform: Platform) -> str | None:
+        """What the first call for ``problem`` would build for minutes before it runs (a JIT module or kernel
+        library not built yet), as a sentence with the estimate and the command that builds it ahead; None when
+        nothing long is pending (default). Builds of seconds (a kernel per shape) do not count. ``auto``'s built-in
+        defaults pass over such a provider and the tuner skips it unless told otherwise; naming it still works (it
+        builds, logged). Must be cheap and never build or raise."""
+        return None
+
     def supports(self, problem: Any = None, platform: Platform | None = None) -> list[str]:
         """Every reason this provider cannot serve ``problem`` on ``platform``; empty means it can.
 

@@ -224,6 +224,7 @@ def tune(
     skip: Collection[str] = (),
     deadline: float | None = None,
     provenance: Mapping[str, Any] | None = None,
+    allow_builds: bool = False,
 ) -> TuneReport:
     """Tune ``problems`` (their M is ignored) at every M in ``m_buckets``.
 
@@ -239,6 +240,8 @@ def tune(
       (estimated from the last problem of the same M). ``report.stopped`` says why a run ended early; a
       ``KeyboardInterrupt`` (or SIGTERM under :func:`main`) also stops it, keeping what was measured.
     - ``provenance``: a run record to merge into the lockfile document's ``provenance`` (shipped data).
+    - ``allow_builds``: also time candidates whose first call builds for minutes (default: skipped with the reason;
+      :func:`~fp8_backends.tuning.workloads.expand_candidates`).
     Candidates are always verified against the reference before they are timed.
     """
     started = time.perf_counter()
@@ -270,7 +273,7 @@ def tune(
     report.already_done = sum(len(buckets) - len(ms) for ms in todo.values())
     report.remaining = sum(len(ms) for ms in todo.values())
     ctx = _ShapeContext(kind, platform, device, timer, tie_margin, rtol, providers, seed, report, on_result,
-                        dict(pins or {}), deadline)
+                        dict(pins or {}), deadline, allow_builds)
     bar = ctx.bar = _progress(report.remaining, progress)
     pending: list[ProblemResult] = []
     try:
@@ -306,6 +309,7 @@ class _ShapeContext:
     on_result: Callable[[ProblemResult], None] | None
     pins: dict[str, Mapping[str, str]]
     deadline: float | None
+    allow_builds: bool = False
     bar: Any = None
     last_seconds: dict[int, float] = field(default_factory=dict)
 
@@ -336,7 +340,8 @@ def _tune_shape(ctx: _ShapeContext, base: Any, buckets: list[int], labels: list[
             ctx.check_time(m)
             t0 = time.perf_counter()
             problem = workload.problem(m)
-            cands, skipped = expand_candidates(kind, problem, ctx.platform, only=ctx.providers, pins=ctx.pins)
+            cands, skipped = expand_candidates(kind, problem, ctx.platform, only=ctx.providers, pins=ctx.pins,
+                                               allow_builds=ctx.allow_builds)
             results = measure_candidates(workload, m, cands, ctx.timer, failed_prepare)
             pr = ProblemResult(kind, problem, m, results, skipped, ctx.tie_margin, labels=labels).decide()
             pr.seconds = ctx.last_seconds[m] = time.perf_counter() - t0

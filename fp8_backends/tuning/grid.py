@@ -45,6 +45,20 @@ SHIPPED_SCALES: tuple[tuple[str, str], ...] = (("per_tensor_dynamic", "per_tenso
 #: options held fixed while tuning the shipped grid: the providers' own per-M kernel-config tables (``auto``)
 #: compete instead of each of their 11-12 configs, which keeps the grid at ~6 candidates per problem
 SHIPPED_PINS: dict[str, dict[str, str]] = {"cutlass": {"config": "auto"}, "triton": {"config": "auto"}}
+#: the models of the block-wise FP8 shipped grid (``--shipped-grid --block``): those that ship 128x128 block
+#: checkpoints (DeepSeek-V3/R1, Qwen3-*-FP8)
+BLOCK_MODELS: tuple[str, ...] = (
+    "deepseek-v3", "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b",
+)
+#: (model, TP) pairs of the block grid tuned first (their shapes lead the plan, so that a run stopped by
+#: ``--limit-seconds`` has covered them; the next run resumes with the rest)
+BLOCK_FIRST: tuple[tuple[str, int], ...] = (
+    ("deepseek-v3", 1), ("deepseek-v3", 8), ("qwen3-8b", 1), ("qwen3-8b", 2), ("qwen3-32b", 1), ("qwen3-32b", 2),
+)
+#: (activation scale, weight scale) of the block grid: 1x128 activation groups x 128x128 weight blocks
+BLOCK_SCALES: tuple[tuple[str, str], ...] = (("per_token_group", "block"),)
+#: the weight block of the block grid's checkpoints (a TP split whose shards would cut blocks is left out)
+BLOCK_WEIGHT = (128, 128)
 ALIGNMENT = 16
 #: seconds per candidate run measured on the H200 (46.0 s / 900 runs, see the module docstring)
 H200_SECONDS_PER_CANDIDATE = 46.0 / 900
@@ -79,31 +93,42 @@ def merge_shapes(specs: Iterable[ShapeSpec]) -> list[ShapeSpec]:
 
 
 def model_shapes(
-    models: Sequence[str], tps: Sequence[int] = (1,), *, exclude: Iterable[str] = (), align: int = ALIGNMENT
+    models: Sequence[str], tps: Sequence[int] = (1,), *, exclude: Iterable[str] = (), align: int = ALIGNMENT,
+    block: tuple[int, int] | None = None, first: Sequence[tuple[str, int]] = (),
 ) -> tuple[list[ShapeSpec], list[str]]:
     """``(shapes, skipped)``: the deduplicated weights of ``models`` at every degree in ``tps`` (models in
-    ``exclude`` left out, names or aliases), and one line per (model, TP) or weight that was skipped and why."""
-    from fp8_backends.tuning.models import linear_shapes, model_spec
+    ``exclude`` left out, names or aliases), and one line per (model, TP) or weight that was skipped and why.
+
+    ``block``: the ``(BN, BK)`` weight block of block-wise FP8 checkpoints; a weight whose shard or fused parts would
+    cut blocks is skipped (:func:`~fp8_backends.tuning.models.block_misfit`). ``first``: (model, TP) pairs whose
+    shapes come first (those of ``models`` x ``tps``), in that order."""
+    from fp8_backends.tuning.models import block_misfit, linear_shapes, model_spec
 
     excluded = {model_spec(name).name for name in exclude}
     specs: list[ShapeSpec] = []
     skipped: list[str] = []
-    for name in models:
-        spec = model_spec(name)
+    wanted = [(model_spec(name), tp) for name in models for tp in tps]
+    lead = [(model_spec(name), tp) for name, tp in first]
+    pairs = [pair for pair in lead if pair in wanted] + [pair for pair in wanted if pair not in lead]
+    for spec, tp in pairs:
         if spec.name in excluded:
             continue
-        for tp in tps:
-            try:
-                layers = linear_shapes(spec, tp)
-            except ValueError as exc:
-                skipped.append(f"{spec.name} tp={tp}: {exc}")
+        try:
+            layers = linear_shapes(spec, tp)
+        except ValueError as exc:
+            skipped.append(f"{spec.name} tp={tp}: {exc}")
+            continue
+        for layer in layers:
+            label = f"{spec.name}/tp{tp}/{layer.name}"
+            if layer.n % align or layer.k % align:
+                skipped.append(f"{label}: {layer.n}x{layer.k} is not a multiple of {align}")
                 continue
-            for layer in layers:
-                label = f"{spec.name}/tp{tp}/{layer.name}"
-                if layer.n % align or layer.k % align:
-                    skipped.append(f"{label}: {layer.n}x{layer.k} is not a multiple of {align}")
-                    continue
-                specs.append(ShapeSpec(layer.n, layer.k, layer.bias, (label,)))
+            misfit = None if block is None else block_misfit(layer, block)
+            if misfit:
+                skipped.append(f"{label}: {layer.n}x{layer.k}: {misfit} (a block-wise checkpoint's blocks would "
+                               "straddle tensor-parallel ranks or fused weights)")
+                continue
+            specs.append(ShapeSpec(layer.n, layer.k, layer.bias, (label,)))
     return merge_shapes(specs), skipped
 
 
@@ -230,6 +255,10 @@ def estimate_seconds(problems: int, candidates_per_problem: float,
 
 __all__ = [
     "ALIGNMENT",
+    "BLOCK_FIRST",
+    "BLOCK_MODELS",
+    "BLOCK_SCALES",
+    "BLOCK_WEIGHT",
     "SHIPPED_M_BUCKETS",
     "SHIPPED_MODELS",
     "SHIPPED_PINS",

@@ -114,13 +114,16 @@ def pins_from(items: Iterable[tuple[str, str, str]], base: Mapping[str, Mapping[
 
 # ---------------------------------------------------------------------------------------- the plan
 def gemm_problems(shapes: Sequence[grid.ShapeSpec], scales: Sequence[tuple[str, str]], *, input_dtype: str,
-                  weight_dtype: str, out_dtype: str, device: str) -> tuple[list[GemmProblem], dict[str, list[str]]]:
-    """One problem per shape and (activation, weight) scale pair, and the labels per problem key."""
+                  weight_dtype: str, out_dtype: str, device: str, group_size: int = 128,
+                  ) -> tuple[list[GemmProblem], dict[str, list[str]]]:
+    """One problem per shape and (activation, weight) scale pair, and the labels per problem key. ``group_size``:
+    the activation group of ``per_token_group`` problems (their weight block is 128x128)."""
     problems, labels = [], {}
     for s in shapes:
         for act, weight in scales:
             p = GemmProblem(n=s.n, k=s.k, input_dtype=input_dtype, weight_dtype=weight_dtype, out_dtype=out_dtype,
-                            act_scale=act, weight_scale=weight, has_bias=s.bias, device=device)
+                            act_scale=act, weight_scale=weight, has_bias=s.bias, device=device,
+                            **({"group_size": group_size} if act == "per_token_group" else {}))
             pk = lockfile.problem_key("gemm", lockfile.problem_fields("gemm", p))
             if pk not in labels:
                 problems.append(p)
@@ -133,8 +136,10 @@ def plan_from_args(args: argparse.Namespace, device: str) -> TunePlan:
     from fp8_backends.tuning.models import hidden_size
 
     shipped = bool(getattr(args, "shipped_grid", False))
+    block = bool(getattr(args, "block", False))
     explicit = args.shapes or args.shapes_file or args.hidden
-    models = list(args.model) or (list(grid.SHIPPED_MODELS) if shipped else [] if explicit else ["llama3-8b"])
+    shipped_models = grid.BLOCK_MODELS if block else grid.SHIPPED_MODELS
+    models = list(args.model) or (list(shipped_models) if shipped else [] if explicit else ["llama3-8b"])
     tps = list(args.tp) if args.tp else (list(grid.SHIPPED_TPS) if shipped else [1])
     if args.m:
         buckets = parse_m_list(args.m)
@@ -150,7 +155,9 @@ def plan_from_args(args: argparse.Namespace, device: str) -> TunePlan:
         problems = [NormQuantProblem(hidden=h, in_dtype=args.in_dtype, residual=r, device=device)
                     for h in hiddens for r in residuals]
         return TunePlan("norm_quant", problems, buckets, pins=pins, grid={"hidden": hiddens, "m_buckets": buckets})
-    shapes, notes = grid.model_shapes(models, tps, exclude=args.exclude_model or ())
+    shapes, notes = grid.model_shapes(models, tps, exclude=args.exclude_model or (),
+                                      block=grid.BLOCK_WEIGHT if block else None,
+                                      first=grid.BLOCK_FIRST if block and shipped else ())
     if models and not shapes:
         raise ValueError("no shapes: " + "; ".join(notes) if notes else "no shapes for the given models")
     shapes += [grid.ShapeSpec(n, k, args.bias, (f"{n}x{k}",)) for n, k in args.shapes]
@@ -162,21 +169,30 @@ def plan_from_args(args: argparse.Namespace, device: str) -> TunePlan:
         gone = {model_spec(m).name for m in args.exclude_model}
         shapes = [s for s in shapes if not s.labels or not s.models <= gone]
     shapes = grid.merge_shapes(shapes)
-    if args.scales:
+    if block and (args.scales or args.act_scale or args.weight_scale):
+        raise ValueError("--block sets the scales (per_token_group x block); leave out --scales, --act-scale and "
+                         "--weight-scale")
+    if block:
+        scales = list(grid.BLOCK_SCALES)
+    elif args.scales:
         scales = list(dict.fromkeys(args.scales))
     elif shipped and args.act_scale is None and args.weight_scale is None:
         scales = list(grid.SHIPPED_SCALES)
     else:
         scales = [(a, w) for a in (args.act_scale or ["per_tensor_dynamic"])
                   for w in (args.weight_scale or ["per_tensor"])]
+    group_size = int(getattr(args, "group_size", 128) or 128)
     problems, labels = gemm_problems(shapes, scales, input_dtype=args.input_dtype,
                                      weight_dtype=args.weight_dtype or args.input_dtype, out_dtype=args.out_dtype,
-                                     device=device)
+                                     device=device, group_size=group_size)
     info = {"models": models, "tp": tps, "excluded_models": list(args.exclude_model or []),
             "shapes_files": [str(p) for p in args.shapes_file or ()], "extra_shapes": [list(s) for s in args.shapes],
             "m_buckets": buckets, "scales": [list(s) for s in scales], "pins": pins,
             "dtypes": [args.input_dtype, args.weight_dtype or args.input_dtype, args.out_dtype],
             "shapes": len(shapes), "problems": len(problems) * len(buckets)}
+    if any(act == "per_token_group" for act, _ in scales):
+        info["group_size"] = group_size
+        info["weight_block"] = list(grid.BLOCK_WEIGHT)
     return TunePlan("gemm", problems, buckets, labels, pins, notes, info)
 
 

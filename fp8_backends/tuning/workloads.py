@@ -99,11 +99,14 @@ def expand_candidates(
     only: Collection[str] | None = None,
     entries: Sequence[ProviderEntry] | None = None,
     pins: Mapping[str, Mapping[str, str]] | None = None,
+    allow_builds: bool = False,
 ) -> tuple[list[CandidateSpec], list[tuple[str, str]]]:
     """``(candidates in static-rank order, [(label, why skipped), ...])`` for one problem.
 
     ``only``: provider names (or aliases) to keep; others are left out silently. ``pins``: provider name ->
-    options held at one value (see :func:`option_combos`).
+    options held at one value (see :func:`option_combos`). A candidate whose first call would build for minutes
+    (:meth:`~fp8_backends.core.backend.ProviderBase.first_use_build`: flashinfer's block module, cutlass libraries not
+    built) is skipped with that reason unless ``allow_builds``: a timed run never stalls on a build.
     """
     ordered = sorted(entries if entries is not None else discover(kind), key=rank_key)
     counts: dict[str, int] = {}
@@ -122,6 +125,9 @@ def expand_candidates(
             cand, why = make_candidate(entry, combo, problem, platform, order, qualified=counts[entry.name] > 1)
             if cand is not None:
                 why = cand.backend.explicit_only_reason(problem, platform) or ""
+                if not why and not allow_builds:
+                    build = getattr(cand.backend, "first_use_build", None)
+                    why = (build(problem, platform) or "") if build is not None else ""
                 if not why:
                     out.append(cand)
                     continue

@@ -233,6 +233,25 @@ class CutlassSm90Backend(OpGemmBackend):
             return [f"config={config} is a block-scaled kernel (block weights x per-token-group activations only)"]
         return []
 
+    def first_use_build(self, problem: Any, platform: Any) -> str | None:
+        """Block-wise problems: the block-scaled kernel libraries this config needs that are not built yet (built
+        with nvcc at the first block GEMM, about 100 s each; runs nothing)."""
+        if problem is None or not getattr(problem, "block_scaled", False):
+            return None
+        from . import build
+
+        config = self.config.get("config", "auto")
+        names = sorted(_active_block_table().config_names()) if config not in BLOCK_CONFIGS else [config]
+        try:
+            st = build.status(build.block_specs_for(names, (problem.out_dtype.value,)))
+        except Exception:  # noqa: BLE001 - a listing or a default must not break on a build-state probe
+            return None
+        if not st.ok or not st.missing:
+            return None
+        return (f"its block-scaled kernels are not built ({len(st.missing)} of {len(names)} libraries; the first "
+                f"call builds them with nvcc, ~{st.estimate_s} s; build ahead: python -m fp8_backends.build cutlass "
+                "--epilogue block)")
+
     def block_reasons(self, problem: GemmProblem) -> list[str]:
         """A per-tensor / row-wise ``config`` refuses block-wise problems (and :meth:`prepare_weight` block weights);
         ``auto`` and the ``bw_*`` configs serve any M, N and K the capabilities let through (K and N multiples of 16

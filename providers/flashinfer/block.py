@@ -106,6 +106,19 @@ class FlashinferBlockBackend(OpGemmBackend):
             return Availability.no(reason, "pip install -U fp8-backends[flashinfer]")
         return Availability.yes()
 
+    def first_use_build(self, problem: Any, platform: Any) -> str | None:
+        """flashinfer's module when it is not built yet (about 2 minutes at the first use; runs nothing). Its per-shape
+        DeepGEMM kernels (about 2 s each, cached on disk) do not count."""
+        try:
+            built, folder = block_jit.module_state(block_jit.module_spec())
+        except Exception:  # noqa: BLE001 - flashinfer missing or changed: availability says so
+            return None
+        if built:
+            return None
+        return (f"flashinfer's fp8_blockscale_gemm_sm90 module is not built (the first call builds it, "
+                f"~{round(block_jit.MODULE_BUILD_SECONDS / 60)} min, into {folder}; build ahead: python -m "
+                "fp8_backends.build flashinfer_block)")
+
     def block_reasons(self, problem: GemmProblem) -> list[str]:
         """K % 128 and N % 64 (the DeepGEMM kernels' tiles)."""
         return block_jit.shape_reasons(problem.n, problem.k)
