@@ -22,6 +22,7 @@ wrong variant is reported failed, never timed). Variants:
 - ``scaled_mm``: ``torch._scaled_mm(x_q, w_q.t(), scale_a, scale_b=w_scale.t())`` (SM90, cuBLASLt >= 12.9) called
   directly; the activation-scale layouts M-major, M-major padded to 4 and row-major are tried in that order and the
   first that torch accepts and computes right is timed; every refusal's text is recorded;
+- ``auto``: the provider ``auto`` resolves for the problem (its label in the JSON notes), called as below;
 - ``provider:<name>``: every other registered provider that serves the block problem (``torch_scaled_mm``, and
   ``cutlass`` or a flashinfer provider where installed), called as a layer calls it: ``prepare_weight`` once,
   ``gemm`` with the activation scales in the layout the provider declares (its M padding included);
@@ -370,22 +371,29 @@ def _provider_runs(runs: dict[str, Any], notes: dict[str, Any], data: GemmData, 
     problem = GemmProblem(n=n, k=k, m=m, act_scale="per_token_group", weight_scale="block",
                           device="cuda" if device.startswith("cuda") else "cpu")
     refused: dict[str, str] = {}
-    for entry in discover("gemm"):
-        if entry.name == "triton" or entry.name in skip or f"provider:{entry.name}" in runs:
+    picked = None
+    for entry in [None, *discover("gemm")]:  # None: what ``auto`` resolves for the problem, timed as "auto"
+        label = "auto" if entry is None else f"provider:{entry.name}"
+        if entry is not None and (entry.name == "triton" or entry.name in skip or label in runs):
             continue
         try:
-            backend = resolve_gemm_backend(entry.name, problem=problem)
+            backend = resolve_gemm_backend("auto" if entry is None else entry.name, problem=problem)
+            if entry is None:
+                picked = backend.label
+                if backend.name in skip:
+                    raise RuntimeError(f"auto picked {backend.label}, skipped by --skip-providers")
             prepared = [backend.prepare_weight(w, s) for w, s in zip(data.w_q, data.ws)]
             xs = group_scales.to_layout(data.xs["row_major"], backend.capabilities.group_scale_layout)
         except Exception as exc:  # refused (capabilities, platform) or broken: recorded, the run goes on
-            refused[entry.name] = f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:300]
+            text = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+            refused["auto" if entry is None else entry.name] = text[:300]
             continue
 
         def call(i: int, backend: Any = backend, prepared: list = prepared, xs: Any = xs) -> Any:
             return backend.gemm(data.x_q, prepared[i], xs)
 
-        runs[f"provider:{entry.name}"] = Run(call, data.sets, data.check(FP8_TOL))
-    notes["providers"] = {"layout": None, "refused": refused}
+        runs[label] = Run(call, data.sets, data.check(FP8_TOL))
+    notes["providers"] = {"layout": None, "refused": refused, "auto": picked}
 
 
 def _check_first_calls(runs: dict[str, Any]) -> None:

@@ -5,7 +5,8 @@
 #
 #   bash bench/gpu_tests_sharded.sh OUTDIR [LIMIT_SECONDS]
 #
-# Writes OUTDIR/<group>.log and OUTDIR/<group>.xml (JUnit), prints one line per group and every failure; exits 1
+# TEST_GROUPS (space-separated group names) runs only those groups. Writes OUTDIR/<group>.log and OUTDIR/<group>.xml
+# (JUnit), prints one line per group and every failure; exits 1
 # when a group failed or ran out of time.
 set -u
 out=$1
@@ -16,7 +17,9 @@ export FP8_FUZZ_SCALE=${FP8_FUZZ_SCALE:-0.1}
 
 group() {  # name marker paths/args...
   local name=$1 marker=$2; shift 2
-  timeout --kill-after=5 "$((lim - 10))" python3 -m pytest -q -m "$marker" -p no:cacheprovider --tb=short \
+  case " ${TEST_GROUPS:-$name} " in *" $name "*) ;; *) return 0 ;; esac
+  # SIGINT first: pytest stops where it is and still prints its failures and summary
+  timeout --signal=INT --kill-after=15 "$((lim - 20))" python3 -m pytest -q -m "$marker" -p no:cacheprovider --tb=short \
     --junitxml="$out/$name.xml" "$@" >"$out/$name.log" 2>&1
   local rc=$?
   echo "[$((SECONDS - t0))s] $name rc=$rc :: $(grep -E '[0-9]+ (passed|failed|error)' "$out/$name.log" | tail -1)"
@@ -24,7 +27,10 @@ group() {  # name marker paths/args...
 }
 
 block="test_triton_block_gemm.py test_triton_group_quant.py test_triton_norm_dynamic.py test_triton_block_provider.py"
-named="test_cutlass.py test_triton_gemm.py test_triton_norm_quant.py test_fuzz.py test_flashinfer.py test_torch_providers.py $block"
+views="test_fuzz_views.py test_strided_inputs.py test_unaligned.py"
+block_jit="test_cutlass_block.py test_flashinfer_block.py"
+named="test_cutlass.py test_triton_gemm.py test_triton_norm_quant.py test_fuzz.py test_flashinfer.py test_torch_providers.py"
+named="$named $block $views $block_jit"
 rest=()
 for path in tests/test_*.py; do
   case " $named " in *" $(basename "$path") "*) continue ;; esac
@@ -37,6 +43,8 @@ group triton gpu tests/test_triton_gemm.py & pids+=($!)
 group norm gpu tests/test_triton_norm_quant.py & pids+=($!)
 group providers gpu tests/test_flashinfer.py tests/test_torch_providers.py & pids+=($!)
 group triton_block gpu $(for f in $block; do echo "tests/$f"; done) & pids+=($!)
+group views gpu $(for f in $views; do echo "tests/$f"; done) & pids+=($!)
+group block_jit gpu $(for f in $block_jit; do echo "tests/$f"; done) & pids+=($!)
 group rest gpu "${rest[@]}" & pids+=($!)
 group fuzz_gemm "gpu and not build" tests/test_fuzz.py -k "fuzz_gemm" & pids+=($!)
 group fuzz_linear "gpu and not build" tests/test_fuzz.py -k "functional_linear or quant_ops" & pids+=($!)
