@@ -242,7 +242,8 @@ def edit_checkpoint(src: Path, dst: Path, *, drop: tuple[str, ...] = (), put: di
 
 # ------------------------------------------------------------------------------------------------ the reference
 def reference_logits(path: Path, ids: torch.Tensor, act: str, *, group_size: int = 128,
-                     quantize_activations: bool = True, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                     quantize_activations: bool = True, dtype: torch.dtype = torch.float32,
+                     device: str = "cpu") -> torch.Tensor:
     """Logits of the checkpoint at ``path`` computed from its tensors read back with ``safetensors`` (module
     docstring). ``act``: ``static``, ``dynamic`` (per tensor), ``token`` or ``group``.
 
@@ -250,12 +251,14 @@ def reference_logits(path: Path, ids: torch.Tensor, act: str, *, group_size: int
     fp32 (or not, ``quantize_activations=False``). ``dtype=torch.bfloat16``: the model in bf16 with every FP8 linear
     computed by :func:`fp8_backends.core.reference.fp8_gemm` on the stored ``w_q`` and scales, activations quantized
     by the reference quantizers: the served semantics in the model dtype (what the library's layers must match up to
-    summation order). Static input scales of siblings that share an input are their maximum (a fused layer's)."""
+    summation order). Static input scales of siblings that share an input are their maximum (a fused layer's).
+    ``device``: where the model runs (the GPU tests compare against the same kernels' bf16 model); the logits come
+    back on the CPU."""
     import transformers
     from safetensors.torch import load_file
 
     config = transformers.AutoConfig.from_pretrained(path)
-    model = getattr(transformers, config.architectures[0])._from_config(config, dtype=dtype).eval()
+    model = getattr(transformers, config.architectures[0])._from_config(config, dtype=dtype).eval().to(device)
     state = {}
     for f in sorted(path.glob("*.safetensors")):
         state.update(load_file(str(f)))
@@ -266,7 +269,7 @@ def reference_logits(path: Path, ids: torch.Tensor, act: str, *, group_size: int
         module, _, leaf = name.rpartition(".")
         if leaf == "weight" and t.dtype == torch.float8_e4m3fn:
             scale = state.get(f"{module}.weight_scale", state.get(f"{module}.weight_scale_inv")).float()
-            fp8[module] = (t, scale)
+            fp8[module] = (t.to(device), scale.to(device))
             dense[name] = _dequantize(t, scale).to(dtype)
             for leaf_in in ("input_scale", "activation_scale"):
                 if f"{module}.{leaf_in}" in state:
@@ -287,7 +290,7 @@ def reference_logits(path: Path, ids: torch.Tensor, act: str, *, group_size: int
         elif quantize_activations:
             linear.register_forward_pre_hook(_fake_quant(act, input_scales.get(name), group_size))
     with torch.no_grad():
-        return model(ids).logits.float()
+        return model(ids.to(device)).logits.float().cpu()
 
 
 def _dequantize(w_q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -152,6 +152,12 @@ def test_quantize_model_block_on_a_transformers_model():
 
 
 # ------------------------------------------------------------------------------------------------ GPU
+def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative Frobenius error: elementwise bounds fail on FP8 rounding ties (a group's code one step apart where
+    the GPU's scale and the reference's differ in the last bit moves a K = 7168 output by ~0.03)."""
+    return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["auto", "torch_scaled_mm", "triton", "flashinfer_block", "cutlass"])
 def test_gpu_block_linear_eager_compiled_and_graph(backend):
@@ -170,11 +176,11 @@ def test_gpu_block_linear_eager_compiled_and_graph(backend):
         x = torch.randn(m, 7168, dtype=torch.bfloat16, device="cuda")
         ref = _reference(layer, x)
         y = layer(x)
-        torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
+        assert _rel(y, ref) < 1e-2, (backend, m, _rel(y, ref))
     torch._dynamo.reset()
     compiled = torch.compile(layer, fullgraph=True)
     x = torch.randn(16, 7168, dtype=torch.bfloat16, device="cuda")
-    torch.testing.assert_close(compiled(x).float(), _reference(layer, x), rtol=2e-2, atol=2e-2)
+    assert _rel(compiled(x), _reference(layer, x)) < 1e-2
     static = x.clone()
     layer(static)  # warm the shape outside capture
     graph = torch.cuda.CUDAGraph()
@@ -182,4 +188,4 @@ def test_gpu_block_linear_eager_compiled_and_graph(backend):
         out = layer(static)
     static.copy_(torch.randn_like(static))
     graph.replay()
-    torch.testing.assert_close(out.float(), _reference(layer, static), rtol=2e-2, atol=2e-2)
+    assert _rel(out, _reference(layer, static)) < 1e-2

@@ -446,7 +446,7 @@ def test_a_checkpoint_served_on_the_gpu_eager_and_compiled(ckpt, key):
     act = {"ct_dynamic": "token", "layout_fp8": "static", "hf_dynamic": "dynamic", "hf_block": "group"}[key]
     model, summary = load_pretrained(path, device="cuda")
     ids = IDS.cuda()
-    ref = cp.reference_logits(path, IDS, act, dtype=torch.bfloat16)
+    ref = cp.reference_logits(path, IDS, act, dtype=torch.bfloat16, device="cuda")  # the GPU's own bf16 kernels
     with torch.no_grad():
         eager = model(ids).logits.float().cpu()
         compiled = torch.compile(model)(ids).logits.float().cpu()

@@ -53,7 +53,8 @@ def assert_close(q, s, rq, rs, max_fraction=5e-3):
     q, s, rq, rs = q.cpu(), s.cpu(), rq.cpu(), rs.cpu()
     nan_q, nan_s = torch.isnan(rq.float()), torch.isnan(rs)
     assert torch.equal(torch.isnan(q.float()), nan_q) and torch.equal(torch.isnan(s), nan_s)
-    torch.testing.assert_close(s[~nan_s], rs[~nan_s], rtol=4e-7, atol=0)
+    # a few fp32 ulps: the kernel sums the squares in its own order (4.3e-7 seen at T = 333, H = 7168 on the H200)
+    torch.testing.assert_close(s[~nan_s], rs[~nan_s], rtol=1e-6, atol=0)
     diff = (_ordinal(q) - _ordinal(rq)).abs()[~nan_q]
     assert (int(diff.max()) if diff.numel() else 0) <= 1, "a code is more than one fp8 step from the reference"
     assert int((diff > 0).sum()) <= max(2, int(max_fraction * diff.numel()))
