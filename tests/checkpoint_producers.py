@@ -322,7 +322,7 @@ def _quantize(x2: torch.Tensor, act: str, scale: float | None, group_size: int):
     from fp8_backends.core import reference
 
     if act == "static":
-        s = torch.tensor([scale])
+        s = torch.tensor([scale], device=x2.device)
         return reference.quantize_static(x2, s), s
     if act == "dynamic":
         return reference.quantize_dynamic_per_tensor(x2)

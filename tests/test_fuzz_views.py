@@ -167,11 +167,17 @@ def linear_cases(draw, combos: list, gpu: bool) -> dict:
 
 
 def _shape(t: Target, c: dict) -> tuple[int, int]:
-    """The drawn N and K where the target serves them (any N and K on the CPU and for triton), else rounded up to 16."""
+    """The drawn N and K where the target serves them (any N and K on the CPU and for triton), else the first of
+    them rounded up to 16, 64 or 128 that it serves (cuBLASLt and CUTLASS: 16; flashinfer's block kernel: N % 64,
+    K % 128)."""
     n, k = c["n"], c["k"]
-    problem = GemmProblem(n=n, k=k, m=c["m"], act_scale=c["act"], weight_scale=c["wsc"], out_dtype=c["out"],
-                          has_bias=c["bias"], device=t.device)
-    return (n, k) if _serves(t.spec, problem) else (-(-n // 16) * 16, -(-k // 16) * 16)
+    for align in (1, 16, 64, 128):
+        shape = (-(-n // align) * align, -(-k // align) * align)
+        problem = GemmProblem(n=shape[0], k=shape[1], m=c["m"], act_scale=c["act"], weight_scale=c["wsc"],
+                              out_dtype=c["out"], has_bias=c["bias"], device=t.device)
+        if _serves(t.spec, problem):
+            break
+    return shape
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
