@@ -90,9 +90,12 @@ def is_block(problem: Any) -> bool:
     return bool(getattr(problem, "block_scaled", False))
 
 
-#: the block-wise ladder measured so far: flashinfer's DeepGEMM kernels where their module is built, then cuBLASLt's
-#: block-scaled GEMM (torch._scaled_mm, nothing to build), then the JIT-built CUTLASS kernels where built, then Triton
-_BLOCK_LADDER = ("flashinfer_block", "torch_scaled_mm", "cutlass", "triton")
+#: the block-wise ladders: the first provider that can serve the problem and is ready (nothing to build for minutes
+#: at its first call) wins. torch._scaled_mm (cuBLASLt's block-scaled GEMM) needs no build and is never far behind.
+_BLOCK_DECODE = ("triton", "flashinfer_block", "cutlass", "torch_scaled_mm")
+_BLOCK_SMALL = ("flashinfer_block", "triton", "cutlass", "torch_scaled_mm")
+_BLOCK_MID = ("flashinfer_block", "torch_scaled_mm", "cutlass", "triton")
+_BLOCK_LARGE = ("torch_scaled_mm", "flashinfer_block", "cutlass", "triton")
 
 DEFAULTS: tuple[PlatformDefaults, ...] = (
     PlatformDefaults(
@@ -102,29 +105,29 @@ DEFAULTS: tuple[PlatformDefaults, ...] = (
         rules=(MRule(16, ("triton",)),),
         source="H200, 2026-11-29: triton 1.12x torch._scaled_mm geomean at M <= 16 (Llama-3-8B shapes)",
     ),
-    # Block-wise FP8 on SM 9.0. One rule per M range the 2026-12-03 H200 probe measured (5 shapes: 6144x4096,
-    # 4096x12288, 7168x16384, 2112x7168, 576x7168; µs, L2 flushed, eager), so that the winners of a full bench can
-    # replace each ladder on its own. Probe: flashinfer's kernels beat torch._scaled_mm's at M = 16 and 128 on all 5
-    # shapes (geomean of the µs ratios 0.85x and 0.73x; e.g. 7168x16384: 40.5 vs 50.8 µs at M = 16, 45.4 vs 54.6 at
-    # 128), at M = 1024 by 0.91x geomean (slower on the 3 larger shapes by 1-5%, faster on the 2 thin ones), at
-    # M = 4096 by 0.96x geomean (730 vs 827 µs on 7168x16384, slower by 1-5% on 3 shapes).
-    # torch._scaled_mm was not measured at M = 1 (flashinfer 40.9 µs, bf16 73.7 on 7168x16384).
-    # triton's and cutlass's block kernels are not measured on the H200 yet: they follow in the ladder.
+    # Block-wise FP8 on SM 9.0, from two H200 measurements of 2026-12-03:
+    # - bench/results/block_gemm/2026-12-03-h200/ (CUDA graphs, L2 rotated; DeepSeek-V3 kv_a 576x7168 and o
+    #   7168x16384, Qwen3-8B qkv 6144x4096, Qwen3-32B gate_up 51200x5120; triton, cutlass, torch._scaled_mm; flashinfer
+    #   not timed): at M = 1 triton's GEMV is 1.04x the fastest (geomean of µs / best; cutlass 1.33x, torch 1.76x); at
+    #   M = 16 triton 1.19x, cutlass 1.22x, torch 1.32x; at M = 256 and 4096 torch._scaled_mm is the fastest on all 4
+    #   shapes (cutlass 1.28x / 1.07x, triton 1.82x / 1.81x);
+    # - a probe of flashinfer's kernels against torch._scaled_mm (eager, 5 shapes: 6144x4096, 4096x12288, 7168x16384,
+    #   2112x7168, 576x7168): flashinfer 0.85x torch's µs at M = 16 and 0.73x at M = 128 (faster on 5 of 5 shapes),
+    #   0.91x at M = 1024 and 0.96x at 4096 but slower on the 3 larger shapes by 1-5%.
     PlatformDefaults(
         kind="gemm",
         min_sm=(9, 0),
         max_sm=(9, 0),
         rules=(
-            MRule(16, _BLOCK_LADDER, "H200 probe 2026-12-03: flashinfer 0.85x torch._scaled_mm's µs at M = 16, "
-                                     "faster on 5 of 5 shapes"),
-            MRule(128, _BLOCK_LADDER, "H200 probe 2026-12-03: flashinfer 0.73x torch._scaled_mm's µs at M = 128, "
-                                      "faster on 5 of 5 shapes"),
-            MRule(1024, _BLOCK_LADDER, "H200 probe 2026-12-03: flashinfer 0.91x torch._scaled_mm's µs at M = 1024, "
-                                       "faster on 2 of 5 shapes"),
-            MRule(None, _BLOCK_LADDER, "H200 probe 2026-12-03: flashinfer 0.96x torch._scaled_mm's µs at M = 4096, "
-                                       "faster on 2 of 5 shapes"),
+            MRule(4, _BLOCK_DECODE, "H200 2026-12-03: triton's GEMV 1.04x the fastest at M = 1 (4 shapes, graphs)"),
+            MRule(16, _BLOCK_SMALL, "H200 2026-12-03: flashinfer 0.85x torch._scaled_mm's µs at M = 16 (5 of 5 "
+                                    "shapes); triton 1.19x the fastest of triton / cutlass / torch"),
+            MRule(128, _BLOCK_MID, "H200 2026-12-03: flashinfer 0.73x torch._scaled_mm's µs at M = 128, faster on "
+                                   "5 of 5 shapes"),
+            MRule(None, _BLOCK_LARGE, "H200 2026-12-03: torch._scaled_mm the fastest at M = 256 and 4096 on 4 of 4 "
+                                      "shapes; flashinfer slower on the 3 larger of 5 at M = 1024 and 4096"),
         ),
-        source="H200 block-wise FP8 probe 2026-12-03, 5 shapes (geomean over them)",
+        source="H200 2026-12-03: bench/results/block_gemm/2026-12-03-h200/ and a flashinfer probe (5 shapes)",
         block=True,
     ),
 )

@@ -261,7 +261,7 @@ def test_the_tuner_skips_candidates_that_would_build_for_minutes(monkeypatch):
 # ------------------------------------------------------------------------------------------ the default ladder
 def test_block_default_ladder_passes_over_providers_that_cannot_serve_or_would_build(monkeypatch):
     sm90 = simulate_platform("9.0")
-    problem = GemmProblem(n=7168, k=16384, m=1, device="cuda", **BLOCK)
+    problem = GemmProblem(n=7168, k=16384, m=100, device="cuda", **BLOCK)
 
     def cand(name):
         return SimpleNamespace(entry=SimpleNamespace(name=name, builtin=True))
@@ -271,7 +271,7 @@ def test_block_default_ladder_passes_over_providers_that_cannot_serve_or_would_b
     serving = [cand("torch_scaled_mm"), cand("triton"), cand("flashinfer_block")]
     entry, options, note = defaults.measured_default_policy("gemm", problem, sm90, serving)
     assert entry is serving[0].entry and options == {}
-    assert "measured block-wise default for M <= 16" in note and "H200 probe 2026-12-03" in note
+    assert "measured block-wise default for M <= 128" in note and "H200 2026-12-03" in note
     assert "flashinfer_block passed over: flashinfer's fp8_blockscale_gemm_sm90 module is not built" in note
     building.clear()
     entry, _, note = defaults.measured_default_policy("gemm", problem, sm90, serving)
@@ -281,6 +281,10 @@ def test_block_default_ladder_passes_over_providers_that_cannot_serve_or_would_b
     entry, _, note = defaults.measured_default_policy("gemm", problem, sm90, serving[1:])
     assert entry is serving[1].entry and "torch_scaled_mm cannot serve it here" in note
     assert "cutlass cannot serve it here" in note
+    # decode: triton's GEMV first
+    decode = GemmProblem(n=7168, k=16384, m=1, device="cuda", **BLOCK)
+    entry, _, note = defaults.measured_default_policy("gemm", decode, sm90, serving)
+    assert entry is serving[1].entry and "M <= 4" in note
     # the per-tensor rule never applies to block problems, nor the block rules to per-tensor ones
     assert defaults.defaults_for("gemm", sm90, GemmProblem(n=64, k=64, m=1)) is None  # shipped data covers it
     monkeypatch.setenv("FP8_BACKENDS_SHIPPED", "off")
@@ -292,7 +296,7 @@ def test_block_default_ladder_passes_over_providers_that_cannot_serve_or_would_b
 def test_block_default_buckets_and_switch(monkeypatch):
     sm90 = simulate_platform("9.0")
     problem = GemmProblem(n=7168, k=16384, device="cuda", **BLOCK)
-    assert defaults.buckets("gemm", sm90, problem) == [16, 128, 1024, 1025]
+    assert defaults.buckets("gemm", sm90, problem) == [4, 16, 128, 129]
     assert defaults.buckets("gemm", simulate_platform("8.9"), problem) == []
     monkeypatch.setenv("FP8_BACKENDS_DEFAULTS", "0")
     assert defaults.buckets("gemm", sm90, problem) == []
@@ -303,11 +307,11 @@ def test_block_default_buckets_and_switch(monkeypatch):
 def test_listing_shows_the_block_ladder_and_why(capsys):
     from fp8_backends import list as listing
 
-    rc = listing.main(["--problem", "4,7168,16384", "--act-scale", "per_token_group", "--weight-scale", "block",
+    rc = listing.main(["--problem", "16,7168,16384", "--act-scale", "per_token_group", "--weight-scale", "block",
                        "--simulate-sm", "9.0", "--device", "cuda"])
     out = capsys.readouterr().out
     assert rc in (0, None)
-    assert "measured block-wise default: M <= 16 -> flashinfer_block, torch_scaled_mm, cutlass, triton" in out
+    assert "measured block-wise default: M <= 16 -> flashinfer_block, triton, cutlass, torch_scaled_mm" in out
     line = next(x for x in out.splitlines() if x.strip().startswith("auto (") and "act=per_token_group" in x)
     assert "measured-default: measured block-wise default for M <= 16" in line
     assert "flashinfer_block" in line  # passed over here: not installed on this machine, or its module not built
