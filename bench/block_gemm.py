@@ -476,9 +476,12 @@ def norm_point(hidden: int, tokens: int, residual: bool, device: str, timer: Any
     g = torch.Generator(device=device).manual_seed(tokens * 7 + hidden)
     per_elem = 2 + 1 + (4 if residual else 0)
     sets = rotation_count(tokens * hidden * (2 + (2 if residual else 0)), l2_bytes) if device.startswith("cuda") else 1
-    xs = [torch.randn(tokens, hidden, device=device, generator=g).to(torch.bfloat16) for _ in range(sets)]
-    rs = [torch.randn(tokens, hidden, device=device, generator=g).to(torch.bfloat16) for _ in range(sets)] \
-        if residual else [None] * sets
+    # copies of one input at distinct addresses (rotated past L2): every set's output is then checked against the
+    # one reference (different contents per set made every set but the first read as wrong under graph replay)
+    x0 = torch.randn(tokens, hidden, device=device, generator=g).to(torch.bfloat16)
+    r0 = torch.randn(tokens, hidden, device=device, generator=g).to(torch.bfloat16)
+    xs = [x0.clone() for _ in range(sets)]
+    rs = [r0.clone() for _ in range(sets)] if residual else [None] * sets
     w = (1 + 0.1 * torch.randn(hidden, device=device, generator=g)).to(torch.bfloat16)
     eps = 1e-6
     ref_q = {}
