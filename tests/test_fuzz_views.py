@@ -309,8 +309,8 @@ def test_fuzz_views_norm_quant(target: Target, path: str, view_cases, exact_inte
     modes = sorted((m for m in caps.act_scales if m is not ActScale.PER_TOKEN_GROUP or caps.group_sizes >= {64, 128}),
                    key=lambda m: m.value)
     examples = (100 if target.gpu else 60) if path == "eager" else (20 if target.gpu else 10)
-    if target.device == "cpu" and backend.name == "triton":
-        examples = max(1, examples // 2)
+    if target.device == "cpu" and backend.name == "triton":  # the interpreter: ~25 s an example on 2 CPU cores
+        examples = 3 if path == "eager" else 1
 
     @fuzz(examples)
     @given(norm_cases(dtypes, modes, caps.residual, target.gpu))

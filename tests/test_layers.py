@@ -370,7 +370,36 @@ def test_norm_emits_quantized_activation_for_a_static_consumer(dtype):
     assert _relerr(y, plain) < 0.03
 
 
-@pytest.mark.parametrize("mode", [DYNAMIC, TOKEN, None])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("backend", ["torch", "triton", None])
+def test_norm_emits_per_token_scales_for_a_per_token_consumer(backend, residual, exact_interpreter_casts):
+    """A per-token consumer gets the codes and ``[T, 1]`` scales of the normalized rows (vLLM's
+    ``rms_norm_dynamic_per_token_quant``), eager and compiled, equal to the reference's."""
+    try:
+        norm, lin = _norm_pair(TOKEN, torch.bfloat16, backend=backend)
+    except Fp8BackendError as exc:
+        pytest.skip(str(exc))
+    assert norm.emits_quantized
+    x, r = _x(2, 3, 64, seed=5), _x(2, 3, 64, seed=6)
+    want_q, want_s, want_r = reference.rmsnorm_quant_dynamic(
+        x.reshape(6, 64), norm.weight, norm.eps, act_scale=TOKEN, residual=r.reshape(6, 64) if residual else None)
+    for path in ("eager", "compiled"):
+        rr = r.clone()
+        fn = norm if path == "eager" else torch.compile(norm, fullgraph=True)
+        out = fn(x, rr) if residual else fn(x)
+        qa = out[0] if residual else out
+        assert isinstance(qa, QuantizedActivation) and qa.mode is TOKEN, path
+        assert torch.equal(qa.data.reshape(6, 64).view(torch.uint8), want_q.view(torch.uint8)), path
+        torch.testing.assert_close(qa.scale.reshape(6, 1), want_s, rtol=1e-6, atol=0)
+        if residual:
+            assert torch.equal(rr.reshape(6, 64), want_r), path
+        y = lin(qa)
+        plain = lin(reference.rmsnorm(x.float() + (r.float() if residual else 0), norm.weight, norm.eps).to(x.dtype))
+        assert _relerr(y, plain) < 0.03, path
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mode", [DYNAMIC, None])
 def test_norm_returns_the_plain_tensor_otherwise(mode):
     if mode is None:
         norm = RMSNormFp8Quant(64, dtype=torch.float16)

@@ -70,8 +70,8 @@ class Fp8CheckpointLoader:
         plan: from :func:`~fp8_backends.checkpoints.plan.plan_linears`.
         dtype: the model dtype (what the layers take and return; biases are converted to it).
         device: where the layers' tensors live.
-        backend / objective: the GEMM provider request and selection objective of every layer (as
-            :class:`~fp8_backends.layers.Fp8Linear` takes them).
+        backend: the GEMM provider request of every layer (as :class:`~fp8_backends.layers.Fp8Linear` takes it).
+        objective: the selection objective of every layer (as :class:`~fp8_backends.layers.Fp8Linear` takes it).
         shard_scales: how fused siblings with per-tensor weight scales are combined (``"auto"``: per channel where
             the provider can, else requantized to the largest; ``"per_channel"``; ``"requantize"``). Per-channel
             checkpoints are always kept per channel.

@@ -58,6 +58,29 @@ def _blockwise(t: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], op:
     return out.reshape(rb * br, cb * bc)[:rows, :cols]
 
 
+def _groupwise(t: torch.Tensor, scale: torch.Tensor, group_size: int, op: str) -> torch.Tensor:
+    """``t [M, K]`` (as fp32) multiplied or divided by its group's scale, ``scale [M, ceil(K/G)]``: the whole groups
+    viewed ``[M, K // G, G]`` with the scale broadcast, the ragged last group on its own, then joined. Inductor's CPU
+    code for the padded form (:func:`_blockwise`) and for a gathered ``scale[:, arange(K) // G]`` read the wrong
+    elements of a ragged last group (torch 2.13, M = 1 or K % G != 0); this form compiles right."""
+    import torch
+
+    m, k = t.shape
+    full = k // group_size
+    tf, sf = t.float(), scale.float()
+    parts = []
+    if full:
+        body = tf[:, :full * group_size].reshape(m, full, group_size)
+        body = body * sf[:, :full, None] if op == "mul" else body / sf[:, :full, None]
+        parts.append(body.reshape(m, full * group_size))
+    if k % group_size:
+        tail = tf[:, full * group_size:]
+        parts.append(tail * sf[:, full:full + 1] if op == "mul" else tail / sf[:, full:full + 1])
+    if not parts:
+        return tf
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
 def dequantize_block(w_q: torch.Tensor, w_scale: torch.Tensor,
                      block: tuple[int, int] = DEFAULT_WEIGHT_BLOCK) -> torch.Tensor:
     """fp32 ``[N, K]``: ``w_q[n, k] * w_scale[n // BN, k // BK]`` (``w_scale [ceil(N/BN), ceil(K/BK)]``)."""
@@ -66,7 +89,7 @@ def dequantize_block(w_q: torch.Tensor, w_scale: torch.Tensor,
 
 def dequantize_groups(x_q: torch.Tensor, x_scale: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> torch.Tensor:
     """fp32 ``[M, K]``: ``x_q[m, k] * x_scale[m, k // G]`` (``x_scale [M, ceil(K/G)]``, any layout)."""
-    return _blockwise(x_q, x_scale, (1, group_size), "mul")
+    return _groupwise(x_q, x_scale, group_size, "mul")
 
 
 def fp8_gemm(
@@ -221,8 +244,8 @@ def group_scale(x: torch.Tensor, group_size: int, fmax: float) -> torch.Tensor:
 def scaled_cast_groups(x: torch.Tensor, scale: torch.Tensor, group_size: int, fp8: torch.dtype,
                        fmax: float) -> torch.Tensor:
     """``clamp(x / scale[m, k // G], ±fmax).to(fp8)`` for ``x [M, K]`` and group scales ``[M, ceil(K/G)]``, row-major
-    (row stride ``K``: the blockwise form computes on whole groups, a ragged K's last one cut off by a slice)."""
-    return row_major(_blockwise(x, scale, (1, group_size), "div").clamp(-fmax, fmax).to(fp8))
+    (row stride ``K``)."""
+    return row_major(_groupwise(x, scale, group_size, "div").clamp(-fmax, fmax).to(fp8))
 
 
 def quantize(

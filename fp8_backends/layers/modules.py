@@ -34,6 +34,7 @@ from ..core.backend import Fp8GemmBackend, NormQuantBackend
 from ..core.errors import InvalidInputError, InvalidTypeError, UnsupportedProblemError
 from ..core.objective import SelectionObjective
 from ..core.types import (
+    DEFAULT_GROUP_SIZE,
     DEFAULT_WEIGHT_BLOCK,
     ActScale,
     DeviceKind,
@@ -781,7 +782,11 @@ class RMSNormFp8Quant(nn.Module):
     - if ``quant_linear`` (the :class:`Fp8Linear` that consumes ``y``) takes a static per-tensor
       input scale, ``y`` is quantized with that scale by the resolved norm-quant provider, one fused
       kernel where the provider has one, and returned as a :class:`QuantizedActivation`;
-    - otherwise ``y`` is returned in the model dtype (the linear quantizes it itself).
+    - if it quantizes per token or per token group (block-wise FP8), the norm computes the scales from the
+      normalized rows in the same kernel (vLLM's ``rms_norm_dynamic_per_token_quant``; group scales in the layout
+      the consumer's GEMM provider declares) and returns a :class:`QuantizedActivation`;
+    - otherwise (dynamic per-tensor: a reduction over the whole activation) ``y`` is returned in the model dtype
+      (the linear quantizes it itself).
 
     Under ``torch.compile`` a norm whose provider was chosen by ``auto`` traces the reference torch code
     (:func:`fp8_backends.core.reference.rmsnorm_quant`: the semantics every provider is tested against) instead of
@@ -868,7 +873,7 @@ class RMSNormFp8Quant(nn.Module):
     @property
     def emits_quantized(self) -> bool:
         """True when the forward returns a :class:`QuantizedActivation`: a static per-tensor consumer (quantized with
-        its input scale) or a per-token-group one (block-wise FP8: the norm computes the group scales)."""
+        its input scale), a per-token or a per-token-group one (the norm computes the scales)."""
         lin = self.quant_linear
         return lin is not None and lin.act_scale in _NORM_QUANT_MODES
 
@@ -886,8 +891,8 @@ class RMSNormFp8Quant(nn.Module):
             return
         lin = self.quant_linear
         assert lin is not None
-        group = {} if lin.act_scale is not ActScale.PER_TOKEN_GROUP else {
-            "act_scale": ActScale.PER_TOKEN_GROUP, "group_size": lin.group_size}
+        group = _dynamic_args(lin)
+        group.pop("scale_layout", None)
         problem = NormQuantProblem(hidden=self.hidden_size, in_dtype=self.weight.dtype, out_fp8=lin.input_dtype,
                                    residual=False, device=DeviceKind(self.weight.device.type), **group)
         self.norm_backend = _resolve_norm(self.backend_request, problem)
@@ -966,10 +971,7 @@ class RMSNormFp8Quant(nn.Module):
         scale = lin.input_scale
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.hidden_size)
-        group = {}
-        if lin.act_scale is ActScale.PER_TOKEN_GROUP:  # scales computed here, in the consumer provider's layout
-            group = {"act_scale": ActScale.PER_TOKEN_GROUP, "group_size": lin.group_size,
-                     "scale_layout": lin.gemm_backend.capabilities.group_scale_layout}
+        group = _dynamic_args(lin)  # dynamic modes: scales computed here, in the consumer provider's layout
         if self._auto and _compiling() and _quant_compile_mode() == "inline":
             return self._traced_quant(x2, residual, scale, lin.input_dtype.torch_dtype(), lead, group)
         if residual is None:
@@ -987,19 +989,22 @@ class RMSNormFp8Quant(nn.Module):
     ) -> QuantizedActivation | tuple[QuantizedActivation, torch.Tensor]:
         """The compiled call of an ``auto`` norm (class docstring): the reference torch code, which Inductor fuses.
         ``x2 [T, H]``; ``residual`` updated in place with ``x + residual`` in its dtype, as every provider does.
-        ``group``: the per-token-group mode's arguments (the scales computed from the normalized rows)."""
+        ``group``: a dynamic mode's arguments (:func:`_dynamic_args`: the scales computed from the normalized
+        rows)."""
         from ..core import reference
 
         h = self.hidden_size
         if group:
+            mode = group["act_scale"]
             r2 = None if residual is None else residual.view(-1, h)
             q, s, total = reference.rmsnorm_quant_dynamic(
-                x2, self.weight, self.eps, act_scale=ActScale.PER_TOKEN_GROUP, group_size=group["group_size"],
+                x2, self.weight, self.eps, act_scale=mode, group_size=group.get("group_size", DEFAULT_GROUP_SIZE),
                 residual=r2, dtype=fp8)
             if r2 is not None:
                 r2.copy_(total)
-            s = quant.traced_layout(s, group["scale_layout"])
-            qa = QuantizedActivation(q.reshape(*lead, h), s, x2.dtype, ActScale.PER_TOKEN_GROUP)
+            if mode is ActScale.PER_TOKEN_GROUP:
+                s = quant.traced_layout(s, group["scale_layout"])
+            qa = QuantizedActivation(q.reshape(*lead, h), s, x2.dtype, mode)
             return qa if residual is None else (qa, residual)
         if residual is None:
             q = reference.rmsnorm_quant(x2, self.weight, scale, self.eps, fp8)
@@ -1018,8 +1023,20 @@ class RMSNormFp8Quant(nn.Module):
                 f"quant_linear={consumer}, backend={nb}")
 
 
-#: the consumer modes a norm hands a quantized activation to: static (the consumer's scale) and per-token-group
-_NORM_QUANT_MODES = frozenset({ActScale.PER_TENSOR_STATIC, ActScale.PER_TOKEN_GROUP})
+#: the consumer modes a norm hands a quantized activation to: static (the consumer's scale), per-token (vLLM's
+#: ``rms_norm_dynamic_per_token_quant``) and per-token-group (block-wise FP8)
+_NORM_QUANT_MODES = frozenset({ActScale.PER_TENSOR_STATIC, ActScale.PER_TOKEN, ActScale.PER_TOKEN_GROUP})
+
+
+def _dynamic_args(lin: Fp8Linear) -> dict[str, Any]:
+    """The norm-quant keyword arguments of ``lin``'s dynamic activation mode (``{}`` for a static consumer):
+    per-token scales ``[T, 1]``, or per-token-group scales in the layout ``lin``'s GEMM provider declares."""
+    if lin.act_scale is ActScale.PER_TOKEN:
+        return {"act_scale": ActScale.PER_TOKEN}
+    if lin.act_scale is ActScale.PER_TOKEN_GROUP:
+        return {"act_scale": ActScale.PER_TOKEN_GROUP, "group_size": lin.group_size,
+                "scale_layout": lin.gemm_backend.capabilities.group_scale_layout}
+    return {}
 
 
 def process_weights_after_loading(model: nn.Module) -> nn.Module:
