@@ -122,6 +122,22 @@ def test_forced_tma_configs_serve_unaligned_k():
         assert TritonGemmBackend(config=config).supports(GemmProblem(n=6840, k=3420, m=2048), h100) == []
 
 
+@pytest.mark.parametrize("k", [1, 6, 24, 71, 3420, 6840])
+def test_pad_columns_pads_the_codes_with_zeros(k):
+    """The activation pad (eager: as the widest integer dividing K; compiled: as bytes) keeps every code and adds
+    zeros, for a row-major and a column-sliced input."""
+    from fp8_backends.providers.triton.gemm import pad_columns
+
+    k_pad = -(-k // 16) * 16
+    wide = (torch.randn(5, k + 3) * 10).to(torch.float8_e4m3fn)
+    for x in (wide[:, :k].contiguous(), wide[:, 1:k + 1]):
+        for fn in (pad_columns, torch.compile(pad_columns, fullgraph=True)):
+            p = fn(x, k_pad)
+            assert p.shape == (5, k_pad) and p.dtype == x.dtype and p.is_contiguous()
+            assert torch.equal(p[:, :k].view(torch.uint8), x.contiguous().view(torch.uint8))
+            assert not p[:, k:].view(torch.uint8).any()
+
+
 @needs_kernels
 def test_unaligned_k_weights_are_padded_once():
     """K = 71: the prepared weight is a zero-padded [N, 80] copy (16-byte rows); gemm pads the activation to match

@@ -268,12 +268,20 @@ def _round_up(v: int, m: int) -> int:
 
 
 def pad_columns(x_q: torch.Tensor, k_pad: int) -> torch.Tensor:
-    """``x_q [M, K]`` (float8) zero-padded to ``[M, k_pad]``, row-major (a pad of its bytes: float8 has no pad
-    kernel of its own)."""
+    """``x_q [M, K]`` (float8) zero-padded to ``[M, k_pad]``, row-major. float8 has no pad kernel of its own: eagerly
+    the bytes are padded as the widest integer that divides K (a quarter or an eighth of the elements for the pad
+    kernel to index: K = 3420 pads as int32, 6840 as int64); under ``torch.compile`` as bytes, which Inductor writes
+    in a kernel of its own (or fuses into the quantization that produces ``x_q``)."""
     import torch
 
-    raw = x_q.view(torch.uint8) if x_q.stride(-1) == 1 else x_q.contiguous().view(torch.uint8)
-    return torch.nn.functional.pad(raw, (0, k_pad - x_q.shape[1])).view(x_q.dtype)
+    k = x_q.shape[1]
+    raw = (x_q if x_q.is_contiguous() else x_q.contiguous()).view(torch.uint8)
+    if not torch.compiler.is_compiling() and raw.storage_offset() % 8 == 0:
+        for wide, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+            if k % size == 0:
+                padded = torch.nn.functional.pad(raw.view(wide), (0, (k_pad - k) // size))
+                return padded.view(torch.uint8).view(x_q.dtype)
+    return torch.nn.functional.pad(raw, (0, k_pad - k)).view(x_q.dtype)
 
 
 __all__ = ["ROW_ALIGN", "TritonGemmBackend", "pad_columns"]
