@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 from fp8_backends import quant  # noqa: E402
 from fp8_backends.core import group_scales, reference  # noqa: E402
-from fp8_backends.core.errors import Fp8BackendError, InvalidInputError  # noqa: E402
+from fp8_backends.core.errors import InvalidInputError  # noqa: E402
 from fp8_backends.core.types import ActScale, GemmProblem, NormQuantProblem, ScaleLayout, WeightScale  # noqa: E402
 from fp8_backends.providers.triton import _support  # noqa: E402
 from fp8_backends.providers.triton import block_gemm_configs as bc  # noqa: E402
@@ -65,9 +65,8 @@ def test_capabilities_declare_block_wise_fp8_explicitly():
     assert any("8.9" in r for r in caps.check(GemmProblem(n=576, k=7168, **BLOCK), simulate_platform("8.0")))
     assert any("weight block" in r for r in caps.check(GemmProblem(n=576, k=7168, weight_block=(64, 128), **BLOCK),
                                                        h100))
-    # N, K that are not multiples of 16 (TP splits such as 3420 x 6840): the block kernels compute them right
-    # (tests/test_triton_block_gemm.py), the provider's alignment rule refuses them with a reason
-    assert any("K=6840" in r for r in caps.check(GemmProblem(n=3424, k=6840, **BLOCK), h100))
+    # N, K that are not multiples of 16 (TP splits such as 3420 x 6840): served, the kernels mask them
+    assert caps.check(GemmProblem(n=3420, k=6840, **BLOCK), h100) == []
 
 
 def test_named_configs_serve_their_own_mode_only():
@@ -139,8 +138,16 @@ def test_block_gemm_bf16_checkpoint_scales_and_errors():
     with pytest.raises(InvalidInputError, match="per-token-group"):
         backend.gemm(x_q, prepared, torch.ones(4, 1, device=DEVICE))
     assert backend.gemm(x_q[:0], prepared, x_s[:0]).shape == (0, 256)
-    with pytest.raises(Fp8BackendError):
-        _backend(n=3424, k=6840)  # refused with the alignment reason (see the capabilities test)
+
+
+@needs_kernels
+def test_block_gemm_unaligned_n_and_k():
+    """N = 40, K = 200 (rows not 16-byte aligned, a ragged last group and block): the reference's answer."""
+    backend = _backend(n=40, k=200)
+    x_q, w_q, x_s, w_s = _operands(3, 40, 200)
+    prepared = backend.prepare_weight(w_q, w_s)
+    y = backend.gemm(x_q, prepared, x_s, out_dtype=torch.float32)
+    assert _relerr(y, reference.fp8_gemm(x_q, w_q, x_s, w_s, torch.float32)) < 2e-5
 
 
 # ------------------------------------------------------------------------------------ norm-quant, dynamic modes
