@@ -8,6 +8,7 @@ that fails is recorded with its reason and the run goes on.
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import importlib.metadata
 import json
@@ -23,7 +24,7 @@ from typing import Any
 from fp8_backends.core.text_table import text_table
 from fp8_backends.core.types import GemmProblem
 from fp8_backends.registry import resolution
-from fp8_backends.registry.platform import Platform
+from fp8_backends.registry.platform import Platform, detect_platform
 from fp8_backends.tuning.engine import CandidateResult, measure_candidates
 from fp8_backends.tuning.timing import Timer, measure_copy_bandwidth
 from fp8_backends.tuning.workloads import CandidateSpec, GemmWorkload, expand_candidates, make_candidate, make_workload
@@ -300,6 +301,39 @@ def failures_text(points: Sequence[Point]) -> list[str]:
         if p.auto_error:
             seen[("auto", p.auto_error)] = seen.get(("auto", p.auto_error), 0) + 1
     return [f"{label}: {reason} ({n} point(s))" for (label, reason), n in sorted(seen.items())]
+
+
+def add_run_options(ap: argparse.ArgumentParser, cpu_option: str) -> None:
+    """The options every measuring bench CLI takes: ``--out``, ``--providers``, ``--device`` (on the CPU only with a
+    small ``--<cpu_option>``), ``--rounds``, ``--replays`` (read by :func:`run_setup`)."""
+    ap.add_argument("--out", default=None, help="output folder (default bench/results/<date>-<gpu>/)")
+    ap.add_argument("--providers", default=None, help="comma-separated provider names (default: all usable)")
+    ap.add_argument("--device", default=None, help=f"cuda, cuda:N or cpu (cpu: small --{cpu_option} only)")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--replays", type=int, default=None)
+
+
+def parse_run_args(ap: argparse.ArgumentParser, argv: list[str] | None, cpu_needs: str, cpu_hint: str
+                   ) -> tuple[argparse.Namespace, Platform, str]:
+    """A bench CLI's arguments and where it runs: ``(args, platform, device)`` with ``device`` ``"cpu"`` or the
+    platform's torch device (``--device`` picks the platform). Without a CUDA device the option whose attribute is
+    ``cpu_needs`` must be given (the full-size defaults are too large for the CPU): else the parser exits with
+    ``no CUDA device: on the CPU pass <cpu_hint>``."""
+    args = ap.parse_args(argv)
+    platform = detect_platform(args.device)
+    device = "cpu" if platform.kind.value == "cpu" else platform.torch_device
+    if device == "cpu" and not getattr(args, cpu_needs):
+        ap.error(f"no CUDA device: on the CPU pass {cpu_hint}")
+    return args, platform, device
+
+
+def run_setup(args: Any, platform: Platform, device: str) -> tuple[set[str] | None, Any, Path, dict[str, Any]]:
+    """``(providers, timer, out, header)`` of a bench run: :func:`providers_from_args`, :func:`timer_from_args`, the
+    ``--out`` folder (default :func:`default_out_dir`) and :func:`run_header`."""
+    providers = providers_from_args(args)
+    timer = timer_from_args(args, device)
+    out = Path(args.out) if args.out else default_out_dir(platform)
+    return providers, timer, out, run_header(platform, device)
 
 
 def timer_from_args(args: Any, device: str) -> Any:

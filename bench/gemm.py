@@ -26,7 +26,6 @@ from typing import Any
 
 from fp8_backends.core.types import GemmProblem
 from fp8_backends.registry import lockfile
-from fp8_backends.registry.platform import detect_platform
 from fp8_backends.tuning.models import linear_shapes
 from fp8_backends.tuning.plan import QUICK_M_BUCKETS, parse_m_list
 
@@ -45,11 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--shapes", nargs="+", default=[], metavar="N,K", help="extra shapes")
     ap.add_argument("--m", default=None, help="M values: '1,16,256' or '1-16384' (powers of two; the default)")
     ap.add_argument("--quick", action="store_true", help="2 shapes x M 1,16,256,4096, fewer repeats")
-    ap.add_argument("--out", default=None, help="output folder (default bench/results/<date>-<gpu>/)")
-    ap.add_argument("--providers", default=None, help="comma-separated provider names (default: all usable)")
-    ap.add_argument("--device", default=None, help="cuda, cuda:N or cpu (cpu: small --shapes only)")
-    ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--replays", type=int, default=None)
+    common.add_run_options(ap, "shapes")
     ap.add_argument("--skip-peak", action="store_true", help="do not measure the 8192^3 GEMM ceiling")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--no-progress", action="store_true")
@@ -175,21 +170,14 @@ def markdown(header: dict[str, Any], ceilings: dict[str, Any], result: dict[str,
 
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
-    args = ap.parse_args(argv)
-    platform = detect_platform(args.device)
-    device = "cpu" if platform.kind.value == "cpu" else platform.torch_device
-    if device == "cpu" and not args.shapes:
-        ap.error("no CUDA device: on the CPU pass small --shapes (and --models none)")
+    args, platform, device = common.parse_run_args(ap, argv, "shapes", "small --shapes (and --models none)")
     try:
         buckets = parse_m_list(args.m) if args.m else list(QUICK_M_BUCKETS if args.quick else
                                                           lockfile.DEFAULT_M_BUCKETS)
         templates = _templates(args, "cpu" if device == "cpu" else "cuda")
     except ValueError as exc:
         ap.error(str(exc))
-    providers = common.providers_from_args(args)
-    timer = common.timer_from_args(args, device)
-    out = Path(args.out) if args.out else common.default_out_dir(platform)
-    header = common.run_header(platform, device)
+    providers, timer, out, header = common.run_setup(args, platform, device)
     header["lockfile"] = lockfile.describe_lockfile(platform)
     print(f"bench.gemm on {platform.describe()}: {len(templates)} shapes x {len(buckets)} M -> {out}", file=sys.stderr)
 

@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 from fp8_backends.core.types import NormQuantProblem
 from fp8_backends.registry import lockfile
-from fp8_backends.registry.platform import detect_platform
 from fp8_backends.tuning.models import hidden_size
 from fp8_backends.tuning.plan import QUICK_M_BUCKETS, parse_m_list
 
@@ -41,11 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--residual", choices=["both", "yes", "no"], default="both")
     ap.add_argument("--in-dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--quick", action="store_true", help="one hidden size, T 1,16,256,4096, fewer repeats")
-    ap.add_argument("--out", default=None, help="output folder (default bench/results/<date>-<gpu>/)")
-    ap.add_argument("--providers", default=None, help="comma-separated provider names (default: all usable)")
-    ap.add_argument("--device", default=None, help="cuda, cuda:N or cpu (cpu: small --hidden only)")
-    ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--replays", type=int, default=None)
+    common.add_run_options(ap, "hidden")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--no-compiled-baseline", action="store_true",
                     help=f"leave out {compiled_baseline.NAME}: torch.compile of the unfused torch code")
@@ -131,21 +125,14 @@ def markdown(header: dict[str, Any], copy_gbps: float | None, result: dict[str, 
 
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
-    args = ap.parse_args(argv)
-    platform = detect_platform(args.device)
-    device = "cpu" if platform.kind.value == "cpu" else platform.torch_device
-    if device == "cpu" and not args.hidden:
-        ap.error("no CUDA device: on the CPU pass a small --hidden (and --models none)")
+    args, platform, device = common.parse_run_args(ap, argv, "hidden", "a small --hidden (and --models none)")
     try:
         buckets = parse_m_list(args.tokens) if args.tokens else list(QUICK_M_BUCKETS if args.quick else
                                                                     lockfile.DEFAULT_M_BUCKETS)
         templates = _templates(args, "cpu" if device == "cpu" else "cuda")
     except ValueError as exc:
         ap.error(str(exc))
-    providers = common.providers_from_args(args)
-    timer = common.timer_from_args(args, device)
-    out = Path(args.out) if args.out else common.default_out_dir(platform)
-    header = common.run_header(platform, device)
+    providers, timer, out, header = common.run_setup(args, platform, device)
     header["lockfile"] = lockfile.describe_lockfile(platform)
     print(f"bench.norm_quant on {platform.describe()}: {len(templates)} ops x {len(buckets)} T -> {out}",
           file=sys.stderr)

@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 from fp8_backends.core.types import GemmProblem
 from fp8_backends.registry.discovery import discover
-from fp8_backends.registry.platform import Platform, detect_platform
+from fp8_backends.registry.platform import Platform
 from fp8_backends.tuning.plan import parse_m_list
 from fp8_backends.tuning.workloads import CandidateSpec, GemmWorkload, expand_candidates
 
@@ -47,11 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="unaligned shape and its aligned neighbour (default: the 3420 / 6840 pairs)")
     ap.add_argument("--m", default=None, help="M values: '1,16,256' or '1-4096' (powers of two)")
     ap.add_argument("--quick", action="store_true", help="2 pairs x M 1,16,256,4096, fewer repeats")
-    ap.add_argument("--out", default=None, help="output folder (default bench/results/<date>-<gpu>/)")
-    ap.add_argument("--providers", default=None, help="comma-separated provider names (default: all usable)")
-    ap.add_argument("--device", default=None, help="cuda, cuda:N or cpu (cpu: small --pairs only)")
-    ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--replays", type=int, default=None)
+    common.add_run_options(ap, "pairs")
     return ap
 
 
@@ -172,21 +167,14 @@ def markdown(header: dict[str, Any], result: dict[str, Any], method: str) -> str
 
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
-    args = ap.parse_args(argv)
-    platform = detect_platform(args.device)
-    device = "cpu" if platform.kind.value == "cpu" else platform.torch_device
-    if device == "cpu" and not args.pairs:
-        ap.error("no CUDA device: on the CPU pass small --pairs")
+    args, platform, device = common.parse_run_args(ap, argv, "pairs", "small --pairs")
     try:
         pairs = [parse_pair(p) for p in args.pairs] if args.pairs else list(DEFAULT_PAIRS[:2] if args.quick
                                                                              else DEFAULT_PAIRS)
         buckets = parse_m_list(args.m) if args.m else list(QUICK_M if args.quick else DEFAULT_M)
     except ValueError as exc:
         ap.error(str(exc))
-    providers = common.providers_from_args(args)
-    timer = common.timer_from_args(args, device)
-    out = Path(args.out) if args.out else common.default_out_dir(platform)
-    header = common.run_header(platform, device)
+    providers, timer, out, header = common.run_setup(args, platform, device)
     kind = "cpu" if device == "cpu" else "cuda"
     print(f"bench.unaligned on {platform.describe()}: {len(pairs)} pairs x {len(buckets)} M -> {out}", file=sys.stderr)
     points: list[dict[str, Any]] = []

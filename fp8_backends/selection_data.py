@@ -466,11 +466,30 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _pack_cli(args: argparse.Namespace, argv: list[str]) -> int:
-    src = Path(args.lockfile)
+def _read_lockfile(path: str) -> tuple[Path, dict[str, Any]]:
+    """``(path, document)`` of the lockfile at ``path``; :class:`DataFileError` when it cannot be read."""
+    src = Path(path)
     doc, problem = lockfile.read_document(src)
     if doc is None:
         raise DataFileError(src, [problem or "unreadable"])
+    return src, doc
+
+
+def _write_compact(out: Path, doc: Mapping[str, Any]) -> None:
+    """Write ``doc`` in the shipped data's compact form to ``out`` (gzip-compressed, reproducibly, when the name ends in
+    ``.gz``), creating its folder."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = shipped_data.dumps_compact(doc)
+    if out.name.endswith(".gz"):
+        import gzip
+
+        out.write_bytes(gzip.compress(text.encode("utf-8"), mtime=0))
+    else:
+        out.write_text(text, encoding="utf-8")
+
+
+def _pack_cli(args: argparse.Namespace, argv: list[str]) -> int:
+    _, doc = _read_lockfile(args.lockfile)
     packed = pack(doc, exclude=args.exclude_model, partial=args.partial, neighbours=args.neighbours,
                   sms=args.sms, tie_margin=args.tie_margin,
                   command=" ".join(["python -m fp8_backends.selection_data", *argv]))
@@ -483,14 +502,7 @@ def _pack_cli(args: argparse.Namespace, argv: list[str]) -> int:
     else:
         out = Path(args.out)  # a folder (existing, or any name not ending in .json) or a file
         out = out / name if out.is_dir() or not out.name.endswith((".json", ".json.gz")) else out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    text = shipped_data.dumps_compact(packed)
-    if out.name.endswith(".gz"):
-        import gzip
-
-        out.write_bytes(gzip.compress(text.encode("utf-8"), mtime=0))
-    else:
-        out.write_text(text, encoding="utf-8")
+    _write_compact(out, packed)
     entries = len(shipped_data.the_section(packed)["entries"])
     print(f"{out}: {entries} entries, {prov['gpu']} SM {prov['sm']}, measured {prov['date']}"
           + (f", without {', '.join(args.exclude_model)}" if args.exclude_model else ""))
@@ -499,21 +511,11 @@ def _pack_cli(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _merge_cli(args: argparse.Namespace, argv: list[str]) -> int:
     shipped = shipped_data.load_file(args.shipped)
-    src = Path(args.lockfile)
-    doc, problem = lockfile.read_document(src)
-    if doc is None:
-        raise DataFileError(src, [problem or "unreadable"])
+    src, doc = _read_lockfile(args.lockfile)
     merged = merge(shipped, doc, partial=args.partial, tie_margin=args.tie_margin,
                    command=" ".join(["python -m fp8_backends.selection_data", *argv]))
     out = Path(args.out or args.shipped)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    text = shipped_data.dumps_compact(merged)
-    if out.name.endswith(".gz"):
-        import gzip
-
-        out.write_bytes(gzip.compress(text.encode("utf-8"), mtime=0))
-    else:
-        out.write_text(text, encoding="utf-8")
+    _write_compact(out, merged)
     record = merged["provenance"]["merged"][-1]
     print(f"{out}: {len(shipped_data.the_section(merged)['entries'])} entries ({record['entries']} from {src}, "
           f"{record['replaced']} of them replacing earlier ones)")

@@ -1,5 +1,6 @@
 """What the property-based tests share (``tests/test_fuzz.py``, ``tests/test_fuzz_views.py``): the session seed and
-scale, hypothesis' settings, and the providers they fuzz (a :class:`Target` per provider and device).
+scale, hypothesis' settings, and the providers they fuzz (a :class:`Target` per provider and device;
+:data:`NORM_TARGETS`, the norm-quant providers both fuzz).
 
 - ``FP8_FUZZ_SEED`` (default 20261130) seeds every fuzz test; a failure prints it with hypothesis'
   ``@reproduce_failure`` blob.
@@ -48,6 +49,16 @@ def target(kind: str, spec: str, device: str, *marks) -> object:
     gpu = (pytest.mark.gpu,) if device == "cuda" else ()
     return pytest.param(Target(kind, spec, device, label), marks=(*gpu, *marks), id=label)
 
+
+
+#: every norm-quant provider, on the CPU (Triton's under the interpreter) and on CUDA: both fuzz files run them all
+NORM_TARGETS = [
+    target("norm_quant", "torch", "cpu"),
+    target("norm_quant", "triton", "cpu"),
+    target("norm_quant", "torch", "cuda"),
+    target("norm_quant", "triton", "cuda"),
+    target("norm_quant", "flashinfer", "cuda"),
+]
 
 def provider(target: Target):
     """The provider instance, or a skip with the registry's reason."""

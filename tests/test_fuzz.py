@@ -40,7 +40,7 @@ import pytest
 hypothesis = pytest.importorskip("hypothesis")
 torch = pytest.importorskip("torch")
 
-from fuzz_support import SEED, Target, fuzz, provider  # noqa: E402
+from fuzz_support import NORM_TARGETS, SEED, Target, fuzz, provider  # noqa: E402
 from fuzz_support import target as _target  # noqa: E402
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -99,13 +99,6 @@ GEMM_TARGETS = [
     _target("gemm", "flashinfer_bmm", "cuda"),
     # one small-M config: its 6 libraries (2 epilogues x 3 output types) build in ~1-2 min on first use
     _target("gemm", "cutlass@config=ws64x16_swap", "cuda", pytest.mark.build),
-]
-NORM_TARGETS = [
-    _target("norm_quant", "torch", "cpu"),
-    _target("norm_quant", "triton", "cpu"),
-    _target("norm_quant", "torch", "cuda"),
-    _target("norm_quant", "triton", "cuda"),
-    _target("norm_quant", "flashinfer", "cuda"),
 ]
 
 

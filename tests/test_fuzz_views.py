@@ -30,7 +30,7 @@ import pytest
 hypothesis = pytest.importorskip("hypothesis")
 torch = pytest.importorskip("torch")
 
-from fuzz_support import SEED, Target, fuzz, provider, target  # noqa: E402
+from fuzz_support import NORM_TARGETS, SEED, Target, fuzz, provider, target  # noqa: E402
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -280,13 +280,6 @@ def test_fuzz_views_quant(device: str, path: str, view_cases):
 
 
 # ------------------------------------------------------------------------------------------ norm-quant
-NORM_TARGETS = [
-    target("norm_quant", "torch", "cpu"),
-    target("norm_quant", "triton", "cpu"),
-    target("norm_quant", "torch", "cuda"),
-    target("norm_quant", "triton", "cuda"),
-    target("norm_quant", "flashinfer", "cuda"),
-]
 
 
 @st.composite

@@ -17,18 +17,13 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 import block_reference as R  # noqa: E402
+from triton_kernel_support import DEVICE, needs_kernels, relerr  # noqa: E402
 
 from fp8_backends.core.errors import InvalidInputError  # noqa: E402
-from fp8_backends.providers.triton import _support  # noqa: E402
 from fp8_backends.providers.triton import block_gemm_configs as bc  # noqa: E402
 from fp8_backends.providers.triton import block_gemm_ops as bg  # noqa: E402
 from fp8_backends.providers.triton.block_gemm_configs import BlockTileConfig as C  # noqa: E402
 
-ON_GPU = torch.cuda.is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
-needs_kernels = pytest.mark.skipif(
-    not ON_GPU and not _support.interpreting(), reason="needs a GPU or TRITON_INTERPRET=1 (conftest sets it)"
-)
 pytestmark = pytest.mark.usefixtures("exact_interpreter_casts")  # tests/conftest.py
 
 #: small tiles per family (the interpreter's cost grows with programs x K steps)
@@ -47,11 +42,6 @@ TOL = {torch.float32: 2e-5, torch.float16: 1.5e-3, torch.bfloat16: 4e-3}
 
 
 # ------------------------------------------------------------------------------------ operands and checks
-def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def _xs_layout(xs: torch.Tensor, layout: str) -> torch.Tensor:
     """``xs [M, Kg]`` fp32 in one of the layouts (values equal)."""
     m, kg = xs.shape
@@ -88,7 +78,7 @@ def _check(cfg, m, n, k, *, group=128, out_dtype=torch.bfloat16, bias=False, lay
     out = torch.full((m, n), float("nan"), dtype=out_dtype, device=DEVICE)
     bg.run_config(cfg, x_q, w_q, xs, ws, b, out, group)
     ref = R.block_fp8_gemm(x_q, w_q, xs, ws, torch.float32, b, group)
-    err = _relerr(out, ref)
+    err = relerr(out, ref)
     assert torch.isfinite(out.float()).all(), (cfg.name, m, n, k)
     assert err < TOL[out_dtype], (cfg.name, m, n, k, out_dtype, err)
     return out
@@ -237,7 +227,7 @@ def test_strided_operands(family):
     out = out_buf[:, 8:8 + n]
     bg.run_config(SMALL[family], x_view, w_q, xs, ws_t, None, out, 128)
     ref = R.block_fp8_gemm(x_q, w_q, xs, ws)
-    assert _relerr(out, ref) < TOL[torch.bfloat16]
+    assert relerr(out, ref) < TOL[torch.bfloat16]
     assert torch.isnan(out_buf[:, :8].float()).all() and torch.isnan(out_buf[:, 8 + n:].float()).all()
 
 
@@ -256,7 +246,7 @@ def test_a_nan_row_stays_in_its_row(family):
     assert torch.isnan(out[1].float()).all() and torch.isnan(out[3].float()).all()
     assert torch.isnan(ref[1]).all() and torch.isnan(ref[3]).all()
     keep = [0, 2]
-    assert _relerr(out[keep], ref[keep]) < TOL[torch.bfloat16]
+    assert relerr(out[keep], ref[keep]) < TOL[torch.bfloat16]
 
 
 @needs_kernels
@@ -272,7 +262,7 @@ def test_split_k_counters_are_left_at_zero_and_repeat_calls_agree():
     counters = bg.counters_for(x_q.device)
     assert int(counters.abs().sum()) == 0
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])  # fixed summation order
-    assert _relerr(outs[0], R.block_fp8_gemm(x_q, w_q, xs, ws)) < TOL[torch.float32]
+    assert relerr(outs[0], R.block_fp8_gemm(x_q, w_q, xs, ws)) < TOL[torch.float32]
 
 
 @needs_kernels
@@ -280,10 +270,10 @@ def test_block_gemm_auto_and_named_configs():
     x_q, w_q, xs, ws = _operands(3, 200, 520)
     ref = R.block_fp8_gemm(x_q, w_q, xs, ws)
     y = bg.block_gemm(x_q, w_q, xs, ws, out_dtype=torch.float32, config="swap_n64_m16_s8_w4_sk0")
-    assert y.shape == (3, 200) and y.dtype == torch.float32 and _relerr(y, ref) < TOL[torch.float32]
+    assert y.shape == (3, 200) and y.dtype == torch.float32 and relerr(y, ref) < TOL[torch.float32]
     out = torch.empty(3, 200, dtype=torch.bfloat16, device=DEVICE)
     assert bg.block_gemm(x_q, w_q, xs, ws, out=out) is out
-    assert _relerr(out, ref) < TOL[torch.bfloat16]
+    assert relerr(out, ref) < TOL[torch.bfloat16]
 
 
 @needs_kernels
@@ -339,7 +329,7 @@ def test_op_matches_the_eager_call_and_has_a_fake():
     assert "int group_size" in str(op._schema) and "str config" in str(op._schema)
     x_q, w_q, xs, ws = _operands(3, 64, 256)
     y = op(x_q, w_q, xs, ws, None, torch.bfloat16, 128, "mm_n128_m64_s4_w4_g8_sk0")
-    assert _relerr(y, R.block_fp8_gemm(x_q, w_q, xs, ws)) < TOL[torch.bfloat16]
+    assert relerr(y, R.block_fp8_gemm(x_q, w_q, xs, ws)) < TOL[torch.bfloat16]
     with FakeTensorMode():
         fx = torch.empty(5, 256, dtype=torch.float8_e4m3fn, device=DEVICE)
         fw = torch.empty(64, 256, dtype=torch.float8_e4m3fn, device=DEVICE)
@@ -382,7 +372,7 @@ def test_gpu_auto_fp16_and_row_major_scales(m, shape):
     n, k = SHAPES[shape]
     x_q, w_q, xs, ws = _operands(m, n, k)
     y = bg.block_gemm(x_q, w_q, xs, ws, out_dtype=torch.float16)
-    assert _relerr(y, R.block_fp8_gemm(x_q, w_q, xs, ws)) < TOL[torch.float16]
+    assert relerr(y, R.block_fp8_gemm(x_q, w_q, xs, ws)) < TOL[torch.float16]
 
 
 @pytest.mark.gpu
@@ -404,7 +394,7 @@ def test_gpu_cuda_graph_capture_and_replay(m):
         static_s.copy_(xs2)
         graph.replay()
         torch.cuda.synchronize()
-        assert _relerr(y, R.block_fp8_gemm(x2, w_q, xs2, ws)) < TOL[torch.bfloat16]
+        assert relerr(y, R.block_fp8_gemm(x2, w_q, xs2, ws)) < TOL[torch.bfloat16]
 
 
 @pytest.mark.gpu

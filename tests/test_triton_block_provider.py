@@ -13,6 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
+from triton_kernel_support import DEVICE, needs_kernels, relerr  # noqa: E402
+
 from fp8_backends import quant  # noqa: E402
 from fp8_backends.core import group_scales, reference  # noqa: E402
 from fp8_backends.core.errors import InvalidInputError  # noqa: E402
@@ -24,17 +26,8 @@ from fp8_backends.providers.triton.norm_quant import TritonNormQuantBackend  # n
 from fp8_backends.registry.platform import simulate_platform  # noqa: E402
 from fp8_backends.registry.resolution import resolve_gemm_backend, resolve_norm_quant_backend  # noqa: E402
 
-ON_GPU = torch.cuda.is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
-needs_kernels = pytest.mark.skipif(
-    not ON_GPU and not _support.interpreting(), reason="needs a GPU or TRITON_INTERPRET=1 (conftest sets it)"
-)
 pytestmark = pytest.mark.usefixtures("exact_interpreter_casts")
 BLOCK = dict(act_scale="per_token_group", weight_scale="block")
-
-
-def _relerr(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 def _operands(m, n, k, group=128, seed=0):
@@ -112,7 +105,7 @@ def test_block_gemm_through_the_provider(layout, out):
     y = backend.gemm(x_q, prepared, group_scales.to_layout(x_s, layout), out_dtype=out, bias=bias)
     ref = reference.fp8_gemm(x_q, w_q, x_s, w_s, torch.float32, bias)
     assert y.shape == (5, 208) and y.dtype == out
-    assert _relerr(y, ref) < {torch.float32: 2e-5, torch.float16: 1.5e-3, torch.bfloat16: 4e-3}[out]
+    assert relerr(y, ref) < {torch.float32: 2e-5, torch.float16: 1.5e-3, torch.bfloat16: 4e-3}[out]
 
 
 @needs_kernels
@@ -126,7 +119,7 @@ def test_block_gemm_named_configs_and_group_64(config):
     assert prepared.group_size == 64
     y = backend.gemm(x_q, prepared, x_s, out_dtype=torch.float32)
     ref = reference.fp8_gemm(x_q, w_q, x_s, prepared.scale, torch.float32, group_size=64)
-    assert _relerr(y, ref) < 2e-5
+    assert relerr(y, ref) < 2e-5
 
 
 @needs_kernels
@@ -220,7 +213,7 @@ def test_block_layers_on_the_triton_providers(residual):
     torch.testing.assert_close(qa.scale, s, rtol=4e-7, atol=0)
     y = layer(qa)
     ref = reference.fp8_gemm(qa.data, layer.weight, qa.scale, layer.weight_scale, torch.float32, layer.bias.float())
-    assert y.shape == (5, 256) and _relerr(y, ref) < 4e-3
+    assert y.shape == (5, 256) and relerr(y, ref) < 4e-3
 
 
 # ------------------------------------------------------------------------------------ the quant op
@@ -253,7 +246,7 @@ def test_gpu_provider_block_gemm_model_shapes(m, n, k):
     prepared = backend.prepare_weight(w_q, w_s)
     x_s = group_scales.to_layout(x_s, ScaleLayout.M_MAJOR_TMA)
     y = backend.gemm(x_q, prepared, x_s)
-    assert _relerr(y, reference.fp8_gemm(x_q, w_q, x_s, w_s, torch.float32)) < 4e-3
+    assert relerr(y, reference.fp8_gemm(x_q, w_q, x_s, w_s, torch.float32)) < 4e-3
 
 
 @pytest.mark.gpu
@@ -271,5 +264,5 @@ def test_gpu_compiled_block_linear_launches_the_triton_kernel():
 
     y, codes = run_and_get_code(torch.compile(linear, fullgraph=True), x)
     x_q, x_s = reference.quantize_per_token_group(x)
-    assert _relerr(y, reference.fp8_gemm(x_q, w_q, x_s, w_s, torch.float32)) < 4e-3
+    assert relerr(y, reference.fp8_gemm(x_q, w_q, x_s, w_s, torch.float32)) < 4e-3
     assert "block_gemm_" in "\n".join(codes)

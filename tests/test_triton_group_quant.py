@@ -16,17 +16,12 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 import block_reference as R  # noqa: E402
+from triton_kernel_support import DEVICE, ON_GPU, fp8_ordinal, needs_kernels  # noqa: E402
 
 from fp8_backends.core.errors import InvalidInputError  # noqa: E402
-from fp8_backends.providers.triton import _support  # noqa: E402
 from fp8_backends.providers.triton import group_quant_kernels as gk  # noqa: E402
 from fp8_backends.providers.triton import group_quant_ops as gq  # noqa: E402
 
-ON_GPU = torch.cuda.is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
-needs_kernels = pytest.mark.skipif(
-    not ON_GPU and not _support.interpreting(), reason="needs a GPU or TRITON_INTERPRET=1 (conftest sets it)"
-)
 pytestmark = pytest.mark.usefixtures("exact_interpreter_casts")
 FP8S = [torch.float8_e4m3fn, torch.float8_e5m2]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -43,12 +38,6 @@ def _x(m, k, dtype=torch.bfloat16, seed=0, device=DEVICE):
     return x.to(dtype).to(device)
 
 
-def _ordinal(q: torch.Tensor) -> torch.Tensor:
-    b = q.view(torch.uint8).to(torch.int16)
-    mag = b & 0x7F
-    return torch.where(b >= 0x80, -mag, mag)
-
-
 def assert_same(q, s, rq, rs):
     """CPU: equal bit for bit (NaN where the reference has NaN). GPU: scales within an fp32 ulp, codes within one
     step and rarely off (torch on CUDA divides by a reciprocal)."""
@@ -61,7 +50,7 @@ def assert_same(q, s, rq, rs):
         assert torch.equal(q.view(torch.uint8)[~nan_q], rq.view(torch.uint8)[~nan_q])
     else:
         torch.testing.assert_close(s[~nan_s], rs[~nan_s], rtol=2.4e-7, atol=0)
-        diff = (_ordinal(q) - _ordinal(rq)).abs()[~nan_q]
+        diff = (fp8_ordinal(q) - fp8_ordinal(rq)).abs()[~nan_q]
         assert (int(diff.max()) if diff.numel() else 0) <= 1 and int((diff > 0).sum()) <= max(1, diff.numel() // 100)
 
 

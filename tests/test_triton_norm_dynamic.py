@@ -17,17 +17,12 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 import block_reference as R  # noqa: E402
+from triton_kernel_support import DEVICE, fp8_ordinal, needs_kernels  # noqa: E402
 
 from fp8_backends.core.errors import InvalidInputError  # noqa: E402
-from fp8_backends.providers.triton import _support  # noqa: E402
 from fp8_backends.providers.triton import norm_dynamic_kernels as nk  # noqa: E402
 from fp8_backends.providers.triton import norm_dynamic_ops as nd  # noqa: E402
 
-ON_GPU = torch.cuda.is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
-needs_kernels = pytest.mark.skipif(
-    not ON_GPU and not _support.interpreting(), reason="needs a GPU or TRITON_INTERPRET=1 (conftest sets it)"
-)
 pytestmark = pytest.mark.usefixtures("exact_interpreter_casts")
 EPS = 1e-6
 MODES = {"group": nd.PER_TOKEN_GROUP, "token": nd.PER_TOKEN}
@@ -42,12 +37,6 @@ def _inputs(t, h, dtype=torch.bfloat16, seed=0, device=DEVICE):
     return x.to(dtype).to(device), r.to(dtype).to(device), w.to(dtype).to(device)
 
 
-def _ordinal(q: torch.Tensor) -> torch.Tensor:
-    b = q.view(torch.uint8).to(torch.int16)
-    mag = b & 0x7F
-    return torch.where(b >= 0x80, -mag, mag)
-
-
 def assert_close(q, s, rq, rs, max_fraction=5e-3):
     assert q.shape == rq.shape and q.dtype == rq.dtype and s.shape == rs.shape
     q, s, rq, rs = q.cpu(), s.cpu(), rq.cpu(), rs.cpu()
@@ -55,7 +44,7 @@ def assert_close(q, s, rq, rs, max_fraction=5e-3):
     assert torch.equal(torch.isnan(q.float()), nan_q) and torch.equal(torch.isnan(s), nan_s)
     # a few fp32 ulps: the kernel sums the squares in its own order (4.3e-7 seen at T = 333, H = 7168 on the H200)
     torch.testing.assert_close(s[~nan_s], rs[~nan_s], rtol=1e-6, atol=0)
-    diff = (_ordinal(q) - _ordinal(rq)).abs()[~nan_q]
+    diff = (fp8_ordinal(q) - fp8_ordinal(rq)).abs()[~nan_q]
     assert (int(diff.max()) if diff.numel() else 0) <= 1, "a code is more than one fp8 step from the reference"
     assert int((diff > 0).sum()) <= max(2, int(max_fraction * diff.numel()))
 

@@ -54,6 +54,28 @@ import triton.language as tl
 
 
 @triton.jit
+def _row_aligned(stride_xm, stride_wn, K, ROW_ALIGN: tl.constexpr):
+    """``(stride_xm, stride_wn, K)``, each rewritten as ``(v // ROW_ALIGN) * ROW_ALIGN`` when ``ROW_ALIGN > 1``: the
+    launch guarantees they are multiples of it, so these are identities that tell the compiler the alignment
+    (``tl.multiple_of`` ignores scalars)."""
+    if ROW_ALIGN > 1:
+        stride_xm = (stride_xm // ROW_ALIGN) * ROW_ALIGN
+        stride_wn = (stride_wn // ROW_ALIGN) * ROW_ALIGN
+        K = (K // ROW_ALIGN) * ROW_ALIGN
+    return stride_xm, stride_wn, K
+
+
+@triton.jit
+def _split_groups(split, kb_per_split, K, GROUP_K: tl.constexpr):
+    """K split ``split``'s activation groups: ``(kb_first, kb_last, k_first)``, groups ``kb_first`` to
+    ``kb_last - 1`` (``kb_per_split`` of them, fewer in the last split), starting at column ``k_first``."""
+    kb_first = split * kb_per_split
+    kb_last = tl.minimum(kb_first + kb_per_split, tl.cdiv(K, GROUP_K))
+    k_first = kb_first * GROUP_K
+    return kb_first, kb_last, k_first
+
+
+@triton.jit
 def _bias_store(acc, offs_m, offs_n, M, N, out_ptr, stride_om, stride_on, bias_ptr, stride_b, HAS_BIAS: tl.constexpr):
     """Add the bias (fp32) and store ``acc`` (``offs_m``/``offs_n`` broadcast against its shape)."""
     in_n = offs_n < N
@@ -100,10 +122,7 @@ def block_gemv_kernel(
     multiple of ``GROUPS · GROUP_K``."""
     pid_n = tl.program_id(0)
     m = tl.program_id(1)
-    if ROW_ALIGN > 1:  # identities that tell the compiler the alignment (tl.multiple_of ignores scalars)
-        stride_xm = (stride_xm // ROW_ALIGN) * ROW_ALIGN
-        stride_wn = (stride_wn // ROW_ALIGN) * ROW_ALIGN
-        K = (K // ROW_ALIGN) * ROW_ALIGN
+    stride_xm, stride_wn, K = _row_aligned(stride_xm, stride_wn, K, ROW_ALIGN)
     STEP: tl.constexpr = GROUPS * GROUP_K
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_w = (offs_n % N).to(tl.int64)
@@ -159,18 +178,13 @@ def block_gemm_swap_kernel(
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
-    if ROW_ALIGN > 1:  # identities that tell the compiler the alignment (tl.multiple_of ignores scalars)
-        stride_xm = (stride_xm // ROW_ALIGN) * ROW_ALIGN
-        stride_wn = (stride_wn // ROW_ALIGN) * ROW_ALIGN
-        K = (K // ROW_ALIGN) * ROW_ALIGN
+    stride_xm, stride_wn, K = _row_aligned(stride_xm, stride_wn, K, ROW_ALIGN)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, GROUP_K)
     rows_w = offs_n % N
     rows_x = offs_m % M
-    kb_first = split * kb_per_split
-    kb_last = tl.minimum(kb_first + kb_per_split, tl.cdiv(K, GROUP_K))
-    k_first = kb_first * GROUP_K
+    kb_first, kb_last, k_first = _split_groups(split, kb_per_split, K, GROUP_K)
     w_ptrs = w_ptr + rows_w.to(tl.int64)[:, None] * stride_wn + (k_first + offs_k)[None, :] * stride_wk
     x_ptrs = x_ptr + rows_x.to(tl.int64)[None, :] * stride_xm + (k_first + offs_k)[:, None] * stride_xk
     xs_ptrs = xs_ptr + rows_x * stride_xsm + kb_first * stride_xsk
@@ -234,19 +248,14 @@ def block_gemm_mm_kernel(
     divides ``WBN`` (one weight scale per step) or is a multiple of it (a vector). Grid ``(tiles, SPLIT_K)``."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
-    if ROW_ALIGN > 1:  # identities that tell the compiler the alignment (tl.multiple_of ignores scalars)
-        stride_xm = (stride_xm // ROW_ALIGN) * ROW_ALIGN
-        stride_wn = (stride_wn // ROW_ALIGN) * ROW_ALIGN
-        K = (K // ROW_ALIGN) * ROW_ALIGN
+    stride_xm, stride_wn, K = _row_aligned(stride_xm, stride_wn, K, ROW_ALIGN)
     pid_m, pid_n = _tile_coords(tile, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, GROUP_K)
     rows_x = offs_m % M
     rows_w = offs_n % N
-    kb_first = split * kb_per_split
-    kb_last = tl.minimum(kb_first + kb_per_split, tl.cdiv(K, GROUP_K))
-    k_first = kb_first * GROUP_K
+    kb_first, kb_last, k_first = _split_groups(split, kb_per_split, K, GROUP_K)
     x_ptrs = x_ptr + rows_x.to(tl.int64)[:, None] * stride_xm + (k_first + offs_k)[None, :] * stride_xk
     w_ptrs = w_ptr + rows_w.to(tl.int64)[None, :] * stride_wn + (k_first + offs_k)[:, None] * stride_wk  # wᵀ view
     xs_ptrs = xs_ptr + rows_x * stride_xsm + kb_first * stride_xsk
