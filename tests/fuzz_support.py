@@ -52,13 +52,8 @@ def target(kind: str, spec: str, device: str, *marks) -> object:
 
 
 #: every norm-quant provider, on the CPU (Triton's under the interpreter) and on CUDA: both fuzz files run them all
-NORM_TARGETS = [
-    target("norm_quant", "torch", "cpu"),
-    target("norm_quant", "triton", "cpu"),
-    target("norm_quant", "torch", "cuda"),
-    target("norm_quant", "triton", "cuda"),
-    target("norm_quant", "flashinfer", "cuda"),
-]
+NORM_TARGETS = [target("norm_quant", spec, device) for spec, device in (
+    ("torch", "cpu"), ("triton", "cpu"), ("torch", "cuda"), ("triton", "cuda"), ("flashinfer", "cuda"))]
 
 def provider(target: Target):
     """The provider instance, or a skip with the registry's reason."""
