@@ -32,7 +32,7 @@ from fp8_backends.core.oplib import LazyOps, gemm_fake, gemm_schema
 
 from . import build
 from .block_configs import BLOCK_CONFIGS, GROUP_K, WEIGHT_BLOCK, active_block_table
-from .ops import CutlassKernelError
+from .ops import _TMA_ALIGN, CutlassKernelError, _check_aligned
 
 if TYPE_CHECKING:
     import torch
@@ -43,7 +43,6 @@ OP_BASENAME = "cutlass_sm90_block_gemm"
 OP_NAME = f"fp8_backends::{OP_BASENAME}"
 #: the op's options after the GEMM arguments (:func:`fp8_backends.core.oplib.gemm_schema`)
 OP_OPTIONS = ("str config",)
-_TMA_ALIGN = 16  # bytes
 _F32_BYTES = 4
 
 
@@ -160,14 +159,6 @@ def _weight_scale_operand(w_scale: torch.Tensor, nb: int, kb: int) -> tuple[torc
             return w_scale, ld
     w_scale = w_scale.contiguous()
     return w_scale, kb
-
-
-def _check_aligned(t: torch.Tensor, what: str) -> None:
-    if t.data_ptr() % _TMA_ALIGN:
-        raise InvalidInputError(
-            f"cutlass needs {what} 16-byte aligned (TMA); its data pointer is {t.data_ptr():#x} "
-            "(a view at an odd offset): pass a tensor that starts its own allocation"
-        )
 
 
 def _run(
