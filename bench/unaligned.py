@@ -12,9 +12,16 @@ both shapes of the pair in one interleaved timing (the same rounds: :mod:`fp8_ba
 inputs rotated past L2 on the GPU). Providers that refuse the unaligned shape are listed with their reasons.
 
 Per provider and M the table gives µs on both shapes, ``time ratio`` (unaligned / aligned) and ``bytes ratio`` (x + w
-+ y bytes, unaligned / aligned). The target: no cliff, that is the unaligned shape costs at most what its aligned
-neighbour costs (``time ratio <= 1`` within the timing's 3%: serving it is never slower than padding to the
-neighbour), and ``auto`` serves every unaligned point. Writes ``unaligned.json`` and ``unaligned.md`` under ``--out``.
++ y bytes, unaligned / aligned). These GEMM calls take an activation already quantized to K columns, so a provider that
+pads pays the activation's pad per call there.
+
+The layer table is what a model runs: ``Fp8Linear(backend="auto")`` of both shapes (bf16 in, bf16 out, the layer's
+quantization included: a padding provider's activation is quantized straight into the padded width), per scale mode
+(``--layer-modes``: per-tensor dynamic, the ``quantize_model`` default, and per-token x per-channel), timed the same
+way.
+The target, on the layers: no cliff, that is the unaligned shape costs at most what its aligned neighbour costs (``time
+ratio <= 1`` within the timing's 3%: serving it is never slower than padding to the neighbour); and ``auto`` serves
+every unaligned point. Writes ``unaligned.json`` and ``unaligned.md`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ DEFAULT_M = (1, 16, 64, 256, 1024, 4096)
 QUICK_M = (1, 16, 256, 4096)
 #: a time ratio above 1 + this is a cliff (the timing's own noise is about this size)
 CLIFF_TOLERANCE = 0.03
+#: the layers' scale modes: (activation, weight)
+LAYER_MODES = {"per_tensor_dynamic": ("per_tensor_dynamic", "per_tensor"), "per_token": ("per_token", "per_channel")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="unaligned shape and its aligned neighbour (default: the 3420 / 6840 pairs)")
     ap.add_argument("--m", default=None, help="M values: '1,16,256' or '1-4096' (powers of two)")
     ap.add_argument("--quick", action="store_true", help="2 pairs x M 1,16,256,4096, fewer repeats")
+    ap.add_argument("--layer-modes", nargs="*", default=list(LAYER_MODES), choices=list(LAYER_MODES),
+                    help="scale modes of the Fp8Linear table (none: no layer table)")
     common.add_run_options(ap, "pairs")
     return ap
 
@@ -113,6 +124,85 @@ def measure_pair(pair: tuple[tuple[int, int], tuple[int, int]], m: int, workload
     return point
 
 
+class LayerWorkload:
+    """``Fp8Linear(backend="auto")`` layers of one ``[N, K]`` bf16 weight in each scale mode, on bf16 activations
+    ``[M, K]`` rotated past L2 (as :class:`~fp8_backends.tuning.workloads.GemmWorkload`'s)."""
+
+    def __init__(self, n: int, k: int, device: str, modes: list[str], seed: int = 0) -> None:
+        import torch
+
+        from fp8_backends.layers import Fp8Linear
+        from fp8_backends.tuning.timing import l2_cache_bytes
+
+        self.torch, self.n, self.k, self.device = torch, n, k, torch.device(device)
+        gen = torch.Generator().manual_seed(seed)
+        self.linear = torch.nn.Linear(k, n, bias=False).to(self.device, torch.bfloat16)
+        with torch.no_grad():
+            self.linear.weight.copy_(torch.randn(n, k, generator=gen) / k**0.5)
+        self.layers = {}
+        for mode in modes:
+            act, wscale = LAYER_MODES[mode]
+            self.layers[mode] = Fp8Linear.from_linear(self.linear, act_scale=act, weight_scale=wscale, backend="auto")
+        self.l2 = l2_cache_bytes(self.device) if self.device.type == "cuda" else 0
+
+    def provider(self, mode: str, m: int) -> str:
+        """The provider ``auto`` runs for ``m`` rows (the layer's per-M composite; on the GPU the rows of CUDA-graph
+        captures, which the timing replays)."""
+        kernel = self.layers[mode].kernel
+        rows = kernel.graph_rows if self.device.type == "cuda" else kernel.rows
+        return next((row.backend.name for row in rows if m <= row.bucket), rows[-1].backend.name)
+
+    def bytes_moved(self, m: int) -> float:
+        return m * self.k * 2 + self.n * self.k + m * self.n * 2
+
+    def run(self, mode: str, m: int) -> Any:
+        from fp8_backends.tuning.timing import Run, rotation_count
+
+        torch = self.torch
+        sets = rotation_count(self.bytes_moved(m), self.l2, maximum=32) if self.device.type == "cuda" else 1
+        gen = torch.Generator().manual_seed(m)
+        xs = [torch.randn(m, self.k, generator=gen).to(self.device, torch.bfloat16) for _ in range(sets)]
+        with torch.no_grad():
+            want = self.linear(xs[0]).float()
+        layer = self.layers[mode]
+
+        def fn(i: int) -> Any:
+            return layer(xs[i])
+
+        def check(out: Any) -> tuple[float, str | None]:
+            err = float((out.float() - want).norm() / want.norm().clamp_min(1e-30))
+            return err, None if err < 0.1 else f"relative error {err:.3g} against the bf16 linear"
+
+        return Run(lambda i: fn(i % sets), sets, check)
+
+
+def measure_layers(pair: tuple[tuple[int, int], tuple[int, int]], m: int, layers: dict[tuple[int, int], LayerWorkload],
+                   modes: list[str], timer: Any) -> list[dict[str, Any]]:
+    """Per scale mode, the ``auto`` layers of both shapes of the pair in one interleaved timing."""
+    runs: dict[str, Any] = {}
+    failed: dict[str, str] = {}
+    for mode in modes:
+        for side, nk in zip(("unaligned", "aligned"), pair):
+            run = layers[nk].run(mode, m)
+            err, reason = run.check(run.fn(0))
+            key = f"{side} {mode}"
+            if reason is None:
+                runs[key] = run
+            else:
+                failed[key] = reason
+    measured = timer(runs) if runs else {}
+    us = {key: (mm.median_us if mm.ok else None) for key, mm in measured.items()}
+    rows = []
+    for mode in modes:
+        u, a = us.get(f"unaligned {mode}"), us.get(f"aligned {mode}")
+        rows.append({"pair": [list(pair[0]), list(pair[1])], "m": m, "mode": mode,
+                     "provider": {"unaligned": layers[pair[0]].provider(mode, m),
+                                  "aligned": layers[pair[1]].provider(mode, m)},
+                     "unaligned_us": u, "aligned_us": a, "time_ratio": u / a if u and a else None,
+                     "failed": {k: v for k, v in failed.items() if k.endswith(mode)}})
+    return rows
+
+
 def rows_of(point: dict[str, Any]) -> list[dict[str, Any]]:
     """Per provider label seen on either side: µs on both shapes, the time and bytes ratios."""
     us = point["us"]
@@ -127,11 +217,13 @@ def rows_of(point: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def targets(points: list[dict[str, Any]], rows: list[dict[str, Any]]) -> dict[str, Any]:
-    cliffs = [f"{r['pair'][0]} M={r['m']} {r['provider']}: {r['time_ratio']:.3f}x its aligned neighbour"
-              for r in rows if r["time_ratio"] is not None and r["time_ratio"] > 1 + CLIFF_TOLERANCE]
+def targets(points: list[dict[str, Any]], layer_rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """``no_cliff`` on the layers (what a model runs), ``auto_serves_unaligned`` on the GEMM points."""
+    cliffs = [f"{r['pair'][0]} M={r['m']} {r['mode']} (auto: {r['provider']['unaligned']}): {r['time_ratio']:.3f}x "
+              "its aligned neighbour" for r in layer_rows
+              if r["time_ratio"] is not None and r["time_ratio"] > 1 + CLIFF_TOLERANCE]
     unserved = [f"{p['pair'][0]} M={p['m']}" for p in points if not p["auto"].get("unaligned")]
-    timed = [r for r in rows if r["time_ratio"] is not None]
+    timed = [r for r in layer_rows if r["time_ratio"] is not None]
     return {"no_cliff": {"points": len(timed), "met": len(timed) - len(cliffs), "violations": cliffs},
             "auto_serves_unaligned": {"points": len(points), "met": len(points) - len(unserved),
                                       "violations": unserved}}
@@ -148,7 +240,15 @@ def markdown(header: dict[str, Any], result: dict[str, Any], method: str) -> str
     for name, t in result["targets"].items():
         lines.append(f"- {name}: {t['met']}/{t['points']}" + ("" if not t["violations"] else ":"))
         lines += [f"  - {v}" for v in t["violations"]]
-    lines += ["", "## Every provider", ""]
+    if result["layer_rows"]:
+        lines += ["", "## Fp8Linear(backend=\"auto\"): the layer a model runs (bf16 in, quantization included)", ""]
+        lines += common.md_table(
+            ["unaligned", "aligned", "M", "mode", "auto runs (unaligned / aligned)", "unaligned µs", "aligned µs",
+             "time ratio"],
+            [[_shape(r["pair"][0]), _shape(r["pair"][1]), r["m"], r["mode"],
+              f"{r['provider']['unaligned']} / {r['provider']['aligned']}", fmt(r["unaligned_us"]),
+              fmt(r["aligned_us"]), fmt(r["time_ratio"], ".3f")] for r in result["layer_rows"]])
+    lines += ["", "## Every provider (GEMM calls on an activation already quantized to K columns)", ""]
     lines += common.md_table(
         ["unaligned", "aligned", "M", "provider", "unaligned µs", "aligned µs", "time ratio", "bytes ratio", "auto"],
         [[_shape(r["pair"][0]), _shape(r["pair"][1]), r["m"], r["provider"], fmt(r["unaligned_us"]),
@@ -159,7 +259,8 @@ def markdown(header: dict[str, Any], result: dict[str, Any], method: str) -> str
     if refused:
         lines += ["", "## Providers that refuse the unaligned shapes", ""]
         lines += [f"- {shape} {label}: {why}" for shape, label, why in refused]
-    failed = sorted({(key, why) for p in result["points"] for key, why in {**p["failed"], **p["errors"]}.items()})
+    failed = sorted({(key, why) for p in result["points"] for key, why in {**p["failed"], **p["errors"]}.items()}
+                    | {(f"layer {key}", why) for r in result["layer_rows"] for key, why in r["failed"].items()})
     if failed:
         lines += ["", "## Failures", ""] + [f"- {key}: {why}" for key, why in failed]
     return "\n".join(lines) + "\n"
@@ -178,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     kind = "cpu" if device == "cpu" else "cuda"
     print(f"bench.unaligned on {platform.describe()}: {len(pairs)} pairs x {len(buckets)} M -> {out}", file=sys.stderr)
     points: list[dict[str, Any]] = []
+    layer_rows: list[dict[str, Any]] = []
     for pair in pairs:
         workloads = {nk: GemmWorkload(GemmProblem(n=nk[0], k=nk[1], device=kind), device) for nk in pair}
         try:
@@ -188,14 +290,23 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for w in workloads.values():
                 w.close()
+        if args.layer_modes:
+            layers = {nk: LayerWorkload(nk[0], nk[1], device, args.layer_modes) for nk in pair}
+            for m in buckets:
+                layer_rows += measure_layers(pair, m, layers, args.layer_modes, timer)
+            del layers
     rows = [r for p in points for r in rows_of(p)]
-    result = {"points": points, "rows": rows, "targets": targets(points, rows)}
+    result = {"points": points, "rows": rows, "layer_rows": layer_rows, "targets": targets(points, layer_rows)}
     method = ("both shapes of a pair in one interleaved timing per M: CUDA graph per candidate over input copies "
               f"rotated past L2, {timer.config.rounds} rounds x {timer.config.replays} replays, median per call; every "
               "candidate checked against the fp32 reference first" if device != "cpu" else "CPU wall clock (smoke run)")
     common.write_json(out / "unaligned.json", {"schema": "fp8_backends.bench.unaligned/1", "meta": header,
                                                "method": method, "m_values": buckets, **result})
     (out / "unaligned.md").write_text(markdown(header, result, method), encoding="utf-8")
+    print(common.console_table(
+        ["unaligned", "M", "layer mode", "auto runs", "unaligned µs", "aligned µs", "time ratio"],
+        [[_shape(r["pair"][0]), r["m"], r["mode"], r["provider"]["unaligned"], common.fmt(r["unaligned_us"]),
+          common.fmt(r["aligned_us"]), common.fmt(r["time_ratio"], ".3f")] for r in layer_rows]))
     print(common.console_table(
         ["unaligned", "M", "provider", "unaligned µs", "aligned µs", "time ratio", "bytes ratio"],
         [[_shape(r["pair"][0]), r["m"], r["provider"], common.fmt(r["unaligned_us"]), common.fmt(r["aligned_us"]),

@@ -4,7 +4,10 @@ Per-tensor scales on CUDA SM >= 8.9 and on the CPU; row-wise scales (per-token a
 per-channel weight) through torch's row-wise path; block-wise FP8 (1x128 activation groups x 128x128 weight
 blocks) through cuBLASLt's block-scaled GEMM on SM 9.0 where this torch serves it, and torch ops on the CPU
 (:mod:`.torch_block`). The weight is prepared once as the column-major ``[K, N]`` view ``_scaled_mm`` wants
-(``w_q.t()`` of a row-major ``[N, K]``: no copy).
+(``w_q.t()`` of a row-major ``[N, K]``: no copy). On CUDA, N or K not a multiple of 16 (cuBLASLt's row alignment)
+is served by padding: the weight zero-padded to ``[N16, K16]`` once, the activation to K16 (written so by a layer's
+quantizer, else padded per call) and the output returned as the ``[M, N]`` column view of the ``[M, N16]`` result
+(:mod:`fp8_backends.core.padding`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import TYPE_CHECKING, ClassVar
 from fp8_backends.core.backend import Fp8GemmBackend
 from fp8_backends.core.capabilities import GemmCapabilities
 from fp8_backends.core.errors import InvalidInputError
+from fp8_backends.core.padding import ROW_ALIGN, match_k, pad_weight, round_up
 from fp8_backends.core.types import (
     ActScale,
     BiasMode,
@@ -60,6 +64,12 @@ def cpu_rowwise_supported() -> bool:
     return True
 
 
+def pads_rows(device_type: str) -> bool:
+    """Whether ``_scaled_mm`` on ``device_type`` tensors needs 16-byte aligned rows (a weight of another N or K is
+    padded): CUDA's cuBLASLt does, the CPU's does not."""
+    return device_type != "cpu"
+
+
 class TorchScaledMMBackend(Fp8GemmBackend):
     name: ClassVar[str] = "torch_scaled_mm"
     aliases: ClassVar[tuple[str, ...]] = ("torch",)
@@ -79,11 +89,11 @@ class TorchScaledMMBackend(Fp8GemmBackend):
         mixed_inputs=True,
         out_dtypes=frozenset({OutDtype.BF16, OutDtype.FP16, OutDtype.FP32}),
         bias=BiasMode.FUSED,
-        k_align=16,
-        n_align=16,
-        # the CPU's _scaled_mm takes any N and K (fp32 math); cuBLASLt's does not (torch checks it before the call)
-        align_reason="cuBLASLt's FP8 GEMM behind torch._scaled_mm on CUDA needs 16-byte aligned rows",
-        align_devices=frozenset({DeviceKind.CUDA}),
+        # any N and K: the CPU's _scaled_mm takes them (fp32 math); on CUDA, where cuBLASLt wants 16-byte aligned
+        # rows (torch checks it before the call), the weight is zero-padded once (prepare_weight_impl); block-wise
+        # FP8 on CUDA keeps cuBLASLt's rule (_block_platform_reasons)
+        k_align=1,
+        n_align=1,
         priority=10,
         group_sizes=frozenset({128}),
         weight_blocks=frozenset({(128, 128)}),
@@ -119,7 +129,8 @@ class TorchScaledMMBackend(Fp8GemmBackend):
         this torch serves it (probed once per device), bfloat16 out, precise accumulation."""
         if problem.device is DeviceKind.CPU:
             return [_CPU_FAST_ACCUM] if self.config["fast_accum"] == "true" else []
-        reasons = []
+        reasons = [f"{dim}={size} is not a multiple of {ROW_ALIGN} (cuBLASLt's block-scaled FP8 GEMM needs 16-byte "
+                   "aligned rows)" for dim, size in (("K", problem.k), ("N", problem.n)) if size % ROW_ALIGN]
         if self.config["fast_accum"] == "true":
             reasons.append("block-scaled FP8 accumulates precisely (fast_accum=true does not apply)")
         if problem.input_dtype is not Fp8Dtype.E4M3FN or problem.weight_dtype is not Fp8Dtype.E4M3FN:
@@ -146,9 +157,21 @@ class TorchScaledMMBackend(Fp8GemmBackend):
             raise InvalidInputError(_CPU_FAST_ACCUM)
         if weight_scale is WeightScale.BLOCK:
             return self._prepare_block_weight(w_q, w_scale)
+        import torch
+
         n, k = w_q.shape
-        # row-wise B scale [1, N], used whenever either operand is scaled per row; built once here
-        row_scale = w_scale.reshape(-1).expand(n).reshape(1, n).contiguous()
+        k_pad = n_pad = None
+        if pads_rows(w_q.device.type) and (n % ROW_ALIGN or k % ROW_ALIGN):
+            # cuBLASLt wants 16-byte aligned rows: a zero-padded [N16, K16] copy, once (activations are padded to
+            # K16 as they are quantized, the output's padded columns cut off as a view: gemm_impl)
+            n_pad, k_pad = round_up(n, ROW_ALIGN), round_up(k, ROW_ALIGN)
+            w_q = pad_weight(w_q, n_pad, k_pad)
+        # row-wise B scale [1, N], used whenever either operand is scaled per row; built once here (padded columns
+        # scale zero weights: any finite value, 1)
+        row_scale = w_scale.reshape(-1).expand(n).reshape(1, n)
+        if n_pad is not None:
+            row_scale = torch.nn.functional.pad(row_scale, (0, n_pad - n), value=1.0)
+        row_scale = row_scale.contiguous()
         return PreparedWeight(
             data=w_q.t(),  # [K, N] column-major view: what _scaled_mm wants for B
             scale=w_scale.reshape(()).contiguous() if weight_scale is WeightScale.PER_TENSOR else row_scale,
@@ -158,6 +181,7 @@ class TorchScaledMMBackend(Fp8GemmBackend):
             weight_scale=weight_scale,
             backend=self.name,
             extra={"row_scale": row_scale},
+            k_pad=k_pad if k_pad != k else None,
         )
 
     def _prepare_block_weight(self, w_q: torch.Tensor, w_scale: torch.Tensor) -> PreparedWeight:
@@ -206,9 +230,12 @@ class TorchScaledMMBackend(Fp8GemmBackend):
             w_scale = prepared.extra["row_scale"]
         else:
             a_scale, w_scale = x_scale.reshape(()), prepared.scale
+        n, n_pad = prepared.n, prepared.data.shape[1]
         fused_bias = bias if out_dtype != torch.float32 else None
+        if fused_bias is not None and n_pad != n:
+            fused_bias = torch.nn.functional.pad(fused_bias, (0, n_pad - n))
         y = torch._scaled_mm(
-            x_q,
+            match_k(x_q, prepared.k_pad),
             prepared.data,
             scale_a=a_scale,
             scale_b=w_scale,
@@ -216,6 +243,8 @@ class TorchScaledMMBackend(Fp8GemmBackend):
             out_dtype=out_dtype,
             use_fast_accum=self.config["fast_accum"] == "true",
         )
+        if n_pad != n:  # a padded weight: its N columns of the output, as a view (row stride n_pad)
+            y = y[:, :n]
         if bias is not None and fused_bias is None:
             y.add_(bias)
         return y

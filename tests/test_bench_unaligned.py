@@ -25,7 +25,13 @@ def test_cpu_smoke_run(tmp_path, capsys):
     assert all("unaligned" in r["auto"] for r in served)
     assert 0.7 < served[0]["bytes_ratio"] < 0.8  # (40*72 + M*72 + M*40*2) / (48*80 + ...)
     assert data["targets"]["auto_serves_unaligned"] == {"points": 2, "met": 2, "violations": []}
-    assert "| 40x72 | 48x80 |" in (tmp_path / "unaligned.md").read_text()
+    # the auto layers of both shapes in each scale mode, bf16 in: the no-cliff target is theirs
+    layers = data["layer_rows"]
+    assert {(r["m"], r["mode"]) for r in layers} == {(m, mode) for m in (1, 3) for mode in unaligned.LAYER_MODES}
+    assert all(r["provider"]["unaligned"] == "torch_scaled_mm" and r["time_ratio"] for r in layers)
+    assert data["targets"]["no_cliff"]["points"] == len(layers)
+    md = (tmp_path / "unaligned.md").read_text()
+    assert "| 40x72 | 48x80 |" in md and "Fp8Linear(backend=\"auto\")" in md
     assert "target no_cliff" in capsys.readouterr().out
 
 

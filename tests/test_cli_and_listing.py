@@ -93,9 +93,10 @@ def test_listing_exits_non_zero_when_an_explicit_choice_fails(capsys, monkeypatc
     assert "unknown GEMM backend 'nosuch'" in proc.stderr
     assert listing.main(["--norm-quant-backend", "nosuch"]) == 1
     assert listing.main(["--gemm-backend", "torch", "--norm-quant-backend", "torch"]) == 0
-    # K=20: cuBLASLt cannot serve it (torch's CPU _scaled_mm can)
-    assert listing.main(["--gemm-backend", "torch", "--problem", "4,32,20", "--simulate-sm", "9.0"]) == 1
-    assert listing.main(["--gemm-backend", "torch", "--problem", "4,32,20", "--device", "cpu"]) == 0
+    # e5m2 x e5m2: cuBLASLt has no such GEMM (torch's CPU _scaled_mm has)
+    e5m2 = ["--input-dtype", "e5m2", "--weight-dtype", "e5m2", "--problem", "4,32,32"]
+    assert listing.main(["--gemm-backend", "torch", *e5m2, "--simulate-sm", "9.0"]) == 1
+    assert listing.main(["--gemm-backend", "torch", *e5m2, "--device", "cpu"]) == 0
     monkeypatch.setenv("FP8_GEMM_BACKEND", "nosuch")
     assert listing.main([]) == 1
     monkeypatch.delenv("FP8_GEMM_BACKEND")
@@ -158,8 +159,9 @@ def test_flag_choice_that_cannot_serve_fails_loudly():
     parser = argparse.ArgumentParser()
     fp8_backends.add_cli_args(parser)
     args = parser.parse_args(["--fp8-gemm-backend", "torch_scaled_mm"])
-    with pytest.raises(UnsupportedProblemError, match="K=20 is not a multiple of 16"):
-        fp8_backends.backends_from_args(args, gemm_problem=GemmProblem(n=32, k=20),
+    with pytest.raises(UnsupportedProblemError, match="cuBLASLt has no e5m2 x e5m2 FP8 GEMM"):
+        fp8_backends.backends_from_args(args, gemm_problem=GemmProblem(n=32, k=32, input_dtype="e5m2",
+                                                                       weight_dtype="e5m2"),
                                         platform=fp8_backends.simulate_platform("9.0"))
 
 

@@ -205,11 +205,15 @@ def test_explicit_choice_never_falls_back():
         resolve_gemm_backend("torch_scaled_mm", problem=problem, platform=simulate_platform("9.0"))
 
 
-def test_odd_k_rejected_with_reason():
-    """cuBLASLt's FP8 GEMM needs K and N multiples of 16 (the reason says why); torch's CPU _scaled_mm does not."""
+def test_odd_k_served_by_padding_and_refused_block_wise():
+    """cuBLASLt's FP8 GEMM needs 16-byte aligned rows: torch_scaled_mm pads a per-tensor / per-channel weight on CUDA
+    (served), refuses a block-wise one with the reason; torch's CPU _scaled_mm takes any K."""
+    sm90 = simulate_platform("9.0")
+    assert resolve_gemm_backend("torch", problem=GemmProblem(n=32, k=17), platform=sm90).name == "torch_scaled_mm"
+    block = GemmProblem(n=256, k=136, act_scale="per_token_group", weight_scale="block")
     with pytest.raises(UnsupportedProblemError,
-                       match=r"K=17 is not a multiple of 16 \(cuBLASLt.s FP8 GEMM behind torch._scaled_mm on CUDA"):
-        resolve_gemm_backend("torch", problem=GemmProblem(n=32, k=17), platform=simulate_platform("9.0"))
+                       match=r"K=136 is not a multiple of 16 \(cuBLASLt.s block-scaled FP8 GEMM needs 16-byte"):
+        resolve_gemm_backend("torch", problem=block, platform=sm90)
     assert resolve_gemm_backend("torch", problem=GemmProblem(n=30, k=17, device="cpu")).name == "torch_scaled_mm"
 
 

@@ -126,7 +126,7 @@ def test_forced_tma_configs_serve_unaligned_k():
 def test_pad_columns_pads_the_codes_with_zeros(k):
     """The activation pad (eager: as the widest integer dividing K; compiled: as bytes) keeps every code and adds
     zeros, for a row-major and a column-sliced input."""
-    from fp8_backends.providers.triton.gemm import pad_columns
+    from fp8_backends.core.padding import pad_columns
 
     k_pad = -(-k // 16) * 16
     wide = (torch.randn(5, k + 3) * 10).to(torch.float8_e4m3fn)

@@ -145,6 +145,31 @@ def test_per_token_two_pass_path(k, block):
     assert_codes_close(q, rq)
 
 
+@needs_kernels
+@pytest.mark.parametrize("mode", PLAIN_ACT_SCALES)
+@pytest.mark.parametrize("m, k, k_out, two_pass", [(3, 30, 32, False), (300, 70, 80, False), (4, 1000, 1008, True),
+                                                    (1, 3, 16, False), (2, 48, 48, False)])
+def test_codes_written_padded(mode, m, k, k_out, two_pass):
+    """``k_out``: the codes as row-major ``[M, k_out]``, zeros beyond K, the same codes and scales as without it (the
+    layers whose provider padded the weight's K quantize straight into the padded width: one launch)."""
+    x = _VIEWS["transposed"](_x(k, m, seed=5)) if m == 3 else _x(m, k, seed=5)
+    s = torch.tensor([0.05], device=DEVICE)
+    kw = {"config": qk.row_config(k_out, single_pass_max=256, loop_block=256)} if two_pass else {}
+    if mode is ActScale.PER_TENSOR_STATIC:
+        q, want = qk.quant_static(x, s, torch.float8_e4m3fn, k_out=k_out), qk.quant_static(x, s, torch.float8_e4m3fn)
+    elif mode is ActScale.PER_TENSOR_DYNAMIC:
+        (q, sc), (want, ws) = qk.quant_dynamic(x, torch.float8_e4m3fn, k_out=k_out), qk.quant_dynamic(
+            x, torch.float8_e4m3fn)
+        assert torch.equal(sc, ws)
+    else:
+        (q, sc), (want, ws) = qk.quant_per_token(x, torch.float8_e4m3fn, k_out=k_out, **kw), qk.quant_per_token(
+            x, torch.float8_e4m3fn)
+        assert torch.equal(sc, ws)
+    assert q.shape == (m, k_out) and q.stride() == (k_out, 1)
+    assert torch.equal(q[:, :k].view(torch.uint8), want.view(torch.uint8))
+    assert not q[:, k:].view(torch.uint8).any()
+
+
 _VIEWS = {
     "transposed": lambda b: b.t(),  # [24, 40], strides (1, 24)
     "column slice": lambda b: b[:, 3:19],  # row stride 24 > K = 16

@@ -28,13 +28,15 @@ def _relerr(a, b) -> float:
 @pytest.mark.parametrize("n, k", UNALIGNED)
 @pytest.mark.parametrize("sm", ["8.9", "9.0", "10.0"])
 def test_auto_serves_unaligned_shapes_on_sm89_and_later(n, k, sm):
-    """Every M bucket of an unaligned shape has a server (triton's masked kernels); the providers that need aligned
-    rows are refused with their reasons."""
+    """Every M bucket of an unaligned shape has a server (triton's masked kernels, torch_scaled_mm's padding); the
+    providers that need aligned rows are refused with their reasons."""
     for m in (1, 16, 256, 4096):
         res = explain("gemm", "auto", problem=GemmProblem(n=n, k=k, m=m), platform=simulate_platform(sm))
-        assert res.error is None and res.chosen.entry.name == "triton", (m, res.error)
+        assert res.error is None and res.chosen.entry.name in ("triton", "torch_scaled_mm"), (m, res.error)
+        ok = {c.entry.name for c in res.candidates if c.ok}
+        assert {"triton", "torch_scaled_mm"} <= ok
         reasons = {c.entry.name: " ".join(c.reasons) for c in res.candidates if not c.ok}
-        assert "16-byte aligned rows" in reasons["torch_scaled_mm"]
+        assert "not a multiple of 16" in reasons["cutlass"]
 
 
 def test_cpu_serves_unaligned_shapes():
@@ -60,9 +62,75 @@ def test_fp8_linear_of_an_unaligned_shape_on_the_cpu(mode):
 def test_listing_names_the_refusals(capsys):
     assert listing.main(["--problem", "16,6840,3420", "--simulate-sm", "9.0"]) == 0
     out = capsys.readouterr().out
-    assert "-> triton" in out
-    assert "K=3420 is not a multiple of 16 (cuBLASLt's FP8 GEMM behind torch._scaled_mm" in out
+    assert "-> triton" in out or "-> torch_scaled_mm" in out
     assert "N=6840 is not a multiple of 16 (the CUTLASS kernels load tiles through TMA" in out
+
+
+@pytest.fixture
+def cuda_padding(monkeypatch):
+    """torch_scaled_mm pads the weight on the CPU as it does on CUDA (where cuBLASLt needs 16-byte rows), so that the
+    padded path (weight, activation written padded by the quantizer, output view, bias) runs here."""
+    from fp8_backends.providers import torch_scaled_mm
+
+    monkeypatch.setattr(torch_scaled_mm, "pads_rows", lambda device_type: True)
+
+
+@pytest.mark.parametrize("mode, wscale", [("per_tensor_static", "per_tensor"), ("per_tensor_dynamic", "per_tensor"),
+                                          ("per_token", "per_channel"), ("per_tensor_dynamic", "per_channel")])
+@pytest.mark.parametrize("n, k", [(37, 71), (48, 40), (40, 48)])
+def test_torch_scaled_mm_pads_unaligned_weights(cuda_padding, mode, wscale, n, k):
+    """The padded path: a [N16, K16] weight, the activation quantized straight into K16 columns by the eager plan,
+    the output an [M, N] view; right eagerly, compiled, with a bias, for 2-D and 3-D inputs and on the general path
+    (an already quantized activation of K columns, padded per call)."""
+    from fp8_backends import quant
+    from fp8_backends.core.types import QuantizedActivation
+
+    torch.manual_seed(0)
+    lin = nn.Linear(k, n, bias=True).to(torch.bfloat16)
+    layer = Fp8Linear.from_linear(lin, act_scale=mode, weight_scale=wscale, backend="torch_scaled_mm",
+                                  input_scale=0.02 if mode == "per_tensor_static" else None)
+    prepared = layer.prepared
+    k16 = -(-k // 16) * 16
+    assert prepared.data.shape == (k16, -(-n // 16) * 16) and prepared.k_pad == (k16 if k % 16 else None)
+    for x in (torch.randn(5, k, dtype=torch.bfloat16), torch.randn(2, 3, k, dtype=torch.bfloat16),
+              torch.randn(k, 4, dtype=torch.bfloat16).t()):
+        want = lin(x)
+        y = layer(x)
+        assert y.shape == want.shape and _relerr(y, want) < 0.1
+        torch._dynamo.reset()
+        assert _relerr(torch.compile(layer, fullgraph=True)(x), want) < 0.1
+    x = torch.randn(6, k, dtype=torch.bfloat16)
+    q, s = quant.quantize_per_token(x) if mode == "per_token" else quant.quantize_dynamic(x)
+    if mode != "per_tensor_static":
+        assert _relerr(layer(QuantizedActivation(q, s, x.dtype, mode)), lin(x)) < 0.1
+
+
+def test_padded_quantizer_writes_zeros_beyond_k():
+    """Codes padded to k_pad columns: through a kernel that writes them so (pads_output), or padded after one that
+    does not (the reference); the same codes and scales as the unpadded quantization."""
+    from fp8_backends import quant
+    from fp8_backends.core import reference
+    from fp8_backends.core.types import ActScale
+
+    x = torch.randn(7, 30, dtype=torch.bfloat16)
+    calls = []
+
+    def padding_impl(x, fp8_dtype, *, k_out=None):
+        calls.append(k_out)
+        q, s = reference.quantize_per_token(x, fp8_dtype)
+        return torch.nn.functional.pad(q.view(torch.uint8), (0, k_out - q.shape[1])).view(q.dtype), s
+
+    padding_impl.pads_output = True
+    want_q, want_s = quant.quantize_per_token(x)
+    for impl in (None, padding_impl):
+        previous = quant.register_quant_impl("per_token", "cpu", impl)
+        try:
+            q, s = quant.padded_quantizer(ActScale.PER_TOKEN, torch.float8_e4m3fn, None, 32)(x)
+        finally:
+            quant.register_quant_impl("per_token", "cpu", previous)
+        assert q.shape == (7, 32) and torch.equal(q[:, :30].view(torch.uint8), want_q.view(torch.uint8))
+        assert not q[:, 30:].view(torch.uint8).any() and torch.equal(s, want_s)
+    assert calls == [32]
 
 
 # ------------------------------------------------------------------------------------ GPU
@@ -92,3 +160,36 @@ def test_gpu_quantize_model_builds_unaligned_layers():
     assert [s.name for s in summary.swapped] == ["0", "2"] and not summary.skipped
     x = torch.randn(33, 4096, device="cuda", dtype=torch.bfloat16)
     assert _relerr(model(x), ref(x)) < 0.1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch_scaled_mm", "triton"])
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_padding_providers_unaligned(backend, mode):
+    """Each padding provider named explicitly, with a bias: eager (the activation quantized into the padded width),
+    compiled and replayed in a CUDA graph, and an activation already quantized to K columns (padded per call)."""
+    from fp8_backends import quant
+
+    torch.manual_seed(0)
+    for n, k in ((3420, 6840), (6840, 3420), (37, 71)):
+        lin = nn.Linear(k, n, bias=True, device="cuda", dtype=torch.bfloat16)
+        layer = Fp8Linear.from_linear(lin, act_scale=mode, backend=backend,
+                                      input_scale=0.02 if mode == "per_tensor_static" else None)
+        torch._dynamo.reset()
+        compiled = torch.compile(layer)
+        for m in (1, 16, 300):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            want = lin(x)
+            assert _relerr(layer(x), want) < 0.05, (n, k, m, "eager")
+            assert _relerr(compiled(x), want) < 0.05, (n, k, m, "compiled")
+            static_x = x.clone()
+            graph = torch.cuda.CUDAGraph()
+            layer(static_x)
+            with torch.cuda.graph(graph):
+                out = layer(static_x)
+            static_x.copy_(torch.randn_like(x))
+            graph.replay()
+            assert _relerr(out, lin(static_x)) < 0.05, (n, k, m, "graph")
+            if mode != "per_tensor_static":
+                y = layer(quant.quantize(x, mode))
+                assert _relerr(y, want) < 0.05, (n, k, m, "quantized input")

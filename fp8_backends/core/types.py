@@ -417,6 +417,9 @@ class PreparedWeight:
     - ``extra``: provider-owned state (e.g. cached runner handles).
     - ``block``: ``(BN, BK)`` for block scales, else ``None``; ``group_size``: the activation group size a block
       weight is served with (``BK`` unless stated).
+    - ``k_pad``: the K the kernel reads when the provider zero-padded the weight's rows to it (K not a multiple of
+      16: :mod:`fp8_backends.core.padding`), else ``None``. Activations reach the kernel zero-padded to it: a layer's
+      quantizer writes them so, the provider pads any other.
     """
 
     data: Any
@@ -429,6 +432,7 @@ class PreparedWeight:
     extra: dict[str, Any] = field(default_factory=dict)
     block: tuple[int, int] | None = None
     group_size: int | None = None
+    k_pad: int | None = None
 
 
 __all__ = [

@@ -88,12 +88,18 @@ def bind_linear(backend: Fp8GemmBackend, prepared: PreparedWeight, out_dtype: to
 
 
 def bind_quantizer(mode: ActScale, fp8_dtype: torch.dtype, input_scale: torch.Tensor | None,
-                   group_size: int | None = None, scale_layout: ScaleLayout | None = None) -> Callable[[Any], Any]:
+                   group_size: int | None = None, scale_layout: ScaleLayout | None = None,
+                   k_pad: int | None = None) -> Callable[[Any], Any]:
     """``x [M, K] -> (x_q [M, K] fp8, x_scale)`` in ``mode`` through :mod:`fp8_backends.quant`'s ops (their
     implementation is looked up at each call, so :func:`~fp8_backends.quant.register_quant_impl` still applies).
-    Per-token-group: groups of ``group_size``, the scale written in ``scale_layout`` (the consuming provider's)."""
+    Per-token-group: groups of ``group_size``, the scale written in ``scale_layout`` (the consuming provider's).
+    ``k_pad`` (a provider that padded the weight's K: :attr:`PreparedWeight.k_pad`): ``x_q`` is ``[M, k_pad]``,
+    zeros beyond K, written so by the quantization itself where its kernel can
+    (:func:`~fp8_backends.quant.padded_quantizer`)."""
     from .. import quant
 
+    if k_pad is not None and mode is not ActScale.PER_TOKEN_GROUP:
+        return quant.padded_quantizer(mode, fp8_dtype, input_scale, k_pad)
     op = quant.op_call(mode)
     if mode is ActScale.PER_TOKEN_GROUP:
         group, layout = int(group_size or 128), (scale_layout or ScaleLayout.ROW_MAJOR).value
@@ -177,18 +183,20 @@ def bind_per_m(kernel: PerMGemm, *, k: int, n: int, dtype: torch.dtype, device: 
                bias: torch.Tensor | None, mode: ActScale, input_scale: torch.Tensor | None,
                fp8_dtype: torch.dtype) -> EagerPlan:
     """The eager plan of a linear over ``kernel``: a quantizer of ``mode`` (``input_scale`` for static; per-token-group:
-    one per scale layout its providers read), and each
+    one per scale layout its providers read; one per padded K a provider's weight has), and each
     of the kernel's rows bound once (:func:`bind_linear`), so that a call costs what it did before the rows were a
     composite (the bucket loop, and no more). A kernel whose CUDA-graph rows differ (``split``) has those bound too
     (one binding per provider and prepared weight)."""
     quantizers: dict[Any, Callable[[Any], Any]] = {}
 
     def quantizer(row: Any) -> Callable[[Any], Any]:
-        """One quantizer per scale layout the rows' providers read (the per-token-group mode; one otherwise)."""
+        """One quantizer per scale layout the rows' providers read (the per-token-group mode) and padded K."""
         layout = row.backend.capabilities.group_scale_layout if mode is ActScale.PER_TOKEN_GROUP else None
-        if layout not in quantizers:
-            quantizers[layout] = bind_quantizer(mode, fp8_dtype, input_scale, row.prepared.group_size, layout)
-        return quantizers[layout]
+        key = (layout, row.prepared.k_pad)
+        if key not in quantizers:
+            quantizers[key] = bind_quantizer(mode, fp8_dtype, input_scale, row.prepared.group_size, layout,
+                                             row.prepared.k_pad)
+        return quantizers[key]
 
     bound: dict[tuple[int, int], LinearCall] = {}
 

@@ -198,7 +198,7 @@ def _row_source(src: _Source, row: Any, act_scale: ActScale) -> tuple[str, str, 
     expr = (f"PreparedWeight(data={src.var(tensors['data'])}, scale={src.var(tensors['scale'])}, "
             f"n={int(prepared.n)}, k={int(prepared.k)}, dtype={src.shared(prepared.dtype)}, "
             f"weight_scale={src.shared(prepared.weight_scale)}, backend={str(prepared.backend)!r}, extra={extra_src}, "
-            f"block={block}, group_size={group})")
+            f"block={block}, group_size={group}, k_pad={None if prepared.k_pad is None else int(prepared.k_pad)})")
     return src.shared(backend), expr, TracedRow(row.bucket, backend, prepared, tensors)
 
 

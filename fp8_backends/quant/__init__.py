@@ -91,6 +91,9 @@ def register_quant_impl(mode: ActScale | str, device_type: str, fn: QuantImpl | 
     ``fn`` must return new tensors (never views of its inputs), run without host syncs, and follow
     the semantics in this module's docstring; ``x`` may have any strides (a transposed view, a column slice,
     broadcast rows) and ``q`` should be row-major (codes returned in another layout are copied into one).
+    An ``fn`` that can write its codes zero-padded to a wider row (for layers whose provider padded the weight's K:
+    :func:`padded_quantizer`) says so with a ``pads_output = True`` attribute and takes a keyword ``k_out`` (the
+    padded width; row-major ``[M, k_out]`` codes, zeros beyond K; static, dynamic and per-token modes).
     ``fn=None`` removes the entry. Returns the entry it replaced (or None), so a caller can restore it.
     """
     mode = ActScale.of(mode)
@@ -382,6 +385,37 @@ def quantize_checked(x: torch.Tensor, mode: ActScale, scale: torch.Tensor | None
     return _call(mode)(x, fp8)
 
 
+def padded_quantizer(mode: ActScale, fp8_dtype: torch.dtype, input_scale: torch.Tensor | None,
+                     k_pad: int) -> Callable[[Any], Any]:
+    """``x [M, K] -> (q [M, k_pad], scale)``: ``mode``'s quantization (not per-token-group) with the codes
+    zero-padded to ``k_pad`` columns, for the layers whose provider padded the weight's K
+    (:attr:`~fp8_backends.core.types.PreparedWeight.k_pad`). The implementation for ``x``'s device type (looked up at
+    each call, as the ops do) writes the padded codes itself when it says it can (a ``pads_output = True``
+    attribute: it takes ``k_out=k_pad`` and returns row-major ``[M, k_pad]`` codes: the built-in Triton kernels), so
+    the pad costs nothing; otherwise the codes are padded after it (:func:`fp8_backends.core.padding.pad_columns`).
+    Static: ``input_scale`` is the layer's scale, returned as the scale."""
+    import torch
+
+    from ..core.padding import pad_columns
+
+    static = mode is ActScale.PER_TENSOR_STATIC
+    if mode is ActScale.PER_TOKEN_GROUP:
+        raise InvalidInputError("per-token-group codes are not padded (block-wise providers serve any K)")
+
+    def quantize_padded(x: Any) -> Any:
+        if not torch.compiler.is_compiling():
+            impl = _impls.get((mode, x.device.type)) or _defaults.get((mode, x.device.type)) \
+                or _resolve_default(mode, x.device.type)
+            if getattr(impl, "pads_output", False):
+                if static:
+                    return impl(x, input_scale, fp8_dtype, k_out=k_pad), input_scale
+                return impl(x, fp8_dtype, k_out=k_pad)
+        q, scale = quantize_checked(x, mode, input_scale, fp8_dtype)
+        return pad_columns(q, k_pad), scale
+
+    return quantize_padded
+
+
 def traced_layout(scale: torch.Tensor, layout: ScaleLayout) -> torch.Tensor:
     """``scale [M, G]`` (row-major) re-laid out as torch ops a compiler can fuse into the quantization that made it."""
     if layout is ScaleLayout.M_MAJOR:
@@ -461,6 +495,7 @@ __all__ = [
     "compile_mode",
     "default_quant_impl",
     "op_call",
+    "padded_quantizer",
     "quant_op",
     "quantize",
     "quantize_checked",

@@ -9,9 +9,10 @@ each). Launched with programmatic dependent launch on SM >= 9.0 (``FP8_BACKENDS_
 
 Shapes and layouts: ``x_q [M, K]`` and ``w_q [N, K]`` float8 (e4m3fn, or e5m2 for both), row-major; any M, N
 and K: the pointer kernels mask K and wrap N and M, so N and K need not be multiples of 16 (3420, 6840: TP splits).
-Where K is not a multiple of 16 the weight is zero-padded along K once at ``prepare_weight`` and
-the activation per call, so the kernels (TMA ones included) read 16-byte aligned rows. The prepared weight is
-``w_q`` itself otherwise (no copy), with its scale as fp32 ``[1]`` or ``[N]``.
+Where K is not a multiple of 16 the weight is zero-padded along K once at ``prepare_weight`` and the activation to
+match (by a layer's quantizer as it writes the codes, else per call: :mod:`fp8_backends.core.padding`), so the kernels
+(TMA ones included) read 16-byte aligned rows. The prepared weight is ``w_q`` itself otherwise (no copy), with its
+scale as fp32 ``[1]`` or ``[N]``.
 
 Block-wise FP8 (``per_token_group`` activations x ``block`` weights: 1x128 or 1x64 groups, 128x128 weight blocks):
 its own kernel family (:mod:`.block_gemm_kernels`: GEMV, swap-AB with split K, tiled with split K, persistent TMA)
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from fp8_backends.core.backend import OpGemmBackend
 from fp8_backends.core.capabilities import GemmCapabilities
 from fp8_backends.core.errors import InvalidInputError
+from fp8_backends.core.padding import ROW_ALIGN, match_k, pad_weight, round_up
 from fp8_backends.core.types import (
     ActScale,
     Availability,
@@ -200,30 +202,27 @@ class TritonGemmBackend(OpGemmBackend):
 
     def prepare_weight_impl(self, w_q: torch.Tensor, w_scale: torch.Tensor,
                             weight_scale: WeightScale) -> PreparedWeight:
-        """The row-major ``[N, K]`` weight as it is, except where K is not a multiple of :data:`ROW_ALIGN`
-        (per-tensor / per-channel weights): then a zero-padded ``[N, K16]`` copy, made once here, so that the
-        kernels read 16-byte aligned rows with vector loads (rows of an odd byte length make every load a byte
-        load: ~100x slower at K = 6840 on the H200, ``bench/results/unaligned/2026-12-03-h200/``); the
-        activation is padded to match per call (:meth:`gemm_impl`)."""
+        """The row-major ``[N, K]`` weight as it is, except where K is not a multiple of
+        :data:`~fp8_backends.core.padding.ROW_ALIGN` (per-tensor / per-channel weights): then a zero-padded
+        ``[N, K16]`` copy, made once here (``prepared.k_pad``), so that the kernels read 16-byte aligned rows with
+        vector loads (rows of an odd byte length make every load a byte load: ~100x slower at K = 6840 on the H200,
+        ``bench/results/unaligned/2026-12-03-h200-byte-loads/``); activations reach the kernel padded to match."""
         prepared = self.prepare_k_major(w_q, w_scale, weight_scale)
         n, k = w_q.shape
         if weight_scale is not WeightScale.BLOCK and k % ROW_ALIGN:
-            padded = w_q.new_zeros((n, _round_up(k, ROW_ALIGN)))
-            padded[:, :k] = w_q
-            prepared.data = padded
+            prepared.k_pad = round_up(k, ROW_ALIGN)
+            prepared.data = pad_weight(w_q, n, prepared.k_pad)
         return prepared
 
     def gemm_impl(self, x_q: torch.Tensor, prepared: PreparedWeight, x_scale: torch.Tensor, out_dtype: torch.dtype,
                   bias: torch.Tensor | None) -> torch.Tensor:
         """Block weights go to ``triton_block_gemm`` (activation scales ``[M, ceil(K/G)]`` in any layout), the rest
         to ``triton_gemm`` (:meth:`OpGemmBackend.gemm_impl`), with ``x_q`` zero-padded along K to the prepared
-        weight's padded K where :meth:`prepare_weight_impl` padded it (zeros add nothing to the dot products; under
-        ``torch.compile`` the pad is a torch op Inductor can fuse into the quantization that produces ``x_q``)."""
+        weight's padded K where :meth:`prepare_weight_impl` padded it, unless a layer's quantizer wrote it so
+        (:func:`~fp8_backends.core.padding.match_k`; under ``torch.compile`` the pad is a torch op Inductor fuses
+        into the quantization that produces ``x_q``)."""
         if prepared.block is None:
-            k_pad = prepared.data.shape[1]
-            if k_pad != x_q.shape[1]:
-                x_q = pad_columns(x_q, k_pad)
-            return OpGemmBackend.gemm_impl(self, x_q, prepared, x_scale, out_dtype, bias)
+            return OpGemmBackend.gemm_impl(self, match_k(x_q, prepared.k_pad), prepared, x_scale, out_dtype, bias)
         op = self._block_op or self._loaded_block_op()
         return op(x_q, prepared.data, x_scale, prepared.scale, bias, out_dtype, prepared.group_size,
                   self._block_config)
@@ -250,7 +249,7 @@ class TritonGemmBackend(OpGemmBackend):
         from .gemm_ops import fused_launch
 
         w, w_scale, config, mode = prepared.data, prepared.scale, self.config["config"], act_scale.value
-        if w.shape[1] != prepared.k:  # a K-padded weight: its [N, K] view, rows still 16-byte aligned
+        if prepared.k_pad is not None:  # a K-padded weight: its [N, K] view, rows still 16-byte aligned
             w = w[:, :prepared.k]
 
         def fused(x: torch.Tensor) -> torch.Tensor | None:
@@ -259,29 +258,4 @@ class TritonGemmBackend(OpGemmBackend):
         return fused
 
 
-#: the row alignment, in fp8 elements (bytes), of the weight the per-tensor / per-channel kernels read
-ROW_ALIGN = 16
-
-
-def _round_up(v: int, m: int) -> int:
-    return -(-v // m) * m
-
-
-def pad_columns(x_q: torch.Tensor, k_pad: int) -> torch.Tensor:
-    """``x_q [M, K]`` (float8) zero-padded to ``[M, k_pad]``, row-major. float8 has no pad kernel of its own: eagerly
-    the bytes are padded as the widest integer that divides K (a quarter or an eighth of the elements for the pad
-    kernel to index: K = 3420 pads as int32, 6840 as int64); under ``torch.compile`` as bytes, which Inductor writes
-    in a kernel of its own (or fuses into the quantization that produces ``x_q``)."""
-    import torch
-
-    k = x_q.shape[1]
-    raw = (x_q if x_q.is_contiguous() else x_q.contiguous()).view(torch.uint8)
-    if not torch.compiler.is_compiling() and raw.storage_offset() % 8 == 0:
-        for wide, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-            if k % size == 0:
-                padded = torch.nn.functional.pad(raw.view(wide), (0, (k_pad - k) // size))
-                return padded.view(torch.uint8).view(x_q.dtype)
-    return torch.nn.functional.pad(raw, (0, k_pad - k)).view(x_q.dtype)
-
-
-__all__ = ["ROW_ALIGN", "TritonGemmBackend", "pad_columns"]
+__all__ = ["TritonGemmBackend"]

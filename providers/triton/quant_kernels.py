@@ -165,13 +165,14 @@ def tile_config(k: int) -> TileConfig:
 # ------------------------------------------------------------------------------------------ kernels
 @triton.jit
 def _quant_tile_kernel(
-    x_ptr, q_ptr, s_ptr, part_ptr, n_part, M, K, stride_xm, stride_xk, stride_qm,
+    x_ptr, q_ptr, s_ptr, part_ptr, n_part, M, K, KQ, stride_xm, stride_xk, stride_qm,
     FMAX: tl.constexpr, FROM_AMAX: tl.constexpr, NPART: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """One ``ROWS x BLOCK_K`` tile: ``q = clamp(x / scale, ±FMAX)``. ``FROM_AMAX``: the scale is
     ``max(amax / FMAX, 1e-12)`` where ``amax`` is the largest of the ``n_part`` (<= ``NPART``) partial maxima at
-    ``part_ptr`` (program (0, 0) stores the scale to ``s_ptr``); else it is read from ``s_ptr``."""
+    ``part_ptr`` (program (0, 0) stores the scale to ``s_ptr``); else it is read from ``s_ptr``. ``q`` rows hold
+    ``KQ >= K`` codes: zeros beyond ``K`` (a padded row)."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * ROWS + tl.arange(0, ROWS)
@@ -181,6 +182,7 @@ def _quant_tile_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
+    out_mask = (rows < M)[:, None] & (cols < KQ)[None, :]
     if FROM_AMAX:
         parts = tl.arange(0, NPART)
         amax = nan_max_reduce(tl.load(part_ptr + parts, mask=parts < n_part, other=0.0), 0)
@@ -192,7 +194,7 @@ def _quant_tile_kernel(
     if FROM_AMAX:
         tl.store(s_ptr, scale, mask=(pid_m == 0) & (pid_k == 0))
     y = nan_clamp(tl.math.div_rn(x.to(tl.float32), scale), -FMAX, FMAX)
-    tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -221,10 +223,11 @@ def _absmax_kernel(
 
 @triton.jit
 def _quant_dynamic_one_program_kernel(
-    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_xk, stride_qm,
+    x_ptr, q_ptr, s_ptr, M, K, KQ, stride_xm, stride_xk, stride_qm,
     FMAX: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """The whole (small) ``x`` as one ``ROWS x BLOCK_K`` block: absmax, scale, quantize, in one program."""
+    """The whole (small) ``x`` as one ``ROWS x BLOCK_K`` block: absmax, scale, quantize, in one program (``q`` rows:
+    ``KQ >= K`` codes, zeros beyond ``K``)."""
     rows = tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_K)
     mask = (rows < M)[:, None] & (cols < K)[None, :]
@@ -237,16 +240,18 @@ def _quant_dynamic_one_program_kernel(
     scale = nan_maximum(tl.math.div_rn(nan_max_reduce(nan_max_reduce(tl.abs(x), 1), 0), FMAX), 1e-12)
     tl.store(s_ptr, scale)
     y = nan_clamp(tl.math.div_rn(x, scale), -FMAX, FMAX)
-    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
+    out_mask = (rows < M)[:, None] & (cols < KQ)[None, :]
+    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
 def _per_token_kernel(
-    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_xk, stride_qm,
+    x_ptr, q_ptr, s_ptr, M, K, KQ, stride_xm, stride_xk, stride_qm,
     FMAX: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, LOOP: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """``ROWS`` rows per program: ``scale = max(rowamax / FMAX, 1e-12)``, ``q = clamp(x / scale, ±FMAX)``.
-    Without ``LOOP`` the whole row is one block (``BLOCK >= K``); with it, two passes in chunks."""
+    """``ROWS`` rows per program: ``scale = max(rowamax / FMAX, 1e-12)``, ``q = clamp(x / scale, ±FMAX)``; ``q``
+    rows hold ``KQ >= K`` codes, zeros beyond ``K``. Without ``LOOP`` the whole row is one block (``BLOCK >= KQ``);
+    with it, two passes in chunks."""
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)
     row_mask = rows < M
@@ -266,12 +271,13 @@ def _per_token_kernel(
             tl.extra.cuda.gdc_launch_dependents()
         scale = nan_maximum(tl.math.div_rn(nan_max_reduce(acc, 1), FMAX), 1e-12)
         tl.store(s_ptr + rows64, scale, mask=row_mask)
-        for k0 in range(0, K, BLOCK):
+        for k0 in range(0, KQ, BLOCK):
             cols = k0 + tl.arange(0, BLOCK)
             mask = row_mask[:, None] & (cols < K)[None, :]
             x = tl.load(x_rows + cols[None, :] * stride_xk, mask=mask, other=0.0, eviction_policy="evict_first")
             y = nan_clamp(tl.math.div_rn(x.to(tl.float32), scale[:, None]), -FMAX, FMAX)
-            tl.store(q_rows + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
+            out_mask = row_mask[:, None] & (cols < KQ)[None, :]
+            tl.store(q_rows + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=out_mask)
     else:
         cols = tl.arange(0, BLOCK)
         mask = row_mask[:, None] & (cols < K)[None, :]
@@ -281,7 +287,7 @@ def _per_token_kernel(
         scale = nan_maximum(tl.math.div_rn(nan_max_reduce(tl.abs(x), 1), FMAX), 1e-12)
         tl.store(s_ptr + rows64, scale, mask=row_mask)
         y = nan_clamp(tl.math.div_rn(x, scale[:, None]), -FMAX, FMAX)
-        tl.store(q_rows + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_rows + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=row_mask[:, None] & (cols < KQ)[None, :])
 
 
 # ------------------------------------------------------------------------------------------ launchers
@@ -297,12 +303,12 @@ def _cdiv(a: int, b: int) -> int:
 
 
 #: replays of the four launches (see :class:`.launcher.ReplayCache`); a call passes the pointers and sizes of its
-#: head itself: x, q, scale, partials, n_part, M, K and the three strides (tiles); x, partials, M, K, the two strides,
-#: row_steps (absmax); x, q, scale, M, K and the three strides (one-program dynamic, per-token)
-_tile_replays = ReplayCache(head=10)
+#: head itself: x, q, scale, partials, n_part, M, K, KQ and the three strides (tiles); x, partials, M, K, the two
+#: strides, row_steps (absmax); x, q, scale, M, K, KQ and the three strides (one-program dynamic, per-token)
+_tile_replays = ReplayCache(head=11)
 _absmax_replays = ReplayCache(head=7)
-_one_replays = ReplayCache(head=8)
-_token_replays = ReplayCache(head=8)
+_one_replays = ReplayCache(head=9)
+_token_replays = ReplayCache(head=9)
 
 
 def _run(cache: ReplayCache, key: tuple | None, head: tuple, fn: Any, grid: tuple[int, ...], args: tuple, *,
@@ -332,12 +338,14 @@ def _aligned(*pointers: int) -> bool:
 
 def _launch_tiles(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fmax: float, dynamic: bool) -> None:
     """Static (``dynamic=False``: ``scale`` given) or dynamic per-tensor quantization of ``x`` by tiles; the
-    dynamic one first launches the absmax kernel, whose partial maxima the tile kernel reduces."""
+    dynamic one first launches the absmax kernel, whose partial maxima the tile kernel reduces. ``q`` may be wider
+    than ``x`` (``[M, KQ]``: zeros written beyond K)."""
     m, k = x.shape
-    cfg = tile_config(k)
+    kq = q.shape[1]
+    cfg = tile_config(kq)
     index = x.get_device()
     pdl = _support.pdl_on(index)
-    grid = (_cdiv(m, cfg.rows), _cdiv(k, cfg.block_k))
+    grid = (_cdiv(m, cfg.rows), _cdiv(kq, cfg.block_k))
     sxm, sxk, sqm = x.stride(0), x.stride(1), q.stride(0)
     px, pq, ps = x.data_ptr(), q.data_ptr(), scale.data_ptr()
     gpu = index >= 0
@@ -352,26 +360,32 @@ def _launch_tiles(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fmax: f
              index=index)
     else:
         part, pp, n_part = scale, ps, 1
-    key = (m, k, sxm, sxk, sqm, x.dtype, q.dtype, n_part, dynamic, pdl, index) if gpu and _aligned(
+    key = (m, k, kq, sxm, sxk, sqm, x.dtype, q.dtype, n_part, dynamic, pdl, index) if gpu and _aligned(
         px, pq, ps, pp) else None
-    _run(_tile_replays, key, (px, pq, ps, pp, n_part, m, k, sxm, sxk, sqm), _quant_tile_kernel, grid,
-         (x, q, scale, part, n_part, m, k, sxm, sxk, sqm, fmax, dynamic, triton.next_power_of_2(n_part), cfg.rows,
+    _run(_tile_replays, key, (px, pq, ps, pp, n_part, m, k, kq, sxm, sxk, sqm), _quant_tile_kernel, grid,
+         (x, q, scale, part, n_part, m, k, kq, sxm, sxk, sqm, fmax, dynamic, triton.next_power_of_2(n_part), cfg.rows,
           cfg.block_k, pdl), num_warps=cfg.num_warps, pdl=pdl, index=index)
 
 
-def _fp8_like(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+def _fp8_like(x: torch.Tensor, fp8_dtype: torch.dtype, k_out: int | None = None) -> torch.Tensor:
     """A new row-major ``[M, K]`` fp8 tensor on x's device, strides ``(K, 1)`` whatever x's (``empty_like`` parses
     fewer arguments than ``torch.empty(shape, device=...)``: about 2 µs less per call on the H200 host). Not
     ``empty_like``'s default, which copies the strides of a dense ``x``: an ``x`` that ``is_contiguous()`` may still
     have odd strides on a dimension of size 1 (``a.t()`` of a ``[K, 1]`` tensor: ``[1, K]`` with strides
-    ``(1, 1)``), which ``torch._scaled_mm`` refuses as not row-major."""
+    ``(1, 1)``), which ``torch._scaled_mm`` refuses as not row-major. ``k_out`` wider than K: ``[M, k_out]``."""
+    if k_out is not None and k_out != x.shape[1]:
+        if x.dim() != 2 or k_out < x.shape[1]:
+            raise ValueError(f"k_out={k_out} must be at least K={x.shape[-1]} of a 2-D x")
+        return torch.empty((x.shape[0], k_out), dtype=fp8_dtype, device=x.device)
     return torch.empty_like(x, dtype=fp8_dtype, memory_format=torch.contiguous_format)
 
 
-def quant_static(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """``clamp(x / scale, ±fmax) -> fp8_dtype`` for ``x: [M, K]``; ``scale``: one fp32 value on x's device."""
+def quant_static(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, *,
+                 k_out: int | None = None) -> torch.Tensor:
+    """``clamp(x / scale, ±fmax) -> fp8_dtype`` for ``x: [M, K]``; ``scale``: one fp32 value on x's device.
+    ``k_out`` (>= K): the codes as ``[M, k_out]``, zeros beyond K (a padded row, in the same launch)."""
     fmax = _fmax(fp8_dtype)
-    q = _fp8_like(x, fp8_dtype)
+    q = _fp8_like(x, fp8_dtype, k_out)
     if q.numel() == 0:
         return q
     _support.on_device(x.get_device(), _launch_tiles, x, q, scale, fmax, False)
@@ -386,7 +400,8 @@ def _one_program_block(m: int, k: int) -> tuple[int, int] | None:
 
 def _launch_dynamic(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fmax: float) -> None:
     m, k = x.shape
-    one = _one_program_block(m, k)
+    kq = q.shape[1]
+    one = _one_program_block(m, kq)
     if one is None:
         _launch_tiles(x, q, scale, fmax, True)
         return
@@ -394,17 +409,18 @@ def _launch_dynamic(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fmax:
     pdl = _support.pdl_on(index)
     sxm, sxk, sqm = x.stride(0), x.stride(1), q.stride(0)
     px, pq, ps = x.data_ptr(), q.data_ptr(), scale.data_ptr()
-    key = (m, k, sxm, sxk, sqm, x.dtype, q.dtype, pdl, index) if index >= 0 and _aligned(px, pq, ps) else None
-    _run(_one_replays, key, (px, pq, ps, m, k, sxm, sxk, sqm), _quant_dynamic_one_program_kernel, (1,),
-         (x, q, scale, m, k, sxm, sxk, sqm, fmax, one[0], one[1], pdl), num_warps=warps_for(one[0] * one[1]),
+    key = (m, k, kq, sxm, sxk, sqm, x.dtype, q.dtype, pdl, index) if index >= 0 and _aligned(px, pq, ps) else None
+    _run(_one_replays, key, (px, pq, ps, m, k, kq, sxm, sxk, sqm), _quant_dynamic_one_program_kernel, (1,),
+         (x, q, scale, m, k, kq, sxm, sxk, sqm, fmax, one[0], one[1], pdl), num_warps=warps_for(one[0] * one[1]),
          pdl=pdl, index=index)
 
 
-def quant_dynamic(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_dynamic(x: torch.Tensor, fp8_dtype: torch.dtype, *,
+                  k_out: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-tensor dynamic quantization of ``x: [M, K]``: ``(q [M, K], scale [1] fp32)``, the scale computed
-    on the device (an all-zero or empty ``x`` gets ``1e-12``)."""
+    on the device (an all-zero or empty ``x`` gets ``1e-12``). ``k_out``: as :func:`quant_static`."""
     fmax = _fmax(fp8_dtype)
-    q = _fp8_like(x, fp8_dtype)
+    q = _fp8_like(x, fp8_dtype, k_out)
     if q.numel() == 0:
         return q, torch.full((1,), MIN_SCALE, dtype=torch.float32, device=x.device)
     scale = x.new_empty((1,), dtype=torch.float32)
@@ -414,30 +430,38 @@ def quant_dynamic(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor
 
 def _launch_per_token(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fmax: float, cfg: RowConfig) -> None:
     m, k = x.shape
+    kq = q.shape[1]
     index = x.get_device()
     pdl = _support.pdl_on(index)
     sxm, sxk, sqm = x.stride(0), x.stride(1), q.stride(0)
     px, pq, ps = x.data_ptr(), q.data_ptr(), scale.data_ptr()
-    key = (cfg, m, k, sxm, sxk, sqm, x.dtype, q.dtype, pdl, index) if index >= 0 and _aligned(px, pq, ps) else None
-    _run(_token_replays, key, (px, pq, ps, m, k, sxm, sxk, sqm), _per_token_kernel, (_cdiv(m, cfg.rows),),
-         (x, q, scale, m, k, sxm, sxk, sqm, fmax, cfg.rows, cfg.block, cfg.path == "loop", pdl),
+    key = (cfg, m, k, kq, sxm, sxk, sqm, x.dtype, q.dtype, pdl, index) if index >= 0 and _aligned(px, pq, ps) else None
+    _run(_token_replays, key, (px, pq, ps, m, k, kq, sxm, sxk, sqm), _per_token_kernel, (_cdiv(m, cfg.rows),),
+         (x, q, scale, m, k, kq, sxm, sxk, sqm, fmax, cfg.rows, cfg.block, cfg.path == "loop", pdl),
          num_warps=cfg.num_warps, pdl=pdl, index=index)
 
 
 def quant_per_token(
-    x: torch.Tensor, fp8_dtype: torch.dtype, *, config: RowConfig | None = None
+    x: torch.Tensor, fp8_dtype: torch.dtype, *, config: RowConfig | None = None, k_out: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row dynamic quantization of ``x: [M, K]``: ``(q [M, K], scale [M, 1] fp32)``. ``config``
-    overrides :func:`row_config` (tests)."""
+    overrides :func:`row_config` (tests); ``k_out``: as :func:`quant_static`."""
     fmax = _fmax(fp8_dtype)
     m, k = x.shape
-    q = _fp8_like(x, fp8_dtype)
+    q = _fp8_like(x, fp8_dtype, k_out)
     if m == 0 or k == 0:
+        if q.numel():
+            q.zero_()
         return q, torch.full((m, 1), MIN_SCALE, dtype=torch.float32, device=x.device)
+    kq = q.shape[1]
     scale = x.new_empty((m, 1), dtype=torch.float32)
-    cfg = config if config is not None else row_config(k, m * k >= LARGE_LAUNCH)
+    cfg = config if config is not None else row_config(kq, m * kq >= LARGE_LAUNCH)
     _support.on_device(x.get_device(), _launch_per_token, x, q, scale, fmax, cfg)
     return q, scale
+
+
+# the three write padded codes (k_out=...) themselves: fp8_backends.quant.padded_quantizer
+quant_static.pads_output = quant_dynamic.pads_output = quant_per_token.pads_output = True  # type: ignore[attr-defined]
 
 
 # ------------------------------------------------------------------------------------------ registration
