@@ -160,8 +160,8 @@ class LayerWorkload:
 
         torch = self.torch
         sets = rotation_count(self.bytes_moved(m), self.l2, maximum=32) if self.device.type == "cuda" else 1
-        gen = torch.Generator().manual_seed(m)
-        xs = [torch.randn(m, self.k, generator=gen).to(self.device, torch.bfloat16) for _ in range(sets)]
+        x = torch.randn(m, self.k, generator=torch.Generator().manual_seed(m)).to(self.device, torch.bfloat16)
+        xs = [x.clone() for _ in range(sets)]  # copies: the timer checks the output of any set
         with torch.no_grad():
             want = self.linear(xs[0]).float()
         layer = self.layers[mode]
@@ -192,6 +192,7 @@ def measure_layers(pair: tuple[tuple[int, int], tuple[int, int]], m: int, layers
                 failed[key] = reason
     measured = timer(runs) if runs else {}
     us = {key: (mm.median_us if mm.ok else None) for key, mm in measured.items()}
+    failed.update({key: mm.error for key, mm in measured.items() if not mm.ok})
     rows = []
     for mode in modes:
         u, a = us.get(f"unaligned {mode}"), us.get(f"aligned {mode}")
@@ -199,7 +200,7 @@ def measure_layers(pair: tuple[tuple[int, int], tuple[int, int]], m: int, layers
                      "provider": {"unaligned": layers[pair[0]].provider(mode, m),
                                   "aligned": layers[pair[1]].provider(mode, m)},
                      "unaligned_us": u, "aligned_us": a, "time_ratio": u / a if u and a else None,
-                     "failed": {k: v for k, v in failed.items() if k.endswith(mode)}})
+                     "failed": {k: v for k, v in failed.items() if k.endswith(f" {mode}")}})
     return rows
 
 
