@@ -5,9 +5,9 @@ per-channel weight) through torch's row-wise path; block-wise FP8 (1x128 activat
 blocks) through cuBLASLt's block-scaled GEMM on SM 9.0 where this torch serves it, and torch ops on the CPU
 (:mod:`.torch_block`). The weight is prepared once as the column-major ``[K, N]`` view ``_scaled_mm`` wants
 (``w_q.t()`` of a row-major ``[N, K]``: no copy). On CUDA, N or K not a multiple of 16 (cuBLASLt's row alignment)
-is served by padding: the weight zero-padded to ``[N16, K16]`` once, the activation to K16 (written so by a layer's
-quantizer, else padded per call) and the output returned as the ``[M, N]`` column view of the ``[M, N16]`` result
-(:mod:`fp8_backends.core.padding`).
+is served by padding: the weight zero-padded once (to multiples of 16; of 128 from 2048 on:
+:func:`~fp8_backends.core.padding.padded_size`), the activation to the padded K (written so by a layer's quantizer,
+else padded per call) and the output returned as the ``[M, N]`` column view of the padded result.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, ClassVar
 from fp8_backends.core.backend import Fp8GemmBackend
 from fp8_backends.core.capabilities import GemmCapabilities
 from fp8_backends.core.errors import InvalidInputError
-from fp8_backends.core.padding import ROW_ALIGN, match_k, pad_weight, round_up
+from fp8_backends.core.padding import ROW_ALIGN, match_k, pad_weight, padded_size
 from fp8_backends.core.types import (
     ActScale,
     BiasMode,
@@ -162,9 +162,10 @@ class TorchScaledMMBackend(Fp8GemmBackend):
         n, k = w_q.shape
         k_pad = n_pad = None
         if pads_rows(w_q.device.type) and (n % ROW_ALIGN or k % ROW_ALIGN):
-            # cuBLASLt wants 16-byte aligned rows: a zero-padded [N16, K16] copy, once (activations are padded to
-            # K16 as they are quantized, the output's padded columns cut off as a view: gemm_impl)
-            n_pad, k_pad = round_up(n, ROW_ALIGN), round_up(k, ROW_ALIGN)
+            # cuBLASLt wants 16-byte aligned rows: a zero-padded copy, once, to 16 multiples (128 from 2048 on:
+            # padded_size); activations are padded to match as they are quantized, the output's padded columns cut
+            # off as a view (gemm_impl)
+            n_pad, k_pad = padded_size(n), padded_size(k)
             w_q = pad_weight(w_q, n_pad, k_pad)
         # row-wise B scale [1, N], used whenever either operand is scaled per row; built once here (padded columns
         # scale zero weights: any finite value, 1)

@@ -105,6 +105,14 @@ def test_torch_scaled_mm_pads_unaligned_weights(cuda_padding, mode, wscale, n, k
         assert _relerr(layer(QuantizedActivation(q, s, x.dtype, mode)), lin(x)) < 0.1
 
 
+def test_padded_sizes():
+    """16-aligned sizes stay; others round up to 16, or to 128 from 2048 on (the aligned neighbour's GEMM)."""
+    from fp8_backends.core.padding import padded_size
+
+    assert [padded_size(v) for v in (16, 17, 71, 2047, 2048, 3420, 6840, 6912)] == [16, 32, 80, 2048, 2048, 3456,
+                                                                                     6912, 6912]
+
+
 def test_padded_quantizer_writes_zeros_beyond_k():
     """Codes padded to k_pad columns: through a kernel that writes them so (pads_output), or padded after one that
     does not (the reference); the same codes and scales as the unpadded quantization."""
@@ -194,3 +202,37 @@ def test_gpu_padding_providers_unaligned(backend, mode):
             if mode != "per_tensor_static":
                 y = layer(quant.quantize(x, mode))
                 assert _relerr(y, want) < 0.05, (n, k, m, "quantized input")
+
+
+def test_a_k_padded_weight_skips_the_fused_launch():
+    """A provider's fused quantize+GEMM launch reads the unpadded K with masked loads: a K-padded weight runs the
+    padded quantization, then the GEMM on aligned rows."""
+    from types import SimpleNamespace
+
+    from fp8_backends.core.types import ActScale
+    from fp8_backends.layers.eager_plan import bind_linear
+
+    calls = []
+
+    class Backend:
+        fused_act_quant = frozenset({ActScale.PER_TENSOR_DYNAMIC})
+
+        def bind_fused_quant_gemm(self, *args):
+            calls.append("fused")
+            return lambda x: "fused"
+
+        def gemm_impl(self, x_q, prepared, x_scale, out_dtype, bias):
+            calls.append(("gemm", tuple(x_q.shape)))
+            return "gemm"
+
+    def quantize(x):
+        return torch.zeros(x.shape[0], 32, dtype=torch.float8_e4m3fn), torch.ones(1)
+
+    data = torch.zeros(8, 32, dtype=torch.float8_e4m3fn)
+    for k_pad, want in ((None, "fused"), (32, "gemm")):
+        calls.clear()
+        prepared = SimpleNamespace(data=data, k_pad=k_pad)
+        linear = bind_linear(Backend(), prepared, torch.bfloat16, None, quantize, ActScale.PER_TENSOR_DYNAMIC, None,
+                             torch.float8_e4m3fn)
+        assert linear(torch.zeros(2, 30)) == want
+        assert ("fused" in calls) == (want == "fused")

@@ -20,6 +20,21 @@ if TYPE_CHECKING:
 ROW_ALIGN = 16
 
 
+#: the multiple a padded dimension of at least :data:`TILE_PAD_MIN` is rounded up to instead: GEMM libraries pick their
+#: kernels by shape, and an N or K of 3424 / 6848 (16-aligned) ran 6-14% slower in cuBLASLt than the 3456 / 6912 it
+#: fits in (bench/results/unaligned/2026-12-03-h200-layers/); at these sizes the extra bytes are at most 6%
+TILE_PAD = 128
+TILE_PAD_MIN = 2048
+
+
+def padded_size(size: int) -> int:
+    """The size a padding provider pads a dimension of ``size`` to: :data:`TILE_PAD` multiples from
+    :data:`TILE_PAD_MIN` on, :data:`ROW_ALIGN` multiples below (``size`` itself when already 16-aligned)."""
+    if size % ROW_ALIGN == 0:
+        return size
+    return round_up(size, TILE_PAD if size >= TILE_PAD_MIN else ROW_ALIGN)
+
+
 def round_up(value: int, multiple: int) -> int:
     """``value`` rounded up to a multiple of ``multiple``."""
     return -(-value // multiple) * multiple
@@ -59,4 +74,4 @@ def match_k(x_q: torch.Tensor, k_pad: int | None) -> torch.Tensor:
     return pad_columns(x_q, k_pad)
 
 
-__all__ = ["ROW_ALIGN", "match_k", "pad_columns", "pad_weight", "round_up"]
+__all__ = ["ROW_ALIGN", "TILE_PAD", "TILE_PAD_MIN", "match_k", "pad_columns", "pad_weight", "padded_size", "round_up"]

@@ -63,10 +63,13 @@ def bind_linear(backend: Fp8GemmBackend, prepared: PreparedWeight, out_dtype: to
                 bias: torch.Tensor | None, quantize: Callable[[Any], Any], mode: ActScale,
                 input_scale: torch.Tensor | None, fp8_dtype: torch.dtype) -> LinearCall:
     """One provider's linear: its fused quantize+GEMM launch (:meth:`Fp8GemmBackend.fused_quant_gemm_impl`) where
-    it declares ``mode`` and the activation's float8 type is the weight's, falling back to ``quantize`` then
-    :func:`bind_gemm`'s call where it declines; else those two."""
+    it declares ``mode``, the activation's float8 type is the weight's and the weight is not K-padded, falling back to
+    ``quantize`` then :func:`bind_gemm`'s call where it declines; else those two."""
     gemm = bind_gemm(backend, prepared, out_dtype, bias)
-    if mode not in backend.fused_act_quant or prepared.data.dtype != fp8_dtype:
+    # a weight the provider padded along K (prepared.k_pad) runs on its aligned rows: quantize into the padded width,
+    # then the GEMM (a fused launch would read the unpadded K with masked loads: 1.8-3.5x slower at K = 6840 on the
+    # H200, bench/results/unaligned/2026-12-03-h200-layers/)
+    if mode not in backend.fused_act_quant or prepared.data.dtype != fp8_dtype or prepared.k_pad is not None:
         def linear(x: Any) -> Any:
             x_q, x_scale = quantize(x)
             return gemm(x_q, x_scale)
