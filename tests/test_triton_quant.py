@@ -148,7 +148,8 @@ def test_per_token_two_pass_path(k, block):
 @needs_kernels
 @pytest.mark.parametrize("mode", PLAIN_ACT_SCALES)
 @pytest.mark.parametrize("m, k, k_out, two_pass", [(3, 30, 32, False), (300, 70, 80, False), (4, 1000, 1008, True),
-                                                    (1, 3, 16, False), (2, 48, 48, False)])
+                                                    (1, 3, 16, False), (2, 48, 48, False), (5, 6840, 6912, False),
+                                                    (3, 3420, 3456, True)])
 def test_codes_written_padded(mode, m, k, k_out, two_pass):
     """``k_out``: the codes as row-major ``[M, k_out]``, zeros beyond K, the same codes and scales as without it (the
     layers whose provider padded the weight's K quantize straight into the padded width: one launch)."""
@@ -168,6 +169,18 @@ def test_codes_written_padded(mode, m, k, k_out, two_pass):
     assert q.shape == (m, k_out) and q.stride() == (k_out, 1)
     assert torch.equal(q[:, :k].view(torch.uint8), want.view(torch.uint8))
     assert not q[:, k:].view(torch.uint8).any()
+
+
+def test_x_align_hints_only_what_holds():
+    """The vector-width hint: 16 bytes' worth where K and the row stride allow it but are not multiples of 16 (6840),
+    none for aligned shapes (Triton specializes those), strided columns or a base not 16-byte aligned."""
+    def x(k, stride=None, offset=0, dtype=torch.bfloat16):
+        buf = torch.zeros(4 * (stride or k) + 16, dtype=dtype)
+        return buf[offset:offset + 4 * (stride or k)].view(4, stride or k)[:, :k]
+
+    assert qk.x_align(x(6840)) == 8 and qk.x_align(x(3420)) == 4 and qk.x_align(x(6840, dtype=torch.float32)) == 4
+    assert qk.x_align(x(6912)) == 1 and qk.x_align(x(6840, offset=3)) == 1 and qk.x_align(x(71)) == 1
+    assert qk.x_align(x(6840, stride=6848)) == 8 and qk.x_align(x(6840).t().contiguous().t()) == 1
 
 
 _VIEWS = {

@@ -164,15 +164,28 @@ def tile_config(k: int) -> TileConfig:
 
 # ------------------------------------------------------------------------------------------ kernels
 @triton.jit
+def _x_rows(stride_xm, K, X_ALIGN: tl.constexpr):
+    """``(stride_xm, K)`` rewritten as ``(v // X_ALIGN) * X_ALIGN`` when ``X_ALIGN > 1``: the launch guarantees both are
+    multiples of it (:func:`x_align`), so these are identities that tell the compiler the rows start 16-byte aligned
+    and the K mask is constant over a vector: ``x`` loads vectorize at a K such as 6840 that Triton's own
+    specialization (multiples of 16) does not see (``tl.multiple_of`` ignores scalars)."""
+    if X_ALIGN > 1:
+        stride_xm = (stride_xm // X_ALIGN) * X_ALIGN
+        K = (K // X_ALIGN) * X_ALIGN
+    return stride_xm, K
+
+
+@triton.jit
 def _quant_tile_kernel(
     x_ptr, q_ptr, s_ptr, part_ptr, n_part, M, K, KQ, stride_xm, stride_xk, stride_qm,
     FMAX: tl.constexpr, FROM_AMAX: tl.constexpr, NPART: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
     """One ``ROWS x BLOCK_K`` tile: ``q = clamp(x / scale, ±FMAX)``. ``FROM_AMAX``: the scale is
     ``max(amax / FMAX, 1e-12)`` where ``amax`` is the largest of the ``n_part`` (<= ``NPART``) partial maxima at
     ``part_ptr`` (program (0, 0) stores the scale to ``s_ptr``); else it is read from ``s_ptr``. ``q`` rows hold
     ``KQ >= K`` codes: zeros beyond ``K`` (a padded row)."""
+    stride_xm, K = _x_rows(stride_xm, K, X_ALIGN)
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * ROWS + tl.arange(0, ROWS)
@@ -200,10 +213,11 @@ def _quant_tile_kernel(
 @triton.jit
 def _absmax_kernel(
     x_ptr, part_ptr, M, K, stride_xm, stride_xk, row_steps,
-    ROWS: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
     """``part[pid] = max |x|`` over ``row_steps`` row tiles of ``ROWS`` rows and all of ``K`` (one partial maximum
     per program: no atomics and no zeroed buffer; the quantization kernel reduces the partials)."""
+    stride_xm, K = _x_rows(stride_xm, K, X_ALIGN)
     pid = tl.program_id(0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -248,10 +262,12 @@ def _quant_dynamic_one_program_kernel(
 def _per_token_kernel(
     x_ptr, q_ptr, s_ptr, M, K, KQ, stride_xm, stride_xk, stride_qm,
     FMAX: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, LOOP: tl.constexpr, USE_PDL: tl.constexpr,
+    X_ALIGN: tl.constexpr,
 ):
     """``ROWS`` rows per program: ``scale = max(rowamax / FMAX, 1e-12)``, ``q = clamp(x / scale, ±FMAX)``; ``q``
     rows hold ``KQ >= K`` codes, zeros beyond ``K``. Without ``LOOP`` the whole row is one block (``BLOCK >= KQ``);
     with it, two passes in chunks."""
+    stride_xm, K = _x_rows(stride_xm, K, X_ALIGN)
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)
     row_mask = rows < M
@@ -329,6 +345,20 @@ def _run(cache: ReplayCache, key: tuple | None, head: tuple, fn: Any, grid: tupl
         cache.record(key, kernel_launcher, grid, args, num_warps=num_warps, pdl=pdl, device_index=device_index)
 
 
+def x_align(x: torch.Tensor) -> int:
+    """The ``X_ALIGN`` hint of a launch on ``x [M, K]``: the elements in 16 bytes when x's rows start 16-byte aligned
+    with unit column stride but K or the row stride is not a multiple of 16 (which Triton specializes on by itself),
+    the largest power of two dividing both (at most 16 bytes' worth); 1 otherwise (no hint: the kernels compiled for
+    aligned shapes stay as they are)."""
+    k, sxm = x.shape[1], x.stride(0)
+    if x.stride(1) != 1 or (k % 16 == 0 and sxm % 16 == 0) or x.data_ptr() % 16:
+        return 1
+    align = 16 // x.element_size()
+    while align > 1 and (k % align or sxm % align):
+        align //= 2
+    return align
+
+
 def _aligned(*pointers: int) -> bool:
     acc = 0
     for p in pointers:
@@ -349,22 +379,23 @@ def _launch_tiles(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fmax: f
     sxm, sxk, sqm = x.stride(0), x.stride(1), q.stride(0)
     px, pq, ps = x.data_ptr(), q.data_ptr(), scale.data_ptr()
     gpu = index >= 0
+    xa = x_align(x)
     if dynamic:
         steps = _cdiv(grid[0], AMAX_MAX_PROGRAMS)
         n_part = _cdiv(grid[0], steps)
         part = x.new_empty((n_part,), dtype=torch.float32)
         pp = part.data_ptr()
-        key = (m, k, sxm, sxk, x.dtype, pdl, index) if gpu and _aligned(px, pp) else None
+        key = (m, k, sxm, sxk, x.dtype, pdl, index, xa) if gpu and _aligned(px, pp) else None
         _run(_absmax_replays, key, (px, pp, m, k, sxm, sxk, steps), _absmax_kernel, (n_part,),
-             (x, part, m, k, sxm, sxk, steps, cfg.rows, cfg.block_k, pdl), num_warps=cfg.num_warps, pdl=pdl,
+             (x, part, m, k, sxm, sxk, steps, cfg.rows, cfg.block_k, pdl, xa), num_warps=cfg.num_warps, pdl=pdl,
              index=index)
     else:
         part, pp, n_part = scale, ps, 1
-    key = (m, k, kq, sxm, sxk, sqm, x.dtype, q.dtype, n_part, dynamic, pdl, index) if gpu and _aligned(
+    key = (m, k, kq, sxm, sxk, sqm, x.dtype, q.dtype, n_part, dynamic, pdl, index, xa) if gpu and _aligned(
         px, pq, ps, pp) else None
     _run(_tile_replays, key, (px, pq, ps, pp, n_part, m, k, kq, sxm, sxk, sqm), _quant_tile_kernel, grid,
          (x, q, scale, part, n_part, m, k, kq, sxm, sxk, sqm, fmax, dynamic, triton.next_power_of_2(n_part), cfg.rows,
-          cfg.block_k, pdl), num_warps=cfg.num_warps, pdl=pdl, index=index)
+          cfg.block_k, pdl, xa), num_warps=cfg.num_warps, pdl=pdl, index=index)
 
 
 def _fp8_like(x: torch.Tensor, fp8_dtype: torch.dtype, k_out: int | None = None) -> torch.Tensor:
@@ -435,9 +466,11 @@ def _launch_per_token(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fma
     pdl = _support.pdl_on(index)
     sxm, sxk, sqm = x.stride(0), x.stride(1), q.stride(0)
     px, pq, ps = x.data_ptr(), q.data_ptr(), scale.data_ptr()
-    key = (cfg, m, k, kq, sxm, sxk, sqm, x.dtype, q.dtype, pdl, index) if index >= 0 and _aligned(px, pq, ps) else None
+    xa = x_align(x)
+    key = (cfg, m, k, kq, sxm, sxk, sqm, x.dtype, q.dtype, pdl, index, xa) if index >= 0 and _aligned(
+        px, pq, ps) else None
     _run(_token_replays, key, (px, pq, ps, m, k, kq, sxm, sxk, sqm), _per_token_kernel, (_cdiv(m, cfg.rows),),
-         (x, q, scale, m, k, kq, sxm, sxk, sqm, fmax, cfg.rows, cfg.block, cfg.path == "loop", pdl),
+         (x, q, scale, m, k, kq, sxm, sxk, sqm, fmax, cfg.rows, cfg.block, cfg.path == "loop", pdl, xa),
          num_warps=cfg.num_warps, pdl=pdl, index=index)
 
 
