@@ -105,6 +105,17 @@ def test_torch_scaled_mm_pads_unaligned_weights(cuda_padding, mode, wscale, n, k
         assert _relerr(layer(QuantizedActivation(q, s, x.dtype, mode)), lin(x)) < 0.1
 
 
+def test_torch_scaled_mm_pads_large_dims_to_tile_multiples(cuda_padding):
+    """From 2048 on a dimension pads to a multiple of 128 (the aligned neighbour's GEMM), and the answer is right."""
+    torch.manual_seed(0)
+    lin = nn.Linear(2060, 2050, bias=True).to(torch.bfloat16)
+    layer = Fp8Linear.from_linear(lin, act_scale="per_token", weight_scale="per_channel", backend="torch_scaled_mm")
+    assert layer.prepared.data.shape == (2176, 2176) and layer.prepared.k_pad == 2176
+    x = torch.randn(3, 2060, dtype=torch.bfloat16)
+    y = layer(x)
+    assert y.shape == (3, 2050) and y.stride() == (2176, 1) and _relerr(y, lin(x)) < 0.1
+
+
 def test_padded_sizes():
     """16-aligned sizes stay; others round up to 16, or to 128 from 2048 on (the aligned neighbour's GEMM)."""
     from fp8_backends.core.padding import padded_size
