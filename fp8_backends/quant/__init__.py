@@ -404,8 +404,7 @@ def padded_quantizer(mode: ActScale, fp8_dtype: torch.dtype, input_scale: torch.
 
     def quantize_padded(x: Any) -> Any:
         if not torch.compiler.is_compiling():
-            impl = _impls.get((mode, x.device.type)) or _defaults.get((mode, x.device.type)) \
-                or _resolve_default(mode, x.device.type)
+            impl = _impl_for(mode, x.device.type)
             if getattr(impl, "pads_output", False):
                 if static:
                     return impl(x, input_scale, fp8_dtype, k_out=k_pad), input_scale
