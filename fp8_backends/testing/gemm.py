@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 import pytest
 
 from fp8_backends.core.capabilities import GemmCapabilities
+from fp8_backends.core.padding import round_up
 from fp8_backends.core.types import ActScale, BiasMode, DeviceKind, Fp8Dtype, GemmProblem, OutDtype, WeightScale
 
 from ._base import ContractBase, expect_refusal, no_kernel_runs, platform_for
@@ -38,9 +39,6 @@ _HOOKS = ("prepare_weight_impl", "gemm_impl")
 _OUT_ORDER = (OutDtype.BF16, OutDtype.FP16, OutDtype.FP32)
 _PER_TENSOR_SHAPES = ((), (1,), (1, 1))  # every shape a per-tensor scale may take
 
-
-def _round_up(value: int, align: int) -> int:
-    return -(-value // align) * align
 
 
 @dataclass(frozen=True)
@@ -207,7 +205,7 @@ class GemmProviderContract(ContractBase):
             metafunc.parametrize("bad", list(_BAD_INPUTS))
 
     def _base(self, caps: GemmCapabilities) -> tuple[int, int]:
-        return _round_up(self.base_nk[0], caps.n_align), _round_up(self.base_nk[1], caps.k_align)
+        return round_up(self.base_nk[0], caps.n_align), round_up(self.base_nk[1], caps.k_align)
 
     def _edge_shapes(self, caps: GemmCapabilities) -> list[tuple[int, int, int]]:
         n, k = self._base(caps)
@@ -489,7 +487,7 @@ class GemmProviderContract(ContractBase):
 
         provider = self.provider()
         caps = provider.capabilities
-        n, k = _round_up(1024, caps.n_align), _round_up(2048, caps.k_align)
+        n, k = round_up(1024, caps.n_align), round_up(2048, caps.k_align)
         platform = platform_for(device)
         for case in self._gpu_cases(provider, n, k):
             for m in (1, 16, 300):
@@ -522,7 +520,7 @@ class GemmProviderContract(ContractBase):
 
         provider = self.provider()
         caps = provider.capabilities
-        n, k = _round_up(1024, caps.n_align), _round_up(2048, caps.k_align)
+        n, k = round_up(1024, caps.n_align), round_up(2048, caps.k_align)
         for case in self._gpu_cases(provider, n, k):
             d = case.data(5, n, k, device)
             prepared = provider.prepare_weight(d["w"], d["ws"])
@@ -544,7 +542,7 @@ class GemmProviderContract(ContractBase):
 
         provider = self.provider()
         caps = provider.capabilities
-        n, k = _round_up(1024, caps.n_align), _round_up(2048, caps.k_align)
+        n, k = round_up(1024, caps.n_align), round_up(2048, caps.k_align)
         for case in self._gpu_cases(provider, n, k):
             d = case.data(5, n, k, device)
             prepared = provider.prepare_weight(d["w"], d["ws"])  # checks scale values: may sync (load time)
@@ -563,7 +561,7 @@ class GemmProviderContract(ContractBase):
         provider = self.provider()
         caps = provider.capabilities
         m, n, k = gpu_shape
-        n, k = _round_up(n, caps.n_align), _round_up(k, caps.k_align)
+        n, k = round_up(n, caps.n_align), round_up(k, caps.k_align)
         for case in self._gpu_cases(provider, n, k):
             self._run_case(device, case, m, n, k, provider)
 

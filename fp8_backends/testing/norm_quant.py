@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 import pytest
 
 from fp8_backends.core.capabilities import NormQuantCapabilities
+from fp8_backends.core.padding import round_up
 from fp8_backends.core.types import ActScale, DeviceKind, NormQuantProblem, OutDtype, QuantizedActivation
 
 from ._base import ContractBase, _cuda_visible, expect_refusal, no_kernel_runs, platform_for
@@ -35,9 +36,6 @@ from .compare import CODES_MAX_FRACTION, assert_codes_close, assert_residual_clo
 _HOOKS = ("rmsnorm_quant_impl", "fused_add_rmsnorm_quant_impl")
 _DTYPE_ORDER = (OutDtype.BF16, OutDtype.FP16, OutDtype.FP32)
 
-
-def _round_up(value: int, align: int) -> int:
-    return -(-value // align) * align
 
 
 def norm_inputs(t: int, h: int, dtype: OutDtype, device: str, seed: int = 0, amplitude: float = 1.0
@@ -102,7 +100,7 @@ class NormQuantProviderContract(ContractBase):
             metafunc.parametrize("tokens", self.token_values, ids=[f"T{t}" for t in self.token_values])
         if "hidden" in metafunc.fixturenames:
             align = caps.hidden_align if isinstance(caps, NormQuantCapabilities) else 1
-            sizes = sorted({_round_up(h, align) for h in self.hidden_sizes})
+            sizes = sorted({round_up(h, align) for h in self.hidden_sizes})
             metafunc.parametrize("hidden", sizes, ids=[f"H{h}" for h in sizes])
         if "residual" in metafunc.fixturenames:
             with_residual = caps is None or caps.residual
@@ -116,7 +114,7 @@ class NormQuantProviderContract(ContractBase):
             metafunc.parametrize("bad", list(_BAD_INPUTS))
 
     def _hidden(self, caps: NormQuantCapabilities, h: int = 256) -> int:
-        return _round_up(h, caps.hidden_align)
+        return round_up(h, caps.hidden_align)
 
     def _refusals(self, provider: Any) -> list[tuple[str, str, dict[str, Any]]]:
         """(id, device, how) for everything undeclared that can be asked here."""

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from fp8_backends.core.errors import InvalidInputError
 from fp8_backends.core.oplib import LazyOps, gemm_fake, gemm_schema
+from fp8_backends.core.padding import round_up
 
 from . import build
 from .block_configs import BLOCK_CONFIGS, GROUP_K, WEIGHT_BLOCK, active_block_table
@@ -49,9 +50,6 @@ _F32_BYTES = 4
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
-
-def _round_up(a: int, b: int) -> int:
-    return _ceil_div(a, b) * b
 
 
 def _out_name(dtype: torch.dtype) -> str:
@@ -132,9 +130,9 @@ def act_scale_operand(x_scale: torch.Tensor, m: int, kb: int, tma: bool) -> tupl
 
     s_m, s_k = x_scale.stride()
     if m == 1 or s_m == 1:
-        ld = s_k if kb > 1 else (_round_up(m, 4) if tma else m)
+        ld = s_k if kb > 1 else (round_up(m, 4) if tma else m)
         if tma:
-            rows = _round_up(m, 4)
+            rows = round_up(m, 4)
             if (ld % 4 == 0 and ld >= m and x_scale.data_ptr() % _TMA_ALIGN == 0
                     and (rows == m or _storage_floats(x_scale) >= (kb - 1) * ld + rows)):
                 return x_scale, ld
@@ -146,7 +144,7 @@ def act_scale_operand(x_scale: torch.Tensor, m: int, kb: int, tma: bool) -> tupl
     else:
         reason = f"strides {(s_m, s_k)} are not M-major"
     _log_copy_once(reason)
-    rows = _round_up(m, 4)
+    rows = round_up(m, 4)
     buf = torch.empty((kb, rows), dtype=torch.float32, device=x_scale.device)
     buf[:, :m].copy_(x_scale.t())
     return buf, rows
