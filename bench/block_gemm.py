@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-norm", action="store_true", help="skip the fused norm + quant part")
     ap.add_argument("--no-gemm", action="store_true", help="skip the GEMM part")
     ap.add_argument("--no-compile-baseline", action="store_true", help="norm part without torch.compile")
+    ap.add_argument("--norm-configs", action="store_true",
+                    help="norm part: also time every launch shape (rows per program 1/2/4 x 4/8/16 warps) of the "
+                    "one-pass kernel, and the static-scale kernel of the same bytes (what the dynamic part costs)")
     ap.add_argument("--device", default=None, help="cuda, cuda:N or cpu")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--replays", type=int, default=None)
@@ -465,6 +468,63 @@ def _norm_reference(x: Any, weight: Any, eps: float, residual: Any, per_token: b
     return q, scale  # written out as torch ops (not the reference's functions) so torch.compile sees plain code
 
 
+#: ``--norm-configs`` launch shapes of the dynamic kernel: (path, rows per program or groups per chunk, warps, register
+#: cap per thread or None). Launched through Triton's JIT (the graph timer replays them: its host cost is not timed).
+NORM_SHAPES = (("block", 1, 16, None), ("block", 1, 16, 64), ("block", 1, 8, None), ("block", 1, 8, 128),
+               ("block", 1, 32, None), ("block", 1, 4, None), ("block", 2, 16, 64), ("loop", 8, 4, None),
+               ("loop", 16, 8, None), ("loop", 8, 8, None))
+
+
+def _config_runs(nd: Any, xs: list, rs: list, w: Any, eps: float, tokens: int, hidden: int, residual: bool,
+                 sets: int, code_check: Callable[[bool], Any]) -> dict[str, Any]:
+    """``--norm-configs``: the dynamic kernel at every launch shape of :data:`NORM_SHAPES`, group and token modes
+    (labels ``group_block_r1w16_reg64``, ``group_loop_c8w4``), and ``static``: the static-scale RMSNorm + quant kernel
+    over the same rows (the same bytes, one fixed scale: what computing the dynamic scales costs)."""
+    import torch
+
+    from fp8_backends.providers.triton import norm_kernels
+    from fp8_backends.providers.triton.group_quant_kernels import group_scale_empty
+    from fp8_backends.tuning.timing import Run
+
+    runs: dict[str, Any] = {}
+    dev = xs[0].device
+    qs = [torch.empty(tokens, hidden, device=dev, dtype=torch.float8_e4m3fn) for _ in range(sets)]
+    for mode, per_token in (("group", False), ("token", True)):
+        scales = [torch.empty(tokens, 1, device=dev) if per_token else
+                  group_scale_empty(tokens, -(-hidden // GROUP), "row_major", xs[0]) for _ in range(sets)]
+        for path, n, warps, maxnreg in NORM_SHAPES:
+            if path == "block":
+                base = nd.dyn_config(tokens, hidden, residual, GROUP, per_token)
+                if base.path != "block":
+                    continue
+                cfg = base._replace(rows=n, num_warps=warps)
+                label = f"{mode}_block_r{n}w{warps}" + (f"_reg{maxnreg}" if maxnreg else "")
+            else:
+                cfg = nd.DynConfig("loop", 1, n, GROUP, warps)
+                label = f"{mode}_loop_c{n}w{warps}" + (f"_reg{maxnreg}" if maxnreg else "")
+            options = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+
+            def call(i: int, per_token: bool = per_token, cfg: Any = cfg, options: dict = options,
+                     scales: list = scales) -> Any:
+                kernel, grid, args = nd.kernel_args(cfg, xs[i], rs[i], w, qs[i], scales[i], eps, per_token, False)
+                kernel[grid](*args, **options)
+                return qs[i]
+
+            runs[label] = Run(call, sets, None if residual else code_check(per_token))
+    outs = [torch.empty(tokens, hidden, device=dev, dtype=torch.float8_e4m3fn) for _ in range(sets)]
+    scale = torch.full((1,), 0.05, device=dev)
+
+    def static(i: int) -> Any:
+        if rs[i] is None:
+            norm_kernels.rmsnorm_quant(outs[i], xs[i], w, scale, eps)
+        else:
+            norm_kernels.fused_add_rmsnorm_quant(outs[i], xs[i], rs[i], w, scale, eps)
+        return outs[i]
+
+    runs["static"] = Run(static, sets, None)
+    return runs
+
+
 def norm_point(hidden: int, tokens: int, residual: bool, device: str, timer: Any, args: argparse.Namespace,
                copy_gbps: float | None, l2_bytes: int) -> dict[str, Any]:
     import torch
@@ -507,6 +567,8 @@ def norm_point(hidden: int, tokens: int, residual: bool, device: str, timer: Any
                                             "per_token_group", scale_layout=layout)[0]
 
         runs[label] = Run(call, sets, None if residual else code_check(per_token))
+    if getattr(args, "norm_configs", False):
+        runs.update(_config_runs(nd, xs, rs, w, eps, tokens, hidden, residual, sets, code_check))
     if not args.no_compile_baseline:
         _raise_recompile_limits(torch)
         for label, per_token in (("compiled_group", False), ("compiled_token", True)):
