@@ -84,7 +84,13 @@ def test_every_shipped_h200_entry_keeps_its_key():
     """Each entry of the shipped file, rebuilt as a problem, keys exactly as the file names it."""
     doc = shipped_data.load_file(shipped.packaged_dir() / "sm90-nvidia-h200.json")
     entries = shipped_data.the_section(doc)["entries"]
-    assert len(entries) == 1820
+    per_class = {}
+    for entry in entries.values():
+        cls = (entry["problem"]["act_scale"], entry["problem"]["weight_scale"])
+        per_class[cls] = per_class.get(cls, 0) + 1
+    # the per-tensor grid (25 models x TP 1/2/4/8 x 7 M buckets) and the per-token x per-channel grid (5 models x
+    # TP 1/2 x 7 M buckets)
+    assert per_class == {("per_tensor", "per_tensor"): 1820, ("per_token", "per_channel"): 196}
     acts = {"per_tensor": "per_tensor_dynamic", "per_token": "per_token"}
     for name, entry in entries.items():
         f = entry["problem"]
@@ -333,11 +339,12 @@ def _block_run(tmp_path, shipped_doc) -> dict:
 
 def test_merge_adds_a_block_run_to_the_shipped_data(tmp_path):
     base = shipped_data.load_file(shipped.packaged_dir() / "sm90-nvidia-h200.json")
+    before = len(shipped_data.the_section(base)["entries"])
     doc = _block_run(tmp_path, base)
     merged = selection_data.merge(base, doc, command="python -m fp8_backends.selection_data merge a b")
     entries = shipped_data.the_section(merged)["entries"]
     added = [k for k in entries if "/act=per_token_group/g=128/w=block/128x128/" in k]
-    assert len(entries) == 1820 + 2 and len(added) == 2
+    assert len(entries) == before + 2 and len(added) == 2
     record = merged["provenance"]["merged"][-1]
     assert record["entries"] == 2 and record["replaced"] == 0 and record["grid"]["weight_block"] == [128, 128]
     assert shipped_data.check_document(merged) == []
@@ -350,7 +357,7 @@ def test_merge_adds_a_block_run_to_the_shipped_data(tmp_path):
     assert data.model_for(lockfile.problem_fields("gemm", problem)) is not None
     # again: the same keys replace the merged ones
     again = selection_data.merge(merged, doc)
-    assert len(shipped_data.the_section(again)["entries"]) == 1822
+    assert len(shipped_data.the_section(again)["entries"]) == before + 2
     assert again["provenance"]["merged"][-1]["replaced"] == 2
     other = json.loads(json.dumps(doc))
     other["provenance"]["gpu"] = "NVIDIA H100"

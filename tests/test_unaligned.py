@@ -247,3 +247,45 @@ def test_a_k_padded_weight_skips_the_fused_launch():
                              torch.float8_e4m3fn)
         assert linear(torch.zeros(2, 30)) == want
         assert ("fused" in calls) == (want == "fused")
+
+
+def test_captured_calls_of_a_dynamic_mode_skip_the_fused_launch(monkeypatch):
+    """Inside a CUDA graph a dynamic mode's fused quantize+GEMM launch (every program recomputes the scale) loses to
+    two launches: captured calls quantize, then run the GEMM; eager calls keep the fused launch; the static mode keeps
+    it in both (and needs no second binding)."""
+    from types import SimpleNamespace
+
+    from fp8_backends.core.types import ActScale
+    from fp8_backends.layers import eager_plan
+
+    calls = []
+    modes = frozenset({ActScale.PER_TENSOR_DYNAMIC, ActScale.PER_TOKEN, ActScale.PER_TENSOR_STATIC})
+
+    class Backend:
+        fused_act_quant = modes
+        capabilities = SimpleNamespace(group_scale_layout=None)
+
+        def bind_fused_quant_gemm(self, *args):
+            def fused(x):
+                calls.append("fused")
+                return torch.zeros(x.shape[0], 8, dtype=torch.bfloat16)
+            return fused
+
+        def gemm_impl(self, x_q, prepared, x_scale, out_dtype, bias):
+            calls.append("gemm")
+            return torch.zeros(x_q.shape[0], 8, dtype=torch.bfloat16)
+
+    monkeypatch.setattr(eager_plan, "bind_quantizer", lambda *a: lambda x: (x.to(torch.float8_e4m3fn), torch.ones(1)))
+    prepared = SimpleNamespace(data=torch.zeros(8, 32, dtype=torch.float8_e4m3fn), k_pad=None, group_size=None)
+    row = SimpleNamespace(backend=Backend(), prepared=prepared, bucket=16)
+    kernel = SimpleNamespace(rows=(row,), graph_rows=(row,), split=False)
+    for mode in modes:
+        plan = eager_plan.bind_per_m(kernel, k=32, n=8, dtype=torch.bfloat16, device=torch.device("cpu"), bias=None,
+                                     mode=mode, input_scale=torch.ones(1), fp8_dtype=torch.float8_e4m3fn)
+        assert (plan.graph_rows is None) == (mode is ActScale.PER_TENSOR_STATIC), mode
+        for capturing in (False, True):
+            plan.capturing = lambda capturing=capturing: capturing
+            calls.clear()
+            plan(torch.zeros(2, 32, dtype=torch.bfloat16))
+            dynamic = mode in eager_plan.DYNAMIC_MODES
+            assert calls == (["gemm"] if capturing and dynamic else ["fused"]), (mode, capturing)

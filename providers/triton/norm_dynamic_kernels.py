@@ -7,7 +7,7 @@ What vLLM calls ``rms_norm_per_block_quant`` and ``rms_norm_dynamic_per_token_qu
     y = (s * rsqrt(sum(s * s) / H + eps)) * w
     per_token_group:  scale[t, g] = max(amax(|y[g·G : (g+1)·G]|) / fmax, 1e-12)   -> [T, ceil(H / G)]
     per_token:        scale[t, 0] = max(amax(|y|) / fmax, 1e-12)                  -> [T, 1]
-    q = fp8(clamp(y / scale, ±fmax))     # IEEE division, fmax 448 (e4m3fn) or 57344 (e5m2)
+    q = fp8(clamp(y * (1 / scale), ±fmax))  # 1 / scale rounded once per group or row; fmax 448 (e4m3fn), 57344 (e5m2)
 
 Operands (what :func:`rmsnorm_quant_dynamic` takes; a provider validates them):
 
@@ -17,9 +17,14 @@ Operands (what :func:`rmsnorm_quant_dynamic` takes; a provider validates them):
 - ``q``: ``[T, H]`` float8 (new, row-major; or ``q_out``); ``scale``: fp32, new in the requested layout
   (:data:`.group_quant_kernels.SCALE_LAYOUTS`; ``[T, 1]`` contiguous per token) or ``scale_out`` in any layout.
 
-The codes and scales match the reference up to the order of the sum of squares (a code may rarely sit one step away,
-a scale an fp32 ulp); a NaN in a row makes its whole normalized row, so all its scales and codes, NaN, as in the
-reference.
+The codes and scales match the reference up to the order of the sum of squares and the product by the reciprocal
+(the reference divides: ``y * (1 / scale)`` sits within an fp32 ulp or two of ``y / scale``, which moves a code one
+FP8 step only when the quotient lies that close to a rounding midpoint): a code may rarely sit one step away, a scale
+an fp32 ulp. A NaN in a row makes its whole normalized row, so all its scales and codes, NaN, as in the reference;
+a scale of inf (an inf in the group) gives NaN codes where the reference has inf / inf and zeros elsewhere, as
+``y / inf`` does. One division per group instead of one per element: on the H200 the per-element IEEE division made
+the kernel compute-bound (bench/results/block_gemm/2026-12-03-h200-norm-launch-shapes/: 61 µs against 25 µs for
+the static-scale kernel over the same bytes, T = 4096, H = 7168).
 
 Paths (the launch shape of :func:`.norm_kernels.default_config`, measured on the H200 for the static kernel):
 
@@ -91,7 +96,8 @@ def _norm_dyn_block_kernel(
     scale = nan_maximum(tl.math.div_rn(nan_max_reduce(tl.abs(y), 2), FMAX), 1e-12)  # [ROWS, NG]
     tl.store(s_ptr + rows2 * stride_sm + groups[None, :] * stride_sg, scale,
              mask=row_in[:, None] & (groups * GB < H)[None, :])
-    q = nan_clamp(tl.math.div_rn(y, scale[:, :, None]), -FMAX, FMAX)
+    inv = tl.math.div_rn(1.0, scale)  # one correctly rounded reciprocal per group (module docstring)
+    q = nan_clamp(y * inv[:, :, None], -FMAX, FMAX)
     tl.store(q_ptr + rows64 * stride_q + cols[None, :, :], q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -140,6 +146,7 @@ def _norm_dyn_loop_kernel(
             amax = nan_maximum(amax, tl.abs(v * rrms * w))
         token_scale = nan_maximum(tl.math.div_rn(nan_max_reduce(nan_max_reduce(amax, 1), 0), FMAX), 1e-12)
         tl.store(s_ptr + row * stride_sm, token_scale)
+        token_inv = tl.math.div_rn(1.0, token_scale)
     for start in range(0, H, CHUNK):
         cols = start + local
         mask = cols < H
@@ -149,13 +156,13 @@ def _norm_dyn_loop_kernel(
         w = tl.load(w_ptr + cols * stride_w, mask=mask, other=0.0).to(tl.float32)
         y = v * rrms * w
         if PER_TOKEN:
-            scale = token_scale
+            inv = token_inv
         else:
             group_scale = nan_maximum(tl.math.div_rn(nan_max_reduce(tl.abs(y), 1), FMAX), 1e-12)  # [NGC]
             g = start // G + groups
             tl.store(s_ptr + row * stride_sm + g * stride_sg, group_scale, mask=g * G < H)
-            scale = group_scale[:, None]
-        q = nan_clamp(tl.math.div_rn(y, scale), -FMAX, FMAX)
+            inv = tl.math.div_rn(1.0, group_scale)[:, None]
+        q = nan_clamp(y * inv, -FMAX, FMAX)
         tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 

@@ -30,7 +30,8 @@ order, so an fp8 code can rarely land one step away from ``fp8_backends.core.ref
 
 Dynamic modes (``rmsnorm_quant(..., act_scale="per_token" | "per_token_group")``): ``scale`` is computed from the
 normalized rows (``[T, 1]`` per token, ``[T, ceil(H/G)]`` per group of 64 or 128 in the requested scale layout) with
-IEEE divisions as the reference; ``x`` may be row-strided. Through the ``triton_op`` ops
+IEEE divisions as the reference, and the codes multiply by each scale's reciprocal as in the static mode (a code may
+rarely sit one step away); ``x`` may be row-strided. Through the ``triton_op`` ops
 ``fp8_backends::triton_rmsnorm_quant_dynamic`` and ``triton_fused_add_rmsnorm_quant_dynamic``.
 
 This module imports neither torch nor triton at import time (stevedore imports it during discovery).
