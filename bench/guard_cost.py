@@ -58,7 +58,7 @@ def quantized(base: Any, ids: torch.Tensor, variant: str) -> Any:
     if variant == "fp8_static":
         quantize_model(model, act_scale="per_tensor_static", calibration=[ids])
     elif variant == "fp8_dynamic":
-        quantize_model(model)
+        quantize_model(model, act_scale="per_tensor_dynamic")
     elif variant == "fp8_static_unfused":
         quantize_model(model, act_scale="per_tensor_static", calibration=[ids], fuse=False)
     return model

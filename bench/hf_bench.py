@@ -143,7 +143,7 @@ def make_variants(base: Any, names: list[str], calib_ids: torch.Tensor,
                 quantize_(model.model.layers, Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor()))
                 notes[name] = {"config": "Float8DynamicActivationFloat8WeightConfig(PerTensor())"}
             elif kind == "fp8_dynamic":
-                summary = quantize_model(model, static_launch=launch, **extra)
+                summary = quantize_model(model, act_scale="per_tensor_dynamic", static_launch=launch, **extra)
                 notes[name] = {"swapped": summary.count, "gemms": summary.gemms, "providers": summary.providers(),
                                "bytes_saved": summary.bytes_saved}
             elif kind in ("fp8_block", "fp8_channel"):

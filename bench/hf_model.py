@@ -11,8 +11,9 @@ deep copy of one bf16 model:
 - ``bf16``: as built;
 - ``torchao``: ``torchao.quantization.quantize_(layers, Float8DynamicActivationFloat8WeightConfig(PerTensor()))``
   (only when torchao imports);
-- ``fp8_dynamic``: ``fp8_backends.quantize_model(model)``: per-tensor dynamic activations, per-tensor weights,
-  provider ``auto``;
+- ``fp8_dynamic``: ``fp8_backends.quantize_model(model, act_scale="per_tensor_dynamic")``: per-tensor dynamic
+  activations, per-tensor weights, provider ``auto``;
+- ``fp8_channel``: ``quantize_model(model, weight_scale="per_channel", act_scale="per_token")``: the default scheme;
 - ``fp8_static``: ``quantize_model(model, act_scale="per_tensor_static", calibration=[one 512-token batch])``;
 - ``fp8_dynamic_sl``, ``fp8_static_sl``: the same with ``static_launch=True`` (Inductor's static launcher for the
   library's Triton kernels). The setting is global to a process, so these and the plain FP8 variants can only be

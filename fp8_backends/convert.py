@@ -332,11 +332,38 @@ def _swap_fused(model: nn.Module, members: Sequence[tuple[str, nn.Linear]], scal
     return True
 
 
+#: the weight scale that pairs with each activation mode when only the activation mode is given, and back
+_WEIGHT_FOR = {ActScale.PER_TOKEN: WeightScale.PER_CHANNEL, ActScale.PER_TOKEN_GROUP: WeightScale.BLOCK,
+               ActScale.PER_TENSOR_DYNAMIC: WeightScale.PER_TENSOR, ActScale.PER_TENSOR_STATIC: WeightScale.PER_TENSOR}
+_ACT_FOR = {WeightScale.PER_CHANNEL: ActScale.PER_TOKEN, WeightScale.BLOCK: ActScale.PER_TOKEN_GROUP,
+            WeightScale.PER_TENSOR: ActScale.PER_TENSOR_DYNAMIC}
+
+
+def default_scheme(act_scale: ActScale | str | None, weight_scale: WeightScale | str | None
+                   ) -> tuple[ActScale, WeightScale]:
+    """:func:`quantize_model`'s scheme: both None -> per-token activations x per-channel weights (the default);
+    one given -> the other that pairs with it (per-tensor with per-tensor, per-token with per-channel, per-token-group
+    with block); both given -> as given."""
+    if weight_scale is None:
+        wmode = None
+    else:
+        try:
+            wmode = WeightScale(weight_scale)
+        except (ValueError, TypeError):
+            raise InvalidInputError(
+                f"weight_scale must be per_tensor, per_channel or block, got {weight_scale!r}") from None
+    if act_scale is None:
+        mode = _ACT_FOR[wmode] if wmode is not None else ActScale.PER_TOKEN
+    else:
+        mode = ActScale.of(act_scale)
+    return mode, (wmode if wmode is not None else _WEIGHT_FOR[mode])
+
+
 def quantize_model(
     model: nn.Module,
     *,
     act_scale: ActScale | str | None = None,
-    weight_scale: WeightScale | str = WeightScale.PER_TENSOR,
+    weight_scale: WeightScale | str | None = None,
     backend: str | Fp8GemmBackend | None = None,
     skip: Sequence[str] = DEFAULT_SKIP,
     include: Callable[[str, nn.Linear], bool] | None = None,
@@ -352,12 +379,15 @@ def quantize_model(
 
     Args:
         model: any ``nn.Module``; its linears keep their device and dtype (bf16/fp16/fp32 model dtype).
-        act_scale: ``"per_tensor_dynamic"`` (default), ``"per_token"`` or ``"per_tensor_static"`` (needs
-            ``calibration`` or ``input_scales``); ``"per_token_group"`` (groups of 128 along K) for block weights,
-            their default.
-        weight_scale: ``"per_tensor"`` (default), ``"per_channel"`` or ``"block"`` (block-wise FP8 as DeepSeek-V3
-            and Qwen3-FP8 ship it: one scale per 128x128 weight block, activations quantized per token in groups
-            of 128; fused siblings are quantized as one weight, so a block may span two of them).
+        act_scale: ``"per_token"`` (dynamic, one scale per row: the default), ``"per_tensor_dynamic"`` or
+            ``"per_tensor_static"`` (needs ``calibration`` or ``input_scales``); ``"per_token_group"`` (groups of 128
+            along K) for block weights, their default.
+        weight_scale: ``"per_channel"`` (one scale per output row: the default, with per-token activations the
+            scheme of compressed-tensors' FP8_DYNAMIC checkpoints), ``"per_tensor"`` (the default when
+            ``act_scale`` is a per-tensor mode) or ``"block"`` (block-wise FP8 as DeepSeek-V3 and Qwen3-FP8 ship it:
+            one scale per 128x128 weight block, activations quantized per token in groups of 128; fused siblings are
+            quantized as one weight, so a block may span two of them). Why per-channel x per-token is the default:
+            README ("The default scheme").
         backend: GEMM provider for every layer: a name (``"auto"``, ``"triton"``, ``"DIST:NAME@opt=v"``), an
             instance, or ``None`` (``FP8_GEMM_BACKEND``, else ``auto``).
         skip: fnmatch patterns on the qualified module name or its last part (default :data:`DEFAULT_SKIP`).
@@ -381,14 +411,7 @@ def quantize_model(
     """
     if not isinstance(model, nn.Module):
         raise InvalidTypeError(f"quantize_model needs an nn.Module, got {type(model).__name__}")
-    try:
-        wmode = WeightScale(weight_scale)
-    except (ValueError, TypeError):
-        raise InvalidInputError(
-            f"weight_scale must be per_tensor, per_channel or block, got {weight_scale!r}") from None
-    if act_scale is None:
-        act_scale = ActScale.PER_TOKEN_GROUP if wmode is WeightScale.BLOCK else ActScale.PER_TENSOR_DYNAMIC
-    mode = ActScale.of(act_scale)
+    mode, wmode = default_scheme(act_scale, weight_scale)
     if (mode is ActScale.PER_TOKEN_GROUP) != (wmode is WeightScale.BLOCK):
         raise InvalidInputError(f"block weight scales pair with per_token_group activation scales (block-wise FP8); "
                                 f"got act_scale={mode.value} with weight_scale={wmode.value}")

@@ -729,8 +729,9 @@ def test_every_fallback_logs(name, request, monkeypatch, lockpath, caplog):
 
 # ------------------------------------------------------------------------------------------ more entry points
 @pytest.mark.parametrize("kw", [
-    {"act_scale": "bogus"}, {"weight_scale": None}, {"backend": 123}, {"backend": "torch@fast_accum"},
-    {"backend": "auto@fast_accum=true"}, {"skip": 5}, {"skip": [1]}, {"include": "yes"}, {"input_dtype": "bogus"},
+    {"act_scale": "bogus"}, {"weight_scale": "bogus"}, {"weight_scale": 5}, {"backend": 123},
+    {"backend": "torch@fast_accum"}, {"backend": "auto@fast_accum=true"}, {"skip": 5}, {"skip": [1]},
+    {"include": "yes"}, {"input_dtype": "bogus"},
     {"weight_dtype": "int8"}, {"calibration": 5}, {"act_scale": "per_tensor_static", "input_scales": 5},
     {"act_scale": "per_tensor_static", "input_scales": {"0": "a", "2": 1.0}},
     {"act_scale": "per_tensor_static", "input_scales": {"0": float("inf"), "2": 1.0}},

@@ -704,16 +704,18 @@ def test_quantize_model_passes_the_objective_through(cpu_lock):
         return nn.Sequential(nn.Linear(K_IN, N_OUT, bias=False), nn.ReLU(), nn.Linear(N_OUT, N_OUT)).to(
             torch.bfloat16)
 
-    summary = quantize_model(model(), objective="kernel")
+    per_tensor = "per_tensor_dynamic"  # the scheme the test lockfile measured (cpu_lock)
+
+    summary = quantize_model(model(), act_scale=per_tensor, objective="kernel")
     assert summary.objective == "kernel" and "objective kernel" in str(summary)
     assert summary.swapped[0].backends == f"M<=1:{TORCH_LABEL},M<=4:{TORCH_LABEL},M>4:{TORCH_LABEL}"
     m = model()
-    summary = quantize_model(m, objective="auto")
+    summary = quantize_model(m, act_scale=per_tensor, objective="auto")
     assert summary.objective == "auto" and "in CUDA graphs" in summary.swapped[0].backends
     assert m[0].objective is SelectionObjective.AUTO and m[0].kernel.split
     assert quantize_model(model()).objective == "auto"  # the default
     host = model()
-    quantize_model(host, objective=SelectionObjective.HOST)
+    quantize_model(host, act_scale=per_tensor, objective=SelectionObjective.HOST)
     assert host[0].kernel.rows[0].backend.name == "fake_mm"
     with pytest.raises(InvalidInputError):
         quantize_model(model(), objective="fastest")
