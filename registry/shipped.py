@@ -22,6 +22,7 @@ an H100-class GPU would run).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -34,6 +35,7 @@ from typing import Any
 from fp8_backends.core import settings
 from fp8_backends.core.errors import DataFileError
 from fp8_backends.core.objective import SelectionObjective
+from fp8_backends.core.padding import padded_size
 
 from . import host_aware, lockfile, lockfile_policy, shipped_data
 from .candidates import Candidate
@@ -237,6 +239,25 @@ def reset_state() -> None:
 
 
 # ---------------------------------------------------------------------------------------- the policies
+def lookup_problem(problem: Any) -> Any:
+    """The problem the shipped data is asked about: ``problem`` itself, or where its N or K is not a multiple of 16 the
+    padded problem (:func:`fp8_backends.core.padding.padded_size`: 3420 -> 3456, 6840 -> 6912). The providers that
+    serve such sizes pad the weight and run the aligned neighbour's GEMM (``torch_scaled_mm``) or mask the same tiles
+    (``triton``): the measurements of the padded shape are theirs, whereas the nearest measured shapes of an unaligned
+    size (the data holds none) are far away in the model's alignment feature. Only the lookup changes: the candidates
+    are still those that serve ``problem`` itself."""
+    n, k = getattr(problem, "n", None), getattr(problem, "k", None)
+    if not isinstance(n, int) or not isinstance(k, int) or (n % 16 == 0 and k % 16 == 0):
+        return problem
+    return dataclasses.replace(problem, n=padded_size(n), k=padded_size(k))
+
+
+def _padded_note(problem: Any) -> str:
+    """``", looked up as 3456x6912 (padded)"`` where :func:`lookup_problem` padded the shape, else ``""``."""
+    lookup = lookup_problem(problem)
+    return "" if lookup is problem else f", looked up as {lookup.n}x{lookup.k} (padded)"
+
+
 def _answer(kind: str, problem: Any, platform: Platform, serving: list[Candidate],
             objective: SelectionObjective = SelectionObjective.KERNEL) -> tuple | None:
     """``(policy name, (entry, options, note))`` or None; computed once per problem, serving set and objective
@@ -259,7 +280,7 @@ def _answer(kind: str, problem: Any, platform: Platform, serving: list[Candidate
 
 
 def _exact(kind, problem, platform, serving, data: ShippedData, objective=SelectionObjective.KERNEL) -> tuple | None:
-    hit = data.index.lookup(kind, problem)
+    hit = data.index.lookup(kind, lookup_problem(problem))
     if hit is None:
         return None
     bucket, record = hit
@@ -269,7 +290,8 @@ def _exact(kind, problem, platform, serving, data: ShippedData, objective=Select
                      problem.describe(), bucket)
         return None
     entry, options, rank = picked
-    answer = entry, options, lockfile_policy.choice_note(f"{data.label}, bucket M={bucket}", rank, record, "measured")
+    answer = entry, options, lockfile_policy.choice_note(f"{data.label}, bucket M={bucket}{_padded_note(problem)}",
+                                                         rank, record, "measured")
     if objective is SelectionObjective.HOST:
         answer = lockfile_policy.host_rerank(kind, problem, platform, serving, record, answer)
     return POLICY_EXACT, answer
@@ -277,13 +299,14 @@ def _exact(kind, problem, platform, serving, data: ShippedData, objective=Select
 
 def _nearest(kind, problem, platform, serving, data: ShippedData, objective=SelectionObjective.KERNEL
              ) -> tuple | None:
-    fields = lockfile.problem_fields(kind, problem)
+    lookup = lookup_problem(problem)
+    fields = lockfile.problem_fields(kind, lookup)
     model = data.model_for(fields)
     if model is None:
         logger.debug("shipped data %s has no %s problems like %s", data.path, kind, problem.describe())
         return None
     bucket = lockfile.bucket_for(problem.m, model.buckets)
-    pred = model.predict(problem.n, problem.k, bucket) if bucket is not None else None
+    pred = model.predict(lookup.n, lookup.k, bucket) if bucket is not None else None
     if pred is None:
         return None
     found: dict[CandKey, tuple] = {}
@@ -313,7 +336,7 @@ def _nearest(kind, problem, platform, serving, data: ShippedData, objective=Sele
             by_key = {r.key: r for r in rows}
             why = f"; {host_aware.note(by_key[ck], by_key[won[0]], rows, predicted=True)}"
     entry, options, _ = found[ck]
-    note = (f"{data.label}, bucket M={bucket}, nearest: {pred.describe_neighbours()}; "
+    note = (f"{data.label}, bucket M={bucket}{_padded_note(problem)}, nearest: {pred.describe_neighbours()}; "
             f"predicted {score:.3f}x the fastest{why}")
     logger.debug("shipped-nearest scores for %s: %s", problem.describe(),
                  ", ".join(f"{cand_label(k)} {s:.3f}" for k, s in pred.scores))
@@ -337,7 +360,8 @@ def exact_buckets(kind: str, problem: Any, platform: Platform) -> list[int]:
     data = _data_for_problem(kind, problem, platform)
     if data is None:
         return []
-    return list(data.index.buckets.get(lockfile.problem_key(kind, lockfile.problem_fields(kind, problem)), ()))
+    fields = lockfile.problem_fields(kind, lookup_problem(problem))
+    return list(data.index.buckets.get(lockfile.problem_key(kind, fields), ()))
 
 
 def nearest_buckets(kind: str, problem: Any, platform: Platform) -> list[int]:
@@ -346,7 +370,7 @@ def nearest_buckets(kind: str, problem: Any, platform: Platform) -> list[int]:
     data = _data_for_problem(kind, problem, platform)
     if data is None:
         return []
-    model = data.model_for(lockfile.problem_fields(kind, problem))
+    model = data.model_for(lockfile.problem_fields(kind, lookup_problem(problem)))
     return list(model.buckets) if model is not None else []
 
 
@@ -417,6 +441,7 @@ __all__ = [
     "POLICY_NEAREST",
     "ShippedData",
     "ShippedPolicy",
+    "lookup_problem",
     "buckets",
     "covers",
     "data_for",

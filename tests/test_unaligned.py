@@ -289,3 +289,20 @@ def test_captured_calls_of_a_dynamic_mode_skip_the_fused_launch(monkeypatch):
             plan(torch.zeros(2, 32, dtype=torch.bfloat16))
             dynamic = mode in eager_plan.DYNAMIC_MODES
             assert calls == (["gemm"] if capturing and dynamic else ["fused"]), (mode, capturing)
+
+
+def test_unaligned_shapes_read_the_shipped_data_of_their_padded_neighbour():
+    """The shipped data holds no unaligned shape; the providers that serve one run (or mask) the padded neighbour's
+    GEMM, so auto asks the data about the padded shape (3420 x 6840 -> 3456 x 6912) and says so in its note."""
+    h200 = simulate_platform("9.0")
+    for m in (1, 16, 256, 4096):
+        for mode in ("per_tensor_dynamic", "per_token"):
+            weight = "per_tensor" if mode == "per_tensor_dynamic" else "per_channel"
+            got = explain("gemm", "auto", problem=GemmProblem(n=3420, k=6840, m=m, act_scale=mode,
+                                                             weight_scale=weight, device="cuda"), platform=h200)
+            near = explain("gemm", "auto", problem=GemmProblem(n=3456, k=6912, m=m, act_scale=mode,
+                                                              weight_scale=weight, device="cuda"), platform=h200)
+            assert got.source.startswith("shipped") and "looked up as 3456x6912 (padded)" in got.note, got.note
+            assert "padded" not in near.note
+            if near.backend.name in ("torch_scaled_mm", "triton"):  # the neighbour's choice serves unaligned N, K
+                assert got.backend.label == near.backend.label, (m, mode, got.note, near.note)
