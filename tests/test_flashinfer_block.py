@@ -99,7 +99,7 @@ def test_block_problems_served_and_refused_with_reasons(available):
     assert b.supports(None, SM90) == [] and b.supports(None, simulate_platform("10.0"))
 
 
-def test_block_reasons_hook_states_the_kernel_rules():
+def test_block_reasons_hook_states_the_kernel_rules(available):
     b = FlashinferBlockBackend()
     assert b.block_reasons(block_problem()) == []
     reasons = b.block_reasons(block_problem(n=100, k=200))
@@ -138,7 +138,25 @@ def test_unavailable_without_sources_nvcc_or_feature(monkeypatch: pytest.MonkeyP
     assert not avail.ok and "nvcc" in avail.reason and "CUDA_HOME" in avail.install_hint
     monkeypatch.setattr(block_jit, "find_nvcc", lambda: "nvcc")
     monkeypatch.setattr(common, "import_flashinfer", lambda: (None, "import flashinfer failed: OSError: libcuda"))
-    assert "libcuda" in FlashinferBlockBackend.availability().reason
+    assert FlashinferBlockBackend.availability().ok  # imports nothing: the import's failure shows where it matters
+    b = FlashinferBlockBackend()
+    assert "libcuda" in b.supports(block_problem(), SM90)[0]  # a block-wise problem
+    assert "libcuda" in b.supports(None, SM90)[0]  # the listing's general view
+    assert not any("libcuda" in r for r in b.supports(GemmProblem(n=2112, k=7168, m=16), SM90))  # refused by its modes
+
+
+def test_resolving_a_problem_that_is_not_block_wise_never_imports_flashinfer(monkeypatch: pytest.MonkeyPatch,
+                                                                           available):
+    """Every GEMM resolution asks each provider's availability: importing flashinfer there (2-4 s) made loading a
+    model without block-wise layers seconds slower."""
+    calls = []
+    monkeypatch.setattr(common, "import_flashinfer", lambda: calls.append(1) or (None, "x"))
+    b = FlashinferBlockBackend()
+    assert FlashinferBlockBackend.availability().ok and calls == []
+    assert b.supports(GemmProblem(n=4096, k=4096, m=1, act_scale="per_token", weight_scale="per_channel"), SM90)
+    assert calls == []
+    b.supports(block_problem(), SM90)
+    assert calls == [1]
 
 
 def test_feature_probe_names_what_is_missing(monkeypatch: pytest.MonkeyPatch):
@@ -633,6 +651,9 @@ def _gpu_backend(**options) -> FlashinferBlockBackend:
     avail = FlashinferBlockBackend.availability()
     if not avail.ok:
         pytest.skip(avail.reason)
+    missing = FlashinferBlockBackend.feature_reasons()
+    if missing:
+        pytest.skip(missing[0])
     return FlashinferBlockBackend(**options)
 
 

@@ -82,8 +82,11 @@ class FlashinferBlockBackend(OpGemmBackend):
     @classmethod
     def availability(cls) -> Availability:
         """torch and flashinfer installed, a CUDA device, the module's JIT sources and DeepGEMM's headers in the
-        install, an nvcc for the per-shape kernels (all without importing flashinfer); then flashinfer imported once
-        (2-4 s) for ``flashinfer.gemm.fp8_blockscale_gemm_sm90`` and its JIT spec."""
+        install, an nvcc for the per-shape kernels, all without importing flashinfer (2-4 s): every GEMM resolution
+        asks each provider's availability, so an import here made loading a model that has no block-wise layer
+        seconds slower. The imported module's features (``flashinfer.gemm.fp8_blockscale_gemm_sm90`` and its JIT
+        spec) are checked where they matter: for a block-wise problem (:meth:`block_reasons`) and in the listing's
+        general view (:meth:`extra_reasons` without a problem)."""
         base = common.base_availability()
         if not base.ok:
             return base
@@ -98,13 +101,22 @@ class FlashinferBlockBackend(OpGemmBackend):
                 "no nvcc: flashinfer's fp8_blockscale_gemm_sm90 compiles its module and a DeepGEMM kernel per shape "
                 "with nvcc (looked for $TRTLLM_DG_NVCC_COMPILER, $CUDA_HOME/bin/nvcc, nvcc on the PATH)",
                 "install the CUDA toolkit and set CUDA_HOME")
+        return Availability.yes()
+
+    @staticmethod
+    def feature_reasons() -> list[str]:
+        """Why the installed flashinfer cannot serve block-wise problems once imported (imports it once: 2-4 s), or
+        ``[]``: importable, with ``fp8_blockscale_gemm_sm90`` and its JIT spec."""
         module, reason = common.import_flashinfer()
         if module is None:
-            return Availability.no(reason or "import flashinfer failed", common.INSTALL_HINT)
+            return [f"{reason or 'import flashinfer failed'} (install: {common.INSTALL_HINT})"]
         reason = block_jit.feature_reason(module)
-        if reason:
-            return Availability.no(reason, "pip install -U fp8-backends[flashinfer]")
-        return Availability.yes()
+        return [f"{reason} (install: pip install -U fp8-backends[flashinfer])"] if reason else []
+
+    def extra_reasons(self, problem: GemmProblem | None, platform: Any) -> list[str]:
+        """The listing's general view (no problem) includes :meth:`feature_reasons`; a problem's own check adds them
+        only for block-wise problems (:meth:`block_reasons`), the only ones this provider can serve."""
+        return self.feature_reasons() if problem is None else []
 
     def first_use_build(self, problem: Any, platform: Any) -> str | None:
         """flashinfer's module when it is not built yet (about 2 minutes at the first use; runs nothing). Its per-shape
@@ -120,8 +132,9 @@ class FlashinferBlockBackend(OpGemmBackend):
                 "fp8_backends.build flashinfer_block)")
 
     def block_reasons(self, problem: GemmProblem) -> list[str]:
-        """K % 128 and N % 64 (the DeepGEMM kernels' tiles)."""
-        return block_jit.shape_reasons(problem.n, problem.k)
+        """The imported flashinfer's features (:meth:`feature_reasons`), then K % 128 and N % 64 (the DeepGEMM kernels'
+        tiles)."""
+        return self.feature_reasons() or block_jit.shape_reasons(problem.n, problem.k)
 
     # ------------------------------------------------------------------ load time
     def load_op(self) -> Any:
