@@ -160,8 +160,7 @@ class Replay(NamedTuple):
 
 
 class KernelLauncher:
-    """``launcher(grid, args, num_warps=..., num_stages=..., pdl=..., device_index=..., maxnreg=None)`` for one
-    kernel.
+    """``launcher(grid, args, num_warps=..., num_stages=..., pdl=..., device_index=...)`` for one kernel.
 
     ``args``: every kernel parameter in declaration order (constexprs included, as values)."""
 
@@ -189,17 +188,16 @@ class KernelLauncher:
         return self.plan(args)[0]
 
     def __call__(self, grid: tuple[int, ...], args: Sequence[Any], *, num_warps: int, num_stages: int | None = None,
-                 pdl: bool, device_index: int, maxnreg: int | None = None) -> None:
+                 pdl: bool, device_index: int) -> None:
         if not self.direct:
-            self.fn[grid](*args, **self._options(num_warps, num_stages, pdl, maxnreg))
+            self.fn[grid](*args, **self._options(num_warps, num_stages, pdl))
             return
         spec, run_args = self.plan(args)
-        key = (num_warps, num_stages, pdl, device_index, spec) if maxnreg is None else (
-            num_warps, num_stages, pdl, device_index, spec, maxnreg)
+        key = (num_warps, num_stages, pdl, device_index, spec)
         entry = self._compiled.get(key)
         if entry is None:
             # compiles (or loads from Triton's cache) and launches
-            compiled = self.fn[grid](*args, **self._options(num_warps, num_stages, pdl, maxnreg))
+            compiled = self.fn[grid](*args, **self._options(num_warps, num_stages, pdl))
             if compiled is not None and hasattr(compiled, "__getitem__"):
                 self._compiled[key] = _Entry(compiled)
             return
@@ -225,16 +223,14 @@ class KernelLauncher:
         return knobs is not None and _no_hooks(knobs.launch_enter_hook) and _no_hooks(knobs.launch_exit_hook)
 
     def replay_for(self, grid: tuple[int, ...], args: Sequence[Any], *, num_warps: int, num_stages: int | None = None,
-                   pdl: bool, device_index: int, maxnreg: int | None = None) -> Replay | None:
+                   pdl: bool, device_index: int) -> Replay | None:
         """After a launch with these arguments: what launching the same compiled kernel with the same grid
         again needs, for a caller that keeps it under a key of its own that fixes every specialization input
         (dtypes, pointer alignment, int values, constexprs, launch options, device). ``None`` when the
         launches go through Triton's JIT path (the interpreter, another Triton) or nothing is compiled yet."""
         if not self.direct or self._knobs is None:
             return None
-        spec = self.plan(args)[0]
-        entry = self._compiled.get((num_warps, num_stages, pdl, device_index, spec) if maxnreg is None else
-                                   (num_warps, num_stages, pdl, device_index, spec, maxnreg))
+        entry = self._compiled.get((num_warps, num_stages, pdl, device_index, self.plan(args)[0]))
         if entry is None or entry.run is None:
             return None
         n = len(grid)
@@ -242,12 +238,10 @@ class KernelLauncher:
                       grid[2] if n > 2 else 1)
 
     @staticmethod
-    def _options(num_warps: int, num_stages: int | None, pdl: bool, maxnreg: int | None = None) -> dict[str, Any]:
+    def _options(num_warps: int, num_stages: int | None, pdl: bool) -> dict[str, Any]:
         options: dict[str, Any] = {"num_warps": num_warps}
         if num_stages is not None:
             options["num_stages"] = num_stages
-        if maxnreg is not None:  # a register cap per thread: more programs resident per SM (ptxas may spill)
-            options["maxnreg"] = maxnreg
         if pdl:
             options["launch_pdl"] = True
         return options
@@ -278,11 +272,10 @@ class ReplayCache:
         return hit
 
     def record(self, key: Any, launcher: KernelLauncher, grid: tuple[int, ...], args: Sequence[Any], *,
-               num_warps: int, num_stages: int | None = None, pdl: bool, device_index: int,
-               maxnreg: int | None = None) -> None:
+               num_warps: int, num_stages: int | None = None, pdl: bool, device_index: int) -> None:
         """After ``launcher(grid, args, ...)``: keep its replay under ``key`` (nothing under the JIT path)."""
         replay = launcher.replay_for(grid, args, num_warps=num_warps, num_stages=num_stages, pdl=pdl,
-                                     device_index=device_index, maxnreg=maxnreg)
+                                     device_index=device_index)
         if replay is None:
             return
         if len(self._entries) >= self.maxsize:

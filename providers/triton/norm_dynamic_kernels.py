@@ -175,19 +175,13 @@ DYN_ELEMS_PER_THREAD = 32
 
 class DynConfig(NamedTuple):
     """A launch: ``path`` ``"block"`` (``rows`` rows of ``ng`` groups of ``gb`` columns per program) or ``"loop"``
-    (one row per program, chunks of ``ng`` groups of ``gb`` columns), its warps and an optional register cap per
-    thread (``maxnreg``: more programs resident per SM at the price of a few spilled bytes)."""
+    (one row per program, chunks of ``ng`` groups of ``gb`` columns), and its warps."""
 
     path: str
     rows: int
     ng: int
     gb: int
     num_warps: int
-    maxnreg: int | None = None
-
-    def launch_options(self) -> dict[str, int]:
-        """The Triton launch options of this config: ``num_warps`` (and ``maxnreg`` when capped)."""
-        return {"num_warps": self.num_warps, **({"maxnreg": self.maxnreg} if self.maxnreg else {})}
 
 
 def dyn_config(t: int, h: int, add: bool, group_size: int, per_token: bool, single_pass_max: int | None = None,

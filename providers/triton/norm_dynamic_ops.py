@@ -51,7 +51,7 @@ def _launch(cfg: DynConfig, x: torch.Tensor, residual: torch.Tensor | None, weig
                 return
     kernel, grid, args = kernel_args(cfg, x, residual, weight, q, scale, eps, per_token, use_pdl)
     kernel_launcher = launcher_for(kernel)
-    options = {**cfg.launch_options(), "pdl": use_pdl, "device_index": max(index, 0)}
+    options = {"num_warps": cfg.num_warps, "pdl": use_pdl, "device_index": max(index, 0)}
     kernel_launcher(grid, args, **options)
     if key is not None:
         replays.record(key, kernel_launcher, grid, args, **options)

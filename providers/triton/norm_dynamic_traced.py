@@ -22,7 +22,7 @@ def _norm(x: torch.Tensor, residual: typing.Optional[torch.Tensor], weight: torc
     per_token = group_size == 0
     cfg = dyn_config(t, h, residual is not None, group_size or 128, per_token)
     kernel, grid, args = kernel_args(cfg, x, residual, weight, q, scale, eps, per_token, False)
-    wrap_triton(kernel)[grid](*args, **cfg.launch_options())
+    wrap_triton(kernel)[grid](*args, num_warps=cfg.num_warps)
     return q, scale
 
 
