@@ -61,8 +61,9 @@ LinearCall = Callable[[Any], Any]
 
 #: activation modes whose fused quantize+GEMM launch computes the scale in every program (the amax over the whole
 #: activation, or over each of its rows): inside a CUDA graph, where launches cost no host time, two launches beat that
-#: one (H200, Fp8Linear per-tensor dynamic, 3456x6912: M = 1 10.7 µs unfused against 21.3 fused, M = 16 15.3 against
-#: 57.3; bench/results/unaligned/2026-12-03-h200-x-align/)
+#: one (H200, per-tensor dynamic Fp8Linear in CUDA graphs: 3456x6912 with triton's fused launch 21.3 µs at M = 1 and
+#: 57.3 at M = 16, against 10.7 and 15.3 for a 3420x6840 layer padded to that size, which quantizes, then runs the
+#: GEMM; bench/results/unaligned/2026-12-03-h200-x-align/)
 DYNAMIC_MODES = frozenset({ActScale.PER_TENSOR_DYNAMIC, ActScale.PER_TOKEN})
 
 
