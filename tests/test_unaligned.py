@@ -220,6 +220,7 @@ def test_a_k_padded_weight_skips_the_fused_launch():
     padded quantization, then the GEMM on aligned rows."""
     from types import SimpleNamespace
 
+    from fp8_backends.core.backend import Fp8GemmBackend
     from fp8_backends.core.types import ActScale
     from fp8_backends.layers.eager_plan import bind_linear
 
@@ -227,6 +228,8 @@ def test_a_k_padded_weight_skips_the_fused_launch():
 
     class Backend:
         fused_act_quant = frozenset({ActScale.PER_TENSOR_DYNAMIC})
+        fused_act_quant_in_graphs = None
+        fuses_act_quant = Fp8GemmBackend.fuses_act_quant
 
         def bind_fused_quant_gemm(self, *args):
             calls.append("fused")
@@ -249,12 +252,14 @@ def test_a_k_padded_weight_skips_the_fused_launch():
         assert ("fused" in calls) == (want == "fused")
 
 
-def test_captured_calls_of_a_dynamic_mode_skip_the_fused_launch(monkeypatch):
-    """Inside a CUDA graph a dynamic mode's fused quantize+GEMM launch (every program recomputes the scale) loses to
-    two launches: captured calls quantize, then run the GEMM; eager calls keep the fused launch; the static mode keeps
-    it in both (and needs no second binding)."""
+def test_captured_calls_skip_a_fused_launch_the_provider_keeps_out_of_graphs(monkeypatch):
+    """A provider whose fused quantize+GEMM launch loses inside a CUDA graph for some modes (triton's dynamic modes:
+    every program recomputes the scale) lists the others in ``fused_act_quant_in_graphs``: captured calls of the
+    left-out modes quantize, then run the GEMM; eager calls keep the fused launch; a mode fused in both needs no second
+    binding."""
     from types import SimpleNamespace
 
+    from fp8_backends.core.backend import Fp8GemmBackend
     from fp8_backends.core.types import ActScale
     from fp8_backends.layers import eager_plan
 
@@ -263,6 +268,8 @@ def test_captured_calls_of_a_dynamic_mode_skip_the_fused_launch(monkeypatch):
 
     class Backend:
         fused_act_quant = modes
+        fused_act_quant_in_graphs = frozenset({ActScale.PER_TENSOR_STATIC})
+        fuses_act_quant = Fp8GemmBackend.fuses_act_quant
         capabilities = SimpleNamespace(group_scale_layout=None)
 
         def bind_fused_quant_gemm(self, *args):
@@ -287,7 +294,7 @@ def test_captured_calls_of_a_dynamic_mode_skip_the_fused_launch(monkeypatch):
             plan.capturing = lambda capturing=capturing: capturing
             calls.clear()
             plan(torch.zeros(2, 32, dtype=torch.bfloat16))
-            dynamic = mode in eager_plan.DYNAMIC_MODES
+            dynamic = mode is not ActScale.PER_TENSOR_STATIC
             assert calls == (["gemm"] if capturing and dynamic else ["fused"]), (mode, capturing)
 
 

@@ -575,6 +575,17 @@ class Fp8GemmBackend(ProviderBase):
     #: activation modes :meth:`fused_quant_gemm_impl` may serve (empty: the provider never fuses)
     fused_act_quant: ClassVar[frozenset[ActScale]] = frozenset()
 
+    #: the modes of :attr:`fused_act_quant` whose fused launch also pays inside a CUDA graph, where a launch costs no
+    #: host time and only the kernels' GPU time counts (``None``: all of them). A fused kernel that computes a dynamic
+    #: scale in every program can lose there to quantize + GEMM while it wins in eager mode by its saved launch
+    fused_act_quant_in_graphs: ClassVar[frozenset[ActScale] | None] = None
+
+    def fuses_act_quant(self, act_scale: ActScale, in_graph: bool) -> bool:
+        """Whether a layer calls :meth:`fused_quant_gemm_impl` for ``act_scale`` (``in_graph``: a call captured into a
+        CUDA graph)."""
+        graph = self.fused_act_quant_in_graphs
+        return act_scale in self.fused_act_quant and (not in_graph or graph is None or act_scale in graph)
+
     def fused_quant_gemm_impl(
         self,
         x: torch.Tensor,

@@ -59,27 +59,18 @@ def bind_gemm(backend: Fp8GemmBackend, prepared: PreparedWeight, out_dtype: torc
 LinearCall = Callable[[Any], Any]
 
 
-#: activation modes whose fused quantize+GEMM launch computes the scale in every program (the amax over the whole
-#: activation, or over each of its rows): inside a CUDA graph, where launches cost no host time, two launches beat that
-#: one (H200, per-tensor dynamic Fp8Linear in CUDA graphs: 3456x6912 with triton's fused launch 21.3 µs at M = 1 and
-#: 57.3 at M = 16, against 10.7 and 15.3 for a 3420x6840 layer padded to that size, which quantizes, then runs the
-#: GEMM; bench/results/unaligned/2026-12-03-h200-x-align/)
-DYNAMIC_MODES = frozenset({ActScale.PER_TENSOR_DYNAMIC, ActScale.PER_TOKEN})
-
-
 def bind_linear(backend: Fp8GemmBackend, prepared: PreparedWeight, out_dtype: torch.dtype,
                 bias: torch.Tensor | None, quantize: Callable[[Any], Any], mode: ActScale,
-                input_scale: torch.Tensor | None, fp8_dtype: torch.dtype, fused_launch: bool = True) -> LinearCall:
+                input_scale: torch.Tensor | None, fp8_dtype: torch.dtype, in_graph: bool = False) -> LinearCall:
     """One provider's linear: its fused quantize+GEMM launch (:meth:`Fp8GemmBackend.fused_quant_gemm_impl`) where
-    it declares ``mode``, the activation's float8 type is the weight's, the weight is not K-padded and
-    ``fused_launch`` allows it, falling back to ``quantize`` then :func:`bind_gemm`'s call where it declines; else
-    those two."""
+    it fuses ``mode`` (:meth:`Fp8GemmBackend.fuses_act_quant`; ``in_graph``: the binding for calls captured into a
+    CUDA graph), the activation's float8 type is the weight's and the weight is not K-padded, falling back to
+    ``quantize`` then :func:`bind_gemm`'s call where it declines; else those two."""
     gemm = bind_gemm(backend, prepared, out_dtype, bias)
     # a weight the provider padded along K (prepared.k_pad) runs on its aligned rows: quantize into the padded width,
     # then the GEMM (a fused launch would read the unpadded K with masked loads: 1.8-3.5x slower at K = 6840 on the
     # H200, bench/results/unaligned/2026-12-03-h200-layers/)
-    if (not fused_launch or mode not in backend.fused_act_quant or prepared.data.dtype != fp8_dtype
-            or prepared.k_pad is not None):
+    if not backend.fuses_act_quant(mode, in_graph) or prepared.data.dtype != fp8_dtype or prepared.k_pad is not None:
         def linear(x: Any) -> Any:
             x_q, x_scale = quantize(x)
             return gemm(x_q, x_scale)
@@ -213,22 +204,22 @@ def bind_per_m(kernel: PerMGemm, *, k: int, n: int, dtype: torch.dtype, device: 
 
     bound: dict[tuple[int, int, bool], LinearCall] = {}
 
-    def bind(rows: Sequence[Any], fused_launch: bool = True) -> list[tuple[int, LinearCall]]:
+    def bind(rows: Sequence[Any], in_graph: bool = False) -> list[tuple[int, LinearCall]]:
         out = []
         for row in rows:
-            key = (id(row.backend), id(row.prepared), fused_launch)
+            key = (id(row.backend), id(row.prepared), in_graph)
             if key not in bound:
                 bound[key] = bind_linear(row.backend, row.prepared, dtype, bias, quantizer(row), mode, input_scale,
-                                         fp8_dtype, fused_launch)
+                                         fp8_dtype, in_graph)
             out.append((row.bucket, bound[key]))
         return out
 
-    # calls captured into a CUDA graph take the graph rows, without the fused launch of a dynamic mode (DYNAMIC_MODES)
-    graph_fused = mode not in DYNAMIC_MODES
-    fuses = any(mode in row.backend.fused_act_quant for row in (kernel.graph_rows if kernel.split else kernel.rows))
-    graph = bind(kernel.graph_rows if kernel.split else kernel.rows, graph_fused) if (
-        kernel.split or (fuses and not graph_fused)) else None
+    # calls captured into a CUDA graph take rows of their own where the providers differ there, or where one fuses
+    # this mode's quantization in eager calls but not in graphs (Fp8GemmBackend.fused_act_quant_in_graphs)
+    graph_differs = kernel.split or any(
+        row.backend.fuses_act_quant(mode, False) != row.backend.fuses_act_quant(mode, True) for row in kernel.rows)
+    graph = bind(kernel.graph_rows if kernel.split else kernel.rows, True) if graph_differs else None
     return EagerPlan(k=k, n=n, dtype=dtype, device=device, rows=bind(kernel.rows), graph_rows=graph)
 
 
-__all__ = ["DYNAMIC_MODES", "EagerPlan", "bind_gemm", "bind_linear", "bind_per_m", "bind_quantizer"]
+__all__ = ["EagerPlan", "bind_gemm", "bind_linear", "bind_per_m", "bind_quantizer"]

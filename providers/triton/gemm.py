@@ -230,6 +230,11 @@ class TritonGemmBackend(OpGemmBackend):
     # the swap-AB and GEMV kernels (small M) quantize the activation themselves: one launch per eager linear (the
     # per-tensor / per-token modes; block-wise FP8 quantizes per group first)
     fused_act_quant = frozenset({ActScale.PER_TENSOR_STATIC, ActScale.PER_TENSOR_DYNAMIC, ActScale.PER_TOKEN})
+    # the dynamic modes' fused kernels compute the scale (the amax of the whole activation, or of each row) in every
+    # program: in a CUDA graph quantize + GEMM is faster (H200, per-tensor dynamic layers in CUDA graphs: 3456x6912
+    # fused 21.3 µs at M = 1 and 57.3 at M = 16, against 10.7 and 15.3 for a 3420x6840 layer padded to that size,
+    # which quantizes, then runs the GEMM; bench/results/unaligned/2026-12-03-h200-x-align/)
+    fused_act_quant_in_graphs = frozenset({ActScale.PER_TENSOR_STATIC})
 
     def fused_quant_gemm_impl(
         self,
