@@ -27,6 +27,8 @@ runs, median), with the GPU memory the model holds: ``transformers`` loading the
     python -m bench.checkpoints --ckpt-dir /tmp/fp8ckpt --out bench/results/<date>-h200/checkpoints
     python -m bench.checkpoints --formats ct_dynamic --modes compiled graph --prefill 512 2048 --out DIR
     python -m bench.checkpoints --device cpu --small --modes eager --prefill 16 --out /tmp/ck   # CPU smoke test
+    python -m bench.checkpoints --formats ct_dynamic --modes graph --no-decode --prefill --profile-load --out DIR
+        # where a load spends its time: one more load per loader under cProfile, DIR/load-profile-<format>-<loader>.txt
 """
 
 from __future__ import annotations
@@ -220,8 +222,9 @@ def load(kind: str, folder: Path, device: str) -> tuple[Any, dict[str, Any]]:
     return model, {"class": type(model.model.layers[0].self_attn.q_proj).__name__}
 
 
-def measure_load(kind: str, folder: Path, device: str) -> dict[str, Any]:
-    """One load in this process: seconds, peak host memory (``ru_maxrss``), GPU memory held after."""
+def measure_load(kind: str, folder: Path, device: str, profile: Path | None = None) -> dict[str, Any]:
+    """One load in this process: seconds, peak host memory (``ru_maxrss``), GPU memory held after. ``profile``: also
+    run the load under cProfile and write its 40 costliest calls (cumulative time) to that file."""
     import transformers
 
     import fp8_backends.checkpoints.pretrained  # noqa: F401 - imported before the clock starts, as an engine has it
@@ -231,11 +234,26 @@ def measure_load(kind: str, folder: Path, device: str) -> dict[str, Any]:
     if device == "cuda":
         torch.cuda.init()
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    profiler = None
+    if profile is not None:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     t0 = time.perf_counter()
     model, _ = load(kind, folder, device)
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
+    if profiler is not None:
+        import io
+        import pstats
+
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(40)
+        profile.parent.mkdir(parents=True, exist_ok=True)
+        profile.write_text(f"{kind} load of {folder}: {seconds:.3f} s (profiled)\n" + text.getvalue(), encoding="utf-8")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     held = torch.cuda.memory_allocated() if device == "cuda" else None
     del model
@@ -261,6 +279,12 @@ def load_table(args: Any, folders: dict[str, Path]) -> list[dict[str, Any]]:
                 runs[(fmt, kind)].append({"error": (proc.stderr or proc.stdout)[-400:]})
             else:
                 runs[(fmt, kind)].append(json.loads(line))
+    if args.profile_load:  # one more load per loader under cProfile, outside the timed runs
+        for fmt, kind, folder in jobs:
+            subprocess.run([sys.executable, "-m", "bench.checkpoints", "--measure-load", kind, str(folder), "--device",
+                            args.device, "--out", str(args.out), "--profile-load",
+                            str(args.out / f"load-profile-{fmt}-{kind}.txt")],
+                           capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     rows = []
     for (fmt, kind), got in runs.items():
         ok = [r for r in got if "error" not in r]
@@ -303,6 +327,8 @@ def parse_args(argv: list[str] | None) -> Any:
     p.add_argument("--small", action="store_true", help="tiny layers (CPU smoke test)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--measure-load", nargs=2, metavar=("KIND", "FOLDER"), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--profile-load", nargs="?", const=True, default=None,
+                   help="profile each loader's loads (cProfile, 40 costliest calls) into --out/load-profile-*.txt")
     return p.parse_args(argv)
 
 
@@ -347,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.measure_load is not None:
         kind, folder = args.measure_load
-        print(json.dumps(measure_load(kind, Path(folder), args.device)), flush=True)
+        profile = Path(args.profile_load) if isinstance(args.profile_load, str) else None
+        print(json.dumps(measure_load(kind, Path(folder), args.device, profile)), flush=True)
         return 0
     from fp8_backends.registry.platform import detect_platform
 

@@ -19,7 +19,7 @@ def test_the_checkpoint_benchmark_runs_on_the_cpu(tmp_path):
     assert checkpoints.main(["--device", "cpu", "--small", "--layers", "1", "--formats", "ct_dynamic", "hf_block",
                              "--modes", "eager", "--prefill", "8", "--context", "8", "--rounds", "1", "--iters", "1",
                              "--load-runs", "1", "--check-tokens", "8", "--ckpt-dir", str(tmp_path / "ckpt"),
-                             "--out", str(out)]) == 0
+                             "--out", str(out), "--profile-load"]) == 0
     result = json.loads((out / "checkpoints.json").read_text())
     rows = {(r["workload"], r["mode"]): r["us"] for r in result["rows"]}
     assert set(rows) == {("decode", "eager"), ("prefill8", "eager")}
@@ -30,3 +30,5 @@ def test_the_checkpoint_benchmark_runs_on_the_cpu(tmp_path):
     if "hf_block/lib" in result["errors"]:  # until the library serves block-scaled weights
         assert "not served by this version" in result["errors"]["hf_block/lib"]
     assert "ct_dynamic/lib/ct_dynamic/hf" in (out / "checkpoints.md").read_text()
+    profile = (out / "load-profile-ct_dynamic-lib.txt").read_text()  # --profile-load: one more load, profiled
+    assert "(profiled)" in profile and "load_pretrained" in profile
