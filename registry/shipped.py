@@ -247,9 +247,10 @@ def lookup_problem(problem: Any) -> Any:
     size (the data holds none) are far away in the model's alignment feature. Only the lookup changes: the candidates
     are still those that serve ``problem`` itself."""
     n, k = getattr(problem, "n", None), getattr(problem, "k", None)
-    if not isinstance(n, int) or not isinstance(k, int) or (n % 16 == 0 and k % 16 == 0):
+    if not isinstance(n, int) or not isinstance(k, int):
         return problem
-    return dataclasses.replace(problem, n=padded_size(n), k=padded_size(k))
+    padded = padded_size(n), padded_size(k)  # a 16-aligned size is its own padded size
+    return problem if padded == (n, k) else dataclasses.replace(problem, n=padded[0], k=padded[1])
 
 
 def _padded_note(problem: Any) -> str:

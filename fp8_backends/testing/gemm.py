@@ -40,7 +40,6 @@ _OUT_ORDER = (OutDtype.BF16, OutDtype.FP16, OutDtype.FP32)
 _PER_TENSOR_SHAPES = ((), (1,), (1, 1))  # every shape a per-tensor scale may take
 
 
-
 @dataclass(frozen=True)
 class GemmCase:
     """One combination of what a GEMM provider may declare, and the scale shapes used for it."""

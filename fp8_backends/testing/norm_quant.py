@@ -37,7 +37,6 @@ _HOOKS = ("rmsnorm_quant_impl", "fused_add_rmsnorm_quant_impl")
 _DTYPE_ORDER = (OutDtype.BF16, OutDtype.FP16, OutDtype.FP32)
 
 
-
 def norm_inputs(t: int, h: int, dtype: OutDtype, device: str, seed: int = 0, amplitude: float = 1.0
                 ) -> tuple[Any, Any, Any]:
     """``x, residual: [T, H]`` from N(0, amplitude²) and ``weight: [H]`` from 1 + N(0, 0.25²), in ``dtype``,

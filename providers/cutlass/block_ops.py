@@ -51,7 +51,6 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-
 def _out_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
