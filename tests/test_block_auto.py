@@ -88,10 +88,12 @@ def test_every_shipped_h200_entry_keeps_its_key():
     for entry in entries.values():
         cls = (entry["problem"]["act_scale"], entry["problem"]["weight_scale"])
         per_class[cls] = per_class.get(cls, 0) + 1
-    # the per-tensor grid (25 models x TP 1/2/4/8 x 7 M buckets) and the per-token x per-channel grid (5 models x
-    # TP 1/2 x 7 M buckets)
-    assert per_class == {("per_tensor", "per_tensor"): 1820, ("per_token", "per_channel"): 196}
-    acts = {"per_tensor": "per_tensor_dynamic", "per_token": "per_token"}
+    # the per-tensor grid (25 models x TP 1/2/4/8 x 7 M buckets), the per-token x per-channel grid (5 models x
+    # TP 1/2 x 7 M buckets) and the block grid (DeepSeek-V3 and Qwen3 0.6B-32B x TP 1/2/4/8 x 7 M buckets, TP splits
+    # that would cut 128x128 blocks left out)
+    assert per_class == {("per_tensor", "per_tensor"): 1820, ("per_token", "per_channel"): 196,
+                         ("per_token_group", "block"): 798}
+    acts = {"per_tensor": "per_tensor_dynamic", "per_token": "per_token", "per_token_group": "per_token_group"}
     for name, entry in entries.items():
         f = entry["problem"]
         p = GemmProblem(n=f["n"], k=f["k"], input_dtype=f["input_dtype"], weight_dtype=f["weight_dtype"],
@@ -146,18 +148,31 @@ def test_lookups_never_cross_modes_or_group_sizes():
     assert g64 not in built
 
 
-def test_shipped_per_tensor_data_never_answers_a_block_problem():
+def test_shipped_data_answers_block_problems_from_the_block_class_only():
     sm90 = simulate_platform("9.0")
     data = shipped.data_for(sm90)
     assert data is not None
+    # DeepSeek-V3's o_proj is in the block grid: its measured buckets, its measured choice
     problem = GemmProblem(n=7168, k=16384, m=4, device="cuda", **BLOCK)
-    assert data.model_for(lockfile.problem_fields("gemm", problem)) is None
-    assert shipped.buckets("gemm", problem, sm90) == []
+    assert shipped.exact_buckets("gemm", problem, sm90) == [1, 4, 16, 64, 256, 1024, 4096]
     res = resolution.explain("gemm", problem=problem, platform=sm90)
-    assert res.source == "measured-default" and "block-wise" in res.note, (res.source, res.note)
-    # and a per-tensor problem still gets the shipped data
+    assert res.source == "shipped-exact" and "bucket M=4" in res.note, (res.source, res.note)
+    # a block shape outside the grid takes the block class's nearest-shapes model, never the per-tensor one
+    odd = GemmProblem(n=7040, k=16512, m=4, device="cuda", **BLOCK)
+    model = data.model_for(lockfile.problem_fields("gemm", odd))
+    assert model is not None and model is not data.model_for(lockfile.problem_fields(
+        "gemm", GemmProblem(n=7040, k=16512, m=4, device="cuda")))
+    res = resolution.explain("gemm", problem=odd, platform=sm90)
+    assert res.source == "shipped-nearest", (res.source, res.note)
+    # group size 64 is not measured: no shipped answer, the measured block-wise defaults decide
+    g64 = GemmProblem(n=7168, k=16384, m=4, device="cuda", group_size=64, weight_scale="block",
+                      act_scale="per_token_group")
+    assert shipped.buckets("gemm", g64, sm90) == []
+    res = resolution.explain("gemm", problem=g64, platform=sm90)
+    assert res.source in ("measured-default", "priority"), (res.source, res.note)
+    # and a per-tensor problem still gets the per-tensor data
     res = resolution.explain("gemm", problem=GemmProblem(n=7168, k=16384, m=4, device="cuda"), platform=sm90)
-    assert res.source.startswith("shipped-")
+    assert res.source.startswith("shipped-") and "block" not in res.note
 
 
 # ------------------------------------------------------------------------------------------ the block grid
@@ -300,6 +315,7 @@ def test_block_default_ladder_passes_over_providers_that_cannot_serve_or_would_b
 
 
 def test_block_default_buckets_and_switch(monkeypatch):
+    monkeypatch.setenv("FP8_BACKENDS_SHIPPED", "off")  # the defaults apply where no shipped data covers the GPU
     sm90 = simulate_platform("9.0")
     problem = GemmProblem(n=7168, k=16384, device="cuda", **BLOCK)
     assert defaults.buckets("gemm", sm90, problem) == [4, 16, 128, 129]
@@ -310,9 +326,10 @@ def test_block_default_buckets_and_switch(monkeypatch):
     assert res.source == "priority"
 
 
-def test_listing_shows_the_block_ladder_and_why(capsys):
+def test_listing_shows_the_block_ladder_and_why(capsys, monkeypatch):
     from fp8_backends import list as listing
 
+    monkeypatch.setenv("FP8_BACKENDS_SHIPPED", "off")  # the defaults apply where no shipped data covers the GPU
     rc = listing.main(["--problem", "16,7168,16384", "--act-scale", "per_token_group", "--weight-scale", "block",
                        "--simulate-sm", "9.0", "--device", "cuda"])
     out = capsys.readouterr().out
@@ -339,12 +356,13 @@ def _block_run(tmp_path, shipped_doc) -> dict:
 
 def test_merge_adds_a_block_run_to_the_shipped_data(tmp_path):
     base = shipped_data.load_file(shipped.packaged_dir() / "sm90-nvidia-h200.json")
-    before = len(shipped_data.the_section(base)["entries"])
+    before = set(shipped_data.the_section(base)["entries"])
     doc = _block_run(tmp_path, base)
     merged = selection_data.merge(base, doc, command="python -m fp8_backends.selection_data merge a b")
     entries = shipped_data.the_section(merged)["entries"]
-    added = [k for k in entries if "/act=per_token_group/g=128/w=block/128x128/" in k]
-    assert len(entries) == before + 2 and len(added) == 2
+    added = [k for k in entries if k not in before]
+    assert len(entries) == len(before) + 2 and len(added) == 2
+    assert all("/n=256/k=256/" in k and "/act=per_token_group/g=128/w=block/128x128/" in k for k in added)
     record = merged["provenance"]["merged"][-1]
     assert record["entries"] == 2 and record["replaced"] == 0 and record["grid"]["weight_block"] == [128, 128]
     assert shipped_data.check_document(merged) == []
@@ -357,7 +375,7 @@ def test_merge_adds_a_block_run_to_the_shipped_data(tmp_path):
     assert data.model_for(lockfile.problem_fields("gemm", problem)) is not None
     # again: the same keys replace the merged ones
     again = selection_data.merge(merged, doc)
-    assert len(shipped_data.the_section(again)["entries"]) == before + 2
+    assert len(shipped_data.the_section(again)["entries"]) == len(before) + 2
     assert again["provenance"]["merged"][-1]["replaced"] == 2
     other = json.loads(json.dumps(doc))
     other["provenance"]["gpu"] = "NVIDIA H100"
