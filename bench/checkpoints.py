@@ -214,7 +214,8 @@ def load(kind: str, folder: Path, device: str) -> tuple[Any, dict[str, Any]]:
 
         model, summary = load_pretrained(folder, device=device)
         return model, {"gemms": summary.gemms, "schemes": summary.schemes(), "providers": summary.providers(),
-                       "requantized": len(summary.requantized), "kept": len(summary.kept)}
+                       "requantized": len(summary.requantized), "kept": len(summary.kept),
+                       "phases": {k: round(v, 4) for k, v in summary.load_phases.items()}}
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16,
@@ -241,7 +242,7 @@ def measure_load(kind: str, folder: Path, device: str, profile: Path | None = No
         profiler = cProfile.Profile()
         profiler.enable()
     t0 = time.perf_counter()
-    model, _ = load(kind, folder, device)
+    model, notes = load(kind, folder, device)
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
@@ -260,7 +261,7 @@ def measure_load(kind: str, folder: Path, device: str, profile: Path | None = No
     held = torch.cuda.memory_allocated() if device == "cuda" else None
     del model
     return {"seconds": seconds, "peak_rss_gib": peak / 2**20, "rss_before_gib": base / 2**20,
-            "gpu_held_gib": None if held is None else held / 2**30}
+            "gpu_held_gib": None if held is None else held / 2**30, "phases": notes.get("phases")}
 
 
 def load_table(args: Any, folders: dict[str, Path]) -> list[dict[str, Any]]:
@@ -295,6 +296,9 @@ def load_table(args: Any, folders: dict[str, Path]) -> list[dict[str, Any]]:
             for key in ("seconds", "peak_rss_gib", "gpu_held_gib"):
                 values = [r[key] for r in ok if r[key] is not None]
                 row[key] = statistics.median(values) if values else None
+            phases = [r["phases"] for r in ok if r.get("phases")]
+            if phases:
+                row["phases"] = {k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]}
         else:
             row["error"] = got[0]["error"] if got else "not run"
         rows.append(row)
@@ -355,10 +359,12 @@ def render(result: dict[str, Any]) -> list[str]:
     if result.get("load"):
         lines += ["", "Loading (a fresh process per load, median of runs; peak host memory is the process's maximum "
                   "resident set):", ""]
-        lines += common.md_table(["format", "loader", "seconds", "x bf16 load", "peak host GiB", "GPU GiB held"],
+        lines += common.md_table(["format", "loader", "seconds", "x bf16 load", "peak host GiB", "GPU GiB held",
+                                  "phases (s)"],
                                  [[r["format"], r["loader"], common.fmt(r.get("seconds"), ".2f"),
                                    common.fmt(r.get("seconds_vs_bf16"), ".2f"),
-                                   common.fmt(r.get("peak_rss_gib"), ".2f"), common.fmt(r.get("gpu_held_gib"), ".2f")]
+                                   common.fmt(r.get("peak_rss_gib"), ".2f"), common.fmt(r.get("gpu_held_gib"), ".2f"),
+                                   ", ".join(f"{k} {v:.2f}" for k, v in (r.get("phases") or {}).items()) or "-"]
                                   for r in result["load"]])
     if result.get("accuracy"):
         lines += ["", "Logits against bf16:", ""]

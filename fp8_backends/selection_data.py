@@ -79,13 +79,15 @@ class _Recorded(NamedTuple):
     us: float
     rank: tuple
     ok: bool = True
+    margin: float = 0.0
 
 
 def redecide(entries: Mapping[str, Mapping[str, Any]], tie_margin: float) -> dict[str, dict[str, Any]]:
     """The entries with each choice decided again from its recorded ``ranking`` (every candidate that passed, with
     its median µs) by the tuner's own rule (:func:`fp8_backends.tuning.engine.select_winner`): among the candidates
     within ``tie_margin`` (relative) of the fastest, the one static priority ranks first (provider priority as
-    ``auto`` orders the providers installed here, unknown providers last, then option values in declared order).
+    ``auto`` orders the providers installed here, unknown providers last, then option values in declared order);
+    a provider's ``win_margin`` counts as there.
     ``fastest``, ``runner_up``, ``tie_break`` and ``tie_margin`` follow; entries without a usable ranking stay as
     they are. No GPU: the times are the recorded ones."""
     if not (isinstance(tie_margin, (int, float)) and math.isfinite(tie_margin) and tie_margin >= 0):
@@ -101,7 +103,8 @@ def redecide(entries: Mapping[str, Mapping[str, Any]], tie_margin: float) -> dic
 
     def candidate(rec: Mapping[str, Any]) -> _Recorded:
         i, e = place.get(rec.get("provider"), (len(place), None))
-        return _Recorded(rec, float(rec["us"]), (i, option_rank(e.cls, rec.get("options") or {}) if e else ()))
+        return _Recorded(rec, float(rec["us"]), (i, option_rank(e.cls, rec.get("options") or {}) if e else ()),
+                         margin=float(getattr(e.cls, "win_margin", 0.0) or 0.0) if e else 0.0)
 
     def label(rec: Mapping[str, Any]) -> str:
         options = {str(k): str(v) for k, v in (rec.get("options") or {}).items()}

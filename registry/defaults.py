@@ -22,7 +22,8 @@ Block-wise FP8 problems (``per_token_group`` activations x ``block`` weights) ha
 (:attr:`PlatformDefaults.block`; the per-tensor tables never apply to them, nor theirs to other problems). They
 apply wherever no tuned lockfile and no shipped data covers the block problem: the shipped file for the H200 holds
 the block class (group size 128) since 2026-12-03, so on SM 9.0 its policies, ranked above, answer first and these
-rules decide only what it lacks (group size 64, another GPU family). Their rules are a ladder per M bucket: the first provider that can serve *and is ready* wins.
+rules decide only what it lacks (group size 64, another GPU family). Their rules are a ladder per M bucket: the
+first provider that can serve *and is ready* wins.
 Ready means its first call builds nothing for minutes (:meth:`~fp8_backends.core.backend.ProviderBase.first_use_build`:
 flashinfer's block module, about 2 minutes; cutlass's block libraries, about 100 s each): ``auto`` never silently
 stalls a model's first step on a JIT build. Whatever the ladder passes over, and why, is in the choice's note

@@ -469,16 +469,26 @@ def host_rows(ranked: Sequence[tuple[CandKey, float, tuple]], host: Callable[[Ca
     return [host_aware.Row(ck, s * fastest_us, host(ck), r, ck[0]) for ck, s, r in ranked]
 
 
+def entries_by_class(entries: Mapping[str, Mapping[str, Any]]) -> dict[tuple, dict[str, Mapping[str, Any]]]:
+    """Lockfile-format GEMM entries grouped by problem class (:func:`class_key`; other kinds are left out)."""
+    out: dict[tuple, dict[str, Mapping[str, Any]]] = {}
+    for key, entry in entries.items():
+        problem = entry.get("problem")
+        if entry.get("kind") == "gemm" and isinstance(problem, Mapping):
+            out.setdefault(class_key(problem), {})[key] = entry
+    return out
+
+
+def build_model(entries: Mapping[str, Mapping[str, Any]], **kw: Any) -> NearestModel | None:
+    """The model of entries of one class (:func:`entries_by_class`), or None when none of them is usable."""
+    shapes = [s for s in (MeasuredShape.from_entry(key, entry) for key, entry in entries.items()) if s is not None]
+    return NearestModel(shapes, **kw) if shapes else None
+
+
 def build_models(entries: Mapping[str, Mapping[str, Any]], **kw: Any) -> dict[tuple, NearestModel]:
     """One model per GEMM problem class from lockfile-format entries (others are ignored)."""
-    shapes: dict[tuple, list[MeasuredShape]] = {}
-    for key, entry in entries.items():
-        if entry.get("kind") != "gemm":
-            continue
-        shape = MeasuredShape.from_entry(key, entry)
-        if shape is not None:
-            shapes.setdefault(class_key(entry["problem"]), []).append(shape)
-    return {ck: NearestModel(v, **kw) for ck, v in shapes.items()}
+    built = {ck: build_model(group, **kw) for ck, group in entries_by_class(entries).items()}
+    return {ck: model for ck, model in built.items() if model is not None}
 
 
 @dataclass(frozen=True)
@@ -535,6 +545,7 @@ __all__ = [
     "Neighbour",
     "Prediction",
     "Trend",
+    "build_model",
     "build_models",
     "cand_key",
     "cand_label",

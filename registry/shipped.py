@@ -46,10 +46,11 @@ from .nearest import (
     CandKey,
     Metric,
     NearestModel,
-    build_models,
+    build_model,
     cand_label,
     choose,
     class_key,
+    entries_by_class,
     host_rows,
 )
 from .once import WarnOnce
@@ -148,7 +149,8 @@ class ShippedData:
     path: Path
     provenance: dict[str, Any]
     index: lockfile.SectionIndex
-    models: dict[tuple, NearestModel] | None = None
+    models: dict[tuple, NearestModel | None] | None = None
+    classes: dict[tuple, dict[str, Any]] | None = None
     picks: dict[tuple, Any] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -166,13 +168,20 @@ class ShippedData:
         return f"{self.path.name} ({self.provenance['gpu']}, {str(self.provenance['date'])[:10]})"
 
     def model_for(self, fields: Mapping[str, Any]) -> NearestModel | None:
-        if self.models is None:
-            with self.lock:
-                if self.models is None:
-                    k = shipped_data.neighbours(self.provenance, DEFAULT_NEIGHBOURS)
-                    metric = Metric(sms=shipped_data.sms(self.provenance, DEFAULT_METRIC.sms))
-                    self.models = build_models(self.index.entries, neighbours=k, metric=metric)
-        return self.models.get(class_key(fields))
+        """The nearest-shapes model of ``fields``' problem class, built at its first use (only the classes a process
+        asks about: a model load resolves one or two)."""
+        ck = class_key(fields)
+        with self.lock:
+            if self.classes is None:
+                self.classes = entries_by_class(self.index.entries)
+            if self.models is None:
+                self.models = {}
+            if ck not in self.models:
+                group = self.classes.get(ck)
+                k = shipped_data.neighbours(self.provenance, DEFAULT_NEIGHBOURS)
+                metric = Metric(sms=shipped_data.sms(self.provenance, DEFAULT_METRIC.sms))
+                self.models[ck] = build_model(group, neighbours=k, metric=metric) if group else None
+            return self.models[ck]
 
 
 _loaded: dict[str, tuple[tuple[int, int], ShippedData | None]] = {}

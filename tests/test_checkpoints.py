@@ -126,6 +126,11 @@ def test_a_checkpoint_is_served_with_its_own_scales(ckpt, key, act, scheme):
     assert isinstance(model.model.layers[0].self_attn.o_proj, Fp8Linear)
     assert not any(p.device.type == "meta" for p in model.parameters())
     assert "torch_scaled_mm" in str(summary)
+    # where the load's time went: every phase, in order, adding up to the total
+    assert list(summary.load_phases) == ["read headers", "build model", "plan", "scales", "weights", "process"]
+    assert all(v >= 0 for v in summary.load_phases.values())
+    assert sum(summary.load_phases.values()) == pytest.approx(summary.load_seconds, rel=1e-6)
+    assert "(read headers " in str(summary)
 
 
 @pytest.mark.parametrize("key", [pytest.param("ct_block", marks=needs_ct, id="compressed-tensors-FP8_BLOCK"),

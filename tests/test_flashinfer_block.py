@@ -10,6 +10,7 @@ and the config rule against the kernels DeepGEMM actually cached.
 
 from __future__ import annotations
 
+import sys
 import types
 
 import pytest
@@ -106,6 +107,42 @@ def test_block_reasons_hook_states_the_kernel_rules(available):
     assert len(reasons) == 2 and reasons[0].startswith("K=200") and reasons[1].startswith("N=100")
 
 
+def test_resolving_a_block_problem_never_imports_flashinfer(available, monkeypatch: pytest.MonkeyPatch, tmp_path):
+    """Every GEMM resolution asks each provider about the problem: where flashinfer is not imported yet, the feature
+    check reads its version and the readiness check looks for a built module on disk (importing flashinfer costs
+    2-4 s, paid only where its module is loaded)."""
+    monkeypatch.delitem(sys.modules, "flashinfer", raising=False)
+
+    def no_import(*_a, **_k):
+        raise AssertionError("flashinfer imported")
+
+    monkeypatch.setattr(common, "import_flashinfer", no_import)
+    monkeypatch.setattr(block_jit, "module_spec", no_import)
+    b = FlashinferBlockBackend()
+    monkeypatch.setattr(common, "flashinfer_version", lambda: "0.7.2.post1")
+    assert b.block_reasons(block_problem()) == []
+    monkeypatch.setattr(common, "flashinfer_version", lambda: "0.5.3")
+    (reason,) = b.block_reasons(block_problem())
+    assert "0.5.3" in reason and "came with flashinfer 0.6" in reason
+    assert block_jit.version_reason(None) is None and block_jit.version_reason("1.0.0rc1") is None
+    # not built anywhere: said without importing flashinfer
+    monkeypatch.setenv("FLASHINFER_WORKSPACE_BASE", str(tmp_path))
+    monkeypatch.setattr(block_jit, "csrc_dir", lambda: tmp_path / "pkg" / "data" / "csrc")
+    real = common._find_spec
+    monkeypatch.setattr(common, "_find_spec", lambda name: None if name == "flashinfer_jit_cache" else real(name))
+    assert not block_jit.built_library_may_exist()
+    note = b.first_use_build(block_problem(), SM90)
+    assert note is not None and "not built" in note and "build ahead" in note
+    # a library in the JIT cache (or among the AOT modules): flashinfer's own spec decides
+    lib = tmp_path / ".cache" / "flashinfer" / "0.7.2" / "90a" / "cached_ops" / block_jit.MODULE_NAME
+    lib.mkdir(parents=True)
+    (lib / f"{block_jit.MODULE_NAME}.so").write_bytes(b"")
+    assert block_jit.built_library_may_exist()
+    monkeypatch.setattr(block_jit, "module_spec", lambda: types.SimpleNamespace(is_aot=False, is_compiled=True,
+                                                                                 build_dir=str(lib)))
+    assert b.first_use_build(block_problem(), SM90) is None
+
+
 # ------------------------------------------------------------------------------------ availability
 def test_unavailable_without_flashinfer(monkeypatch: pytest.MonkeyPatch):
     real = common._find_spec
@@ -140,8 +177,11 @@ def test_unavailable_without_sources_nvcc_or_feature(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(common, "import_flashinfer", lambda: (None, "import flashinfer failed: OSError: libcuda"))
     assert FlashinferBlockBackend.availability().ok  # imports nothing: the import's failure shows where it matters
     b = FlashinferBlockBackend()
-    assert "libcuda" in b.supports(block_problem(), SM90)[0]  # a block-wise problem
-    assert "libcuda" in b.supports(None, SM90)[0]  # the listing's general view
+    assert "libcuda" in b.supports(None, SM90)[0]  # the listing's general view imports flashinfer
+    monkeypatch.delitem(sys.modules, "flashinfer", raising=False)
+    assert b.supports(block_problem(), SM90) == []  # not imported yet: loading its module says why it cannot
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
+    assert "libcuda" in b.supports(block_problem(), SM90)[0]  # imported (by the process, or the listing): the reason
     assert not any("libcuda" in r for r in b.supports(GemmProblem(n=2112, k=7168, m=16), SM90))  # refused by its modes
 
 
@@ -155,7 +195,11 @@ def test_resolving_a_problem_that_is_not_block_wise_never_imports_flashinfer(mon
     assert FlashinferBlockBackend.availability().ok and calls == []
     assert b.supports(GemmProblem(n=4096, k=4096, m=1, act_scale="per_token", weight_scale="per_channel"), SM90)
     assert calls == []
-    b.supports(block_problem(), SM90)
+    monkeypatch.delitem(sys.modules, "flashinfer", raising=False)
+    b.supports(block_problem(), SM90)  # nor a block-wise problem while flashinfer is not imported
+    assert calls == []
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
+    b.supports(block_problem(), SM90)  # once imported, the exact check
     assert calls == [1]
 
 

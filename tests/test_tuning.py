@@ -149,6 +149,19 @@ def test_tie_break_prefers_static_rank_and_is_order_independent():
     assert tuner.select_winner([bad], 0.02) == (None, None, None)
 
 
+def test_a_win_margin_makes_a_provider_win_only_by_more_than_it():
+    costly = _result("costly", 100.0, (0, ()))
+    costly.margin = 0.02
+    other = _result("other", 101.5, (1, ()))
+    winner, fastest, runner_up = tuner.select_winner([costly, other], 0.0)
+    assert (winner, fastest, runner_up) == (other, costly, costly)  # 1.5% faster: not enough
+    assert tuner.select_winner([costly, _result("other", 102.5, (1, ()))], 0.0)[0] is costly  # 2.5% faster: wins
+    # the near-tie margin applies on top: a near-tie of the raised time goes to the static rank
+    assert tuner.select_winner([costly, _result("other", 103.0, (1, ()))], 0.02)[0] is costly
+    assert tuner.select_winner([_result("first", 103.5, (0, ())), _result("late", 101.0, (2, ()))], 0.0)[0].label \
+        == "late"
+
+
 def test_platform_and_problem_keys():
     key = lockfile.platform_key(CPU)
     assert set(key) == {"device", "gpu", "sm", "driver", "cuda", "libraries"}

@@ -132,13 +132,15 @@ def load_pretrained(
     from .plan import plan_linears
     from .shards import read_index
 
-    t0 = time.perf_counter()
+    clock = _PhaseClock()
     folder = Path(path)
     fmt = detect(folder)
     index = read_index(folder)
+    clock.lap("read headers")
     dtype = torch.bfloat16 if dtype is None else dtype
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     model = build_skeleton(folder, dtype, model_class, trust_remote_code)
+    clock.lap("build model")
     plan = plan_linears(fmt, linear_infos(model), index.tensors, fuse_groups=fuse_patterns(fuse),
                         block_served=block_layer_served(), where=str(folder))
     targets = plan_params(model, plan, index.tensors, where=str(folder))
@@ -147,9 +149,11 @@ def load_pretrained(
     loader = Fp8CheckpointLoader(plan, dtype=dtype, device=device, backend=backend, objective=objective,
                                  shard_scales=shard_scales)
     small = plan.small_tensors()
+    clock.lap("plan")
     with torch.no_grad():
         _stream(small, loader.weight_loader)  # scales and biases: values checked before the model changes
         loader.create_weights(model)
+        clock.lap("scales")
         first = {meta.name for meta in small}
         rest = [index.tensors[name] for name in index.tensors if name not in first and name not in unused]
 
@@ -161,15 +165,39 @@ def load_pretrained(
 
         _stream(rest, put)
         model.to(device)
+        clock.lap("weights", device)
         summary = loader.process_weights_after_loading()
+        clock.lap("process", device)
     if unused:
         logger.warning("load_pretrained: %d checkpoint tensor(s) not used by %s: %s", len(unused),
                        type(model).__name__, ", ".join(unused[:5]))
     summary.ignored += unused
     summary.checkpoint_bytes = index.nbytes
-    summary.load_seconds = time.perf_counter() - t0
+    summary.load_seconds = clock.total()
+    summary.load_phases = clock.phases
     logger.info("%s", summary)
     return LoadedModel(model, summary)
+
+
+class _PhaseClock:
+    """Seconds per named phase of a load (a CUDA device is synchronized where a phase ends with its copies queued,
+    once per load: no per-tensor syncs)."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def lap(self, name: str, device: Any = None) -> None:
+        if device is not None and getattr(device, "type", None) == "cuda":
+            import torch
+
+            torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        self.phases[name] = now - self.last
+        self.last = now
+
+    def total(self) -> float:
+        return self.last - self.start
 
 
 def _stream(metas: list[Any], sink: Any) -> None:

@@ -41,6 +41,9 @@ class CheckpointSummary:
     fp8_bytes: int = 0
     checkpoint_bytes: int = 0
     load_seconds: float = 0.0
+    #: where ``load_seconds`` went, in order: ``{"read headers": s, "build model": s, "plan": s, "scales": s,
+    #: "weights": s, "process": s}`` (filled by :func:`~fp8_backends.checkpoints.load_pretrained`)
+    load_phases: dict[str, float] = field(default_factory=dict)
     objective: str = ""
 
     @property
@@ -63,7 +66,9 @@ class CheckpointSummary:
     def __str__(self) -> str:
         lines = [f"{self.format} checkpoint ({self.source}): {self.count} linears -> Fp8Linear in {self.gemms} "
                  f"GEMMs, {len(self.kept)} kept in the model dtype; {self.checkpoint_bytes / 2**20:.1f} MiB read"
-                 + (f" in {self.load_seconds:.2f} s" if self.load_seconds else "")]
+                 + (f" in {self.load_seconds:.2f} s" if self.load_seconds else "")
+                 + (" (" + ", ".join(f"{k} {v:.2f}" for k, v in self.load_phases.items()) + ")"
+                    if self.load_phases else "")]
         lines += [f"  {count:4d} x {scheme}" for scheme, count in sorted(self.schemes().items())]
         lines += [f"  {count:4d} on {label}" for label, count in sorted(self.providers().items())]
         sections = (("fused", [f"{g} -> one {shape} GEMM" for g, shape in self.fused]),

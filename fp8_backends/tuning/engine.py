@@ -42,6 +42,8 @@ class CandidateResult:
     options: dict[str, str]
     rank: tuple
     measurement: Measurement | None = None
+    #: the provider's :attr:`~fp8_backends.core.backend.Fp8GemmBackend.win_margin`
+    margin: float = 0.0
     error: float | None = None  # relative error against the reference
     reason: str | None = None  # why it cannot win (wrong output, crash, timing failure)
     #: why its output was wrong, when it was: "output contract" (wrong type, shape, dtype or device: the provider
@@ -77,13 +79,20 @@ def select_winner(
 
     The fastest is the smallest median (static rank breaks exact ties). Every candidate within
     ``tie_margin`` (relative) of it is a near-tie; the winner is the near-tie with the best static rank.
+    A candidate with a ``margin`` (its provider's ``win_margin``) competes with its median raised by that
+    fraction: it wins only where it is faster than the others by more than its margin.
     The runner-up is the fastest candidate other than the winner.
     """
     ok = [r for r in results if r.ok]
     if not ok:
         return None, None, None
     fastest = min(ok, key=lambda r: (r.us, r.rank))
-    near = [r for r in ok if r.us <= fastest.us * (1.0 + tie_margin)]
+
+    def cost(r: Any) -> float:
+        return r.us * (1.0 + float(getattr(r, "margin", 0.0) or 0.0))
+
+    best = min(cost(r) for r in ok)
+    near = [r for r in ok if cost(r) <= best * (1.0 + tie_margin)]
     winner = min(near, key=lambda r: r.rank)
     others = [r for r in ok if r is not winner]
     runner_up = min(others, key=lambda r: (r.us, r.rank)) if others else None
@@ -370,7 +379,8 @@ def measure_candidates(
     by_label: dict[str, CandidateResult] = {}
     problem = workload.problem(m)
     for cand in cands:
-        res = CandidateResult(cand.label, cand.provider, cand.entry.dist, cand.options, cand.rank)
+        res = CandidateResult(cand.label, cand.provider, cand.entry.dist, cand.options, cand.rank,
+                              margin=float(getattr(cand.backend, "win_margin", 0.0) or 0.0))
         results.append(res)
         if cand.label in failed_prepare:
             res.reason = failed_prepare[cand.label]

@@ -28,6 +28,7 @@ Options: ``warmup`` = ``decode`` (default: compile and run the M < 32 kernels at
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from fp8_backends.core.backend import OpGemmBackend
@@ -104,9 +105,15 @@ class FlashinferBlockBackend(OpGemmBackend):
         return Availability.yes()
 
     @staticmethod
-    def feature_reasons() -> list[str]:
+    def feature_reasons(*, import_now: bool = True) -> list[str]:
         """Why the installed flashinfer cannot serve block-wise problems once imported (imports it once: 2-4 s), or
-        ``[]``: importable, with ``fp8_blockscale_gemm_sm90`` and its JIT spec."""
+        ``[]``: importable, with ``fp8_blockscale_gemm_sm90`` and its JIT spec. ``import_now=False`` (resolving a
+        problem): where flashinfer is not imported yet, only its version is checked
+        (:func:`.block_jit.version_reason`); the exact check then runs where the module is loaded, which raises
+        :class:`~fp8_backends.core.errors.BackendUnavailableError` with the same reason."""
+        if not import_now and "flashinfer" not in sys.modules:
+            reason = block_jit.version_reason(common.flashinfer_version())
+            return [f"{reason} (install: pip install -U fp8-backends[flashinfer])"] if reason else []
         module, reason = common.import_flashinfer()
         if module is None:
             return [f"{reason or 'import flashinfer failed'} (install: {common.INSTALL_HINT})"]
@@ -121,10 +128,13 @@ class FlashinferBlockBackend(OpGemmBackend):
     def first_use_build(self, problem: Any, platform: Any) -> str | None:
         """flashinfer's module when it is not built yet (about 2 minutes at the first use; runs nothing). Its per-shape
         DeepGEMM kernels (about 2 s each, cached on disk) do not count."""
-        try:
-            built, folder = block_jit.module_state(block_jit.module_spec())
-        except Exception:  # noqa: BLE001 - flashinfer missing or changed: availability says so
-            return None
+        if "flashinfer" not in sys.modules and not block_jit.built_library_may_exist():
+            built, folder = False, "flashinfer's JIT cache"  # known without importing flashinfer (2-4 s)
+        else:
+            try:
+                built, folder = block_jit.module_state(block_jit.module_spec())
+            except Exception:  # noqa: BLE001 - flashinfer missing or changed: availability says so
+                return None
         if built:
             return None
         return (f"flashinfer's fp8_blockscale_gemm_sm90 module is not built (the first call builds it, "
@@ -132,9 +142,10 @@ class FlashinferBlockBackend(OpGemmBackend):
                 "fp8_backends.build flashinfer_block)")
 
     def block_reasons(self, problem: GemmProblem) -> list[str]:
-        """The imported flashinfer's features (:meth:`feature_reasons`), then K % 128 and N % 64 (the DeepGEMM kernels'
-        tiles)."""
-        return self.feature_reasons() or block_jit.shape_reasons(problem.n, problem.k)
+        """flashinfer's features (:meth:`feature_reasons`; by its version where it is not imported yet: resolving a
+        model's layers never imports it for a provider ``auto`` may pass over), then K % 128 and N % 64 (the DeepGEMM
+        kernels' tiles)."""
+        return self.feature_reasons(import_now=False) or block_jit.shape_reasons(problem.n, problem.k)
 
     # ------------------------------------------------------------------ load time
     def load_op(self) -> Any:

@@ -129,6 +129,40 @@ def feature_reason(module: Any) -> str | None:
     return None
 
 
+#: the flashinfer release that brought ``flashinfer.gemm.fp8_blockscale_gemm_sm90`` and its JIT spec
+FEATURE_SINCE = (0, 6)
+
+
+def version_reason(version: str | None) -> str | None:
+    """Why the installed flashinfer distribution (``version``, read from its metadata) cannot have the block-scaled GEMM
+    (``None``: its version can). The check of a process where flashinfer is not imported yet: the exact one
+    (:func:`feature_reason`) imports flashinfer, 2-4 s, and runs where the module is loaded."""
+    if not version:
+        return None  # installed without metadata (a source tree on the path): the exact check decides at load
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    if tuple(parts) < FEATURE_SINCE:
+        return (f"this flashinfer ({version}) has no flashinfer.gemm.fp8_blockscale_gemm_sm90 (it came with flashinfer "
+                f"{FEATURE_SINCE[0]}.{FEATURE_SINCE[1]})")
+    return None
+
+
+def built_library_may_exist() -> bool:
+    """Whether a built ``fp8_blockscale_gemm_90`` library may exist, looked up without importing flashinfer: False
+    only when none is in flashinfer's JIT cache (``$FLASHINFER_WORKSPACE_BASE`` or the home folder, then
+    ``.cache/flashinfer/<version>/<archs>/cached_ops/``) nor among the install's AOT modules (``data/aot``) and no
+    AOT kernel package (``flashinfer_jit_cache``) is installed. True means: ask flashinfer's spec (imports it)."""
+    if common._find_spec("flashinfer_jit_cache") is not None:
+        return True
+    base = Path(os.environ.get("FLASHINFER_WORKSPACE_BASE") or Path.home()) / ".cache" / "flashinfer"
+    if next(base.glob(f"*/*/cached_ops/{MODULE_NAME}/{MODULE_NAME}.so"), None) is not None:
+        return True
+    root = csrc_dir()
+    return root is not None and next((root.parent / "aot" / MODULE_NAME).glob("*.so"), None) is not None
+
+
 def config_rule_known(version: str | None) -> bool:
     """Whether :func:`kernel_config` states this flashinfer version's config rule."""
     return bool(version) and any(version.startswith(v) for v in CONFIG_RULE_VERSIONS)
@@ -323,8 +357,9 @@ def build_module(*, load: bool = True) -> Any:
 
 
 __all__ = [
-    "CONFIG_RULE_VERSIONS", "DEEPGEMM_HEADERS", "DEEPGEMM_INCLUDE", "K_MULTIPLE", "MODULE_SOURCES", "N_MULTIPLE",
-    "SWAP_AB_BELOW", "KernelConfig", "build_module", "config_rule_known", "configs_for", "csrc_dir", "decode_ms",
-    "feature_reason", "find_nvcc", "kernel_cache_dir", "kernel_cached_on_disk", "kernel_config", "kernel_name",
-    "missing_sources", "module_spec", "module_state", "parse_ms", "progress_line", "shape_reasons",
+    "CONFIG_RULE_VERSIONS", "DEEPGEMM_HEADERS", "DEEPGEMM_INCLUDE", "FEATURE_SINCE", "K_MULTIPLE", "MODULE_SOURCES",
+    "N_MULTIPLE", "SWAP_AB_BELOW", "KernelConfig", "build_module", "built_library_may_exist", "config_rule_known",
+    "configs_for", "csrc_dir", "decode_ms", "feature_reason", "find_nvcc", "kernel_cache_dir", "kernel_cached_on_disk",
+    "kernel_config", "kernel_name", "missing_sources", "module_spec", "module_state", "parse_ms", "progress_line",
+    "shape_reasons", "version_reason",
 ]
