@@ -17,6 +17,7 @@ from fp8_backends import tune as tune_cli
 from fp8_backends.core.errors import DataFileError
 from fp8_backends.core.types import GemmProblem
 from fp8_backends.registry import defaults, lockfile, nearest, resolution, shipped, shipped_data
+from fp8_backends.registry.discovery import discover
 from fp8_backends.registry.platform import cpu_platform, simulate_platform
 from fp8_backends.tuning import grid, models
 from fp8_backends.tuning.plan import plan_from_args
@@ -260,6 +261,32 @@ def test_tuning_a_block_problem_on_the_cpu_then_auto_answers_from_it(tmp_path, m
     res = resolution.explain("gemm", problem=GemmProblem(n=256, k=256, m=3, device="cpu", group_size=64, **BLOCK),
                              platform=CPU)
     assert res.source != "lockfile"
+
+
+def test_the_tuners_block_workload_measures_block_scaled_gemms():
+    """A block problem is timed with 128x128 weight-block scales and 1x128 activation-group scales (in each
+    candidate's declared layout), never as a per-tensor GEMM of the same shape."""
+    from fp8_backends.core.types import ScaleLayout, WeightScale
+    from fp8_backends.tuning.workloads import CandidateSpec, GemmWorkload
+
+    problem = GemmProblem(n=320, k=384, device="cpu", **BLOCK)
+    work = GemmWorkload(problem, "cpu")
+    assert tuple(work.w_scale.shape) == (3, 3)  # ceil(320/128) x ceil(384/128)
+    xs, scales, expected = work.activations(5)
+    assert tuple(scales[0].shape) == (5, 3) and tuple(expected.shape) == (5, 320)
+    (entry,) = [e for e in discover("gemm") if e.name == "torch_scaled_mm"]
+    backend = entry.cls()
+    cand = CandidateSpec(entry, {}, backend, (0, ()), "torch_scaled_mm")
+    (prepared,) = work.prepared(cand)
+    assert prepared.weight_scale is WeightScale.BLOCK
+    laid = work.scales_for(cand, 5)
+    from fp8_backends.core.group_scales import is_layout
+
+    assert is_layout(laid[0], backend.capabilities.group_scale_layout)
+    assert work.verify(cand, 5)[1] is None  # the block GEMM against the block reference
+    tma = SimpleNamespace(backend=SimpleNamespace(capabilities=SimpleNamespace(
+        group_scale_layout=ScaleLayout.M_MAJOR_TMA)))
+    assert is_layout(work.scales_for(tma, 5)[0], ScaleLayout.M_MAJOR_TMA)
 
 
 class SlowBuildMM(FakeMM):

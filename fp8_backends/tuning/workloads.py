@@ -154,8 +154,11 @@ class GemmWorkload:
     """Inputs for one GEMM weight shape on one device (see the module docstring).
 
     ``problem``: the shape, dtypes and scale modes (its ``m`` is ignored). Per-tensor weight scales are
-    one fp32 value; per-channel ones ``[N]``. Activations: ``[M, K]`` in ``problem.input_dtype`` with
-    a ``[1]`` (per-tensor) or ``[M, 1]`` (per-token) fp32 scale.
+    one fp32 value; per-channel ones ``[N]``; block ones ``[ceil(N/BN), ceil(K/BK)]`` (``problem.weight_block``).
+    Activations: ``[M, K]`` in ``problem.input_dtype`` with a ``[1]`` (per-tensor), ``[M, 1]`` (per-token) or
+    ``[M, ceil(K/G)]`` (per-token-group, ``G = problem.group_size``) fp32 scale; group scales are handed to each
+    candidate in the layout its capabilities declare (``group_scale_layout``), converted once, outside the timing,
+    as the quantizer feeding a layer writes them.
     """
 
     kind = "gemm"
@@ -181,6 +184,8 @@ class GemmWorkload:
         if p.weight_scale is WeightScale.PER_CHANNEL:
             w_q, w_scale = reference.quantize_per_token(w, p.weight_dtype.value)
             w_scale = w_scale.reshape(p.n).contiguous()
+        elif p.weight_scale is WeightScale.BLOCK:
+            w_q, w_scale = reference.quantize_block(w, p.weight_block, p.weight_dtype.value)
         else:
             w_q, w_scale = reference.quantize_dynamic_per_tensor(w, p.weight_dtype.value)
         del w
@@ -193,6 +198,7 @@ class GemmWorkload:
         self._prepared: dict[str, list[Any]] = {}
         self._m: int | None = None
         self._acts: tuple[list[Any], list[Any], Any] | None = None
+        self._laid_out: dict[Any, list[Any]] = {}
 
     # ---------------------------------------------------------------- sizes
     def problem(self, m: int) -> GemmProblem:
@@ -216,7 +222,10 @@ class GemmWorkload:
     def prepared(self, cand: CandidateSpec) -> list[Any]:
         """The candidate's prepared weights, one per weight copy (made once per workload)."""
         if cand.label not in self._prepared:
-            self._prepared[cand.label] = [cand.backend.prepare_weight(w, self.w_scale) for w in self.w_sets]
+            block = self.base.weight_block if self.base.block_scaled else None
+            group = self.base.group_size if self.base.block_scaled else None
+            self._prepared[cand.label] = [cand.backend.prepare_weight(w, self.w_scale, block=block, group_size=group)
+                                          for w in self.w_sets]
         return self._prepared[cand.label]
 
     def activations(self, m: int) -> tuple[list[Any], list[Any], Any]:
@@ -228,19 +237,36 @@ class GemmWorkload:
             x = torch.randn(m, p.k, device=self.device, generator=gen) * 2
             if p.act_scale is ActScale.PER_TOKEN:
                 x_q, x_scale = ref_mod.quantize_per_token(x, p.input_dtype.value)
+            elif p.act_scale is ActScale.PER_TOKEN_GROUP:
+                x_q, x_scale = ref_mod.quantize_per_token_group(x, p.group_size, p.input_dtype.value)
             else:
                 x_q, x_scale = ref_mod.quantize_dynamic_per_tensor(x, p.input_dtype.value)
             del x
             n = self.n_sets(m)
             xs = [x_q] + [x_q.clone() for _ in range(n - 1)]
             scales = [x_scale] + [x_scale.clone() for _ in range(n - 1)]
-            expected = ref_mod.fp8_gemm(x_q, self.w_sets[0], x_scale, self.w_scale, torch.float32, self.bias)
+            expected = ref_mod.fp8_gemm(x_q, self.w_sets[0], x_scale, self.w_scale, torch.float32, self.bias,
+                                        group_size=p.group_size, weight_block=p.weight_block)
             self._m, self._acts = m, (xs, scales, expected)
+            self._laid_out = {}
         return self._acts
+
+    def scales_for(self, cand: CandidateSpec, m: int) -> list[Any]:
+        """The activation scale copies for ``m`` as ``cand`` reads them: per-token-group scales in its declared
+        ``group_scale_layout`` (made once per layout and M), the others as they are."""
+        scales = self.activations(m)[1]
+        if self.base.act_scale is not ActScale.PER_TOKEN_GROUP:
+            return scales
+        from fp8_backends.core.group_scales import to_layout
+
+        layout = cand.backend.capabilities.group_scale_layout
+        if layout not in self._laid_out:
+            self._laid_out[layout] = [to_layout(s, layout) for s in scales]
+        return self._laid_out[layout]
 
     def release(self) -> None:
         """Drop the cached activations (keeps weights and prepared weights)."""
-        self._m, self._acts = None, None
+        self._m, self._acts, self._laid_out = None, None, {}
 
     def forget(self, cand: CandidateSpec) -> None:
         self._prepared.pop(cand.label, None)
@@ -266,7 +292,8 @@ class GemmWorkload:
         return err, reason
 
     def run(self, cand: CandidateSpec, m: int) -> Run:
-        xs, scales, _ = self.activations(m)
+        xs = self.activations(m)[0]
+        scales = self.scales_for(cand, m)
         ws = self.prepared(cand)
         n = min(len(xs), len(ws))
         backend, bias = cand.backend, self.bias

@@ -77,8 +77,9 @@ class FlashinferBmmBackend(OpGemmBackend):
     tunable_options: ClassVar[tuple[str, ...]] = ("runner",)
     #: its runners are cuBLAS, cuDNN and CUTLASS kernels that torch._scaled_mm and the cutlass provider also reach, at
     #: 1.55x torch._scaled_mm's host time per call (bench/results/flashinfer_host/2026-11-29-h200/) and an import of
-    #: flashinfer at model load (2-4 s on the H200 box, bench/results/checkpoints/2026-12-03-h200-load-phases/): it is
-    #: chosen where it measures more than 2% faster than every other candidate
+    #: flashinfer at model load (1.3-1.5 s after torch on the H200 box,
+    #: bench/results/checkpoints/2026-12-03-h200-load-phases/imports.txt): it is chosen where it measures more than 2%
+    #: faster than every other candidate
     win_margin: ClassVar[float] = 0.02
     capabilities: ClassVar[GemmCapabilities] = GemmCapabilities(
         devices=frozenset({DeviceKind.CUDA}),
