@@ -82,6 +82,14 @@ class _Recorded(NamedTuple):
     margin: float = 0.0
 
 
+def _win_margin(entry: Any) -> float:
+    """The provider's declared ``win_margin`` (0 when unknown here or when its class does not load)."""
+    try:
+        return float(getattr(entry.cls, "win_margin", 0.0) or 0.0) if entry is not None else 0.0
+    except Exception:  # noqa: BLE001 - a broken plugin competes without a margin; discovery reports it elsewhere
+        return 0.0
+
+
 def redecide(entries: Mapping[str, Mapping[str, Any]], tie_margin: float) -> dict[str, dict[str, Any]]:
     """The entries with each choice decided again from its recorded ``ranking`` (every candidate that passed, with
     its median µs) by the tuner's own rule (:func:`fp8_backends.tuning.engine.select_winner`): among the candidates
@@ -104,7 +112,7 @@ def redecide(entries: Mapping[str, Mapping[str, Any]], tie_margin: float) -> dic
     def candidate(rec: Mapping[str, Any]) -> _Recorded:
         i, e = place.get(rec.get("provider"), (len(place), None))
         return _Recorded(rec, float(rec["us"]), (i, option_rank(e.cls, rec.get("options") or {}) if e else ()),
-                         margin=float(getattr(e.cls, "win_margin", 0.0) or 0.0) if e else 0.0)
+                         margin=_win_margin(e))
 
     def label(rec: Mapping[str, Any]) -> str:
         options = {str(k): str(v) for k, v in (rec.get("options") or {}).items()}

@@ -572,10 +572,10 @@ class Fp8GemmBackend(ProviderBase):
         input that Dynamo guards at every call of the compiled model, whether the kernel reads it or not."""
         return None
 
-    #: how much faster than every other candidate (a fraction of the fastest other's time) the provider's measured
-    #: kernel must be for the tuner to choose it (:func:`fp8_backends.tuning.engine.select_winner`). 0: the measured
-    #: fastest wins. A provider whose kernels others also reach and whose use costs more outside the kernel (host
-    #: time per call, a heavy import at model load) declares the win that pays for it.
+    #: how much faster than every other candidate the provider's measured kernel must be for the tuner to choose it
+    #: (:func:`fp8_backends.tuning.engine.select_winner`): its median, raised by this fraction, must still be the
+    #: fastest. 0: the measured fastest wins. A provider whose kernels others also reach and whose use costs more
+    #: outside the kernel (host time per call, a heavy import at model load) declares the win that pays for it.
     win_margin: ClassVar[float] = 0.0
 
     #: activation modes :meth:`fused_quant_gemm_impl` may serve (empty: the provider never fuses)
