@@ -143,6 +143,25 @@ def test_resolving_a_block_problem_never_imports_flashinfer(available, monkeypat
     assert b.first_use_build(block_problem(), SM90) is None
 
 
+def test_the_flashinfer_version_is_read_once_per_process(monkeypatch: pytest.MonkeyPatch):
+    """Resolving a model's block-wise layers asks for it at every problem: reading the metadata each time took 0.9 s
+    of an 8-layer checkpoint load (bench/results/checkpoints/2026-12-03-h200-load-profile/)."""
+    import importlib.metadata
+
+    calls = []
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: calls.append(name) or "0.7.2.post1")
+    common.reset_caches()
+    assert [common.flashinfer_version() for _ in range(5)] == ["0.7.2.post1"] * 5 and calls == [common.DIST_NAME]
+    common.reset_caches()
+
+    def missing(name):
+        calls.append(name)
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert common.flashinfer_version() is None and common.flashinfer_version() is None and len(calls) == 2
+
+
 # ------------------------------------------------------------------------------------ availability
 def test_unavailable_without_flashinfer(monkeypatch: pytest.MonkeyPatch):
     real = common._find_spec

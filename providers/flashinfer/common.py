@@ -81,6 +81,7 @@ def base_availability() -> Availability:
 
 _lock = threading.Lock()
 _import_result: tuple[Any, str | None] | None = None
+_version_result: tuple[str | None] | None = None
 _feature_cache: dict[tuple[str, ...], tuple[str, ...]] = {}
 
 
@@ -112,17 +113,24 @@ def missing_features(names: tuple[str, ...]) -> tuple[str, ...] | str:
 
 
 def flashinfer_version() -> str | None:
-    try:
-        return importlib.metadata.version(DIST_NAME)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    """The installed flashinfer distribution's version (``None``: not installed), read from its metadata once per
+    process: parsing it takes about 1 ms, and resolving a model's layers asks for every block-wise problem."""
+    global _version_result
+    with _lock:
+        if _version_result is None:
+            try:
+                _version_result = (importlib.metadata.version(DIST_NAME),)
+            except importlib.metadata.PackageNotFoundError:
+                _version_result = (None,)
+        return _version_result[0]
 
 
 def reset_caches() -> None:
-    """For tests: forget the import result and feature probes."""
-    global _import_result
+    """For tests: forget the import result, the version and feature probes."""
+    global _import_result, _version_result
     with _lock:
         _import_result = None
+        _version_result = None
         _feature_cache.clear()
 
 
