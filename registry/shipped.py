@@ -149,7 +149,7 @@ class ShippedData:
     path: Path
     provenance: dict[str, Any]
     index: lockfile.SectionIndex
-    models: dict[tuple, NearestModel | None] | None = None
+    models: dict[tuple, NearestModel | None] = field(default_factory=dict)
     classes: dict[tuple, dict[str, Any]] | None = None
     picks: dict[tuple, Any] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -174,8 +174,6 @@ class ShippedData:
         with self.lock:
             if self.classes is None:
                 self.classes = entries_by_class(self.index.entries)
-            if self.models is None:
-                self.models = {}
             if ck not in self.models:
                 group = self.classes.get(ck)
                 k = shipped_data.neighbours(self.provenance, DEFAULT_NEIGHBOURS)
