@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--quick", action="store_true", help="4 shapes x M 1,16,256,4096, fewer repeats, no flashinfer")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (with --device cpu: Triton's interpreter)")
     ap.add_argument("--sweep", action="store_true", help="time every shipped Triton config where it is eligible")
+    ap.add_argument("--configs", default="",
+                    help="comma-separated Triton configs to time beside the shipped ones, spelled as config names "
+                    "(e.g. mm_n64_m64_s4_w4_g8_sk7: a fixed K split of 7); timed where eligible")
     ap.add_argument("--flashinfer", choices=("auto", "on", "off"), default="auto",
                     help="time flashinfer's fp8_blockscale_gemm_sm90, directly and as the flashinfer_block provider "
                     "(auto: on unless --quick/--smoke)")
@@ -219,6 +222,15 @@ def family_configs(m: int, n: int, k: int, sweep: bool) -> dict[str, str]:
     return out
 
 
+def extra_configs(names: str, m: int, k: int) -> list[Any]:
+    """The ``--configs`` configs (:meth:`BlockTileConfig.from_name`) eligible at ``M``, ``K`` (a config's ``max_m``,
+    TMA's 16-byte rows)."""
+    from fp8_backends.providers.triton import block_gemm_configs as bc
+
+    cfgs = [bc.BlockTileConfig.from_name(name.strip()) for name in names.split(",") if name.strip()]
+    return [c for c in cfgs if (c.max_m is None or m <= c.max_m) and (c.family != "tma" or k % 16 == 0)]
+
+
 def _scaled_mm_call(data: GemmData, layout: str) -> Callable[[int], Any]:
     import torch
 
@@ -327,6 +339,15 @@ def gemm_point(model: str, layer: str, n: int, k: int, m: int, device: str, time
             return bg.launch(data.x_q, data.w_q[i], xs_triton, data.ws[i], None, torch.bfloat16, GROUP, config)
 
         runs[label] = Run(call, data.sets, data.check(FP8_TOL))
+    for cfg in extra_configs(args.configs, m, k):
+        configs[f"triton:{cfg.name}"] = cfg.name
+
+        def extra(i: int, cfg: Any = cfg) -> Any:
+            out = data.x_q.new_empty((m, n), dtype=torch.bfloat16)
+            bg.run_config(cfg, data.x_q, data.w_q[i], xs_triton, data.ws[i], None, out, GROUP)
+            return out
+
+        runs[f"triton:{cfg.name}"] = Run(extra, data.sets, data.check(FP8_TOL))
     if device.startswith("cuda"):  # auto without programmatic dependent launch: like for like with cuBLAS
         auto_cfg = bg.pick_config("auto", m, n, k)
         configs["triton_nopdl"] = auto_cfg.name
@@ -721,7 +742,12 @@ def _release(device: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        extra_configs(args.configs, 1, 16)
+    except ValueError as exc:
+        ap.error(f"--configs: {exc}")
     if args.device == "cpu" and "TRITON_INTERPRET" not in os.environ:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is defined
     import torch

@@ -51,6 +51,15 @@ def test_family_configs():
     assert not any("gemv" in lab for lab in sweep)  # GEMV configs stop at M = 4
 
 
+def test_extra_configs_are_parsed_and_kept_where_eligible():
+    got = bench.extra_configs("mm_n64_m64_s4_w4_g8_sk7, swap_n64_m64_s5_w4_sk14,tma_n64_m64_s4_w4_g8_p2", 256, 7168)
+    assert [c.name for c in got] == ["mm_n64_m64_s4_w4_g8_sk7", "swap_n64_m64_s5_w4_sk14", "tma_n64_m64_s4_w4_g8_p2"]
+    assert [c.name for c in bench.extra_configs("swap_n64_m64_s5_w4_sk14,tma_n64_m64_s4_w4_g8_p2", 1024, 7160)] == []
+    assert bench.extra_configs("", 1, 16) == []
+    with pytest.raises(SystemExit):
+        bench.main(["--configs", "mm_n64", "--device", "cpu", "--smoke"])
+
+
 def _point(m, us, model="deepseek-v3", layer="kv_a", n=576, k=7168, floor=None):
     variants = {lab: {"us": v, "config": lab.split(":")[-1] if ":" in lab else "swap_n64_m16_s8_w4_sk0"}
                 for lab, v in us.items()}

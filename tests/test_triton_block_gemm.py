@@ -11,6 +11,8 @@ graphs, PDL on and off, ``torch.compile`` through the ``triton_op``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -101,6 +103,18 @@ def test_configs_are_valid_and_named_uniquely():
         C("tma", 64, 128, 3, 4, split_k=2)
     with pytest.raises(ValueError, match="persistent"):
         C("mm", 64, 128, 3, 4, persistent=1)
+
+
+def test_a_config_name_spells_its_config():
+    for cfg in bc.CONFIG_LIST:
+        assert bc.BlockTileConfig.from_name(cfg.name) == dataclasses.replace(cfg, note="")
+    assert bc.BlockTileConfig.from_name("mm_n64_m64_s4_w4_g8_sk7") == C("mm", 64, 64, 4, 4, split_k=7)
+    with pytest.raises(ValueError, match="spells no"):
+        bc.BlockTileConfig.from_name("mm_n64_m64")
+    with pytest.raises(ValueError, match="not spelled as"):  # the grouped order is part of a tiled config's name
+        bc.BlockTileConfig.from_name("mm_n64_m64_s4_w4_sk7")
+    with pytest.raises(ValueError, match="split"):  # the config's own checks
+        bc.BlockTileConfig.from_name("tma_n64_m64_s4_w4_g8_sk2")
 
 
 def test_default_table_covers_every_m_with_a_known_config():

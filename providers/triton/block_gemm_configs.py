@@ -37,6 +37,7 @@ to a config name; :func:`use_table` replaces it (``bench/block_gemm.py --sweep``
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -108,6 +109,24 @@ class BlockTileConfig:
         sk = f"_sk{self.split_k}" if self.family in ("swap", "mm") else ""
         p = f"_p{self.persistent}" if self.persistent else ""
         return f"{self.family}_n{self.block_n}_m{self.block_m}_s{self.stages}_w{self.warps}{g}{sk}{p}"
+
+    @classmethod
+    def from_name(cls, name: str) -> BlockTileConfig:
+        """The config a name spells (the inverse of :attr:`name`), e.g. ``mm_n64_m64_s4_w4_g8_sk7``: for configs that
+        are not shipped (``bench/block_gemm.py --configs``). Raises ``ValueError`` on a name that spells none."""
+        gemv = re.fullmatch(r"gemv_n(\d+)_g(\d+)_w(\d+)", name)
+        if gemv:
+            n, groups, warps = map(int, gemv.groups())
+            return cls("gemv", 1, n, 1, warps, groups=groups)
+        tiled = re.fullmatch(r"(swap|mm|tma)_n(\d+)_m(\d+)_s(\d+)_w(\d+)(?:_g(\d+))?(?:_sk(\d+))?(?:_p(\d+))?", name)
+        if tiled is None:
+            raise ValueError(f"{name!r} spells no block GEMM config (e.g. mm_n128_m64_s4_w4_g8_sk0)")
+        family, n, m, stages, warps, group_m, split_k, persistent = tiled.groups()
+        cfg = cls(family, int(m), int(n), int(stages), int(warps), group_m=int(group_m or 8),
+                  split_k=int(split_k) if split_k is not None else 1, persistent=int(persistent or 0))
+        if cfg.name != name:
+            raise ValueError(f"{name!r} is not spelled as its config's name {cfg.name!r}")
+        return cfg
 
     @property
     def max_m(self) -> int | None:
