@@ -302,10 +302,12 @@ def load_table(args: Any, folders: dict[str, Path]) -> list[dict[str, Any]]:
         else:
             row["error"] = got[0]["error"] if got else "not run"
         rows.append(row)
-    bf16 = next((r for r in rows if r["format"] == "bf16" and r.get("seconds")), None)
-    for row in rows:
-        if bf16 and row.get("seconds"):
-            row["seconds_vs_bf16"] = row["seconds"] / bf16["seconds"]
+    base = runs[("bf16", "hf")]
+    for row in rows:  # per turn (the host's speed drifts between turns), then the median over turns
+        ratios = [r["seconds"] / b["seconds"] for r, b in zip(runs[(row["format"], row["loader"])], base, strict=True)
+                  if "error" not in r and "error" not in b]
+        if ratios:
+            row["seconds_vs_bf16"] = statistics.median(ratios)
     return rows
 
 
@@ -357,8 +359,9 @@ def render(result: dict[str, Any]) -> list[str]:
         rows.append(cells)
     lines += common.md_table(header, rows)
     if result.get("load"):
-        lines += ["", "Loading (a fresh process per load, median of runs; peak host memory is the process's maximum "
-                  "resident set):", ""]
+        lines += ["", "Loading (a fresh process per load, loaders in turns, median of runs; `x bf16 load`: the median "
+                  "over turns of the load's time over the bf16 load's in the same turn; peak host memory is the "
+                  "process's maximum resident set):", ""]
         lines += common.md_table(["format", "loader", "seconds", "x bf16 load", "peak host GiB", "GPU GiB held",
                                   "phases (s)"],
                                  [[r["format"], r["loader"], common.fmt(r.get("seconds"), ".2f"),

@@ -495,11 +495,19 @@ class SectionIndex:
     audited: bool = False
 
     @classmethod
-    def build(cls, section: Mapping[str, Any]) -> SectionIndex:
+    def build(cls, section: Mapping[str, Any], checked: bool = False) -> SectionIndex:
         """Index the section's well-formed entries; a malformed one is skipped and a malformed ``ranking`` item
-        dropped, each counted in ``problems`` (the caller warns once per file) and logged at DEBUG."""
+        dropped, each counted in ``problems`` (the caller warns once per file) and logged at DEBUG. ``checked``: the
+        caller has already refused any document with a malformed entry or ranking item (shipped data:
+        :func:`fp8_backends.registry.shipped_data.check_document`), so entries are indexed without checking them
+        again (a process loading a model reads the 2800-entry shipped file once; the second pass was a third of it)."""
         idx = cls(key=dict(section["platform"]), entries=dict(section["entries"]))
         for name, entry in idx.entries.items():
+            if checked:
+                pk = problem_key(entry["kind"], entry["problem"])
+                idx.by_bucket[(pk, entry["m"])] = entry
+                idx.buckets.setdefault(pk, []).append(entry["m"])
+                continue
             bad = entry_problems(entry)
             if not bad:
                 try:

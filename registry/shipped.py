@@ -156,7 +156,9 @@ class ShippedData:
 
     @classmethod
     def from_document(cls, path: Path, doc: Mapping[str, Any]) -> ShippedData:
-        return cls(Path(path), dict(doc["provenance"]), lockfile.SectionIndex.build(shipped_data.the_section(doc)))
+        """``doc``: a document :func:`.shipped_data.check_document` passed (:func:`.shipped_data.load_file`)."""
+        section = lockfile.SectionIndex.build(shipped_data.the_section(doc), checked=True)
+        return cls(Path(path), dict(doc["provenance"]), section)
 
     @property
     def sm(self) -> str:

@@ -116,6 +116,8 @@ def ranking_problems(name: str, entry: Mapping[str, Any]) -> list[str]:
             out.append(f"entry {name}: ranking #{i + 1} options is not an object")
         elif not _positive_number(cand.get("us")):
             out.append(f"entry {name}: ranking #{i + 1} ({cand['provider']}) has no measured µs > 0")
+        else:
+            out += [f"entry {name}: ranking #{i + 1}: {why}" for why in lockfile.choice_problems(cand)]
     if not _positive_number((entry.get("choice") or {}).get("us")):
         out.append(f"entry {name}: the choice has no measured µs > 0")
     return out

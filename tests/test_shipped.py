@@ -150,6 +150,8 @@ def _damaged(kind: str) -> dict:
         del section["entries"][first]["ranking"][0]["us"]
     elif kind == "bad-entry":
         section["entries"][first]["m"] = "sixteen"
+    elif kind == "bad-ranking-options":  # refused here: the index of a checked document trusts its ranking items
+        section["entries"][first]["ranking"][1]["options"] = {"config": ["a", "list"]}
     return doc
 
 
@@ -164,6 +166,7 @@ def _damaged(kind: str) -> dict:
     ("key-mismatch", "key does not match its problem and m"),
     ("no-us", "has no measured µs > 0"),
     ("bad-entry", "no integer 'm'"),
+    ("bad-ranking-options", "ranking #2: 'options' is not an object of plain values"),
 ])
 def test_bad_documents_are_rejected_with_clear_errors(tmp_path, kind, needle):
     doc = _damaged(kind)

@@ -131,6 +131,15 @@ def _check_values(t: torch.Tensor, what: str) -> None:
         raise InvalidInputError(f"{what} must be finite and > 0; got {sample}")
 
 
+def _check_all(items: list[tuple[torch.Tensor, str]]) -> None:
+    """:func:`_check_values` of every ``(tensor, what)`` with one device sync when all are fine (a model load checks
+    a hundred scales); the first bad one raises its own error."""
+    flat = torch.cat([t.reshape(-1) for t, _ in items]) if len(items) > 1 else items[0][0].reshape(-1)
+    if bool((~(torch.isfinite(flat) & (flat > 0))).any()):
+        for t, what in items:
+            _check_values(t, what)
+
+
 def _resolve(kind: str, backend: Any, problem: Any) -> Any:
     """A provider for ``problem``: a given instance (checked: it must serve it), else a name or None
     resolved by the registry (``None``: env var or ``auto``). Raises the library's errors."""
@@ -590,9 +599,8 @@ class Fp8Linear(nn.Module):
             if self.input_scale is not None:
                 self.input_scale = self.input_scale.amax().reshape(1).contiguous()
         else:
-            _check_values(self.weight_scale, "weight_scale")
-            if self.input_scale is not None:
-                _check_values(self.input_scale, "input_scale")
+            _check_all([(self.weight_scale, "weight_scale")]
+                       + ([] if self.input_scale is None else [(self.input_scale, "input_scale")]))
         if self.bias is not None and self.bias.dtype != self.dtype:
             raise InvalidInputError(f"bias must be {self.dtype}, got {self.bias.dtype}")
         if fused:
@@ -650,11 +658,13 @@ class Fp8Linear(nn.Module):
     def _check_shards(self) -> None:
         assert self.shard_sizes is not None
         start = 0
+        items = []
         for i, rows in enumerate(self.shard_sizes):
-            _check_values(self.weight_scale[start:start + rows], f"shard {i} weight_scale")
+            items.append((self.weight_scale[start:start + rows], f"shard {i} weight_scale"))
             if self.input_scale is not None:
-                _check_values(self.input_scale[i:i + 1], f"shard {i} input_scale")
+                items.append((self.input_scale[i:i + 1], f"shard {i} input_scale"))
             start += rows
+        _check_all(items)
 
     def _combine_shard_scales(self) -> tuple[WeightScale, Fp8GemmBackend]:
         """Pick per-tensor (all shard scales equal), per-channel or requantize-to-max."""
