@@ -172,6 +172,11 @@ CONFIG_LIST: tuple[BlockTileConfig, ...] = (
     C("tma", 64, 128, 4, 4, persistent=1, note="M ~512-1024, narrow N"),
     C("tma", 128, 128, 4, 8, persistent=1, note="M >= 1024: one 8-warp program per SM"),
     C("tma", 128, 128, 4, 8, note="M >= 1024, one program per tile"),
+    # narrow N (DeepSeek-V3 kv_a 576 / q_a 1536 x 7168): few output tiles, each K step a latency-bound promotion, so
+    # smaller tiles and a fixed K split (bench/results/block_gemm/2026-12-03-h200-thin-n/)
+    C("mm", 32, 64, 4, 4, split_k=7, note="narrow N, M 17-64: 32x64 tiles, K in 7"),
+    C("swap", 64, 64, 5, 4, split_k=7, note="narrow N (576), M 65-256: K in 7"),
+    C("mm", 64, 64, 4, 4, split_k=2, note="narrow N, M 65-4096: 64x64 tiles, K in 2"),
 )
 del C
 
@@ -198,11 +203,21 @@ _MM64 = "mm_n128_m64_s4_w4_g8_sk0"
 _TMA = "tma_n128_m64_s4_w4_g8_p2"
 
 
-def _narrow() -> tuple[tuple[int | None, str], ...]:
-    """Buckets of a narrow-N shape (N <= 2048: N / 64 tiles leave most SMs idle): swap-AB with split K from M = 1
-    (the GEMV's 64-thread programs would be too few to keep the weight stream in flight), tiled with split K up to
-    M = 1024."""
-    return ((16, _SWAP16), (32, _SWAP32), (64, _SWAP64), (1024, _MM64), (None, _TMA))
+_MM64_SMALL_SK2 = "mm_n64_m64_s4_w4_g8_sk2"
+
+
+def _narrow(n: int) -> tuple[tuple[int | None, str], ...]:
+    """Buckets of a narrow-N shape (N <= 2048 with K = 7168: N / 64 tiles leave most SMs idle, and each program's
+    K steps wait on their promotions): swap-AB with split K up to M = 64 (the GEMV's 64-thread programs would be too
+    few to keep the weight stream in flight), then 64x64 tiles with K in 2 (kv_a 576x7168 at M = 256: 15.7 µs
+    against 24.2 for the 128x64 tiles with K in 7; q_a 1536x7168: 17.8 against 24.9), up to M = 1024 for q_a
+    (beyond, the persistent TMA kernel) and at every M for kv_a (M = 4096: 63 against 80 µs). kv_a also takes 32x64
+    tiles with K in 7 at M 33-64 (8.5 against 9.9 µs) and swap-AB 64x64 with K in 7 at M 65-256 (13.3 µs). Measured:
+    ``bench/results/block_gemm/2026-12-03-h200-thin-n/``."""
+    if n <= 576:
+        return ((16, _SWAP16), (32, _SWAP32), (64, "mm_n64_m32_s4_w4_g8_sk7"), (256, "swap_n64_m64_s5_w4_sk7"),
+                (None, _MM64_SMALL_SK2))
+    return ((16, _SWAP16), (32, _SWAP32), (64, _SWAP64), (1024, _MM64_SMALL_SK2), (None, _TMA))
 
 
 def _short_k() -> tuple[tuple[int | None, str], ...]:
@@ -210,20 +225,21 @@ def _short_k() -> tuple[tuple[int | None, str], ...]:
     return ((1, _GEMV_SHORT_K), (16, _SWAP16), (32, _SWAP32), (64, _SWAP64), (512, _MM64), (None, _TMA))
 
 
-#: The built-in table, reasoned (not yet measured) for the H200: GEMV at M = 1 for N >= 2048 (the per-tensor sweep's
-#: winner at M = 1 on 4096-28672 x 4096-14336), swap-AB with automatic split K up to M = 64, tiled 128x64 / 128x128 with
-#: automatic split K up to M = 1024, the persistent TMA kernel beyond. Shapes: DeepSeek-V3 (hidden 7168) attention and
+#: The built-in table for the H200: GEMV at M = 1 for N >= 2048 (the per-tensor sweep's winner at M = 1 on
+#: 4096-28672 x 4096-14336), swap-AB with automatic split K up to M = 64, tiled 128x64 / 128x128 with automatic split K up
+#: to M = 1024, the persistent TMA kernel beyond (reasoned); the narrow DeepSeek-V3 shapes measured (:func:`_narrow`). Shapes: DeepSeek-V3 (hidden 7168) attention and
 #: dense MLP projections, Qwen3-8B and -32B; ``default`` covers the rest.
 DEFAULT_TABLE = BlockTable(
     default=((1, _GEMV), (16, _SWAP16), (32, _SWAP32), (64, _SWAP64), (512, _MM64), (None, _TMA)),
     shapes={
         # DeepSeek-V3: q_a, kv_a (narrow N, K = 7168), q_b, kv_b (short K)
-        (1536, 7168): _narrow(),
-        (576, 7168): _narrow(),
+        (1536, 7168): _narrow(1536),
+        (576, 7168): _narrow(576),
         (24576, 1536): _short_k(),
         (32768, 512): _short_k(),
     },
-    source="reasoned defaults (not measured): bench/block_gemm.py --sweep measures a replacement",
+    source="reasoned defaults, narrow DeepSeek-V3 shapes measured (bench/results/block_gemm/2026-12-03-h200-thin-n/): "
+           "bench/block_gemm.py --sweep measures a replacement",
 )
 
 _active: BlockTable | None = None
