@@ -9,11 +9,8 @@ blocks here:
   cuBLASLt wants M-major activation-scale columns 16-byte aligned, so a batch whose M is not a multiple of 4 is
   padded to the next one (a copy of at most 3 rows of ``x_q`` and its scales; the output keeps M rows). Whether
   this torch and cuBLAS(Lt) serve the mode is found by calling it once per device (capability, not version
-  strings). Eager calls go through the op ``fp8_backends::scaled_mm_block`` (its fake implementation gives
-  ``torch.compile`` its shape where this torch's own meta function knows no block scales); where the meta function
-  knows them (probed once at load time, :func:`meta_knows_block_scales`), ``torch.compile`` traces the body itself,
-  ``aten._scaled_mm`` and its padding as torch ops, so Inductor calls cuBLASLt from its own code (an opaque op costs
-  a Python call per GEMM: in a compiled Qwen3-8B-sized prefill the block model's host time per step was 1.6x bf16's).
+  strings). The call is the op ``fp8_backends::scaled_mm_block`` (a fake implementation gives ``torch.compile``
+  its shape: some torch builds' own meta function knows no block scales).
 - CPU: each operand is dequantized by its scales in fp32 and multiplied with ``torch.matmul`` (the reference's
   arithmetic); slow, for tests and CPU-only machines.
 """
@@ -62,44 +59,18 @@ def _fake(x: Any, w_t: Any, x_scale: Any, w_scale_t: Any, bias: Any, out_dtype: 
 
 
 _OPS = LazyOps({OP_NAME: (_SCHEMA, _run, _fake)}, ("CUDA",))
-#: whether ``torch.compile`` traces :func:`_run` itself (set at load time by :func:`load_op`; read while tracing)
-_TRACE_BODY = False
-
-
-def meta_knows_block_scales() -> bool:
-    """Whether this torch's meta function of ``_scaled_mm`` (what ``torch.compile`` traces with) takes 1x128 x 128x128
-    block scales: one call on meta tensors (no device work)."""
-    import torch
-
-    m, n, k = 2 * M_ALIGN, 256, 256
-    try:
-        x = torch.empty((m, k), dtype=torch.float8_e4m3fn, device="meta")
-        w = torch.empty((n, k), dtype=torch.float8_e4m3fn, device="meta")
-        x_scale = torch.empty((k // 128, m), device="meta").t()
-        w_scale_t = torch.empty((k // 128, n // 128), device="meta")
-        y = torch._scaled_mm(x, w.t(), scale_a=x_scale, scale_b=w_scale_t, out_dtype=torch.bfloat16)
-    except Exception:  # noqa: BLE001 - a meta function that refuses them raises whatever its build raises
-        return False
-    return tuple(y.shape) == (m, n)
 
 
 def load_op() -> Any:
-    """Define the op and probe the meta function (load time, never inside ``torch.compile`` tracing)."""
-    global _TRACE_BODY
+    """Define the op (load time, never inside ``torch.compile`` tracing)."""
     _OPS.preload()
-    _TRACE_BODY = meta_knows_block_scales()
     return _OPS.op(OP_NAME)
 
 
 def cuda_gemm(x_q: torch.Tensor, w_t: torch.Tensor, x_scale: torch.Tensor, w_scale_t: torch.Tensor,
               bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """``y [M, N]`` through cuBLASLt: ``x_q [M, K]`` e4m3 row-major, ``w_t [K, N]`` (the ``[N, K]`` weight's
-    transpose), ``x_scale [M, Kb]`` M-major, ``w_scale_t [Kb, Nb]`` (what :func:`prepare_scale` made). Under
-    ``torch.compile`` the body's torch ops where the meta function knows block scales, else the op."""
-    import torch
-
-    if _TRACE_BODY and torch.compiler.is_compiling():
-        return _run(x_q, w_t, x_scale, w_scale_t, bias, out_dtype)
+    transpose), ``x_scale [M, Kb]`` M-major, ``w_scale_t [Kb, Nb]`` (what :func:`prepare_scale` made)."""
     return _OPS.call(OP_NAME)(x_q, w_t, x_scale, w_scale_t, bias, out_dtype)
 
 
@@ -159,7 +130,4 @@ def cuda_block_support(device_index: int) -> tuple[bool | None, str]:
                   + "); cuBLASLt serves them on SM 9.0 from CUDA 12.9")
 
 
-__all__ = [
-    "M_ALIGN", "OP_NAME", "cpu_gemm", "cuda_block_support", "cuda_gemm", "load_op", "meta_knows_block_scales",
-    "prepare_scale",
-]
+__all__ = ["M_ALIGN", "OP_NAME", "cpu_gemm", "cuda_block_support", "cuda_gemm", "load_op", "prepare_scale"]
