@@ -226,9 +226,10 @@ def _short_k() -> tuple[tuple[int | None, str], ...]:
 
 
 #: The built-in table for the H200: GEMV at M = 1 for N >= 2048 (the per-tensor sweep's winner at M = 1 on
-#: 4096-28672 x 4096-14336), swap-AB with automatic split K up to M = 64, tiled 128x64 / 128x128 with automatic split K up
-#: to M = 1024, the persistent TMA kernel beyond (reasoned); the narrow DeepSeek-V3 shapes measured (:func:`_narrow`). Shapes: DeepSeek-V3 (hidden 7168) attention and
-#: dense MLP projections, Qwen3-8B and -32B; ``default`` covers the rest.
+#: 4096-28672 x 4096-14336), swap-AB with automatic split K up to M = 64, tiled 128x64 / 128x128 with automatic split
+#: K up to M = 1024, the persistent TMA kernel beyond (reasoned); the narrow DeepSeek-V3 shapes measured
+#: (:func:`_narrow`). Shapes: DeepSeek-V3 (hidden 7168) attention and dense MLP projections, Qwen3-8B and -32B;
+#: ``default`` covers the rest.
 DEFAULT_TABLE = BlockTable(
     default=((1, _GEMV), (16, _SWAP16), (32, _SWAP32), (64, _SWAP64), (512, _MM64), (None, _TMA)),
     shapes={
