@@ -83,7 +83,7 @@ class FlashinferBlockBackend(OpGemmBackend):
     @classmethod
     def availability(cls) -> Availability:
         """torch and flashinfer installed, a CUDA device, the module's JIT sources and DeepGEMM's headers in the
-        install, an nvcc for the per-shape kernels, all without importing flashinfer (2-4 s): every GEMM resolution
+        install, an nvcc for the per-shape kernels, all without importing flashinfer (1.3-1.5 s): every GEMM resolution
         asks each provider's availability, so an import here made loading a model that has no block-wise layer
         seconds slower. The imported module's features (``flashinfer.gemm.fp8_blockscale_gemm_sm90`` and its JIT
         spec) are checked where they matter: for a block-wise problem (:meth:`block_reasons`) and in the listing's
@@ -106,7 +106,7 @@ class FlashinferBlockBackend(OpGemmBackend):
 
     @staticmethod
     def feature_reasons(*, import_now: bool = True) -> list[str]:
-        """Why the installed flashinfer cannot serve block-wise problems once imported (imports it once: 2-4 s), or
+        """Why the installed flashinfer cannot serve block-wise problems once imported (imports it once: 1.3-1.5 s), or
         ``[]``: importable, with ``fp8_blockscale_gemm_sm90`` and its JIT spec. ``import_now=False`` (resolving a
         problem): where flashinfer is not imported yet, only its version is checked
         (:func:`.block_jit.version_reason`); the exact check then runs where the module is loaded, which raises
@@ -129,7 +129,7 @@ class FlashinferBlockBackend(OpGemmBackend):
         """flashinfer's module when it is not built yet (about 2 minutes at the first use; runs nothing). Its per-shape
         DeepGEMM kernels (about 2 s each, cached on disk) do not count."""
         if "flashinfer" not in sys.modules and not block_jit.built_library_may_exist():
-            built, folder = False, "flashinfer's JIT cache"  # known without importing flashinfer (2-4 s)
+            built, folder = False, "flashinfer's JIT cache"  # known without importing flashinfer (1.3-1.5 s)
         else:
             try:
                 built, folder = block_jit.module_state(block_jit.module_spec())

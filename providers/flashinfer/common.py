@@ -86,7 +86,8 @@ _feature_cache: dict[tuple[str, ...], tuple[str, ...]] = {}
 
 
 def import_flashinfer() -> tuple[Any, str | None]:
-    """``(module, None)`` or ``(None, reason)``. Imports flashinfer once per process (2-4 s)."""
+    """``(module, None)`` or ``(None, reason)``. Imports flashinfer once per process (1.3-1.5 s after torch on the H200
+    machine, byte-compiled; about 3.5 s without bytecode)."""
     global _import_result
     with _lock:
         if _import_result is None:
