@@ -500,7 +500,7 @@ class SectionIndex:
         dropped, each counted in ``problems`` (the caller warns once per file) and logged at DEBUG. ``checked``: the
         caller has already refused any document with a malformed entry or ranking item (shipped data:
         :func:`fp8_backends.registry.shipped_data.check_document`), so entries are indexed without checking them
-        again (a process loading a model reads the 2800-entry shipped file once; the second pass was a third of it)."""
+        again (the shipped H200 file's second check took 0.17 of its 0.41 s in a profiled model load)."""
         idx = cls(key=dict(section["platform"]), entries=dict(section["entries"]))
         for name, entry in idx.entries.items():
             if checked:
