@@ -503,12 +503,7 @@ class SectionIndex:
         again (the shipped H200 file's second check took 0.17 of its 0.41 s in a profiled model load)."""
         idx = cls(key=dict(section["platform"]), entries=dict(section["entries"]))
         for name, entry in idx.entries.items():
-            if checked:
-                pk = problem_key(entry["kind"], entry["problem"])
-                idx.by_bucket[(pk, entry["m"])] = entry
-                idx.buckets.setdefault(pk, []).append(entry["m"])
-                continue
-            bad = entry_problems(entry)
+            bad = [] if checked else entry_problems(entry)
             if not bad:
                 try:
                     pk = problem_key(entry["kind"], entry["problem"])
@@ -521,7 +516,7 @@ class SectionIndex:
                 logger.debug("lockfile entry %s skipped: %s", name, "; ".join(bad))
                 continue
             ranking = entry.get("ranking") or []
-            good = [r for r in ranking if not choice_problems(r)]
+            good = ranking if checked else [r for r in ranking if not choice_problems(r)]
             if len(good) != len(ranking):
                 why = "malformed 'ranking' items dropped"
                 idx.problems[why] = idx.problems.get(why, 0) + len(ranking) - len(good)
