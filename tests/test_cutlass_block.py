@@ -403,8 +403,10 @@ def test_config_families_refuse_each_other():
     assert CutlassSm90Backend().block_reasons(block) == [] and CutlassSm90Backend().extra_reasons(plain, h100) == []
     assert bw.op_arguments()[0] == "auto" and bw.block_config == "bw_sk128x16_swap"
     assert tensor_cfg.block_config == "auto"
-    # the block op is a Python op: its host cost is the Python op's
-    assert CutlassSm90Backend.host_us_for(16, 2112, 7168, {"config": "bw_sk128x16_swap"}) == CutlassSm90Backend.host_us
+    # the block op has a C++ form too: its host cost follows the op that will serve, as the other family's
+    for config in ("bw_sk128x16_swap", "auto"):
+        assert CutlassSm90Backend.host_us_for(16, 2112, 7168, {"config": config}) == \
+            CutlassSm90Backend.host_us_for(16, 4096, 4096, {"config": "auto"})
 
 
 def test_capabilities_declare_block_wise_fp8():
@@ -664,6 +666,53 @@ def test_provider_prepares_block_weights_once_and_serves_block_gemms(block_built
         y = b.gemm(x_q, prepared, xs, out_dtype=torch.bfloat16, bias=bias)
         ref = block_reference(x_q, xs, w_q, prepared.scale, bias)
         assert _relerr(y, ref) < _TOL["bfloat16"], (config, m, n, k)
+
+
+@pytest.mark.gpu
+def test_native_block_op_serves_the_provider_with_the_python_ops_bits(block_built):
+    """Where the C++ op loads, the provider's block GEMM is its ``cutlass_sm90_block_gemm_native``: the first call of
+    a shape and bucket goes through the Python op (which registers the library), the next ones are served in C++ with
+    the same bits, eager, compiled and in a CUDA graph; a scale layout the kernel cannot read is handed to the Python
+    op (which copies it), and a bad input still raises the library's error."""
+    import torch
+
+    from fp8_backends.core import group_scales
+    from fp8_backends.providers.cutlass import native_op
+    from fp8_backends.providers.cutlass.block_ops import cutlass_block_gemm
+
+    if not native_op.enabled():
+        pytest.skip("FP8_BACKENDS_CUTLASS_NATIVE=0")
+    native = native_op.load("cuda")
+    b = CutlassSm90Backend()
+    b._loaded_op()
+    assert b._block_op is native.block_op
+    for m, n, k in ((1, 2112, 7168), (37, 576, 7168), (300, 208, 1008), (1000, 6144, 4096)):
+        x_q, xs, w_q, ws = _block_data(m, n, k)
+        prepared = b.prepare_weight(w_q, ws)
+        tma = group_scales.to_layout(xs.contiguous(), ScaleLayout.M_MAJOR_TMA)
+        want = cutlass_block_gemm(x_q, w_q, tma, prepared.scale, None, torch.bfloat16, "auto")  # the Python op
+        b.gemm(x_q, prepared, tma)  # registers the shape's bucket
+        served, handed = native.calls()
+        got = b.gemm(x_q, prepared, tma)
+        assert native.calls() == (served + 1, handed), (m, n, k, native.calls(), served, handed)
+        assert torch.equal(got, want), (m, n, k)
+        row_major = xs.contiguous()  # the kernel reads M-major scales: handed over (M > 1), copied, same bits
+        got = native.block_op(x_q, w_q, row_major, prepared.scale, None, torch.bfloat16, "auto")
+        assert torch.equal(got, want) and native.calls()[1] == handed + (m > 1), (m, native.calls(), handed)
+    compiled = torch.compile(lambda x, s: b.gemm(x, prepared, s), fullgraph=True)
+    served = native.calls()[0]
+    assert torch.equal(compiled(x_q, tma), want) and native.calls()[0] > served
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        y = b.gemm(x_q, prepared, tma)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, want)
+    with pytest.raises(InvalidInputError, match="both scales fp32"):
+        native.block_op(x_q, w_q, tma.to(torch.bfloat16), prepared.scale, None, torch.bfloat16, "auto")
 
 
 @pytest.mark.gpu

@@ -5,7 +5,9 @@ small C library that record the arguments they receive. A child process (a proce
 GPU suite loads the CUDA one) checks what the op hands them: the M bucket of each registered (N, K), the epilogue key,
 bias and scale pointers, the stream-K workspace; and that everything it cannot serve reaches the fallback op with the
 same arguments (an unknown shape, an unregistered kernel, an unaligned pointer, a non-zero return code) and that the
-fallback's exception reaches the caller as it was raised. The fused linear op quantizes its input as the reference does
+fallback's exception reaches the caller as it was raised. The block-scaled op serves its registered libraries
+and block-table buckets for operands the kernels read as they are, and hands every other layout, shape, dtype and
+failure to its fallback. The fused linear op quantizes its input as the reference does
 (static, dynamic, per-token; NaN kept; a row stride, a transposed view, a column stride, broadcast rows) before the
 same routing. Also: ``torch.compile`` (``aot_eager``,
 ``fullgraph``) traces both ops through their fakes. On the GPU, ``tests/test_cutlass.py`` runs the provider's real
@@ -53,6 +55,18 @@ KERNEL(gemm_a, 1)
 KERNEL(gemm_b, 2)
 KERNEL(gemm_c, 3)
 size_t ws_size(int64_t m, int64_t n, int64_t k) { return (size_t)(m * 64 + n); }
+typedef struct {
+  int which, calls; int64_t m, n, k; const void *x, *w; void *out; const float *xs; int64_t xs_ld;
+  const float *ws; int64_t ws_ld; const void *bias; void *work; size_t work_bytes; void *stream;
+} brec_t;
+brec_t brec;
+#define BLOCK_KERNEL(name, id) int name(const void *x, const void *w, void *o, int64_t m, int64_t n, int64_t k, \
+  const float *xs, int64_t xl, const float *ws, int64_t wl, const void *b, void *wk, size_t wb, void *s) { \
+  brec.which = id; brec.calls++; brec.m = m; brec.n = n; brec.k = k; brec.x = x; brec.w = w; brec.out = o; \
+  brec.xs = xs; brec.xs_ld = xl; brec.ws = ws; brec.ws_ld = wl; brec.bias = b; brec.work = wk; brec.work_bytes = wb; \
+  brec.stream = s; return rc_next; }
+BLOCK_KERNEL(block_a, 11)
+BLOCK_KERNEL(block_b, 12)
 """
 
 CHILD = r"""
@@ -253,6 +267,105 @@ def g(x):
     return lin(x, w, ws, s_in, None, torch.bfloat16, "per_tensor_static", "auto", True)
 calls = rec.calls
 assert g(xin).shape == (8, 32) and rec.calls == calls + 1
+
+# 10. the block-scaled op: registered block libraries and buckets serve row-major operands whose activation scales
+#     are M-major in a layout the config reads as it is; everything else reaches the block fallback unchanged
+class BRec(ctypes.Structure):
+    _fields_ = [("which", ctypes.c_int), ("calls", ctypes.c_int), ("m", ctypes.c_int64), ("n", ctypes.c_int64),
+                ("k", ctypes.c_int64), ("x", ctypes.c_void_p), ("w", ctypes.c_void_p), ("out", ctypes.c_void_p),
+                ("xs", ctypes.c_void_p), ("xs_ld", ctypes.c_int64), ("ws", ctypes.c_void_p), ("ws_ld", ctypes.c_int64),
+                ("bias", ctypes.c_void_p), ("work", ctypes.c_void_p), ("work_bytes", ctypes.c_size_t),
+                ("stream", ctypes.c_void_p)]
+brec = BRec.in_dll(fake, "brec")
+baddr = {name: ctypes.cast(getattr(fake, name), ctypes.c_void_p).value for name in ("block_a", "block_b")}
+bseen = []
+def block_fallback(x, w, xs, ws, bias, out_dtype, config):
+    bseen.append((tuple(x.shape), tuple(xs.shape), xs.stride(), config, bias is not None, out_dtype))
+    if config == "raise":
+        raise FallbackRaised("from the block fallback")
+    return torch.full((x.shape[0], w.shape[0]), 5.0, dtype=out_dtype)
+lib.define("block_fallback(Tensor x, Tensor w, Tensor x_scale, Tensor w_scale, Tensor? bias, ScalarType out_dtype, "
+           "str config) -> Tensor")
+lib.impl("block_fallback", block_fallback, "CPU")
+native.set_block_fallback("fp8b_test::block_fallback")
+bop = native.block_op
+N, K = 256, 320   # Nb = 2, Kb = 3 (a ragged last group)
+def m_major(m, kb, lead):
+    return torch.ones(kb, lead)[:, :m].t()
+wq = torch.zeros(N, K, dtype=f8)
+wsb = torch.ones(2, 3)
+def bcall(m, xs=None, config="auto", out=torch.bfloat16, bias=None, x=None, w=wq, ws=wsb):
+    x = torch.zeros(m, K, dtype=f8) if x is None else x
+    xs = m_major(m, 3, -(-m // 4) * 4) if xs is None else xs
+    return bop(x, w, xs, ws, bias, out, config), x, xs
+# nothing registered: the fallback
+y, _, _ = bcall(8)
+assert len(bseen) == 1 and (y == 5).all() and bseen[0][3] == "auto"
+native.register_block_buckets(N, K, [(16, "bw_a"), (None, "bw_b")])
+native.register_block_kernel("bw_a|bfloat16", baddr["block_a"], addr["ws_size"], True, False)   # cp.async scales
+native.register_block_kernel("bw_b|bfloat16", baddr["block_b"], addr["ws_size"], False, True)   # TMA scales
+for m, which in ((1, 11), (5, 11), (16, 11), (17, 12), (64, 12)):
+    calls = brec.calls
+    y, x, xs = bcall(m)
+    assert brec.calls == calls + 1 and brec.which == which, (m, brec.which, bseen)
+    assert (brec.m, brec.n, brec.k) == (m, N, K) and brec.x == x.data_ptr() and brec.out == y.data_ptr()
+    assert brec.xs == xs.data_ptr() and brec.xs_ld == xs.stride(1) and brec.ws == wsb.data_ptr() and brec.ws_ld == 3
+    assert (brec.work_bytes > 0) == (which == 11) and brec.stream is None and y.shape == (m, N)
+assert len(bseen) == 1, bseen
+# the cp.async config takes an unpadded M-major layout; the TMA one does not (the fallback copies it)
+calls = brec.calls
+bcall(5, xs=m_major(5, 3, 5))
+assert brec.calls == calls + 1 and brec.xs_ld == 5 and len(bseen) == 1
+bcall(18, xs=m_major(18, 3, 18))
+assert brec.calls == calls + 1 and len(bseen) == 2 and bseen[-1][2] == (1, 18)
+# row-major activation scales, a transposed or strided x, an unaligned x, ragged shapes, another dtype: the fallback
+bcall(32, xs=torch.ones(32, 3))
+bcall(32, x=torch.zeros(K, 32, dtype=f8).t())
+raw = torch.zeros(32 * K + 1, dtype=torch.uint8)
+bcall(32, x=raw[1:].view(f8).view(32, K))
+bcall(32, ws=torch.ones(3, 2).t())                                  # weight scales not K-major
+bcall(32, xs=m_major(32, 2, 32))                                    # wrong scale shape
+bcall(32, out=torch.float16)                                        # no float16 library registered
+bcall(32, bias=torch.ones(N, dtype=torch.float32))                  # bias not in the output dtype
+bcall(32, x=torch.zeros(32, K, dtype=torch.float8_e5m2))
+assert len(bseen) == 10 and brec.calls == calls + 1, (len(bseen), brec.calls)
+# a bias in the output dtype, an explicit config, M = 1 with TMA: the padded stride of one group
+bias = torch.ones(N, dtype=torch.bfloat16)
+y, _, _ = bcall(40, bias=bias, config="bw_b")
+assert brec.which == 12 and brec.bias == bias.data_ptr() and len(bseen) == 10
+one = torch.ones(1, 4)[:, :1]  # Kb = 1 needs K <= 128
+w1, ws1 = torch.zeros(N, 128, dtype=f8), torch.ones(2, 1)
+native.register_block_buckets(N, 128, [(None, "bw_b")])
+bop(torch.zeros(1, 128, dtype=f8), w1, one, ws1, None, torch.bfloat16, "auto")
+assert brec.m == 1 and brec.xs_ld == 4 and len(bseen) == 10, (brec.xs_ld, bseen[-1:])
+bop(torch.zeros(1, 128, dtype=f8), w1, torch.ones(1, 1), ws1, None, torch.bfloat16, "auto")  # no padding storage
+assert len(bseen) == 11
+# a failed launch and an exception reach the fallback / the caller
+rc_next.value = 3
+bcall(64)
+assert len(bseen) == 12
+rc_next.value = 0
+try:
+    bcall(64, config="raise")
+except FallbackRaised:
+    pass
+else:
+    raise AssertionError("the block fallback's exception was lost")
+for bad_key in ("bw_a", "bw_a|int8", "|bfloat16"):
+    try:
+        native.register_block_kernel(bad_key, baddr["block_a"], addr["ws_size"], False, False)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError(f"registered {bad_key}")
+@torch.compile(backend="aot_eager", fullgraph=True)
+def h(x, xs):
+    return bop(x, wq, xs, wsb, None, torch.bfloat16, "auto") * 2
+calls = brec.calls
+assert h(torch.zeros(64, K, dtype=f8), m_major(64, 3, 64)).shape == (64, N) and brec.calls == calls + 1
+native.reset()
+bcall(64)
+assert brec.calls == calls + 1 and len(bseen) == 14, (brec.calls, len(bseen))
 print("native op checks passed", native.calls())
 """
 

@@ -110,13 +110,10 @@ class CutlassSm90Backend(OpGemmBackend):
 
     @classmethod
     def host_us_for(cls, m: int, n: int, k: int, options: Mapping[str, str]) -> float | None:
-        """:attr:`native_host_us` where the C++ op is expected to serve (enabled, not failed, nvcc found), else
-        :attr:`host_us`. A ``bw_*`` config runs block-wise problems, which the Python block op serves: :attr:`host_us`
-        (with ``auto`` the problem's mode is not known here: the C++ op's figure, right for the other modes)."""
+        """:attr:`native_host_us` where the C++ ops are expected to serve (enabled, not failed, nvcc found), else
+        :attr:`host_us` (the per-tensor / row-wise and the block-scaled families alike)."""
         from . import native_op
 
-        if options.get("config") in BLOCK_CONFIGS:
-            return cls.host_us
         return cls.native_host_us if native_op.expected() else cls.host_us
 
     @classmethod
@@ -165,8 +162,8 @@ class CutlassSm90Backend(OpGemmBackend):
 
     def load_op(self) -> Any:
         """The C++ op (:mod:`.native_op`, built at first use) where it loads, else the Python op; both defined now,
-        at load time (see ProviderBase.preload), with the block-scaled op (:mod:`.block_ops`). The C++ op hands what
-        it cannot serve to the Python op."""
+        at load time (see ProviderBase.preload), with the block-scaled op (:mod:`.block_ops`; its C++ form where the
+        C++ op loads). The C++ ops hand what they cannot serve to the Python ones."""
         import torch
 
         from fp8_backends.core.oplib import eager_fast
@@ -184,6 +181,7 @@ class CutlassSm90Backend(OpGemmBackend):
         if native is None:
             return python_op
         self._linear_op = native.linear_op
+        self._block_op = native.block_op
         self.fused_act_quant = _VECTOR_ACT_SCALES  # the C++ op quantizes in its own kernels (one call per linear)
         return native.op
 

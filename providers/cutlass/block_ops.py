@@ -10,7 +10,10 @@ fake implementation so that ``torch.compile`` traces it without running it; its 
 (``auto``: :data:`.block_configs.DEFAULT_BLOCK_TABLE`, at run time, so compiled graphs carry no M guards), gets the
 library (building it at first use, announced in the log), allocates the output (and a stream-K workspace where the
 config needs one) and calls ``fp8b_block_gemm`` through ctypes on torch's current stream. No host-device
-synchronisation; CUDA-graph capturable.
+synchronisation; CUDA-graph capturable. Where the C++ op loads (:mod:`.native_op`), the provider calls its
+``cutlass_sm90_block_gemm_native`` instead, which does the same without a Python frame and hands this op the calls it
+cannot serve (a shape or library not registered yet, a scale layout to copy, an error to raise): each one registers
+its library and the (N, K) buckets with the C++ op here, so the next call of that shape stays in C++.
 
 Scale layouts. The kernels read activation scales M-major (token ``t`` of group ``kb`` at ``ptr[kb·ld + t]``) and
 weight scales K-major (block ``(nb, kb)`` at ``ptr[nb·ld + kb]``). :func:`act_scale_operand` takes ``x_scale`` as it
@@ -31,7 +34,7 @@ from fp8_backends.core.errors import InvalidInputError
 from fp8_backends.core.oplib import LazyOps, gemm_fake, gemm_schema
 from fp8_backends.core.padding import round_up
 
-from . import build
+from . import build, native_op
 from .block_configs import BLOCK_CONFIGS, GROUP_K, WEIGHT_BLOCK, active_block_table
 from .ops import _TMA_ALIGN, CutlassKernelError, _check_aligned
 
@@ -158,6 +161,16 @@ def _weight_scale_operand(w_scale: torch.Tensor, nb: int, kb: int) -> tuple[torc
     return w_scale, kb
 
 
+def _register_native(native: native_op.NativeOp, spec: build.BlockLibrarySpec, lib: build.BlockKernelLibrary,
+                     n: int, k: int, config: str) -> None:
+    """Tell the C++ op about ``lib`` and, for ``config=auto``, the block table's M buckets of ``N x K`` (read now)."""
+    native_op.register_loaded_block(native, spec, lib, BLOCK_CONFIGS[spec.config].stream_k)
+    if config == "auto":
+        table = active_block_table()
+        native.note(("block buckets", n, k, id(table)),
+                    lambda: native.register_block_buckets(n, k, table.buckets_for(n, k)))
+
+
 def _run(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -189,6 +202,9 @@ def _run(
             f"{list(w_scale.shape)}"
         )
     spec, lib = block_library_for(m, n, k, out_dtype, config)
+    native = native_op.loaded()
+    if native is not None:  # the C++ op handed this call over: let it serve the next ones itself
+        _register_native(native, spec, lib, n, k, config)
     _check_aligned(x, "x_q")
     _check_aligned(w, "the weight")
     guard = torch.cuda.device(x.device) if x.device.index != torch.cuda.current_device() else None

@@ -28,6 +28,14 @@
 // maxima, a grid barrier, every block reduces them and quantizes), or two launches where a cooperative one fails.
 // Kernels are found by config name, then by epilogue / output dtype / accumulation slot: no string is built per call.
 //
+// cutlass_sm90_block_gemm_native is the block-scaled family's op (fp8_backends::cutlass_sm90_block_gemm in
+// providers/cutlass/block_ops.py, 1x128 activation groups x 128x128 weight blocks) done the same way: Python registers
+// each loaded block library ("config|out_dtype" -> fp8b_block_gemm, fp8b_block_workspace_size, stream-K, whether it
+// loads the activation scales by TMA) and the block table's M buckets per (N, K); the op checks what the Python op
+// checks (dtypes, shapes, row-major 16-byte aligned operands, the activation scales' M-major layout with the padding a
+// TMA config reads, K-major weight scales) and hands every other call to the Python op, which copies a scale layout the
+// kernel cannot read and raises the library's errors.
+//
 // Built at first use by providers/cutlass/native_op.py with nvcc against torch's headers (FP8B_CPU_TEST: a
 // CPU-key build with the host C++ compiler for the CPU tests: no CUDA, the stream argument null, the quantization
 // through ATen ops).
@@ -551,12 +559,141 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_
   return fallback(x_q, w, x_scale, w_scale, bias, out_dtype, config, fast_accum);
 }
 
+// ------------------------------------------------------------------------------------------ block-scaled GEMM
+using BlockGemmFn = int (*)(const void*, const void*, void*, int64_t, int64_t, int64_t, const float*, int64_t,
+                            const float*, int64_t, const void*, void*, size_t, void*);
+
+constexpr int64_t kGroupK = 128;      // activation group size along K (block_configs.GROUP_K)
+constexpr int64_t kBlockN = 128;      // weight block rows (block_configs.WEIGHT_BLOCK[0])
+constexpr int64_t kScaleRows = 4;     // a TMA config's activation-scale column stride is a multiple of 4 rows
+
+struct BlockKernel {
+  BlockGemmFn gemm = nullptr;
+  WorkspaceFn workspace = nullptr;
+  bool stream_k = false;
+  bool act_scale_tma = false;  // loads the activation scales with TMA: ld % 4 == 0, 16-byte aligned, padded rows
+};
+
+struct BlockSlots {
+  BlockKernel k[3];  // [out: bfloat16, float16, float32]
+};
+
+std::unordered_map<std::string, BlockSlots> g_block_kernels;  // block config name -> its libraries
+std::unordered_map<std::pair<int64_t, int64_t>, Buckets, ShapeHash> g_block_tables;
+std::string g_block_fallback = "fp8_backends::cutlass_sm90_block_gemm";
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+at::Tensor block_fallback(const at::Tensor& x, const at::Tensor& w, const at::Tensor& x_scale,
+                          const at::Tensor& w_scale, const std::optional<at::Tensor>& bias, at::ScalarType out_dtype,
+                          c10::string_view config) {
+  std::string name;
+  {
+    std::shared_lock<std::shared_mutex> lock(g_mutex);
+    name = g_block_fallback;
+  }
+  __atomic_add_fetch(&g_fallback_calls, 1, __ATOMIC_RELAXED);
+  auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "");
+  torch::jit::Stack stack;
+  stack.reserve(7);
+  stack.emplace_back(x);
+  stack.emplace_back(w);
+  stack.emplace_back(x_scale);
+  stack.emplace_back(w_scale);
+  if (bias.has_value()) {
+    stack.emplace_back(*bias);
+  } else {
+    stack.emplace_back(c10::IValue());
+  }
+  stack.emplace_back(static_cast<int64_t>(out_dtype));
+  stack.emplace_back(std::string(config));
+  op.callBoxed(&stack);
+  return stack.back().toTensor();
+}
+
+bool row_major_2d(const at::Tensor& t) {
+  return t.stride(1) == 1 && (t.size(0) <= 1 || t.stride(0) == t.size(1));
+}
+
+// The registered block library for this call (config "auto": the (N, K) bucket of M), or false.
+bool find_block_kernel(int64_t m, int64_t n, int64_t k, int slot, c10::string_view config, BlockKernel* found) {
+  std::shared_lock<std::shared_mutex> lock(g_mutex);
+  decltype(g_block_kernels)::const_iterator kt;
+  if (config == "auto") {
+    auto it = g_block_tables.find({n, k});
+    if (it == g_block_tables.end()) return false;
+    const Buckets& b = it->second;
+    const size_t i = std::lower_bound(b.bounds.begin(), b.bounds.end(), m) - b.bounds.begin();
+    kt = g_block_kernels.find(b.names[i]);
+  } else {
+    kt = g_block_kernels.find(std::string(config));
+  }
+  if (kt == g_block_kernels.end() || kt->second.k[slot].gemm == nullptr) return false;
+  *found = kt->second.k[slot];
+  return true;
+}
+
+// The activation scales' column stride (token t of group g at ptr[g * ld + t]) when x_scale [M, Kb] is M-major in a
+// layout `kernel` reads as it is (a TMA config: ld % 4 == 0, 16-byte aligned, storage for the rows padded to 4), else
+// false (block_ops.act_scale_operand copies it). The same rules as act_scale_operand.
+bool act_scale_ld(const at::Tensor& s, int64_t m, int64_t kb, bool tma, int64_t* ld) {
+  if (!(m == 1 || s.stride(0) == 1)) return false;
+  const int64_t rows = ceil_div(m, kScaleRows) * kScaleRows;
+  *ld = kb > 1 ? s.stride(1) : (tma ? rows : m);
+  if (!tma) return *ld >= m;
+  if (*ld % kScaleRows != 0 || *ld < m || !aligned(s.data_ptr())) return false;
+  const int64_t floats = static_cast<int64_t>(s.storage().nbytes() / sizeof(float)) - s.storage_offset();
+  return rows == m || floats >= (kb - 1) * *ld + rows;
+}
+
+at::Tensor block_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& x_scale, const at::Tensor& w_scale,
+                      const std::optional<at::Tensor>& bias, at::ScalarType out_dtype, c10::string_view config) {
+  const int slot = out_slot(out_dtype);
+  if (slot < 0 || x.dim() != 2 || w.dim() != 2 || x_scale.dim() != 2 || w_scale.dim() != 2 || x.size(0) == 0 ||
+      x.scalar_type() != at::kFloat8_e4m3fn || w.scalar_type() != at::kFloat8_e4m3fn ||
+      x_scale.scalar_type() != at::kFloat || w_scale.scalar_type() != at::kFloat || w.size(1) != x.size(1)) {
+    return block_fallback(x, w, x_scale, w_scale, bias, out_dtype, config);
+  }
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  const int64_t kb = ceil_div(k, kGroupK), nb = ceil_div(n, kBlockN);
+  BlockKernel kernel;
+  int64_t x_ld = 0;
+  const bool weight_scale_k_major = w_scale.stride(1) == 1 || kb == 1;
+  const int64_t w_ld = nb > 1 ? w_scale.stride(0) : kb;
+  const bool bias_ok = !bias.has_value() || (bias->scalar_type() == out_dtype && bias->dim() == 1 &&
+                                             bias->size(0) == n && bias->stride(0) == 1);
+  if (x_scale.size(0) != m || x_scale.size(1) != kb || w_scale.size(0) != nb || w_scale.size(1) != kb ||
+      !row_major_2d(x) || !row_major_2d(w) || !aligned(x.data_ptr()) || !aligned(w.data_ptr()) ||
+      !weight_scale_k_major || w_ld < kb || !bias_ok || !find_block_kernel(m, n, k, slot, config, &kernel) ||
+      !act_scale_ld(x_scale, m, kb, kernel.act_scale_tma, &x_ld)) {
+    return block_fallback(x, w, x_scale, w_scale, bias, out_dtype, config);
+  }
+#ifndef FP8B_CPU_TEST
+  const c10::cuda::CUDAGuard guard(x.device());
+#endif
+  at::Tensor out = at::empty({m, n}, x.options().dtype(out_dtype));
+  at::Tensor workspace;
+  size_t ws_bytes = 0;
+  if (kernel.stream_k && kernel.workspace != nullptr) {
+    ws_bytes = kernel.workspace(m, n, k);
+    if (ws_bytes > 0) workspace = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
+  }
+  const int rc = kernel.gemm(x.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k,
+                             static_cast<const float*>(x_scale.data_ptr()), x_ld,
+                             static_cast<const float*>(w_scale.data_ptr()), w_ld,
+                             bias.has_value() ? bias->data_ptr() : nullptr,
+                             ws_bytes > 0 ? workspace.data_ptr() : nullptr, ws_bytes, current_stream(x));
+  if (rc != 0) return block_fallback(x, w, x_scale, w_scale, bias, out_dtype, config);  // raises with the code
+  __atomic_add_fetch(&g_native_calls, 1, __ATOMIC_RELAXED);
+  return out;
+}
+
 }  // namespace
 
 extern "C" {
 
 // ABI of this file's extern "C" functions (providers/cutlass/native_op.py checks it)
-int fp8b_native_abi_version() { return 3; }
+int fp8b_native_abi_version() { return 4; }
 
 // Register (or replace) a loaded kernel library under "config|epilogue|out_dtype|fast_accum" (epilogue: tensor or
 // rowwise; out_dtype: bfloat16, float16 or float32; fast_accum: 0 or 1). Returns 0, or -1 for a key it cannot parse.
@@ -595,17 +732,53 @@ void fp8b_native_register_buckets(int64_t n, int64_t k, int count, const int64_t
   g_tables[{n, k}] = std::move(b);
 }
 
+// Register (or replace) a loaded block-scaled library under "config|out_dtype" (out_dtype: bfloat16, float16 or
+// float32). Returns 0, or -1 for a key it cannot parse.
+int fp8b_native_register_block_kernel(const char* key, void* gemm_fn, void* workspace_fn, int stream_k,
+                                      int act_scale_tma) {
+  const char* bar = std::strchr(key, '|');
+  if (bar == nullptr || bar == key) return -1;
+  const int out = out_slot(std::string(bar + 1));
+  if (out < 0) return -1;
+  BlockKernel k;
+  k.gemm = reinterpret_cast<BlockGemmFn>(gemm_fn);
+  k.workspace = reinterpret_cast<WorkspaceFn>(workspace_fn);
+  k.stream_k = stream_k != 0;
+  k.act_scale_tma = act_scale_tma != 0;
+  std::unique_lock<std::shared_mutex> lock(g_mutex);
+  g_block_kernels[std::string(key, bar - key)].k[out] = k;
+  return 0;
+}
+
+// Register the block table's M buckets of (N, K) (as fp8b_native_register_buckets).
+void fp8b_native_register_block_buckets(int64_t n, int64_t k, int count, const int64_t* bounds,
+                                        const char* const* names) {
+  Buckets b;
+  for (int i = 0; i + 1 < count; ++i) b.bounds.push_back(bounds[i]);
+  for (int i = 0; i < count; ++i) b.names.emplace_back(names[i]);
+  std::unique_lock<std::shared_mutex> lock(g_mutex);
+  g_block_tables[{n, k}] = std::move(b);
+}
+
 // Forget every registered kernel and bucket list (the next call of each shape goes to the fallback op).
 void fp8b_native_reset() {
   std::unique_lock<std::shared_mutex> lock(g_mutex);
   g_kernels.clear();
   g_tables.clear();
+  g_block_kernels.clear();
+  g_block_tables.clear();
 }
 
 // The op misses go to (default fp8_backends::cutlass_sm90_gemm).
 void fp8b_native_set_fallback(const char* op_name) {
   std::unique_lock<std::shared_mutex> lock(g_mutex);
   g_fallback = op_name;
+}
+
+// The block op's misses go to (default fp8_backends::cutlass_sm90_block_gemm).
+void fp8b_native_set_block_fallback(const char* op_name) {
+  std::unique_lock<std::shared_mutex> lock(g_mutex);
+  g_block_fallback = op_name;
 }
 
 int64_t fp8b_native_calls() { return __atomic_load_n(&g_native_calls, __ATOMIC_RELAXED); }
@@ -620,16 +793,21 @@ TORCH_LIBRARY_FRAGMENT(fp8_backends, m) {
   m.def(
       "cutlass_sm90_linear_native(Tensor x, Tensor w, Tensor w_scale, Tensor? input_scale, Tensor? bias, "
       "ScalarType out_dtype, str mode, str config, bool fast_accum) -> Tensor");
+  m.def(
+      "cutlass_sm90_block_gemm_native(Tensor x, Tensor w, Tensor x_scale, Tensor w_scale, Tensor? bias, "
+      "ScalarType out_dtype, str config) -> Tensor");
 }
 
 #ifdef FP8B_CPU_TEST
 TORCH_LIBRARY_IMPL(fp8_backends, CPU, m) {
   m.impl("cutlass_sm90_gemm_native", &gemm);
   m.impl("cutlass_sm90_linear_native", &linear);
+  m.impl("cutlass_sm90_block_gemm_native", &block_gemm);
 }
 #else
 TORCH_LIBRARY_IMPL(fp8_backends, CUDA, m) {
   m.impl("cutlass_sm90_gemm_native", &gemm);
   m.impl("cutlass_sm90_linear_native", &linear);
+  m.impl("cutlass_sm90_block_gemm_native", &block_gemm);
 }
 #endif

@@ -1,4 +1,5 @@
-"""The CUTLASS provider's C++ ops, ``fp8_backends::cutlass_sm90_gemm_native`` and ``cutlass_sm90_linear_native``.
+"""The CUTLASS provider's C++ ops: ``fp8_backends::cutlass_sm90_gemm_native``, ``cutlass_sm90_linear_native`` and
+``cutlass_sm90_block_gemm_native``.
 
 The Python op (:mod:`.ops`) is opaque to ``torch.compile``, so its body runs at every call of a compiled graph:
 config pick, output allocation, a ctypes call, ~10 µs of Python on a fast host and several times that on a slow one.
@@ -8,7 +9,14 @@ library) and hands any call it cannot serve to the Python op (a shape or bucket 
 pointer, a non-zero return code), which builds or loads the library, registers it and raises the library's own
 exceptions. Same arguments, same result, same errors; the first call of each (N, K) goes through Python.
 
-The second op, ``cutlass_sm90_linear_native(x, w, w_scale, input_scale, bias, out_dtype, mode, config, fast_accum)``,
+The block-scaled op, ``cutlass_sm90_block_gemm_native(x, w, x_scale, w_scale, bias, out_dtype, config)``, is the C++
+body of :mod:`.block_ops`' op (1x128 activation groups x 128x128 weight blocks) on the same terms: it serves the
+block libraries and block-table buckets Python registered (:meth:`NativeOp.register_block_kernel`,
+:meth:`NativeOp.register_block_buckets`; :func:`.block_ops._run` does it) when the operands are what the kernels read
+as they are (row-major, 16-byte aligned, activation scales M-major in the layout the config loads), and hands the
+rest to the Python op, which copies a scale layout the kernel cannot read and raises the library's errors.
+
+The fused op, ``cutlass_sm90_linear_native(x, w, w_scale, input_scale, bias, out_dtype, mode, config, fast_accum)``,
 takes the unquantized activation and quantizes it in its own kernels (static, dynamic per-tensor or per-token: the
 formulas of :mod:`fp8_backends.core.reference`, correctly rounded division, NaN kept) before the same GEMM: a
 processed layer's eager call is then one dispatcher call
@@ -47,8 +55,9 @@ logger = logging.getLogger("fp8_backends")
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "native_op.cu"
 OP_NAME = "fp8_backends::cutlass_sm90_gemm_native"
-ABI_VERSION = 3
+ABI_VERSION = 4
 LINEAR_OP_NAME = "fp8_backends::cutlass_sm90_linear_native"
+BLOCK_OP_NAME = "fp8_backends::cutlass_sm90_block_gemm_native"
 VARIANTS = ("cuda", "cpu-test")
 _BUILD_TIMEOUT_S = 600
 #: CUDA's own half/bfloat16 operators off, as torch's extensions build: torch's c10::Half / c10::BFloat16 convert
@@ -176,6 +185,13 @@ class NativeOp:
         lib.fp8b_native_register_buckets.restype = None
         lib.fp8b_native_set_fallback.argtypes = (ctypes.c_char_p,)
         lib.fp8b_native_set_fallback.restype = None
+        lib.fp8b_native_register_block_kernel.argtypes = (
+            ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int)
+        lib.fp8b_native_register_block_kernel.restype = ctypes.c_int
+        lib.fp8b_native_register_block_buckets.argtypes = lib.fp8b_native_register_buckets.argtypes
+        lib.fp8b_native_register_block_buckets.restype = None
+        lib.fp8b_native_set_block_fallback.argtypes = (ctypes.c_char_p,)
+        lib.fp8b_native_set_block_fallback.restype = None
         lib.fp8b_native_reset.restype = None
         lib.fp8b_native_calls.restype = ctypes.c_int64
         lib.fp8b_native_fallback_calls.restype = ctypes.c_int64
@@ -185,6 +201,9 @@ class NativeOp:
         self.op = torch.ops.fp8_backends.cutlass_sm90_gemm_native.default
         #: ``(x [M, K] bf16/fp16/fp32, w, w_scale, input_scale, bias, out_dtype, mode, config, fast_accum) -> [M, N]``
         self.linear_op = torch.ops.fp8_backends.cutlass_sm90_linear_native.default
+        #: ``(x [M, K] e4m3, w [N, K] e4m3, x_scale [M, ceil(K/128)], w_scale [ceil(N/128), ceil(K/128)], bias,
+        #: out_dtype, config) -> [M, N]``: the block-scaled GEMM (:mod:`.block_ops`)
+        self.block_op = torch.ops.fp8_backends.cutlass_sm90_block_gemm_native.default
 
     def register_kernel(self, key: str, gemm_fn: int, workspace_fn: int | None, stream_k: bool) -> None:
         """Serve ``key`` (``config|epilogue|out_dtype|fast_accum``: epilogue ``tensor``/``rowwise``, out_dtype
@@ -193,15 +212,35 @@ class NativeOp:
         if self._lib.fp8b_native_register_kernel(key.encode(), gemm_fn, workspace_fn, int(stream_k)) != 0:
             raise ValueError(f"not a kernel key (config|tensor or rowwise|bfloat16, float16 or float32|0 or 1): {key}")
 
-    def register_buckets(self, n: int, k: int, buckets: Sequence[tuple[int | None, str]]) -> None:
-        """The ``config=auto`` M buckets of ``N x K``: ``(inclusive M bound, config)``, the last bound ignored."""
+    def register_block_kernel(self, key: str, gemm_fn: int, workspace_fn: int | None, stream_k: bool,
+                              act_scale_tma: bool) -> None:
+        """Serve the block-scaled ``key`` (``config|out_dtype``, out_dtype ``bfloat16``/``float16``/``float32``) with
+        these function addresses (``fp8b_block_gemm``, ``fp8b_block_workspace_size``); ``act_scale_tma``: the kernel
+        loads the activation scales with TMA (column stride a multiple of 4, 16-byte aligned, padded rows). A key of
+        another form raises ``ValueError``."""
+        if self._lib.fp8b_native_register_block_kernel(key.encode(), gemm_fn, workspace_fn, int(stream_k),
+                                                       int(act_scale_tma)) != 0:
+            raise ValueError(f"not a block kernel key (config|bfloat16, float16 or float32): {key}")
+
+    @staticmethod
+    def _bucket_arrays(buckets: Sequence[tuple[int | None, str]]) -> tuple[int, Any, Any]:
         names = [name for _, name in buckets]
-        bounds = [int(b) for b, _ in buckets[:-1]]
+        bounds = [int(b) for b, _ in buckets[:-1]]  # type: ignore[arg-type]
         if not names or any(later <= earlier for earlier, later in zip(bounds, bounds[1:])):
             raise ValueError(f"buckets must be non-empty with ascending bounds, got {buckets!r}")
         arr_b = (ctypes.c_int64 * max(1, len(bounds)))(*bounds)
         arr_n = (ctypes.c_char_p * len(names))(*(name.encode() for name in names))
-        self._lib.fp8b_native_register_buckets(n, k, len(names), arr_b, arr_n)
+        return len(names), arr_b, arr_n
+
+    def register_buckets(self, n: int, k: int, buckets: Sequence[tuple[int | None, str]]) -> None:
+        """The ``config=auto`` M buckets of ``N x K``: ``(inclusive M bound, config)``, the last bound ignored."""
+        arrays = self._bucket_arrays(buckets)
+        self._lib.fp8b_native_register_buckets(n, k, *arrays)
+
+    def register_block_buckets(self, n: int, k: int, buckets: Sequence[tuple[int | None, str]]) -> None:
+        """The block op's ``config=auto`` M buckets of ``N x K`` (as :meth:`register_buckets`, block configs)."""
+        arrays = self._bucket_arrays(buckets)
+        self._lib.fp8b_native_register_block_buckets(n, k, *arrays)
 
     def note(self, what: tuple[Any, ...], register: Any) -> None:
         """Run ``register()`` once per ``what`` (the Python op calls this on every miss: registering is idempotent,
@@ -215,6 +254,9 @@ class NativeOp:
 
     def set_fallback(self, op_name: str) -> None:
         self._lib.fp8b_native_set_fallback(op_name.encode())
+
+    def set_block_fallback(self, op_name: str) -> None:
+        self._lib.fp8b_native_set_block_fallback(op_name.encode())
 
     def reset(self) -> None:
         """Forget every registration (the next call of each shape goes through the fallback op again)."""
@@ -256,6 +298,7 @@ def load(variant: str = "cuda") -> NativeOp:
         _fake_lib = torch.library.Library("fp8_backends", "FRAGMENT")
         torch.library.register_fake(OP_NAME, gemm_fake, lib=_fake_lib)
         torch.library.register_fake(LINEAR_OP_NAME, _linear_fake, lib=_fake_lib)
+        torch.library.register_fake(BLOCK_OP_NAME, gemm_fake, lib=_fake_lib)
         _loaded = native
         return native
 
@@ -323,7 +366,19 @@ def register_loaded(native: NativeOp, libraries: Iterable[tuple[Any, Any]], stre
         native.note(("kernel", key, id(lib)), register)
 
 
+def register_loaded_block(native: NativeOp, spec: Any, lib: Any, stream_k: bool) -> None:
+    """Register one ``(BlockLibrarySpec, BlockKernelLibrary)`` with ``native`` (once)."""
+    key = f"{spec.config}|{spec.out_dtype}"
+
+    def register() -> None:
+        gemm = ctypes.cast(lib.gemm, ctypes.c_void_p).value
+        ws = ctypes.cast(lib.workspace_size, ctypes.c_void_p).value
+        native.register_block_kernel(key, gemm, ws, stream_k, lib.act_scale_tma)
+
+    native.note(("block kernel", key, id(lib)), register)
+
+
 __all__ = [
-    "LINEAR_OP_NAME", "OP_NAME", "NativeBuildError", "NativeOp", "build_library", "compile_command", "enabled",
-    "expected", "load", "loaded", "register_loaded", "status", "try_load",
+    "BLOCK_OP_NAME", "LINEAR_OP_NAME", "OP_NAME", "NativeBuildError", "NativeOp", "build_library", "compile_command",
+    "enabled", "expected", "load", "loaded", "register_loaded", "register_loaded_block", "status", "try_load",
 ]
