@@ -130,8 +130,8 @@ def prologue(x: Any, k: int, dtype: torch.dtype, device: torch.device, mode: Act
         x_q, scale = quant.quantize(x2, mode, input_scale, fp8, group_size=group_size)[:2]
         return x_q, scale, x.shape[:-1]
     if kind == "per_token_group":  # row-major group scales; each row's provider gets its layout (relayout)
-        scale = reference.group_scale(x2, group_size, fmax)
-        return reference.scaled_cast_groups(x2, scale, group_size, fp8, fmax), scale, x.shape[:-1]
+        x_q, scale = reference.quantize_groups(x2, group_size, fp8, fmax)
+        return x_q, scale, x.shape[:-1]
     if kind == "per_tensor_static":
         scale = input_scale
     elif kind == "per_tensor_dynamic":
