@@ -167,6 +167,8 @@ def collect(
                     else {},
                     "capabilities": _caps_dict(entry.cls),
                     "host_us": host_aware.host_us_of(entry.cls) if kind == "gemm" and entry.cls else None,
+                    "block_host_us": (host_aware.host_us_of(entry.cls, block=True)
+                                      if kind == "gemm" and entry.cls else None),
                     "selected": res.chosen is not None and res.chosen.entry is entry,
                 }
             )

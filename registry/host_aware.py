@@ -16,7 +16,11 @@ candidates they know, as :class:`Row` ``(key, kernel µs, host µs, static rank)
   :data:`HOST_HIDDEN_MARGIN` (25%) when the kernel is hidden behind the host's work: at most :data:`HOST_HIDDEN`
   (half) of its host µs plus the context. So the host-aware choice runs a kernel more than 5% slower than the fastest
   only where the host, not the GPU, decides a call's time twice over (a 15 µs QKV kernel at M = 256 behind 13 µs of
-  its own call and ~50 µs of the model's); inside a CUDA graph the ``auto`` objective runs the kernel answer;
+  its own call and ~50 µs of the model's); beyond 25% only where the fastest kernel is itself hidden behind its own
+  call, the candidate's kernel would be hidden there too, and the candidate's host saving is large (half the context
+  or more) and at least its kernel loss, so a step that turns out GPU-bound loses no more than a host-bound one gains
+  (cuBLASLt's block-scaled 15.6 µs QKV kernel behind ~75 µs of its opaque op against cutlass's 22.1 µs behind ~13);
+  inside a CUDA graph the ``auto`` objective runs the kernel answer;
 - among those, the lowest cost wins, ties by kernel µs then static rank;
 - the kernel answer (``incumbent``) stays when its own call is kernel-bound (its host µs plus the context at most its
   kernel µs: host time hides behind the kernel, so a change could only be a kernel-time change, which the kernel
@@ -75,12 +79,17 @@ def _valid_us(cls: Any, value: Any, what: str) -> float | None:
 
 
 def host_us_of(cls: Any, m: int | None = None, n: int | None = None, k: int | None = None,
-               options: Mapping[str, str] | None = None) -> float | None:
-    """A provider class's host µs per call: at ``M x N x K`` with ``options`` its
-    :meth:`~fp8_backends.core.backend.Fp8GemmBackend.host_us_for` where the problem is given and the class has one,
-    else its declared :attr:`~fp8_backends.core.backend.Fp8GemmBackend.host_us`; None when it declares none or
-    something that is not a finite number >= 0 (reported at DEBUG). A ``host_us_for`` that raises or answers
+               options: Mapping[str, str] | None = None, *, block: bool = False) -> float | None:
+    """A provider class's host µs per call: for a block-scaled problem (``block``) its declared
+    :attr:`~fp8_backends.core.backend.Fp8GemmBackend.block_host_us` where it has one; else at ``M x N x K`` with
+    ``options`` its :meth:`~fp8_backends.core.backend.Fp8GemmBackend.host_us_for` where the problem is given and the
+    class has one, else its declared :attr:`~fp8_backends.core.backend.Fp8GemmBackend.host_us`; None when it declares
+    none or something that is not a finite number >= 0 (reported at DEBUG). A ``host_us_for`` that raises or answers
     such a value counts as ``host_us``."""
+    if block:
+        per_block = _valid_us(cls, getattr(cls, "block_host_us", None), "block_host_us")
+        if per_block is not None:
+            return per_block
     declared = _valid_us(cls, getattr(cls, "host_us", None), "host_us")
     per_problem = getattr(cls, "host_us_for", None)
     if per_problem is None or m is None or n is None or k is None:
@@ -123,9 +132,11 @@ def choose(rows: Sequence[Row], objective: SelectionObjective | str = SelectionO
     - ``kernel`` (or ``auto``, which is kernel for one decision): the incumbent when given and among the rows, else
       the fastest kernel (ties by static rank);
     - ``host``: among rows within ``margin`` of the fastest kernel, or within :data:`HOST_HIDDEN_MARGIN` and hidden
-      (:func:`hidden`), the lowest ``max(kernel µs, host µs + context)``, ties by kernel µs then static rank; the
-      incumbent (the kernel answer) stays when its call is kernel-bound (unless a candidate within :data:`HOST_TIE`
-      of its kernel µs has a cheaper call: that one wins) or nothing costs strictly less."""
+      (:func:`hidden`), or (where the fastest kernel is itself hidden behind its call) hidden behind the fastest's call
+      too with a host saving of at least half the context and at least their kernel loss, the lowest
+      ``max(kernel µs, host µs + context)``, ties by kernel µs then static rank; the incumbent (the kernel answer)
+      stays when its call is kernel-bound (unless a candidate within :data:`HOST_TIE` of its kernel µs has a cheaper
+      call: that one wins) or nothing costs strictly less."""
     rows = [r for r in rows if r.kernel_us > 0 and math.isfinite(r.kernel_us)]
     if not rows:
         return None
@@ -142,8 +153,19 @@ def choose(rows: Sequence[Row], objective: SelectionObjective | str = SelectionO
         tie = min(current.kernel_us * (1.0 + HOST_TIE), fastest * (1.0 + margin))
         tied = [r for r in rows if r.kernel_us <= tie and host[r.key] < host[current.key]]
         return min(tied, key=lambda r: (host[r.key], r.kernel_us, r.rank)) if tied else current
+    quickest = min(rows, key=lambda r: (r.kernel_us, r.rank))
+    quickest_hidden = hidden(quickest, host[quickest.key], context)
+
+    def pays(r: Row) -> bool:  # the fastest kernel hides behind its own call's host work, r's would too, and r's
+        # host saving is large (half the context or more) and at least its kernel loss (what a step that turns out
+        # GPU-bound would lose)
+        saving = host[quickest.key] - host[r.key]
+        return (quickest_hidden and r.kernel_us <= HOST_HIDDEN * (host[quickest.key] + context)
+                and saving >= max(r.kernel_us - quickest.kernel_us, HOST_HIDDEN * context))
+
     eligible = [r for r in rows if r.kernel_us <= fastest * (1.0 + margin)
-                or (r.kernel_us <= fastest * (1.0 + HOST_HIDDEN_MARGIN) and hidden(r, host[r.key], context))]
+                or (r.kernel_us <= fastest * (1.0 + HOST_HIDDEN_MARGIN) and hidden(r, host[r.key], context))
+                or pays(r)]
     best = min(eligible, key=lambda r: (cost(r, host[r.key], context), r.kernel_us, r.rank))
     if current is not None and cost(best, host[best.key], context) >= cost(current, host[current.key], context):
         return current
@@ -191,7 +213,8 @@ def rows_from_record(record: Mapping[str, Any], servable: Servable, serving: Seq
                      ) -> tuple[list[Row], dict[Hashable, tuple[ProviderEntry, dict[str, str]]]]:
     """The rows of a measured entry (its ``ranking``: every candidate with a measured ``us``) that can serve here,
     keyed by ``(provider entry id, sorted options)``, and what each key stands for. A candidate measured twice
-    keeps its fastest time. Host µs: :func:`host_us_of` at the entry's ``m`` (its bucket) and ``problem`` N x K."""
+    keeps its fastest time. Host µs: :func:`host_us_of` at the entry's ``m`` (its bucket) and ``problem`` N x K
+    (block-scaled where its ``weight_scale`` is ``block``)."""
     rows: dict[Hashable, Row] = {}
     found: dict[Hashable, tuple[ProviderEntry, dict[str, str]]] = {}
     problem = record.get("problem") if isinstance(record.get("problem"), Mapping) else {}
@@ -207,7 +230,8 @@ def rows_from_record(record: Mapping[str, Any], servable: Servable, serving: Seq
         key = row_key(entry, options)
         if key in rows and rows[key].kernel_us <= us:
             continue
-        host = host_us_of(entry.cls, m, problem.get("n"), problem.get("k"), options)
+        host = host_us_of(entry.cls, m, problem.get("n"), problem.get("k"), options,
+                          block=problem.get("weight_scale") == "block")
         rows[key] = Row(key, float(us), host, static_rank(serving, entry, options), entry.name)
         found[key] = (entry, options)
     return list(rows.values()), found

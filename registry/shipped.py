@@ -338,7 +338,8 @@ def _nearest(kind, problem, platform, serving, data: ShippedData, objective=Sele
     why = ""
     if objective is SelectionObjective.HOST:
         def host(key: CandKey) -> float | None:
-            return host_aware.host_us_of(found[key][0].cls, bucket, problem.n, problem.k, found[key][1])
+            return host_aware.host_us_of(found[key][0].cls, bucket, problem.n, problem.k, found[key][1],
+                                         block=problem.block_scaled)
 
         ck, score = choose(pred.scores, rank, TIE_MARGIN, objective=objective, host=host, fastest_us=pred.fastest_us)
         if ck != won[0]:

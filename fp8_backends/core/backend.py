@@ -285,6 +285,10 @@ class Fp8GemmBackend(ProviderBase):
     #: much host time as the most expensive declared candidate of the same decision, so it never wins on host time
     #: alone.
     host_us: ClassVar[float | None] = None
+    #: µs of host time one call of a block-scaled problem (1x128 activation groups x 128x128 weight blocks) costs on
+    #: the compiled path, for a provider whose block-wise path is another call than its others (an opaque op where the
+    #: others trace, or the reverse). ``None``: :meth:`host_us_for`'s answer for every problem.
+    block_host_us: ClassVar[float | None] = None
     _fast: Any = None  # hot-path check tables (_FastPath), built at the first gemm call
 
     @classmethod

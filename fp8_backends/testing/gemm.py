@@ -268,9 +268,11 @@ class GemmProviderContract(ContractBase):
             assert getattr(caps, field), f"capabilities.{field} is empty: the provider could serve nothing"
         assert isinstance(caps.bias, BiasMode)
         assert isinstance(caps.k_align, int) and caps.k_align > 0 and isinstance(caps.n_align, int) and caps.n_align > 0
-        host = type(provider).host_us
-        assert host is None or (isinstance(host, (int, float)) and not isinstance(host, bool) and 0 <= host < 1e6), (
-            f"host_us must be None or a number of µs >= 0 (host time per call on the compiled path), got {host!r}")
+        for attr in ("host_us", "block_host_us"):
+            host = getattr(type(provider), attr, None)
+            assert host is None or (isinstance(host, (int, float)) and not isinstance(host, bool) and
+                                    0 <= host < 1e6), (
+                f"{attr} must be None or a number of µs >= 0 (host time per call on the compiled path), got {host!r}")
         # host_us_for: pure Python at resolution time, per M bucket; None or a number for every M of a problem
         base_n, base_k = self._base(caps)
         options = dict(getattr(provider, "config", {}) or {})

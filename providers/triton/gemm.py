@@ -97,6 +97,10 @@ class TritonGemmBackend(OpGemmBackend):
     #: bench/results/compiled_host/2026-12-01-h200/, M = 1024): 195-232 µs a compiled linear against 108-141 through
     #: torch._scaled_mm (declared 20), so ~90 µs more
     tma_host_us: ClassVar[float] = 110.0
+    #: block-scaled problems launch the block kernels through Triton's launcher: a compiled block linear measured
+    #: -20 to +49 µs host time per call against the cutlass provider's C++ op (median ~+17; Qwen3-8B qkv and down
+    #: shapes x M = 16 / 128 / 512, H200, bench/results/compiled_host/2026-12-04-h200-block/), declared at 13
+    block_host_us: ClassVar[float | None] = 30.0
 
     @classmethod
     def host_us_for(cls, m: int, n: int, k: int, options: Mapping[str, str]) -> float | None:
