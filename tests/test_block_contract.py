@@ -107,6 +107,29 @@ def test_reference_group_quant_edges():
     assert q.shape == (0, 256) and s.shape == (0, 2)
 
 
+@pytest.mark.parametrize("k", [256, 384, 300, 100])
+def test_one_pass_group_quant_is_the_two_step_form_eager_and_compiled(k):
+    """``quantize_groups`` (one reduction per group where K % G == 0) gives the bits of the scale-then-apply form
+    (:func:`reference.group_scale` then :func:`reference.scaled_cast_groups`), eager and compiled by Inductor, NaN
+    groups included."""
+    torch.manual_seed(k)
+    x = (torch.randn(5, k) * 3).to(torch.bfloat16)
+    x[2, 7] = float("nan")
+    fp8, fmax = torch.float8_e4m3fn, 448.0
+
+    def two_step(x):
+        scale = reference.group_scale(x, 128, fmax)
+        return reference.scaled_cast_groups(x, scale, 128, fp8, fmax), scale
+
+    want_q, want_s = two_step(x)
+    compiled = torch.compile(lambda t: reference.quantize_groups(t, 128, fp8, fmax), fullgraph=True)
+    for q, s in (reference.quantize_groups(x, 128, fp8, fmax), compiled(x)):
+        assert q.is_contiguous() and s.is_contiguous() and s.shape == (5, -(-k // 128))
+        same = (q.float() == want_q.float()) | (q.float().isnan() & want_q.float().isnan())  # a NaN's sign may differ
+        assert bool(same.all()) and int(q.float().isnan().sum()) == min(128, k)  # the NaN's group, whole
+        assert torch.equal(s.isnan(), want_s.isnan()) and torch.equal(s.nan_to_num(), want_s.nan_to_num())
+
+
 @pytest.mark.parametrize("shape", [(128, 128), (200, 300), (576, 256), (1, 7)])
 def test_reference_block_quant_round_trip(shape):
     torch.manual_seed(sum(shape))

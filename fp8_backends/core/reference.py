@@ -225,35 +225,50 @@ def per_token_scale(x: torch.Tensor, fmax: float) -> torch.Tensor:
     return (x.detach().abs().amax(dim=-1, keepdim=True).float() / fmax).clamp_min(MIN_DYNAMIC_SCALE)
 
 
+def group_scale(x: torch.Tensor, group_size: int, fmax: float) -> torch.Tensor:
+    """``[M, ceil(K/G)]`` fp32 row-major: each group's ``max(amax / fmax, 1e-12)`` (NaN where the group holds one,
+    as ``amax`` gives; an empty ``x`` with K = 0 gets ``[M, 0]``)."""
+    import torch
+    import torch.nn.functional as F
+
+    m, k = x.shape
+    groups = -(-k // group_size)
+    if k == 0:
+        return x.new_empty((m, 0), dtype=torch.float32)
+    padded = F.pad(x.detach().float().abs(), (0, groups * group_size - k))
+    amax = padded.reshape(m, groups, group_size).amax(dim=-1)
+    return (amax / fmax).clamp_min(MIN_DYNAMIC_SCALE).contiguous()
+
+
 def quantize_groups(x: torch.Tensor, group_size: int, fp8: torch.dtype,
                     fmax: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token-group quantization of ``x [M, K]``: ``(q [M, K] row-major, scale [M, ceil(K/G)] fp32 row-major)``,
     each group's ``scale = max(amax(|x|) / fmax, 1e-12)`` (NaN where the group holds one, as ``amax`` gives; the last
     group of a ragged K covers the columns left; K = 0 gives ``[M, 0]``) and ``q = clamp(x / scale, ±fmax) -> fp8``.
 
-    Written as one reduction per group with its result broadcast back over the same ``[M, K // G, G]`` view (and the
-    ragged last group on its own), the form of a softmax: Inductor emits the scale and the codes from one kernel,
-    fused into whatever produced ``x``, where a scale computed first and applied through a second view of ``x`` took
-    a reduction kernel and a second pass (2 kernels and 2 reads of ``x`` per quantized activation on the H200,
-    ``bench/results/hf_model/2026-12-04-h200-block-native-op/``). The same operations in the same order either way:
-    the same bits."""
-    import torch
+    Where K is a multiple of G, one reduction per group broadcast back over the same ``[M, K // G, G]`` view, the form
+    of a softmax: compiled after a standalone RMSNorm or SiLU·mul, Inductor emits the scale and the codes from one
+    kernel where the scale computed first (:func:`group_scale`) and applied through a second view of ``x`` took two
+    (H200, ``bench/results/hf_model/2026-12-04-h200-block-native-op/quant_kernels.txt``). A ragged K keeps that
+    two-step form (the one-pass form's concatenation of the ragged group took 1-2 kernels more there). The same
+    operations in the same order either way: the same bits."""
 
     m, k = x.shape
-    if k == 0:
-        return x.new_empty((m, 0), dtype=fp8), x.new_empty((m, 0), dtype=torch.float32)
-    full = k // group_size
-    xf = x.float()
-    codes, scales = [], []
-    for part in ((xf[:, :full * group_size].reshape(m, full, group_size),) if full else ()) + (
-            (xf[:, full * group_size:].reshape(m, 1, k - full * group_size),) if k % group_size else ()):
-        scale = (part.detach().abs().amax(dim=-1, keepdim=True) / fmax).clamp_min(MIN_DYNAMIC_SCALE)
-        groups, width = part.shape[1], part.shape[2]
-        codes.append((part / scale).clamp(-fmax, fmax).to(fp8).reshape(m, groups * width))
-        scales.append(scale.reshape(m, groups))
-    q = codes[0] if len(codes) == 1 else torch.cat(codes, dim=1)
-    scale = scales[0] if len(scales) == 1 else torch.cat(scales, dim=1)
-    return row_major(q), scale.contiguous()
+    if k % group_size or k == 0:
+        scale = group_scale(x, group_size, fmax)
+        return scaled_cast_groups(x, scale, group_size, fp8, fmax), scale
+    groups = k // group_size
+    view = x.float().reshape(m, groups, group_size)
+    scale = (view.detach().abs().amax(dim=-1, keepdim=True) / fmax).clamp_min(MIN_DYNAMIC_SCALE)
+    q = (view / scale).clamp(-fmax, fmax).to(fp8).reshape(m, k)
+    return row_major(q), scale.reshape(m, groups).contiguous()
+
+
+def scaled_cast_groups(x: torch.Tensor, scale: torch.Tensor, group_size: int, fp8: torch.dtype,
+                       fmax: float) -> torch.Tensor:
+    """``clamp(x / scale[m, k // G], ±fmax).to(fp8)`` for ``x [M, K]`` and group scales ``[M, ceil(K/G)]``, row-major
+    (row stride ``K``)."""
+    return row_major(_groupwise(x, scale, group_size, "div").clamp(-fmax, fmax).to(fp8))
 
 
 def quantize(
@@ -333,7 +348,9 @@ __all__ = [
     "quantize_per_token_group",
     "rmsnorm_quant_dynamic",
     "row_major",
+    "group_scale",
     "quantize_groups",
+    "scaled_cast_groups",
     "dynamic_scale",
     "fp8_gemm",
     "fused_add_rmsnorm_quant",
