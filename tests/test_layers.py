@@ -1079,3 +1079,32 @@ def test_host_cost_samples_every_call_each_round_in_rotated_order_and_reports_sa
     assert rows["ours"]["median_us"] == 18.0 and rows["ours"]["min_us"] == 8.0
     assert rows["ours"]["ratio_to_torch"] == pytest.approx(0.9)  # median of 0.8, 0.9, 1.1: same-round pairs
     assert rows["torch"]["ratio_to_torch"] is None
+
+
+def test_a_layer_reads_its_scale_values_once_at_load(monkeypatch):
+    """The layer checks its scales' values (all at once, one device sync on a GPU); the providers it prepares the
+    weight for trust that check (``validation.scales_checked``) instead of reading the same tensor again, one sync
+    each. Outside a layer, ``prepare_weight`` still refuses a bad scale."""
+    from fp8_backends.core import validation as V
+    from fp8_backends.core.errors import InvalidInputError
+    from fp8_backends.providers.torch_scaled_mm import TorchScaledMMBackend
+
+    torch.manual_seed(0)
+    for weight_scale in ("per_channel", "block"):
+        lin = nn.Linear(256, 128, bias=False)
+        layer = Fp8Linear.from_linear(lin, act_scale="per_token" if weight_scale == "per_channel" else
+                                      "per_token_group", weight_scale=weight_scale, backend="torch_scaled_mm")
+        reads = []
+        real = torch.isfinite
+        monkeypatch.setattr(torch, "isfinite", lambda t, reads=reads, real=real: reads.append(t) or real(t))
+        layer._raw = True
+        layer.process_weights_after_loading()
+        monkeypatch.setattr(torch, "isfinite", real)
+        assert not [t for t in reads if t is layer.weight_scale], weight_scale
+        assert reads, "the layer's own check reads the values"
+    bad = layer.weight_scale.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(InvalidInputError, match="finite"):
+        TorchScaledMMBackend().prepare_weight(layer.weight, bad)
+    with V.scales_checked(bad):
+        V.check_scale_values(bad, "w_scale", force=True)  # trusted by identity: not read

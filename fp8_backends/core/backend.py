@@ -365,8 +365,8 @@ class Fp8GemmBackend(ProviderBase):
             raise InvalidInputError(f"{self.name} cannot serve block-wise FP8 {problem.describe()}: "
                                     + "; ".join(reasons))
         V.require_same_device(w_scale, "w_scale", w_q.device)
+        V.check_scale_values(w_scale, "w_scale", force=True)  # the caller's tensor (a bf16 scale converts exactly)
         w_scale = V.block_scale_fp32(w_scale)
-        V.check_scale_values(w_scale, "w_scale", force=True)
         prepared = self.prepare_weight_impl(w_q, w_scale, WeightScale.BLOCK)
         prepared.block, prepared.group_size = block, group_size
         return self._finish_prepare(prepared)

@@ -8,7 +8,10 @@ free: for CPU tensors, and at load time (``prepare_weight``, layer construction)
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from fp8_backends.core.settings import check_scales_flag
@@ -139,16 +142,34 @@ def set_check_device_scales(enabled: bool | None) -> None:
     _FORCED_DEVICE_SCALES = None if enabled is None else bool(enabled)
 
 
+#: ids of scale tensors whose values a caller checked already (:func:`scales_checked`)
+_checked: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("fp8_backends_checked_scales",
+                                                                          default=frozenset())
+
+
+@contextlib.contextmanager
+def scales_checked(*tensors: torch.Tensor) -> Iterator[None]:
+    """Within the block, :func:`check_scale_values` passes these tensors (by identity) without reading them: their
+    values were checked already, e.g. a layer's scales all at once with one device sync before each provider it
+    prepares the weight for would check them again (one sync each)."""
+    token = _checked.set(_checked.get() | {id(t) for t in tensors})
+    try:
+        yield
+    finally:
+        _checked.reset(token)
+
+
 def check_scale_values(s: torch.Tensor, what: str, *, force: bool = False) -> None:
     """Refuse NaN, inf, zero or negative scales. Reads values only for CPU tensors unless ``force``
     or :func:`set_check_device_scales` (both sync with the device: use at load time or to debug).
-    Skipped while torch.compile traces and for fake tensors (shape propagation: there are no values)."""
+    Skipped while torch.compile traces, for fake tensors (shape propagation: there are no values) and for tensors
+    under :func:`scales_checked`."""
     checks = device_scale_checks()  # read even for CPU scales: a bad FP8_BACKENDS_CHECK_SCALES never goes unseen
     if s.device.type != "cpu" and not (force or checks):
         return
     import torch
 
-    if torch.compiler.is_compiling() or _is_fake(s):
+    if torch.compiler.is_compiling() or _is_fake(s) or id(s) in _checked.get():
         return
 
     bad = ~(torch.isfinite(s) & (s > 0))

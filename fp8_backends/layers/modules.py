@@ -614,8 +614,12 @@ class Fp8Linear(nn.Module):
         self._raw = False
         self.weight_scale_mode = mode
         self.problem = self._problem(mode)
-        self.kernel = init_fp8_gemm(self.weight, self.weight_scale, problem=self.problem,
-                                    backend=self.backend_request, default=backend, objective=self.objective_request)
+        # the scale's values were checked above (one sync; derived from checked shards where fused): the providers
+        # preparing the weight need not read them again, one sync each
+        with V.scales_checked(self.weight_scale):
+            self.kernel = init_fp8_gemm(self.weight, self.weight_scale, problem=self.problem,
+                                        backend=self.backend_request, default=backend,
+                                        objective=self.objective_request)
         self._plan = self._eager_plan()
         self._traced = self._traced_plan()
         self._rebind_norms()
