@@ -125,6 +125,9 @@ def test_resolving_a_block_problem_never_imports_flashinfer(available, monkeypat
     (reason,) = b.block_reasons(block_problem())
     assert "0.5.3" in reason and "came with flashinfer 0.6" in reason
     assert block_jit.version_reason(None) is None and block_jit.version_reason("1.0.0rc1") is None
+    # the release segment only: a pre-release of 0.5 is 0.5, not 0.51; a version it cannot read is left to the load
+    assert "0.5rc1" in block_jit.version_reason("0.5rc1") and block_jit.version_reason("0.6.0.dev3") is None
+    assert block_jit.version_reason("nightly") is None
     # not built anywhere: said without importing flashinfer
     monkeypatch.setenv("FLASHINFER_WORKSPACE_BASE", str(tmp_path))
     monkeypatch.setattr(block_jit, "csrc_dir", lambda: tmp_path / "pkg" / "data" / "csrc")

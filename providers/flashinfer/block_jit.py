@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -140,11 +141,10 @@ def version_reason(version: str | None) -> str | None:
     loaded."""
     if not version:
         return None  # installed without metadata (a source tree on the path): the exact check decides at load
-    parts = []
-    for piece in version.split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    if tuple(parts) < FEATURE_SINCE:
+    release = re.match(r"(\d+)(?:\.(\d+))?", version.strip())  # PEP 440's release segment: "0.8rc1" is 0.8
+    if release is None:
+        return None  # not a version this check can read: the exact check decides at load
+    if (int(release.group(1)), int(release.group(2) or 0)) < FEATURE_SINCE:
         return (f"this flashinfer ({version}) has no flashinfer.gemm.fp8_blockscale_gemm_sm90 (it came with flashinfer "
                 f"{FEATURE_SINCE[0]}.{FEATURE_SINCE[1]})")
     return None
