@@ -649,6 +649,36 @@ def test_host_runs_a_kernel_over_5_percent_slower_only_where_it_is_hidden_on_the
     assert changed > 0 and changed_all > 0
 
 
+@pytest.mark.parametrize("cutlass_native", [False, True])
+def test_block_wise_qwen3_runs_cutlass_where_the_scaled_mm_call_is_host_bound(monkeypatch, cutlass_native):
+    """``bench/results/hf_model/2026-12-04-h200-block-native-op/``: Qwen3-8B's fused q/k/v (6144 x 4096) and gate/up
+    (24576 x 4096) in block-wise FP8 at M <= 256 measured ``torch._scaled_mm`` 15.6 / 47.1 µs against cutlass 22.1 /
+    59.0 in CUDA graphs, but its block path is an opaque op (~75 µs of host per call) where cutlass's C++ op costs ~13:
+    a compiled 128-token step ran 1.20x slower on the former. With the C++ op the host objective takes cutlass there;
+    on cutlass's Python op (60 µs: a saving of 15 µs, under half the context) q/k/v takes the cheapest hidden call,
+    triton's (30 µs, a 33.4 µs kernel), and gate/up, whose other kernels do not hide, stays. At M <= 1024 the gate/up
+    call is kernel-bound (166 µs): the kernel answer stays. CUDA graphs take the kernel answer."""
+    from fp8_backends.providers.cutlass import native_op
+
+    monkeypatch.setattr(native_op, "expected", lambda: cutlass_native)
+    h200 = simulate_platform("9.0")
+    block = {"act_scale": "per_token_group", "weight_scale": "block"}
+    serving = {c.entry.name for c in resolution.explain("gemm", "auto", problem=GemmProblem(n=6144, k=4096, m=256,
+                                                                                            **block),
+                                                        platform=h200).candidates if c.auto_ok}
+    if "cutlass" not in serving:
+        pytest.skip("cutlass cannot serve here (no nvcc or CUTLASS headers on this machine)")
+    cases = (((6144, "cutlass", "cutlass"), (24576, "cutlass", "torch_scaled_mm")) if cutlass_native else
+             ((6144, "triton", "cutlass"), (24576, "torch_scaled_mm", "torch_scaled_mm")))
+    for n, want_256, want_1024 in cases:
+        host = {b: be.name for b, be in resolution.resolve_gemm_buckets(
+            "auto", problem=GemmProblem(n=n, k=4096, m=None, **block), platform=h200, objective="host")}
+        kernel = {b: be.name for b, be in resolution.resolve_gemm_buckets(
+            "auto", problem=GemmProblem(n=n, k=4096, m=None, **block), platform=h200, objective="kernel")}
+        assert kernel[256] == "torch_scaled_mm", kernel
+        assert host[256] == want_256 and host[1024] == want_1024, (n, cutlass_native, host)
+
+
 def test_the_llama_gate_up_example_of_issue_14():
     res = resolution.explain("gemm", "auto", problem=GemmProblem(n=14336, k=4096, m=1), platform=simulate_platform(
         "9.0"), objective="host")
