@@ -104,8 +104,8 @@ class TorchScaledMMBackend(Fp8GemmBackend):
     # bench/results/compiled_host/2026-12-01-h200-static-launcher/compiled_host_sl-*.md; the triton op counted at 5)
     host_us: ClassVar[float | None] = 20.0
     #: block-scaled problems go through the opaque op ``fp8_backends::scaled_mm_block`` (M padding in Python, then
-    #: cuBLASLt): a compiled block linear measured 35-107 µs more host time per call than on the cutlass provider's
-    #: C++ op (median ~65; Qwen3-8B qkv and down shapes x M = 16 / 128 / 512, H200,
+    #: cuBLASLt): a compiled block linear measured 22-107 µs more host time per call than on the cutlass provider's
+    #: C++ op (median ~66; Qwen3-8B qkv and down shapes x M = 16 / 128 / 512, H200,
     #: bench/results/compiled_host/2026-12-04-h200-block/), which is declared at 13
     block_host_us: ClassVar[float | None] = 75.0
 
