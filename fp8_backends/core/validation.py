@@ -172,10 +172,17 @@ def check_scale_values(s: torch.Tensor, what: str, *, force: bool = False) -> No
     if torch.compiler.is_compiling() or _is_fake(s) or id(s) in _checked.get():
         return
 
-    bad = ~(torch.isfinite(s) & (s > 0))
+    bad = bad_scale_values(s)
     if bool(bad.any()):
         sample = s[bad].flatten()[:4].tolist()
         raise InvalidInputError(f"{what} must be finite and > 0; got {sample}")
+
+
+def bad_scale_values(s: torch.Tensor) -> torch.Tensor:
+    """The mask of ``s``'s values no scale may hold: NaN, inf, zero or negative (device work only, no sync)."""
+    import torch
+
+    return ~(torch.isfinite(s) & (s > 0))
 
 
 def _is_fake(t: torch.Tensor) -> bool:

@@ -123,7 +123,7 @@ def _scale_tensor(value: object, what: str, device: torch.device) -> torch.Tenso
 
 def _check_values(t: torch.Tensor, what: str) -> None:
     """Load-time value check (syncs): finite and > 0, NaN meaning "never loaded"."""
-    bad = ~(torch.isfinite(t) & (t > 0))
+    bad = V.bad_scale_values(t)
     if bool(bad.any()):
         if bool(torch.isnan(t).all()):
             raise InvalidInputError(f"{what} is missing (never loaded) or NaN")
@@ -135,7 +135,7 @@ def _check_all(items: list[tuple[torch.Tensor, str]]) -> None:
     """:func:`_check_values` of every ``(tensor, what)`` with one device sync when all are fine (a model load checks
     a hundred scales); the first bad one raises its own error."""
     flat = torch.cat([t.reshape(-1) for t, _ in items]) if len(items) > 1 else items[0][0].reshape(-1)
-    if bool((~(torch.isfinite(flat) & (flat > 0))).any()):
+    if bool(V.bad_scale_values(flat).any()):
         for t, what in items:
             _check_values(t, what)
 
