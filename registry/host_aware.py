@@ -153,15 +153,14 @@ def choose(rows: Sequence[Row], objective: SelectionObjective | str = SelectionO
         tie = min(current.kernel_us * (1.0 + HOST_TIE), fastest * (1.0 + margin))
         tied = [r for r in rows if r.kernel_us <= tie and host[r.key] < host[current.key]]
         return min(tied, key=lambda r: (host[r.key], r.kernel_us, r.rank)) if tied else current
+    # beyond the hidden margin: the fastest kernel hides behind its own call's host work (budget), r's would too, and
+    # r's host saving is half the context or more and at least its kernel loss (what a GPU-bound step would lose)
     quickest = min(rows, key=lambda r: (r.kernel_us, r.rank))
-    quickest_hidden = hidden(quickest, host[quickest.key], context)
+    budget = HOST_HIDDEN * (host[quickest.key] + context)
 
-    def pays(r: Row) -> bool:  # the fastest kernel hides behind its own call's host work, r's would too, and r's
-        # host saving is large (half the context or more) and at least its kernel loss (what a step that turns out
-        # GPU-bound would lose)
-        saving = host[quickest.key] - host[r.key]
-        return (quickest_hidden and r.kernel_us <= HOST_HIDDEN * (host[quickest.key] + context)
-                and saving >= max(r.kernel_us - quickest.kernel_us, HOST_HIDDEN * context))
+    def pays(r: Row) -> bool:
+        return (quickest.kernel_us <= budget and r.kernel_us <= budget
+                and host[quickest.key] - host[r.key] >= max(r.kernel_us - quickest.kernel_us, HOST_HIDDEN * context))
 
     eligible = [r for r in rows if r.kernel_us <= fastest * (1.0 + margin)
                 or (r.kernel_us <= fastest * (1.0 + HOST_HIDDEN_MARGIN) and hidden(r, host[r.key], context))

@@ -252,7 +252,6 @@ def quantize_groups(x: torch.Tensor, group_size: int, fp8: torch.dtype,
     (H200, ``bench/results/hf_model/2026-12-04-h200-block-native-op/quant_kernels.txt``). A ragged K keeps that
     two-step form (the one-pass form's concatenation of the ragged group took 1-2 kernels more there). The same
     operations in the same order either way: the same bits."""
-
     m, k = x.shape
     if k % group_size or k == 0:
         scale = group_scale(x, group_size, fmax)
