@@ -16,7 +16,7 @@ from fp8_backends.core import group_scales, reference
 from fp8_backends.core.capabilities import GemmCapabilities
 from fp8_backends.core.errors import Fp8BackendError, InvalidInputError
 from fp8_backends.core.types import ActScale, DeviceKind, ScaleLayout, WeightScale
-from fp8_backends.quant import quantize, quantize_per_token_group
+from fp8_backends.quant import quantize, quantize_per_token_group, traced_quantize_groups
 from fp8_backends.registry.platform import detect_platform
 
 FP8 = torch.float8_e4m3fn
@@ -205,18 +205,63 @@ def test_quant_group_errors():
         quantize(torch.zeros(2, 128), "per_token_group", torch.ones(1))
 
 
-@pytest.mark.parametrize("layout", ["row_major", "m_major"])
+@pytest.mark.parametrize("layout", list(ScaleLayout))
 def test_quant_group_compiles_to_the_same_numbers(layout):
     torch.manual_seed(4)
-    x = torch.randn(5, 256)
 
     def fn(x):
         return quantize_per_token_group(x * 2, 128, scale_layout=layout)
 
-    q, s = torch.compile(fn, backend="inductor", fullgraph=True)(x)
-    q_e, s_e = fn(x)
-    assert torch.equal(s, s_e) and torch.equal(q.view(torch.uint8), q_e.view(torch.uint8))
-    assert group_scales.is_layout(s, ScaleLayout(layout))
+    compiled = torch.compile(fn, backend="inductor", fullgraph=True, dynamic=True)
+    for m, k in [(5, 256), (8, 256), (130, 256), (3, 304)]:  # M not a multiple of 4 (m_major_tma pads), ragged K
+        x = torch.randn(m, k)
+        q, s = compiled(x)
+        q_e, s_e = fn(x)
+        assert torch.equal(s, s_e) and torch.equal(q.view(torch.uint8), q_e.view(torch.uint8))
+        assert group_scales.is_layout(s, ScaleLayout(layout)) and q.shape == (m, k) and q.stride() == (k, 1)
+
+
+@pytest.mark.parametrize("m", [0, 1, 2, 3, 4, 5, 130])
+@pytest.mark.parametrize("k", [256, 304])
+@pytest.mark.parametrize("layout", list(ScaleLayout))
+def test_traced_group_quant_writes_the_reference_in_each_layout(m, k, layout):
+    """What compiled calls trace (``traced_quantize_groups``), run eagerly: the reference's bits in ``layout``, the
+    codes ``[M, K]`` row-major (a view of the padded rows for ``m_major_tma``)."""
+    torch.manual_seed(m + k)
+    x = torch.randn(m, k, dtype=torch.bfloat16) * 3
+    q, s = traced_quantize_groups(x, 128, torch.float8_e4m3fn, 448.0, layout)
+    q_ref, s_ref = reference.quantize_per_token_group(x, 128)
+    assert q.shape == (m, k) and (m <= 1 or q.stride() == (k, 1)) and (m == 0 or group_scales.is_layout(s, layout))
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", list(ScaleLayout))
+def test_gpu_compiled_group_quant_is_its_producers_one_kernel(layout):
+    """Compiled after a pointwise producer with a static M, the traced group quantization writes the codes and the
+    scale in every layout from the producer's one kernel, ``m_major_tma``'s padded columns included: a layout written
+    by a copy of its own would be a second launch per linear. (With a dynamic M Inductor splits it into 3 kernels
+    whatever the layout: compiled layers quantize more than one token with the Triton kernel.)"""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (none visible to torch)")
+
+    def fn(a):
+        return traced_quantize_groups(a * 2, 128, torch.float8_e4m3fn, 448.0, layout)  # an exact producer
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+    for m in (1, 6, 128, 130):
+        a = torch.randn(m, 4096, dtype=torch.bfloat16, device="cuda")
+        q, s = compiled(a)  # compiles for this M
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            q, s = compiled(a)
+            torch.cuda.synchronize()
+        launched = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert len(launched) == 1, (m, launched)
+        q_e, s_e = fn(a)  # eager CUDA torch divides through a reciprocal: an fp32 ulp, one fp8 step apart at most
+        assert group_scales.is_layout(s, layout)
+        torch.testing.assert_close(s, s_e, rtol=2.4e-7, atol=0)
+        step = (q.float() - q_e.float()).abs() / q_e.float().abs().clamp_min(2.0 ** -9)
+        assert float(step.max()) <= 0.125 and int((step > 0).sum()) <= max(1, q.numel() // 100)
 
 
 # ------------------------------------------------------------------------------ torch_scaled_mm, CPU

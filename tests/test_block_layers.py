@@ -13,6 +13,7 @@ from fp8_backends.core.errors import InvalidInputError
 from fp8_backends.core.types import ActScale, ScaleLayout, WeightScale
 from fp8_backends.layers import Fp8Linear, RMSNormFp8Quant
 from fp8_backends.layers.general_path import apply_fp8_linear
+from fp8_backends.registry import policy, resolution
 
 
 def _linear(n=208, k=304, bias=True, seed=0):
@@ -128,6 +129,81 @@ def test_norm_hands_a_block_linear_group_scales(residual):
         assert torch.equal(res.reshape(-1, 320), total)
     y = lin(qa)
     assert y.shape == (2, 3, 256)
+
+
+def test_compiled_block_linear_quantizes_for_each_buckets_provider_in_its_layout(monkeypatch):
+    """A per-M block layer over two providers that read different activation-scale layouts (M <= 8: a provider
+    reading ``m_major_tma``; above: ``torch_scaled_mm``, ``m_major``): each compiled bucket quantizes with the scale
+    written in its provider's layout (no relayout in the call), with dynamic M, and the outputs are the eager ones."""
+    import dataclasses
+
+    import fake_provider
+
+    from fp8_backends.providers.torch_scaled_mm import TorchScaledMMBackend
+
+    seen: list[tuple[str, ScaleLayout]] = []
+
+    class PaddedScales(TorchScaledMMBackend):
+        name = "fake_mm"
+        capabilities = dataclasses.replace(TorchScaledMMBackend.capabilities, priority=1,
+                                           group_scale_layout=ScaleLayout.M_MAJOR_TMA)
+
+    for cls in (PaddedScales, TorchScaledMMBackend):
+        real = cls.gemm_impl
+
+        def recording(self, x_q, prepared, x_scale, out_dtype, bias, _real=real):
+            layout = self.capabilities.group_scale_layout
+            assert group_scales.is_layout(x_scale, layout), (self.name, x_scale.shape, x_scale.stride())
+            seen.append((self.name, layout))
+            return _real(self, x_q, prepared, x_scale, out_dtype, bias)
+
+        monkeypatch.setattr(cls, "gemm_impl", recording)
+    fake_provider.install(monkeypatch, PaddedScales)
+    resolution.load_builtin_policies()
+    monkeypatch.setattr(policy, "_registered", list(policy._registered))
+    resolution.register_selection_policy(fake_provider.SplitAt8())
+    layer = Fp8Linear.from_linear(_linear(256, 384, bias=False), weight_scale="block")
+    assert [r.backend.name for r in layer.kernel.rows] == ["fake_mm", "torch_scaled_mm"]
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True)
+    for m in (3, 6, 13, 130):
+        x = torch.randn(m, 384, dtype=torch.bfloat16)
+        seen.clear()
+        want = layer(x)
+        assert torch.equal(compiled(x), want) or _rel(compiled(x), want) < 1e-3, m
+        assert {name for name, _ in seen} == {"fake_mm" if m <= 8 else "torch_scaled_mm"}
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_block_linear_quantizes_a_dynamic_m_with_the_traced_group_kernel(monkeypatch, dynamic):
+    """A per-token-group implementation's ``traced`` callable (what the Triton one names: its ``triton_op``) is what a
+    compiled layer quantizes more than one token with (static or dynamic M); one token (a size Dynamo always
+    specializes) goes through the torch ops Inductor fuses into the producer."""
+    from fp8_backends import quant
+
+    traced_ms: list[object] = []
+
+    def traced(x, group_size, scale_layout, fp8_dtype):
+        traced_ms.append(x.shape[0])  # runs while Dynamo traces: records the (symbolic) M it was traced for
+        return quant.traced_quantize_groups(x, group_size, fp8_dtype, 448.0, ScaleLayout(scale_layout))
+
+    def impl(x, group_size, scale_layout, fp8_dtype):
+        return quant.quantize_per_token_group(x, group_size, fp8_dtype, scale_layout)
+
+    impl.traced = traced
+    previous = quant.register_quant_impl("per_token_group", "cpu", impl)
+    try:
+        assert quant.traced_group_kernel("cpu") is traced
+        layer = Fp8Linear.from_linear(_linear(256, 384, bias=False), weight_scale="block")
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, fullgraph=True, dynamic=dynamic)
+        for m in (1, 5, 12):
+            x = torch.randn(m, 384, dtype=torch.bfloat16)
+            assert _rel(compiled(x), _reference(layer, x)) < 1e-2
+    finally:
+        quant.register_quant_impl("per_token_group", "cpu", previous)
+    assert traced_ms == [5, 12]  # traced (once per M bucket: a recompile each) for M = 5 and 12, never for M = 1
+    assert quant.traced_group_kernel("cpu") is None  # the reference torch code names none
 
 
 def test_quantize_model_block_on_a_transformers_model():

@@ -171,6 +171,10 @@ def test_op_and_fake():
         fq, fs = gq.triton_quant_per_token_group(fx, 128, torch.float8_e5m2, "m_major")
     assert fq.shape == (5, 300) and fq.dtype == torch.float8_e5m2
     assert fs.shape == (5, 3) and fs.stride() == (1, 5)
+    traced = gq.quant_impl.traced  # what compiled layers quantize with (fp8_backends.quant.traced_group_kernel)
+    traced.load()
+    tq, ts = traced(x, 128, "m_major_tma", torch.float8_e4m3fn)
+    assert ts.stride() == (1, 8) and torch.equal(ts, s) and torch.equal(tq.view(torch.uint8), q.view(torch.uint8))
 
 
 # ------------------------------------------------------------------------------------ GPU

@@ -1011,13 +1011,17 @@ class RMSNormFp8Quant(nn.Module):
         if group:
             mode = group["act_scale"]
             r2 = None if residual is None else residual.view(-1, h)
-            q, s, total = reference.rmsnorm_quant_dynamic(
-                x2, self.weight, self.eps, act_scale=mode, group_size=group.get("group_size", DEFAULT_GROUP_SIZE),
-                residual=r2, dtype=fp8)
+            if mode is ActScale.PER_TOKEN_GROUP:  # reference.rmsnorm_quant_dynamic's steps, the scale in its layout
+                total = x2.float() if r2 is None else x2.float() + r2.float()
+                q, s = quant.traced_quantize_groups(
+                    reference.rmsnorm(total, self.weight, self.eps), group.get("group_size", DEFAULT_GROUP_SIZE),
+                    fp8, Fp8Dtype.of(fp8).max, group["scale_layout"])
+                total = None if r2 is None else total.to(x2.dtype)
+            else:
+                q, s, total = reference.rmsnorm_quant_dynamic(x2, self.weight, self.eps, act_scale=mode, residual=r2,
+                                                              dtype=fp8)
             if r2 is not None:
                 r2.copy_(total)
-            if mode is ActScale.PER_TOKEN_GROUP:
-                s = quant.traced_layout(s, group["scale_layout"])
             qa = QuantizedActivation(q.reshape(*lead, h), s, x2.dtype, mode)
             return qa if residual is None else (qa, residual)
         if residual is None:

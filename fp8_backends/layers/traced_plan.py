@@ -95,10 +95,17 @@ class TracedRow(NamedTuple):
 
 # ------------------------------------------------------------------------------------------ what a plan calls
 def prologue(x: Any, k: int, dtype: torch.dtype, device: torch.device, mode: ActScale, fp8: torch.dtype,
-             fmax: float, kind: str, input_scale: torch.Tensor | None,
-             group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+             fmax: float, kind: str, input_scale: torch.Tensor | None, group_size: int = 128,
+             layout: str = "row_major", group_kernel: Callable[..., Any] | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
     """``(x_q [M, K], scale, leading dims)``: ``x [..., K]`` in ``dtype`` on ``device`` quantized in ``mode`` (the
-    static scale ``input_scale``), or a :class:`QuantizedActivation` in ``mode`` checked and flattened.
+    static scale ``input_scale``), or a :class:`QuantizedActivation` in ``mode`` checked and flattened. Per-token-group
+    scales come in ``layout`` (a :class:`ScaleLayout` value: the consuming row's), written by the quantization itself
+    or, for a quantized activation, re-laid out: for one token by torch ops Inductor fuses into the producer
+    (:func:`fp8_backends.quant.traced_quantize_groups`), for more by ``group_kernel`` where the device has one
+    (:func:`fp8_backends.quant.traced_group_kernel`). Dynamo specializes M = 1, so one token is always a static
+    size; more tokens are a symbolic size as soon as a second one was seen, where Inductor's code takes 3-4 kernels
+    against the kernel's one launch (a static M >= 2 loses at most the one kernel a fused SiLU·mul saves).
 
     ``fmax`` (``fp8``'s largest value) and ``kind`` (``mode.value``: a string, which Dynamo does not guard as it does
     the enum member) are constants of the generated code: where compiled code quantizes with the reference torch code
@@ -115,6 +122,8 @@ def prologue(x: Any, k: int, dtype: torch.dtype, device: torch.device, mode: Act
         if data.dtype != fp8 or data.device != device:
             raise InvalidInputError(f"QuantizedActivation.data must be {fp8} on {device}, got "
                                     f"{data.dtype} on {data.device}")
+        if kind == "per_token_group":
+            scale = quant.traced_layout(scale, ScaleLayout(layout))
         return x_q, scale, data.shape[:-1]
     if x.dtype != dtype:
         raise InvalidInputError(f"x is {x.dtype} but this linear was prepared for {dtype} activations")
@@ -127,10 +136,13 @@ def prologue(x: Any, k: int, dtype: torch.dtype, device: torch.device, mode: Act
     # calling one would make Dynamo reach the quant module through a second source and guard the two are one object
     # (a Python guard per model); this plan only runs under torch.compile, so the mode alone decides
     if quant._compile_mode != "inline":
-        x_q, scale = quant.quantize(x2, mode, input_scale, fp8, group_size=group_size)[:2]
+        x_q, scale = quant.quantize(x2, mode, input_scale, fp8, group_size=group_size, scale_layout=layout)[:2]
         return x_q, scale, x.shape[:-1]
-    if kind == "per_token_group":  # row-major group scales; each row's provider gets its layout (relayout)
-        x_q, scale = reference.quantize_groups(x2, group_size, fp8, fmax)
+    if kind == "per_token_group":
+        if group_kernel is not None and x2.shape[0] > 1:
+            x_q, scale = group_kernel(x2, group_size, layout, fp8)
+        else:
+            x_q, scale = quant.traced_quantize_groups(x2, group_size, fp8, fmax, ScaleLayout(layout))
         return x_q, scale, x.shape[:-1]
     if kind == "per_tensor_static":
         scale = input_scale
@@ -141,12 +153,12 @@ def prologue(x: Any, k: int, dtype: torch.dtype, device: torch.device, mode: Act
     return reference.scaled_cast(x2, scale, fp8, fmax), scale, x.shape[:-1]
 
 
-def relayout(scale: torch.Tensor, layout: str) -> torch.Tensor:
-    """Per-token-group scales in the layout a row's provider reads (``layout``: a :class:`ScaleLayout` value, a
-    constant of the generated code), as torch ops Inductor fuses into the quantization (nothing when it is there)."""
-    from ..core import group_scales
-
-    return group_scales.to_layout(scale, ScaleLayout(layout))
+def rows_of(x: Any, k: int) -> Any:
+    """The number of ``[K]`` rows of ``x`` (a tensor or a :class:`QuantizedActivation`'s data), read before the
+    prologue checks it: it only picks the M bucket whose prologue then checks the input (a wrong ``x`` raises there,
+    whichever bucket it picked)."""
+    data = x.data if isinstance(x, QuantizedActivation) else x
+    return data.numel() // k
 
 
 def finish(backend: Any, x_q: torch.Tensor, prepared: Any, scale: torch.Tensor, dtype: torch.dtype,
@@ -223,28 +235,37 @@ def bind_traced(kernel: PerMGemm, *, k: int, n: int, dtype: torch.dtype, device:
     scale_alias = parameter_alias(input_scale) if mode is ActScale.PER_TENSOR_STATIC else None
     bias_src, scale_src = src.var(bias_alias), src.var(scale_alias)
     dt = src.shared(dtype)
+    group = mode is ActScale.PER_TOKEN_GROUP
+    group_kernel = quant.traced_group_kernel(device.type) if group else None
+    prologue_src = (f"prologue(x, {int(k)}, {dt}, {src.shared(device)}, {src.shared(mode)}, "
+                    f"{src.shared(fp8_dtype)}, {Fp8Dtype.of(fp8_dtype).max!r}, {mode.value!r}, {scale_src}, "
+                    f"{int(group_size)}, {{layout!r}}, "
+                    f"{'None' if group_kernel is None else src.shared(group_kernel)})")
+    empty = ["if x_q.shape[0] == 0:", f"    return x_q.new_empty((*lead, {int(n)}), dtype={dt})"]
     body = [
         "def make_plan(" + "{args}" + "):",
         "    def traced_linear(x):",
-        f"        x_q, scale, lead = prologue(x, {int(k)}, {dt}, {src.shared(device)}, {src.shared(mode)}, "
-        f"{src.shared(fp8_dtype)}, {Fp8Dtype.of(fp8_dtype).max!r}, {mode.value!r}, {scale_src}, {int(group_size)})",
-        "        if x_q.shape[0] == 0:",
-        f"            return x_q.new_empty((*lead, {int(n)}), dtype={dt})",
     ]
     rows: list[TracedRow] = []
     host_rows: Sequence[Any] = kernel.rows
+    if group:  # each M bucket quantizes for its own provider: group scales written in the layout it reads
+        body.append(f"        m = rows_of(x, {int(k)})")
+    else:  # one quantization, whichever bucket
+        body.append("        x_q, scale, lead = " + prologue_src.format(layout="row_major"))
+        body.extend("        " + line for line in empty)
     for i, row in enumerate(host_rows):
         backend_src, prepared_src, bound = _row_source(src, row, mode)
         rows.append(bound)
-        row_scale = "scale"
-        if mode is ActScale.PER_TOKEN_GROUP:
-            row_scale = f"relayout(scale, {row.backend.capabilities.group_scale_layout.value!r})"
-        call = f"finish({backend_src}, x_q, {prepared_src}, {row_scale}, {dt}, {bias_src}, lead, {int(n)})"
-        if i < len(host_rows) - 1:
-            body.append(f"        if x_q.shape[0] <= {int(row.bucket)}:")
-            body.append(f"            return {call}")
-        else:
-            body.append(f"        return {call}")
+        call = f"finish({backend_src}, x_q, {prepared_src}, scale, {dt}, {bias_src}, lead, {int(n)})"
+        last = i == len(host_rows) - 1
+        indent = "        " if last else "            "
+        if not last:
+            body.append(f"        if {'m' if group else 'x_q.shape[0]'} <= {int(row.bucket)}:")
+        if group:
+            layout = row.backend.capabilities.group_scale_layout.value
+            body.append(f"{indent}x_q, scale, lead = " + prologue_src.format(layout=layout))
+            body.extend(indent + line for line in empty)
+        body.append(f"{indent}return {call}")
     body.append("    return traced_linear")
     source = "\n".join(body).replace("{args}", ", ".join(f"c{i}" for i in range(len(src.closure))))
     plan = _compile_factory(source)(*src.closure)
@@ -318,4 +339,4 @@ def bind_traced_norm(*, h: int, eps: float, dtype: torch.dtype, device: torch.de
 
 
 __all__ = ["TracedNorm", "TracedPlan", "TracedRow", "bind_traced", "bind_traced_norm", "finish", "norm_input_failed",
-           "parameter_alias", "prologue", "shared_index"]
+           "parameter_alias", "prologue", "rows_of", "shared_index"]

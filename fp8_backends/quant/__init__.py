@@ -94,6 +94,10 @@ def register_quant_impl(mode: ActScale | str, device_type: str, fn: QuantImpl | 
     An ``fn`` that can write its codes zero-padded to a wider row (for layers whose provider padded the weight's K:
     :func:`padded_quantizer`) says so with a ``pads_output = True`` attribute and takes a keyword ``k_out`` (the
     padded width; row-major ``[M, k_out]`` codes, zeros beyond K; static, dynamic and per-token modes).
+    A per-token-group ``fn`` may name, as its ``traced`` attribute, a callable of the same signature (and promise) that
+    ``torch.compile`` can trace into kernels it launches itself (a :func:`torch.library.triton_op`; a ``load``
+    attribute of that callable, if any, is called once at load time): compiled layers call it where the token count
+    may be dynamic (:func:`traced_group_kernel`).
     ``fn=None`` removes the entry. Returns the entry it replaced (or None), so a caller can restore it.
     """
     mode = ActScale.of(mode)
@@ -376,8 +380,7 @@ def quantize_checked(x: torch.Tensor, mode: ActScale, scale: torch.Tensor | None
             return reference.quantize_dynamic_per_tensor(x, fp8)
         if mode is ActScale.PER_TOKEN:
             return reference.quantize_per_token(x, fp8)
-        q, s = reference.quantize_per_token_group(x, group_size, fp8)
-        return q, s if scale_layout is ScaleLayout.ROW_MAJOR else traced_layout(s, scale_layout)
+        return traced_quantize_groups(x, group_size, fp8, Fp8Dtype.of(fp8).max, scale_layout)
     if mode is ActScale.PER_TENSOR_STATIC:
         return _call(mode)(x, scale, fp8), scale
     if mode is ActScale.PER_TOKEN_GROUP:
@@ -415,12 +418,59 @@ def padded_quantizer(mode: ActScale, fp8_dtype: torch.dtype, input_scale: torch.
     return quantize_padded
 
 
+def traced_group_kernel(device_type: str) -> Callable[..., Any] | None:
+    """The per-token-group implementation's ``traced`` callable for ``device_type`` (:func:`register_quant_impl`),
+    or ``None``: what a compiled layer quantizes more than one token with (looked up at load time).
+
+    Compiled with a dynamic M, the reference torch code (:func:`traced_quantize_groups`) becomes 3-4 Inductor kernels
+    after a norm or SiLU·mul (group amax, codes, the scale's transposed store: Inductor does not keep them in one
+    kernel when M is symbolic) against one launch of a Triton kernel Inductor launches itself; with a static M it
+    stays in the producer's kernel(s) (H200, ``bench/results/hf_model/2026-12-04-h200-qwen3-block-quant-layout/``)."""
+    fn = getattr(_impl_for(ActScale.PER_TOKEN_GROUP, device_type), "traced", None)
+    if not callable(fn):
+        return None
+    load = getattr(fn, "load", None)  # define what it calls now: Dynamo cannot trace an op's definition
+    if callable(load):
+        load()
+    return fn
+
+
+def traced_quantize_groups(x: torch.Tensor, group_size: int, fp8: torch.dtype, fmax: float,
+                           layout: ScaleLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fp8_backends.core.reference.quantize_groups` of ``x [M, K]`` with the scale written in ``layout``, as
+    torch ops from which Inductor emits the codes and the scale in the scale's layout from one kernel (the
+    quantization's own, fused into the producer's where it can be).
+
+    ``m_major_tma`` pads its column stride to a multiple of 4 tokens: re-laying out an ``[M, G]`` scale into that
+    padded buffer is a copy over another iteration space (``M`` rows read, ``round_up(M, 4)`` written), which Inductor
+    emits as a kernel of its own, one more launch per linear (every compiled call whose M is not known to be a multiple
+    of 4: decode, and every M under dynamic shapes). So the input is zero-padded to ``round_up(M, 4)`` rows first: the
+    quantization runs over the padded rows (a zero group quantizes to zero codes and the smallest scale), writes the
+    padded transposed scale in place, and the first ``M`` rows of codes and scale columns are returned as views (codes
+    row-major ``[M, K]``, rows ``K`` apart)."""
+    from ..core import group_scales, reference
+
+    if layout is ScaleLayout.M_MAJOR_TMA:
+        import torch
+
+        m = x.shape[0]
+        padded = torch.nn.functional.pad(x, (0, 0, 0, (-m) % group_scales.TMA_ALIGN))
+        q, s = reference.quantize_groups(padded, group_size, fp8, fmax)
+        return q[:m], s.t().contiguous()[:, :m].t()
+    q, s = reference.quantize_groups(x, group_size, fp8, fmax)
+    return q, traced_layout(s, layout)
+
+
 def traced_layout(scale: torch.Tensor, layout: ScaleLayout) -> torch.Tensor:
-    """``scale [M, G]`` (row-major) re-laid out as torch ops a compiler can fuse into the quantization that made it."""
-    if layout is ScaleLayout.M_MAJOR:
-        return scale.t().contiguous().t()
+    """``scale [M, G]`` (row-major) re-laid out as torch ops a compiler can fuse into the quantization that made it
+    (``m_major_tma`` only where it was made without its padding: :func:`traced_quantize_groups` writes it in one
+    kernel); ``scale`` itself when it is in ``layout`` already (a quantized activation made for this consumer)."""
     from ..core import group_scales
 
+    if group_scales.is_layout(scale, layout):
+        return scale
+    if layout is ScaleLayout.M_MAJOR:
+        return scale.t().contiguous().t()
     return group_scales.to_layout(scale, layout)
 
 
@@ -501,6 +551,9 @@ __all__ = [
     "quantize_dynamic",
     "quantize_per_token",
     "quantize_per_token_group",
+    "traced_group_kernel",
+    "traced_layout",
+    "traced_quantize_groups",
     "quantize_static",
     "register_quant_impl",
     "registered_quant_impl",

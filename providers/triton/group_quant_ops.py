@@ -93,6 +93,17 @@ def quant_impl(x: torch.Tensor, group_size: int, scale_layout: str, fp8_dtype: t
     return quant_per_token_group(x, group_size, fp8_dtype, str(getattr(scale_layout, "value", scale_layout)))
 
 
+def _traced_impl(x: torch.Tensor, group_size: int, scale_layout: str, fp8_dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op ``fp8_backends::triton_quant_per_token_group`` in :func:`quant_impl`'s argument order: what compiled
+    layers trace (``quant_impl.traced``, its ``load`` defining the op at load time; see
+    :func:`fp8_backends.quant.traced_group_kernel`)."""
+    return _OPS.op(OP_BASENAME)(x, group_size, fp8_dtype, scale_layout)
+
+
+quant_impl.traced = _traced_impl  # type: ignore[attr-defined]
+
+
 # ---------------------------------------------------------------------------------------------- the torch op
 OP_BASENAME = "triton_quant_per_token_group"
 OP_SCHEMA = (f"{OP_BASENAME}(Tensor x, int group_size, ScalarType fp8_dtype, str scale_layout) "
@@ -129,6 +140,9 @@ def load_op() -> Any:
     """Define ``fp8_backends::triton_quant_per_token_group`` now (load time) and return its OpOverload."""
     _OPS.preload()
     return _OPS.op(OP_BASENAME)
+
+
+_traced_impl.load = load_op  # type: ignore[attr-defined]
 
 
 def triton_quant_per_token_group(x: torch.Tensor, group_size: int = 128, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
