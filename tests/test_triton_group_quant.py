@@ -216,3 +216,28 @@ def test_gpu_inductor_launches_the_kernel_itself():
     rq, rs = gq.quant_per_token_group(torch.nn.functional.silu(x), 128, scale_layout="m_major")
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
     assert "_group_quant_kernel" in "\n".join(codes)
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_op_with_a_dynamic_m_is_one_launch_in_any_layout():
+    """Compiled with a dynamic M after a producer: the producer's kernel and the op's one launch, the scale written in
+    its layout (padded m_major_tma included: the kernel writes the scale's buffer, so Inductor adds no copies)."""
+    gq.load_op()
+    for layout in gk.SCALE_LAYOUTS:
+        torch._dynamo.reset()
+
+        def f(a, layout=layout):
+            return gq.triton_quant_per_token_group(a * 2, 128, torch.float8_e4m3fn, layout)
+
+        compiled = torch.compile(f, fullgraph=True, dynamic=True)
+        for m in (6, 130, 256):
+            x = _x(m, 4096)
+            compiled(x)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                q, s = compiled(x)
+                torch.cuda.synchronize()
+            launched = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            assert len(launched) == 2 and "_group_quant_kernel" in launched, (layout, m, launched)
+            rq, rs = gq.quant_per_token_group(x * 2, 128, scale_layout=layout)
+            assert s.stride() == rs.stride()
+            assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)

@@ -43,14 +43,25 @@ def is_layout(scale: torch.Tensor, layout: ScaleLayout) -> bool:
     return (m <= 1 or s0 == 1) and (g <= 1 or s1 == lead)
 
 
-def empty_group_scale(m: int, groups: int, layout: ScaleLayout, device: torch.device | str) -> torch.Tensor:
-    """An uninitialised fp32 ``[m, groups]`` scale in ``layout``."""
+def empty_group_scale_buffer(m: int, groups: int, layout: ScaleLayout,
+                             device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(buffer, scale)``: an uninitialised contiguous fp32 buffer and the ``[m, groups]`` scale in ``layout`` that
+    views it from its first element (the buffer itself for ``row_major``). A kernel traced into a compiled graph
+    should be handed the buffer (with the scale's strides): a kernel that writes a view is recorded as writing a copy
+    of it, which Inductor then copies back into the buffer (two more kernels for a padded ``m_major_tma`` view)."""
     import torch
 
     if layout is ScaleLayout.ROW_MAJOR:
-        return torch.empty((m, groups), dtype=torch.float32, device=device)
+        buffer = torch.empty((m, groups), dtype=torch.float32, device=device)
+        return buffer, buffer
     lead = m if layout is ScaleLayout.M_MAJOR else tma_stride(m)
-    return torch.empty((groups, lead), dtype=torch.float32, device=device)[:, :m].t()
+    buffer = torch.empty((groups, lead), dtype=torch.float32, device=device)
+    return buffer, buffer[:, :m].t()
+
+
+def empty_group_scale(m: int, groups: int, layout: ScaleLayout, device: torch.device | str) -> torch.Tensor:
+    """An uninitialised fp32 ``[m, groups]`` scale in ``layout``."""
+    return empty_group_scale_buffer(m, groups, layout, device)[1]
 
 
 def to_layout(scale: torch.Tensor, layout: ScaleLayout) -> torch.Tensor:
@@ -62,4 +73,4 @@ def to_layout(scale: torch.Tensor, layout: ScaleLayout) -> torch.Tensor:
     return out
 
 
-__all__ = ["TMA_ALIGN", "empty_group_scale", "is_layout", "tma_stride", "to_layout"]
+__all__ = ["TMA_ALIGN", "empty_group_scale", "empty_group_scale_buffer", "is_layout", "tma_stride", "to_layout"]

@@ -117,14 +117,21 @@ def check_fp8(fp8_dtype: torch.dtype) -> float:
             from None
 
 
-def group_scale_empty(m: int, kg: int, layout: str | ScaleLayout, like: torch.Tensor) -> torch.Tensor:
-    """A new fp32 ``[m, kg]`` scale tensor on ``like``'s device in ``layout`` (:data:`SCALE_LAYOUTS`;
-    :func:`fp8_backends.core.group_scales.empty_group_scale`)."""
+def group_scale_buffer(m: int, kg: int, layout: str | ScaleLayout, like: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(buffer, scale)``: a new fp32 ``[m, kg]`` scale tensor on ``like``'s device in ``layout``
+    (:data:`SCALE_LAYOUTS`) and the contiguous buffer it views
+    (:func:`fp8_backends.core.group_scales.empty_group_scale_buffer`)."""
     try:
         layout = ScaleLayout.of(layout)
     except (ValueError, Fp8BackendError):
         raise InvalidInputError(f"scale_layout must be one of {', '.join(SCALE_LAYOUTS)}, got {layout!r}") from None
-    return group_scales.empty_group_scale(m, kg, layout, like.device)
+    return group_scales.empty_group_scale_buffer(m, kg, layout, like.device)
+
+
+def group_scale_empty(m: int, kg: int, layout: str | ScaleLayout, like: torch.Tensor) -> torch.Tensor:
+    """A new fp32 ``[m, kg]`` scale tensor on ``like``'s device in ``layout`` (:data:`SCALE_LAYOUTS`)."""
+    return group_scale_buffer(m, kg, layout, like)[1]
 
 
 def scale_layout_of(scale: torch.Tensor) -> str | None:
@@ -136,19 +143,26 @@ def scale_layout_of(scale: torch.Tensor) -> str | None:
     return None
 
 
-def kernel_args(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_size: int, use_pdl: bool
-                ) -> tuple[Any, tuple[int, ...], tuple[Any, ...], int]:
-    """``(kernel, grid, args, num_warps)`` of a launch (sizes may be symbolic under tracing)."""
+def kernel_args(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_size: int, use_pdl: bool,
+                scale_buffer: torch.Tensor | None = None) -> tuple[Any, tuple[int, ...], tuple[Any, ...], int]:
+    """``(kernel, grid, args, num_warps)`` of a launch (sizes may be symbolic under tracing). ``scale_buffer``: the
+    tensor the kernel is handed to write ``scale`` through (``scale``'s strides from its first element: the buffer
+    :func:`group_scale_buffer` returns with it; default ``scale`` itself). A K unknown while tracing gets the
+    one-group-per-program configuration."""
     m, k = x.shape
-    cfg = group_config(k, group_size, m if isinstance(m, int) and m < 64 else None)
+    if isinstance(k, int):
+        cfg = group_config(k, group_size, m if isinstance(m, int) and m < 64 else None)
+    else:
+        cfg = GroupConfig(max(1, TILE // group_size), 1, TILE_WARPS)
     kg = (k + group_size - 1) // group_size
     grid = ((m + cfg.rows - 1) // cfg.rows, (kg + cfg.groups - 1) // cfg.groups)
-    args = (x, q, scale, m, k, x.stride(0), x.stride(1), q.stride(0), scale.stride(0), scale.stride(1),
-            FMAX[q.dtype], cfg.rows, cfg.groups, group_size, use_pdl)
+    args = (x, q, scale if scale_buffer is None else scale_buffer, m, k, x.stride(0), x.stride(1), q.stride(0),
+            scale.stride(0), scale.stride(1), FMAX[q.dtype], cfg.rows, cfg.groups, group_size, use_pdl)
     return _group_quant_kernel, grid, args, cfg.num_warps
 
 
 __all__ = [
-    "FMAX", "GROUP_SIZES", "SCALE_LAYOUTS", "GroupConfig", "check_fp8", "group_config", "group_scale_empty",
+    "FMAX", "GROUP_SIZES", "SCALE_LAYOUTS", "GroupConfig", "check_fp8", "group_config", "group_scale_buffer",
+    "group_scale_empty",
     "kernel_args", "scale_layout_of",
 ]
