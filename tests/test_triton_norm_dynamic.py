@@ -233,3 +233,29 @@ def test_gpu_inductor_launches_the_kernels_itself():
     assert torch.equal(q.view(torch.uint8), q_e.view(torch.uint8)) and torch.equal(s, s_e)
     assert torch.equal(res_c, res_e)
     assert "_norm_dyn_block_kernel" in "\n".join(codes)
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_group_mode_with_a_dynamic_m_adds_no_scale_copies():
+    """A padded ``m_major_tma`` scale at token counts not a multiple of 4, compiled with a dynamic M: the producer's
+    kernel and the op's one launch (its kernel writes the scale's buffer: no copy in or back)."""
+    nd.load_ops()
+    torch._dynamo.reset()
+    w = _inputs(4, 4096)[2]
+
+    def f(a, res):
+        return nd.triton_rmsnorm_quant_dynamic(a * 2, w, EPS, res, 128, "m_major_tma")
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    for t in (6, 130):
+        x, r, _ = _inputs(t, 4096)
+        compiled(x, r.clone())
+        res_c, res_e = r.clone(), r.clone()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            q, s = compiled(x, res_c)
+            torch.cuda.synchronize()
+        launched = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert len(launched) == 2, (t, launched)
+        q_e, s_e, _ = nd.rmsnorm_quant_dynamic(x * 2, w, EPS, res_e, scale_layout="m_major_tma")
+        assert s.stride() == s_e.stride() and torch.equal(s, s_e)
+        assert torch.equal(q.view(torch.uint8), q_e.view(torch.uint8)) and torch.equal(res_c, res_e)

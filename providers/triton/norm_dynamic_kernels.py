@@ -54,7 +54,7 @@ import triton.language as tl
 
 from fp8_backends.core.errors import InvalidInputError
 
-from .group_quant_kernels import FMAX, group_scale_empty
+from .group_quant_kernels import FMAX, group_scale_buffer
 from .nan_math import nan_clamp, nan_max_reduce, nan_maximum
 from .norm_kernels import default_config
 from .quant_kernels import LOOP_BLOCK, LOOP_WARPS
@@ -208,20 +208,24 @@ def dyn_config(t: int, h: int, add: bool, group_size: int, per_token: bool, sing
 
 
 def kernel_args(cfg: DynConfig, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                q: torch.Tensor, scale: torch.Tensor, eps: float, per_token: bool, use_pdl: bool
-                ) -> tuple[Any, tuple[int, ...], tuple[Any, ...]]:
+                q: torch.Tensor, scale: torch.Tensor, eps: float, per_token: bool, use_pdl: bool,
+                scale_buffer: torch.Tensor | None = None) -> tuple[Any, tuple[int, ...], tuple[Any, ...]]:
     """``(kernel, grid, args)`` of a launch: every kernel parameter in order, the five pointers first (a replay passes
-    those and ``eps`` itself). Sizes may be symbolic under tracing."""
+    those and ``eps`` itself). Sizes may be symbolic under tracing. ``scale_buffer``: the tensor the kernel writes
+    ``scale`` through (``scale``'s strides from its first element; default ``scale``): a traced launch hands the
+    contiguous buffer a padded scale views (:func:`.group_quant_kernels.group_scale_buffer`), so the write is not
+    traced as a write of a copy."""
     t, h = x.shape
     add = residual is not None
     r = residual if add else x
     strides = (x.stride(0), r.stride(0), q.stride(0), weight.stride(0), scale.stride(0), scale.stride(1))
     fmax = FMAX[q.dtype]
+    s = scale if scale_buffer is None else scale_buffer
     if cfg.path == "loop":
         return (_norm_dyn_loop_kernel, (t,),
-                (x, r, weight, q, scale, h, *strides, eps, fmax, cfg.ng, cfg.gb, per_token, add, use_pdl))
+                (x, r, weight, q, s, h, *strides, eps, fmax, cfg.ng, cfg.gb, per_token, add, use_pdl))
     return (_norm_dyn_block_kernel, ((t + cfg.rows - 1) // cfg.rows,),
-            (x, r, weight, q, scale, t, h, *strides, eps, fmax, cfg.rows, cfg.ng, cfg.gb, add, use_pdl))
+            (x, r, weight, q, s, t, h, *strides, eps, fmax, cfg.rows, cfg.ng, cfg.gb, add, use_pdl))
 
 
 def per_token_mode(act_scale: object) -> bool:
@@ -234,14 +238,23 @@ def per_token_mode(act_scale: object) -> bool:
     raise InvalidInputError(f"act_scale must be {PER_TOKEN!r} or {PER_TOKEN_GROUP!r}, got {act_scale!r}")
 
 
-def outputs_like(x: torch.Tensor, group_size: int, scale_layout: str, fp8_dtype: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """New ``q`` and ``scale`` of the ops (also their fake implementations)."""
+def output_buffers(x: torch.Tensor, group_size: int, scale_layout: str, fp8_dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, scale, scale's buffer)``: new outputs of the ops, and the contiguous buffer the scale views."""
     t, h = x.shape
     q = x.new_empty((t, h), dtype=fp8_dtype)
     if group_size == 0:
-        return q, x.new_empty((t, 1), dtype=torch.float32)
-    return q, group_scale_empty(t, (h + group_size - 1) // group_size, scale_layout, x)
+        scale = x.new_empty((t, 1), dtype=torch.float32)
+        return q, scale, scale
+    buffer, scale = group_scale_buffer(t, (h + group_size - 1) // group_size, scale_layout, x)
+    return q, scale, buffer
 
 
-__all__ = ["PER_TOKEN", "PER_TOKEN_GROUP", "DynConfig", "dyn_config", "kernel_args", "outputs_like", "per_token_mode"]
+def outputs_like(x: torch.Tensor, group_size: int, scale_layout: str, fp8_dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """New ``q`` and ``scale`` of the ops (also their fake implementations)."""
+    return output_buffers(x, group_size, scale_layout, fp8_dtype)[:2]
+
+
+__all__ = ["PER_TOKEN", "PER_TOKEN_GROUP", "DynConfig", "dyn_config", "kernel_args", "output_buffers", "outputs_like",
+           "per_token_mode"]

@@ -9,19 +9,19 @@ import typing
 import torch
 from torch.library import wrap_triton
 
-from .norm_dynamic_kernels import dyn_config, kernel_args, outputs_like
+from .norm_dynamic_kernels import dyn_config, kernel_args, output_buffers
 
 
 def _norm(x: torch.Tensor, residual: typing.Optional[torch.Tensor], weight: torch.Tensor,  # noqa: UP045
           eps: float, group_size: int, scale_layout: str, fp8_dtype: torch.dtype
           ) -> typing.Tuple[torch.Tensor, torch.Tensor]:  # noqa: UP006
-    q, scale = outputs_like(x, group_size, scale_layout, fp8_dtype)
+    q, scale, buffer = output_buffers(x, group_size, scale_layout, fp8_dtype)  # the kernel writes the buffer
     t, h = x.shape
     if t == 0 or h == 0:
         return q, scale
     per_token = group_size == 0
     cfg = dyn_config(t, h, residual is not None, group_size or 128, per_token)
-    kernel, grid, args = kernel_args(cfg, x, residual, weight, q, scale, eps, per_token, False)
+    kernel, grid, args = kernel_args(cfg, x, residual, weight, q, scale, eps, per_token, False, scale_buffer=buffer)
     wrap_triton(kernel)[grid](*args, num_warps=cfg.num_warps)
     return q, scale
 
