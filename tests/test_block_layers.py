@@ -206,6 +206,20 @@ def test_compiled_block_linear_quantizes_a_dynamic_m_with_the_traced_group_kerne
     assert quant.traced_group_kernel("cpu") is None  # the reference torch code names none
 
 
+def test_compiled_block_linear_refuses_bad_inputs_with_the_library_error():
+    """The compiled block plan picks its M bucket before the input is checked: whatever bucket a bad input lands in,
+    its check raises the library's message (wrong K, wrong dtype, a quantized activation in another mode)."""
+    layer = Fp8Linear.from_linear(_linear(256, 384, bias=False), weight_scale="block")
+    for bad, message in [(torch.randn(3, 256, dtype=torch.bfloat16), "K=384"),
+                         (torch.randn(3, 384, dtype=torch.float16), "prepared for torch.bfloat16"),
+                         (QuantizedActivation(torch.zeros(3, 384).to(torch.float8_e4m3fn), torch.ones(3, 1),
+                                              torch.bfloat16, "per_token"), "never re-quantizes")]:
+        torch._dynamo.reset()
+        with pytest.raises(Exception) as info:
+            torch.compile(layer, fullgraph=True)(bad)
+        assert message in str(info.value)
+
+
 def test_quantize_model_block_on_a_transformers_model():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4,

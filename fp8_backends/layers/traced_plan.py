@@ -158,7 +158,7 @@ def rows_of(x: Any, k: int) -> Any:
     prologue checks it: it only picks the M bucket whose prologue then checks the input (a wrong ``x`` raises there,
     whichever bucket it picked)."""
     data = x.data if isinstance(x, QuantizedActivation) else x
-    return data.numel() // k
+    return data.numel() // k if hasattr(data, "numel") else 0
 
 
 def finish(backend: Any, x_q: torch.Tensor, prepared: Any, scale: torch.Tensor, dtype: torch.dtype,
