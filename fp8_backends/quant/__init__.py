@@ -462,9 +462,10 @@ def traced_quantize_groups(x: torch.Tensor, group_size: int, fp8: torch.dtype, f
 
 
 def traced_layout(scale: torch.Tensor, layout: ScaleLayout) -> torch.Tensor:
-    """``scale [M, G]`` (row-major) re-laid out as torch ops a compiler can fuse into the quantization that made it
-    (``m_major_tma`` only where it was made without its padding: :func:`traced_quantize_groups` writes it in one
-    kernel); ``scale`` itself when it is in ``layout`` already (a quantized activation made for this consumer)."""
+    """``scale [M, G]`` (any layout) in ``layout``, as torch ops a compiler can fuse into the quantization that made
+    it; ``scale`` itself when it is in ``layout`` already (a quantized activation made for this consumer). A scale
+    this code quantizes is written in its layout by :func:`traced_quantize_groups` instead (``m_major_tma``'s padding
+    is a copy of its own here)."""
     from ..core import group_scales
 
     if group_scales.is_layout(scale, layout):
