@@ -95,9 +95,9 @@ def register_quant_impl(mode: ActScale | str, device_type: str, fn: QuantImpl | 
     :func:`padded_quantizer`) says so with a ``pads_output = True`` attribute and takes a keyword ``k_out`` (the
     padded width; row-major ``[M, k_out]`` codes, zeros beyond K; static, dynamic and per-token modes).
     A per-token-group ``fn`` may name, as its ``traced`` attribute, a callable of the same signature (and promise) that
-    ``torch.compile`` can trace into kernels it launches itself (a :func:`torch.library.triton_op`; a ``load``
-    attribute of that callable, if any, is called once at load time): compiled layers call it where the token count
-    may be dynamic (:func:`traced_group_kernel`).
+    ``torch.compile`` can trace into kernels it launches itself (an op whose traced body launches the kernel through
+    ``torch.library.wrap_*``; a ``load`` attribute of that callable, if any, is called once at load time): compiled
+    layers call it where the token count may be dynamic (:func:`traced_group_kernel`).
     ``fn=None`` removes the entry. Returns the entry it replaced (or None), so a caller can restore it.
     """
     mode = ActScale.of(mode)
