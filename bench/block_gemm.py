@@ -19,6 +19,9 @@ wrong variant is reported failed, never timed). Variants:
   launch as the library does on SM90 (consecutive calls in the graph overlap their prologues), ``triton_nopdl``: the
   same kernel without it (like for like with cuBLAS), and ``triton:<config>`` per kernel family where it is eligible
   (GEMV, swap-AB, tiled, TMA), every shipped config with ``--sweep``;
+- ``fused:<config>`` (M <= 4): the fused GEMV, which reads the bf16 activation and quantizes each group itself (the
+  fused pick where it serves M, and every ``--fused-configs`` config), against ``quant+triton``: the Triton
+  group-quant op, then the block GEMM (``auto``), the two launches it replaces;
 - ``scaled_mm``: ``torch._scaled_mm(x_q, w_q.t(), scale_a, scale_b=w_scale.t())`` (SM90, cuBLASLt >= 12.9) called
   directly; the activation-scale layouts M-major, M-major padded to 4 and row-major are tried in that order and the
   first that torch accepts and computes right is timed; every refusal's text is recorded;
@@ -90,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--configs", default="",
                     help="comma-separated Triton configs to time beside the shipped ones, spelled as config names "
                     "(e.g. mm_n64_m64_s4_w4_g8_sk7: a fixed K split of 7); timed where eligible")
+    ap.add_argument("--fused-configs", default="",
+                    help="comma-separated gemv configs to time as the fused GEMV (the activation quantized in the "
+                    "launch, from bf16) at M <= 4, beside the fused pick and quantize-then-GEMV")
     ap.add_argument("--flashinfer", choices=("auto", "on", "off"), default="auto",
                     help="time flashinfer's fp8_blockscale_gemm_sm90, directly and as the flashinfer_block provider "
                     "(auto: on unless --quick/--smoke)")
@@ -128,10 +134,17 @@ def gemm_shapes(args: argparse.Namespace) -> list[tuple[str, str, int, int]]:
 
 # ---------------------------------------------------------------------------------------------- data
 def _quantize_groups(x: Any, fp8: Any) -> tuple[Any, Any]:
-    """Per-token-group quantization (G = 128) of ``x``: ``(x_q, scale [M, Kg] row-major)`` (the reference's)."""
+    """Per-token-group quantization (G = 128) of ``x``: ``(x_q, scale [M, Kg] row-major)`` (the reference's), with
+    each group's scale rounded to a power of two and its first code set to the type's largest value: the dequantized
+    activation is then exact in bf16 and quantizes back to the same codes and scales (the fused variants read it)."""
+    import torch
+
     from fp8_backends.core import reference
 
-    return reference.quantize_per_token_group(x, GROUP, fp8)
+    x_q, scale = reference.quantize_per_token_group(x, GROUP, fp8)
+    codes = x_q.float()
+    codes[:, ::GROUP] = torch.finfo(fp8).max
+    return codes.to(fp8), scale.log2().round().exp2()
 
 
 def _quantize_blocks(w: Any, fp8: Any) -> tuple[Any, Any]:
@@ -348,6 +361,8 @@ def gemm_point(model: str, layer: str, n: int, k: int, m: int, device: str, time
             return out
 
         runs[f"triton:{cfg.name}"] = Run(extra, data.sets, data.check(FP8_TOL))
+    if m <= 4:
+        _fused_runs(runs, configs, data, m, n, k, args.fused_configs)
     if device.startswith("cuda"):  # auto without programmatic dependent launch: like for like with cuBLAS
         auto_cfg = bg.pick_config("auto", m, n, k)
         configs["triton_nopdl"] = auto_cfg.name
@@ -379,6 +394,42 @@ def gemm_point(model: str, layer: str, n: int, k: int, m: int, device: str, time
         _check_first_calls(runs)  # the CPU timer checks nothing itself
     measured: dict[str, Measurement] = timer(runs)
     return analyse_point(model, layer, n, k, m, measured, configs, notes, copy_gbps)
+
+
+def _fused_runs(runs: dict[str, Any], configs: dict[str, str], data: GemmData, m: int, n: int, k: int,
+                names: str) -> None:
+    """The fused GEMV from the bf16 activation (``fused:<config>``: the fused pick where it serves M, and every
+    ``--fused-configs`` config) and what it replaces, ``quant+triton``: the Triton group-quant op (TMA-padded M-major
+    scales), then the block GEMM with ``config=auto``."""
+    import torch
+
+    from fp8_backends.providers.triton import block_gemm_args as ba
+    from fp8_backends.providers.triton import block_gemm_ops as bg
+    from fp8_backends.providers.triton import group_quant_ops as gq
+    from fp8_backends.providers.triton.block_gemm_configs import BlockTileConfig
+    from fp8_backends.tuning.timing import Run
+
+    picked = ba.fused_config("auto", m, n, k)
+    wanted = ([picked.name] if picked is not None else []) + [c.strip() for c in names.split(",") if c.strip()]
+    for name in dict.fromkeys(wanted):
+        cfg = BlockTileConfig.from_name(name)
+        if cfg.family != "gemv":
+            raise SystemExit(f"--fused-configs takes gemv configs, got {name}")
+        configs[f"fused:{name}"] = name
+
+        def fused(i: int, cfg: Any = cfg) -> Any:
+            out = data.x_bf16.new_empty((m, n))
+            bg.run_config(cfg, data.x_bf16, data.w_q[i], data.ws[i], data.ws[i], None, out, GROUP, x_quant=True)
+            return out
+
+        runs[f"fused:{name}"] = Run(fused, data.sets, data.check(FP8_TOL))
+    configs["quant+triton"] = bg.pick_config("auto", m, n, k).name
+
+    def quant_then_gemm(i: int) -> Any:
+        x_q, xs = gq.quant_per_token_group(data.x_bf16, GROUP, torch.float8_e4m3fn, "m_major_tma")
+        return bg.launch(x_q, data.w_q[i], xs, data.ws[i], None, torch.bfloat16, GROUP)
+
+    runs["quant+triton"] = Run(quant_then_gemm, data.sets, data.check(FP8_TOL))
 
 
 def _provider_runs(runs: dict[str, Any], notes: dict[str, Any], data: GemmData, m: int, n: int, k: int,

@@ -75,7 +75,7 @@ def gemm_variant(cfg: Any, even: bool = True, align: int = 16, split: int | None
     name = f"{cfg.name} even_k={even} row_align={align}"
     if cfg.family == "gemv":
         consts = dict(common, BLOCK_N=cfg.block_n, GROUPS=cfg.groups, EVEN_K=even, ROW_ALIGN=align, **unit,
-                      stride_xsk=1, stride_wsk=1)
+                      stride_xsk=1, stride_wsk=1, X_QUANT=False, FMAX=448.0)
         return name, compile_variant(K.block_gemv_kernel, GEMM_TYPES, consts, aligned, cfg.warps, cfg.stages)
     if cfg.family == "tma":
         types = dict(GEMM_TYPES, x_desc=f"tensordesc<fp8e4nv[{cfg.block_m}, 128]>",

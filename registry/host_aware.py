@@ -80,13 +80,28 @@ def _valid_us(cls: Any, value: Any, what: str) -> float | None:
 
 def host_us_of(cls: Any, m: int | None = None, n: int | None = None, k: int | None = None,
                options: Mapping[str, str] | None = None, *, block: bool = False) -> float | None:
-    """A provider class's host µs per call: for a block-scaled problem (``block``) its declared
-    :attr:`~fp8_backends.core.backend.Fp8GemmBackend.block_host_us` where it has one; else at ``M x N x K`` with
-    ``options`` its :meth:`~fp8_backends.core.backend.Fp8GemmBackend.host_us_for` where the problem is given and the
-    class has one, else its declared :attr:`~fp8_backends.core.backend.Fp8GemmBackend.host_us`; None when it declares
-    none or something that is not a finite number >= 0 (reported at DEBUG). A ``host_us_for`` that raises or answers
-    such a value counts as ``host_us``."""
+    """A provider class's host µs per call.
+
+    - A block-scaled problem (``block``): at an M where the class's call quantizes the activation itself,
+      :meth:`~fp8_backends.core.backend.Fp8GemmBackend.block_fused_host_us_for`'s answer; else its declared
+      :attr:`~fp8_backends.core.backend.Fp8GemmBackend.block_host_us` where it has one.
+    - Otherwise at ``M x N x K`` with ``options``: its :meth:`~fp8_backends.core.backend.Fp8GemmBackend.host_us_for`
+      where the problem is given and the class has one, else its declared
+      :attr:`~fp8_backends.core.backend.Fp8GemmBackend.host_us`.
+
+    None when it declares none or something that is not a finite number >= 0 (reported at DEBUG). A hook that raises
+    or answers such a value counts as undeclared (``host_us_for``: as ``host_us``)."""
     if block:
+        fused_hook = getattr(cls, "block_fused_host_us_for", None)
+        if fused_hook is not None and m is not None:
+            try:
+                fused = _valid_us(cls, fused_hook(m, dict(options or {})), f"block_fused_host_us_for({m})")
+            except Exception as exc:  # a plugin's hook must not break resolution
+                logger.debug("provider %s: block_fused_host_us_for(%s) raised %s: %s", getattr(cls, "name", cls), m,
+                             type(exc).__name__, exc)
+                fused = None
+            if fused is not None:
+                return fused
         per_block = _valid_us(cls, getattr(cls, "block_host_us", None), "block_host_us")
         if per_block is not None:
             return per_block

@@ -3,6 +3,8 @@ group-quantized activations, ``quantize_model(weight_scale="block")``; eager, ge
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -204,6 +206,64 @@ def test_compiled_block_linear_quantizes_a_dynamic_m_with_the_traced_group_kerne
         quant.register_quant_impl("per_token_group", "cpu", previous)
     assert traced_ms == [5, 12]  # traced (once per M bucket: a recompile each) for M = 5 and 12, never for M = 1
     assert quant.traced_group_kernel("cpu") is None  # the reference torch code names none
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs a GPU or Triton's interpreter (TRITON_INTERPRET=1: conftest.py sets it)")
+def test_compiled_block_linear_hands_one_token_to_a_provider_that_quantizes_in_its_launch(monkeypatch):
+    """The ``triton`` provider quantizes one token inside its block GEMV (``traced_fused_quant_max_m`` = 1): a
+    compiled layer on it hands M = 1 over unquantized (the fused op), quantizes M > 1 itself, and gives a quantized
+    activation the quantized path at any M; outputs as the eager layer's (whose M = 1 call is the same fused
+    launch); a bad one-token input still gets the library's error."""
+    from fp8_backends.providers.triton.gemm import TritonGemmBackend
+
+    fused_ms: list[object] = []
+    real = TritonGemmBackend.traced_fused_quant_gemm_impl
+
+    def recording(self, x, prepared, act_scale, input_scale, out_dtype, bias):
+        fused_ms.append(x.shape[0])  # while Dynamo traces
+        return real(self, x, prepared, act_scale, input_scale, out_dtype, bias)
+
+    monkeypatch.setattr(TritonGemmBackend, "traced_fused_quant_gemm_impl", recording)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: Triton's interpreter (conftest.py sets it)
+    layer = Fp8Linear.from_linear(_linear(256, 384).to(dev), weight_scale="block", backend="triton")
+    assert layer.kernel.backend.traced_fused_quant_max_m(layer.kernel.prepared, ActScale.PER_TOKEN_GROUP) == 1
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True)
+    for shape in ((1, 384), (1, 1, 384), (3, 384)):
+        x = torch.randn(*shape, dtype=torch.bfloat16, device=dev) * 4
+        fused_ms.clear()
+        assert torch.equal(compiled(x), layer(x)), shape
+        assert fused_ms == ([1] if shape[-2] == 1 else []), shape
+        xq, xs = reference.quantize_per_token_group(x.reshape(-1, 384))
+        qa = QuantizedActivation(xq.reshape(x.shape), xs, torch.bfloat16, ActScale.PER_TOKEN_GROUP)
+        fused_ms.clear()
+        assert _rel(compiled(qa), layer(qa)) < 1e-3 and fused_ms == [], shape
+    for bad, message in [(torch.randn(1, 256, dtype=torch.bfloat16, device=dev), "K=384"),
+                         (torch.randn(1, 384, dtype=torch.float16, device=dev), "prepared for torch.bfloat16")]:
+        torch._dynamo.reset()
+        with pytest.raises(Exception) as info:
+            torch.compile(layer, fullgraph=True)(bad)
+        assert message in str(info.value)
+
+
+def test_traced_plan_fuses_the_buckets_a_provider_quantizes_in_its_launch():
+    """Which M of each bucket a plan hands over unquantized: the whole bucket where the provider's bound covers it,
+    up to that bound in the bucket that straddles it (the last bucket included), nowhere past it."""
+    from types import SimpleNamespace
+
+    from fp8_backends.layers.traced_plan import _fused_bounds
+
+    def row(bucket, upto):
+        return SimpleNamespace(bucket=bucket, prepared=None,
+                               backend=SimpleNamespace(traced_fused_quant_max_m=lambda prepared, mode: upto))
+
+    mode = ActScale.PER_TOKEN_GROUP
+    assert _fused_bounds([row(1, 1), row(16, 1), row(1 << 62, 1)], mode) == [-1, None, None]
+    assert _fused_bounds([row(4, 8), row(16, 8), row(1 << 62, 8)], mode) == [-1, 8, None]
+    assert _fused_bounds([row(1 << 62, 1)], mode) == [1]
+    assert _fused_bounds([row(1, 0), row(1 << 62, 0)], mode) == [None, None]
+    assert _fused_bounds([row(1, 0), row(1 << 62, 1)], mode) == [None, None]  # its bucket starts past its bound
 
 
 def test_compiled_block_linear_refuses_bad_inputs_with_the_library_error():

@@ -352,6 +352,110 @@ def test_op_matches_the_eager_call_and_has_a_fake():
     assert tuple(out.shape) == (5, 64) and out.dtype == torch.float16
 
 
+# ------------------------------------------------------------------------------------ the fused GEMV
+def _unquantized(m, n, k, seed=0, dtype=torch.bfloat16, device=DEVICE):
+    """``(x [M, K] unquantized, w_q, ws)``: normal activations with loud columns (the group scales differ)."""
+    g = torch.Generator().manual_seed(seed * 7919 + m * 31 + n * 7 + k + 1)
+    x = torch.randn(m, k, generator=g) * 2
+    x[:, ::5] *= 8
+    w_q, ws = R.quantize_block(torch.randn(n, k, generator=g) * 0.05, (128, 128), torch.float8_e4m3fn)
+    return x.to(dtype).to(device), w_q.to(device), ws.to(device)
+
+
+def _quantize_then_gemv(cfg, x, w_q, ws, group=128, out_dtype=torch.bfloat16, bias=None):
+    """What the fused launch replaces: the Triton group quantization (what a layer runs: IEEE divisions, where torch's
+    CUDA division by a Python scalar multiplies by its reciprocal), then ``cfg``'s GEMV on the codes."""
+    from fp8_backends.providers.triton import group_quant_ops as gq
+
+    x_q, xs = gq.quant_per_token_group(x, group, w_q.dtype)
+    out = torch.full((x.shape[0], w_q.shape[0]), float("nan"), dtype=out_dtype, device=x.device)
+    bg.run_config(cfg, x_q, w_q, xs, ws, bias, out, group)
+    return out
+
+
+@needs_kernels
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 200, 520), (3, 130, 384), (1, 256, 1024), (2, 64, 100)])
+@pytest.mark.parametrize("config", ["gemv_n8_g8_w4", "gemv_n16_g2_w2", "gemv_n2_g8_w2"])
+def test_fused_gemv_equals_quantize_then_gemv_bit_for_bit(m, n, k, config):
+    """The fused GEMV quantizes each group as the reference does (the same codes and scales), so its output is the
+    quantize-then-GEMV output exactly, ragged N and K included; and both stay within the reference's bound."""
+    cfg = bc.CONFIGS[config]
+    x, w_q, ws = _unquantized(m, n, k)
+    y = bg.fused_launch(x, w_q, ws, None, torch.bfloat16, 128, config)
+    assert torch.equal(y, _quantize_then_gemv(cfg, x, w_q, ws))
+    x_q, xs = R.quantize_per_token_group(x, 128)
+    assert relerr(y, R.block_fp8_gemm(x_q, w_q, xs, ws)) < TOL[torch.bfloat16]
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", ["fp16_in_fp32_out_bias", "group_64", "e5m2", "strided_x", "fp32_in_fp16_out"])
+def test_fused_gemv_modes_and_layouts(case):
+    cfg = bc.CONFIGS[bc.FUSED_GEMV_SHORT_K]
+    m, n, k = 1, 144, 640
+    dtype = {"fp16_in_fp32_out_bias": torch.float16, "fp32_in_fp16_out": torch.float32}.get(case, torch.bfloat16)
+    out_dtype = {"fp16_in_fp32_out_bias": torch.float32, "fp32_in_fp16_out": torch.float16}.get(case, torch.bfloat16)
+    group = 64 if case == "group_64" else 128
+    x, w_q, ws = _unquantized(m, n, k, dtype=dtype)
+    if case == "e5m2":
+        w_q = w_q.float().to(torch.float8_e5m2)
+    if case == "strided_x":  # a column slice of a wider row: row stride 2K
+        x = torch.cat([x, x.flip(1)], dim=1)[:, :k]
+    bias = (torch.randn(n) * 2).to(out_dtype).to(DEVICE) if "bias" in case else None
+    y = bg.fused_launch(x, w_q, ws, bias, out_dtype, group, cfg.name)
+    assert y.dtype == out_dtype
+    assert torch.equal(y, _quantize_then_gemv(cfg, x, w_q, ws, group, out_dtype, bias))
+
+
+@needs_kernels
+def test_fused_gemv_nan_and_edges():
+    """A NaN in a group reaches the output (as the reference's amax and clamp keep it); no tokens or no output
+    columns give an empty result; K = 0 gives the bias."""
+    x, w_q, ws = _unquantized(1, 64, 256)
+    x[0, 3] = float("nan")
+    assert torch.isnan(bg.fused_launch(x, w_q, ws, None, torch.float32, 128, "auto")).all()
+    empty = bg.fused_launch(x[:0], w_q, ws, None, torch.bfloat16)
+    assert empty is not None and tuple(empty.shape) == (0, 64)
+    bias = torch.arange(64, dtype=torch.float32, device=DEVICE)
+    zero_k = bg.fused_launch(x[:, :0], w_q[:, :0], ws[:, :0], bias, torch.float32)
+    assert torch.equal(zero_k, bias[None])
+
+
+def test_fused_config_follows_the_fused_pick_and_named_gemv_configs():
+    from fp8_backends.providers.triton import block_gemm_args as ba
+
+    assert ba.fused_config("auto", 1, 4096, 4096).name == bc.FUSED_GEMV == bc.fused_pick(1, 4096, 4096)
+    assert ba.fused_config("auto", 1, 24576, 1536).name == bc.FUSED_GEMV_SHORT_K
+    assert ba.fused_config("auto", bc.FUSED_MAX_M + 1, 4096, 4096) is None  # quantize, then the table's kernel
+    assert ba.fused_config("gemv_n2_g8_w2", 4, 4096, 4096).name == "gemv_n2_g8_w2"
+    assert ba.fused_config("gemv_n2_g8_w2", 5, 4096, 4096) is None  # past the GEMV's own bound
+    assert ba.fused_config("swap_n64_m16_s8_w4_sk0", 1, 4096, 4096) is None  # only GEMVs quantize in the launch
+    assert ba.fused_config("auto", 64, 4096, 4096, any_m=True).name == bc.FUSED_GEMV  # the op: whatever M
+    assert ba.fused_config("auto", 64, 512, 512, any_m=True).name == bc.FUSED_GEMV_SHORT_K
+    with pytest.raises(InvalidInputError, match="only the gemv configs"):
+        x_q, w_q, xs, ws = _operands(2, 64, 256)
+        plan = ba.plan_launch(bc.CONFIGS["mm_n128_m64_s4_w4_g8_sk0"], 2, 64, 256, 128, 4)
+        ba.kernel_args(plan, x_q, w_q, xs, ws, None, torch.empty(2, 64), None, None, 128, (128, 128), False, True)
+
+
+@needs_kernels
+def test_fused_op_matches_the_fused_launch_and_has_a_fake():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    op = bg.load_fused_op()
+    assert "Tensor w_scale" in str(op._schema) and "x_scale" not in str(op._schema)
+    x, w_q, ws = _unquantized(1, 200, 520)
+    assert torch.equal(op(x, w_q, ws, None, torch.bfloat16, 128, "auto"),
+                       bg.fused_launch(x, w_q, ws, None, torch.bfloat16))
+    x3 = torch.cat([x, x * 2, -x])  # the op serves every M (its caller chose to fuse)
+    y3 = op(x3, w_q, ws, None, torch.bfloat16, 128, "auto")
+    assert torch.equal(y3, _quantize_then_gemv(bc.CONFIGS[bc.fused_shape_config(200, 520)], x3, w_q, ws))
+    with FakeTensorMode():
+        fx = torch.empty(1, 256, dtype=torch.bfloat16, device=DEVICE)
+        fw = torch.empty(64, 256, dtype=torch.float8_e4m3fn, device=DEVICE)
+        out = op(fx, fw, torch.empty(1, 2, device=DEVICE), None, torch.float16, 128, "auto")
+    assert tuple(out.shape) == (1, 64) and out.dtype == torch.float16
+
+
 # ------------------------------------------------------------------------------------ GPU
 SHAPES = {  # (N, K) of DeepSeek-V3, Qwen3-8B and Qwen3-32B linear layers, and ragged TP splits
     "dsv3_q_a": (1536, 7168), "dsv3_kv_a": (576, 7168), "dsv3_q_b": (24576, 1536), "dsv3_kv_b": (32768, 512),
@@ -445,6 +549,41 @@ def test_gpu_inductor_launches_the_kernel_itself(m):
     assert torch.equal(y, eager)
     if bg.pick_config("auto", m, n, k).family != "tma":
         assert "block_gemm_" in "\n".join(codes) and "triton_block_gemm.default" not in "\n".join(codes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["dsv3_q_a", "dsv3_kv_b", "dsv3_down", "qwen3_8b_qkv", "ragged"])
+def test_gpu_fused_gemv_equals_quantize_then_gemv(shape):
+    """On the GPU, random activations: the fused pick's launch equals the group quantization (the Triton op, the
+    kernel a layer runs) followed by the same GEMV, bit for bit; eager, in a CUDA graph and compiled (Inductor
+    launches the fused kernel itself: no opaque op)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from fp8_backends.providers.triton import group_quant_ops as gq
+
+    n, k = SHAPES[shape]
+    x, w_q, ws = _unquantized(1, n, k)
+    cfg = bc.CONFIGS[bc.fused_pick(1, n, k)]
+    x_q, xs = gq.quant_per_token_group(x, 128, torch.float8_e4m3fn, "m_major_tma")
+    want = torch.empty(1, n, dtype=torch.bfloat16, device=DEVICE)
+    bg.run_config(cfg, x_q, w_q, xs, ws, None, want, 128)
+    assert torch.equal(bg.fused_launch(x, w_q, ws, None, torch.bfloat16), want)
+    static_x = x.clone()
+    bg.fused_launch(static_x, w_q, ws, None, torch.bfloat16)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = bg.fused_launch(static_x, w_q, ws, None, torch.bfloat16)
+    x2, _, _ = _unquantized(1, n, k, seed=5)
+    static_x.copy_(x2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, bg.fused_launch(x2, w_q, ws, None, torch.bfloat16))
+    op = bg.load_fused_op()
+    compiled = torch.compile(lambda t: op(t * 1, w_q, ws, None, torch.bfloat16, 128, "auto"), fullgraph=True)
+    got, codes = run_and_get_code(compiled, x)
+    assert torch.equal(got, want)
+    assert "block_gemv_kernel" in "\n".join(codes) and "triton_block_gemm_quant.default" not in "\n".join(codes)
 
 
 def test_traced_bodies_give_the_op_schemas():

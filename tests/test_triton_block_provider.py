@@ -44,6 +44,39 @@ def _backend(config="auto", **problem):
 
 
 # ------------------------------------------------------------------------------------ capabilities and refusals
+@needs_kernels
+def test_block_provider_quantizes_one_token_in_its_gemv_launch():
+    """The block GEMV fuses one token's group quantization (``config=auto``: M = 1; a named GEMV config: up to its
+    M; no other config, no other mode): the eager hook and the traced hook give quantize-then-``gemm_impl``'s output,
+    a larger M is declined, and the host objective prices the fused call where it fuses."""
+    from fp8_backends.providers.triton import group_quant_ops as gq
+    from fp8_backends.registry import host_aware
+
+    provider = _backend()
+    x_q, w_q, x_s, w_s = _operands(1, 256, 384)
+    prepared = provider.prepare_weight(w_q, w_s)
+    assert provider.traced_fused_quant_max_m(prepared, ActScale.PER_TOKEN_GROUP) == bc.FUSED_MAX_M == 1
+    assert provider.traced_fused_quant_max_m(prepared, ActScale.PER_TOKEN) == 0
+    assert _backend("gemv_n2_g8_w2").traced_fused_quant_max_m(prepared, ActScale.PER_TOKEN_GROUP) == 4
+    assert _backend("mm_n128_m64_s4_w4_g8_sk0").traced_fused_quant_max_m(prepared, ActScale.PER_TOKEN_GROUP) == 0
+    x = (torch.randn(1, 384) * 3).to(torch.bfloat16).to(DEVICE)
+    xq, xs = gq.quant_per_token_group(x, 128, torch.float8_e4m3fn, "m_major_tma")
+    want = provider.gemm_impl(xq, prepared, xs, torch.bfloat16, None)
+    bound = provider.bind_fused_quant_gemm(prepared, ActScale.PER_TOKEN_GROUP, None, torch.bfloat16, None)
+    assert torch.equal(bound(x), want)
+    assert torch.equal(provider.traced_fused_quant_gemm_impl(x, prepared, ActScale.PER_TOKEN_GROUP, None,
+                                                             torch.bfloat16, None), want)
+    assert bound(torch.cat([x, x])) is None  # two tokens: quantize, then the table's kernel
+    declined = provider.bind_fused_quant_gemm(prepared, ActScale.PER_TOKEN, None, torch.bfloat16, None)
+    assert declined(x) is None  # a block weight with another activation mode never fuses
+    cls = TritonGemmBackend
+    assert host_aware.host_us_of(cls, 1, 256, 384, {}, block=True) == cls.block_fused_host_us
+    assert host_aware.host_us_of(cls, 2, 256, 384, {}, block=True) == cls.block_host_us
+    assert host_aware.host_us_of(cls, 1, 256, 384, {"config": "mm_n128_m64_s4_w4_g8_sk0"}, block=True) == \
+        cls.block_host_us
+
+
+
 def test_capabilities_declare_block_wise_fp8_explicitly():
     caps = TritonGemmBackend.capabilities
     assert caps.block_scaled and caps.group_sizes == {64, 128} and caps.weight_blocks == {(128, 128)}

@@ -292,6 +292,15 @@ class Fp8GemmBackend(ProviderBase):
     _fast: Any = None  # hot-path check tables (_FastPath), built at the first gemm call
 
     @classmethod
+    def block_fused_host_us_for(cls, m: int, options: Mapping[str, str]) -> float | None:
+        """For a block-scaled problem at ``M`` with ``options``: the host µs of a call that quantizes the activation
+        inside the provider's own launch (:meth:`traced_fused_quant_max_m`), where the class's call does so at that
+        M; ``None`` (the default) where it does not (then :attr:`block_host_us` counts). A fused call saves the
+        launches of the group quantization that every other provider's call is preceded by, which
+        :attr:`block_host_us` figures do not count: declare it so that it compares like for like. Pure Python."""
+        return None
+
+    @classmethod
     def host_us_for(cls, m: int, n: int, k: int, options: Mapping[str, str]) -> float | None:
         """The host µs of one call at ``M x N x K`` with ``options`` (a measured candidate's), for a provider whose
         call costs differ by problem (the ``triton`` provider's persistent TMA configs launch through Triton's JIT,
@@ -633,6 +642,30 @@ class Fp8GemmBackend(ProviderBase):
             return hook(x, prepared, act_scale, input_scale, out_dtype, bias)
 
         return fused
+
+    def traced_fused_quant_max_m(self, prepared: PreparedWeight, act_scale: ActScale) -> int:
+        """The largest M up to which a compiled layer (:mod:`fp8_backends.layers.traced_plan`) hands this provider
+        the *unquantized* activation for ``prepared`` in ``act_scale`` mode (:meth:`traced_fused_quant_gemm_impl`)
+        instead of quantizing it with torch ops first; ``0`` (the default): never. A layer fuses an M bucket whose
+        bound is at most this (never the last bucket, which serves every larger M). Where Inductor splits a
+        quantization into several kernels (per-token groups: the group amax, the codes, the scale's layout), a
+        provider whose kernel quantizes as it reads saves those launches, the host's time in a decode step."""
+        return 0
+
+    def traced_fused_quant_gemm_impl(
+        self,
+        x: torch.Tensor,
+        prepared: PreparedWeight,
+        act_scale: ActScale,
+        input_scale: torch.Tensor | None,
+        out_dtype: torch.dtype,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``y [M, N]`` for the unquantized ``x [M, K]`` (the model dtype; M up to
+        :meth:`traced_fused_quant_max_m`), traceable by ``torch.compile`` (an op, a ``triton_op``): equal to
+        :func:`fp8_backends.quant.quantize` in ``act_scale`` followed by :meth:`gemm_impl`. Inputs checked by the
+        caller. Called only where :meth:`traced_fused_quant_max_m` is positive."""
+        raise NotImplementedError(f"{self.name} declares no traced fused quantization")
 
     def problem_for(self, prepared: PreparedWeight, m: int | None = None, **kw: Any) -> GemmProblem:
         """The :class:`GemmProblem` a prepared weight stands for (convenience for callers)."""

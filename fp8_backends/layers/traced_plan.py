@@ -29,6 +29,11 @@ op, a ``triton_op`` or ``torch._scaled_mm``. Its operands come from the plan's o
 quantized activation checked here, so :meth:`~fp8_backends.core.backend.Fp8GemmBackend.gemm`'s per-call
 validation (evaluated once at trace time, but guarded at every call) is skipped. Under ``torch.compile`` the
 rows are the ``host`` rows, as in the general path (see :func:`~.general_path.apply_fp8_linear`).
+
+An M bucket whose provider quantizes inside its own launch
+(:meth:`~fp8_backends.core.backend.Fp8GemmBackend.traced_fused_quant_max_m`: the ``triton`` provider's block-wise
+GEMV at one token) gets the unquantized input instead (:func:`fused_finish`): where Inductor splits a per-token-group
+quantization into two or three kernels, a decode step's linear is then one launch, as bf16's is.
 """
 
 from __future__ import annotations
@@ -125,12 +130,7 @@ def prologue(x: Any, k: int, dtype: torch.dtype, device: torch.device, mode: Act
         if kind == "per_token_group":
             scale = quant.traced_layout(scale, ScaleLayout(layout))
         return x_q, scale, data.shape[:-1]
-    if x.dtype != dtype:
-        raise InvalidInputError(f"x is {x.dtype} but this linear was prepared for {dtype} activations")
-    if x.dim() < 1 or x.shape[-1] != k:
-        raise InvalidInputError(f"x must be [..., K={k}], got {tuple(x.shape)}")
-    if x.device != device:
-        raise InvalidInputError(f"input is on {x.device} but the layer's weight is on {device}")
+    check_input(x, k, dtype, device)
     x2 = x.reshape(-1, k)
     # compile mode "op": the library's quantization op. Read as the module attribute, not through a quant function:
     # calling one would make Dynamo reach the quant module through a second source and guard the two are one object
@@ -151,6 +151,30 @@ def prologue(x: Any, k: int, dtype: torch.dtype, device: torch.device, mode: Act
     else:
         scale = reference.per_token_scale(x2, fmax)
     return reference.scaled_cast(x2, scale, fp8, fmax), scale, x.shape[:-1]
+
+
+def check_input(x: torch.Tensor, k: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Raise the library's error for an unquantized input that is not ``[..., K]`` in ``dtype`` on ``device``."""
+    if x.dtype != dtype:
+        raise InvalidInputError(f"x is {x.dtype} but this linear was prepared for {dtype} activations")
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise InvalidInputError(f"x must be [..., K={k}], got {tuple(x.shape)}")
+    if x.device != device:
+        raise InvalidInputError(f"input is on {x.device} but the layer's weight is on {device}")
+
+
+def fused_finish(backend: Any, x: torch.Tensor, k: int, dtype: torch.dtype, device: torch.device, prepared: Any,
+                 mode: ActScale, input_scale: torch.Tensor | None, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """An M bucket whose provider quantizes the unquantized ``x [..., K]`` inside its own launch
+    (:meth:`~fp8_backends.core.backend.Fp8GemmBackend.traced_fused_quant_gemm_impl`): ``x`` checked as
+    :func:`prologue` checks it, the output contract as :func:`finish`, ``y [..., N]``."""
+    check_input(x, k, dtype, device)
+    x2 = x.reshape(-1, k)
+    y = backend.traced_fused_quant_gemm_impl(x2, prepared, mode, input_scale, dtype, bias)
+    if (getattr(y, "dtype", None) != dtype or getattr(y, "shape", None) != (x2.shape[0], n)
+            or getattr(y, "device", None) != x2.device):
+        y = output_contract.gemm_output_failed(backend, y, x2, n, dtype)
+    return y.reshape(*x.shape[:-1], n)
 
 
 def rows_of(x: Any, k: int) -> Any:
@@ -214,6 +238,24 @@ def _row_source(src: _Source, row: Any, act_scale: ActScale) -> tuple[str, str, 
     return src.shared(backend), expr, TracedRow(row.bucket, backend, prepared, tensors)
 
 
+def _fused_bounds(rows: Sequence[Any], mode: ActScale) -> list[int | None]:
+    """Per M bucket, where its provider quantizes the unquantized input in its own launch
+    (:meth:`~fp8_backends.core.backend.Fp8GemmBackend.traced_fused_quant_max_m`): ``None`` nowhere, ``-1`` at every M
+    of the bucket, else the largest M it fuses (the bucket's other M quantize first)."""
+    out: list[int | None] = []
+    low = 0  # the smallest M of the bucket (0 rows too: the first)
+    for i, row in enumerate(rows):
+        last = i == len(rows) - 1
+        hook = getattr(row.backend, "traced_fused_quant_max_m", None)  # a provider of another base: never fuses
+        upto = 0 if hook is None else hook(row.prepared, mode)
+        if upto < max(low, 1):
+            out.append(None)
+        else:
+            out.append(-1 if not last and upto >= row.bucket else int(upto))
+        low = int(row.bucket) + 1
+    return out
+
+
 @functools.lru_cache(maxsize=512)
 def _compile_factory(source: str) -> Callable[..., TracedPlan]:
     """The factory function defined by ``source`` (cached: layers of one shape and configuration share the code
@@ -248,7 +290,9 @@ def bind_traced(kernel: PerMGemm, *, k: int, n: int, dtype: torch.dtype, device:
     ]
     rows: list[TracedRow] = []
     host_rows: Sequence[Any] = kernel.rows
-    if group:  # each M bucket quantizes for its own provider: group scales written in the layout it reads
+    fused = _fused_bounds(host_rows, mode)
+    per_bucket = group or any(bound is not None for bound in fused)
+    if per_bucket:  # each M bucket quantizes for its own provider (group scales in the layout it reads), or fuses
         body.append(f"        m = rows_of(x, {int(k)})")
     else:  # one quantization, whichever bucket
         body.append("        x_q, scale, lead = " + prologue_src.format(layout="row_major"))
@@ -260,9 +304,14 @@ def bind_traced(kernel: PerMGemm, *, k: int, n: int, dtype: torch.dtype, device:
         last = i == len(host_rows) - 1
         indent = "        " if last else "            "
         if not last:
-            body.append(f"        if {'m' if group else 'x_q.shape[0]'} <= {int(row.bucket)}:")
-        if group:
-            layout = row.backend.capabilities.group_scale_layout.value
+            body.append(f"        if {'m' if per_bucket else 'x_q.shape[0]'} <= {int(row.bucket)}:")
+        if fused[i] is not None:  # a quantized activation (or a larger M) takes the provider's quantized path below
+            upto = "" if fused[i] == -1 else f"m <= {fused[i]} and "
+            body.append(f"{indent}if {upto}not isinstance(x, QuantizedActivation):")
+            body.append(f"{indent}    return fused_finish({backend_src}, x, {int(k)}, {dt}, {src.shared(device)}, "
+                        f"{prepared_src}, {src.shared(mode)}, {scale_src}, {bias_src}, {int(n)})")
+        if per_bucket:
+            layout = row.backend.capabilities.group_scale_layout.value if group else "row_major"
             body.append(f"{indent}x_q, scale, lead = " + prologue_src.format(layout=layout))
             body.extend(indent + line for line in empty)
         body.append(f"{indent}return {call}")
@@ -338,5 +387,5 @@ def bind_traced_norm(*, h: int, eps: float, dtype: torch.dtype, device: torch.de
     return norm
 
 
-__all__ = ["TracedNorm", "TracedPlan", "TracedRow", "bind_traced", "bind_traced_norm", "finish", "norm_input_failed",
-           "parameter_alias", "prologue", "rows_of", "shared_index"]
+__all__ = ["TracedNorm", "TracedPlan", "TracedRow", "bind_traced", "bind_traced_norm", "check_input", "finish",
+           "fused_finish", "norm_input_failed", "parameter_alias", "prologue", "rows_of", "shared_index"]

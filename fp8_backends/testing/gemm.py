@@ -405,6 +405,61 @@ class GemmProviderContract(ContractBase):
                 got = provider.gemm_impl(d["x"], kept, d["xs"], d["out"], d["bias"])
             assert torch.equal(got, want), f"{case.id}: gemm_impl read an extra entry traced_extra_keys left out"
 
+    def test_traced_fused_quant_max_m_is_a_small_int(self, device: str) -> None:
+        """:meth:`~fp8_backends.core.backend.Fp8GemmBackend.traced_fused_quant_max_m` answers an int >= 0 for every
+        served kind and activation mode (a compiled layer compares M bucket bounds with it at load time)."""
+        provider = self.provider()
+        caps = provider.capabilities
+        n, k = self._base(caps)
+        for case in self._served_kinds(provider, device, n, k, lambda c: (c.act, c.weight)):
+            d = case.data(5, n, k, device)
+            prepared = provider.prepare_weight(d["w"], d["ws"])
+            for mode in caps.act_scales:
+                got = provider.traced_fused_quant_max_m(prepared, mode)
+                assert type(got) is int and got >= 0, (case.id, mode, got)
+
+    @pytest.mark.gpu
+    def test_gpu_traced_fused_quant_gemm_matches_quantize_then_gemm(self, device: str) -> None:
+        """Where :meth:`~fp8_backends.core.backend.Fp8GemmBackend.traced_fused_quant_max_m` is positive, the traced
+        hook (what a compiled layer calls with the unquantized input) equals :func:`fp8_backends.quant.quantize` then
+        ``gemm_impl``, eager and compiled, at M = 1 and at that bound; nothing to check where no kind fuses."""
+        import torch
+
+        from fp8_backends import quant
+
+        provider = self.provider()
+        provider.preload()
+        caps = provider.capabilities
+        n, k = self._base(caps)
+        answered = 0
+        for case in self._served_kinds(provider, device, n, k, lambda c: (c.act, c.weight, c.out)):
+            if case.x_dtype is not Fp8Dtype.E4M3FN:
+                continue
+            d = case.data(1, n, k, device)
+            prepared = provider.prepare_weight(d["w"], d["ws"])
+            for mode in sorted(caps.act_scales, key=lambda mode: mode.value):
+                bound = provider.traced_fused_quant_max_m(prepared, mode)
+                if not bound:
+                    continue
+                static = mode is ActScale.PER_TENSOR_STATIC
+                input_scale = torch.tensor([0.02], device=device) if static else None
+                for m in sorted({1, bound}):
+                    g = torch.Generator().manual_seed(m * 31 + n)
+                    x = (torch.randn(m, k, generator=g) * 3).to(d["out"]).to(device)
+                    with torch.no_grad():
+                        y = provider.traced_fused_quant_gemm_impl(x, prepared, mode, input_scale, d["out"], d["bias"])
+                        torch._dynamo.reset()  # one compile per case: never the recompile limit's eager fallback
+                        compiled = torch.compile(provider.traced_fused_quant_gemm_impl, fullgraph=True)
+                        yc = compiled(x, prepared, mode, input_scale, d["out"], d["bias"])
+                        x_q, x_scale = quant.quantize(x, mode, input_scale)[:2]
+                        want = provider.gemm_impl(x_q, prepared, x_scale, d["out"], d["bias"])
+                    answered += 1
+                    assert y.shape == want.shape and y.dtype == want.dtype, (case.id, mode, m, y.shape, y.dtype)
+                    assert_gemm_close(y, want.float(), d["out"], self.rtol, f"{case.id} {mode.value} M={m}")
+                    assert_gemm_close(yc, want.float(), d["out"], self.rtol, f"{case.id} {mode.value} M={m} compiled")
+        if not answered:
+            pytest.skip(f"{provider.label} quantizes no activation inside a traced launch")
+
     @pytest.mark.gpu
     def test_gpu_fused_quant_gemm_matches_quantize_then_gemm(self, device: str) -> None:
         """:meth:`~fp8_backends.core.backend.Fp8GemmBackend.fused_quant_gemm_impl` (the eager hook that quantizes inside

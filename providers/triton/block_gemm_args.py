@@ -14,16 +14,28 @@ from typing import Any, NamedTuple
 import torch
 
 from fp8_backends.core.errors import InvalidInputError
+from fp8_backends.core.types import Fp8Dtype
 
-from .block_gemm_configs import CONFIGS, BlockTileConfig, active_table, auto_split
+from .block_gemm_configs import (
+    CONFIGS,
+    BlockTileConfig,
+    active_table,
+    auto_split,
+    fused_pick,
+    fused_shape_config,
+)
 
 logger = logging.getLogger("fp8_backends")
 
+#: the largest finite value of each float8 type (what a fused launch clamps its codes to)
+FLOAT8_MAX: dict[torch.dtype, float] = {dt.torch_dtype(): dt.max for dt in Fp8Dtype}
 #: arrival counters per (device, stream): at most this many output tiles in one split-K launch
 COUNTER_SLOTS = 16384
 _GRID_Y_MAX = 65535
 #: the opaque op of the TMA configs (defined beside ``triton_block_gemm`` by :mod:`.block_gemm_ops`)
 TMA_OP_BASENAME = "triton_block_gemm_tma"
+#: the fused GEMV's op (the activation's group quantization inside the launch), defined beside it
+QUANT_OP_BASENAME = "triton_block_gemm_quant"
 
 
 def cdiv(a: int, b: int) -> int:
@@ -36,6 +48,21 @@ def pick_config(config: str, m: int, n: int, k: int) -> BlockTileConfig:
         return CONFIGS[active_table().pick(m, n, k) if config == "auto" else config]
     except KeyError:
         raise InvalidInputError(f"unknown block GEMM config {config!r}") from None
+
+
+def fused_config(config: str, m: int, n: int, k: int, any_m: bool = False) -> BlockTileConfig | None:
+    """The ``gemv`` config of a fused launch (the activation quantized inside it) at ``M x N x K``: ``config`` where it
+    names a ``gemv`` config (up to its ``max_m``), for ``auto`` the fused pick
+    (:func:`.block_gemm_configs.fused_pick`); ``None`` where no fused launch serves that M (the caller quantizes,
+    then launches). ``any_m``: whatever M (the traced op, whose caller chose the M it fuses): a ``gemv`` config as
+    named, any other name (``auto``) the fused config of the shape (:func:`.block_gemm_configs.fused_shape_config`)."""
+    cfg = CONFIGS.get(config)
+    if cfg is not None and cfg.family == "gemv":
+        return cfg if any_m or m <= (cfg.max_m or m) else None
+    if any_m:
+        return CONFIGS[fused_shape_config(n, k)]
+    name = fused_pick(m, n, k) if config == "auto" else None
+    return None if name is None else CONFIGS[name]
 
 
 class Plan(NamedTuple):
@@ -110,11 +137,13 @@ def kernel_of(family: str) -> Any:
 
 def kernel_args(plan: Plan, x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
                 bias: torch.Tensor | None, out: torch.Tensor, part: torch.Tensor | None, counters: torch.Tensor | None,
-                group_size: int, weight_block: tuple[int, int], use_pdl: bool
+                group_size: int, weight_block: tuple[int, int], use_pdl: bool, x_quant: bool = False
                 ) -> tuple[Any, tuple[int, ...], tuple[Any, ...]]:
     """``(kernel, grid, args)`` of a pointer-kernel launch (``gemv``/``swap``/``mm``): every kernel parameter in
     declaration order, constexprs included, pointers first (``x, w, out, x_scale, w_scale, bias`` and, for the
-    tensor-core kernels, ``part, counters``; a replay passes those itself). Sizes may be symbolic under tracing."""
+    tensor-core kernels, ``part, counters``; a replay passes those itself). Sizes may be symbolic under tracing.
+    ``x_quant`` (``gemv`` only): ``x`` is the unquantized activation, which the kernel quantizes per group to ``w``'s
+    float8 type (``x_scale`` is not read: any fp32 tensor fills its slot)."""
     cfg = plan.cfg
     m, k = x.shape
     n = w.shape[0]
@@ -129,7 +158,9 @@ def kernel_args(plan: Plan, x: torch.Tensor, w: torch.Tensor, x_scale: torch.Ten
             raise InvalidInputError(f"config {cfg.name} cannot launch {m} tokens (CUDA grid limit {_GRID_Y_MAX})")
         return (kernel_of("gemv"), (cdiv(n, cfg.block_n), m),
                 (x, w, out, x_scale, w_scale, b, m, n, k, *strides, cfg.block_n, cfg.groups, group_size, wbn, wbk,
-                 bias is not None, k % step == 0, align, use_pdl))
+                 bias is not None, k % step == 0, align, use_pdl, x_quant, FLOAT8_MAX[w.dtype]))
+    if x_quant:
+        raise InvalidInputError(f"config {cfg.name}: only the gemv configs quantize the activation themselves")
     part_t = out if part is None else part
     cnt_t = out if counters is None else counters
     head = (x, w, out, x_scale, w_scale, b, part_t, cnt_t, m, n, k, plan.groups_per_split, *strides)
@@ -155,6 +186,7 @@ def empty_k(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 
 
 __all__ = [
-    "COUNTER_SLOTS", "TMA_OP_BASENAME", "Plan", "cdiv", "empty_k", "kernel_args", "kernel_of", "pick_config",
+    "COUNTER_SLOTS", "FLOAT8_MAX", "QUANT_OP_BASENAME", "TMA_OP_BASENAME", "Plan", "cdiv", "empty_k", "fused_config",
+    "kernel_args", "kernel_of", "pick_config",
     "plan_launch", "pointer_twin", "row_align", "sm_count", "tiles_of", "tma_ok",
 ]

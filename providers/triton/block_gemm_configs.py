@@ -155,6 +155,9 @@ C = BlockTileConfig
 CONFIG_LIST: tuple[BlockTileConfig, ...] = (
     C("gemv", 1, 2, 1, 2, groups=8, note="M = 1, N >= 2048: 2 rows x 1024 columns per step, 64 threads"),
     C("gemv", 1, 4, 1, 4, groups=4, note="M = 1, K <= 2048 (q_b 24576x1536, kv_b 32768x512)"),
+    C("gemv", 1, 8, 1, 4, groups=8, note="M = 1, the activation quantized in the launch (fused), K > 2048: 8 rows "
+      "per program, so each program's quantization of the row is spread over 8 weight rows"),
+    C("gemv", 1, 16, 1, 2, groups=2, note="M = 1 fused, K <= 2048 (q_b 24576x1536, kv_b 32768x512)"),
     C("swap", 16, 64, 8, 4, split_k=0, note="M <= 16: 64 KB of weight in flight per program"),
     C("swap", 16, 64, 6, 4, split_k=0, note="M <= 16, fewer stages (more programs per SM)"),
     C("swap", 16, 128, 4, 4, split_k=0, note="M <= 16, wide N"),
@@ -243,6 +246,30 @@ DEFAULT_TABLE = BlockTable(
            "bench/block_gemm.py --sweep measures a replacement",
 )
 
+#: the fused GEMV (the activation's group quantization inside the launch, :func:`.block_gemm_ops.fused_launch`): its
+#: configs and the largest M it serves (one token: a decode step's linears, where the launches it saves are the host's
+#: time). Every program quantizes the row it reads, so the fused configs take more weight rows per program than the
+#: plain GEMV: measured at M = 1 on the DeepSeek-V3, Qwen3-8B and Qwen3-32B shapes against 9 other GEMV configs
+#: (bench/results/block_gemm/2026-12-04-h200-fused-gemv/), 8 rows x 1024 columns on 4 warps was the fastest or within
+#: 10% on 10 of the 13 shapes with K > 2048, 16 rows x 256 columns on 2 warps on the short-K ones (q_b, kv_b). Against
+#: the group-quant kernel + the plain GEMV in CUDA graphs it takes 2-27% less time where K <= 4096 (Qwen3-8B, q_b,
+#: kv_b) and on DeepSeek-V3's thin q_a / kv_a, and 2-22% more on the other weights with K >= 5120 (the quantization
+#: every program repeats: Qwen3-32B down 22%, DeepSeek-V3 o 10%); outside CUDA graphs its saved launches decide
+FUSED_GEMV = "gemv_n8_g8_w4"
+FUSED_GEMV_SHORT_K = "gemv_n16_g2_w2"
+FUSED_MAX_M = 1
+
+
+def fused_shape_config(n: int, k: int) -> str:
+    """The fused GEMV's config for an ``N x K`` weight (whatever M)."""
+    return FUSED_GEMV_SHORT_K if k <= 2048 else FUSED_GEMV
+
+
+def fused_pick(m: int, n: int, k: int) -> str | None:
+    """The config of a fused launch at ``M x N x K`` (``None``: not fused there, M > :data:`FUSED_MAX_M`)."""
+    return fused_shape_config(n, k) if m <= FUSED_MAX_M else None
+
+
 _active: BlockTable | None = None
 
 
@@ -260,5 +287,6 @@ def use_table(table: BlockTable | None) -> BlockTable | None:
 
 __all__ = [
     "CONFIGS", "CONFIG_LIST", "CONFIG_NAMES", "DEFAULT_TABLE", "FAMILIES", "MAX_SPLIT_K", "MIN_GROUPS_PER_SPLIT",
-    "WEIGHT_BLOCK", "BlockTable", "BlockTileConfig", "active_table", "auto_split", "use_table",
+    "FUSED_GEMV", "FUSED_GEMV_SHORT_K", "FUSED_MAX_M", "WEIGHT_BLOCK", "BlockTable", "BlockTileConfig", "active_table",
+    "auto_split", "fused_pick", "fused_shape_config", "use_table",
 ]

@@ -39,7 +39,12 @@ Kernels:
 
 - :func:`block_gemv_kernel`: CUDA-core GEMV, one token per program column, ``BLOCK_N`` weight rows per program,
   ``BLOCK_K`` columns per step (a multiple of ``G``); the activation is dequantized per element
-  (``x_q · x_scale · w_scale``) and multiplied into fp32 partial sums. Grid ``(cdiv(N, BLOCK_N), M)``.
+  (``x_q · x_scale · w_scale``) and multiplied into fp32 partial sums. Grid ``(cdiv(N, BLOCK_N), M)``. With
+  ``X_QUANT`` it reads the *unquantized* activation (bf16/fp16/fp32) and quantizes each group itself, as the
+  per-token-group quantization does (``scale = max(amax / FMAX, 1e-12)``, ``q = fp8(clamp(x / scale, ±FMAX))``,
+  IEEE-rounded divisions: the same codes and scales, so the same output as quantize-then-GEMV bit for bit): one
+  launch per linear instead of two or three. Every program quantizes the whole row it reads (``K`` divisions per
+  ``BLOCK_N · K`` weight bytes), so the fused configs take more weight rows per program than the plain GEMV's.
 - :func:`block_gemm_swap_kernel`: swap-AB tensor-core GEMM for small M, ``accᵀ[BLOCK_N, BLOCK_M] = w · xᵀ`` (the
   weight rows on the MMA's 64-row side). Grid ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), SPLIT_K)``.
 - :func:`block_gemm_mm_kernel`: tiled GEMM with grouped tile order. Grid ``(tiles, SPLIT_K)``.
@@ -51,6 +56,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from .nan_math import nan_clamp, nan_max_reduce, nan_maximum
 
 
 @triton.jit
@@ -115,11 +122,13 @@ def block_gemv_kernel(
     stride_xsm, stride_xsk, stride_wsn, stride_wsk, stride_b,
     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP_K: tl.constexpr, WBN: tl.constexpr, WBK: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, ROW_ALIGN: tl.constexpr, USE_PDL: tl.constexpr,
+    X_QUANT: tl.constexpr, FMAX: tl.constexpr,
 ):
     """CUDA-core GEMV: ``BLOCK_N`` weight rows (within one weight block: ``WBN % BLOCK_N == 0``) against token
     ``program_id(1)``, ``GROUPS`` activation groups (``GROUPS · GROUP_K`` columns) per step, held as a
     ``[BLOCK_N, GROUPS, GROUP_K]`` block so each group's two scales are one load each. ``EVEN_K``: ``K`` is a
-    multiple of ``GROUPS · GROUP_K``."""
+    multiple of ``GROUPS · GROUP_K``. ``X_QUANT``: ``x`` is unquantized and each group is quantized here to
+    ``w``'s float8 type (largest value ``FMAX``); ``xs_ptr`` is then never read."""
     pid_n = tl.program_id(0)
     m = tl.program_id(1)
     stride_xm, stride_wn, K = _row_aligned(stride_xm, stride_wn, K, ROW_ALIGN)
@@ -142,7 +151,8 @@ def block_gemv_kernel(
         if EVEN_K:
             wv = tl.load(w_ptrs)
             xv = tl.load(x_ptrs)
-            xs = tl.load(xs_ptrs)
+            if not X_QUANT:
+                xs = tl.load(xs_ptrs)
             ws = tl.load(ws_ptrs)
         else:
             k_left = K - k0
@@ -150,8 +160,13 @@ def block_gemv_kernel(
             in_g = offs_g * GROUP_K < k_left
             wv = tl.load(w_ptrs, mask=in_k[None, :, :], other=0.0)
             xv = tl.load(x_ptrs, mask=in_k, other=0.0)
-            xs = tl.load(xs_ptrs, mask=in_g, other=0.0)
+            if not X_QUANT:
+                xs = tl.load(xs_ptrs, mask=in_g, other=0.0)
             ws = tl.load(ws_ptrs, mask=in_g, other=0.0)
+        if X_QUANT:  # the group quantization (masked columns load 0: they move no amax), codes in w's type
+            xf = xv.to(tl.float32)
+            xs = nan_maximum(tl.math.div_rn(nan_max_reduce(tl.abs(xf), 1), FMAX), 1e-12)  # [GROUPS]
+            xv = nan_clamp(tl.math.div_rn(xf, xs[:, None]), -FMAX, FMAX).to(w_ptr.dtype.element_ty)
         xd = xv.to(tl.float32) * (xs * ws)[:, None]  # the dequantized activation, both scales folded in
         acc += wv.to(tl.float32) * xd[None, :, :]
         w_ptrs += STEP * stride_wk

@@ -38,10 +38,12 @@ from fp8_backends.core.oplib import LazyOps, TritonOpSpec
 from . import _support
 from .block_gemm_args import (
     COUNTER_SLOTS,
+    QUANT_OP_BASENAME,
     TMA_OP_BASENAME,
     Plan,
     cdiv,
     empty_k,
+    fused_config,
     kernel_args,
     pick_config,
     plan_launch,
@@ -60,6 +62,8 @@ GROUP_SIZES = (64, 128)
 OP_BASENAME = "triton_block_gemm"
 OP_SCHEMA_ARGS = ("Tensor x, Tensor w, Tensor x_scale, Tensor w_scale, Tensor? bias, ScalarType out_dtype, "
                   "int group_size, str config")
+QUANT_OP_SCHEMA_ARGS = ("Tensor x, Tensor w, Tensor w_scale, Tensor? bias, ScalarType out_dtype, int group_size, "
+                        "str config")
 
 
 # ---------------------------------------------------------------------------------------------- weight scales
@@ -138,9 +142,11 @@ _gemv_replays = ReplayCache(head=6)
 
 def run_config(cfg: BlockTileConfig, x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
                bias: torch.Tensor | None, out: torch.Tensor, group_size: int = 128,
-               weight_block: tuple[int, int] = WEIGHT_BLOCK, pdl: bool | None = None) -> None:
+               weight_block: tuple[int, int] = WEIGHT_BLOCK, pdl: bool | None = None, x_quant: bool = False) -> None:
     """Launch ``cfg``'s kernel writing ``out [M, N]`` (any strides; M, N >= 1). ``pdl``: force PDL on or off
-    (benchmarks); ``None`` follows :func:`._support.pdl_on`. Inputs as :func:`block_gemm` states, unchecked."""
+    (benchmarks); ``None`` follows :func:`._support.pdl_on`. Inputs as :func:`block_gemm` states, unchecked.
+    ``x_quant`` (``gemv`` configs): ``x`` is the unquantized activation, quantized per group inside the launch
+    (:func:`fused_launch`)."""
     index = x.get_device()
     use_pdl = _support.pdl_on(index) if pdl is None else pdl
     m, k = x.shape
@@ -149,12 +155,12 @@ def run_config(cfg: BlockTileConfig, x: torch.Tensor, w: torch.Tensor, x_scale: 
         cfg = pointer_twin(cfg)
     plan = plan_launch(cfg, m, n, k, group_size, sm_count(x.device))
     _support.on_device(index, _launch, plan, x, w, x_scale, w_scale, bias, out, group_size, weight_block, use_pdl,
-                       index)
+                       index, x_quant)
 
 
 def _launch(plan: Plan, x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
             bias: torch.Tensor | None, out: torch.Tensor, group_size: int, weight_block: tuple[int, int],
-            use_pdl: bool, index: int) -> None:
+            use_pdl: bool, index: int, x_quant: bool = False) -> None:
     cfg = plan.cfg
     if cfg.family == "tma":
         _launch_tma(cfg, x, w, x_scale, w_scale, bias, out, group_size, weight_block, use_pdl)
@@ -173,8 +179,8 @@ def _launch(plan: Plan, x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor,
             ptrs += [(out if part is None else part).data_ptr(), (out if counters is None else counters).data_ptr()]
         if not functools.reduce(int.__or__, ptrs) & 15:
             key = (plan, x.shape, w.shape[0], group_size, weight_block, x.stride(), w.stride(), out.stride(),
-                   x_scale.stride(), w_scale.stride(), b.stride(0), x.dtype, out.dtype, b.dtype, bias is None,
-                   use_pdl, index)
+                   x_scale.stride(), w_scale.stride(), b.stride(0), x.dtype, w.dtype, out.dtype, b.dtype,
+                   bias is None, use_pdl, index, x_quant)
             cache = _gemv_replays if gemv else _replays
             hit = cache.lookup(key)
             if hit is not None and index == _support.current_device():
@@ -182,7 +188,7 @@ def _launch(plan: Plan, x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor,
                 r.run(r.g0, r.g1, r.g2, raw_stream(index), r.function, r.packed, None, None, None, *ptrs, *hit[1])
                 return
     kernel, grid, args = kernel_args(plan, x, w, x_scale, w_scale, bias, out, part, counters, group_size,
-                                     weight_block, use_pdl)
+                                     weight_block, use_pdl, x_quant)
     kernel_launcher = launcher_for(kernel)
     options = {"num_warps": cfg.warps, "num_stages": cfg.stages, "pdl": use_pdl, "device_index": max(index, 0)}
     kernel_launcher(grid, args, **options)
@@ -232,6 +238,32 @@ def launch(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor, w_scale: tor
     return out
 
 
+def fused_launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                 out_dtype: torch.dtype, group_size: int = 128, config: str = "auto",
+                 weight_block: tuple[int, int] = WEIGHT_BLOCK) -> torch.Tensor | None:
+    """``out [M, N]`` of the *unquantized* ``x [M, K]`` (bf16/fp16/fp32, any strides) quantized per token group of
+    ``group_size`` to ``w``'s float8 type inside the GEMV's own launch: equal, bit for bit, to
+    :func:`.group_quant_ops.quant_per_token_group` followed by :func:`launch` with the same config. ``None`` where
+    no fused config serves ``M x N x K`` (:func:`.block_gemm_args.fused_config`): the caller quantizes, then
+    launches. Unchecked
+    operands (a provider that validated them)."""
+    cfg = fused_config(config, x.shape[0], w.shape[0], x.shape[1])
+    return None if cfg is None else _fused(cfg, x, w, w_scale, bias, out_dtype, group_size, weight_block)
+
+
+def _fused(cfg: BlockTileConfig, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+           out_dtype: torch.dtype, group_size: int, weight_block: tuple[int, int] = WEIGHT_BLOCK) -> torch.Tensor:
+    m, k = x.shape
+    n = w.shape[0]
+    out = x.new_empty((m, n), dtype=out_dtype)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return empty_k(out, bias)
+    run_config(cfg, x, w, w_scale, w_scale, bias, out, group_size, weight_block, x_quant=True)
+    return out
+
+
 def block_gemm(x_q: torch.Tensor, w_q: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
                bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16, *, group_size: int = 128,
                config: str = "auto", out: torch.Tensor | None = None,
@@ -260,6 +292,17 @@ def _fake(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor, w_scale: torc
     return x.new_empty((x.shape[0], w.shape[0]), dtype=out_dtype)
 
 
+def _op_fused(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+              out_dtype: torch.dtype, group_size: int, config: str) -> torch.Tensor:
+    cfg = fused_config(config, x.shape[0], w.shape[0], x.shape[1], any_m=True)
+    return _fused(cfg, x, w, w_scale, bias, out_dtype, group_size)
+
+
+def _fake_fused(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                out_dtype: torch.dtype, group_size: int, config: str) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0]), dtype=out_dtype)
+
+
 def _dispatch_keys() -> tuple[str, ...]:
     return ("CUDA", "CPU") if _support.interpreting() else ("CUDA",)
 
@@ -270,11 +313,14 @@ def _specs() -> dict[str, Any]:
     Under Triton's interpreter both are plain opaque ops: Inductor cannot launch interpreted kernels."""
     schemas = {name: f"{name}({OP_SCHEMA_ARGS}) -> Tensor" for name in (OP_BASENAME, TMA_OP_BASENAME)}
     if _support.interpreting():
-        return {name: (schema, _op_launch, _fake) for name, schema in schemas.items()}
+        specs: dict[str, Any] = {name: (schema, _op_launch, _fake) for name, schema in schemas.items()}
+        specs[QUANT_OP_BASENAME] = (f"{QUANT_OP_BASENAME}({QUANT_OP_SCHEMA_ARGS}) -> Tensor", _op_fused, _fake_fused)
+        return specs
     from . import block_gemm_traced
 
     return {OP_BASENAME: TritonOpSpec(block_gemm_traced.triton_block_gemm, _op_launch),
-            TMA_OP_BASENAME: (schemas[TMA_OP_BASENAME], _op_launch, _fake)}
+            TMA_OP_BASENAME: (schemas[TMA_OP_BASENAME], _op_launch, _fake),
+            QUANT_OP_BASENAME: TritonOpSpec(block_gemm_traced.triton_block_gemm_quant, _op_fused)}
 
 
 _OPS = LazyOps(_specs, _dispatch_keys)
@@ -287,6 +333,14 @@ def load_op() -> Any:
     return _OPS.op(OP_BASENAME)
 
 
+def load_fused_op() -> Any:
+    """Define the ops now (load time) and return the fused GEMV's OpOverload (``fp8_backends::triton_block_gemm_quant``:
+    ``(x, w, w_scale, bias, out_dtype, group_size, config) -> out``, the unquantized ``x`` quantized per group in the
+    launch, :func:`fused_launch`'s config at any M)."""
+    _OPS.preload()
+    return _OPS.op(QUANT_OP_BASENAME)
+
+
 def triton_block_gemm(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
                       bias: torch.Tensor | None, out_dtype: torch.dtype, group_size: int = 128,
                       config: str = "auto") -> torch.Tensor:
@@ -296,7 +350,8 @@ def triton_block_gemm(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor, w
 
 
 __all__ = [
-    "COUNTER_SLOTS", "Plan", "block_gemm", "check_inputs", "counters_for", "kernel_args", "launch", "load_op",
+    "COUNTER_SLOTS", "Plan", "block_gemm", "check_inputs", "counters_for", "fused_launch", "kernel_args", "launch",
+    "load_fused_op", "load_op",
     "pick_config", "plan_launch", "prepare_weight_scale", "reset_buffers", "row_align", "run_config", "sm_count",
     "tma_ok", "triton_block_gemm",
 ]

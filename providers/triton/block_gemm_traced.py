@@ -56,4 +56,31 @@ def triton_block_gemm(
     return out
 
 
-__all__ = ["triton_block_gemm"]
+def triton_block_gemm_quant(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: typing.Optional[torch.Tensor],  # noqa: UP045 - triton_op's schema inference on every torch version
+    out_dtype: torch.dtype,
+    group_size: int,
+    config: str,
+) -> torch.Tensor:
+    """The fused GEMV (:func:`.block_gemm_ops.fused_launch`): the unquantized ``x [M, K]`` quantized per group inside
+    the launch. The caller (a compiled layer, for the M its provider fuses) guarantees a fused config serves M; an M
+    it does not (a symbolic M the plan did not expect) gets the config anyway: every config computes every M."""
+    m, k = x.shape
+    n = w.shape[0]
+    out = x.new_empty((m, n), dtype=out_dtype)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return A.empty_k(out, bias)
+    cfg = A.fused_config(config, m, n, k, any_m=True)
+    plan = A.plan_launch(cfg, m, n, k, group_size, A.sm_count(x.device))
+    kernel, grid, args = A.kernel_args(plan, x, w, w_scale, w_scale, bias, out, None, None, group_size, WEIGHT_BLOCK,
+                                       False, True)
+    wrap_triton(kernel)[grid](*args, num_warps=cfg.warps, num_stages=cfg.stages)
+    return out
+
+
+__all__ = ["triton_block_gemm", "triton_block_gemm_quant"]

@@ -61,6 +61,20 @@ if TYPE_CHECKING:
 _FORCED_MAX_M = {"gemv": 8, "swap": 512}
 
 
+def _fused_bound(config: str) -> int:
+    """The largest M at which the block-wise call with ``config`` quantizes the activation in its launch: the fused
+    pick's for ``auto``, a GEMV config's own bound, 0 for any other config."""
+    if config == "auto":
+        return block_configs.FUSED_MAX_M
+    cfg = block_configs.CONFIGS.get(config)
+    return (cfg.max_m or 0) if cfg is not None and cfg.family == "gemv" else 0
+
+
+def _decline(x: torch.Tensor) -> None:
+    """A fused call that never fuses (the caller quantizes, then calls ``gemm_impl``)."""
+    return None
+
+
 class TritonGemmBackend(OpGemmBackend):
     """Triton FP8 GEMM; option ``config`` (``auto`` or a tile config name)."""
 
@@ -101,6 +115,17 @@ class TritonGemmBackend(OpGemmBackend):
     #: -20 to +49 µs host time per call against the cutlass provider's C++ op (median ~+17; Qwen3-8B qkv and down
     #: shapes x M = 16 / 128 / 512, H200, bench/results/compiled_host/2026-12-04-h200-block/), declared at 13
     block_host_us: ClassVar[float | None] = 30.0
+    #: block-scaled, one token, ``config=auto`` (or a named GEMV config up to its M): the fused GEMV quantizes the
+    #: activation in its launch, one kernel Inductor launches where every other provider's call follows the 2-3
+    #: kernels of the group quantization. Declared as the per-tensor kernels' one Inductor launch: measured (H200,
+    #: Qwen3-8B layers, compiled decode, bench/results/hf_model/2026-12-04-h200-qwen3-block-fused-gemv/), moving the
+    #: 16 gate/up and down linears of a step from quantize + cutlass to the fused GEMV took 887 µs of host time off
+    #: the step (55 µs per linear, the cutlass op's own call included) and 40 of its 170 kernels
+    block_fused_host_us: ClassVar[float] = 5.0
+
+    @classmethod
+    def block_fused_host_us_for(cls, m: int, options: Mapping[str, str]) -> float | None:
+        return cls.block_fused_host_us if m <= _fused_bound(options.get("config", "auto")) else None
 
     @classmethod
     def host_us_for(cls, m: int, n: int, k: int, options: Mapping[str, str]) -> float | None:
@@ -186,9 +211,14 @@ class TritonGemmBackend(OpGemmBackend):
     _block_op: Any = None  # triton_block_gemm as the hot path calls it (defined at preload)
 
     def preload(self) -> None:
-        """Define both ops now (load time): ``triton_gemm`` and the block-wise ``triton_block_gemm``."""
+        """Define the ops now (load time): ``triton_gemm``, the block-wise ``triton_block_gemm`` and its fused GEMV
+        ``triton_block_gemm_quant``."""
         super().preload()
         self._loaded_block_op()
+        if self._fused_block_op is None:
+            from .block_gemm_ops import load_fused_op
+
+            self._fused_block_op = load_fused_op()
 
     def _loaded_block_op(self) -> Any:
         op = self._block_op
@@ -232,8 +262,9 @@ class TritonGemmBackend(OpGemmBackend):
                   self._block_config)
 
     # the swap-AB and GEMV kernels (small M) quantize the activation themselves: one launch per eager linear (the
-    # per-tensor / per-token modes; block-wise FP8 quantizes per group first)
-    fused_act_quant = frozenset({ActScale.PER_TENSOR_STATIC, ActScale.PER_TENSOR_DYNAMIC, ActScale.PER_TOKEN})
+    # per-tensor / per-token modes; block-wise FP8: the GEMV at one token, block_gemm_ops.fused_launch)
+    fused_act_quant = frozenset({ActScale.PER_TENSOR_STATIC, ActScale.PER_TENSOR_DYNAMIC, ActScale.PER_TOKEN,
+                                 ActScale.PER_TOKEN_GROUP})
     # the dynamic modes' fused kernels compute the scale (the amax of the whole activation, or of each row) in every
     # program: in a CUDA graph quantize + GEMM is faster (H200, per-tensor dynamic layers in CUDA graphs: 3456x6912
     # fused 21.3 µs at M = 1 and 57.3 at M = 16, against 10.7 and 15.3 for a 3420x6840 layer padded to that size,
@@ -255,6 +286,10 @@ class TritonGemmBackend(OpGemmBackend):
                               out_dtype: torch.dtype, bias: torch.Tensor | None) -> Callable[[torch.Tensor], Any]:
         """The fused launch (:func:`.gemm_ops.fused_launch`, ``None`` where its config does not fuse) with every
         argument but ``x`` bound once; :meth:`fused_quant_gemm_impl` calls it too."""
+        if prepared.block is not None or act_scale is ActScale.PER_TOKEN_GROUP:  # block weights with group scales
+            if prepared.block is None or act_scale is not ActScale.PER_TOKEN_GROUP:
+                return _decline
+            return self._bind_fused_block(prepared, out_dtype, bias)
         from .gemm_ops import fused_launch
 
         w, w_scale, config, mode = prepared.data, prepared.scale, self.config["config"], act_scale.value
@@ -265,6 +300,40 @@ class TritonGemmBackend(OpGemmBackend):
             return fused_launch(x, w, input_scale, w_scale, bias, out_dtype, config, mode)
 
         return fused
+
+    def _bind_fused_block(self, prepared: PreparedWeight, out_dtype: torch.dtype,
+                          bias: torch.Tensor | None) -> Callable[[torch.Tensor], Any]:
+        """The block-wise fused GEMV (:func:`.block_gemm_ops.fused_launch`: one token's group quantization inside
+        the launch; ``None`` at the M it does not serve) bound to ``prepared``."""
+        from .block_gemm_ops import fused_launch
+
+        w, w_scale, group, config = prepared.data, prepared.scale, prepared.group_size, self._block_config
+
+        def fused(x: torch.Tensor) -> torch.Tensor | None:
+            return fused_launch(x, w, w_scale, bias, out_dtype, group, config)
+
+        return fused
+
+    _fused_block_op: Any = None  # triton_block_gemm_quant as compiled layers call it (defined at preload)
+
+    def traced_fused_quant_max_m(self, prepared: PreparedWeight, act_scale: ActScale) -> int:
+        """Block-wise weights in per-token-group mode: up to the fused GEMV's M (one token with ``config=auto``, a
+        named GEMV config's own bound); no other config or mode (Inductor fuses their quantization into the producer
+        in one kernel)."""
+        if prepared.block is None or act_scale is not ActScale.PER_TOKEN_GROUP:
+            return 0
+        return _fused_bound(self._block_config)
+
+    def traced_fused_quant_gemm_impl(self, x: torch.Tensor, prepared: PreparedWeight, act_scale: ActScale,
+                                     input_scale: torch.Tensor | None, out_dtype: torch.dtype,
+                                     bias: torch.Tensor | None) -> torch.Tensor:
+        """``fp8_backends::triton_block_gemm_quant`` (a ``triton_op``: Inductor launches the fused GEMV itself)."""
+        op = self._fused_block_op
+        if op is None:
+            from .block_gemm_ops import load_fused_op
+
+            op = self._fused_block_op = load_fused_op()
+        return op(x, prepared.data, prepared.scale, bias, out_dtype, prepared.group_size, self._block_config)
 
 
 __all__ = ["TritonGemmBackend"]

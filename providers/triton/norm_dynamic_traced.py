@@ -11,6 +11,9 @@ from torch.library import wrap_triton
 
 from .norm_dynamic_kernels import dyn_config, kernel_args, output_buffers
 
+#: the token count whose launch shape a symbolic token count gets (a prefill's: dynamic M comes from prefills)
+SYMBOLIC_T = 4096
+
 
 def _norm(x: torch.Tensor, residual: typing.Optional[torch.Tensor], weight: torch.Tensor,  # noqa: UP045
           eps: float, group_size: int, scale_layout: str, fp8_dtype: torch.dtype
@@ -20,7 +23,11 @@ def _norm(x: torch.Tensor, residual: typing.Optional[torch.Tensor], weight: torc
     if t == 0 or h == 0:
         return q, scale
     per_token = group_size == 0
-    cfg = dyn_config(t, h, residual is not None, group_size or 128, per_token)
+    # a dynamic size under torch.compile: the hidden size is the model's constant (specialized: the kernel's row block
+    # covers it), a symbolic token count takes the launch shape of a many-token launch (any count computes right)
+    h_cfg = int(h)
+    t_cfg = t if isinstance(t, int) and not isinstance(t, torch.SymInt) else SYMBOLIC_T
+    cfg = dyn_config(t_cfg, h_cfg, residual is not None, group_size or 128, per_token)
     kernel, grid, args = kernel_args(cfg, x, residual, weight, q, scale, eps, per_token, False, scale_buffer=buffer)
     wrap_triton(kernel)[grid](*args, num_warps=cfg.num_warps)
     return q, scale
