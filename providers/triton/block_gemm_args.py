@@ -185,8 +185,21 @@ def empty_k(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return out.copy_(bias.to(out.dtype).expand_as(out))
 
 
+def new_output(x: torch.Tensor, n: int, out_dtype: torch.dtype, bias: torch.Tensor | None
+               ) -> tuple[torch.Tensor, bool]:
+    """``(out [M, N], done)``: a new output for ``x [M, K]``, and whether it is already the answer (no tokens or no
+    output columns: empty; K = 0: the bias or zeros), so that no kernel is launched."""
+    m, k = x.shape
+    out = x.new_empty((m, n), dtype=out_dtype)
+    if m == 0 or n == 0:
+        return out, True
+    if k == 0:
+        return empty_k(out, bias), True
+    return out, False
+
+
 __all__ = [
     "COUNTER_SLOTS", "FLOAT8_MAX", "QUANT_OP_BASENAME", "TMA_OP_BASENAME", "Plan", "cdiv", "empty_k", "fused_config",
-    "kernel_args", "kernel_of", "pick_config",
+    "kernel_args", "kernel_of", "new_output", "pick_config",
     "plan_launch", "pointer_twin", "row_align", "sm_count", "tiles_of", "tma_ok",
 ]

@@ -45,6 +45,7 @@ from .block_gemm_args import (
     empty_k,
     fused_config,
     kernel_args,
+    new_output,
     pick_config,
     plan_launch,
     pointer_twin,
@@ -253,14 +254,9 @@ def fused_launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: 
 
 def _fused(cfg: BlockTileConfig, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
            out_dtype: torch.dtype, group_size: int, weight_block: tuple[int, int] = WEIGHT_BLOCK) -> torch.Tensor:
-    m, k = x.shape
-    n = w.shape[0]
-    out = x.new_empty((m, n), dtype=out_dtype)
-    if m == 0 or n == 0:
-        return out
-    if k == 0:
-        return empty_k(out, bias)
-    run_config(cfg, x, w, w_scale, w_scale, bias, out, group_size, weight_block, x_quant=True)
+    out, done = new_output(x, w.shape[0], out_dtype, bias)
+    if not done:
+        run_config(cfg, x, w, w_scale, w_scale, bias, out, group_size, weight_block, x_quant=True)
     return out
 
 

@@ -36,11 +36,9 @@ def triton_block_gemm(
     """The block-scaled GEMM (operands as :func:`.block_gemm_ops.block_gemm` states, validated by the caller)."""
     m, k = x.shape
     n = w.shape[0]
-    out = x.new_empty((m, n), dtype=out_dtype)
-    if m == 0 or n == 0:
+    out, done = A.new_output(x, n, out_dtype, bias)
+    if done:
         return out
-    if k == 0:  # the bias (or zeros)
-        return A.empty_k(out, bias)
     cfg = A.pick_config(config, m, n, k)
     if cfg.family == "tma":
         return getattr(torch.ops.fp8_backends, A.TMA_OP_BASENAME)(x, w, x_scale, w_scale, bias, out_dtype, group_size,
@@ -70,11 +68,9 @@ def triton_block_gemm_quant(
     it does not (a symbolic M the plan did not expect) gets the config anyway: every config computes every M."""
     m, k = x.shape
     n = w.shape[0]
-    out = x.new_empty((m, n), dtype=out_dtype)
-    if m == 0 or n == 0:
+    out, done = A.new_output(x, n, out_dtype, bias)
+    if done:
         return out
-    if k == 0:
-        return A.empty_k(out, bias)
     cfg = A.fused_config(config, m, n, k, any_m=True)
     plan = A.plan_launch(cfg, m, n, k, group_size, A.sm_count(x.device))
     kernel, grid, args = A.kernel_args(plan, x, w, w_scale, w_scale, bias, out, None, None, group_size, WEIGHT_BLOCK,
