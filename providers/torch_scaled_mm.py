@@ -103,10 +103,13 @@ class TorchScaledMMBackend(Fp8GemmBackend):
     # Fp8Linear on torch._scaled_mm costs more than on the triton op (median over 6 shapes x M, H200, 2026-12-01,
     # bench/results/compiled_host/2026-12-01-h200-static-launcher/compiled_host_sl-*.md; the triton op counted at 5)
     host_us: ClassVar[float | None] = 20.0
-    #: block-scaled problems go through the opaque op ``fp8_backends::scaled_mm_block`` (M padding in Python, then
+    #: block-scaled problems went through the opaque op ``fp8_backends::scaled_mm_block`` (M padding in Python, then
     #: cuBLASLt): a compiled block linear measured 22-107 µs more host time per call than on the cutlass provider's
     #: C++ op (median ~66; Qwen3-8B qkv and down shapes x M = 16 / 128 / 512, H200,
-    #: bench/results/compiled_host/2026-12-04-h200-block/), which is declared at 13
+    #: bench/results/compiled_host/2026-12-04-h200-block/), which is declared at 13. Compiled calls now trace
+    #: ``torch._scaled_mm`` itself where torch's meta serves block scales, ~22 µs less per call
+    #: (bench/results/compiled_host/2026-12-04-h200-scaled-mm-block/); the figure stays until a model run measures
+    #: what re-pricing moves (at 53 the Qwen3-8B gate/up M <= 256 bucket and o's M > 1024 go to torch_scaled_mm)
     block_host_us: ClassVar[float | None] = 75.0
 
     def extra_reasons(self, problem: GemmProblem | None, platform: Platform) -> list[str]:
@@ -193,7 +196,7 @@ class TorchScaledMMBackend(Fp8GemmBackend):
     def _prepare_block_weight(self, w_q: torch.Tensor, w_scale: torch.Tensor) -> PreparedWeight:
         n, k = w_q.shape
         if w_q.device.type == "cuda":
-            from .torch_block import cuda_block_support, load_op, prepare_scale
+            from .torch_block import cuda_block_support, load_op, prepare_scale, traced_support
 
             if self.config["fast_accum"] == "true":
                 raise InvalidInputError("block-scaled FP8 accumulates precisely: use torch_scaled_mm@fast_accum=false")
@@ -201,6 +204,7 @@ class TorchScaledMMBackend(Fp8GemmBackend):
             if padded is None:
                 raise InvalidInputError(f"{self.name}: {why}")
             load_op()
+            traced_support(padded)  # asked now, at load time: compiled calls read the answer
             scale = prepare_scale(w_scale, padded)
         else:
             scale = w_scale.contiguous()
@@ -228,6 +232,8 @@ class TorchScaledMMBackend(Fp8GemmBackend):
             if x_q.device.type == "cpu":
                 return torch_block.cpu_gemm(x_q, prepared.data.t(), x_scale, prepared.scale, bias, out_dtype,
                                             prepared.group_size, prepared.block)
+            if torch.compiler.is_compiling():  # torch._scaled_mm itself where this torch's meta serves block scales
+                return torch_block.traced_gemm(x_q, prepared.data, x_scale, prepared.scale, bias, out_dtype)
             return torch_block.cuda_gemm(x_q, prepared.data, x_scale, prepared.scale, bias, out_dtype)
         if x_scale.numel() != 1 or prepared.weight_scale is WeightScale.PER_CHANNEL:
             # row-wise path: scale_a [M, 1], scale_b [1, N]. A per-tensor x_scale with a

@@ -376,3 +376,21 @@ def test_norm_quant_dynamic_refusals():
     xt = torch.randn(128, 2).t()
     got, want = (norm.rmsnorm_quant(v, w, None, act_scale="per_token") for v in (xt, xt.contiguous()))
     assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)) and torch.equal(got.scale, want.scale)
+
+
+def test_torch_scaled_mm_block_path_traces_scaled_mm_where_the_load_time_answer_allows(monkeypatch):
+    """Compiled calls of ``torch_scaled_mm``'s block path trace the torch code (``torch._scaled_mm``) when the meta
+    check made at load time passed, the op otherwise; the check answers a bool (never raises) where no CUDA is."""
+    from fp8_backends.providers import torch_block
+
+    calls: list[str] = []
+    monkeypatch.setattr(torch_block, "_run", lambda *args: calls.append("torch code") or "torch code")
+    monkeypatch.setattr(torch_block, "cuda_gemm", lambda *args: calls.append("op") or "op")
+    args = (None, None, None, None, None, torch.bfloat16)
+    monkeypatch.setattr(torch_block, "_traced", [True])
+    assert torch_block.traced_gemm(*args) == "torch code"
+    monkeypatch.setattr(torch_block, "_traced", [False])
+    assert torch_block.traced_gemm(*args) == "op"
+    assert calls == ["torch code", "op"]
+    monkeypatch.setattr(torch_block, "_traced", [None])
+    assert torch_block.traced_support(False) in (True, False)

@@ -339,3 +339,31 @@ def test_gpu_block_linear_eager_compiled_and_graph(backend):
     static.copy_(torch.randn_like(static))
     graph.replay()
     assert _rel(out, _reference(layer, static)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_torch_scaled_mm_block_layer_calls_scaled_mm_itself():
+    """Where this torch's meta function serves block scales (asked at load time), a compiled block layer on
+    ``torch_scaled_mm`` traces ``torch._scaled_mm`` itself (Inductor calls it: no opaque op and its Python body), at
+    an M that is a multiple of 4 and one that is not (padded by torch ops); the outputs are the eager ones."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (none visible to torch)")
+    from torch._inductor.utils import run_and_get_code
+
+    from fp8_backends.core.errors import Fp8BackendError
+    from fp8_backends.providers import torch_block
+
+    try:
+        layer = Fp8Linear.from_linear(_linear(512, 1024, bias=True).cuda(), weight_scale="block",
+                                      backend="torch_scaled_mm")
+    except Fp8BackendError as exc:
+        pytest.skip(f"torch_scaled_mm: {exc}")
+    if not torch_block.traced_support(False) and not torch_block.traced_support(True):
+        pytest.skip("this torch's _scaled_mm meta function knows no block scales: the op is traced")
+    for m in (8, 13):
+        torch._dynamo.reset()
+        x = torch.randn(m, 1024, dtype=torch.bfloat16, device="cuda")
+        y, codes = run_and_get_code(torch.compile(layer, fullgraph=True), x)
+        assert torch.equal(y, layer(x)) or _rel(y, layer(x)) < 1e-3, m
+        code = "\n".join(codes)
+        assert "_scaled_mm" in code and "scaled_mm_block" not in code, m
