@@ -249,11 +249,13 @@ def fused_launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: 
     launches. Unchecked
     operands (a provider that validated them)."""
     cfg = fused_config(config, x.shape[0], w.shape[0], x.shape[1])
-    return None if cfg is None else _fused(cfg, x, w, w_scale, bias, out_dtype, group_size, weight_block)
+    return None if cfg is None else fused_run(cfg, x, w, w_scale, bias, out_dtype, group_size, weight_block)
 
 
-def _fused(cfg: BlockTileConfig, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-           out_dtype: torch.dtype, group_size: int, weight_block: tuple[int, int] = WEIGHT_BLOCK) -> torch.Tensor:
+def fused_run(cfg: BlockTileConfig, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+              bias: torch.Tensor | None, out_dtype: torch.dtype, group_size: int = 128,
+              weight_block: tuple[int, int] = WEIGHT_BLOCK) -> torch.Tensor:
+    """:func:`fused_launch` with its ``gemv`` config already chosen (a caller that chose it once: a bound layer)."""
     out, done = new_output(x, w.shape[0], out_dtype, bias)
     if not done:
         run_config(cfg, x, w, w_scale, w_scale, bias, out, group_size, weight_block, x_quant=True)
@@ -291,7 +293,7 @@ def _fake(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor, w_scale: torc
 def _op_fused(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
               out_dtype: torch.dtype, group_size: int, config: str) -> torch.Tensor:
     cfg = fused_config(config, x.shape[0], w.shape[0], x.shape[1], any_m=True)
-    return _fused(cfg, x, w, w_scale, bias, out_dtype, group_size)
+    return fused_run(cfg, x, w, w_scale, bias, out_dtype, group_size)
 
 
 def _fake_fused(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
@@ -346,7 +348,8 @@ def triton_block_gemm(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor, w
 
 
 __all__ = [
-    "COUNTER_SLOTS", "Plan", "block_gemm", "check_inputs", "counters_for", "fused_launch", "kernel_args", "launch",
+    "COUNTER_SLOTS", "Plan", "block_gemm", "check_inputs", "counters_for", "fused_launch", "fused_run", "kernel_args",
+    "launch",
     "load_fused_op", "load_op",
     "pick_config", "plan_launch", "prepare_weight_scale", "reset_buffers", "row_align", "run_config", "sm_count",
     "tma_ok", "triton_block_gemm",

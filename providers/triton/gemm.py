@@ -304,13 +304,18 @@ class TritonGemmBackend(OpGemmBackend):
     def _bind_fused_block(self, prepared: PreparedWeight, out_dtype: torch.dtype,
                           bias: torch.Tensor | None) -> Callable[[torch.Tensor], Any]:
         """The block-wise fused GEMV (:func:`.block_gemm_ops.fused_launch`: one token's group quantization inside
-        the launch; ``None`` at the M it does not serve) bound to ``prepared``."""
-        from .block_gemm_ops import fused_launch
+        the launch; ``None`` at the M it does not serve) bound to ``prepared``, its config chosen here."""
+        from .block_gemm_args import fused_config
+        from .block_gemm_ops import fused_run
 
-        w, w_scale, group, config = prepared.data, prepared.scale, prepared.group_size, self._block_config
+        upto = _fused_bound(self._block_config)
+        if upto < 1:
+            return _decline
+        w, w_scale, group = prepared.data, prepared.scale, prepared.group_size
+        cfg = fused_config(self._block_config, 1, prepared.n, prepared.k, any_m=True)
 
         def fused(x: torch.Tensor) -> torch.Tensor | None:
-            return fused_launch(x, w, w_scale, bias, out_dtype, group, config)
+            return fused_run(cfg, x, w, w_scale, bias, out_dtype, group) if x.shape[0] <= upto else None
 
         return fused
 
