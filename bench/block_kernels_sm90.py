@@ -65,18 +65,22 @@ def compile_variant(fn: Any, types: dict[str, str], consts: dict[str, Any], alig
             "tma": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)), "pdl": "griddepcontrol" in ptx}
 
 
-def gemm_variant(cfg: Any, even: bool = True, align: int = 16, split: int | None = None) -> tuple[str, dict]:
+def gemm_variant(cfg: Any, even: bool = True, align: int = 16, split: int | None = None,
+                 x_quant: bool = False) -> tuple[str, dict]:
+    """One specialization of ``cfg``'s kernel; ``x_quant`` (GEMV): the fused launch, a bf16 activation quantized in
+    the kernel."""
     from fp8_backends.providers.triton import block_gemm_kernels as K
 
     common = dict(GROUP_K=128, WBN=128, WBK=128, HAS_BIAS=True, USE_PDL=True)
     unit = dict(stride_xk=1, stride_wk=1, stride_on=1, stride_b=1)
     aligned = [*GEMM_POINTERS, "N", "stride_om", "stride_xsk"] + (["K", "stride_xm", "stride_wn"] if align == 16
                                                                   else [])
-    name = f"{cfg.name} even_k={even} row_align={align}"
+    name = f"{cfg.name} even_k={even} row_align={align}" + (" fused" if x_quant else "")
     if cfg.family == "gemv":
         consts = dict(common, BLOCK_N=cfg.block_n, GROUPS=cfg.groups, EVEN_K=even, ROW_ALIGN=align, **unit,
-                      stride_xsk=1, stride_wsk=1, X_QUANT=False, FMAX=448.0)
-        return name, compile_variant(K.block_gemv_kernel, GEMM_TYPES, consts, aligned, cfg.warps, cfg.stages)
+                      stride_xsk=1, stride_wsk=1, X_QUANT=x_quant, FMAX=448.0)
+        types = dict(GEMM_TYPES, x_ptr="*bf16") if x_quant else GEMM_TYPES
+        return name, compile_variant(K.block_gemv_kernel, types, consts, aligned, cfg.warps, cfg.stages)
     if cfg.family == "tma":
         types = dict(GEMM_TYPES, x_desc=f"tensordesc<fp8e4nv[{cfg.block_m}, 128]>",
                      w_desc=f"tensordesc<fp8e4nv[{cfg.block_n}, 128]>")
@@ -132,6 +136,7 @@ def variants(quick: bool) -> list[tuple[str, Any]]:
         for family, name in picks.items():
             out.append((family, lambda cfg=bc.CONFIGS[name]: gemm_variant(cfg)))
         out.append(("swap", lambda: gemm_variant(bc.CONFIGS[picks["swap"]], even=False, align=8)))
+        out.append(("gemv", lambda: gemm_variant(bc.CONFIGS[bc.FUSED_GEMV], x_quant=True)))
         out.append(("quant", lambda: quant_variant(7168, 128)))
         out.append(("norm", lambda: norm_variant(4096, 7168, True, False)))
         return out
@@ -141,6 +146,9 @@ def variants(quick: bool) -> list[tuple[str, Any]]:
             out.append((cfg.family, lambda cfg=cfg: gemm_variant(cfg, even=False, align=8)))
         if cfg.split_k == 0:
             out.append((cfg.family, lambda cfg=cfg: gemm_variant(cfg, split=1)))
+        if cfg.family == "gemv":  # the fused launch too
+            out.append((cfg.family, lambda cfg=cfg: gemm_variant(cfg, x_quant=True)))
+            out.append((cfg.family, lambda cfg=cfg: gemm_variant(cfg, even=False, align=8, x_quant=True)))
     for k in (7168, 4096, 6840, 200):
         for group in (128, 64):
             out.append(("quant", lambda k=k, group=group: quant_variant(k, group)))

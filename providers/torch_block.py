@@ -87,7 +87,7 @@ _traced: list[bool | None] = [None]
 def traced_support(padded_rows: bool) -> bool:
     """Whether ``torch.compile`` can trace ``torch._scaled_mm`` with 1x128 x 128x128 block scales here (the weight's
     block grid as :func:`prepare_scale` lays it out with ``padded_rows``): its meta function, run once on fake CUDA
-    tensors (load time: a provider preparing a block weight asks). Cached."""
+    tensors (load time: a provider preparing a block weight asks). Cached: the first answer stands for the process."""
     if _traced[0] is None:
         import torch
         from torch._subclasses.fake_tensor import FakeTensorMode

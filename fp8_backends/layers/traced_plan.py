@@ -170,10 +170,8 @@ def fused_finish(backend: Any, x: torch.Tensor, k: int, dtype: torch.dtype, devi
     :func:`prologue` checks it, the output contract as :func:`finish`, ``y [..., N]``."""
     check_input(x, k, dtype, device)
     x2 = x.reshape(-1, k)
-    y = backend.traced_fused_quant_gemm_impl(x2, prepared, mode, input_scale, dtype, bias)
-    if (getattr(y, "dtype", None) != dtype or getattr(y, "shape", None) != (x2.shape[0], n)
-            or getattr(y, "device", None) != x2.device):
-        y = output_contract.gemm_output_failed(backend, y, x2, n, dtype)
+    y = _checked(backend, backend.traced_fused_quant_gemm_impl(x2, prepared, mode, input_scale, dtype, bias), x2, n,
+                 dtype)
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -189,13 +187,18 @@ def finish(backend: Any, x_q: torch.Tensor, prepared: Any, scale: torch.Tensor, 
            bias: torch.Tensor | None, lead: tuple[int, ...], n: int) -> torch.Tensor:
     """``backend.gemm_impl`` on the quantized input, its output contract checked (on the fake output while Dynamo
     traces: no cost in the compiled graph), reshaped to ``[*lead, N]``."""
-    y = backend.gemm_impl(x_q, prepared, scale, dtype, bias)
-    # duck-typed (a non-tensor fails it): naming torch.Tensor here would add a guard that the model's own ``torch``
-    # and this module's are one object, a Python guard per compiled model
-    if (getattr(y, "dtype", None) != dtype or getattr(y, "shape", None) != (x_q.shape[0], n)
-            or getattr(y, "device", None) != x_q.device):
-        y = output_contract.gemm_output_failed(backend, y, x_q, n, dtype)
+    y = _checked(backend, backend.gemm_impl(x_q, prepared, scale, dtype, bias), x_q, n, dtype)
     return y.reshape(*lead, n)
+
+
+def _checked(backend: Any, y: Any, rows: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """``y`` when it is ``[rows, N]`` in ``dtype`` on ``rows``' device, else the output contract's error. Duck-typed
+    (a non-tensor fails it): naming torch.Tensor here would add a guard that the model's own ``torch`` and this
+    module's are one object, a Python guard per compiled model."""
+    if (getattr(y, "dtype", None) != dtype or getattr(y, "shape", None) != (rows.shape[0], n)
+            or getattr(y, "device", None) != rows.device):
+        y = output_contract.gemm_output_failed(backend, y, rows, n, dtype)
+    return y
 
 
 # ------------------------------------------------------------------------------------------ code generation

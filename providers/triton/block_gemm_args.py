@@ -27,8 +27,6 @@ from .block_gemm_configs import (
 
 logger = logging.getLogger("fp8_backends")
 
-#: the largest finite value of each float8 type (what a fused launch clamps its codes to)
-FLOAT8_MAX: dict[torch.dtype, float] = {dt.torch_dtype(): dt.max for dt in Fp8Dtype}
 #: arrival counters per (device, stream): at most this many output tiles in one split-K launch
 COUNTER_SLOTS = 16384
 _GRID_Y_MAX = 65535
@@ -158,7 +156,7 @@ def kernel_args(plan: Plan, x: torch.Tensor, w: torch.Tensor, x_scale: torch.Ten
             raise InvalidInputError(f"config {cfg.name} cannot launch {m} tokens (CUDA grid limit {_GRID_Y_MAX})")
         return (kernel_of("gemv"), (cdiv(n, cfg.block_n), m),
                 (x, w, out, x_scale, w_scale, b, m, n, k, *strides, cfg.block_n, cfg.groups, group_size, wbn, wbk,
-                 bias is not None, k % step == 0, align, use_pdl, x_quant, FLOAT8_MAX[w.dtype]))
+                 bias is not None, k % step == 0, align, use_pdl, x_quant, Fp8Dtype.of(w.dtype).max))
     if x_quant:
         raise InvalidInputError(f"config {cfg.name}: only the gemv configs quantize the activation themselves")
     part_t = out if part is None else part
@@ -199,7 +197,7 @@ def new_output(x: torch.Tensor, n: int, out_dtype: torch.dtype, bias: torch.Tens
 
 
 __all__ = [
-    "COUNTER_SLOTS", "FLOAT8_MAX", "QUANT_OP_BASENAME", "TMA_OP_BASENAME", "Plan", "cdiv", "empty_k", "fused_config",
+    "COUNTER_SLOTS", "QUANT_OP_BASENAME", "TMA_OP_BASENAME", "Plan", "cdiv", "empty_k", "fused_config",
     "kernel_args", "kernel_of", "new_output", "pick_config",
     "plan_launch", "pointer_twin", "row_align", "sm_count", "tiles_of", "tma_ok",
 ]

@@ -57,7 +57,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .nan_math import nan_clamp, nan_max_reduce, nan_maximum
+from .nan_math import dynamic_scale, nan_max_reduce, scaled_cast
 
 
 @triton.jit
@@ -165,8 +165,8 @@ def block_gemv_kernel(
             ws = tl.load(ws_ptrs, mask=in_g, other=0.0)
         if X_QUANT:  # the group quantization (masked columns load 0: they move no amax), codes in w's type
             xf = xv.to(tl.float32)
-            xs = nan_maximum(tl.math.div_rn(nan_max_reduce(tl.abs(xf), 1), FMAX), 1e-12)  # [GROUPS]
-            xv = nan_clamp(tl.math.div_rn(xf, xs[:, None]), -FMAX, FMAX).to(w_ptr.dtype.element_ty)
+            xs = dynamic_scale(nan_max_reduce(tl.abs(xf), 1), FMAX)  # [GROUPS]
+            xv = scaled_cast(xf, xs[:, None], FMAX, w_ptr.dtype.element_ty)
         xd = xv.to(tl.float32) * (xs * ws)[:, None]  # the dequantized activation, both scales folded in
         acc += wv.to(tl.float32) * xd[None, :, :]
         w_ptrs += STEP * stride_wk

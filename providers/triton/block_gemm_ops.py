@@ -246,8 +246,7 @@ def fused_launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: 
     ``group_size`` to ``w``'s float8 type inside the GEMV's own launch: equal, bit for bit, to
     :func:`.group_quant_ops.quant_per_token_group` followed by :func:`launch` with the same config. ``None`` where
     no fused config serves ``M x N x K`` (:func:`.block_gemm_args.fused_config`): the caller quantizes, then
-    launches. Unchecked
-    operands (a provider that validated them)."""
+    launches. Unchecked operands (a provider that validated them)."""
     cfg = fused_config(config, x.shape[0], w.shape[0], x.shape[1])
     return None if cfg is None else fused_run(cfg, x, w, w_scale, bias, out_dtype, group_size, weight_block)
 
@@ -349,8 +348,7 @@ def triton_block_gemm(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor, w
 
 __all__ = [
     "COUNTER_SLOTS", "Plan", "block_gemm", "check_inputs", "counters_for", "fused_launch", "fused_run", "kernel_args",
-    "launch",
-    "load_fused_op", "load_op",
+    "launch", "load_fused_op", "load_op",
     "pick_config", "plan_launch", "prepare_weight_scale", "reset_buffers", "row_align", "run_config", "sm_count",
     "tma_ok", "triton_block_gemm",
 ]

@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .nan_math import nan_clamp, nan_max_reduce, nan_maximum
+from .nan_math import dynamic_scale, nan_max_reduce, nan_maximum, scaled_cast
 
 #: ``X_QUANT`` values: ``x`` already float8 / quantized in the kernel with a static scale / a dynamic per-tensor
 #: scale / dynamic per-token scales (the two dynamic modes are the codes from QUANT_DYNAMIC up)
@@ -59,17 +59,6 @@ def _epilogue(acc, offs_m, offs_n, M, N, out_ptr, stride_om, x_scale_ptr, w_scal
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=in_n, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=in_m & in_n)
-
-
-@triton.jit
-def _quantize(v, scale, FMAX: tl.constexpr, dtype: tl.constexpr):
-    """``clamp(v / scale, ±FMAX)`` (IEEE division, as the reference) rounded to ``dtype`` (float8)."""
-    return nan_clamp(tl.math.div_rn(v.to(tl.float32), scale), -FMAX, FMAX).to(dtype)
-
-
-@triton.jit
-def _dynamic_scale(amax, FMAX: tl.constexpr):
-    return nan_maximum(tl.math.div_rn(amax, FMAX), 1e-12)
 
 
 @triton.jit
@@ -168,9 +157,9 @@ def fp8_gemm_swap_kernel(
     if X_QUANT == QUANT_STATIC:
         qscale = tl.load(x_scale_ptr)
     elif X_QUANT == QUANT_DYNAMIC:
-        qscale = _dynamic_scale(_absmax_all(x_ptr, M, K, stride_xm, BLOCK_M, BLOCK_K), FMAX)
+        qscale = dynamic_scale(_absmax_all(x_ptr, M, K, stride_xm, BLOCK_M, BLOCK_K), FMAX)
     elif X_QUANT == QUANT_PER_TOKEN:
-        qscale = _dynamic_scale(_absmax_rows(x_ptr, rows_x, M, K, stride_xm, BLOCK_K), FMAX)[None, :]
+        qscale = dynamic_scale(_absmax_rows(x_ptr, rows_x, M, K, stride_xm, BLOCK_K), FMAX)[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
@@ -181,7 +170,7 @@ def fp8_gemm_swap_kernel(
             a = tl.load(w_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             b = tl.load(x_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         if X_QUANT != QUANT_NONE:
-            b = _quantize(b, qscale, FMAX, w_ptr.dtype.element_ty)
+            b = scaled_cast(b, qscale, FMAX, w_ptr.dtype.element_ty)
         acc = tl.dot(a, b, acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -216,9 +205,9 @@ def fp8_gemv_kernel(
     if X_QUANT == QUANT_STATIC:
         qscale = tl.load(x_scale_ptr)
     elif X_QUANT == QUANT_DYNAMIC:
-        qscale = _dynamic_scale(_absmax_all(x_ptr, M, K, stride_xm, 1, BLOCK_K), FMAX)
+        qscale = dynamic_scale(_absmax_all(x_ptr, M, K, stride_xm, 1, BLOCK_K), FMAX)
     elif X_QUANT == QUANT_PER_TOKEN:
-        qscale = _dynamic_scale(nan_max_reduce(_absmax_rows(x_ptr, tl.full((1,), 0, tl.int32) + m, M, K, stride_xm,
+        qscale = dynamic_scale(nan_max_reduce(_absmax_rows(x_ptr, tl.full((1,), 0, tl.int32) + m, M, K, stride_xm,
                                                     BLOCK_K), 0), FMAX)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
@@ -230,7 +219,7 @@ def fp8_gemv_kernel(
             wv = tl.load(w_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             xv = tl.load(x_ptrs, mask=offs_k < k_left, other=0.0)
         if X_QUANT != QUANT_NONE:
-            xv = _quantize(xv, qscale, FMAX, w_ptr.dtype.element_ty)
+            xv = scaled_cast(xv, qscale, FMAX, w_ptr.dtype.element_ty)
         acc += wv.to(tl.float32) * xv.to(tl.float32)[None, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K

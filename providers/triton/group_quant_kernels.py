@@ -46,7 +46,7 @@ from fp8_backends.core import group_scales
 from fp8_backends.core.errors import Fp8BackendError, InvalidInputError
 from fp8_backends.core.types import Fp8Dtype, ScaleLayout
 
-from .nan_math import nan_clamp, nan_max_reduce, nan_maximum
+from .nan_math import dynamic_scale, nan_max_reduce, scaled_cast
 
 #: the largest finite value of each float8 type the kernel writes
 FMAX: dict[torch.dtype, float] = {dt.torch_dtype(): dt.max for dt in Fp8Dtype}
@@ -77,11 +77,11 @@ def _group_quant_kernel(
     x = x.to(tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    scale = nan_maximum(tl.math.div_rn(nan_max_reduce(tl.abs(x), 2), FMAX), 1e-12)  # [ROWS, GROUPS]
+    scale = dynamic_scale(nan_max_reduce(tl.abs(x), 2), FMAX)  # [ROWS, GROUPS]
     tl.store(s_ptr + rows64[:, None] * stride_sm + groups[None, :] * stride_sg, scale,
              mask=row_in[:, None] & (groups * G < K)[None, :])
-    y = nan_clamp(tl.math.div_rn(x, scale[:, :, None]), -FMAX, FMAX)
-    tl.store(q_ptr + rows64[:, None, None] * stride_qm + cols[None, :, :], y.to(q_ptr.dtype.element_ty), mask=mask)
+    y = scaled_cast(x, scale[:, :, None], FMAX, q_ptr.dtype.element_ty)
+    tl.store(q_ptr + rows64[:, None, None] * stride_qm + cols[None, :, :], y, mask=mask)
 
 
 class GroupConfig(NamedTuple):
