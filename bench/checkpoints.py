@@ -1,7 +1,8 @@
 """Benchmark: FP8 checkpoints served by the library against bf16 and against ``transformers``' own loading.
 
 One Llama-3-8B-sized model (hidden 4096, intermediate 14336, 32 / 8 heads, ``--layers`` of them, vocabulary 32000,
-random weights: nothing is downloaded) is written to ``--ckpt-dir`` (local disk) once in bf16 and once per format,
+random weights: nothing is downloaded; ``--model qwen3``: Qwen3-8B's layer sizes, the models that ship block-wise FP8
+checkpoints) is written to ``--ckpt-dir`` (local disk) once in bf16 and once per format,
 each file by file in shards of ``--shard-gib`` with an index, in the layout its producer writes:
 
 - ``modelopt``: ModelOpt FP8 (``hf_quant_config.json``; per-tensor weights, static per-tensor input scales);
@@ -17,7 +18,8 @@ Static input scales come from one calibration batch through the bf16 model. Vari
 - ``<format>/hf``: ``transformers``' own loading of the same checkpoint where it has one (compressed-tensors, ``fp8``;
   not ModelOpt): what a user has without the library. Its ``fp8`` GEMM on a GPU is the hub kernel
   ``kernels-community/finegrained-fp8`` (the ``kernels`` package downloads it at first use): on a machine without
-  the network that variant is reported as an error.
+  the network that variant is reported as an error, unless ``--finegrained-fp8 DIR`` names a local copy of that
+  package (:func:`bench.hf_bench.install_finegrained_fp8`; the copy is not part of this project).
 
 Workloads and modes as ``bench/hf_model.py`` (its step builders and its interleaved rounds): prefill of ``T`` tokens
 (``--prefill``) and one-token decode at ``--context``, eager, ``torch.compile`` and (decode) compiled in a CUDA graph.
@@ -54,6 +56,8 @@ FORMATS = ("modelopt", "ct_fp8", "ct_dynamic", "ct_block", "hf_block")
 #: formats transformers loads itself (its compressed-tensors and fp8 integrations)
 HF_LOADS = ("ct_fp8", "ct_dynamic", "ct_block", "hf_block")
 SKIP = ("lm_head", "embed")
+#: ``--model`` -> the model whose layer sizes it has (folder names and titles)
+MODEL_NAMES = {"llama": "llama3-8b", "qwen3": "qwen3-8b"}
 
 
 def log(msg: str) -> None:
@@ -137,11 +141,12 @@ def quant_config(fmt: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None
 
 
 def build_model(args: Any) -> Any:
-    """The bf16 Llama of ``bench/hf_model.py`` (``--small``: hidden 256, so that 128x128 blocks fit)."""
+    """The bf16 ``--model`` of ``bench/hf_model.py`` (``--small``: a Llama of hidden 256, so that 128x128 blocks
+    fit)."""
     import transformers
 
     if not args.small:
-        return hf.build_model("llama", args.layers, args.device, False, 4096)
+        return hf.build_model(args.model, args.layers, args.device, False, 4096)
     config = transformers.LlamaConfig(hidden_size=256, intermediate_size=384, num_attention_heads=4,
                                       num_key_value_heads=2, head_dim=64, num_hidden_layers=args.layers,
                                       vocab_size=256, max_position_embeddings=512, tie_word_embeddings=False)
@@ -152,7 +157,7 @@ def build_model(args: Any) -> Any:
 
 def write_checkpoints(args: Any) -> dict[str, Path]:
     """``{"bf16": folder, fmt: folder}``: written once (a folder with its ``config.json`` is reused)."""
-    root = args.ckpt_dir / ("small" if args.small else f"llama3-8b-{args.layers}l")
+    root = args.ckpt_dir / ("small" if args.small else f"{MODEL_NAMES[args.model]}-{args.layers}l")
     folders = {name: root / name for name in ("bf16", *args.formats)}
     if all((f / "config.json").is_file() for f in folders.values()):
         return folders
@@ -196,7 +201,7 @@ def write_checkpoints(args: Any) -> dict[str, Path]:
         qc, hf_quant = ({}, None) if name == "bf16" else quant_config(name)
         if qc:
             config["quantization_config"] = qc
-        config["architectures"] = ["LlamaForCausalLM"]
+        config["architectures"] = [type(model).__name__]
         (folder / "config.json").write_text(json.dumps(config, indent=1, default=str))
         if hf_quant is not None:
             (folder / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=1))
@@ -317,6 +322,11 @@ def parse_args(argv: list[str] | None) -> Any:
     p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
     p.add_argument("--loaders", nargs="+", default=["lib", "hf"], choices=["lib", "hf"],
                    help="hf: also transformers' own loading of the formats it reads")
+    p.add_argument("--model", choices=sorted(MODEL_NAMES), default="llama",
+                   help="layer sizes: Llama-3-8B (default) or Qwen3-8B (the block-wise FP8 checkpoints' models)")
+    p.add_argument("--finegrained-fp8", type=Path, default=None, metavar="DIR",
+                   help="a local copy of the hub kernel package transformers' fp8 path runs (finegrained_fp8), for a "
+                        "machine without the network")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--ckpt-dir", type=Path, default=Path("/tmp/fp8_backends_checkpoints"))
     p.add_argument("--shard-gib", type=float, default=2.0)
@@ -342,7 +352,8 @@ def parse_args(argv: list[str] | None) -> Any:
 
 
 def render(result: dict[str, Any]) -> list[str]:
-    lines = common.header_markdown(result["header"], f"FP8 checkpoints, Llama-3-8B layers x {result['layers']}")
+    model = {"llama": "Llama-3-8B", "qwen3": "Qwen3-8B"}[result.get("model", "llama")]
+    lines = common.header_markdown(result["header"], f"FP8 checkpoints, {model} layers x {result['layers']}")
     names = list(dict.fromkeys(v for row in result["rows"] for v in row["us"]))
     lines += ["", "µs per step (median of interleaved rounds; host µs in parentheses), ratio to bf16 and to "
               "transformers' own loading of the same checkpoint (`/hf`); < 1 is faster.", ""]
@@ -395,8 +406,10 @@ def main(argv: list[str] | None = None) -> int:
     for dist in ("transformers", "compressed-tensors", "safetensors"):
         header["versions"][dist] = common.dist_version(dist)
     folders = write_checkpoints(args)
-    result: dict[str, Any] = {"header": header, "layers": args.layers, "small": args.small, "rows": [],
-                              "notes": {}, "errors": {}}
+    result: dict[str, Any] = {"header": header, "model": args.model, "layers": args.layers, "small": args.small,
+                              "rows": [], "notes": {}, "errors": {}}
+    if args.finegrained_fp8 is not None:  # transformers' fp8 kernel: where the local copy came from
+        header["versions"]["finegrained-fp8"] = hf.install_finegrained_fp8(args.finegrained_fp8)
     result["load"] = load_table(args, folders) if args.load_runs else []
     models: dict[str, Any] = {}
     for name, kind, folder in [("bf16", "hf", folders["bf16"])] + [

@@ -95,6 +95,34 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
+def install_finegrained_fp8(path: Path | str) -> str:
+    """Serve ``transformers``' FP8 integration (``FineGrainedFP8``: its ``FP8Linear`` layers, the Hugging Face ``fp8``
+    and block checkpoints) with the ``finegrained_fp8`` kernel package found at ``path`` (the package folder, or one
+    holding it), the package ``transformers`` otherwise downloads from the hub (``kernels-community/finegrained-fp8``,
+    through the ``kernels`` package) at its first FP8 call: a GPU machine without the network has no other way to run
+    that path. Nothing of the package is part of this project; a ``SOURCE`` file beside it (one line: where it was
+    taken from) is reported. Returns that line (or the folder)."""
+    import sys
+
+    folder = Path(path).resolve()
+    package = folder if (folder / "__init__.py").is_file() else folder / "finegrained_fp8"
+    if not (package / "__init__.py").is_file():
+        raise FileNotFoundError(f"no finegrained_fp8 package at {path}")
+    kernel = sys.modules.get("finegrained_fp8")
+    if kernel is None:  # the package under its own name (its modules import each other relatively)
+        spec = importlib.util.spec_from_file_location("finegrained_fp8", package / "__init__.py",
+                                                      submodule_search_locations=[str(package)])
+        kernel = importlib.util.module_from_spec(spec)
+        sys.modules["finegrained_fp8"] = kernel
+        spec.loader.exec_module(kernel)
+    from transformers.integrations import finegrained_fp8 as integration
+
+    integration._FINEGRAINED_FP8 = integration.FineGrainedFP8(
+        matmul=kernel.matmul_2d, batched_matmul=kernel.matmul_batched, grouped_matmul=kernel.matmul_grouped)
+    source = package / "SOURCE"
+    return source.read_text(encoding="utf-8").strip() if source.is_file() else str(package)
+
+
 # ------------------------------------------------------------------------------------------------ models
 def build_model(name: str, layers: int, device: str, small: bool, max_positions: int) -> Any:
     import transformers

@@ -457,9 +457,9 @@ def test_capabilities_and_refusals():
 
 
 def test_options():
-    assert CutlassSm90Backend().config == {"config": "auto", "fast_accum": "true"}
-    b = CutlassSm90Backend(config="ws64x16_swap", fast_accum="false")
-    assert b.label == "cutlass[config=ws64x16_swap,fast_accum=false]"
+    assert CutlassSm90Backend().config == {"config": "auto", "fast_accum": "true", "fused_quant": "true"}
+    b = CutlassSm90Backend(config="ws64x16_swap", fast_accum="false", fused_quant="false")
+    assert b.label == "cutlass[config=ws64x16_swap,fast_accum=false,fused_quant=false]"
     with pytest.raises(InvalidInputError):
         CutlassSm90Backend(config="nope")
     from fp8_backends.providers.cutlass.block_configs import BLOCK_CONFIG_NAMES

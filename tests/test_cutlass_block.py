@@ -731,3 +731,127 @@ def test_provider_takes_every_scale_layout_and_refuses_the_wrong_config_family(b
         CutlassSm90Backend(config="ws64x16_swap").prepare_weight(w_q, ws)
     with pytest.raises(InvalidInputError):
         CutlassSm90Backend(config="bw_pp64x128").prepare_weight(w_q, torch.ones(1, device="cuda"))
+
+
+def test_fused_block_linear_hooks_follow_the_cpp_op(monkeypatch):
+    """The provider hands block weights' unquantized activations to its C++ block linear op (groups of 128, eager and
+    compiled, M up to its bound) where that op loaded, and declines without it or above the bound; ``auto``'s host
+    model counts the fused call where the C++ op is expected."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from fp8_backends.providers.cutlass import native_op
+    from fp8_backends.providers.cutlass.backend import FUSED_BLOCK_MAX_M
+
+    b = CutlassSm90Backend()
+    block = SimpleNamespace(weight_scale=WeightScale.BLOCK, group_size=128, data="w", scale="s")
+    group = ActScale.PER_TOKEN_GROUP
+    assert b.traced_fused_quant_max_m(block, group) == 0  # no C++ op loaded
+    assert b.bind_fused_quant_gemm(block, group, None, torch.bfloat16, None)("x") is None
+    calls = []
+    b._block_linear_op = lambda *args: calls.append(args) or "served"
+    b._linear_op = object()
+    assert b.traced_fused_quant_max_m(block, group) == FUSED_BLOCK_MAX_M
+    b.fused_act_quant = frozenset(CutlassSm90Backend.fused_act_quant | {group, ActScale.PER_TOKEN})
+    assert b.fuses_act_quant(group, False) and not b.fuses_act_quant(group, True)  # graphs: the Triton kernel first
+    assert b.fuses_act_quant(ActScale.PER_TOKEN, True)
+    assert b.traced_fused_quant_max_m(block, ActScale.PER_TOKEN) == 0
+    assert b.traced_fused_quant_max_m(SimpleNamespace(**{**vars(block), "group_size": 64}), group) == 0
+    assert b.traced_fused_quant_max_m(SimpleNamespace(**{**vars(block), "weight_scale": WeightScale.PER_CHANNEL}),
+                                      group) == 0
+    assert b.traced_fused_quant_gemm_impl("x", block, group, None, torch.bfloat16, "bias") == "served"
+    assert calls[-1] == ("x", "w", "s", "bias", torch.bfloat16, "auto")
+    x2 = torch.zeros(FUSED_BLOCK_MAX_M, 8)
+    assert b.fused_quant_gemm_impl(x2, block, group, None, torch.float16, None) == "served"
+    assert calls[-1] == (x2, "w", "s", None, torch.float16, "auto")
+    # above the bound the eager call declines (the library's quantization, then the GEMM)
+    assert b.fused_quant_gemm_impl(torch.zeros(FUSED_BLOCK_MAX_M + 1, 8), block, group, None, torch.float16,
+                                   None) is None
+    assert CutlassSm90Backend(config="bw_pp64x128").bind_fused_quant_gemm(block, group, None, torch.bfloat16,
+                                                                          None)("x") is None  # no op on that one
+    monkeypatch.setattr(native_op, "expected", lambda: True)
+    assert CutlassSm90Backend.block_fused_host_us_for(512, {"config": "auto"}) == CutlassSm90Backend.block_fused_host_us
+    assert CutlassSm90Backend.block_fused_host_us_for(1, {"config": "bw_pp64x128"}) is not None
+    assert CutlassSm90Backend.block_fused_host_us_for(1, {"config": "ws64x16_swap"}) is None
+    assert CutlassSm90Backend.block_fused_host_us_for(FUSED_BLOCK_MAX_M + 1, {"config": "auto"}) is None
+    assert CutlassSm90Backend.block_fused_host_us_for(1, {"config": "auto", "fused_quant": "false"}) is None
+    monkeypatch.setattr(native_op, "expected", lambda: False)
+    assert CutlassSm90Backend.block_fused_host_us_for(512, {"config": "auto"}) is None
+
+
+@pytest.fixture(scope="module")
+def table_built():
+    """The block libraries the default table picks, bf16 outputs (what a bf16 model runs), built once."""
+    import torch
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the cutlass provider runs on SM 9.0 only")
+    specs = build.block_specs_for(sorted(block_configs.active_block_table().config_names()))
+    failed = {s.name: r for s, r in build.build_many([s for s in specs if build.locate(s) is None]).items()
+              if isinstance(r, BuildError)}
+    assert not failed, failed
+    return True
+
+
+@pytest.mark.gpu
+def test_native_block_linear_op_quantizes_as_the_reference_then_runs_the_same_gemm(table_built):
+    """``cutlass_sm90_block_linear_native`` on the unquantized activation gives the bits of the library's group
+    quantization (:func:`fp8_backends.quant.quantize`: correctly rounded divisions, as this op's kernel) followed by
+    the block GEMM (same codes and scales, same kernel), for bf16 / fp16 / fp32 inputs of any strides and ragged K,
+    within the GEMM's bound of the torch reference (whose CUDA division by a Python scalar multiplies by the
+    reciprocal: a scale one bit apart, a code one step apart at a rounding tie); a processed layer runs it as one call
+    eager, compiled (Inductor calls the op) and in a CUDA graph."""
+    import torch
+
+    from fp8_backends import quant
+    from fp8_backends.core import group_scales, reference
+    from fp8_backends.layers import Fp8Linear
+    from fp8_backends.providers.cutlass import native_op
+
+    if not native_op.enabled():
+        pytest.skip("FP8_BACKENDS_CUTLASS_NATIVE=0")
+    native = native_op.load("cuda")
+    b = CutlassSm90Backend()
+    b._loaded_op()
+    assert b._block_linear_op is native.block_linear_op
+    f8 = torch.float8_e4m3fn
+    for m, n, k, dtype in ((1, 2112, 7168, torch.bfloat16), (37, 576, 7168, torch.float16),
+                           (300, 208, 1008, torch.float32), (1000, 6144, 4096, torch.bfloat16)):
+        _, _, w_q, ws = _block_data(m, n, k)
+        prepared = b.prepare_weight(w_q, ws)
+        wide = torch.randn(m, k + 24, device="cuda", dtype=dtype) * 3
+        for x in (wide[:, :k].contiguous(), wide[:, :k], wide[:, :k].t().contiguous().t()):
+            qa = quant.quantize(x.contiguous(), ActScale.PER_TOKEN_GROUP, group_size=128,
+                                scale_layout=ScaleLayout.M_MAJOR_TMA)
+            want = b.gemm(qa.data, prepared, qa.scale)
+            got = native.block_linear_op(x, w_q, prepared.scale, None, torch.bfloat16, "auto")
+            assert torch.equal(got, want), (m, n, k, dtype, x.stride())
+            x_q, xs = reference.quantize_groups(x.contiguous(), 128, f8, 448.0)
+            ref = b.gemm(x_q, prepared, group_scales.to_layout(xs, ScaleLayout.M_MAJOR_TMA))
+            assert _relerr(got, ref) < _TOL["bfloat16"], (m, n, k, dtype, _relerr(got, ref))
+    served = native.calls()[0]
+    native.block_linear_op(x, w_q, prepared.scale, None, torch.bfloat16, "auto")
+    assert native.calls()[0] == served + 1  # served in C++ (quantization and GEMM), not handed to Python
+
+    linear = torch.nn.Linear(4096, 6144, bias=True, device="cuda", dtype=torch.bfloat16)
+    layer = Fp8Linear.from_linear(linear, weight_scale="block", backend="cutlass")
+    x = torch.randn(2, 129, 4096, device="cuda", dtype=torch.bfloat16)
+    want = layer(x)
+    served, handed = native.calls()
+    assert torch.equal(layer(x), want) and native.calls() == (served + 1, handed)  # one C++ call, no quant op
+    compiled = torch.compile(layer, fullgraph=True)
+    from torch._inductor.utils import run_and_get_code
+
+    got, codes = run_and_get_code(compiled, x)
+    assert torch.equal(got, want) and any("cutlass_sm90_block_linear_native" in c for c in codes)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        y = layer(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, layer(x))

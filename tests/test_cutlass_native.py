@@ -9,9 +9,10 @@ fallback's exception reaches the caller as it was raised. The block-scaled op se
 and block-table buckets for operands the kernels read as they are, and hands every other layout, shape, dtype and
 failure to its fallback. The fused linear op quantizes its input as the reference does
 (static, dynamic, per-token; NaN kept; a row stride, a transposed view, a column stride, broadcast rows) before the
-same routing. Also: ``torch.compile`` (``aot_eager``,
-``fullgraph``) traces both ops through their fakes. On the GPU, ``tests/test_cutlass.py`` runs the provider's real
-kernels through them.
+same routing, and the fused block linear op quantizes per token in groups of 128 (NaN kept, a ragged last group, any
+strides, bf16 / fp16 / fp32) into M-major scales padded to 4 tokens before the block routing. Also:
+``torch.compile`` (``aot_eager``, ``fullgraph``) traces the ops through their fakes. On the GPU,
+``tests/test_cutlass.py`` and ``tests/test_cutlass_block.py`` run the provider's real kernels through them.
 """
 
 from __future__ import annotations
@@ -60,11 +61,19 @@ typedef struct {
   const float *ws; int64_t ws_ld; const void *bias; void *work; size_t work_bytes; void *stream;
 } brec_t;
 brec_t brec;
+unsigned char bx_bytes[8192];  /* the first bytes of x_q and of its M-major scales the last block call received */
+float bx_scales[256];
+static void block_copy(const void *x, int64_t m, int64_t k, const float *xs, int64_t xl) {
+  size_t nb = (size_t)(m * k) < sizeof(bx_bytes) ? (size_t)(m * k) : sizeof(bx_bytes);
+  size_t ns = (size_t)(((k + 127) / 128) * xl);
+  memcpy(bx_bytes, x, nb);
+  memcpy(bx_scales, xs, (ns < 256 ? ns : 256) * sizeof(float));
+}
 #define BLOCK_KERNEL(name, id) int name(const void *x, const void *w, void *o, int64_t m, int64_t n, int64_t k, \
   const float *xs, int64_t xl, const float *ws, int64_t wl, const void *b, void *wk, size_t wb, void *s) { \
   brec.which = id; brec.calls++; brec.m = m; brec.n = n; brec.k = k; brec.x = x; brec.w = w; brec.out = o; \
   brec.xs = xs; brec.xs_ld = xl; brec.ws = ws; brec.ws_ld = wl; brec.bias = b; brec.work = wk; brec.work_bytes = wb; \
-  brec.stream = s; return rc_next; }
+  brec.stream = s; block_copy(x, m, k, xs, xl); return rc_next; }
 BLOCK_KERNEL(block_a, 11)
 BLOCK_KERNEL(block_b, 12)
 """
@@ -279,8 +288,10 @@ class BRec(ctypes.Structure):
 brec = BRec.in_dll(fake, "brec")
 baddr = {name: ctypes.cast(getattr(fake, name), ctypes.c_void_p).value for name in ("block_a", "block_b")}
 bseen = []
+boperands = []  # (x, x_scale) copies as the block fallback received them
 def block_fallback(x, w, xs, ws, bias, out_dtype, config):
     bseen.append((tuple(x.shape), tuple(xs.shape), xs.stride(), config, bias is not None, out_dtype))
+    boperands.append((x.clone(), xs.clone()))
     if config == "raise":
         raise FallbackRaised("from the block fallback")
     return torch.full((x.shape[0], w.shape[0]), 5.0, dtype=out_dtype)
@@ -366,6 +377,56 @@ assert h(torch.zeros(64, K, dtype=f8), m_major(64, 3, 64)).shape == (64, N) and 
 native.reset()
 bcall(64)
 assert brec.calls == calls + 1 and len(bseen) == 14, (brec.calls, len(bseen))
+
+# 11. the fused block linear op: x quantized per token in groups of 128 as the reference quantizes it (NaN kept, a
+#     ragged last group, any strides, bf16 / fp16 / fp32), the scales M-major with the column stride rounded up to 4
+#     tokens, then the block routing; a miss hands the block fallback the op's own codes and scales (views of its one
+#     buffer)
+bx_bytes = (ctypes.c_ubyte * 8192).in_dll(fake, "bx_bytes")
+bx_scales = (ctypes.c_float * 256).in_dll(fake, "bx_scales")
+blin = native.block_linear_op
+native.register_block_buckets(N, K, [(16, "bw_a"), (None, "bw_b")])
+native.register_block_kernel("bw_a|bfloat16", baddr["block_a"], addr["ws_size"], True, False)
+native.register_block_kernel("bw_b|bfloat16", baddr["block_b"], addr["ws_size"], False, True)
+wide = torch.randn(20, 400, dtype=torch.bfloat16) * 5
+wide[2, 130] = float("nan")
+wide[3, :128] = 0  # an all-zero group: the smallest scale
+def same_bits(a, b):
+    return bool(((a.float() == b.float()) | (a.float().isnan() & b.float().isnan())).all())
+cases = (("row stride", wide[:6, :K]), ("transposed", wide[:6, :K].t().contiguous().t()),
+         ("fp32", wide[:6, :K].float()), ("fp16", wide[:6, :K].half()), ("one row", wide[2:3, :K]),
+         ("column stride", torch.randn(K, 3, dtype=torch.bfloat16)[:, 1].unsqueeze(0)), ("M = 20", wide[:, :K]))
+for name, xin in cases:
+    m = xin.shape[0]
+    calls = brec.calls
+    y = blin(xin, wq, wsb, None, torch.bfloat16, "auto")
+    ld = -(-m // 4) * 4
+    assert brec.calls == calls + 1 and brec.which == (11 if m <= 16 else 12) and y.shape == (m, N), name
+    assert (brec.m, brec.n, brec.k, brec.xs_ld, brec.ws, brec.ws_ld) == (m, N, K, ld, wsb.data_ptr(), 3), name
+    q_ref, s_ref = reference.quantize_groups(xin.contiguous(), 128, f8, 448.0)
+    got = torch.tensor(list(bx_bytes[:m * K]), dtype=torch.uint8).view(f8).view(m, K)
+    got_s = torch.tensor(list(bx_scales[:3 * ld])).view(3, ld)[:, :m].t()
+    assert same_bits(got, q_ref), (name, int((got.float() != q_ref.float()).sum()))
+    assert same_bits(got_s, s_ref) and got_s.isnan().any() == s_ref.isnan().any(), (name, got_s, s_ref)
+before = len(bseen)
+y = blin(wide[:6, :K], wq, wsb, None, torch.float16, "auto")  # no float16 library: the fallback, with views
+assert len(bseen) == before + 1 and (y == 5).all() and y.dtype == torch.float16
+got_q, got_s = boperands[-1]
+q_ref, s_ref = reference.quantize_groups(wide[:6, :K].contiguous(), 128, f8, 448.0)
+assert bseen[-1][:3] == ((6, K), (6, 3), (1, 8)) and same_bits(got_q, q_ref) and same_bits(got_s, s_ref)
+assert blin(wide[:0, :K], wq, wsb, None, torch.bfloat16, "auto").shape == (0, N)
+for bad in (wide[:6, :K].to(f8), wide[:6, :K].unsqueeze(0), wide[:6, :K - 16]):
+    try:
+        blin(bad, wq, wsb, None, torch.bfloat16, "auto")
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError(f"accepted x {tuple(bad.shape)} {bad.dtype}")
+@torch.compile(backend="aot_eager", fullgraph=True)
+def bl(x):
+    return blin(x, wq, wsb, None, torch.bfloat16, "auto") * 2
+calls = brec.calls
+assert bl(wide[:, :K]).shape == (20, N) and brec.calls == calls + 1
 print("native op checks passed", native.calls())
 """
 
@@ -472,7 +533,7 @@ def test_fused_hook_serves_any_strides():
     calls = []
     b = CutlassSm90Backend()
     b._linear_op = lambda *args: calls.append(args) or "served"
-    prepared = type("P", (), {"data": None, "scale": None})()
+    prepared = type("P", (), {"data": None, "scale": None, "weight_scale": None})()
     strided = torch.randn(64, 3, dtype=torch.bfloat16)[:, 1].unsqueeze(0)
     assert strided.shape == (1, 64) and strided.stride(1) == 3
     assert b.fused_quant_gemm_impl(strided, prepared, ActScale.PER_TENSOR_DYNAMIC, None, torch.bfloat16,

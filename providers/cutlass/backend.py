@@ -59,6 +59,15 @@ from .configs import CONFIG_NAMES, active_table
 
 #: the activation modes the per-tensor / row-wise kernels serve, the ones the C++ op quantizes itself
 _VECTOR_ACT_SCALES = frozenset({ActScale.PER_TENSOR_STATIC, ActScale.PER_TENSOR_DYNAMIC, ActScale.PER_TOKEN})
+#: with the block-scaled family's groups of 128 (the C++ block linear op)
+_FUSED_ACT_SCALES = _VECTOR_ACT_SCALES | {ActScale.PER_TOKEN_GROUP}
+#: the largest M the C++ block linear op quantizes itself. Its group-quantization kernel reaches 26-40% of the copy
+#: bandwidth where the library's Triton kernel reaches 47-87% (M = 512-8192, H200,
+#: bench/results/group_quant/2026-12-04-h200/): below ~1k tokens a compiled or eager step is host-bound and the op's
+#: one call saves more than its kernel loses (Qwen3-8B prefill 512 compiled: 0.989x bf16 against 1.030x quantizing
+#: first; decode: 0.969x against 1.188x), above it the GPU decides (prefill 2048: 0.814x against 0.783x;
+#: bench/results/hf_model/2026-12-04-h200-qwen3-block-cpp-quant/), so larger M quantize with the Triton kernel first
+FUSED_BLOCK_MAX_M = 1024
 _BLOCK = WeightScale.BLOCK
 
 if TYPE_CHECKING:
@@ -68,7 +77,7 @@ INSTALL_HINT = "pip install 'fp8-backends[cutlass]' and a CUDA toolkit with nvcc
 
 
 class CutlassSm90Backend(OpGemmBackend):
-    """CUTLASS 3.x SM90 FP8 GEMM; options ``config`` (``auto`` or a config name) and ``fast_accum``."""
+    """CUTLASS 3.x SM90 FP8 GEMM; options ``config`` (``auto`` or a config name), ``fast_accum`` and ``fused_quant``."""
 
     name: ClassVar[str] = "cutlass"
     description: ClassVar[str] = "CUTLASS 3.x SM90 TMA warp-specialized FP8 GEMM, fused scale/bias epilogue (JIT)"
@@ -77,6 +86,9 @@ class CutlassSm90Backend(OpGemmBackend):
     options: ClassVar[dict[str, tuple[str, ...]]] = {
         "config": ("auto", *CONFIG_NAMES, *BLOCK_CONFIG_NAMES),
         "fast_accum": ("true", "false"),
+        # the C++ ops' own quantization of the unquantized activation (eager: every mode; compiled: block weights'
+        # groups); false: the library's quantization op, then the GEMM op (an A/B of that call)
+        "fused_quant": ("true", "false"),
     }
     # the tuner times each config by name; precise accumulation is slower and never wins on time
     tunable_options: ClassVar[tuple[str, ...]] = ("config",)
@@ -156,6 +168,11 @@ class CutlassSm90Backend(OpGemmBackend):
     contiguous_vectors: ClassVar[bool] = True
     #: the C++ op's fused quantize + GEMM (set by :meth:`load_op` where it loads)
     _linear_op: Any = None
+    #: the C++ op's fused per-token-group quantize + block GEMM (set by :meth:`load_op` where it loads)
+    _block_linear_op: Any = None
+    #: inside a CUDA graph (no host time per launch) block weights' groups are quantized by the library's Triton kernel,
+    #: 1.7-2.6x faster than the op's own (bench/results/group_quant/2026-12-04-h200/); the vector modes stay fused
+    fused_act_quant_in_graphs: ClassVar[frozenset[ActScale] | None] = _VECTOR_ACT_SCALES
 
     #: the block-scaled op's hot-path callable (set by :meth:`load_op`)
     _block_op: Any = None
@@ -180,9 +197,12 @@ class CutlassSm90Backend(OpGemmBackend):
         native = native_op.try_load()
         if native is None:
             return python_op
-        self._linear_op = native.linear_op
         self._block_op = native.block_op
-        self.fused_act_quant = _VECTOR_ACT_SCALES  # the C++ op quantizes in its own kernels (one call per linear)
+        if self.config["fused_quant"] == "true":
+            self._linear_op = native.linear_op
+            self._block_linear_op = native.block_linear_op
+            # the C++ ops quantize in their own kernels (one call per linear), block weights' groups included
+            self.fused_act_quant = _FUSED_ACT_SCALES
         return native.op
 
     def fused_quant_gemm_impl(self, x: torch.Tensor, prepared: PreparedWeight, act_scale: ActScale,
@@ -201,8 +221,10 @@ class CutlassSm90Backend(OpGemmBackend):
         """The fused call bound once: the C++ linear op's overload entry (``OpOverload._op``, one Python frame less
         than the overload) with the weight, scales, bias, mode and config bound. Without the C++ op, the base class's
         binding of the hook (which declines every call)."""
+        if prepared.weight_scale is _BLOCK:
+            return self._bind_block_linear(prepared, act_scale, out_dtype, bias)
         op = self._linear_op
-        if op is None or act_scale not in _VECTOR_ACT_SCALES:  # group activations (block weights): no fused op
+        if op is None or act_scale not in _VECTOR_ACT_SCALES:
             return super().bind_fused_quant_gemm(prepared, act_scale, input_scale, out_dtype, bias)
         call = getattr(op, "_op", op)
         w, w_scale, mode = prepared.data, prepared.scale, act_scale.value
@@ -212,6 +234,65 @@ class CutlassSm90Backend(OpGemmBackend):
             return call(x, w, w_scale, input_scale, bias, out_dtype, mode, config, fast_accum)
 
         return fused
+
+    def _bind_block_linear(self, prepared: PreparedWeight, act_scale: ActScale, out_dtype: torch.dtype,
+                           bias: torch.Tensor | None) -> Callable[[torch.Tensor], Any]:
+        """Block weights: the C++ block linear op (per-token-group quantization + the block GEMM) bound, or a call
+        that declines (no C++ op, or activations not in groups of 128)."""
+        op = self._block_linear_op
+        if op is None or act_scale is not ActScale.PER_TOKEN_GROUP or prepared.group_size != GROUP_K:
+            def declined(x: torch.Tensor) -> None:
+                return None
+
+            return declined
+        call = getattr(op, "_op", op)
+        w, w_scale, config = prepared.data, prepared.scale, self.block_config
+
+        def fused(x: torch.Tensor) -> torch.Tensor | None:
+            if x.shape[0] > FUSED_BLOCK_MAX_M:  # declined: the library's quantization, then the GEMM
+                return None
+            return call(x, w, w_scale, bias, out_dtype, config)
+
+        return fused
+
+    # ------------------------------------------------------------------ compiled: the fused block linear
+    #: host µs of a compiled call of the fused block linear op. The other block calls' figures leave out the group
+    #: quantization's launch before them (Triton's launcher, from Inductor's code); the triton provider's fused GEMV
+    #: declares its one Inductor launch (5). This op is one dispatcher call that launches two kernels from C++: more
+    #: than that GEMV (so one token stays on the one-kernel GEMV where their kernels tie; declared at 5, a compiled
+    #: Qwen3-8B decode step moved 16 of its linears from the GEMV to this op and ran 0.86x bf16 against 0.76-0.79x,
+    #: H200, bench/results/hf_model/2026-12-04-h200-qwen3-block-cpp-quant/), less than the unfused call
+    #: (:attr:`native_host_us` plus the quantization's launch)
+    block_fused_host_us: ClassVar[float] = 10.0
+
+    @classmethod
+    def block_fused_host_us_for(cls, m: int, options: Mapping[str, str]) -> float | None:
+        """M up to :data:`FUSED_BLOCK_MAX_M`, where the C++ op is expected (:func:`.native_op.expected`),
+        ``fused_quant`` is on and the config is ``auto`` or a block one: the fused block linear quantizes the
+        activation in its own call."""
+        from . import native_op
+
+        config = options.get("config", "auto")
+        if (m > FUSED_BLOCK_MAX_M or not native_op.expected() or options.get("fused_quant", "true") != "true"
+                or (config != "auto" and config not in BLOCK_CONFIGS)):
+            return None
+        return cls.block_fused_host_us
+
+    def traced_fused_quant_max_m(self, prepared: PreparedWeight, act_scale: ActScale) -> int:
+        """Block weights with activation groups of 128, where the C++ op loaded: M up to :data:`FUSED_BLOCK_MAX_M`
+        (a compiled layer hands the bf16 activation to :meth:`traced_fused_quant_gemm_impl`, one opaque call in place
+        of the group quantization's launch and the block GEMM's)."""
+        if (self._block_linear_op is None or prepared.weight_scale is not _BLOCK
+                or act_scale is not ActScale.PER_TOKEN_GROUP or prepared.group_size != GROUP_K):
+            return 0
+        return FUSED_BLOCK_MAX_M
+
+    def traced_fused_quant_gemm_impl(self, x: torch.Tensor, prepared: PreparedWeight, act_scale: ActScale,
+                                     input_scale: torch.Tensor | None, out_dtype: torch.dtype,
+                                     bias: torch.Tensor | None) -> torch.Tensor:
+        """The C++ block linear op on ``x [M, K]`` (bf16 / fp16 / fp32, any strides): opaque to Inductor, which calls
+        it through the dispatcher (its fake gives ``[M, N]`` in ``out_dtype``)."""
+        return self._block_linear_op(x, prepared.data, prepared.scale, bias, out_dtype, self.block_config)
 
     def op_arguments(self) -> tuple[str, bool]:
         config = self.config["config"]

@@ -36,6 +36,14 @@
 // TMA config reads, K-major weight scales) and hands every other call to the Python op, which copies a scale layout the
 // kernel cannot read and raises the library's errors.
 //
+// cutlass_sm90_block_linear_native is the block family's fused op: it takes the unquantized activation x [M, K]
+// (bf16, fp16 or fp32, any strides), quantizes it per token in groups of 128 along K in one kernel (each group's scale
+// max(amax(|x|) / 448, 1e-12), NaN kept, the codes as above: fp8_backends.core.reference.quantize_groups' formulas
+// with correctly rounded divisions, the codes of the library's Triton group-quant kernel), writing the
+// scales M-major with the column stride rounded up to 4 tokens (the layout every block config reads, TMA or not), and
+// runs the block GEMM on them: one dispatcher call per linear where quantize + GEMM took a quantization launch from
+// Python (the group-quant op) and the GEMM op.
+//
 // Built at first use by providers/cutlass/native_op.py with nvcc against torch's headers (FP8B_CPU_TEST: a
 // CPU-key build with the host C++ compiler for the CPU tests: no CUDA, the stream argument null, the quantization
 // through ATen ops).
@@ -60,6 +68,7 @@
 #include <ATen/ops/amax.h>
 #include <ATen/ops/clamp.h>
 #include <ATen/ops/clamp_min.h>
+#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/div.h>
 #endif
 
@@ -106,6 +115,7 @@ std::shared_mutex g_mutex;
 std::unordered_map<std::string, Slots> g_kernels;  // config name -> its libraries
 std::unordered_map<std::pair<int64_t, int64_t>, Buckets, ShapeHash> g_tables;
 std::string g_fallback = "fp8_backends::cutlass_sm90_gemm";
+std::string g_block_fallback = "fp8_backends::cutlass_sm90_block_gemm";
 int64_t g_native_calls = 0;    // calls served here (for tests and diagnostics; relaxed, under no lock)
 int64_t g_fallback_calls = 0;  // calls handed to the fallback op
 
@@ -125,13 +135,15 @@ int out_slot(const std::string& name) {
   return -1;
 }
 
-at::Tensor fallback(const at::Tensor& x, const at::Tensor& w, const at::Tensor& x_scale, const at::Tensor& w_scale,
-                    const std::optional<at::Tensor>& bias, at::ScalarType out_dtype, c10::string_view config,
-                    bool fast_accum) {
+// Hand a call to the Python op named by `slot` (g_fallback or g_block_fallback) through the dispatcher, with the same
+// operands, out_dtype and config, and fast_accum where the op takes it (the per-tensor / row-wise one).
+at::Tensor call_fallback(const std::string& slot, const at::Tensor& x, const at::Tensor& w, const at::Tensor& x_scale,
+                         const at::Tensor& w_scale, const std::optional<at::Tensor>& bias, at::ScalarType out_dtype,
+                         c10::string_view config, std::optional<bool> fast_accum) {
   std::string name;
   {
     std::shared_lock<std::shared_mutex> lock(g_mutex);
-    name = g_fallback;
+    name = slot;
   }
   __atomic_add_fetch(&g_fallback_calls, 1, __ATOMIC_RELAXED);
   auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "");
@@ -148,9 +160,15 @@ at::Tensor fallback(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   }
   stack.emplace_back(static_cast<int64_t>(out_dtype));
   stack.emplace_back(std::string(config));
-  stack.emplace_back(fast_accum);
+  if (fast_accum.has_value()) stack.emplace_back(*fast_accum);
   op.callBoxed(&stack);
   return stack.back().toTensor();
+}
+
+at::Tensor fallback(const at::Tensor& x, const at::Tensor& w, const at::Tensor& x_scale, const at::Tensor& w_scale,
+                    const std::optional<at::Tensor>& bias, at::ScalarType out_dtype, c10::string_view config,
+                    bool fast_accum) {
+  return call_fallback(g_fallback, x, w, x_scale, w_scale, bias, out_dtype, config, fast_accum);
 }
 
 bool aligned(const void* p) { return (reinterpret_cast<uintptr_t>(p) % 16) == 0; }
@@ -580,35 +598,13 @@ struct BlockSlots {
 
 std::unordered_map<std::string, BlockSlots> g_block_kernels;  // block config name -> its libraries
 std::unordered_map<std::pair<int64_t, int64_t>, Buckets, ShapeHash> g_block_tables;
-std::string g_block_fallback = "fp8_backends::cutlass_sm90_block_gemm";
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 at::Tensor block_fallback(const at::Tensor& x, const at::Tensor& w, const at::Tensor& x_scale,
                           const at::Tensor& w_scale, const std::optional<at::Tensor>& bias, at::ScalarType out_dtype,
                           c10::string_view config) {
-  std::string name;
-  {
-    std::shared_lock<std::shared_mutex> lock(g_mutex);
-    name = g_block_fallback;
-  }
-  __atomic_add_fetch(&g_fallback_calls, 1, __ATOMIC_RELAXED);
-  auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "");
-  torch::jit::Stack stack;
-  stack.reserve(7);
-  stack.emplace_back(x);
-  stack.emplace_back(w);
-  stack.emplace_back(x_scale);
-  stack.emplace_back(w_scale);
-  if (bias.has_value()) {
-    stack.emplace_back(*bias);
-  } else {
-    stack.emplace_back(c10::IValue());
-  }
-  stack.emplace_back(static_cast<int64_t>(out_dtype));
-  stack.emplace_back(std::string(config));
-  op.callBoxed(&stack);
-  return stack.back().toTensor();
+  return call_fallback(g_block_fallback, x, w, x_scale, w_scale, bias, out_dtype, config, std::nullopt);
 }
 
 bool row_major_2d(const at::Tensor& t) {
@@ -646,6 +642,42 @@ bool act_scale_ld(const at::Tensor& s, int64_t m, int64_t kb, bool tma, int64_t*
   return rows == m || floats >= (kb - 1) * *ld + rows;
 }
 
+// What the weight side of a block GEMM needs to run as it is: w [N, K] row-major and 16-byte aligned, its scales
+// [ceil(N/128), ceil(K/128)] K-major (the row stride in *w_ld), a bias of the output dtype [N] contiguous or none.
+bool block_weight_ok(const at::Tensor& w, const at::Tensor& w_scale, const std::optional<at::Tensor>& bias,
+                     at::ScalarType out_dtype, int64_t kb, int64_t* w_ld) {
+  const int64_t n = w.size(0), nb = ceil_div(n, kBlockN);
+  if (w_scale.size(0) != nb || w_scale.size(1) != kb || !row_major_2d(w) || !aligned(w.data_ptr())) return false;
+  if (!(w_scale.stride(1) == 1 || kb == 1)) return false;
+  *w_ld = nb > 1 ? w_scale.stride(0) : kb;
+  return *w_ld >= kb && (!bias.has_value() || (bias->scalar_type() == out_dtype && bias->dim() == 1 &&
+                                               bias->size(0) == n && bias->stride(0) == 1));
+}
+
+// out[M, N] through `kernel` from x_q (M x K e4m3, row-major at xq) and its M-major scales (column stride x_ld), or
+// false (nothing ran: the caller hands the call to the fallback op, which raises with the return code's meaning).
+bool run_block(const BlockKernel& kernel, const void* xq, int64_t m, int64_t k, const at::Tensor& w,
+               const float* x_scale, int64_t x_ld, const at::Tensor& w_scale, int64_t w_ld,
+               const std::optional<at::Tensor>& bias, at::ScalarType out_dtype, const at::Tensor& like, void* stream,
+               at::Tensor* y) {
+  const int64_t n = w.size(0);
+  at::Tensor out = at::empty({m, n}, like.options().dtype(out_dtype));
+  at::Tensor workspace;
+  size_t ws_bytes = 0;
+  if (kernel.stream_k && kernel.workspace != nullptr) {
+    ws_bytes = kernel.workspace(m, n, k);
+    if (ws_bytes > 0) workspace = at::empty({static_cast<int64_t>(ws_bytes)}, like.options().dtype(at::kByte));
+  }
+  const int rc = kernel.gemm(xq, w.data_ptr(), out.data_ptr(), m, n, k, x_scale, x_ld,
+                             static_cast<const float*>(w_scale.data_ptr()), w_ld,
+                             bias.has_value() ? bias->data_ptr() : nullptr,
+                             ws_bytes > 0 ? workspace.data_ptr() : nullptr, ws_bytes, stream);
+  if (rc != 0) return false;
+  __atomic_add_fetch(&g_native_calls, 1, __ATOMIC_RELAXED);
+  *y = std::move(out);
+  return true;
+}
+
 at::Tensor block_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& x_scale, const at::Tensor& w_scale,
                       const std::optional<at::Tensor>& bias, at::ScalarType out_dtype, c10::string_view config) {
   const int slot = out_slot(out_dtype);
@@ -655,37 +687,141 @@ at::Tensor block_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor
     return block_fallback(x, w, x_scale, w_scale, bias, out_dtype, config);
   }
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  const int64_t kb = ceil_div(k, kGroupK), nb = ceil_div(n, kBlockN);
+  const int64_t kb = ceil_div(k, kGroupK);
   BlockKernel kernel;
-  int64_t x_ld = 0;
-  const bool weight_scale_k_major = w_scale.stride(1) == 1 || kb == 1;
-  const int64_t w_ld = nb > 1 ? w_scale.stride(0) : kb;
-  const bool bias_ok = !bias.has_value() || (bias->scalar_type() == out_dtype && bias->dim() == 1 &&
-                                             bias->size(0) == n && bias->stride(0) == 1);
-  if (x_scale.size(0) != m || x_scale.size(1) != kb || w_scale.size(0) != nb || w_scale.size(1) != kb ||
-      !row_major_2d(x) || !row_major_2d(w) || !aligned(x.data_ptr()) || !aligned(w.data_ptr()) ||
-      !weight_scale_k_major || w_ld < kb || !bias_ok || !find_block_kernel(m, n, k, slot, config, &kernel) ||
+  int64_t x_ld = 0, w_ld = 0;
+  if (x_scale.size(0) != m || x_scale.size(1) != kb || !row_major_2d(x) || !aligned(x.data_ptr()) ||
+      !block_weight_ok(w, w_scale, bias, out_dtype, kb, &w_ld) || !find_block_kernel(m, n, k, slot, config, &kernel) ||
       !act_scale_ld(x_scale, m, kb, kernel.act_scale_tma, &x_ld)) {
     return block_fallback(x, w, x_scale, w_scale, bias, out_dtype, config);
   }
 #ifndef FP8B_CPU_TEST
   const c10::cuda::CUDAGuard guard(x.device());
 #endif
-  at::Tensor out = at::empty({m, n}, x.options().dtype(out_dtype));
-  at::Tensor workspace;
-  size_t ws_bytes = 0;
-  if (kernel.stream_k && kernel.workspace != nullptr) {
-    ws_bytes = kernel.workspace(m, n, k);
-    if (ws_bytes > 0) workspace = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
+  at::Tensor y;
+  if (run_block(kernel, x.data_ptr(), m, k, w, static_cast<const float*>(x_scale.data_ptr()), x_ld, w_scale, w_ld,
+                bias, out_dtype, x, current_stream(x), &y)) {
+    return y;
   }
-  const int rc = kernel.gemm(x.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k,
-                             static_cast<const float*>(x_scale.data_ptr()), x_ld,
-                             static_cast<const float*>(w_scale.data_ptr()), w_ld,
-                             bias.has_value() ? bias->data_ptr() : nullptr,
-                             ws_bytes > 0 ? workspace.data_ptr() : nullptr, ws_bytes, current_stream(x));
-  if (rc != 0) return block_fallback(x, w, x_scale, w_scale, bias, out_dtype, config);  // raises with the code
-  __atomic_add_fetch(&g_native_calls, 1, __ATOMIC_RELAXED);
-  return out;
+  return block_fallback(x, w, x_scale, w_scale, bias, out_dtype, config);  // raises with the return code's meaning
+}
+
+// ------------------------------------------------------------------------------------------ block: fused quantization
+// One buffer per call: x_q ([M, K] e4m3, row-major, at 0), then from a 16-byte boundary the group scales, M-major
+// with the column stride ld = round_up(M, 4) ([ceil(K/128), ld] fp32: token t of group g at g * ld + t; the padding
+// tokens are never written and never used).
+#ifndef FP8B_CPU_TEST
+constexpr int kGroupLanes = static_cast<int>(kGroupK) / kVec;  // threads per group: 16, kVec elements each
+constexpr int kGroupIter = 4;  // groups per 16 threads, their loads issued together (bytes in flight per thread)
+constexpr int kGroupsPerBlock = kThreads / kGroupLanes * kGroupIter;
+
+// Grid (M, ceil(Kb / kGroupsPerBlock)): block (r, b) quantizes groups [b * 64, b * 64 + 64) of row r, 16 threads per
+// group, each thread kVec elements of kGroupIter groups (no integer division on the way to an address).
+template <typename T, bool Vec>
+__global__ void __launch_bounds__(kThreads) quant_group_kernel(const T* __restrict__ x, int64_t k, int64_t kb,
+                                                               int64_t row_stride, int64_t col_stride, int64_t ld,
+                                                               float* __restrict__ scale, uint8_t* __restrict__ q) {
+  const int64_t r = blockIdx.x;
+  const int lane = threadIdx.x % kGroupLanes;
+  const int64_t g0 = static_cast<int64_t>(blockIdx.y) * kGroupsPerBlock + (threadIdx.x / kGroupLanes) * kGroupIter;
+  const T* row = x + r * row_stride;
+  float e[kGroupIter][kVec];
+  int64_t left[kGroupIter];
+#pragma unroll
+  for (int j = 0; j < kGroupIter; ++j) {  // every load first
+    const int64_t c = (g0 + j) * kGroupK + lane * kVec;
+    left[j] = g0 + j < kb ? k - c : 0;  // <= 0: nothing of this row is this thread's (a ragged last group)
+    load8<T, Vec>(row + c * col_stride, left[j], col_stride, e[j]);
+  }
+#pragma unroll
+  for (int j = 0; j < kGroupIter; ++j) {
+    float v = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) v = nan_max(v, fabsf(e[j][i]));
+    // the group's maximum over its 16 lanes (every lane of the warp takes part: inactive ones hold 0)
+#pragma unroll
+    for (int o = kGroupLanes / 2; o > 0; o >>= 1) v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if (g0 + j < kb) {
+      const float s = scale_of(v);
+      if (lane == 0) scale[(g0 + j) * ld + r] = s;
+      if (left[j] > 0) store8<Vec>(q + r * k + (g0 + j) * kGroupK + lane * kVec, left[j], e[j], s);
+    }
+  }
+}
+
+template <typename T>
+void launch_quant_groups(const at::Tensor& x, int64_t kb, int64_t ld, uint8_t* q, float* scale, cudaStream_t stream) {
+  const int64_t m = x.size(0), k = x.size(1);
+  const dim3 grid(static_cast<unsigned int>(m),
+                  static_cast<unsigned int>((kb + kGroupsPerBlock - 1) / kGroupsPerBlock));
+  const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+  const bool vec = x.stride(1) == 1 && aligned(x.data_ptr()) && (x.stride(0) * int64_t(sizeof(T))) % 16 == 0 &&
+                   k % kVec == 0;
+  if (vec) {
+    quant_group_kernel<T, true><<<grid, kThreads, 0, stream>>>(xp, k, kb, x.stride(0), x.stride(1), ld, scale, q);
+  } else {
+    quant_group_kernel<T, false><<<grid, kThreads, 0, stream>>>(xp, k, kb, x.stride(0), x.stride(1), ld, scale, q);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+#endif
+
+void quantize_groups(const at::Tensor& x, int64_t kb, int64_t ld, uint8_t* q, float* scale, void* stream) {
+  const int64_t m = x.size(0), k = x.size(1);
+#ifdef FP8B_CPU_TEST
+  (void)stream;
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor groups = (kb * kGroupK == k ? xf : at::constant_pad_nd(xf, {0, kb * kGroupK - k})).reshape({m, kb, kGroupK});
+  const at::Tensor s = at::clamp_min(at::div(at::amax(at::abs(groups), {-1}, true), kFp8Max), kMinScale);
+  const at::Tensor codes =
+      at::clamp(at::div(groups, s), -kFp8Max, kFp8Max).to(at::kFloat8_e4m3fn).reshape({m, kb * kGroupK}).narrow(1, 0, k)
+          .contiguous();
+  std::memcpy(q, codes.data_ptr(), static_cast<size_t>(m * k));
+  const at::Tensor st = s.reshape({m, kb}).t().contiguous();  // [kb, m]
+  for (int64_t g = 0; g < kb; ++g) {
+    std::memcpy(scale + g * ld, st.data_ptr<float>() + g * m, sizeof(float) * m);
+  }
+#else
+  auto s = static_cast<cudaStream_t>(stream);
+  switch (x.scalar_type()) {
+    case at::kBFloat16: launch_quant_groups<c10::BFloat16>(x, kb, ld, q, scale, s); break;
+    case at::kHalf: launch_quant_groups<c10::Half>(x, kb, ld, q, scale, s); break;
+    default: launch_quant_groups<float>(x, kb, ld, q, scale, s); break;
+  }
+#endif
+}
+
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
+                        const std::optional<at::Tensor>& bias, at::ScalarType out_dtype, c10::string_view config) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && w_scale.dim() == 2,
+              "cutlass_sm90_block_linear_native: x must be [M, K] (any strides), w [N, K] and w_scale 2-D");
+  const at::ScalarType xt = x.scalar_type();
+  TORCH_CHECK(xt == at::kBFloat16 || xt == at::kHalf || xt == at::kFloat,
+              "cutlass_sm90_block_linear_native: x must be bfloat16, float16 or float32");
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  if (m == 0) return at::empty({0, n}, x.options().dtype(out_dtype));
+#ifndef FP8B_CPU_TEST
+  const c10::cuda::CUDAGuard guard(x.device());
+#endif
+  void* stream = current_stream(x);
+  const int64_t kb = ceil_div(k, kGroupK), ld = ceil_div(m, kScaleRows) * kScaleRows, off = fp32_offset(m, k);
+  at::Tensor buf = at::empty({off + 4 * kb * ld}, x.options().dtype(at::kByte));
+  uint8_t* q = reinterpret_cast<uint8_t*>(buf.data_ptr());
+  float* scale = reinterpret_cast<float*>(q + off);
+  quantize_groups(x, kb, ld, q, scale, stream);
+  const int slot = out_slot(out_dtype);
+  BlockKernel kernel;
+  int64_t w_ld = 0;
+  at::Tensor y;
+  if (slot >= 0 && w.scalar_type() == at::kFloat8_e4m3fn && w_scale.scalar_type() == at::kFloat &&
+      block_weight_ok(w, w_scale, bias, out_dtype, kb, &w_ld) && find_block_kernel(m, n, k, slot, config, &kernel) &&
+      run_block(kernel, q, m, k, w, scale, ld, w_scale, w_ld, bias, out_dtype, x, stream, &y)) {
+    return y;
+  }
+  // the fallback op takes tensors: views of the buffer (x_q row-major, the scales [M, Kb] with strides (1, ld))
+  const at::Tensor x_q = buf.narrow(0, 0, m * k).view(at::kFloat8_e4m3fn).view({m, k});
+  const at::Tensor x_scale = buf.narrow(0, off, 4 * kb * ld).view(at::kFloat).view({kb, ld}).narrow(1, 0, m).t();
+  return block_fallback(x_q, w, x_scale, w_scale, bias, out_dtype, config);
 }
 
 }  // namespace
@@ -693,7 +829,7 @@ at::Tensor block_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor
 extern "C" {
 
 // ABI of this file's extern "C" functions (providers/cutlass/native_op.py checks it)
-int fp8b_native_abi_version() { return 4; }
+int fp8b_native_abi_version() { return 5; }
 
 // Register (or replace) a loaded kernel library under "config|epilogue|out_dtype|fast_accum" (epilogue: tensor or
 // rowwise; out_dtype: bfloat16, float16 or float32; fast_accum: 0 or 1). Returns 0, or -1 for a key it cannot parse.
@@ -796,6 +932,9 @@ TORCH_LIBRARY_FRAGMENT(fp8_backends, m) {
   m.def(
       "cutlass_sm90_block_gemm_native(Tensor x, Tensor w, Tensor x_scale, Tensor w_scale, Tensor? bias, "
       "ScalarType out_dtype, str config) -> Tensor");
+  m.def(
+      "cutlass_sm90_block_linear_native(Tensor x, Tensor w, Tensor w_scale, Tensor? bias, ScalarType out_dtype, "
+      "str config) -> Tensor");
 }
 
 #ifdef FP8B_CPU_TEST
@@ -803,11 +942,13 @@ TORCH_LIBRARY_IMPL(fp8_backends, CPU, m) {
   m.impl("cutlass_sm90_gemm_native", &gemm);
   m.impl("cutlass_sm90_linear_native", &linear);
   m.impl("cutlass_sm90_block_gemm_native", &block_gemm);
+  m.impl("cutlass_sm90_block_linear_native", &block_linear);
 }
 #else
 TORCH_LIBRARY_IMPL(fp8_backends, CUDA, m) {
   m.impl("cutlass_sm90_gemm_native", &gemm);
   m.impl("cutlass_sm90_linear_native", &linear);
   m.impl("cutlass_sm90_block_gemm_native", &block_gemm);
+  m.impl("cutlass_sm90_block_linear_native", &block_linear);
 }
 #endif

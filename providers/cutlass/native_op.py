@@ -21,6 +21,11 @@ takes the unquantized activation and quantizes it in its own kernels (static, dy
 formulas of :mod:`fp8_backends.core.reference`, correctly rounded division, NaN kept) before the same GEMM: a
 processed layer's eager call is then one dispatcher call
 (:meth:`~fp8_backends.providers.cutlass.backend.CutlassSm90Backend.fused_quant_gemm_impl`).
+Its block-scaled twin, ``cutlass_sm90_block_linear_native(x, w, w_scale, bias, out_dtype, config)``, quantizes per
+token in groups of 128 (:func:`fp8_backends.core.reference.quantize_groups`' formulas, one kernel launched from C++)
+into the M-major scale layout the block kernels read, then runs the block GEMM: what an eager layer and a compiled one
+(:meth:`~fp8_backends.providers.cutlass.backend.CutlassSm90Backend.traced_fused_quant_gemm_impl`) call for block
+weights, one dispatcher call where quantize + GEMM launched the group quantization from Python first.
 
 The shared library is compiled at first use (27-30 s with nvcc on the H200 host, ~5 s for the CPU build here; once
 per torch version and source, cached beside the CUTLASS builds):
@@ -55,9 +60,10 @@ logger = logging.getLogger("fp8_backends")
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "native_op.cu"
 OP_NAME = "fp8_backends::cutlass_sm90_gemm_native"
-ABI_VERSION = 4
+ABI_VERSION = 5
 LINEAR_OP_NAME = "fp8_backends::cutlass_sm90_linear_native"
 BLOCK_OP_NAME = "fp8_backends::cutlass_sm90_block_gemm_native"
+BLOCK_LINEAR_OP_NAME = "fp8_backends::cutlass_sm90_block_linear_native"
 VARIANTS = ("cuda", "cpu-test")
 _BUILD_TIMEOUT_S = 600
 #: CUDA's own half/bfloat16 operators off, as torch's extensions build: torch's c10::Half / c10::BFloat16 convert
@@ -204,6 +210,9 @@ class NativeOp:
         #: ``(x [M, K] e4m3, w [N, K] e4m3, x_scale [M, ceil(K/128)], w_scale [ceil(N/128), ceil(K/128)], bias,
         #: out_dtype, config) -> [M, N]``: the block-scaled GEMM (:mod:`.block_ops`)
         self.block_op = torch.ops.fp8_backends.cutlass_sm90_block_gemm_native.default
+        #: ``(x [M, K] bf16/fp16/fp32 (any strides), w [N, K] e4m3, w_scale [ceil(N/128), ceil(K/128)], bias, out_dtype,
+        #: config) -> [M, N]``: per-token-group quantization (groups of 128) + the block-scaled GEMM, one call
+        self.block_linear_op = torch.ops.fp8_backends.cutlass_sm90_block_linear_native.default
 
     def register_kernel(self, key: str, gemm_fn: int, workspace_fn: int | None, stream_k: bool) -> None:
         """Serve ``key`` (``config|epilogue|out_dtype|fast_accum``: epilogue ``tensor``/``rowwise``, out_dtype
@@ -299,11 +308,16 @@ def load(variant: str = "cuda") -> NativeOp:
         torch.library.register_fake(OP_NAME, gemm_fake, lib=_fake_lib)
         torch.library.register_fake(LINEAR_OP_NAME, _linear_fake, lib=_fake_lib)
         torch.library.register_fake(BLOCK_OP_NAME, gemm_fake, lib=_fake_lib)
+        torch.library.register_fake(BLOCK_LINEAR_OP_NAME, _linear_fake, lib=_fake_lib)
         _loaded = native
         return native
 
 
-def _linear_fake(x: Any, w: Any, w_scale: Any, input_scale: Any, bias: Any, out_dtype: Any, *options: Any) -> Any:
+def _linear_fake(x: Any, w: Any, *operands: Any) -> Any:
+    """Both fused ops' output: ``[M, N]`` in the ``out_dtype`` argument (the first ScalarType operand)."""
+    import torch
+
+    out_dtype = next(a for a in operands if isinstance(a, torch.dtype))
     return x.new_empty((x.shape[0], w.shape[0]), dtype=out_dtype)
 
 
@@ -379,6 +393,7 @@ def register_loaded_block(native: NativeOp, spec: Any, lib: Any, stream_k: bool)
 
 
 __all__ = [
-    "BLOCK_OP_NAME", "LINEAR_OP_NAME", "OP_NAME", "NativeBuildError", "NativeOp", "build_library", "compile_command",
+    "BLOCK_LINEAR_OP_NAME", "BLOCK_OP_NAME", "LINEAR_OP_NAME", "OP_NAME", "NativeBuildError", "NativeOp",
+    "build_library", "compile_command",
     "enabled", "expected", "load", "loaded", "register_loaded", "register_loaded_block", "status", "try_load",
 ]
