@@ -100,8 +100,10 @@ def install_finegrained_fp8(path: Path | str) -> str:
     and block checkpoints) with the ``finegrained_fp8`` kernel package found at ``path`` (the package folder, or one
     holding it), the package ``transformers`` otherwise downloads from the hub (``kernels-community/finegrained-fp8``,
     through the ``kernels`` package) at its first FP8 call: a GPU machine without the network has no other way to run
-    that path. Nothing of the package is part of this project; a ``SOURCE`` file beside it (one line: where it was
-    taken from) is reported. Returns that line (or the folder)."""
+    that path. The package is the kernel repository's ``torch-ext/finegrained_fp8`` folder with the ``_ops`` module its
+    build generates (``ops``: the ``torch.ops`` namespace its triton ops register in, and
+    ``add_op_namespace_prefix(name) -> "<namespace>::<name>"``). Nothing of it is part of this project; a ``SOURCE``
+    file beside it (one line: where it was taken from) is reported. Returns that line (or the folder)."""
     import sys
 
     folder = Path(path).resolve()

@@ -668,6 +668,18 @@ def test_provider_prepares_block_weights_once_and_serves_block_gemms(block_built
         assert _relerr(y, ref) < _TOL["bfloat16"], (config, m, n, k)
 
 
+def _native_backend():
+    """``(the loaded C++ op, a cutlass provider whose ops are loaded)``; skipped where the C++ op is switched off."""
+    from fp8_backends.providers.cutlass import native_op
+
+    if not native_op.enabled():
+        pytest.skip("FP8_BACKENDS_CUTLASS_NATIVE=0")
+    native = native_op.load("cuda")
+    b = CutlassSm90Backend()
+    b._loaded_op()
+    return native, b
+
+
 @pytest.mark.gpu
 def test_native_block_op_serves_the_provider_with_the_python_ops_bits(block_built):
     """Where the C++ op loads, the provider's block GEMM is its ``cutlass_sm90_block_gemm_native``: the first call of
@@ -677,14 +689,9 @@ def test_native_block_op_serves_the_provider_with_the_python_ops_bits(block_buil
     import torch
 
     from fp8_backends.core import group_scales
-    from fp8_backends.providers.cutlass import native_op
     from fp8_backends.providers.cutlass.block_ops import cutlass_block_gemm
 
-    if not native_op.enabled():
-        pytest.skip("FP8_BACKENDS_CUTLASS_NATIVE=0")
-    native = native_op.load("cuda")
-    b = CutlassSm90Backend()
-    b._loaded_op()
+    native, b = _native_backend()
     assert b._block_op is native.block_op
     for m, n, k in ((1, 2112, 7168), (37, 576, 7168), (300, 208, 1008), (1000, 6144, 4096)):
         x_q, xs, w_q, ws = _block_data(m, n, k)
@@ -807,13 +814,8 @@ def test_native_block_linear_op_quantizes_as_the_reference_then_runs_the_same_ge
     from fp8_backends import quant
     from fp8_backends.core import group_scales, reference
     from fp8_backends.layers import Fp8Linear
-    from fp8_backends.providers.cutlass import native_op
 
-    if not native_op.enabled():
-        pytest.skip("FP8_BACKENDS_CUTLASS_NATIVE=0")
-    native = native_op.load("cuda")
-    b = CutlassSm90Backend()
-    b._loaded_op()
+    native, b = _native_backend()
     assert b._block_linear_op is native.block_linear_op
     f8 = torch.float8_e4m3fn
     for m, n, k, dtype in ((1, 2112, 7168, torch.bfloat16), (37, 576, 7168, torch.float16),
