@@ -481,14 +481,19 @@ void launch_quant(Mode mode, const at::Tensor& x, const float* static_scale, uin
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Whether the quantization kernels read x [M, K] with 16-byte loads: columns contiguous, every row on a 16-byte
+// boundary (and x_q's rows on 8: K % 8 == 0); else scalar loads at the column stride (a transposed view, a column
+// slice).
+template <typename T>
+bool vector_loads(const at::Tensor& x) {
+  return x.stride(1) == 1 && aligned(x.data_ptr()) && (x.stride(0) * int64_t(sizeof(T))) % 16 == 0 &&
+         x.size(1) % kVec == 0;
+}
+
 template <typename T>
 void launch_quant(Mode mode, const at::Tensor& x, const float* static_scale, uint8_t* q, float* f32,
                   cudaStream_t stream) {
-  // 16-byte loads where columns are contiguous and every row starts on a 16-byte boundary (and x_q's rows on 8:
-  // K % 8 == 0); scalar loads at the column stride otherwise (a transposed view, a column slice)
-  const bool vec = x.stride(1) == 1 && aligned(x.data_ptr()) && (x.stride(0) * int64_t(sizeof(T))) % 16 == 0 &&
-                   x.size(1) % kVec == 0;
-  if (vec) {
+  if (vector_loads<T>(x)) {
     launch_quant<T, true>(mode, x, static_scale, q, f32, stream);
   } else {
     launch_quant<T, false>(mode, x, static_scale, q, f32, stream);
@@ -755,9 +760,7 @@ void launch_quant_groups(const at::Tensor& x, int64_t kb, int64_t ld, uint8_t* q
   const dim3 grid(static_cast<unsigned int>(m),
                   static_cast<unsigned int>((kb + kGroupsPerBlock - 1) / kGroupsPerBlock));
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
-  const bool vec = x.stride(1) == 1 && aligned(x.data_ptr()) && (x.stride(0) * int64_t(sizeof(T))) % 16 == 0 &&
-                   k % kVec == 0;
-  if (vec) {
+  if (vector_loads<T>(x)) {
     quant_group_kernel<T, true><<<grid, kThreads, 0, stream>>>(xp, k, kb, x.stride(0), x.stride(1), ld, scale, q);
   } else {
     quant_group_kernel<T, false><<<grid, kThreads, 0, stream>>>(xp, k, kb, x.stride(0), x.stride(1), ld, scale, q);
