@@ -26,7 +26,11 @@ candidates they know, as :class:`Row` ``(key, kernel µs, host µs, static rank)
   kernel µs: host time hides behind the kernel, so a change could only be a kernel-time change, which the kernel
   answer's near-tie rule already settled), unless a candidate within :data:`HOST_TIE` (1%) of its kernel time
   costs less host time (kernel times that close are one time, and the bucket's smaller M are host-bound sooner),
-  and when no candidate costs strictly less.
+  and when no candidate costs strictly less;
+- a bucket serves a range of M and is measured at its top: a kernel answer kept there as kernel-bound is checked at
+  the range's bottom too (the bucket below's measurement) where the caller knows it; host-bound there, the candidate
+  within :data:`HOST_MARGIN` of the fastest at the top, with a call at least half the context cheaper, and with the
+  lowest summed cost at the two ends wins (:func:`span_choice`).
 
 :func:`rows_from_record` turns a measured lockfile or shipped entry into rows, and :func:`note` explains a change
 ("host-aware: triton 18.1 µs kernel + ~5 µs host over torch_scaled_mm 17.5 µs + ~20 µs host"). Pure Python; no
@@ -139,8 +143,8 @@ def hidden(row: Row, host: float, context: float) -> bool:
 
 
 def choose(rows: Sequence[Row], objective: SelectionObjective | str = SelectionObjective.HOST, *,
-           incumbent: Hashable | None = None, margin: float = HOST_MARGIN, context: float | None = None
-           ) -> Row | None:
+           incumbent: Hashable | None = None, margin: float = HOST_MARGIN, context: float | None = None,
+           lower: Sequence[Row] | None = None) -> Row | None:
     """The winner of ``rows`` under ``objective`` (module docstring); None for no rows. ``context``: the host µs of
     other work around each call (None: :func:`fp8_backends.core.settings.host_context_us`, read now).
 
@@ -151,7 +155,11 @@ def choose(rows: Sequence[Row], objective: SelectionObjective | str = SelectionO
       too with a host saving of at least half the context and at least their kernel loss, the lowest
       ``max(kernel µs, host µs + context)``, ties by kernel µs then static rank; the incumbent (the kernel answer)
       stays when its call is kernel-bound (unless a candidate within :data:`HOST_TIE` of its kernel µs has a cheaper
-      call: that one wins) or nothing costs strictly less."""
+      call: that one wins) or nothing costs strictly less.
+
+    ``lower``: the same candidates measured at the bottom of the M range the decision serves (the bucket below's
+    measurement; None: unknown). A kernel answer kept because its call is kernel-bound at the top is kernel-bound over
+    the whole range only if it is at the bottom too; where it is host-bound there, :func:`span_choice` decides."""
     rows = [r for r in rows if r.kernel_us > 0 and math.isfinite(r.kernel_us)]
     if not rows:
         return None
@@ -167,7 +175,9 @@ def choose(rows: Sequence[Row], objective: SelectionObjective | str = SelectionO
         # kernel-bound: host time hides behind the kernel; a tie on kernel time goes to the cheaper call
         tie = min(current.kernel_us * (1.0 + HOST_TIE), fastest * (1.0 + margin))
         tied = [r for r in rows if r.kernel_us <= tie and host[r.key] < host[current.key]]
-        return min(tied, key=lambda r: (host[r.key], r.kernel_us, r.rank)) if tied else current
+        if tied:
+            return min(tied, key=lambda r: (host[r.key], r.kernel_us, r.rank))
+        return span_choice(rows, lower or (), current, context, fastest * (1.0 + margin)) or current
     # beyond the hidden margin: the fastest kernel hides behind its own call's host work (budget), r's would too, and
     # r's host saving is half the context or more and at least its kernel loss (what a GPU-bound step would lose)
     quickest = min(rows, key=lambda r: (r.kernel_us, r.rank))
@@ -184,6 +194,39 @@ def choose(rows: Sequence[Row], objective: SelectionObjective | str = SelectionO
     if current is not None and cost(best, host[best.key], context) >= cost(current, host[current.key], context):
         return current
     return best
+
+
+def span_choice(top: Sequence[Row], bottom: Sequence[Row], current: Row, context: float, limit: float) -> Row | None:
+    """A bucket decided at both ends of the M range it serves, for a kernel answer ``current`` whose call is
+    kernel-bound at the top (``top``: the bucket's own measurement) but host-bound at the bottom (``bottom``: the
+    same candidates measured at the bucket below's M, their host µs at that M): among the candidates measured at both
+    ends with a kernel at most ``limit`` µs at the top (the fastest plus :data:`HOST_MARGIN`: what a kernel-bound call
+    may lose) and a call at least half the context (:data:`HOST_HIDDEN`) cheaper than ``current``'s at the bottom (a
+    saving the context's estimate cannot swallow), the one whose summed cost at the two ends (:func:`cost`) is the
+    lowest, if below ``current``'s; else None.
+
+    A bucket's calls span its range, and the smaller ones are host-bound long before the top is: H200, Qwen3-8B's
+    fused gate/up (24576 x 4096) in block-wise FP8, M <= 1024: ``torch._scaled_mm`` 166.0 µs against cutlass's 172.3
+    at M = 1024 (kernel-bound), 47.1 against 59.0 µs at M = 256 behind ~75 µs of its opaque op's host time against
+    cutlass's ~10 (``bench/results/tune/2026-12-03-h200-block-grid/``): summed, cutlass costs 232 µs to 291."""
+    low = {r.key: r for r in bottom}
+    if current.key not in low:
+        return None
+    low_host = effective_host(list(low.values()))
+    if low_host[current.key] + context <= low[current.key].kernel_us:
+        return None  # kernel-bound at both ends
+    top_host = effective_host(top)
+
+    def summed(r: Row) -> float:
+        return cost(r, top_host[r.key], context) + cost(low[r.key], low_host[r.key], context)
+
+    saving = HOST_HIDDEN * context  # what a call must save to count (the context is an estimate; half of it)
+    eligible = [r for r in top if r.key in low and r.kernel_us <= limit
+                and low_host[current.key] - low_host[r.key] >= saving]
+    if not eligible:
+        return None
+    best = min(eligible, key=lambda r: (summed(r), r.kernel_us, r.rank))
+    return best if summed(best) < summed(current) else None
 
 
 def memo_key(objective: SelectionObjective) -> Hashable:
@@ -257,20 +300,28 @@ def row_key(entry: ProviderEntry, options: Mapping[str, str]) -> tuple:
 
 
 def rerank_record(record: Mapping[str, Any], servable: Servable, serving: Sequence[Candidate],
-                  kernel_pick: tuple[ProviderEntry, Mapping[str, str]]
+                  kernel_pick: tuple[ProviderEntry, Mapping[str, str]], lower: Mapping[str, Any] | None = None
                   ) -> tuple[ProviderEntry, dict[str, str], str] | None:
     """The host objective on a measured entry whose kernel answer is ``kernel_pick``: ``(entry, options, note)``
-    of the candidate that replaces it, or None when the kernel answer stays (or it was not measured)."""
+    of the candidate that replaces it, or None when the kernel answer stays (or it was not measured). ``lower``: the
+    entry of the bucket below (the bottom of the M range this entry's bucket serves; :func:`span_choice`)."""
     rows, found = rows_from_record(record, servable, serving)
     incumbent = row_key(*kernel_pick)
     current = next((r for r in rows if r.key == incumbent), None)
     if current is None:
         return None
-    won = choose(rows, SelectionObjective.HOST, incumbent=incumbent)
+    bottom = rows_from_record(lower, servable, serving)[0] if lower is not None else None
+    won = choose(rows, SelectionObjective.HOST, incumbent=incumbent, lower=bottom)
     if won is None or won.key == incumbent:
         return None
     entry, options = found[won.key]
-    return entry, dict(options), note(won, current, rows)
+    why = note(won, current, rows)
+    if bottom and effective_host(rows)[incumbent] + settings.host_context_us() <= current.kernel_us:
+        low = {r.key: r for r in bottom}
+        if won.key in low and incumbent in low:
+            why += (f"; at M={lower.get('m')}: {low[won.key].kernel_us:.1f} µs against "
+                    f"{low[incumbent].kernel_us:.1f} µs + ~{effective_host(bottom)[incumbent]:g} µs host")
+    return entry, dict(options), why
 
 
 __all__ = [
@@ -292,5 +343,6 @@ __all__ = [
     "rerank_record",
     "row_key",
     "rows_from_record",
+    "span_choice",
     "static_rank",
 ]

@@ -537,6 +537,18 @@ class SectionIndex:
             return None
         return bucket, self.by_bucket[(pk, bucket)]
 
+    def below(self, kind: str, problem: Any, bucket: int) -> dict[str, Any] | None:
+        """The entry of the bucket just below ``bucket`` for ``problem``'s shape (the measured lower end of the M
+        range ``bucket`` serves), or None: ``bucket`` is the lowest, or the highest (it serves every larger M too, an
+        open range mostly far above its lower end), or ``problem``'s M lies above it."""
+        m = problem_m(kind, problem)
+        pk = problem_key(kind, problem_fields(kind, problem))
+        covered = self.buckets.get(pk, ())
+        i = bisect.bisect_left(covered, bucket)
+        if m is None or m > bucket or i == 0 or i >= len(covered) - 1 or covered[i] != bucket:
+            return None
+        return self.by_bucket[(pk, covered[i - 1])]
+
 
 @dataclass
 class LoadedLockfile:

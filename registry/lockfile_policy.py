@@ -114,12 +114,14 @@ def servable_choice(
 
 def host_rerank(
     kind: str, problem: Any, platform: Platform, serving: Sequence[Candidate], record: Mapping[str, Any],
-    picked: tuple[ProviderEntry, dict[str, str], str],
+    picked: tuple[ProviderEntry, dict[str, str], str], lower: Mapping[str, Any] | None = None,
 ) -> tuple[ProviderEntry, dict[str, str], str]:
     """The host objective on a measured entry (:func:`.host_aware.rerank_record`): ``picked`` (the kernel answer
-    ``(entry, options, note)``) or the candidate replacing it, its note saying why."""
+    ``(entry, options, note)``) or the candidate replacing it, its note saying why. ``lower``: the entry of the
+    bucket below, the bottom of the M range ``record``'s bucket serves (None: none)."""
     changed = host_aware.rerank_record(
-        record, lambda choice: servable_choice(kind, problem, platform, serving, choice), serving, picked[:2])
+        record, lambda choice: servable_choice(kind, problem, platform, serving, choice), serving, picked[:2],
+        lower)
     if changed is None:
         return picked
     entry, options, why = changed
@@ -209,7 +211,8 @@ def _answer(kind, problem, platform, serving, path, loaded, section, tune, m, ob
     entry, options, rank = picked
     answer = entry, options, choice_note(f"{path}, bucket M={bucket}", rank, record, "tuned")
     if objective is SelectionObjective.HOST:
-        answer = host_rerank(kind, problem, platform, serving, record, answer)
+        answer = host_rerank(kind, problem, platform, serving, record, answer,
+                             section.below(kind, problem, bucket) if section is not None else None)
     return answer
 
 

@@ -440,6 +440,7 @@ def choose(
     scores: Sequence[tuple[CandKey, float]], rank: Callable[[CandKey], tuple | None], tie_margin: float, *,
     objective: SelectionObjective | str = SelectionObjective.KERNEL,
     host: Callable[[CandKey], float | None] | None = None, fastest_us: float = 0.0,
+    lower: Sequence[host_aware.Row] | None = None,
 ) -> tuple[CandKey, float] | None:
     """The winner among the candidates ``rank`` accepts (it returns a static rank, or None for a candidate that
     cannot serve): the best score, or among the scores within ``tie_margin`` of it the best static rank.
@@ -447,7 +448,8 @@ def choose(
     Under the ``host`` objective that winner is the kernel answer, and the candidates are re-ranked by the cost of
     a host-enqueued call (:func:`.host_aware.choose`): ``host(ck)`` is a candidate's host µs (None: undeclared)
     and ``fastest_us`` the predicted µs of score 1.0 (:attr:`Prediction.fastest_us`); without them (or with
-    ``fastest_us`` 0) the kernel answer stands."""
+    ``fastest_us`` 0) the kernel answer stands. ``lower``: the candidates' rows predicted at the bottom of the M
+    range the bucket serves (:func:`.host_aware.span_choice`)."""
     ok = [(ck, s, r) for ck, s in scores if (r := rank(ck)) is not None]
     if not ok:
         return None
@@ -458,7 +460,7 @@ def choose(
             or not fastest_us > 0:
         return ck, score
     rows = host_rows(ok, host, fastest_us)
-    won = host_aware.choose(rows, SelectionObjective.HOST, incumbent=ck)
+    won = host_aware.choose(rows, SelectionObjective.HOST, incumbent=ck, lower=lower)
     return (ck, score) if won is None else (won.key, next(s for c, s, _ in ok if c == won.key))
 
 

@@ -303,7 +303,8 @@ def _exact(kind, problem, platform, serving, data: ShippedData, objective=Select
     answer = entry, options, lockfile_policy.choice_note(f"{data.label}, bucket M={bucket}{_padded_note(problem)}",
                                                          rank, record, "measured")
     if objective is SelectionObjective.HOST:
-        answer = lockfile_policy.host_rerank(kind, problem, platform, serving, record, answer)
+        answer = lockfile_policy.host_rerank(kind, problem, platform, serving, record, answer,
+                                             data.index.below(kind, lookup_problem(problem), bucket))
     return POLICY_EXACT, answer
 
 
@@ -341,7 +342,8 @@ def _nearest(kind, problem, platform, serving, data: ShippedData, objective=Sele
             return host_aware.host_us_of(found[key][0].cls, bucket, problem.n, problem.k, found[key][1],
                                          block=problem.block_scaled)
 
-        ck, score = choose(pred.scores, rank, TIE_MARGIN, objective=objective, host=host, fastest_us=pred.fastest_us)
+        ck, score = choose(pred.scores, rank, TIE_MARGIN, objective=objective, host=host, fastest_us=pred.fastest_us,
+                           lower=_lower_rows(model, lookup, problem, bucket, found, ranks))
         if ck != won[0]:
             rows = host_rows([(c, s, ranks[c]) for c, s in pred.scores if c in ranks], host, pred.fastest_us)
             by_key = {r.key: r for r in rows}
@@ -352,6 +354,25 @@ def _nearest(kind, problem, platform, serving, data: ShippedData, objective=Sele
     logger.debug("shipped-nearest scores for %s: %s", problem.describe(),
                  ", ".join(f"{cand_label(k)} {s:.3f}" for k, s in pred.scores))
     return POLICY_NEAREST, (entry, options, note)
+
+
+def _lower_rows(model: NearestModel, lookup: Any, problem: Any, bucket: int, found: Mapping[CandKey, tuple],
+                ranks: Mapping[CandKey, tuple]) -> list[host_aware.Row] | None:
+    """The candidates' rows predicted at the bucket below ``bucket`` (the bottom of the M range it serves), their
+    host µs at that M; None where ``bucket`` is the lowest or the highest (an open range) or ``problem``'s M lies
+    above it."""
+    below = [b for b in model.buckets if b < bucket]
+    if not below or problem.m > bucket or bucket >= max(model.buckets):
+        return None
+    pred = model.predict(lookup.n, lookup.k, below[-1])
+    if pred is None:
+        return None
+
+    def host(key: CandKey) -> float | None:
+        return host_aware.host_us_of(found[key][0].cls, below[-1], problem.n, problem.k, found[key][1],
+                                     block=problem.block_scaled)
+
+    return host_rows([(c, s, ranks[c]) for c, s in pred.scores if c in ranks], host, pred.fastest_us)
 
 
 def exact_policy(kind: str, problem: Any, platform: Platform, serving: list[Candidate]):

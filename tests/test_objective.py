@@ -226,6 +226,46 @@ def test_a_kernel_bound_tie_goes_to_the_cheaper_call():
     assert host_aware.choose([cutlass, torch_row, triton], "kernel", incumbent="cutlass") is cutlass
 
 
+def test_a_bucket_is_decided_at_both_ends_of_its_range():
+    """Qwen3-8B's gate/up (24576 x 4096) in block-wise FP8, the bucket M <= 1024 (H200 data, 2026-12-03):
+    ``torch._scaled_mm`` 166.0 µs against cutlass 172.3 at its top (kernel-bound behind ~75 µs of host), 47.1 against
+    59.0 at M = 256, the bucket below, where the opaque op's call decides: summed over the two ends, cutlass costs
+    232.3 µs to torch's 291.0."""
+    torch_top, cutlass_top = Row("torch", 166.0, 75.0, (0,), "torch_scaled_mm"), Row("cutlass", 172.3, 10.0, (1,))
+    torch_low, cutlass_low = Row("torch", 47.1, 75.0, (0,)), Row("cutlass", 59.0, 10.0, (1,))
+    top, low = [torch_top, cutlass_top], [torch_low, cutlass_low]
+    assert host_aware.choose(top, "host", incumbent="torch", context=50.0) is torch_top  # the top alone
+    assert host_aware.choose(top, "host", incumbent="torch", context=50.0, lower=low) is cutlass_top
+    assert host_aware.span_choice(top, low, torch_top, 50.0, 166.0 * 1.05) is cutlass_top
+    assert host_aware.choose(top, "kernel", incumbent="torch", lower=low) is torch_top
+    # kernel-bound at the bottom too: the kernel answer stays
+    slow_low = [Row("torch", 130.0, 75.0, (0,)), Row("cutlass", 140.0, 10.0, (1,))]
+    assert host_aware.choose(top, "host", incumbent="torch", context=50.0, lower=slow_low) is torch_top
+    # more than HOST_MARGIN slower at the top: a kernel-bound call would lose too much
+    far = Row("cutlass", 166.0 * 1.06, 10.0, (1,))
+    assert host_aware.choose([torch_top, far], "host", incumbent="torch", context=50.0, lower=low) is torch_top
+    # a call saving less than half the context at the bottom: within the context's own error
+    near = [torch_low, Row("cutlass", 59.0, 60.0, (1,))]
+    assert host_aware.choose([torch_top, Row("cutlass", 172.3, 60.0, (1,))], "host", incumbent="torch",
+                             context=50.0, lower=near) is torch_top
+    # a candidate not measured at the bottom, or an incumbent that was not: nothing to sum
+    assert host_aware.choose(top, "host", incumbent="torch", context=50.0, lower=[cutlass_low]) is torch_top
+    assert host_aware.choose(top, "host", incumbent="torch", context=50.0, lower=[torch_low]) is torch_top
+    # the summed cost must fall: a bottom where cutlass's kernel outlasts torch's whole call gains nothing
+    costly_low = [torch_low, Row("cutlass", 200.0, 10.0, (1,))]
+    assert host_aware.choose(top, "host", incumbent="torch", context=50.0, lower=costly_low) is torch_top
+
+
+def test_the_bucket_below_is_the_bottom_of_a_closed_range(cpu_lock):
+    section = lockfile.SectionIndex.build(next(iter(json.loads(cpu_lock.read_text())["sections"].values())))
+    assert section.below("gemm", gemm(m=4), 4)["m"] == 1 and section.below("gemm", gemm(m=2), 4)["m"] == 1
+    assert section.below("gemm", gemm(m=1), 1) is None  # the lowest bucket
+    assert section.below("gemm", gemm(m=8), 8) is None  # the highest: it serves every larger M too
+    assert section.below("gemm", gemm(m=9), 4) is None  # M above the bucket
+    assert section.below("gemm", gemm(m=4), 3) is None  # not a bucket of this shape
+    assert section.below("gemm", gemm(n=64, m=4), 4) is None  # a shape the section does not hold
+
+
 def test_the_context_makes_a_host_bound_step_pay_every_call(monkeypatch):
     """Issue 14's 512-token step: ``down_proj``'s bucket measured ``flashinfer_bmm`` 78.7 µs against
     ``torch._scaled_mm`` 78.9. Its own call (40 µs) hides behind its kernel, but not the model's other host work
@@ -657,7 +697,9 @@ def test_block_wise_qwen3_runs_cutlass_where_the_scaled_mm_call_is_host_bound(mo
     a compiled 128-token step ran 1.20x slower on the former. With the C++ op the host objective takes cutlass there;
     on cutlass's Python op (60 µs: a saving of 15 µs, under half the context) q/k/v takes the cheapest hidden call,
     triton's (30 µs, a 33.4 µs kernel), and gate/up, whose other kernels do not hide, stays. At M <= 1024 the gate/up
-    call is kernel-bound (166 µs): the kernel answer stays. CUDA graphs take the kernel answer."""
+    call is kernel-bound at the top (166.0 µs against cutlass's 172.3) but host-bound at the bottom (M = 256): decided
+    at both ends, the bucket goes to the C++ op (232 µs summed against 291), not to the Python op (a saving of 15 µs
+    a call, under half the context). CUDA graphs take the kernel answer."""
     from fp8_backends.providers.cutlass import native_op
 
     monkeypatch.setattr(native_op, "expected", lambda: cutlass_native)
@@ -668,7 +710,7 @@ def test_block_wise_qwen3_runs_cutlass_where_the_scaled_mm_call_is_host_bound(mo
                                                         platform=h200).candidates if c.auto_ok}
     if "cutlass" not in serving:
         pytest.skip("cutlass cannot serve here (no nvcc or CUTLASS headers on this machine)")
-    cases = (((6144, "cutlass", "cutlass"), (24576, "cutlass", "torch_scaled_mm")) if cutlass_native else
+    cases = (((6144, "cutlass", "cutlass"), (24576, "cutlass", "cutlass")) if cutlass_native else
              ((6144, "triton", "cutlass"), (24576, "torch_scaled_mm", "torch_scaled_mm")))
     for n, want_256, want_1024 in cases:
         host = {b: be.name for b, be in resolution.resolve_gemm_buckets(
