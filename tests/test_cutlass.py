@@ -90,6 +90,30 @@ SPEC = build.LibrarySpec("ws64x16_swap")
 
 
 # ------------------------------------------------------------------------------------ packaging
+def test_both_kernel_sources_encode_tma_descriptors_through_the_cached_entry_point(monkeypatch, tmp_path):
+    """CUTLASS looks the driver's cuTensorMapEncodeTiled up by name at every TMA descriptor it encodes (several per
+    GEMM call) unless told to call it directly; ``tma_encode.cuh`` maps that direct call to one looked up once. Both
+    kernel sources include it before any CUTLASS header, and it is part of both libraries' keys (a change to it
+    rebuilds them)."""
+    header = (build.HERE / "tma_encode.cuh").read_text()
+    assert "#define CUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL 1" in header
+    assert "#define cuTensorMapEncodeTiled fp8b_encode_tiled" in header
+    assert "static const fp8b_tma::EncodeTiledFn encode" in header  # looked up once
+    for files in (build.SOURCE_FILES, build.BLOCK_SOURCE_FILES):
+        assert files[0].endswith(".cu") and "tma_encode.cuh" in files[1:]  # nvcc compiles the first
+        src = (build.HERE / files[0]).read_text()
+        first_cutlass = min(src.index(h) for h in ('#include "cute/', '#include "cutlass/'))
+        assert src.index('#include "tma_encode.cuh"') < first_cutlass, files[0]
+    for name in {*build.SOURCE_FILES, *build.BLOCK_SOURCE_FILES}:
+        (tmp_path / name).write_bytes((build.HERE / name).read_bytes())
+    before = build.source_hash(build.SOURCE_FILES), build.source_hash(build.BLOCK_SOURCE_FILES)
+    monkeypatch.setattr(build, "HERE", tmp_path)
+    assert (build.source_hash(build.SOURCE_FILES), build.source_hash(build.BLOCK_SOURCE_FILES)) == before
+    (tmp_path / "tma_encode.cuh").write_text(header + "\n// changed\n")
+    after = build.source_hash(build.SOURCE_FILES), build.source_hash(build.BLOCK_SOURCE_FILES)
+    assert after[0] != before[0] and after[1] != before[1]
+
+
 def test_kernel_source_ships_as_package_data():
     src = REPO / "providers" / "cutlass" / "fp8_gemm_sm90.cu"
     assert (build.HERE / build.SOURCE_FILES[0]).read_bytes() == src.read_bytes()
@@ -314,6 +338,8 @@ def test_cache_key_depends_on_source_arch_nvcc_cutlass_and_config():
 
 def test_source_hash_tracks_the_kernel_source(monkeypatch, tmp_path):
     h0 = build.source_hash()
+    for name in build.SOURCE_FILES:
+        (tmp_path / name).write_bytes((build.HERE / name).read_bytes())
     copy = tmp_path / build.SOURCE_FILES[0]
     copy.write_bytes((build.HERE / build.SOURCE_FILES[0]).read_bytes() + b"\n// changed\n")
     monkeypatch.setattr(build, "HERE", tmp_path)

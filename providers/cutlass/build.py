@@ -55,9 +55,10 @@ logger = logging.getLogger("fp8_backends")
 
 ABI_VERSION = 1
 HERE = Path(__file__).resolve().parent
-SOURCE_FILES: tuple[str, ...] = ("fp8_gemm_sm90.cu",)
+#: a library's sources: the file nvcc compiles first, then the headers of this folder it includes (all in its cache key)
+SOURCE_FILES: tuple[str, ...] = ("fp8_gemm_sm90.cu", "tma_encode.cuh")
 #: the block-scaled kernel's source and C ABI version (its own: a change to one source rebuilds only its libraries)
-BLOCK_SOURCE_FILES: tuple[str, ...] = ("fp8_blockwise_gemm_sm90.cu",)
+BLOCK_SOURCE_FILES: tuple[str, ...] = ("fp8_blockwise_gemm_sm90.cu", "tma_encode.cuh")
 BLOCK_ABI_VERSION = 1
 SUPPORTED_ARCHS: tuple[str, ...] = ("90a",)
 EPILOGUES: tuple[str, ...] = ("tensor", "rowwise")

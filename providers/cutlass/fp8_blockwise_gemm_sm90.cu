@@ -43,6 +43,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "tma_encode.cuh"  // before CUTLASS: its TMA descriptors through a cached driver entry point
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/detail/blockwise_scale_layout.hpp"
