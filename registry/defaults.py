@@ -10,9 +10,10 @@ per SM range, an M bucket and the provider names preferred there (the first that
 can, static priorities decide). A tuned lockfile (:mod:`.lockfile_policy`) is asked first; ``FP8_BACKENDS_DEFAULTS=0``
 turns these defaults off.
 
-These global M rules are a fallback for GPUs the shipped selection data (:mod:`.shipped`) does not cover: where a
-data file exists for the GPU's SM, the per-shape data decides (a rule learnt on the four Llama-3-8B shapes loses to
-cuBLAS on others, e.g. 0.89x at N=4608 K=3584 M=1) and these rules step aside entirely.
+These global M rules are a fallback for what the shipped selection data (:mod:`.shipped`) does not cover: where a
+data file exists for the GPU's SM and holds the problem's class, the per-shape data decides (a rule learnt on the four
+Llama-3-8B shapes loses to cuBLAS on others, e.g. 0.89x at N=4608 K=3584 M=1) and these rules step aside; a class
+the file lacks keeps them (:func:`defaults_for`).
 
 Only built-in providers are named here (a third-party provider that happens to be called ``triton`` is never
 picked by these rules). :func:`buckets` gives :class:`fp8_backends.layers.Fp8Linear` the M buckets to
@@ -137,14 +138,18 @@ DEFAULTS: tuple[PlatformDefaults, ...] = (
 def defaults_for(kind: str, platform: Platform, problem: Any = None) -> PlatformDefaults | None:
     """The rules for ``problem`` (of ``kind``) on ``platform``: the block-wise table for a block-wise problem, else
     the other one (also for ``problem=None``). None when turned off, when none apply, or (other problems) when
-    shipped selection data covers the GPU."""
+    shipped selection data covers the GPU and ``problem``'s class (its dtypes, scale modes and bias: the data's
+    nearest-shapes model answers for it; with ``problem=None``, whenever data covers the GPU). A class the data
+    lacks keeps these rules: ModelOpt's and compressed-tensors' static per-tensor inputs with fused siblings'
+    per-shard scales (per-channel weights) are such a class on the H200, where static priority alone would run
+    ``torch._scaled_mm`` at one token too."""
     if not settings.measured_defaults_enabled():
         return None
     table = next((d for d in DEFAULTS if d.covers(kind, platform, problem)), None)
     if table is not None and not table.block:
         from . import shipped
 
-        if shipped.covers(platform):
+        if shipped.covers(platform) and (problem is None or shipped.nearest_buckets(kind, problem, platform)):
             return None
     return table
 
