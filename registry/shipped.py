@@ -228,7 +228,7 @@ def data_for(platform: Platform) -> ShippedData | None:
 
 def covers(platform: Platform) -> bool:
     """Whether shipped data exists for ``platform``'s SM (by file name; a file named by the environment is loaded
-    to read its SM). The measured defaults step aside on such GPUs."""
+    to read its SM). The measured defaults step aside on such GPUs for the classes the data holds."""
     path, _ = locate(platform)
     if path is None:
         return False
