@@ -356,7 +356,8 @@ def render(result: dict[str, Any]) -> list[str]:
     lines = common.header_markdown(result["header"], f"FP8 checkpoints, {model} layers x {result['layers']}")
     names = list(dict.fromkeys(v for row in result["rows"] for v in row["us"]))
     lines += ["", "µs per step (median of interleaved rounds; host µs in parentheses), ratio to bf16 and to "
-              "transformers' own loading of the same checkpoint (`/hf`); < 1 is faster.", ""]
+              "transformers' own loading of the same checkpoint (`/hf`): the median of the rounds' ratios, their "
+              "range in parentheses; < 1 is faster.", ""]
     header = ["workload", "mode", *names] + [f"{v}/bf16" for v in names if v != "bf16"] + \
         [f"{v}/{v.split('/')[0]}/hf" for v in names if v.endswith("/lib")]
     rows = []
@@ -364,9 +365,8 @@ def render(result: dict[str, Any]) -> list[str]:
         us, host = row["us"], row.get("host_us") or {}
         cells = [row["workload"], row["mode"]]
         cells += [common.fmt(us.get(v), ".0f") + (f" ({host[v]:.0f})" if v in host else "") for v in names]
-        cells += [common.fmt(hf.ratio(us.get(v), us.get("bf16")), ".3f") for v in names if v != "bf16"]
-        cells += [common.fmt(hf.ratio(us.get(v), us.get(v.split("/")[0] + "/hf")), ".3f") for v in names
-                  if v.endswith("/lib")]
+        cells += [hf.ratio_cell(row, v, "bf16") for v in names if v != "bf16"]
+        cells += [hf.ratio_cell(row, v, v.split("/")[0] + "/hf") for v in names if v.endswith("/lib")]
         rows.append(cells)
     lines += common.md_table(header, rows)
     if result.get("load"):
@@ -453,8 +453,9 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{workload} / {mode}")
             rewinds: dict[str, Any] = {}
             steps = hf.build_steps(models, compiled, workload, mode, args, decode, result["errors"], rewinds)
-            us, host = hf.time_steps(steps, args, mode != "graph", rewinds)
-            result["rows"].append({"workload": workload, "mode": mode, "us": us, "host_us": host})
+            row = {"workload": workload, "mode": mode, **hf.time_steps(steps, args, mode != "graph", rewinds)}
+            result["rows"].append(row)
+            us = row["us"]
             log("  " + ", ".join(f"{k} {v:.0f} µs" for k, v in us.items()))
             del steps
             gc.collect()

@@ -351,11 +351,11 @@ def build_steps(models: dict[str, Any], compiled: dict[str, Any], workload: str,
 
 
 def time_steps(steps: dict[str, Callable[[], Any]], args: Any, host: bool,
-               rewinds: dict[str, Callable[[], None]]) -> tuple[dict[str, float], dict[str, float]]:
-    """``({variant: µs per call}, {variant: host µs per call})``: ``args.rounds`` interleaved rounds, the order
-    rotated each round; the host time (``host``: not for graph replays) is the time one call takes to return
-    after a sync (``--step-host-calls`` calls, averaged): the host's cost where the GPU is faster, the GPU's where a
-    step waits for it (a compiled prefill at large T, or any sync inside the step)."""
+               rewinds: dict[str, Callable[[], None]]) -> dict[str, Any]:
+    """A result row's timings (:func:`timed_row`): ``args.rounds`` interleaved rounds, the order rotated each round;
+    the host time (``host``: not for graph replays) is the time one call takes to return after a sync
+    (``--step-host-calls`` calls, averaged): the host's cost where the GPU is faster, the GPU's where a step waits for
+    it (a compiled prefill at large T, or any sync inside the step)."""
     samples: dict[str, list[float]] = {name: [] for name in steps}
     hosts: dict[str, list[float]] = {name: [] for name in steps}
     if getattr(args, "gc_freeze", False):  # as serving engines do after capture: the cyclic collector then skips
@@ -371,8 +371,43 @@ def time_steps(steps: dict[str, Callable[[], Any]], args: Any, host: bool,
             if host:
                 rewind()
                 hosts[name].append(host_per_call_us(steps[name], args.step_host_calls, args.device, busy=False))
-    med = {name: statistics.median(v) for name, v in samples.items() if v}
-    return med, {name: statistics.median(v) for name, v in hosts.items() if v}
+    return timed_row(samples, hosts)
+
+
+def timed_row(samples: dict[str, list[float]], hosts: dict[str, list[float]]) -> dict[str, Any]:
+    """``{"us": median µs, "host_us": median host µs, "us_rounds": every round's µs}`` per variant, from per-round
+    samples (``samples[variant][r]``: round ``r``; every variant timed once per round, so index ``r`` of two
+    variants is one round)."""
+    return {"us": {name: statistics.median(v) for name, v in samples.items() if v},
+            "host_us": {name: statistics.median(v) for name, v in hosts.items() if v},
+            "us_rounds": {name: list(v) for name, v in samples.items() if v}}
+
+
+def round_ratios(row: dict[str, Any], variant: str, base: str) -> tuple[float, float, float] | None:
+    """``(median, min, max)`` over rounds of ``variant``'s µs over ``base``'s in the same round, from a row's
+    ``us_rounds``; None where either was not timed in every round (or the row predates per-round samples)."""
+    rounds = row.get("us_rounds") or {}
+    a, b = rounds.get(variant), rounds.get(base)
+    if not a or not b or len(a) != len(b):
+        return None
+    values = [x / y for x, y in zip(a, b) if y]
+    return (statistics.median(values), min(values), max(values)) if values else None
+
+
+def row_ratio(row: dict[str, Any], variant: str, base: str) -> float | None:
+    """``variant`` over ``base`` in a row: the median of the per-round ratios, else the ratio of the medians."""
+    per_round = round_ratios(row, variant, base)
+    return per_round[0] if per_round is not None else ratio(row["us"].get(variant), row["us"].get(base))
+
+
+def ratio_cell(row: dict[str, Any], variant: str, base: str) -> str:
+    """A report's ratio cell: the median of the per-round ratios with their range, ``0.874 (0.80-0.95)``; the ratio
+    of the medians where the row has no per-round samples."""
+    per_round = round_ratios(row, variant, base)
+    if per_round is None:
+        return common.fmt(ratio(row["us"].get(variant), row["us"].get(base)), ".3f")
+    mid, low, high = per_round
+    return f"{mid:.3f} ({low:.2f}-{high:.2f})"
 
 
 def _nothing() -> None:
@@ -493,7 +528,8 @@ def render(result: dict[str, Any]) -> list[str]:
     lines = common.header_markdown(result["header"], f"Hugging Face {result['model']} ({result['layers']} layers)")
     lines += ["", "µs per forward (median of interleaved rounds; CUDA events around each call), with the time one "
               "call takes to return in parentheses (after a sync: the host's cost when the GPU keeps up). Ratios "
-              "are to bf16 and torchao float8 measured in the same rounds; < 1 is faster.", ""]
+              "are to bf16 and torchao float8 measured in the same rounds: the median of the rounds' ratios, "
+              "their range in parentheses; < 1 is faster.", ""]
     names = list(dict.fromkeys(v for row in result["rows"] for v in row["us"]))
     names.sort(key=lambda v: (VARIANTS.index(variant_base(v)), v))
     header = ["workload", "mode", *names]
@@ -509,9 +545,8 @@ def render(result: dict[str, Any]) -> list[str]:
         cells = [row["workload"], row["mode"], *[common.fmt(us.get(v), ".0f") for v in names]]
         host = row.get("host_us") or {}
         cells[2:] = [c + (f" (host {host[v]:.0f})" if v in host else "") for c, v in zip(cells[2:], names)]
-        cells += [common.fmt(ratio(us.get(v), us.get("bf16")), ".3f") for v in names if v != "bf16"]
-        cells += [common.fmt(ratio(us.get(v), us.get("torchao")), ".3f") for v in names
-                  if is_fp8(v) and "torchao" in names]
+        cells += [ratio_cell(row, v, "bf16") for v in names if v != "bf16"]
+        cells += [ratio_cell(row, v, "torchao") for v in names if is_fp8(v) and "torchao" in names]
         rows.append(cells)
     lines += common.md_table(header, rows)
     profiled = [r for r in result["rows"] if r.get("profile")]
@@ -561,7 +596,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     width = 0.8 / len(variants)
     for i, v in enumerate(variants):
         ax.bar([j + i * width for j in range(len(rows))],
-               [ratio(r["us"].get(v), r["us"]["bf16"]) or 0 for r in rows], width, label=v)
+               [row_ratio(r, v, "bf16") or 0 for r in rows], width, label=v)
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
     ax.set_xticklabels([f"{r['workload']}\n{r['mode']}" for r in rows], fontsize=8)

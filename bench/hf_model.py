@@ -134,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     for workload, mode in bench.rows():
         log(f"{workload} / {mode}")
         steps, rewinds = bench.steps(workload, mode)
-        us, host = time_steps(steps, args, mode != "graph", rewinds)
-        row = {"workload": workload, "mode": mode, "us": us, "host_us": host}
+        row = {"workload": workload, "mode": mode, **time_steps(steps, args, mode != "graph", rewinds)}
+        us, host = row["us"], row["host_us"]
         bench.profiles(row, steps, rewinds)
         bench.result["rows"].append(row)
         log("  " + ", ".join(f"{k} {v:.0f} µs (host {host.get(k, 0):.0f})" for k, v in us.items()))

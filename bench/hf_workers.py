@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -142,8 +141,7 @@ def worker_main(args: Any) -> int:
                 torch.cuda.synchronize()
             turns.done(s)
     for j, (us, host) in enumerate(samples):
-        results[j]["us"] = {k: statistics.median(v) for k, v in us.items() if v}
-        results[j]["host_us"] = {k: statistics.median(v) for k, v in host.items() if v}
+        results[j].update(hf.timed_row(us, host))
     bench.result["rows"] = results
     bench.write()
     turns.wait(len(slots))  # leave (free the GPU) only once every process has timed
@@ -170,7 +168,7 @@ def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
             if key not in by_row:
                 by_row[key] = {"workload": row["workload"], "mode": row["mode"], "us": {}, "host_us": {}}
                 result["rows"].append(by_row[key])
-            for field in ("us", "host_us", "profile", "step_profile"):
+            for field in ("us", "host_us", "us_rounds", "profile", "step_profile"):
                 if row.get(field):
                     by_row[key].setdefault(field, {}).update(row[field])
     return result

@@ -96,6 +96,33 @@ def test_merge_puts_each_process_variant_side_by_side_per_row(workers):
     assert merged["notes"] == {"bf16": {"n": 1}, "fp8_static": {"n": 1}} and merged["header"] == {"gpu": "x"}
 
 
+def test_ratios_are_taken_per_round_and_reported_with_their_range(workers):
+    """Variants timed in the same rounds compare round by round (a host whose speed moves between rounds moves both):
+    the report's ratio is the median of the rounds' ratios with their range; a row without per-round samples (older
+    results) falls back to the ratio of the medians."""
+    _, _, hf_bench = workers
+    row = {"workload": "prefill512", "mode": "compiled",
+           **hf_bench.timed_row({"bf16": [100.0, 200.0, 110.0], "fp8": [90.0, 150.0, 121.0]},
+                                {"bf16": [50.0, 60.0, 55.0]})}
+    assert row["us"] == {"bf16": 110.0, "fp8": 121.0} and row["host_us"] == {"bf16": 55.0}
+    assert row["us_rounds"]["fp8"] == [90.0, 150.0, 121.0]
+    mid, low, high = hf_bench.round_ratios(row, "fp8", "bf16")
+    assert (mid, low, high) == (pytest.approx(0.9), pytest.approx(0.75), pytest.approx(1.1))
+    assert hf_bench.ratio_cell(row, "fp8", "bf16") == "0.900 (0.75-1.10)"  # the ratio of medians would read 1.100
+    assert hf_bench.row_ratio(row, "fp8", "bf16") == pytest.approx(0.9)
+    old = {"us": {"bf16": 110.0, "fp8": 121.0}}
+    assert hf_bench.round_ratios(old, "fp8", "bf16") is None and hf_bench.ratio_cell(old, "fp8", "bf16") == "1.100"
+    short = {**row, "us_rounds": {"bf16": [100.0, 200.0], "fp8": [90.0, 150.0, 121.0]}}
+    assert hf_bench.round_ratios(short, "fp8", "bf16") is None  # not timed in the same rounds
+    header = {"versions": {}, "date": "d", "gpu": "g", "sm": "9.0", "driver": "13.0", "cuda_runtime": "13.0",
+              "command": "c"}
+    renamed = {**row, "us": {"bf16": 110.0, "fp8_static": 121.0},
+               "us_rounds": {"bf16": row["us_rounds"]["bf16"], "fp8_static": row["us_rounds"]["fp8"]}}
+    text = "\n".join(hf_bench.render({"header": header, "model": "llama", "layers": 1, "rows": [renamed],
+                                      "notes": {}, "errors": {}}))
+    assert "| 0.900 (0.75-1.10) |" in text
+
+
 def test_worker_arguments_override_the_parents(workers, tmp_path):
     hf_workers, hf_model, _ = workers
     argv = hf_workers.worker_argv(["--variants", "bf16", "fp8_static", "--parallel-compile", "--out", "x",
@@ -125,6 +152,8 @@ def test_parallel_run_on_the_cpu_measures_every_variant_in_one_report(workers, t
     assert set(rows) == {("decode", "eager"), ("prefill8", "eager")}
     assert all(set(r["us"]) == {"bf16", "fp8_static"} and set(r["host_us"]) == {"bf16", "fp8_static"}
                for r in rows.values()), rows
+    # each process's rounds, side by side: round r of one variant is round r of the other (the token's schedule)
+    assert all({k: len(v) for k, v in r["us_rounds"].items()} == {"bf16": 2, "fp8_static": 2} for r in rows.values())
     assert not result["errors"], result["errors"]
     assert result["header"]["parallel_compile"]["processes"] == 2
     assert "--parallel-compile" in result["header"]["command"]
