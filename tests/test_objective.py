@@ -502,6 +502,30 @@ def test_lockfile_policy_under_both_objectives(cpu_lock, caplog):
                for r in caplog.records)
 
 
+def test_the_lockfile_policy_decides_a_bucket_at_both_ends(tmp_path, monkeypatch, host_fake):
+    """Through the lockfile policy: a bucket (M <= 8) whose kernel answer is kernel-bound at its top (torch 100 µs
+    against the fake's 102.5, within HOST_MARGIN) but host-bound at the bucket below (M = 4: 40 µs behind 20 µs of
+    host and the context) goes to the fake's cheaper call (2 µs: a saving of at least half the context) when the sum
+    over both ends is lower; the top bucket (M <= 16, an open range) keeps its kernel answer."""
+    path = tmp_path / "span.lock.json"
+    monkeypatch.setenv("FP8_BACKENDS_LOCKFILE", str(path))
+    monkeypatch.setenv("FP8_SELECTION_HOST_CONTEXT_US", "30")
+    times = {1: {"torch": 10.0, "fake": 10.3}, 4: {"torch": 40.0, "fake": 42.4}, 8: {"torch": 100.0, "fake": 102.5},
+             16: {"torch": 200.0, "fake": 205.0}}
+    lockfile.write_entries(path, lockfile.current_key(CPU)[0],
+                           dict(entry_for(N_OUT, K_IN, m, t) for m, t in times.items()))
+    lockfile.reset_state()
+    res = {m: resolution.explain("gemm", "auto", problem=gemm(m=m), platform=CPU, objective="host") for m in (8, 16)}
+    assert res[8].backend.label == FAKE_LABEL, res[8].note  # 150 µs summed against 144.9
+    assert res[8].note.endswith("at M=4: 42.4 µs against 40.0 µs + ~20 µs host")
+    assert res[16].backend.label == TORCH_LABEL  # the highest bucket: decided at its top
+    # with the default context (50 µs) the fake saves 18 µs a call, under half of it: the kernel answer stays
+    monkeypatch.setenv("FP8_SELECTION_HOST_CONTEXT_US", "50")
+    lockfile.reset_state()
+    assert resolution.explain("gemm", "auto", problem=gemm(m=8), platform=CPU,
+                              objective="host").backend.label == TORCH_LABEL
+
+
 def test_the_bucket_tables_follow_the_objective(cpu_lock):
     tables = {obj: [(b, be.label) for b, be in resolution.resolve_gemm_buckets("auto", problem=gemm(),
                                                                                 platform=CPU, objective=obj)]
@@ -719,6 +743,33 @@ def test_block_wise_qwen3_runs_cutlass_where_the_scaled_mm_call_is_host_bound(mo
             "auto", problem=GemmProblem(n=n, k=4096, m=None, **block), platform=h200, objective="kernel")}
         assert kernel[256] == "torch_scaled_mm", kernel
         assert host[256] == want_256 and host[1024] == want_1024, (n, cutlass_native, host)
+
+
+def test_the_nearest_shapes_model_decides_a_bucket_at_both_ends_too(monkeypatch):
+    """A block-wise gate/up-sized weight the H200 data does not hold (24064 x 4096, nearest: Qwen3-8B's 24576 x 4096):
+    its predicted M <= 1024 bucket is kernel-bound on ``torch_scaled_mm`` at the top and host-bound at M = 256, so it
+    runs cutlass's C++ op as the measured neighbour does; without the bottom's prediction the kernel answer stays. The
+    top bucket (M > 1024) is decided at its top alone."""
+    from fp8_backends.providers.cutlass import native_op
+    from fp8_backends.registry import shipped
+
+    monkeypatch.setattr(native_op, "expected", lambda: True)
+    h200 = simulate_platform("9.0")
+    block = {"act_scale": "per_token_group", "weight_scale": "block", "device": "cuda"}
+
+    def pick(m: int):
+        return resolution.explain("gemm", "auto", problem=GemmProblem(n=24064, k=4096, m=m, **block), platform=h200,
+                                  objective="host")
+
+    if "cutlass" not in {c.entry.name for c in pick(1024).candidates if c.auto_ok}:
+        pytest.skip("cutlass cannot serve here (no nvcc or CUTLASS headers on this machine)")
+    res = pick(1024)
+    assert res.source == "shipped-nearest" and res.backend.name == "cutlass", res.note
+    assert pick(4096).backend.name == "torch_scaled_mm"
+    monkeypatch.setattr(shipped, "_lower_rows", lambda *a: None)
+    resolution.reset_caches()
+    shipped.reset_state()
+    assert pick(1024).backend.name == "torch_scaled_mm"
 
 
 def test_the_llama_gate_up_example_of_issue_14():
