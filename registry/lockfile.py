@@ -231,6 +231,16 @@ def bucket_for(m: int, covered: Sequence[int]) -> int | None:
     return covered[i] if i < len(covered) else covered[-1]
 
 
+def bucket_below(m: int, bucket: int, covered: Sequence[int]) -> int | None:
+    """The bucket just below ``bucket`` in ``covered`` (sorted ascending): the measured bottom of the M range
+    ``bucket`` serves. None where ``bucket`` is the lowest, or the highest (it serves every larger M too, an open
+    range mostly far above its lower end), or not in ``covered``, or ``m`` lies above it."""
+    i = bisect.bisect_left(covered, bucket)
+    if m > bucket or i == 0 or i >= len(covered) - 1 or covered[i] != bucket:
+        return None
+    return covered[i - 1]
+
+
 def candidate_label(provider: str, options: Mapping[str, str]) -> str:
     """``torch_scaled_mm[fast_accum=true]`` (just the name without options)."""
     cfg = ",".join(f"{k}={v}" for k, v in options.items())
@@ -538,16 +548,12 @@ class SectionIndex:
         return bucket, self.by_bucket[(pk, bucket)]
 
     def below(self, kind: str, problem: Any, bucket: int) -> dict[str, Any] | None:
-        """The entry of the bucket just below ``bucket`` for ``problem``'s shape (the measured lower end of the M
-        range ``bucket`` serves), or None: ``bucket`` is the lowest, or the highest (it serves every larger M too, an
-        open range mostly far above its lower end), or ``problem``'s M lies above it."""
+        """The entry of :func:`bucket_below` ``bucket`` for ``problem``'s shape (the measured lower end of the M
+        range ``bucket`` serves), or None."""
         m = problem_m(kind, problem)
         pk = problem_key(kind, problem_fields(kind, problem))
-        covered = self.buckets.get(pk, ())
-        i = bisect.bisect_left(covered, bucket)
-        if m is None or m > bucket or i == 0 or i >= len(covered) - 1 or covered[i] != bucket:
-            return None
-        return self.by_bucket[(pk, covered[i - 1])]
+        below = None if m is None else bucket_below(m, bucket, self.buckets.get(pk, ()))
+        return None if below is None else self.by_bucket[(pk, below)]
 
 
 @dataclass
@@ -783,6 +789,7 @@ __all__ = [
     "BLOCK_FIELD_TYPES",
     "block_field_problems",
     "block_text",
+    "bucket_below",
     "bucket_for",
     "default_lockfile_path",
     "describe_lockfile",

@@ -358,18 +358,15 @@ def _nearest(kind, problem, platform, serving, data: ShippedData, objective=Sele
 
 def _lower_rows(model: NearestModel, lookup: Any, problem: Any, bucket: int, found: Mapping[CandKey, tuple],
                 ranks: Mapping[CandKey, tuple]) -> list[host_aware.Row] | None:
-    """The candidates' rows predicted at the bucket below ``bucket`` (the bottom of the M range it serves), their
-    host µs at that M; None where ``bucket`` is the lowest or the highest (an open range) or ``problem``'s M lies
-    above it."""
-    below = [b for b in model.buckets if b < bucket]
-    if not below or problem.m > bucket or bucket >= max(model.buckets):
-        return None
-    pred = model.predict(lookup.n, lookup.k, below[-1])
+    """The candidates' rows predicted at :func:`.lockfile.bucket_below` ``bucket`` (the bottom of the M range it
+    serves), their host µs at that M; None where there is no such bucket."""
+    below = lockfile.bucket_below(problem.m, bucket, model.buckets)
+    pred = model.predict(lookup.n, lookup.k, below) if below is not None else None
     if pred is None:
         return None
 
     def host(key: CandKey) -> float | None:
-        return host_aware.host_us_of(found[key][0].cls, below[-1], problem.n, problem.k, found[key][1],
+        return host_aware.host_us_of(found[key][0].cls, below, problem.n, problem.k, found[key][1],
                                      block=problem.block_scaled)
 
     return host_rows([(c, s, ranks[c]) for c, s in pred.scores if c in ranks], host, pred.fastest_us)
