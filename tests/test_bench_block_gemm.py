@@ -34,8 +34,9 @@ def test_smoke_run_writes_json_and_markdown(tmp_path):
     for point in data["norm"]:
         assert {"triton_group", "triton_group_tma", "triton_token"} <= set(point["variants"])
     text = (tmp_path / "block_gemm.md").read_text()
-    for section in ("## Targets", "## GEMM: Triton (auto)", "## GEMM: every variant", "## Refusals",
-                    "## Fused RMSNorm"):
+    assert data["auto_geomean"]["points"] == 2
+    for section in ("## Targets", "## GEMM: auto (what a layer runs)", "## GEMM: Triton (auto)",
+                    "## GEMM: every variant", "## Refusals", "## Fused RMSNorm"):
         assert section in text
 
 
@@ -43,6 +44,7 @@ def test_family_configs():
     assert set(bench.family_configs(1, 4096, 4096, False)) == {
         "triton", "triton:gemv_n2_g8_w2", "triton:swap_n64_m16_s8_w4_sk0", "triton:mm_n128_m64_s4_w4_g8_sk0"}
     assert "triton:gemv_n4_g4_w4" in bench.family_configs(1, 24576, 1536, False)
+    assert bench.family_configs(1, 4096, 4096, False, lean=True) == {"triton": "auto"}
     big = bench.family_configs(4096, 4096, 6840, False)  # K not 16-byte aligned: no TMA variant
     assert set(big) == {"triton", "triton:mm_n128_m128_s4_w8_g8_sk0"}
     assert "triton:tma_n128_m64_s4_w4_g8_p2" in bench.family_configs(4096, 4096, 4096, False)
@@ -60,26 +62,46 @@ def test_extra_configs_are_parsed_and_kept_where_eligible():
         bench.main(["--configs", "mm_n64", "--device", "cpu", "--smoke"])
 
 
-def _point(m, us, model="deepseek-v3", layer="kv_a", n=576, k=7168, floor=None):
+def _point(m, us, model="deepseek-v3", layer="kv_a", n=576, k=7168, floor=None, pick="triton[config=auto]"):
     variants = {lab: {"us": v, "config": lab.split(":")[-1] if ":" in lab else "swap_n64_m16_s8_w4_sk0"}
                 for lab, v in us.items()}
     if floor is not None:
-        variants["triton"]["pct_floor"] = floor
-    return bench.analyse_point(model, layer, n, k, m, {}, {}, {}, None) | {
-        "variants": variants, "triton_over_bf16": us["bf16"] / us["triton"]}
+        variants["auto"]["pct_floor"] = floor
+    notes = {"providers": {"auto": pick, "refused": {}, "layout": None}}
+    return bench.analyse_point(model, layer, n, k, m, {}, {}, notes, None) | {"variants": variants} | \
+        bench.point_ratios(variants, notes)
 
 
-def test_targets_name_every_miss():
-    gemm = [_point(1, {"bf16": 10.0, "triton": 12.0}, floor=60.0), _point(4096, {"bf16": 100.0, "triton": 80.0})]
+def test_point_ratios_compare_auto_with_the_fastest_provider_as_layers_call_them():
+    p = _point(64, {"bf16": 10.0, "triton": 8.0, "triton:mm_n64": 4.0, "auto": 6.0, "provider:cutlass": 5.0,
+                    "scaled_mm": 3.0, "flashinfer": 2.0})
+    # the raw calls and Triton's fixed configs are not providers as a layer calls them
+    assert p["fastest_provider"] == "provider:cutlass" and p["auto_of_fastest"] == pytest.approx(5.0 / 6.0)
+    assert p["auto_over_bf16"] == pytest.approx(10.0 / 6.0) and p["auto_pick"] == "triton[config=auto]"
+    assert p["best_triton"] == "triton:mm_n64" and p["triton_over_bf16"] == pytest.approx(1.25)
+    assert p["triton_vs_flashinfer"] == pytest.approx(0.25)
+    lone = _point(1, {"bf16": 10.0})  # nothing but bf16 measured: no ratio, no error
+    assert lone["auto_of_fastest"] is None and lone["auto_over_bf16"] is None
+
+
+def test_targets_name_every_miss_of_auto():
+    gemm = [_point(1, {"bf16": 10.0, "triton": 12.0, "auto": 12.5}, floor=60.0),
+            _point(4096, {"bf16": 100.0, "triton": 80.0, "provider:cutlass": 60.0, "auto": 70.0}),
+            _point(256, {"bf16": 100.0, "triton": 50.0, "auto": 50.0})]
     norm = [{"hidden": 7168, "tokens": 4096, "residual": True, "group_compiled_over_triton": 0.9,
              "token_compiled_over_triton": 1.2,
              "variants": {"triton_group": {"pct_copy": 80.0}, "triton_token": {"pct_copy": 90.0}}}]
     got = bench.targets(gemm, norm)
-    assert len(got["triton_slower_than_bf16"]) == 1 and "M=1" in got["triton_slower_than_bf16"][0]
-    assert len(got["below_75pct_floor"]) == 1
-    assert len(got["below_1.6x_bf16"]) == 1 and "M=4096" in got["below_1.6x_bf16"][0]
+    assert got["auto_slower_than_bf16"] == ["deepseek-v3 kv_a 576x7168 M=1: 0.800x"]
+    assert got["auto_below_75pct_floor"] == ["deepseek-v3 kv_a 576x7168 M=1: 60.0%"]
+    assert got["auto_below_1.6x_bf16"] == ["deepseek-v3 kv_a 576x7168 M=4096: 1.429x"]
+    assert got["auto_below_93pct_of_fastest"] == ["deepseek-v3 kv_a 576x7168 M=4096: 0.857 (provider:cutlass)"]
     assert got["norm_below_85pct_copy"] == ["H=7168 T=4096 +res group: 80.0%"]
     assert got["norm_slower_than_compiled"] == ["H=7168 T=4096 +res group: 0.900x"]
+    geo = bench.auto_geomeans(gemm)
+    assert geo["points"] == 3 and geo["per_m"][256] == pytest.approx(1.0)
+    assert geo["all"] == pytest.approx((12.0 / 12.5 * 60.0 / 70.0 * 1.0) ** (1 / 3))
+    assert bench.auto_geomeans([])["all"] is None
 
 
 def test_sweep_table_is_a_loadable_block_table():
