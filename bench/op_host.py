@@ -13,7 +13,10 @@ call's host time:
 - ``linear M=0``: the same op on an empty activation (the dispatcher's cost and one allocation: the op returns early);
 - ``block_gemm``: the block GEMM op on an already quantized activation (no quantization launch);
 - ``quantize``: the library's group quantization from Python (:func:`fp8_backends.quant.quantize`, the Triton
-  kernel an unfused block linear launches first).
+  kernel an unfused block linear launches first);
+- ``flashinfer_block``: with ``--flashinfer``, the ``flashinfer_block`` provider's op
+  (``torch.ops.fp8_backends.flashinfer_block_gemm``, DeepGEMM through flashinfer's module) on the quantized
+  activation: with ``quantize``, what that provider's block linear costs the host.
 
 One sample = the wall time to enqueue ``--calls`` calls while the GPU is kept busy (``torch.cuda._sleep`` ahead of
 them), divided by ``--calls``; every variant once per round in a rotated order, ``--rounds`` rounds; medians, and
@@ -41,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ms", default="128,512", help="activation rows, comma-separated")
     ap.add_argument("--calls", type=int, default=200, help="calls per sample")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--flashinfer", action="store_true",
+                    help="also time the flashinfer_block provider's op (its module and kernels built ahead)")
     ap.add_argument("--out", type=Path, required=True)
     return ap
 
@@ -69,7 +74,7 @@ def variants(x: Any, w: Any, y: Any, qa: Any, wp: Any, ws: Any, linear: Any, blo
 def markdown(header: dict[str, Any], rows: list[dict[str, Any]], rounds: int, calls: int) -> list[str]:
     """The table of ``op_host.md``: per shape and M, each variant's median µs and its ratio to ``torch.mm``."""
     keys = list(rows[0]["us"]) if rows else []
-    lines = common.header_markdown(header, "Host µs per call of the cutlass block-wise C++ ops against torch.mm")
+    lines = common.header_markdown(header, "Host µs per call of the block-wise GEMM ops against torch.mm")
     lines += [f"Median of {rounds} rotated rounds of {calls} calls enqueued while the GPU is busy; in parentheses "
               "the median ratio to `torch.mm` of the same round.", ""]
     lines += common.md_table(
@@ -106,6 +111,14 @@ def main(argv: list[str] | None = None) -> int:
         w_q = (w * 64).to(torch.float8_e4m3fn)
         prepared = backend.prepare_weight(w_q, torch.full((-(-n // 128), -(-k // 128)), 1 / 64, device="cuda"))
         wp, ws = prepared.data, prepared.scale
+        fi = None
+        if args.flashinfer:
+            from fp8_backends.providers.flashinfer.block import FlashinferBlockBackend
+
+            fi_backend = FlashinferBlockBackend()
+            fi_prepared = fi_backend.prepare_weight(w_q, torch.full((-(-n // 128), -(-k // 128)), 1 / 64,
+                                                                    device="cuda"))
+            fi = (torch.ops.fp8_backends.flashinfer_block_gemm.default, fi_prepared.data, fi_prepared.scale)
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=bf16)
             y = torch.empty(m, n, device="cuda", dtype=bf16)
@@ -119,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
             if native.calls()[0] != served + 1:
                 raise SystemExit(f"{n}x{k} M={m}: the C++ op handed the call to Python; nothing to measure")
             fns = variants(x, w, y, qa, wp, ws, linear, block_gemm)
+            if fi is not None:
+                fi_op, fi_w, fi_ws = fi
+                fi_op(qa.data, fi_w, qa.scale, fi_ws, bf16)  # the first call of a shape runs its kernel once
+                fns["flashinfer_block"] = lambda op=fi_op, a=qa, b=fi_w, bs=fi_ws: op(a.data, b, a.scale, bs, bf16)
             samples, ratios = common.rotated_host_us(fns, args.rounds, args.calls, "cuda", ref="torch.mm")
             rows.append({"n": n, "k": k, "m": m,
                          "us": {key: statistics.median(v) for key, v in samples.items()},
