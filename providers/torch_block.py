@@ -5,7 +5,9 @@ blocks here:
 
 - CUDA: ``torch._scaled_mm(x_q, w_q.t(), scale_a, scale_b)`` with ``scale_a [M, ceil(K/128)]`` M-major (strides
   ``(1, M)``) and ``scale_b`` the ``[ceil(K/128), ceil(N/128)]`` transpose of the row-major block grid (some torch
-  builds want that grid's rows padded to a multiple of 4: :func:`cuda_block_support` finds which by trying both).
+  builds want that grid's rows padded to a multiple of 4: :func:`cuda_block_support` finds which by computing with
+  both; where neither computes right, weights whose ``ceil(K/128)`` is not a multiple of 4 are refused with that
+  reason).
   cuBLASLt wants M-major activation-scale columns 16-byte aligned, so a batch whose M is not a multiple of 4 is
   padded to the next one (a copy of at most 3 rows of ``x_q`` and its scales; the output keeps M rows). Whether
   this torch and cuBLAS(Lt) serve the mode is found by calling it once per device (capability, not version
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from fp8_backends.core.oplib import LazyOps
 
@@ -140,37 +142,88 @@ def prepare_scale(w_scale: torch.Tensor, padded_rows: bool) -> torch.Tensor:
     return buf[:, :kb].t()
 
 
+#: the probes' bound on the relative error against the dequantized fp32 product (bf16 output: ~1e-3)
+_PROBE_TOL = 1e-2
+
+
+class BlockSupport(NamedTuple):
+    """What this torch's ``_scaled_mm`` computes right with block scales on a device (:func:`cuda_block_support`).
+
+    ``padded``: the weight-scale form to prepare (:func:`prepare_scale`'s ``padded_rows``), None where the mode is not
+    served at all (``why`` says what failed); ``ragged``: whether weights whose ``ceil(K/128)`` is not a multiple of 4
+    compute right (``ragged_why`` says what failed where not)."""
+
+    padded: bool | None
+    ragged: bool
+    why: str = ""
+    ragged_why: str = ""
+
+    def reason_for(self, k: int) -> str | None:
+        """Why a weight of ``K`` columns cannot be served here, or None."""
+        if self.padded is None:
+            return self.why
+        kb = -(-k // 128)
+        if kb % M_ALIGN and not self.ragged:
+            return (f"ceil(K/128)={kb} is not a multiple of {M_ALIGN}: this torch's _scaled_mm does not compute block "
+                    f"scales right there ({self.ragged_why})")
+        return None
+
+
+def _probe(device: Any, k: int, padded: bool) -> tuple[float | None, str]:
+    """One 8 x 256 x ``k`` block-scaled call with distinct scales per group and block: its relative error against
+    the dequantized fp32 product, or ``(None, why)`` where torch refuses it."""
+    import torch
+
+    m, n = 8, 256
+    gen = torch.Generator(device="cpu").manual_seed(k)
+    x = (torch.randn((m, k), generator=gen) * 8).to(torch.float8_e4m3fn).to(device)
+    w = (torch.randn((n, k), generator=gen) * 8).to(torch.float8_e4m3fn).to(device)
+    x_groups = torch.rand((m, k // 128), generator=gen).add_(0.5).to(device)
+    grid = torch.rand((n // 128, k // 128), generator=gen).add_(0.5).to(device)
+    ref = ((x.float() * x_groups.repeat_interleave(128, 1))
+           @ (w.float() * grid.repeat_interleave(128, 0).repeat_interleave(128, 1)).t())
+    try:
+        y = torch._scaled_mm(x, w.t(), scale_a=x_groups.t().contiguous().t(), scale_b=prepare_scale(grid, padded),
+                             out_dtype=torch.bfloat16)
+    except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError / NotImplementedError by build
+        return None, str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return float(((y.float() - ref).norm() / ref.norm()).item()), ""
+
+
 @functools.cache
-def cuda_block_support(device_index: int) -> tuple[bool | None, str]:
-    """``(padded_rows, "")`` when this torch's ``_scaled_mm`` serves 1x128 x 128x128 block scales on the device
-    (``padded_rows``: the weight's block grid must have its rows padded to a multiple of 4), else ``(None, why)``.
-    One 128x128x256 call per scale form, once per device and process (at the first resolution of a block problem
-    there)."""
+def cuda_block_support(device_index: int) -> BlockSupport:
+    """Whether and how this torch's ``_scaled_mm`` serves 1x128 x 128x128 block scales on the device, found by
+    computing (capability, not version strings), once per device and process (at the first resolution of a block
+    problem there): an 8 x 256 x 512 call (4 column blocks, where the weight-scale grid's two forms coincide) checked
+    against the dequantized fp32 product, then 8 x 256 x 384 (3 column blocks) with the grid's rows unpadded and
+    padded to 4. cuBLASLt reads the grid with its rows padded to 4 columns: a form it accepts but reads differently
+    computes wrong numbers wherever ``ceil(K/128)`` is not a multiple of 4 (on the H200 with torch 2.11 the unpadded
+    form is accepted and wrong there, the padded one refused), so only a form that computes right counts."""
     import torch
 
     device = torch.device("cuda", device_index)
-    errors = []
     try:
-        x = torch.ones((M_ALIGN * 32, 256), device=device).to(torch.float8_e4m3fn)
-        w = torch.ones((128, 256), device=device).to(torch.float8_e4m3fn)
-        x_scale = torch.ones((2, x.shape[0]), device=device).t()
-        grid = torch.ones((1, 2), device=device)
+        err, refused = _probe(device, 512, False)
     except Exception as exc:  # noqa: BLE001 - no usable device: the reason says so
-        return None, f"cannot allocate on cuda:{device_index} ({type(exc).__name__}: {exc})"
+        return BlockSupport(None, False, f"cannot run a probe on cuda:{device_index} ({type(exc).__name__}: {exc})")
+    if err is None or err >= _PROBE_TOL:
+        why = refused or f"relative error {err:.3g}"
+        return BlockSupport(None, False, f"this torch's _scaled_mm did not compute 1x128 x 128x128 block scales right "
+                                         f"here ({why[:300]}); cuBLASLt serves them on SM 9.0 from CUDA 12.9")
+    failed = []
     for padded in (False, True):
-        try:
-            y = torch._scaled_mm(x, w.t(), scale_a=x_scale, scale_b=prepare_scale(grid, padded),
-                                 out_dtype=torch.bfloat16)
-            torch.cuda.synchronize(device)
-            if y.shape == (x.shape[0], 128):
-                logger.debug("torch_scaled_mm: cuBLASLt block scales served on cuda:%d (padded grid rows: %s)",
-                             device_index, padded)
-                return padded, ""
-        except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError / NotImplementedError by build
-            errors.append(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-    return None, ("this torch's _scaled_mm refused 1x128 x 128x128 block scales here (" + "; ".join(errors)[:300]
-                  + "); cuBLASLt serves them on SM 9.0 from CUDA 12.9")
+        err, refused = _probe(device, 384, padded)
+        if err is not None and err < _PROBE_TOL:
+            logger.debug("torch_scaled_mm: cuBLASLt block scales served on cuda:%d (padded grid rows: %s)",
+                         device_index, padded)
+            return BlockSupport(padded, True)
+        form = "padded" if padded else "unpadded"
+        failed.append(f"{form} scale rows: {refused[:150]}" if err is None else f"{form} scale rows: relative error "
+                      f"{err:.3g}")
+    logger.debug("torch_scaled_mm: block scales on cuda:%d only where ceil(K/128) is a multiple of 4 (%s)",
+                 device_index, "; ".join(failed))
+    return BlockSupport(False, False, ragged_why="; ".join(failed))
 
 
-__all__ = ["M_ALIGN", "OP_NAME", "cpu_gemm", "cuda_block_support", "cuda_gemm", "load_op", "prepare_scale",
-           "traced_gemm", "traced_support"]
+__all__ = ["M_ALIGN", "OP_NAME", "BlockSupport", "cpu_gemm", "cuda_block_support", "cuda_gemm", "load_op",
+           "prepare_scale", "traced_gemm", "traced_support"]

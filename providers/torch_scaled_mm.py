@@ -150,8 +150,8 @@ class TorchScaledMMBackend(Fp8GemmBackend):
         elif platform.sm is not None and not platform.simulated and platform.device_index is not None:
             from .torch_block import cuda_block_support
 
-            padded, why = cuda_block_support(platform.device_index)
-            if padded is None:
+            why = cuda_block_support(platform.device_index).reason_for(problem.k)
+            if why:
                 reasons.append(why)
         return reasons
 
@@ -200,12 +200,13 @@ class TorchScaledMMBackend(Fp8GemmBackend):
 
             if self.config["fast_accum"] == "true":
                 raise InvalidInputError("block-scaled FP8 accumulates precisely: use torch_scaled_mm@fast_accum=false")
-            padded, why = cuda_block_support(w_q.get_device())
-            if padded is None:
+            support = cuda_block_support(w_q.get_device())
+            why = support.reason_for(k)
+            if why:
                 raise InvalidInputError(f"{self.name}: {why}")
             load_op()
-            traced_support(padded)  # asked now, at load time: compiled calls read the answer
-            scale = prepare_scale(w_scale, padded)
+            traced_support(bool(support.padded))  # asked now, at load time: compiled calls read the answer
+            scale = prepare_scale(w_scale, bool(support.padded))
         else:
             scale = w_scale.contiguous()
         return PreparedWeight(data=w_q.t(), scale=scale, n=n, k=k, dtype=Fp8Dtype.of(w_q.dtype),

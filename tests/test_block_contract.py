@@ -301,6 +301,40 @@ def test_torch_provider_block_weight_scales_may_be_bf16_and_explicit():
     assert backend.prepare_weight(small_q, small_s).block is None
 
 
+def test_torch_block_support_refuses_only_the_shapes_it_computes_wrong():
+    from fp8_backends.providers.torch_block import BlockSupport
+
+    ragged_wrong = BlockSupport(padded=False, ragged=False, ragged_why="unpadded scale rows: relative error 0.406")
+    assert ragged_wrong.reason_for(512) is None and ragged_wrong.reason_for(7168) is None  # 4 and 56 column blocks
+    why = ragged_wrong.reason_for(3200)  # 25 column blocks
+    assert why and "ceil(K/128)=25 is not a multiple of 4" in why and "0.406" in why
+    assert BlockSupport(padded=True, ragged=True).reason_for(384) is None
+    none = BlockSupport(padded=None, ragged=False, why="this torch's _scaled_mm did not compute ...")
+    assert none.reason_for(512) == none.reason_for(384) == "this torch's _scaled_mm did not compute ..."
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(256, 384), (640, 2432), (1024, 768), (5120, 3200), (512, 512), (576, 7168)])
+@pytest.mark.parametrize("m", [1, 5, 64])
+def test_gpu_torch_provider_block_gemm_where_k_blocks_are_not_a_multiple_of_4(n, k, m):
+    """cuBLASLt reads the weight's block-scale grid with rows padded to 4 columns: ceil(K/128) = 3, 19, 6, 25 are the
+    shapes where a grid passed unpadded computes wrong numbers (Qwen3 TP splits, DeepSeek-V3's narrow K); the
+    provider computes them right or refuses them with a reason."""
+    try:
+        backend = resolve_gemm_backend("torch_scaled_mm", problem=GemmProblem(n=n, k=k, m=m, **BLOCK))
+    except Fp8BackendError as exc:  # refused: with the reason that says which shapes (or the whole mode)
+        assert ("ceil(K/128)" in str(exc) and -(-k // 128) % 4) or "did not compute" in str(exc), str(exc)
+        pytest.skip(f"torch_scaled_mm refuses this block problem here: {exc}")
+    w_q, w_s = _block_weight(n, k)
+    x_q, x_s = reference.quantize_per_token_group(torch.randn(m, k))
+    prepared = backend.prepare_weight(w_q.cuda(), w_s.cuda())
+    x_s = group_scales.to_layout(x_s.cuda(), backend.capabilities.group_scale_layout)
+    y = backend.gemm(x_q.cuda(), prepared, x_s, out_dtype=torch.bfloat16)
+    ref = reference.fp8_gemm(x_q, w_q, x_s.cpu(), w_s, torch.float32)
+    err = float((y.float().cpu() - ref).norm() / ref.norm())
+    assert err < 1e-2, f"relative error {err:.3g}"
+
+
 @pytest.mark.parametrize("bad, match", [
     (lambda w_q, w_s: (w_q, w_s[:, :1]), "per-channel"),
     (lambda w_q, w_s: (w_q, w_s.double()), "float32, bfloat16 or float16"),
