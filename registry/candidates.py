@@ -8,12 +8,15 @@ loads the built-in policies, so neither may import the other for these.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .discovery import ProviderEntry
+
+logger = logging.getLogger("fp8_backends")
 
 
 @dataclass
@@ -63,4 +66,17 @@ def rank_key(entry: ProviderEntry) -> tuple:
     return (-entry.priority, not entry.builtin, entry.name, entry.dist or "")
 
 
-__all__ = ["Candidate", "forget_instances", "provider_instance", "rank_key"]
+def pending_build(cand: Candidate, problem: Any, platform: Any) -> str | None:
+    """What the candidate's first call would build for minutes (its provider's
+    :meth:`~fp8_backends.core.backend.ProviderBase.first_use_build`, default options), or None: ready. A probe that
+    raises counts as ready (the call itself then says what is wrong)."""
+    try:
+        backend = provider_instance(cand.entry)
+        check = getattr(backend, "first_use_build", None)
+        return check(problem, platform) if check is not None else None
+    except Exception as exc:  # noqa: BLE001 - a provider's probe must not break auto
+        logger.debug("first-use build check of %s failed: %s: %s", cand.entry.name, type(exc).__name__, exc)
+        return None
+
+
+__all__ = ["Candidate", "forget_instances", "pending_build", "provider_instance", "rank_key"]

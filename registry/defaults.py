@@ -40,6 +40,7 @@ from typing import Any
 
 from fp8_backends.core import settings
 
+from .candidates import pending_build
 from .platform import Platform
 from .policy import SelectionPolicy, register_selection_policy
 
@@ -154,19 +155,6 @@ def defaults_for(kind: str, platform: Platform, problem: Any = None) -> Platform
     return table
 
 
-def _pending_build(cand: Any, problem: Any, platform: Platform) -> str | None:
-    """The candidate's pending first-use build (None: ready), from its provider instance with default options."""
-    from .candidates import provider_instance
-
-    try:
-        backend = provider_instance(cand.entry)
-        check = getattr(backend, "first_use_build", None)
-        return check(problem, platform) if check is not None else None
-    except Exception as exc:  # noqa: BLE001 - a provider's probe must not break auto
-        logger.debug("first-use build check of %s failed: %s: %s", cand.entry.name, type(exc).__name__, exc)
-        return None
-
-
 def measured_default_policy(
     kind: str, problem: Any, platform: Platform, serving: list[Any]
 ) -> tuple[Any, dict[str, str], str] | None:
@@ -186,7 +174,7 @@ def measured_default_policy(
                 passed.append(f"{name} cannot serve it here")
             continue
         if table.block:
-            pending = _pending_build(cand, problem, platform)
+            pending = pending_build(cand, problem, platform)
             if pending:
                 passed.append(f"{name} passed over: {pending}")
                 continue

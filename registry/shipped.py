@@ -5,7 +5,9 @@ models (:mod:`fp8_backends.tuning.grid`, format in :mod:`.shipped_data`). For a 
 
 1. ``shipped-exact``: the data holds this problem (N, K, dtypes, scale modes, bias) -> the tuned choice for its
    M bucket (smallest covered bucket >= M, clamped to the largest); if that provider cannot serve here (not
-   installed, disabled), the next of the measured ranking that can.
+   installed, disabled), the next of the measured ranking that can. A choice whose first call would build for
+   minutes (flashinfer's block module before ``python -m fp8_backends.build flashinfer_block``) is passed over for
+   the measured choice among the others, and the note says what to build.
 2. ``shipped-nearest``: the data holds the problem's class (dtypes, scale modes, bias) but not its (N, K) ->
    the nearest measured shapes of this GPU family at this bucket vote (:mod:`.nearest`); the note names them.
 3. Otherwise (no data for this SM, class or kind; M unknown) the policies pass and the next one decides: the
@@ -38,7 +40,7 @@ from fp8_backends.core.objective import SelectionObjective
 from fp8_backends.core.padding import padded_size
 
 from . import host_aware, lockfile, lockfile_policy, shipped_data
-from .candidates import Candidate
+from .candidates import Candidate, pending_build
 from .nearest import (
     DEFAULT_METRIC,
     DEFAULT_NEIGHBOURS,
@@ -281,12 +283,30 @@ def _answer(kind: str, problem: Any, platform: Platform, serving: list[Candidate
     answer = data.picks.get(memo, data)
     if answer is not data and (answer is None or any(c.entry is answer[1][0] for c in serving)):
         return answer
-    answer = (_exact(kind, problem, platform, serving, data, objective)
-              or _nearest(kind, problem, platform, serving, data, objective))
+    answer = _measured(kind, problem, platform, serving, data, objective)
+    passed: list[str] = []
+    while answer is not None:  # a choice whose first call would build for minutes: the measured choice of the rest
+        chosen = answer[1][0]
+        pending = pending_build(next(c for c in serving if c.entry is chosen), problem, platform)
+        if not pending:
+            break
+        passed.append(f"{chosen.name} (measured faster) passed over: {pending}")
+        serving = [c for c in serving if c.entry is not chosen]
+        answer = _measured(kind, problem, platform, serving, data, objective) if serving else None
+    if answer is not None and passed:
+        name, (entry, options, note) = answer
+        answer = name, (entry, options, "; ".join([note, *passed]))
     if len(data.picks) >= _MAX_PICKS:
         data.picks.clear()
     data.picks[memo] = answer
     return answer
+
+
+def _measured(kind: str, problem: Any, platform: Platform, serving: list[Candidate], data: ShippedData,
+              objective: SelectionObjective) -> tuple | None:
+    """The exact entry's answer, else the nearest shapes'."""
+    return (_exact(kind, problem, platform, serving, data, objective)
+            or _nearest(kind, problem, platform, serving, data, objective))
 
 
 def _exact(kind, problem, platform, serving, data: ShippedData, objective=SelectionObjective.KERNEL) -> tuple | None:

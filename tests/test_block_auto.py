@@ -176,6 +176,32 @@ def test_shipped_data_answers_block_problems_from_the_block_class_only():
     assert res.source.startswith("shipped-") and "block" not in res.note
 
 
+def test_shipped_choice_that_would_build_for_minutes_is_passed_over_with_a_note(monkeypatch):
+    """The H200 data measured flashinfer_block fastest on DeepSeek-V3's o_proj at M = 64; where its module is not
+    built, auto takes the measured choice among the others and says what to build (never a silent 2-minute stall)."""
+    from fp8_backends.providers.flashinfer.block import FlashinferBlockBackend
+    from fp8_backends.registry.candidates import Candidate
+
+    sm90 = simulate_platform("9.0")
+    problem = GemmProblem(n=7168, k=16384, m=64, device="cuda", **BLOCK)
+    entries = {e.name: e for e in discover("gemm")}
+    serving = [Candidate(entries[name]) for name in ("flashinfer_block", "torch_scaled_mm", "triton", "cutlass")]
+    monkeypatch.setattr(FlashinferBlockBackend, "block_reasons", lambda self, problem: [])  # flashinfer "installed"
+    pending = {"flashinfer_block": "flashinfer's module is not built (~2 min; build ahead: python -m "
+                                   "fp8_backends.build flashinfer_block)"}
+    monkeypatch.setattr(shipped, "pending_build", lambda cand, p, pl: pending.get(cand.entry.name))
+    name, (entry, _, note) = shipped._answer("gemm", problem, sm90, serving)
+    assert name == "shipped-exact" and entry.name != "flashinfer_block"
+    assert "ranked #2" in note and "flashinfer_block (measured faster) passed over: flashinfer's module" in note
+    pending["cutlass"] = pending["triton"] = pending["torch_scaled_mm"] = "not built"  # nothing ready: next policy
+    shipped.reset_state()
+    assert shipped._answer("gemm", problem, sm90, serving) is None
+    pending.clear()
+    shipped.reset_state()
+    name, (entry, _, note) = shipped._answer("gemm", problem, sm90, serving)
+    assert entry.name == "flashinfer_block" and "passed over" not in note
+
+
 # ------------------------------------------------------------------------------------------ the block grid
 def test_block_models_have_their_published_sizes():
     v3 = {(s.name, s.n, s.k) for s in models.linear_shapes("deepseek-v3")}
@@ -315,7 +341,7 @@ def test_block_default_ladder_passes_over_providers_that_cannot_serve_or_would_b
         return SimpleNamespace(entry=SimpleNamespace(name=name, builtin=True))
 
     building = {"flashinfer_block": "flashinfer's fp8_blockscale_gemm_sm90 module is not built (~2 min)"}
-    monkeypatch.setattr(defaults, "_pending_build", lambda c, p, pl: building.get(c.entry.name))
+    monkeypatch.setattr(defaults, "pending_build", lambda c, p, pl: building.get(c.entry.name))
     serving = [cand("torch_scaled_mm"), cand("triton"), cand("flashinfer_block")]
     entry, options, note = defaults.measured_default_policy("gemm", problem, sm90, serving)
     assert entry is serving[0].entry and options == {}
