@@ -79,6 +79,11 @@ class FlashinferBlockBackend(OpGemmBackend):
         group_scale_layout=ScaleLayout.M_MAJOR_TMA,
         priority=4,  # below flashinfer_bmm (5) until measured data steers auto
     )
+    #: host µs per call (its only problems are block-wise): the op (a Python custom op: checks, one output
+    #: allocation, the runner's tvm-ffi call) measured 9-20 µs (median 17) more than the cutlass provider's block GEMM
+    #: C++ op, which is declared at 13 (Qwen3-8B's four GEMMs x M = 128 / 512, H200,
+    #: bench/results/op_host/2026-12-04-h200-flashinfer-block/)
+    host_us: ClassVar[float | None] = 30.0
 
     @classmethod
     def availability(cls) -> Availability:
