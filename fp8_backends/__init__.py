@@ -74,6 +74,7 @@ _EXPORTS = {
     "Fp8LinearSlice": "fp8_backends.layers.shared_input",
     "QuantizeSummary": "fp8_backends.convert",
     "static_launch_triton_ops": "fp8_backends.layers.inductor_setup",
+    "warm_up": "fp8_backends.layers.warm_up",
     "backends_from_args": "fp8_backends.cli",
     "load_pretrained": "fp8_backends.checkpoints.pretrained",
     "swap_fp8_layers": "fp8_backends.checkpoints.swap",

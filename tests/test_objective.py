@@ -839,6 +839,30 @@ def test_an_auto_layer_keeps_both_row_sets_and_switches_on_capture(cpu_lock, ran
     assert ran == ["torch_scaled_mm"]
 
 
+def test_warm_up_runs_the_rows_of_eager_and_of_captured_calls_outside_a_capture(cpu_lock, ran, monkeypatch):
+    from fp8_backends import warm_up
+
+    layer = _layer(objective="auto")
+    model = nn.Sequential(layer, nn.ReLU())
+    query = layer._plan.capturing
+    ran.clear()
+    assert warm_up(model, [6, 1, 1]) == 4  # sizes deduplicated; eager rows then the rows of captured calls
+    assert ran == ["fake_mm", "torch_scaled_mm", "torch_scaled_mm", "torch_scaled_mm"]
+    assert layer._plan.capturing is query  # restored
+    agreeing = _layer(objective="kernel")
+    ran.clear()
+    assert warm_up(agreeing, [2]) == 1 and ran == ["torch_scaled_mm"]
+    assert warm_up(nn.Sequential(nn.Linear(4, 4)), [1]) == 0  # no FP8 layer: nothing to run
+    for bad in ([], [0], [1.5], [True], 3, "8"):
+        with pytest.raises(InvalidInputError, match="batch_sizes"):
+            warm_up(model, bad)
+    with pytest.raises(InvalidInputError, match="nn.Module"):
+        warm_up(layer.kernel, [1])
+    _capturing(monkeypatch, True)
+    with pytest.raises(InvalidInputError, match="before capturing"):
+        warm_up(model, [1])
+
+
 def test_compiled_calls_run_the_host_rows(cpu_lock, ran, monkeypatch):
     layer = _layer(objective="auto")
     _capturing(monkeypatch, True)  # even "while capturing": Dynamo traces the host rows, never asks

@@ -201,7 +201,8 @@ def _first_run(key: tuple[int, int, int, int], x, w, out, x_scale, w_scale) -> N
         if not ready and support.capturing():
             raise UnsupportedProblemError(
                 f"flashinfer_block's first call for {what} may compile a DeepGEMM kernel, which must happen outside "
-                f"CUDA graph capture: run this M once eagerly (or prepare the weight, which warms M < "
+                f"CUDA graph capture: run this M once eagerly (a model: fp8_backends.warm_up(model, [batch sizes]), "
+                f"which runs the providers captured calls take; preparing the weight warms M < "
                 f"{block_jit.SWAP_AB_BELOW}) before capturing",
                 reasons=[f"flashinfer_block: an un-warmed shape {_describe(m, n, k)} during CUDA graph capture"],
             )
