@@ -22,7 +22,6 @@ not hold (``shipped-nearest``), auto >= 0.95 of the fastest everywhere and >= 0.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -88,10 +87,6 @@ def templates(args: argparse.Namespace, device: str) -> list[tuple[str, GemmProb
     return out
 
 
-def _geomean(values: Sequence[float]) -> float | None:
-    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
-
-
 def point_rows(points: Sequence[common.Point]) -> list[dict[str, Any]]:
     """One JSON-ready row per measured point."""
     rows = []
@@ -124,21 +119,22 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for source in sorted({r["source"] or "error" for r in rows}):
         rs = [r for r in rows if (r["source"] or "error") == source and r["auto_vs_fastest"]]
         groups[source] = {"points": len(rs), "min": min((r["auto_vs_fastest"] for r in rs), default=None),
-                          "geomean": _geomean([r["auto_vs_fastest"] for r in rs]),
-                          "geomean_vs_torch": _geomean([r["auto_vs_torch"] for r in rs if r["auto_vs_torch"]])}
+                          "geomean": common.geomean([r["auto_vs_fastest"] for r in rs]),
+                          "geomean_vs_torch": common.geomean([r["auto_vs_torch"] for r in rs if r["auto_vs_torch"]])}
+    near_geo = common.geomean([r["auto_vs_fastest"] for r in near])
     targets = {
         "exact: auto >= 0.97 of the fastest at every point": {
             "points": len(exact), "violations": below(exact, "auto_vs_fastest", TARGETS["exact_min"])},
         "exact, M >= 256: auto >= 1.04x torch geomean": {
-            "points": len(prefill), "value": _geomean(prefill),
-            "met": None if not prefill else _geomean(prefill) >= TARGETS["prefill_geomean_vs_torch"]},
+            "points": len(prefill), "value": common.geomean(prefill),
+            "met": None if not prefill else common.geomean(prefill) >= TARGETS["prefill_geomean_vs_torch"]},
         "exact, M <= 16: auto >= 0.98x torch at every point": {
             "points": len(decode), "violations": below(decode, "auto_vs_torch", TARGETS["decode_min_vs_torch"])},
         "nearest: auto >= 0.95 of the fastest at every point": {
             "points": len(near), "violations": below(near, "auto_vs_fastest", TARGETS["nearest_min"])},
         "nearest: auto >= 0.98 of the fastest geomean": {
-            "points": len(near), "value": _geomean([r["auto_vs_fastest"] for r in near]),
-            "met": None if not near else _geomean([r["auto_vs_fastest"] for r in near]) >= TARGETS["nearest_geomean"]},
+            "points": len(near), "value": near_geo,
+            "met": None if near_geo is None else near_geo >= TARGETS["nearest_geomean"]},
     }
     return {"rows": rows, "by_source": groups, "targets": targets}
 

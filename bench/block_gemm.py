@@ -223,10 +223,10 @@ def family_configs(m: int, n: int, k: int, sweep: bool, lean: bool = False) -> d
     from fp8_backends.providers.triton import block_gemm_configs as bc
 
     out = {"triton": "auto"}
-    names: list[str] = []
     if lean:
-        pass
-    elif sweep:
+        return out
+    names: list[str] = []
+    if sweep:
         names = [c.name for c in bc.CONFIG_LIST if (c.max_m is None or m <= c.max_m)
                  and (c.family != "tma" or k % 16 == 0)]
     else:
@@ -730,17 +730,15 @@ def targets(gemm: list[dict[str, Any]], norm: list[dict[str, Any]]) -> dict[str,
 
 def auto_geomeans(gemm: list[dict[str, Any]]) -> dict[str, Any]:
     """``auto``'s share of the fastest provider's speed, geomean over every point and per M."""
+    from bench import common
+
     per_m: dict[int, list[float]] = {}
     for p in gemm:
         if p.get("auto_of_fastest"):
             per_m.setdefault(p["m"], []).append(p["auto_of_fastest"])
-
-    def geo(values: list[float]) -> float:
-        return math.exp(sum(math.log(v) for v in values) / len(values))
-
     every = [v for values in per_m.values() for v in values]
-    return {"all": geo(every) if every else None, "points": len(every),
-            "per_m": {m: geo(values) for m, values in sorted(per_m.items())}}
+    return {"all": common.geomean(every), "points": len(every),
+            "per_m": {m: common.geomean(values) for m, values in sorted(per_m.items())}}
 
 
 def markdown(result: dict[str, Any]) -> str:

@@ -12,6 +12,7 @@ import argparse
 import datetime as _dt
 import importlib.metadata
 import json
+import math
 import platform as _host
 import re
 import sys
@@ -118,6 +119,12 @@ console_table = text_table
 
 def fmt(value: float | None, spec: str = ".2f", missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
+
+
+def geomean(values: Sequence[float]) -> float | None:
+    """The geometric mean of the positive ``values`` (None when there are none)."""
+    kept = [v for v in values if v and v > 0]
+    return math.exp(sum(math.log(v) for v in kept) / len(kept)) if kept else None
 
 
 def progress(total: int, desc: str, enabled: bool = True) -> Any:

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from bench.common import geomean
+
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 TORCH = "torch_scaled_mm"
 TORCH_FA = "torch_scaled_mm_fast_accum"
@@ -63,11 +65,6 @@ def grid_and_timer(args: Any, device: str) -> tuple[list[int], list[tuple[int, i
     shapes = [(int(n), int(k)) for n, _, k in (s.partition("x") for s in args.shapes.split(","))]
     cfg = TimerConfig(rounds=3, replays=2) if args.quick else TimerConfig(rounds=args.rounds, replays=args.replays)
     return ms, shapes, CudaGraphTimer(cfg, device)
-
-
-def geomean(values: list[float]) -> float | None:
-    values = [v for v in values if v and v > 0]
-    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
 
 
 def bounds(ms: list[int]) -> list[int | None]:

@@ -109,15 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     for n, k in shapes:
         w = torch.randn(n, k, device="cuda", dtype=bf16) / k ** 0.5
         w_q = (w * 64).to(torch.float8_e4m3fn)
-        prepared = backend.prepare_weight(w_q, torch.full((-(-n // 128), -(-k // 128)), 1 / 64, device="cuda"))
+        w_s = torch.full((-(-n // 128), -(-k // 128)), 1 / 64, device="cuda")
+        prepared = backend.prepare_weight(w_q, w_s)
         wp, ws = prepared.data, prepared.scale
         fi = None
         if args.flashinfer:
             from fp8_backends.providers.flashinfer.block import FlashinferBlockBackend
 
-            fi_backend = FlashinferBlockBackend()
-            fi_prepared = fi_backend.prepare_weight(w_q, torch.full((-(-n // 128), -(-k // 128)), 1 / 64,
-                                                                    device="cuda"))
+            fi_prepared = FlashinferBlockBackend().prepare_weight(w_q, w_s)
             fi = (torch.ops.fp8_backends.flashinfer_block_gemm.default, fi_prepared.data, fi_prepared.scale)
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=bf16)

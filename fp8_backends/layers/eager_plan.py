@@ -25,7 +25,8 @@ the GEMM as the provider's op), under a dispatch mode or tensor subclass, a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..core import output_contract
@@ -127,6 +128,10 @@ def bind_quantizer(mode: ActScale, fp8_dtype: torch.dtype, input_scale: torch.Te
     return dynamic
 
 
+def _always() -> bool:
+    return True
+
+
 class EagerPlan:
     """One processed layer's eager call. ``rows``: ``((bucket, linear), ...)`` by increasing bucket (each a
     :func:`bind_linear` call), the last row serving every larger M (one row: one provider for every M).
@@ -151,6 +156,17 @@ class EagerPlan:
         if query is None:  # a torch without CUDA, or a layer on another device
             from ..registry.per_m import capturing as query
         self.capturing = query
+
+    @contextlib.contextmanager
+    def captured_rows(self) -> Iterator[None]:
+        """Within: calls take the rows of calls captured into a CUDA graph, outside any capture (a warm-up runs the
+        providers a later capture will; :func:`fp8_backends.warm_up`). Load time only."""
+        query = self.capturing
+        self.capturing = _always
+        try:
+            yield
+        finally:
+            self.capturing = query
 
     def __call__(self, x: Any) -> Any:
         """``y [..., N]`` for a plain ``x [..., K]`` in the model dtype on the layer's device, or ``None`` when

@@ -22,10 +22,6 @@ from ..registry.per_m import capturing
 from .modules import Fp8Linear
 
 
-def _always() -> bool:
-    return True
-
-
 def _sizes(batch_sizes: Iterable[int]) -> list[int]:
     try:
         sizes = list(batch_sizes)
@@ -35,6 +31,12 @@ def _sizes(batch_sizes: Iterable[int]) -> list[int]:
     if bad or not sizes:
         raise InvalidInputError(f"batch_sizes must be positive ints (rows per call), got {sizes!r}")
     return sorted(set(sizes))
+
+
+def _run(layer: Fp8Linear, xs: list[torch.Tensor]) -> int:
+    for x in xs:
+        layer(x)
+    return len(xs)
 
 
 def warm_up(model: nn.Module, batch_sizes: Iterable[int]) -> int:
@@ -55,21 +57,12 @@ def warm_up(model: nn.Module, batch_sizes: Iterable[int]) -> int:
         for layer in model.modules():
             if not isinstance(layer, Fp8Linear) or layer.kernel is None:
                 continue
-            device = layer.weight.device
-            for m in sizes:
-                layer(torch.zeros((m, layer.in_features), dtype=layer.dtype, device=device))
-                calls += 1
-            plan = layer._plan
-            if plan is None or plan.graph_rows is None:
-                continue
-            query = plan.capturing
-            plan.capturing = _always  # the rows of captured calls, run outside the capture
-            try:
-                for m in sizes:
-                    layer(torch.zeros((m, layer.in_features), dtype=layer.dtype, device=device))
-                    calls += 1
-            finally:
-                plan.capturing = query
+            xs = [torch.zeros((m, layer.in_features), dtype=layer.dtype, device=layer.weight.device) for m in sizes]
+            calls += _run(layer, xs)
+            plan = layer._plan  # bound by the calls above
+            if plan is not None and plan.graph_rows is not None:
+                with plan.captured_rows():
+                    calls += _run(layer, xs)
     return calls
 
 
