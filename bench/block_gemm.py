@@ -566,17 +566,20 @@ def _norm_reference(x: Any, weight: Any, eps: float, residual: Any, per_token: b
 
 
 #: ``--norm-configs`` launch shapes of the dynamic kernel: (path, rows per program or groups per chunk, warps, register
-#: cap per thread or None). Launched through Triton's JIT (the graph timer replays them: its host cost is not timed).
-NORM_SHAPES = (("block", 1, 16, None), ("block", 1, 16, 64), ("block", 1, 8, None), ("block", 1, 8, 128),
-               ("block", 1, 32, None), ("block", 1, 4, None), ("block", 2, 16, 64), ("loop", 8, 4, None),
-               ("loop", 16, 8, None), ("loop", 8, 8, None))
+#: cap per thread or None); ``pow2``: the one-pass kernel with the row as one power-of-two block of groups instead of
+#: its chunks (``row_chunks``; lanes past H masked). Launched through Triton's JIT (the graph timer replays them: its
+#: host cost is not timed).
+NORM_SHAPES = (("block", 1, 4, None), ("block", 1, 8, None), ("block", 1, 16, None), ("block", 2, 8, None),
+               ("block", 2, 16, None), ("block", 4, 16, None), ("pow2", 1, 4, None), ("pow2", 1, 8, None),
+               ("loop", 16, 8, None))
 
 
 def _config_runs(nd: Any, xs: list, rs: list, w: Any, eps: float, tokens: int, hidden: int, residual: bool,
                  sets: int, code_check: Callable[[bool], Any]) -> dict[str, Any]:
     """``--norm-configs``: the dynamic kernel at every launch shape of :data:`NORM_SHAPES`, group and token modes
-    (labels ``group_block_r1w16_reg64``, ``group_loop_c8w4``), and ``static``: the static-scale RMSNorm + quant kernel
-    over the same rows (the same bytes, one fixed scale: what computing the dynamic scales costs)."""
+    (labels ``group_block_r1w16_reg64``, ``group_pow2_r1w8``, ``group_loop_c8w4``), and ``static``: the static-scale
+    RMSNorm + quant kernel over the same rows (the same bytes, one fixed scale: what computing the dynamic scales
+    costs)."""
     import torch
 
     from fp8_backends.providers.triton import norm_kernels
@@ -589,16 +592,21 @@ def _config_runs(nd: Any, xs: list, rs: list, w: Any, eps: float, tokens: int, h
     for mode, per_token in (("group", False), ("token", True)):
         scales = [torch.empty(tokens, 1, device=dev) if per_token else
                   group_scale_empty(tokens, -(-hidden // GROUP), "row_major", xs[0]) for _ in range(sets)]
+        base = nd.dyn_config(tokens, hidden, residual, GROUP, per_token)
         for path, n, warps, maxnreg in NORM_SHAPES:
-            if path == "block":
-                base = nd.dyn_config(tokens, hidden, residual, GROUP, per_token)
-                if base.path != "block":
-                    continue
-                cfg = base._replace(rows=n, num_warps=warps)
-                label = f"{mode}_block_r{n}w{warps}" + (f"_reg{maxnreg}" if maxnreg else "")
-            else:
+            reg = f"_reg{maxnreg}" if maxnreg else ""
+            if path == "loop":
                 cfg = nd.DynConfig("loop", 1, n, GROUP, warps)
-                label = f"{mode}_loop_c{n}w{warps}" + (f"_reg{maxnreg}" if maxnreg else "")
+                label = f"{mode}_loop_c{n}w{warps}{reg}"
+            elif base.path == "loop":
+                continue
+            elif path == "pow2":
+                groups = base.ng + base.ng_b + base.ng_c
+                cfg = base._replace(rows=n, num_warps=warps, ng=1 << (groups - 1).bit_length(), ng_b=0, ng_c=0)
+                label = f"{mode}_pow2_r{n}w{warps}{reg}"
+            else:
+                cfg = base._replace(rows=n, num_warps=warps)
+                label = f"{mode}_block_r{n}w{warps}{reg}"
             options = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
 
             def call(i: int, per_token: bool = per_token, cfg: Any = cfg, options: dict = options,

@@ -843,6 +843,38 @@ def test_gpu_cuda_graph_after_warm_up():
 
 
 @pytest.mark.gpu
+def test_gpu_model_warm_up_lets_a_capture_run_kernels_built_at_first_call():
+    """``fp8_backends.warm_up`` on a model whose layer runs flashinfer_block: a capture at an M >= 32 that never ran
+    (its DeepGEMM kernel compiles at its first call; a weight shape no other test uses, so no disk cache has it) is
+    refused with the advice, and works after ``warm_up``, giving the eager output."""
+    from torch import nn
+
+    from fp8_backends import warm_up
+    from fp8_backends.layers import Fp8Linear
+
+    _gpu_backend()
+    n, k, m = 320, 1408, 96
+    g = torch.Generator(device="cuda").manual_seed(5)
+    lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, device="cuda", generator=g) / k**0.5)
+    model = nn.Sequential(Fp8Linear.from_linear(lin, weight_scale="block", backend="flashinfer_block"))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    with torch.no_grad():
+        g1 = torch.cuda.CUDAGraph()
+        with pytest.raises(UnsupportedProblemError, match="warm_up"), torch.cuda.graph(g1):
+            model(x)
+        torch.cuda.synchronize()
+        assert warm_up(model, [m, 1]) == 2
+        g2 = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g2):
+            y = model(x)
+        g2.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, model(x))
+
+
+@pytest.mark.gpu
 def test_gpu_torch_compile_fullgraph():
     from fp8_backends.core import reference
     from fp8_backends.core.group_scales import to_layout

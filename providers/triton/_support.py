@@ -67,6 +67,21 @@ def pdl_on(index: int) -> bool:
     return on
 
 
+@functools.lru_cache(maxsize=64)
+def _sm_count_of(device_type: str, index: int | None) -> int:
+    if device_type != "cuda":
+        return 4  # the interpreter: a few programs exercise the split-K and persistent loops
+    import torch
+
+    return torch.cuda.get_device_properties(index if index is not None else current_device()).multi_processor_count
+
+
+def sm_count(device: Any) -> int:
+    """The streaming multiprocessors of ``device`` (a torch.device; 4 for the interpreter's CPU tensors, so that a
+    few programs exercise the persistent and split-K loops); memoized."""
+    return _sm_count_of(device.type, device.index)
+
+
 def current_device() -> int:
     """torch's current CUDA device index (what Triton launches on), without ``torch.cuda``'s Python layer."""
     import torch
@@ -100,6 +115,7 @@ def explicit_only_on_cpu(problem: object, platform: object) -> str | None:
 
 def reset_caches() -> None:
     _device_sm.cache_clear()
+    _sm_count_of.cache_clear()
     _pdl_memo.clear()
 
 
@@ -116,4 +132,5 @@ __all__ = [
     "pdl_enabled",
     "pdl_on",
     "reset_caches",
+    "sm_count",
 ]

@@ -16,6 +16,7 @@ import torch
 from fp8_backends.core.errors import InvalidInputError
 from fp8_backends.core.types import Fp8Dtype
 
+from ._support import sm_count
 from .block_gemm_configs import (
     CONFIGS,
     BlockTileConfig,
@@ -72,15 +73,6 @@ class Plan(NamedTuple):
     groups_per_split: int
 
 
-@functools.lru_cache(maxsize=64)
-def _sm_count_of(device_type: str, index: int) -> int:
-    if device_type != "cuda":
-        return 4  # the interpreter: a few programs exercise the split-K and persistent paths
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def sm_count(device: torch.device) -> int:
-    return _sm_count_of(device.type, device.index if device.index is not None else 0)
 
 
 def tiles_of(cfg: BlockTileConfig, m: int, n: int) -> int:

@@ -171,7 +171,7 @@ def _launch_tma(cfg: TileConfig, x: torch.Tensor, w: torch.Tensor, x_scale: torc
     w_desc = TensorDescriptor(w, [n, k], [w.stride(0), 1], [cfg.block_n, cfg.block_k])
     flags = (x_scale.numel() > 1, w_scale.numel() > 1, bias is not None)
     tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
-    progs = min(tiles, cfg.persistent * _sm_count(x.device)) if cfg.persistent else tiles
+    progs = min(tiles, cfg.persistent * _support.sm_count(x.device)) if cfg.persistent else tiles
     extra: dict[str, Any] = {"num_warps": cfg.warps, "num_stages": cfg.stages}
     if use_pdl:
         extra["launch_pdl"] = True
@@ -190,18 +190,6 @@ def _pointer_tiles(cfg: TileConfig) -> TileConfig:
     return twin
 
 
-@functools.lru_cache(maxsize=64)
-def _sm_count_of(device_type: str, index: int | None) -> int:
-    if device_type != "cuda":
-        return 4  # the interpreter: a few programs exercise the persistent loop
-    import torch
-
-    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()
-                                            ).multi_processor_count
-
-
-def _sm_count(device: torch.device) -> int:
-    return _sm_count_of(device.type, device.index)
 
 
 def _dispatch_keys() -> tuple[str, ...]:
