@@ -566,18 +566,15 @@ def _norm_reference(x: Any, weight: Any, eps: float, residual: Any, per_token: b
 
 
 #: ``--norm-configs`` launch shapes of the dynamic kernel: (path, rows per program or groups per chunk, warps, register
-#: cap per thread or None); ``pow2``: the one-pass kernel with the row as one power-of-two block of groups instead of
-#: its chunks (``row_chunks``; lanes past H masked). Launched through Triton's JIT (the graph timer replays them: its
-#: host cost is not timed).
+#: cap per thread or None). Launched through Triton's JIT (the graph timer replays them: its host cost is not timed).
 NORM_SHAPES = (("block", 1, 4, None), ("block", 1, 8, None), ("block", 1, 16, None), ("block", 2, 8, None),
-               ("block", 2, 16, None), ("block", 4, 16, None), ("pow2", 1, 4, None), ("pow2", 1, 8, None),
-               ("loop", 16, 8, None))
+               ("block", 2, 16, None), ("loop", 16, 8, None))
 
 
 def _config_runs(nd: Any, xs: list, rs: list, w: Any, eps: float, tokens: int, hidden: int, residual: bool,
                  sets: int, code_check: Callable[[bool], Any]) -> dict[str, Any]:
     """``--norm-configs``: the dynamic kernel at every launch shape of :data:`NORM_SHAPES`, group and token modes
-    (labels ``group_block_r1w16_reg64``, ``group_pow2_r1w8``, ``group_loop_c8w4``), and ``static``: the static-scale
+    (labels ``group_block_r1w16_reg64``, ``group_loop_c8w4``), and ``static``: the static-scale
     RMSNorm + quant kernel over the same rows (the same bytes, one fixed scale: what computing the dynamic scales
     costs)."""
     import torch
@@ -600,10 +597,6 @@ def _config_runs(nd: Any, xs: list, rs: list, w: Any, eps: float, tokens: int, h
                 label = f"{mode}_loop_c{n}w{warps}{reg}"
             elif base.path == "loop":
                 continue
-            elif path == "pow2":
-                groups = base.ng + base.ng_b + base.ng_c
-                cfg = base._replace(rows=n, num_warps=warps, ng=1 << (groups - 1).bit_length(), ng_b=0, ng_c=0)
-                label = f"{mode}_pow2_r{n}w{warps}{reg}"
             else:
                 cfg = base._replace(rows=n, num_warps=warps)
                 label = f"{mode}_block_r{n}w{warps}{reg}"

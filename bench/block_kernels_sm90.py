@@ -119,10 +119,8 @@ def norm_variant(t: int, h: int, add: bool, per_token: bool) -> tuple[str, dict]
     if cfg.path == "loop":
         fn, consts = nd._norm_dyn_loop_kernel, dict(common, NGC=cfg.ng, G=cfg.gb, PER_TOKEN=per_token)
     else:
-        fn, consts = nd._norm_dyn_block_kernel, dict(common, ROWS=cfg.rows, NGA=cfg.ng, NGB=cfg.ng_b, NGC=cfg.ng_c,
-                                                     GB=cfg.gb, PER_TOKEN=per_token)
-    name = (f"norm T={t} H={h} add={add} per_token={per_token} {cfg.path} rows={cfg.rows} "
-            f"groups={cfg.ng}+{cfg.ng_b}+{cfg.ng_c} gb={cfg.gb}")
+        fn, consts = nd._norm_dyn_block_kernel, dict(common, ROWS=cfg.rows, NG=cfg.ng, GB=cfg.gb)
+    name = f"norm T={t} H={h} add={add} per_token={per_token} {cfg.path} rows={cfg.rows} ng={cfg.ng} gb={cfg.gb}"
     return name, compile_variant(fn, types, consts, ["x_ptr", "r_ptr", "w_ptr", "q_ptr", "s_ptr", "H", "stride_x",
                                                      "stride_r", "stride_q"], cfg.num_warps, 3)
 

@@ -65,103 +65,40 @@ PER_TOKEN_GROUP = "per_token_group"
 
 
 @triton.jit
-def _load_chunk(x_ptr, r_ptr, w_ptr, rows64, row_in, group0, H, stride_x, stride_r, stride_w, NGC: tl.constexpr,
-                GB: tl.constexpr, ADD: tl.constexpr):
-    """Groups ``group0 .. group0 + NGC - 1`` of ``ROWS`` rows as ``[ROWS, NGC, GB]``: the fp32 sum ``x (+ residual)``,
-    the norm weight ``[NGC, GB]``, the columns and the mask."""
-    cols = (group0 + tl.arange(0, NGC))[:, None] * GB + tl.arange(0, GB)[None, :]  # [NGC, GB]
-    col_in = cols < H
-    mask = row_in[:, None, None] & col_in[None, :, :]
-    v = tl.load(x_ptr + rows64 * stride_x + cols[None, :, :], mask=mask, other=0.0).to(tl.float32)
-    if ADD:
-        v += tl.load(r_ptr + rows64 * stride_r + cols[None, :, :], mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols * stride_w, mask=col_in, other=0.0).to(tl.float32)
-    return v, w, cols, mask
-
-
-@triton.jit
-def _store_chunk(y, inv, q_ptr, r_ptr, v, rows64, cols, mask, stride_q, stride_r, FMAX: tl.constexpr,
-                 ADD: tl.constexpr):
-    """The codes ``y · inv`` of one chunk (and, with the residual add, the sum ``v`` back to ``residual``)."""
-    if ADD:
-        tl.store(r_ptr + rows64 * stride_r + cols[None, :, :], v.to(r_ptr.dtype.element_ty), mask=mask)
-    q = nan_clamp(y * inv, -FMAX, FMAX)
-    tl.store(q_ptr + rows64 * stride_q + cols[None, :, :], q.to(q_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _group_scales(y, rows, row_in, group0, H, s_ptr, stride_sm, stride_sg, FMAX: tl.constexpr, NGC: tl.constexpr,
-                  GB: tl.constexpr):
-    """The scales of one chunk's groups ``[ROWS, NGC]``, stored; returns their reciprocals ``[ROWS, NGC, 1]``."""
-    groups = group0 + tl.arange(0, NGC)
-    scale = nan_maximum(tl.math.div_rn(nan_max_reduce(tl.abs(y), 2), FMAX), 1e-12)  # [ROWS, NGC]
-    tl.store(s_ptr + rows.to(tl.int64)[:, None] * stride_sm + groups[None, :] * stride_sg, scale,
-             mask=row_in[:, None] & (groups * GB < H)[None, :])
-    return tl.math.div_rn(1.0, scale)[:, :, None]  # one correctly rounded reciprocal per group (module docstring)
-
-
-@triton.jit
-def _chunk_amax(y):
-    return nan_max_reduce(nan_max_reduce(tl.abs(y), 2), 1)  # [ROWS]
-
-
-@triton.jit
 def _norm_dyn_block_kernel(
     x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, T, H, stride_x, stride_r, stride_q, stride_w, stride_sm, stride_sg, eps,
-    FMAX: tl.constexpr, ROWS: tl.constexpr, NGA: tl.constexpr, NGB: tl.constexpr, NGC: tl.constexpr,
-    GB: tl.constexpr, PER_TOKEN: tl.constexpr, ADD: tl.constexpr, USE_PDL: tl.constexpr,
+    FMAX: tl.constexpr, ROWS: tl.constexpr, NG: tl.constexpr, GB: tl.constexpr, ADD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    """``ROWS`` whole rows per program, one pass, each row as up to three chunks of ``NGA``, ``NGB`` and ``NGC``
-    groups of ``GB`` columns (powers of two; 0: no chunk): the row's sum of squares over all chunks, then per
-    group (or, ``PER_TOKEN``, per row) the scale and the codes."""
+    """``ROWS`` whole rows per program as ``[ROWS, NG, GB]``: ``NG`` scale groups of ``GB`` columns each."""
     eps = tl.cast(eps, tl.float32)  # Inductor passes a Python float as fp64
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    groups = tl.arange(0, NG)
+    cols = groups[:, None] * GB + tl.arange(0, GB)[None, :]  # [NG, GB]
+    col_in = cols < H
     row_in = rows < T
-    rows64 = rows.to(tl.int64)[:, None, None]
+    mask = row_in[:, None, None] & col_in[None, :, :]
+    rows2 = rows.to(tl.int64)[:, None]
+    rows64 = rows2[:, :, None]
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    va, wa, ca, ma = _load_chunk(x_ptr, r_ptr, w_ptr, rows64, row_in, 0, H, stride_x, stride_r, stride_w, NGA, GB,
-                                 ADD)
-    ssq = tl.sum(tl.sum(va * va, axis=2), axis=1)
-    if NGB > 0:
-        vb, wb, cb, mb = _load_chunk(x_ptr, r_ptr, w_ptr, rows64, row_in, NGA, H, stride_x, stride_r, stride_w, NGB,
-                                     GB, ADD)
-        ssq += tl.sum(tl.sum(vb * vb, axis=2), axis=1)
-    if NGC > 0:
-        vc, wc, cc, mc = _load_chunk(x_ptr, r_ptr, w_ptr, rows64, row_in, NGA + NGB, H, stride_x, stride_r,
-                                     stride_w, NGC, GB, ADD)
-        ssq += tl.sum(tl.sum(vc * vc, axis=2), axis=1)
+    x = tl.load(x_ptr + rows64 * stride_x + cols[None, :, :], mask=mask, other=0.0).to(tl.float32)
+    if ADD:
+        r_ptrs = r_ptr + rows64 * stride_r + cols[None, :, :]
+        x += tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols * stride_w, mask=col_in, other=0.0).to(tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    rrms = tl.math.rsqrt(ssq / H + eps)[:, None, None]  # [ROWS, 1, 1]
-    ya = va * rrms * wa[None, :, :]
-    if NGB > 0:
-        yb = vb * rrms * wb[None, :, :]
-    if NGC > 0:
-        yc = vc * rrms * wc[None, :, :]
-    if PER_TOKEN:
-        amax = _chunk_amax(ya)
-        if NGB > 0:
-            amax = nan_maximum(amax, _chunk_amax(yb))
-        if NGC > 0:
-            amax = nan_maximum(amax, _chunk_amax(yc))
-        scale = nan_maximum(tl.math.div_rn(amax, FMAX), 1e-12)  # [ROWS]
-        tl.store(s_ptr + rows.to(tl.int64) * stride_sm, scale, mask=row_in)
-        inv = tl.math.div_rn(1.0, scale)[:, None, None]
-        _store_chunk(ya, inv, q_ptr, r_ptr, va, rows64, ca, ma, stride_q, stride_r, FMAX, ADD)
-        if NGB > 0:
-            _store_chunk(yb, inv, q_ptr, r_ptr, vb, rows64, cb, mb, stride_q, stride_r, FMAX, ADD)
-        if NGC > 0:
-            _store_chunk(yc, inv, q_ptr, r_ptr, vc, rows64, cc, mc, stride_q, stride_r, FMAX, ADD)
-    else:
-        inv_a = _group_scales(ya, rows, row_in, 0, H, s_ptr, stride_sm, stride_sg, FMAX, NGA, GB)
-        _store_chunk(ya, inv_a, q_ptr, r_ptr, va, rows64, ca, ma, stride_q, stride_r, FMAX, ADD)
-        if NGB > 0:
-            inv_b = _group_scales(yb, rows, row_in, NGA, H, s_ptr, stride_sm, stride_sg, FMAX, NGB, GB)
-            _store_chunk(yb, inv_b, q_ptr, r_ptr, vb, rows64, cb, mb, stride_q, stride_r, FMAX, ADD)
-        if NGC > 0:
-            inv_c = _group_scales(yc, rows, row_in, NGA + NGB, H, s_ptr, stride_sm, stride_sg, FMAX, NGC, GB)
-            _store_chunk(yc, inv_c, q_ptr, r_ptr, vc, rows64, cc, mc, stride_q, stride_r, FMAX, ADD)
+    if ADD:
+        tl.store(r_ptrs, x.to(r_ptr.dtype.element_ty), mask=mask)
+    rrms = tl.math.rsqrt(tl.sum(tl.sum(x * x, axis=2), axis=1) / H + eps)  # [ROWS]
+    y = x * rrms[:, None, None] * w[None, :, :]
+    scale = nan_maximum(tl.math.div_rn(nan_max_reduce(tl.abs(y), 2), FMAX), 1e-12)  # [ROWS, NG]
+    tl.store(s_ptr + rows2 * stride_sm + groups[None, :] * stride_sg, scale,
+             mask=row_in[:, None] & (groups * GB < H)[None, :])
+    inv = tl.math.div_rn(1.0, scale)  # one correctly rounded reciprocal per group (module docstring)
+    q = nan_clamp(y * inv[:, :, None], -FMAX, FMAX)
+    tl.store(q_ptr + rows64 * stride_q + cols[None, :, :], q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -230,61 +167,44 @@ def _norm_dyn_loop_kernel(
 
 
 #: elements of the row block per thread in the one-pass launch: the dynamic kernels keep more values live than the
-#: static one (the normalized row, its scales), and at H = 7168, T = 4096 on the H200 8 warps (32 elements each) ran
+#: static one (the normalized row, its scales). At H = 7168, T = 4096 on the H200 8 warps (32 elements each) ran
 #: 29.4 / 54.2 µs (without / with the residual add) against 33.7 / 60.9 with the static kernel's 16
-#: (bench/results/block_gemm/2026-12-03-h200-norm-reciprocal/)
+#: (bench/results/block_gemm/2026-12-03-h200-norm-reciprocal/); without the residual add, where the static kernel's
+#: table has 4 warps for large launches, 8 warps ran 5-6% faster at H = 7168 and 5120, T = 4096 and 16384
+#: (bench/results/block_gemm/2026-12-04-h200-norm-launch-variants/)
 DYN_ELEMS_PER_THREAD = 32
 
 
-def row_chunks(groups: int) -> tuple[int, int, int]:
-    """A row of ``groups`` scale groups as up to three power-of-two chunks of groups ``(a, b, c)`` (0: no chunk),
-    the largest first: the two largest powers of two that fit, then the rest rounded up (masked). 56 (H = 7168) is
-    32 + 16 + 8 and 40 (5120) is 32 + 8, where one power-of-two block of 64 groups would leave 12% and 38% of its
-    lanes masked."""
-    a = 1 << (max(groups, 1).bit_length() - 1)
-    rest = groups - a
-    b = 1 << (rest.bit_length() - 1) if rest else 0
-    rest -= b
-    c = triton.next_power_of_2(rest) if rest else 0
-    return a, b, c
-
-
-#: per token, the row's chunks are made of groups of this many columns (the scale is one over all of them)
-PER_TOKEN_CHUNK_GROUP = 128
-
-
 class DynConfig(NamedTuple):
-    """A launch: ``path`` ``"block"`` (``rows`` rows per program, each row as chunks of ``ng``, ``ng_b`` and ``ng_c``
-    groups of ``gb`` columns, :func:`row_chunks`) or ``"loop"`` (one row per program, chunks of ``ng`` groups of
-    ``gb`` columns), and its warps."""
+    """A launch: ``path`` ``"block"`` (``rows`` rows of ``ng`` groups of ``gb`` columns per program) or ``"loop"``
+    (one row per program, chunks of ``ng`` groups of ``gb`` columns), and its warps."""
 
     path: str
     rows: int
     ng: int
     gb: int
     num_warps: int
-    ng_b: int = 0
-    ng_c: int = 0
 
 
 def dyn_config(t: int, h: int, add: bool, group_size: int, per_token: bool, single_pass_max: int | None = None,
                loop_block: int = LOOP_BLOCK) -> DynConfig:
     """The launch shape for ``[t, h]`` rows: :func:`.norm_kernels.default_config` (rows per program and warps as
-    measured for the static kernel), the row as power-of-two chunks of scale groups (:func:`row_chunks`; per token
-    too: its scale is the maximum over the chunks). ``single_pass_max`` / ``loop_block`` let tests reach the chunked
-    path at small ``H``."""
+    measured for the static kernel), with the row block split into scale groups. ``single_pass_max`` /
+    ``loop_block`` let tests reach the chunked path at small ``H``."""
     from .quant_kernels import SINGLE_PASS_MAX
 
     base = default_config(t, h, add)
     limit = SINGLE_PASS_MAX if single_pass_max is None else single_pass_max
     block = triton.next_power_of_2(max(h, 1))
-    gb = PER_TOKEN_CHUNK_GROUP if per_token else group_size
     if block <= limit and base.path != "loop":
-        a, b, c = row_chunks(-(-h // gb))
-        width = (a + b + c) * gb
-        # DYN_ELEMS_PER_THREAD elements per thread (never more warps than the static kernel's table)
-        warps = min(base.num_warps, triton.next_power_of_2(max(4, base.rows * width // (32 * DYN_ELEMS_PER_THREAD))))
-        return DynConfig("block", base.rows, a, gb, warps, b, c)
+        width = max(base.block, block)
+        # DYN_ELEMS_PER_THREAD elements per thread, also where the static kernel's table has fewer warps
+        warps = min(16, max(4, base.rows * width // (32 * DYN_ELEMS_PER_THREAD)))
+        if per_token:
+            return DynConfig("block", base.rows, 1, width, warps)
+        gb = group_size
+        return DynConfig("block", base.rows, max(1, width // gb), gb, warps)
+    gb = group_size
     chunk = max(gb, min(triton.next_power_of_2(loop_block), block))
     return DynConfig("loop", 1, chunk // gb, gb, LOOP_WARPS if chunk >= LOOP_BLOCK else 8)
 
@@ -307,8 +227,7 @@ def kernel_args(cfg: DynConfig, x: torch.Tensor, residual: torch.Tensor | None, 
         return (_norm_dyn_loop_kernel, (t,),
                 (x, r, weight, q, s, h, *strides, eps, fmax, cfg.ng, cfg.gb, per_token, add, use_pdl))
     return (_norm_dyn_block_kernel, ((t + cfg.rows - 1) // cfg.rows,),
-            (x, r, weight, q, s, t, h, *strides, eps, fmax, cfg.rows, cfg.ng, cfg.ng_b, cfg.ng_c, cfg.gb, per_token,
-             add, use_pdl))
+            (x, r, weight, q, s, t, h, *strides, eps, fmax, cfg.rows, cfg.ng, cfg.gb, add, use_pdl))
 
 
 def per_token_mode(act_scale: object) -> bool:
