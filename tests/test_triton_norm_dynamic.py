@@ -78,6 +78,17 @@ def test_matches_reference(t, h, group, mode, residual):
 
 
 @needs_kernels
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize(("t", "h", "group"), [(1, 33, 128), (5, 1000, 64), (2, 4096, 128), (3, 7168, 128)])
+def test_early_amax_matches_reference(t, h, group, mode, residual):
+    """The one-pass launch that takes the groups' maxima of ``x · w`` before the row's reduction: within the same
+    bounds of the reference (its products are in another order)."""
+    cfg = nk.dyn_config(t, h, residual, group, mode == "token")._replace(early_amax=True)
+    _run_and_check(t, h, mode, residual, group=group, config=cfg)
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_input_dtypes(dtype, mode):
@@ -118,12 +129,13 @@ def test_chunked_path(h, group, loop_block, mode, residual):
 
 
 @needs_kernels
-@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("path", ["block", "early", "chunked"])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_a_nan_row_is_nan_and_alone(mode, chunked):
+def test_a_nan_row_is_nan_and_alone(mode, path):
     x, r, w = _inputs(4, 384, torch.float32, seed=3)
     x[2, 5] = float("nan")
-    cfg = nk.dyn_config(4, 384, False, 128, mode == "token", single_pass_max=64, loop_block=128) if chunked else None
+    cfg = {"block": None, "early": nk.dyn_config(4, 384, False, 128, mode == "token")._replace(early_amax=True),
+           "chunked": nk.dyn_config(4, 384, False, 128, mode == "token", single_pass_max=64, loop_block=128)}[path]
     q, s, _ = nd.rmsnorm_quant_dynamic(x, w, EPS, act_scale=MODES[mode], config=cfg)
     rq, rs, _ = R.rmsnorm_quant_dynamic(x, w, EPS, None, mode == "token")
     assert torch.isnan(s[2]).all() and torch.isnan(q[2].float()).all()

@@ -68,9 +68,11 @@ PER_TOKEN_GROUP = "per_token_group"
 def _norm_dyn_block_kernel(
     x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, T, H, stride_x, stride_r, stride_q, stride_w, stride_sm, stride_sg, eps,
     FMAX: tl.constexpr, ROWS: tl.constexpr, NG: tl.constexpr, GB: tl.constexpr, ADD: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, EARLY_AMAX: tl.constexpr = False,
 ):
-    """``ROWS`` whole rows per program as ``[ROWS, NG, GB]``: ``NG`` scale groups of ``GB`` columns each."""
+    """``ROWS`` whole rows per program as ``[ROWS, NG, GB]``: ``NG`` scale groups of ``GB`` columns each.
+    ``EARLY_AMAX``: the groups' maxima are taken of ``x · w`` before the row's sum of squares is reduced, and scaled by
+    the row's ``rsqrt`` after (module docstring)."""
     eps = tl.cast(eps, tl.float32)  # Inductor passes a Python float as fp64
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     groups = tl.arange(0, NG)
@@ -91,13 +93,22 @@ def _norm_dyn_block_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     if ADD:
         tl.store(r_ptrs, x.to(r_ptr.dtype.element_ty), mask=mask)
-    rrms = tl.math.rsqrt(tl.sum(tl.sum(x * x, axis=2), axis=1) / H + eps)  # [ROWS]
-    y = x * rrms[:, None, None] * w[None, :, :]
-    scale = nan_maximum(tl.math.div_rn(nan_max_reduce(tl.abs(y), 2), FMAX), 1e-12)  # [ROWS, NG]
-    tl.store(s_ptr + rows2 * stride_sm + groups[None, :] * stride_sg, scale,
-             mask=row_in[:, None] & (groups * GB < H)[None, :])
-    inv = tl.math.div_rn(1.0, scale)  # one correctly rounded reciprocal per group (module docstring)
-    q = nan_clamp(y * inv[:, :, None], -FMAX, FMAX)
+    if EARLY_AMAX:
+        xw = x * w[None, :, :]
+        amax = nan_max_reduce(tl.abs(xw), 2)  # [ROWS, NG], independent of the row's reduction
+        rrms = tl.math.rsqrt(tl.sum(tl.sum(x * x, axis=2), axis=1) / H + eps)[:, None]  # [ROWS, 1]
+        scale = nan_maximum(tl.math.div_rn(amax * rrms, FMAX), 1e-12)  # [ROWS, NG]
+        tl.store(s_ptr + rows2 * stride_sm + groups[None, :] * stride_sg, scale,
+                 mask=row_in[:, None] & (groups * GB < H)[None, :])
+        q = nan_clamp(xw * (tl.math.div_rn(1.0, scale) * rrms)[:, :, None], -FMAX, FMAX)
+    else:
+        rrms = tl.math.rsqrt(tl.sum(tl.sum(x * x, axis=2), axis=1) / H + eps)  # [ROWS]
+        y = x * rrms[:, None, None] * w[None, :, :]
+        scale = nan_maximum(tl.math.div_rn(nan_max_reduce(tl.abs(y), 2), FMAX), 1e-12)  # [ROWS, NG]
+        tl.store(s_ptr + rows2 * stride_sm + groups[None, :] * stride_sg, scale,
+                 mask=row_in[:, None] & (groups * GB < H)[None, :])
+        inv = tl.math.div_rn(1.0, scale)  # one correctly rounded reciprocal per group (module docstring)
+        q = nan_clamp(y * inv[:, :, None], -FMAX, FMAX)
     tl.store(q_ptr + rows64 * stride_q + cols[None, :, :], q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -184,6 +195,7 @@ class DynConfig(NamedTuple):
     ng: int
     gb: int
     num_warps: int
+    early_amax: bool = False
 
 
 def dyn_config(t: int, h: int, add: bool, group_size: int, per_token: bool, single_pass_max: int | None = None,
@@ -227,7 +239,7 @@ def kernel_args(cfg: DynConfig, x: torch.Tensor, residual: torch.Tensor | None, 
         return (_norm_dyn_loop_kernel, (t,),
                 (x, r, weight, q, s, h, *strides, eps, fmax, cfg.ng, cfg.gb, per_token, add, use_pdl))
     return (_norm_dyn_block_kernel, ((t + cfg.rows - 1) // cfg.rows,),
-            (x, r, weight, q, s, t, h, *strides, eps, fmax, cfg.rows, cfg.ng, cfg.gb, add, use_pdl))
+            (x, r, weight, q, s, t, h, *strides, eps, fmax, cfg.rows, cfg.ng, cfg.gb, add, use_pdl, cfg.early_amax))
 
 
 def per_token_mode(act_scale: object) -> bool:
