@@ -107,10 +107,6 @@ def build_parser() -> argparse.ArgumentParser:
                     "(auto: on unless --quick/--smoke)")
     ap.add_argument("--skip-providers", default="", help="comma-separated registered providers not to time "
                     "(e.g. cutlass where its kernels are not built yet: resolving it would build them)")
-    ap.add_argument("--cutlass-splits", default="",
-                    help="comma-separated K split policies of cutlass's stream-K block configs to time as "
-                    "cutlass[split=P] (-1: split K to fill the SMs, 0: CUTLASS's stream-K heuristic, n: n splits; "
-                    "suffix nd: partial sums reduced in any order), e.g. 0,-1,-1nd,4")
     ap.add_argument("--no-norm", action="store_true", help="skip the fused norm + quant part")
     ap.add_argument("--no-gemm", action="store_true", help="skip the GEMM part")
     ap.add_argument("--no-compile-baseline", action="store_true", help="norm part without torch.compile")
@@ -394,8 +390,6 @@ def gemm_point(model: str, layer: str, n: int, k: int, m: int, device: str, time
     if flashinfer.fn is None:  # flashinfer off (--quick, or not importable): its provider too (its first call builds)
         skip |= {"flashinfer_block"}
     _provider_runs(runs, notes, data, m, n, k, device, skip)
-    if args.cutlass_splits:
-        _cutlass_split_runs(runs, notes, data, m, n, k, args.cutlass_splits)
     if flashinfer.fn is not None:
         if k % 128 or n % 64:
             notes["flashinfer"] = {"layout": None, "refused": {"all": "needs K % 128 == 0 and N % 64 == 0"}}
@@ -486,38 +480,6 @@ def _provider_runs(runs: dict[str, Any], notes: dict[str, Any], data: GemmData, 
     notes["providers"] = {"layout": None, "refused": refused, "auto": picked}
 
 
-def _cutlass_split_runs(runs: dict[str, Any], notes: dict[str, Any], data: GemmData, m: int, n: int, k: int,
-                        policies: str) -> None:
-    """``cutlass[split=P]``: the cutlass provider with the K split policy ``P`` of its stream-K block configs
-    (``-1``: fill the SMs, ``0``: CUTLASS's stream-K heuristic, ``n``: n splits; suffix ``nd``: partial sums in any
-    order), set around each call and restored, so every other variant keeps the default."""
-    from fp8_backends.core import group_scales
-    from fp8_backends.core.types import GemmProblem
-    from fp8_backends.providers.cutlass import build
-    from fp8_backends.registry.resolution import resolve_gemm_backend
-    from fp8_backends.tuning.timing import Run
-
-    problem = GemmProblem(n=n, k=k, m=m, act_scale="per_token_group", weight_scale="block", device="cuda")
-    try:
-        backend = resolve_gemm_backend("cutlass", problem=problem)
-        prepared = [backend.prepare_weight(w, s) for w, s in zip(data.w_q, data.ws)]
-        xs = group_scales.to_layout(data.xs["row_major"], backend.capabilities.group_scale_layout)
-    except Exception as exc:
-        notes["cutlass_splits"] = f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:300]
-        return
-    for text in (p.strip() for p in policies.split(",") if p.strip()):
-        policy = (int(text.removesuffix("nd")), text.endswith("nd"))
-
-        def call(i: int, policy: tuple[int, bool] = policy) -> Any:
-            build.set_block_split_policy(*policy)
-            try:
-                return backend.gemm(data.x_q, prepared[i], xs)
-            finally:
-                build.set_block_split_policy(*build.DEFAULT_BLOCK_SPLIT_POLICY)
-
-        runs[f"cutlass[split={text}]"] = Run(call, data.sets, data.check(FP8_TOL))
-
-
 def _check_first_calls(runs: dict[str, Any]) -> None:
     """Make each run check its first output (``Run.check``) and raise on a wrong one (the CPU timer then records the
     variant failed)."""
@@ -604,20 +566,16 @@ def _norm_reference(x: Any, weight: Any, eps: float, residual: Any, per_token: b
 
 
 #: ``--norm-configs`` launch shapes of the dynamic kernel: (path, rows per program or groups per chunk, warps, register
-#: cap per thread or None); ``early``: the one-pass launch with ``early_amax`` (the groups' maxima of ``x · w`` taken
-#: before the row's reduction). Launched through Triton's JIT (the graph timer replays them: its host cost is not
-#: timed).
+#: cap per thread or None). Launched through Triton's JIT (the graph timer replays them: its host cost is not timed).
 NORM_SHAPES = (("block", 1, 4, None), ("block", 1, 8, None), ("block", 1, 16, None), ("block", 2, 8, None),
-               ("early", 1, 4, None), ("early", 1, 8, None), ("early", 1, 16, None), ("early", 2, 8, None),
                ("loop", 16, 8, None))
 
 
 def _config_runs(nd: Any, xs: list, rs: list, w: Any, eps: float, tokens: int, hidden: int, residual: bool,
                  sets: int, code_check: Callable[[bool], Any]) -> dict[str, Any]:
     """``--norm-configs``: the dynamic kernel at every launch shape of :data:`NORM_SHAPES`, group and token modes
-    (labels ``group_block_r1w16_reg64``, ``group_early_r1w8``, ``group_loop_c8w4``), and ``static``: the static-scale
-    RMSNorm + quant kernel over the same rows (the same bytes, one fixed scale: what computing the dynamic scales
-    costs)."""
+    (labels ``group_block_r1w16_reg64``, ``group_loop_c8w4``), and ``static``: the static-scale RMSNorm + quant kernel
+    over the same rows (the same bytes, one fixed scale: what computing the dynamic scales costs)."""
     import torch
 
     from fp8_backends.providers.triton import norm_kernels
@@ -639,8 +597,8 @@ def _config_runs(nd: Any, xs: list, rs: list, w: Any, eps: float, tokens: int, h
             elif base.path == "loop":
                 continue
             else:
-                cfg = base._replace(rows=n, num_warps=warps, early_amax=path == "early")
-                label = f"{mode}_{path}_r{n}w{warps}{reg}"
+                cfg = base._replace(rows=n, num_warps=warps)
+                label = f"{mode}_block_r{n}w{warps}{reg}"
             options = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
 
             def call(i: int, per_token: bool = per_token, cfg: Any = cfg, options: dict = options,

@@ -9,7 +9,6 @@ scale layouts, a CUDA graph and ``torch.compile``. The real nvcc build of one co
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -155,19 +154,6 @@ def test_block_ctypes_signature_matches_the_c_source():
     assert {int(k) for k in codes} == set(build.BLOCK_RETURN_CODES)
     for name in ("fp8b_block_abi_version", "fp8b_block_describe", "fp8b_block_act_scale_tma"):
         assert re.search(rf"FP8B_EXPORT [\w ]+\*? ?{name}\(void\)", src), name
-    assert [_C_TO_CTYPES[t] for t in _c_params(src, "fp8b_block_set_split_policy")] == [ctypes.c_int, ctypes.c_int]
-
-
-def test_block_split_policy_is_checked_and_reaches_loaded_libraries(monkeypatch):
-    calls = []
-    fake = build.BlockKernelLibrary.__new__(build.BlockKernelLibrary)
-    fake._set_split_policy = lambda *policy: calls.append(policy)
-    monkeypatch.setitem(build._loaded, BSPEC, fake)
-    monkeypatch.setattr(build, "_split_policy", build.DEFAULT_BLOCK_SPLIT_POLICY)
-    build.set_block_split_policy(-1, nondeterministic=True)
-    assert calls == [(-1, 1)] and build._split_policy == (-1, 1)
-    with pytest.raises(ValueError, match="split_mode"):
-        build.set_block_split_policy(-2)
 
 
 def test_block_source_ships_as_package_data():

@@ -71,21 +71,10 @@ def _run_and_check(t, h, mode, residual, *, group=128, dtype=torch.bfloat16, lay
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize(("t", "h", "group"), [(1, 33, 128), (3, 200, 128), (5, 1000, 64), (2, 4096, 128),
-                                               (9, 96, 64)])
+                                               (9, 96, 64), (3, 7168, 128)])
 def test_matches_reference(t, h, group, mode, residual):
     q, s = _run_and_check(t, h, mode, residual, group=group)
     assert s.shape == ((t, 1) if mode == "token" else (t, -(-h // group)))
-
-
-@needs_kernels
-@pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize(("t", "h", "group"), [(1, 33, 128), (5, 1000, 64), (2, 4096, 128), (3, 7168, 128)])
-def test_early_amax_matches_reference(t, h, group, mode, residual):
-    """The one-pass launch that takes the groups' maxima of ``x · w`` before the row's reduction: within the same
-    bounds of the reference (its products are in another order)."""
-    cfg = nk.dyn_config(t, h, residual, group, mode == "token")._replace(early_amax=True)
-    _run_and_check(t, h, mode, residual, group=group, config=cfg)
 
 
 @needs_kernels
@@ -129,17 +118,29 @@ def test_chunked_path(h, group, loop_block, mode, residual):
 
 
 @needs_kernels
-@pytest.mark.parametrize("path", ["block", "early", "chunked"])
+@pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_a_nan_row_is_nan_and_alone(mode, path):
+def test_a_nan_row_is_nan_and_alone(mode, chunked):
     x, r, w = _inputs(4, 384, torch.float32, seed=3)
     x[2, 5] = float("nan")
-    cfg = {"block": None, "early": nk.dyn_config(4, 384, False, 128, mode == "token")._replace(early_amax=True),
-           "chunked": nk.dyn_config(4, 384, False, 128, mode == "token", single_pass_max=64, loop_block=128)}[path]
+    cfg = nk.dyn_config(4, 384, False, 128, mode == "token", single_pass_max=64, loop_block=128) if chunked else None
     q, s, _ = nd.rmsnorm_quant_dynamic(x, w, EPS, act_scale=MODES[mode], config=cfg)
     rq, rs, _ = R.rmsnorm_quant_dynamic(x, w, EPS, None, mode == "token")
     assert torch.isnan(s[2]).all() and torch.isnan(q[2].float()).all()
     assert not torch.isnan(s[[0, 1, 3]]).any()
+    assert_close(q, s, rq, rs)
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", list(MODES))
+def test_an_inf_matches_the_reference(mode):
+    """An inf makes its row's sum of squares inf (rsqrt 0): the reference's 0 · inf is NaN in that group (whole row
+    per token), zeros elsewhere; the kernel, which scales the maxima of ``x · w`` by the rsqrt, gives the same."""
+    x, r, w = _inputs(3, 384, torch.float32, seed=4)
+    x[1, 200] = float("inf")
+    q, s, _ = nd.rmsnorm_quant_dynamic(x, w, EPS, act_scale=MODES[mode])
+    rq, rs, _ = R.rmsnorm_quant_dynamic(x, w, EPS, None, mode == "token")
+    assert torch.isnan(rs[1]).any() and not torch.isnan(rs[[0, 2]]).any()
     assert_close(q, s, rq, rs)
 
 
@@ -173,8 +174,10 @@ def test_dyn_config():
     cfg = nk.dyn_config(4096, 7168, True, 128, False)
     assert cfg.path == "block" and cfg.ng * cfg.gb == 8192 and cfg.gb == 128
     assert nk.dyn_config(4096, 7168, True, 128, True) == nk.DynConfig("block", cfg.rows, 1, 8192, cfg.num_warps)
-    # a large launch without the residual add: 32 elements per thread where the static table has 4 warps
-    assert nk.dyn_config(4096, 7168, False, 128, False).num_warps == 8
+    # large launches: one row per program; 4 warps without the residual add (the static table's), 8 with it
+    assert nk.dyn_config(16384, 7168, False, 128, False).num_warps == 4
+    assert nk.dyn_config(16384, 7168, True, 128, False).num_warps == 8
+    assert nk.dyn_config(16384, 4096, False, 128, False).rows == 1
     small = nk.dyn_config(64, 96, False, 128, False)
     assert small.path == "block" and small.rows > 1 and small.ng * small.gb >= 96
     big = nk.dyn_config(8, 65536, False, 128, False)

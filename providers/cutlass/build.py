@@ -59,7 +59,7 @@ HERE = Path(__file__).resolve().parent
 SOURCE_FILES: tuple[str, ...] = ("fp8_gemm_sm90.cu", "tma_encode.cuh")
 #: the block-scaled kernel's source and C ABI version (its own: a change to one source rebuilds only its libraries)
 BLOCK_SOURCE_FILES: tuple[str, ...] = ("fp8_blockwise_gemm_sm90.cu", "tma_encode.cuh")
-BLOCK_ABI_VERSION = 2
+BLOCK_ABI_VERSION = 1
 SUPPORTED_ARCHS: tuple[str, ...] = ("90a",)
 EPILOGUES: tuple[str, ...] = ("tensor", "rowwise")
 OUT_DTYPES: dict[str, int] = {"bfloat16": 0, "float16": 1, "float32": 2}
@@ -718,36 +718,12 @@ class BlockKernelLibrary:
         lib.fp8b_block_gemm.restype = GEMM_RESTYPE
         lib.fp8b_block_workspace_size.argtypes = list(WORKSPACE_ARGTYPES)
         lib.fp8b_block_workspace_size.restype = WORKSPACE_RESTYPE
-        lib.fp8b_block_set_split_policy.argtypes = [ctypes.c_int, ctypes.c_int]
-        lib.fp8b_block_set_split_policy.restype = ctypes.c_int
-        self._set_split_policy = lib.fp8b_block_set_split_policy
-        self._set_split_policy(*_split_policy)
         self._lib = lib
         self.gemm = lib.fp8b_block_gemm
         self.workspace_size = lib.fp8b_block_workspace_size
 
 
 AnyLibrary = KernelLibrary | BlockKernelLibrary
-
-#: how the stream-K block configs split K (``fp8b_block_set_split_policy``): ``(split_mode, nondeterministic)``,
-#: split_mode 0 CUTLASS's stream-K heuristic, -1 split-K filling the SMs where the output tiles leave half of them
-#: idle, n > 1 n splits; nondeterministic: the partial sums meet in any order
-DEFAULT_BLOCK_SPLIT_POLICY = (0, 0)
-_split_policy: tuple[int, int] = DEFAULT_BLOCK_SPLIT_POLICY
-
-
-def set_block_split_policy(split_mode: int, nondeterministic: bool = False) -> None:
-    """Set the K split of the stream-K block configs in every loaded block library and those loaded later
-    (benchmarks compare policies in one process; the default is :data:`DEFAULT_BLOCK_SPLIT_POLICY`)."""
-    global _split_policy
-    if split_mode < -1:
-        raise ValueError(f"split_mode must be -1 (fill the SMs), 0 (CUTLASS's heuristic) or a split count, "
-                         f"got {split_mode}")
-    _split_policy = (int(split_mode), int(bool(nondeterministic)))
-    with _load_lock:
-        for lib in _loaded.values():
-            if isinstance(lib, BlockKernelLibrary):
-                lib._set_split_policy(*_split_policy)
 
 
 def open_library(spec: AnySpec, path: Path) -> AnyLibrary:

@@ -38,7 +38,6 @@
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -63,7 +62,7 @@
 #error "fp8_blockwise_gemm_sm90.cu is compiled by fp8_backends with every FP8B_* macro defined"
 #endif
 
-#define FP8B_BLOCK_ABI_VERSION 2
+#define FP8B_BLOCK_ABI_VERSION 1
 #define FP8B_STR_(x) #x
 #define FP8B_STR(x) FP8B_STR_(x)
 
@@ -242,37 +241,6 @@ int64_t act_scale_rows(int64_t m, int64_t ld, const void* ptr) {
   }
 }
 
-// ---------------------------------------------------------------- K split of the stream-K configs
-// How a stream-K config decomposes the problem (fp8b_block_set_split_policy; the Python side sets it at load):
-// 0: CUTLASS's heuristic (stream-K units over a wave where the last wave of tiles is not full); -1: split-K that fills
-// the SMs where the output tiles leave at least half of them idle (splits = SMs / tiles, at most kMaxSplits, every
-// split at least kMinSplitBlocks K blocks); n > 1: n splits. g_nondeterministic: the partial sums meet in any order.
-constexpr int kMaxSplits = 16;
-constexpr int kMinSplitBlocks = 4;
-std::atomic<int> g_split_mode{0};
-std::atomic<int> g_nondeterministic{0};
-
-int splits_for(int km, int kn, int kb, int sms) {
-  const int mode = g_split_mode.load(std::memory_order_relaxed);
-  if (mode > 1) return mode;
-  if (mode == 0) return 1;
-  const int tiles = static_cast<int>(ceil_div(km, FP8B_TILE_M) * ceil_div(kn, FP8B_TILE_N));
-  if (2 * tiles > sms) return 1;
-  return std::max(1, std::min({sms / tiles, kb / kMinSplitBlocks, kMaxSplits}));
-}
-
-// The policy into the stream-K scheduler's arguments (a template: the other schedulers have no such members).
-template <class SchedulerArguments>
-void apply_split_policy(SchedulerArguments& sched, int km, int kn, int kb, int sms) {
-  if constexpr (kStreamK) {
-    const int splits = splits_for(km, kn, kb, sms);
-    if (splits > 1) sched.splits = splits;  // CUTLASS then bypasses the stream-K decomposition
-    if (g_nondeterministic.load(std::memory_order_relaxed) != 0) {
-      sched.reduction_mode = cutlass::gemm::kernel::detail::ReductionMode::Nondeterministic;
-    }
-  }
-}
-
 Arguments make_arguments(const void* x, const void* w, void* out, int m, int n, int k, const float* x_scale,
                          int act_rows, int x_scale_ld, const float* w_scale, int w_scale_ld, const void* bias,
                          int device, int sms) {
@@ -312,7 +280,6 @@ Arguments make_arguments(const void* x, const void* w, void* out, int m, int n, 
   args.epilogue.thread = {{}, {static_cast<const ElemD*>(bias), ElemD(0), {}}, {}};
   args.hw_info.device_id = device;
   args.hw_info.sm_count = sms;
-  apply_split_policy(args.scheduler, km, kn, kb, sms);
   return args;
 }
 
@@ -339,16 +306,6 @@ FP8B_EXPORT int fp8b_block_abi_version(void) { return FP8B_BLOCK_ABI_VERSION; }
 // "name;swap=S;out=O" for the loader's sanity check.
 FP8B_EXPORT const char* fp8b_block_describe(void) {
   return FP8B_CONFIG_NAME ";swap=" FP8B_STR(FP8B_SWAP_AB) ";out=" FP8B_STR(FP8B_OUT);
-}
-
-// The K split policy of stream-K configs (see splits_for): split_mode 0 CUTLASS's heuristic, -1 fill the SMs, n > 1
-// fixed; nondeterministic != 0: partial sums reduced in any order. Process-wide for this library; returns 1 for a
-// stream-K config, 0 (and ignores the call) for the others.
-FP8B_EXPORT int fp8b_block_set_split_policy(int split_mode, int nondeterministic) {
-  if constexpr (!fp8bw::kStreamK) return 0;
-  fp8bw::g_split_mode.store(split_mode < -1 ? 0 : split_mode, std::memory_order_relaxed);
-  fp8bw::g_nondeterministic.store(nondeterministic != 0, std::memory_order_relaxed);
-  return 1;
 }
 
 // 1: the activation scales travel by TMA (x_scale_ld % 4 == 0 and a 16-byte aligned pointer needed); 0: cp.async.

@@ -17,16 +17,22 @@ Operands (what :func:`rmsnorm_quant_dynamic` takes; a provider validates them):
 - ``q``: ``[T, H]`` float8 (new, row-major; or ``q_out``); ``scale``: fp32, new in the requested layout
   (:data:`.group_quant_kernels.SCALE_LAYOUTS`; ``[T, 1]`` contiguous per token) or ``scale_out`` in any layout.
 
-The codes and scales match the reference up to the order of the sum of squares and the product by the reciprocal
-(the reference divides: ``y * (1 / scale)`` sits within an fp32 ulp or two of ``y / scale``, which moves a code one
-FP8 step only when the quotient lies that close to a rounding midpoint): a code may rarely sit one step away, a scale
-an fp32 ulp. A NaN in a row makes its whole normalized row, so all its scales and codes, NaN, as in the reference;
-a scale of inf (an inf in the group) gives NaN codes where the reference has inf / inf and zeros elsewhere, as
-``y / inf`` does. One division per group instead of one per element: on the H200 the per-element IEEE division made
-the kernel compute-bound (bench/results/block_gemm/2026-12-03-h200-norm-launch-shapes/: 61 µs against 25 µs for
-the static-scale kernel over the same bytes, T = 4096, H = 7168).
+The codes and scales match the reference up to the order of the sum of squares and of the products: the one-pass
+kernel takes each group's maximum of ``|s · w|`` while the row's sum of squares is reduced (no wait for it), and
+scales it by the row's ``r = rsqrt(...)`` after: ``scale = max(amax(|s · w|) · r / fmax, 1e-12)`` (``r`` > 0, so
+this is the reference's maximum up to the rounding of the products), and the codes are ``(s · w) · ((1 / scale) ·
+r)``; the chunked path computes ``y`` first, in the reference's order, and multiplies by ``1 / scale``. Either way
+the result sits within an fp32 ulp or two of the reference's ``y / scale``, which moves a code one FP8 step only
+when the quotient lies that close to a rounding midpoint: a code may rarely sit one step away, a scale a few fp32
+ulps. A NaN in a row makes its whole normalized row, so all its scales and codes, NaN, as in the reference; an inf
+makes the row's ``r`` 0: NaN scales and codes in its group (the reference's ``inf · 0``), zeros elsewhere (per
+token: the whole row NaN). One division per group instead of one per element: on the H200 the per-element IEEE
+division made the kernel compute-bound (bench/results/block_gemm/2026-12-03-h200-norm-launch-shapes/: 61 µs against
+25 µs for the static-scale kernel over the same bytes, T = 4096, H = 7168); taking the maxima before the row's
+reduction took 7-10% off with group scales (13-18% per token) without the residual add and 1-4% with it, against
+the best launch shape of the former order (bench/results/block_gemm/2026-12-04-h200-norm-early-amax/).
 
-Paths (the launch shape of :func:`.norm_kernels.default_config`, measured on the H200 for the static kernel):
+Paths (the launch shape of :func:`dyn_config`, from the static kernel's :func:`.norm_kernels.one_row_config`):
 
 - one pass (``next_pow2(H) <= 32768``): ``ROWS`` whole rows per program as a ``[ROWS, NG, GB]`` block: ``NG`` groups
   of ``GB = G`` columns (per token: one "group" of ``GB = next_pow2(H)`` columns), so each group's amax is a reduction
@@ -56,7 +62,7 @@ from fp8_backends.core.errors import InvalidInputError
 
 from .group_quant_kernels import FMAX, group_scale_buffer
 from .nan_math import nan_clamp, nan_max_reduce, nan_maximum
-from .norm_kernels import default_config
+from .norm_kernels import one_row_config
 from .quant_kernels import LOOP_BLOCK, LOOP_WARPS
 
 #: act_scale values (``fp8_backends.core.types.ActScale`` values): per token and per token group
@@ -68,11 +74,11 @@ PER_TOKEN_GROUP = "per_token_group"
 def _norm_dyn_block_kernel(
     x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, T, H, stride_x, stride_r, stride_q, stride_w, stride_sm, stride_sg, eps,
     FMAX: tl.constexpr, ROWS: tl.constexpr, NG: tl.constexpr, GB: tl.constexpr, ADD: tl.constexpr,
-    USE_PDL: tl.constexpr, EARLY_AMAX: tl.constexpr = False,
+    USE_PDL: tl.constexpr,
 ):
-    """``ROWS`` whole rows per program as ``[ROWS, NG, GB]``: ``NG`` scale groups of ``GB`` columns each.
-    ``EARLY_AMAX``: the groups' maxima are taken of ``x · w`` before the row's sum of squares is reduced, and scaled by
-    the row's ``rsqrt`` after (module docstring)."""
+    """``ROWS`` whole rows per program as ``[ROWS, NG, GB]``: ``NG`` scale groups of ``GB`` columns each. The groups'
+    maxima are taken of ``x · w`` while the row's sum of squares is reduced, then scaled by the row's ``rsqrt``
+    (module docstring)."""
     eps = tl.cast(eps, tl.float32)  # Inductor passes a Python float as fp64
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     groups = tl.arange(0, NG)
@@ -93,22 +99,14 @@ def _norm_dyn_block_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     if ADD:
         tl.store(r_ptrs, x.to(r_ptr.dtype.element_ty), mask=mask)
-    if EARLY_AMAX:
-        xw = x * w[None, :, :]
-        amax = nan_max_reduce(tl.abs(xw), 2)  # [ROWS, NG], independent of the row's reduction
-        rrms = tl.math.rsqrt(tl.sum(tl.sum(x * x, axis=2), axis=1) / H + eps)[:, None]  # [ROWS, 1]
-        scale = nan_maximum(tl.math.div_rn(amax * rrms, FMAX), 1e-12)  # [ROWS, NG]
-        tl.store(s_ptr + rows2 * stride_sm + groups[None, :] * stride_sg, scale,
-                 mask=row_in[:, None] & (groups * GB < H)[None, :])
-        q = nan_clamp(xw * (tl.math.div_rn(1.0, scale) * rrms)[:, :, None], -FMAX, FMAX)
-    else:
-        rrms = tl.math.rsqrt(tl.sum(tl.sum(x * x, axis=2), axis=1) / H + eps)  # [ROWS]
-        y = x * rrms[:, None, None] * w[None, :, :]
-        scale = nan_maximum(tl.math.div_rn(nan_max_reduce(tl.abs(y), 2), FMAX), 1e-12)  # [ROWS, NG]
-        tl.store(s_ptr + rows2 * stride_sm + groups[None, :] * stride_sg, scale,
-                 mask=row_in[:, None] & (groups * GB < H)[None, :])
-        inv = tl.math.div_rn(1.0, scale)  # one correctly rounded reciprocal per group (module docstring)
-        q = nan_clamp(y * inv[:, :, None], -FMAX, FMAX)
+    xw = x * w[None, :, :]
+    amax = nan_max_reduce(tl.abs(xw), 2)  # [ROWS, NG]: no wait for the row's reduction
+    rrms = tl.math.rsqrt(tl.sum(tl.sum(x * x, axis=2), axis=1) / H + eps)[:, None]  # [ROWS, 1]
+    scale = nan_maximum(tl.math.div_rn(amax * rrms, FMAX), 1e-12)  # [ROWS, NG]
+    tl.store(s_ptr + rows2 * stride_sm + groups[None, :] * stride_sg, scale,
+             mask=row_in[:, None] & (groups * GB < H)[None, :])
+    # one correctly rounded reciprocal per group (module docstring), times the row's rsqrt: one product per code
+    q = nan_clamp(xw * (tl.math.div_rn(1.0, scale) * rrms)[:, :, None], -FMAX, FMAX)
     tl.store(q_ptr + rows64 * stride_q + cols[None, :, :], q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -177,12 +175,11 @@ def _norm_dyn_loop_kernel(
         tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
-#: elements of the row block per thread in the one-pass launch: the dynamic kernels keep more values live than the
-#: static one (the normalized row, its scales). At H = 7168, T = 4096 on the H200 8 warps (32 elements each) ran
-#: 29.4 / 54.2 µs (without / with the residual add) against 33.7 / 60.9 with the static kernel's 16
-#: (bench/results/block_gemm/2026-12-03-h200-norm-reciprocal/); without the residual add, where the static kernel's
-#: table has 4 warps for large launches, 8 warps ran 5-6% faster at H = 7168 and 5120, T = 4096 and 16384
-#: (bench/results/block_gemm/2026-12-04-h200-norm-launch-variants/)
+#: elements of the row block per thread in the one-pass launch with the residual add (the static kernel's table has
+#: 16 warps below 2^25 elements and 4 above): 8 warps at H = 7168 (32 elements each) ran 54.2 against 60.9 µs with 16
+#: at T = 4096 (bench/results/block_gemm/2026-12-03-h200-norm-reciprocal/), and 1-6% less time than 4 at T = 16384,
+#: H = 4096-7168 (bench/results/block_gemm/2026-12-04-h200-norm-early-amax/). Without the residual add the dynamic
+#: launch keeps the static table's warps (4 for large launches: 3-12% faster than 8 in that run, one row per program).
 DYN_ELEMS_PER_THREAD = 32
 
 
@@ -195,23 +192,25 @@ class DynConfig(NamedTuple):
     ng: int
     gb: int
     num_warps: int
-    early_amax: bool = False
 
 
 def dyn_config(t: int, h: int, add: bool, group_size: int, per_token: bool, single_pass_max: int | None = None,
                loop_block: int = LOOP_BLOCK) -> DynConfig:
-    """The launch shape for ``[t, h]`` rows: :func:`.norm_kernels.default_config` (rows per program and warps as
-    measured for the static kernel), with the row block split into scale groups. ``single_pass_max`` /
-    ``loop_block`` let tests reach the chunked path at small ``H``."""
+    """The launch shape for ``[t, h]`` rows: :func:`.norm_kernels.one_row_config` (rows per program and warps as
+    measured for the static kernel, without its pairing of rows: one row per program ran 4-7% faster at H = 4096,
+    bench/results/block_gemm/2026-12-04-h200-norm-early-amax/), the warps of :data:`DYN_ELEMS_PER_THREAD` with the
+    residual add, the row block split into scale groups. ``single_pass_max`` / ``loop_block`` let tests reach the
+    chunked path at small ``H``."""
     from .quant_kernels import SINGLE_PASS_MAX
 
-    base = default_config(t, h, add)
+    base = one_row_config(t, h, add)
     limit = SINGLE_PASS_MAX if single_pass_max is None else single_pass_max
     block = triton.next_power_of_2(max(h, 1))
     if block <= limit and base.path != "loop":
         width = max(base.block, block)
-        # DYN_ELEMS_PER_THREAD elements per thread, also where the static kernel's table has fewer warps
         warps = min(16, max(4, base.rows * width // (32 * DYN_ELEMS_PER_THREAD)))
+        if not add:
+            warps = min(base.num_warps, warps)
         if per_token:
             return DynConfig("block", base.rows, 1, width, warps)
         gb = group_size
@@ -239,7 +238,7 @@ def kernel_args(cfg: DynConfig, x: torch.Tensor, residual: torch.Tensor | None, 
         return (_norm_dyn_loop_kernel, (t,),
                 (x, r, weight, q, s, h, *strides, eps, fmax, cfg.ng, cfg.gb, per_token, add, use_pdl))
     return (_norm_dyn_block_kernel, ((t + cfg.rows - 1) // cfg.rows,),
-            (x, r, weight, q, s, t, h, *strides, eps, fmax, cfg.rows, cfg.ng, cfg.gb, add, use_pdl, cfg.early_amax))
+            (x, r, weight, q, s, t, h, *strides, eps, fmax, cfg.rows, cfg.ng, cfg.gb, add, use_pdl))
 
 
 def per_token_mode(act_scale: object) -> bool:
