@@ -452,7 +452,8 @@ def host_cost(args: Any) -> tuple[list[dict[str, Any]], list[str]]:
     lin = torch.nn.Linear(k, n, bias=False, device=args.device, dtype=torch.bfloat16)
     layers = {"nn.Linear": lin,
               "Fp8Linear dynamic": Fp8Linear.from_linear(lin, act_scale="per_tensor_dynamic"),
-              "Fp8Linear static": Fp8Linear.from_linear(lin, act_scale="per_tensor_static", input_scale=0.02)}
+              "Fp8Linear static": Fp8Linear.from_linear(lin, act_scale="per_tensor_static", input_scale=0.02),
+              "Fp8Linear block": Fp8Linear.from_linear(lin, weight_scale="block")}
     rows: list[dict[str, Any]] = []
     prof_rows: list[str] = []
     with torch.no_grad():
