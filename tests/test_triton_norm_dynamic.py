@@ -144,6 +144,24 @@ def test_an_inf_matches_the_reference(mode):
     assert_close(q, s, rq, rs)
 
 
+def test_large_launches_run_without_pdl(monkeypatch):
+    """PDL where the device allows it, below PDL_MAX_ELEMENTS elements only (measured: it slowed large launches)."""
+    seen = []
+
+    def fake_args(cfg, x, residual, weight, q, scale, eps, per_token, use_pdl, scale_buffer=None):
+        seen.append(use_pdl)
+        return None, (1,), ()
+
+    monkeypatch.setattr(nd._support, "pdl_on", lambda index: True)
+    monkeypatch.setattr(nd, "kernel_args", fake_args)
+    monkeypatch.setattr(nd, "launcher_for", lambda kernel: lambda grid, args, **options: None)
+    h = 4096
+    for t in (2, nk.PDL_MAX_ELEMENTS // h - 1, nk.PDL_MAX_ELEMENTS // h):
+        x = torch.empty(t, h, dtype=torch.bfloat16)
+        nd.rmsnorm_quant_dynamic(x, torch.ones(h, dtype=torch.bfloat16), EPS)
+    assert seen == [True, True, False]
+
+
 @needs_kernels
 def test_outputs_given_and_empty():
     x, r, w = _inputs(3, 256)

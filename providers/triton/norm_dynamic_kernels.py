@@ -42,7 +42,8 @@ Paths (the launch shape of :func:`dyn_config`, from the static kernel's :func:`.
   (per token) the amax of the normalized row, then normalize / quantize / store, re-reading the row (mostly from L2);
   the residual is stored in the last pass, from the same fp32 sum.
 
-PDL as the static kernels (``gdc_wait`` before the first load, ``gdc_launch_dependents`` once the inputs are read).
+PDL as the static kernels (``gdc_wait`` before the first load, ``gdc_launch_dependents`` once the inputs are read),
+for launches below :data:`PDL_MAX_ELEMENTS` elements.
 No host-device synchronisation and no allocation besides the outputs: CUDA-graph capturable.
 
 This module holds the kernels and what one launch is (:func:`dyn_config`, :func:`kernel_args`), shared by the eager
@@ -183,6 +184,14 @@ def _norm_dyn_loop_kernel(
 DYN_ELEMS_PER_THREAD = 32
 
 
+#: launches of at least this many elements (``T · H``) run without PDL: on the H200 at H = 7168, T = 4096 / 16384 the
+#: one-pass kernel without the residual add took 34.0 / 128.1 µs with PDL against 27.2 / 95.0 without it (a chain of
+#: these kernels in a CUDA graph), per token with the residual add 57.5 against 52.1 µs; the static-scale kernel was
+#: unaffected (bench/results/block_gemm/2026-12-04-h200-norm-pdl/). Smaller launches (decode) keep PDL, whose overlap
+#: of the next kernel's launch pays where a launch is a few µs.
+PDL_MAX_ELEMENTS = 1 << 22
+
+
 class DynConfig(NamedTuple):
     """A launch: ``path`` ``"block"`` (``rows`` rows of ``ng`` groups of ``gb`` columns per program) or ``"loop"``
     (one row per program, chunks of ``ng`` groups of ``gb`` columns), and its warps."""
@@ -269,5 +278,5 @@ def outputs_like(x: torch.Tensor, group_size: int, scale_layout: str, fp8_dtype:
     return output_buffers(x, group_size, scale_layout, fp8_dtype)[:2]
 
 
-__all__ = ["PER_TOKEN", "PER_TOKEN_GROUP", "DynConfig", "dyn_config", "kernel_args", "output_buffers", "outputs_like",
-           "per_token_mode"]
+__all__ = ["PDL_MAX_ELEMENTS", "PER_TOKEN", "PER_TOKEN_GROUP", "DynConfig", "dyn_config", "kernel_args",
+           "output_buffers", "outputs_like", "per_token_mode"]

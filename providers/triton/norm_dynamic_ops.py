@@ -19,6 +19,7 @@ from . import _support
 from .group_quant_kernels import FMAX, group_scale_empty
 from .launcher import ReplayCache, launcher_for, raw_stream
 from .norm_dynamic_kernels import (
+    PDL_MAX_ELEMENTS,
     PER_TOKEN,
     PER_TOKEN_GROUP,
     DynConfig,
@@ -34,7 +35,7 @@ _loop_replays = ReplayCache(head=5)
 
 def _launch(cfg: DynConfig, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, q: torch.Tensor,
             scale: torch.Tensor, eps: float, per_token: bool, index: int) -> None:
-    use_pdl = _support.pdl_on(index)
+    use_pdl = _support.pdl_on(index) and x.shape[0] * x.shape[1] < PDL_MAX_ELEMENTS
     r = x if residual is None else residual
     replays = _loop_replays if cfg.path == "loop" else _block_replays
     key = None
