@@ -73,8 +73,6 @@ class Plan(NamedTuple):
     groups_per_split: int
 
 
-
-
 def tiles_of(cfg: BlockTileConfig, m: int, n: int) -> int:
     return cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
 

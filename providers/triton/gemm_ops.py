@@ -190,8 +190,6 @@ def _pointer_tiles(cfg: TileConfig) -> TileConfig:
     return twin
 
 
-
-
 def _dispatch_keys() -> tuple[str, ...]:
     return ("CUDA", "CPU") if _support.interpreting() else ("CUDA",)
 
