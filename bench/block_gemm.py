@@ -34,7 +34,9 @@ wrong variant is reported failed, never timed). Variants:
   layouts probed the same way.
 
 Columns: µs, TFLOP/s, % of the weight-read floor at M <= 16 (fp8 weight + fp32 block scales at the copy bandwidth
-measured in the run), the ratio to bf16 (``x bf16``: >1 faster) and to each provider. The norm part times
+measured in the run), % of the roofline ceiling (:func:`add_ceilings`: bytes at the copy bandwidth or FLOPs at the
+GPU's dense peak, whichever takes longer; bf16 against its own), the ratio to bf16 (``x bf16``: >1 faster) and to
+each provider. ``--rerender JSON`` rewrites an earlier run's files with these derived columns. The norm part times
 ``triton_group`` (fused RMSNorm + group quant, row-major and TMA-padded M-major scales), ``triton_token`` (RMSNorm +
 dynamic per-token quant) and ``compiled`` (``torch.compile`` of the reference, one static compile per shape), with
 and without the residual add, at % of the copy bandwidth. Writes ``block_gemm.json`` and ``block_gemm.md`` under
@@ -73,6 +75,9 @@ BLOCK = (128, 128)
 #: and of bf16 torch.mm of the dequantized operands (which rounds its inputs to bf16 too)
 FP8_TOL = 1e-2
 BF16_TOL = 2e-2
+#: dense tensor-core peaks (TFLOP/s: FP8, BF16) of the GPUs the roofline ceiling knows, by the name torch reports;
+#: NVIDIA's H100 SXM / H200 datasheets (no sparsity)
+PEAK_TFLOPS = {"NVIDIA H200": (1979.0, 989.0), "NVIDIA H100 80GB HBM3": (1979.0, 989.0)}
 #: targets of issue 34 (measured against this run's numbers)
 FLOOR_TARGET = 0.75
 PREFILL_TARGET = 1.6
@@ -113,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--norm-configs", action="store_true",
                     help="norm part: also time every launch shape (rows per program 1/2/4 x 4/8/16 warps) of the "
                     "one-pass kernel, and the static-scale kernel of the same bytes (what the dynamic part costs)")
+    ap.add_argument("--rerender", default=None, metavar="JSON",
+                    help="measure nothing: rewrite an earlier run's block_gemm.json(.gz) with what this version "
+                    "derives from it (roofline ceilings) under --out")
     ap.add_argument("--device", default=None, help="cuda, cuda:N or cpu")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--replays", type=int, default=None)
@@ -499,6 +507,29 @@ def _check_first_calls(runs: dict[str, Any]) -> None:
         run.fn = checked
 
 
+def add_ceilings(point: dict[str, Any], copy_gbps: float | None, gpu: str | None) -> dict[str, Any]:
+    """The roofline ceiling of a GEMM point, in place: ``ceiling_us`` for the FP8 variants (the larger of the bytes at
+    the run's copy bandwidth, fp8 activation and weight + fp32 scales + bf16 output, and the FLOPs at the GPU's dense
+    FP8 peak), ``bf16_ceiling_us`` the same for bf16 (2-byte operands, the BF16 peak), and each timed variant's
+    ``pct_ceiling`` against its own. Nothing where the copy bandwidth or the GPU's peaks are unknown
+    (:data:`PEAK_TFLOPS`). Works on a point read back from ``block_gemm.json`` too."""
+    peaks = PEAK_TFLOPS.get(gpu or "")
+    if not copy_gbps or peaks is None:
+        return point
+    m, n, k = point["m"], point["n"], point["k"]
+    flops = 2.0 * m * n * k
+    fp8_bytes = m * k + 4 * m * math.ceil(k / GROUP) + point["weight_bytes"] + 2 * m * n
+    bf16_bytes = 2 * (m * k + n * k + m * n)
+    bw = copy_gbps * 1e3  # bytes per µs
+    point["ceiling_us"] = max(fp8_bytes / bw, flops / (peaks[0] * 1e6))
+    point["bf16_ceiling_us"] = max(bf16_bytes / bw, flops / (peaks[1] * 1e6))
+    for label, row in point["variants"].items():
+        if row.get("us"):
+            ceiling = point["bf16_ceiling_us"] if label == "bf16" else point["ceiling_us"]
+            row["pct_ceiling"] = 100.0 * ceiling / row["us"]
+    return point
+
+
 def analyse_point(model: str, layer: str, n: int, k: int, m: int, measured: dict[str, Any], configs: dict[str, str],
                   notes: dict[str, Any], copy_gbps: float | None) -> dict[str, Any]:
     flops = 2.0 * m * n * k
@@ -745,6 +776,9 @@ def markdown(result: dict[str, Any]) -> str:
     from bench import common
 
     lines = common.header_markdown(result["meta"], "Block-scaled FP8 GEMM (128x128 weight blocks, 1x128 groups)")
+    if result.get("rerendered_from"):
+        lines += [f"- re-rendered from `{result['rerendered_from']}` by `block_gemm.py --rerender` (no new "
+                  "measurement: the derived columns of this version added)"]
     lines += [f"- copy bandwidth: {fmt(result['copy_gbps'], '.0f')} GB/s (read + write, measured in this run)",
               f"- flashinfer: {result['flashinfer']}", f"- method: {result['method']}", "", "## Targets", ""]
     geo = result.get("auto_geomean") or {}
@@ -758,11 +792,13 @@ def markdown(result: dict[str, Any]) -> str:
     if result["gemm"]:
         lines += ["", "## GEMM: auto (what a layer runs) against the fastest provider and bf16 torch.mm", ""]
         lines += common.md_table(
-            ["shape", "M", "bf16 µs", "auto µs", "auto picked", "TFLOP/s", "% floor", "x bf16", "fastest provider",
-             "its µs", "auto / fastest"],
-            [[f"{p['model']} {p['layer']} {p['n']}x{p['k']}", p["m"], fmt(_us(p, "bf16")), fmt(_us(p, "auto")),
+            ["shape", "M", "bf16 µs", "bf16 % ceiling", "auto µs", "auto picked", "TFLOP/s", "% floor", "% ceiling",
+             "x bf16", "fastest provider", "its µs", "auto / fastest"],
+            [[f"{p['model']} {p['layer']} {p['n']}x{p['k']}", p["m"], fmt(_us(p, "bf16")),
+              fmt(p["variants"].get("bf16", {}).get("pct_ceiling"), ".0f"), fmt(_us(p, "auto")),
               p.get("auto_pick") or "-", fmt(p["variants"].get("auto", {}).get("tflops"), ".0f"),
-              fmt(p["variants"].get("auto", {}).get("pct_floor"), ".1f"), fmt(p.get("auto_over_bf16"), ".3f"),
+              fmt(p["variants"].get("auto", {}).get("pct_floor"), ".1f"),
+              fmt(p["variants"].get("auto", {}).get("pct_ceiling"), ".0f"), fmt(p.get("auto_over_bf16"), ".3f"),
               p.get("fastest_provider") or "-", fmt(_us(p, p.get("fastest_provider"))),
               fmt(p.get("auto_of_fastest"), ".3f")]
              for p in result["gemm"]])
@@ -849,9 +885,34 @@ def _release(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+def rerender(source: Path, out: Path) -> int:
+    """``--rerender``: read a ``block_gemm.json`` (or ``.json.gz``) written by an earlier run, add what this version
+    derives from its numbers (the roofline ceilings) and write ``block_gemm.json`` / ``block_gemm.md`` under ``out``;
+    nothing is measured."""
+    import gzip
+    import json
+
+    from bench import common
+
+    opener = gzip.open if source.suffix == ".gz" else open
+    with opener(source, "rt", encoding="utf-8") as f:
+        result = json.load(f)
+    for point in result["gemm"]:
+        add_ceilings(point, result.get("copy_gbps"), result["meta"].get("gpu"))
+    result["rerendered_from"] = str(source)
+    common.write_json(out / "block_gemm.json", result)
+    (out / "block_gemm.md").write_text(markdown(result), encoding="utf-8")
+    print(f"results: {out}/block_gemm.json, block_gemm.md (from {source})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    if args.rerender:
+        if not args.out:
+            ap.error("--rerender needs --out")
+        return rerender(Path(args.rerender), Path(args.out))
     try:
         extra_configs(args.configs, 1, 16)
     except ValueError as exc:
@@ -909,7 +970,7 @@ def main(argv: list[str] | None = None) -> int:
         for m in ms:
             t0 = time.perf_counter()
             point = gemm_point(model, layer, n, k, m, device, timer, args, copy_gbps, flashinfer, l2)
-            gemm.append(point)
+            gemm.append(add_ceilings(point, copy_gbps, header.get("gpu")))
             write()
             _release(device)
             print(f"{model} {layer} {n}x{k} M={m}: " + ", ".join(

@@ -117,3 +117,34 @@ def test_sweep_table_is_a_loadable_block_table():
     assert again.pick(100, 576, 7168) == again.pick(256, 576, 7168) == "swap_n64_m64_s5_w4_sk0"
     assert again.pick(8192, 576, 7168) == "tma_n128_m128_s4_w8_g8_p1"
     assert again.pick(1, 4096, 4096) == bc.DEFAULT_TABLE.pick(1, 4096, 4096)  # unmeasured shapes keep the default
+
+
+def test_ceilings_are_the_slower_of_bytes_and_flops_and_rerender_adds_them(tmp_path):
+    point = {"model": "m", "layer": "l", "m": 4096, "n": 4096, "k": 4096, "weight_bytes": 4096 * 4096 + 4 * 32 * 32,
+             "variants": {"bf16": {"us": 200.0}, "auto": {"us": 100.0}, "triton": {"error": "x"}}}
+    gpu = "NVIDIA H200"
+    bench.add_ceilings(point, 4000.0, gpu)
+    fp8_peak, bf16_peak = bench.PEAK_TFLOPS[gpu]
+    flops = 2.0 * 4096**3
+    assert point["ceiling_us"] == pytest.approx(flops / (fp8_peak * 1e6))  # compute-bound at M = 4096
+    assert point["bf16_ceiling_us"] == pytest.approx(flops / (bf16_peak * 1e6))
+    assert point["variants"]["auto"]["pct_ceiling"] == pytest.approx(100 * point["ceiling_us"] / 100.0)
+    assert point["variants"]["bf16"]["pct_ceiling"] == pytest.approx(100 * point["bf16_ceiling_us"] / 200.0)
+    assert "pct_ceiling" not in point["variants"]["triton"]
+    one = dict(point, m=1, variants={"auto": {"us": 10.0}})
+    bench.add_ceilings(one, 4000.0, gpu)  # one token: the bytes decide
+    assert one["ceiling_us"] == pytest.approx((4096 + 4 * 32 + point["weight_bytes"] + 2 * 4096) / 4000e3)
+    unknown = {k: v for k, v in point.items() if k not in ("ceiling_us", "bf16_ceiling_us")}
+    assert "ceiling_us" not in bench.add_ceilings(unknown, 4000.0, "some other GPU")
+    # an earlier run's file (a smoke run's, as if it ran on the H200), rewritten with the ceilings
+    assert bench.main(["--device", "cpu", "--smoke", "--no-norm", "--out", str(tmp_path / "run")]) == 0
+    src = tmp_path / "run" / "block_gemm.json"
+    data = json.loads(src.read_text())
+    data["meta"]["gpu"], data["copy_gbps"] = gpu, 4000.0
+    src.write_text(json.dumps(data))
+    assert bench.main(["--rerender", str(src), "--out", str(tmp_path / "out")]) == 0
+    again = json.loads((tmp_path / "out" / "block_gemm.json").read_text())
+    for p in again["gemm"]:
+        assert p["ceiling_us"] > 0 and all(v["pct_ceiling"] > 0 for v in p["variants"].values() if v.get("us"))
+    text = (tmp_path / "out" / "block_gemm.md").read_text()
+    assert "% ceiling" in text and f"re-rendered from `{src}`" in text
