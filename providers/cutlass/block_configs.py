@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 from fp8_backends.core.bucket_tables import Buckets, BucketTable
 
-from .configs import SCHEDULES
+from .configs import shape_defines, shape_traits
 
 #: the activation group size along K and the weight block (rows, K) the kernels are built for
 GROUP_K = 128
@@ -98,26 +98,11 @@ class BlockKernelConfig:
     def defines(self) -> dict[str, str]:
         """The ``FP8B_*`` macros of ``fp8_blockwise_gemm_sm90.cu`` that select this config (all but the output
         dtype and the name)."""
-        return {
-            "FP8B_TILE_M": str(self.tile[0]),
-            "FP8B_TILE_N": str(self.tile[1]),
-            "FP8B_TILE_K": str(self.tile[2]),
-            "FP8B_CLUSTER_M": str(self.cluster[0]),
-            "FP8B_CLUSTER_N": str(self.cluster[1]),
-            "FP8B_SCHEDULE": str(SCHEDULES[self.schedule]),
-            "FP8B_STREAM_K": str(int(self.stream_k)),
-            "FP8B_SWAP_AB": str(int(self.swap_ab)),
-        }
+        return shape_defines(self)
 
     def describe(self) -> str:
-        t = "x".join(map(str, self.tile))
-        extras = [self.schedule, f"cluster {self.cluster[0]}x{self.cluster[1]}"]
-        if self.stream_k:
-            extras.append("stream-K")
-        if self.swap_ab:
-            extras.append("swap AB")
-        extras.append("act scales by TMA" if self.act_scale_tma else "act scales by cp.async")
-        return f"{self.name}: tile {t}, " + ", ".join(extras)
+        traits = [*shape_traits(self), "act scales by TMA" if self.act_scale_tma else "act scales by cp.async"]
+        return f"{self.name}: tile {'x'.join(map(str, self.tile))}, " + ", ".join(traits)
 
 
 #: Every block config the provider can build. Not measured yet: the notes say what each one is meant for; the

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from fp8_backends.core import settings
 from fp8_backends.core.bucket_tables import BucketTable, TableSource
@@ -24,6 +24,31 @@ from fp8_backends.core.bucket_tables import BucketTable, TableSource
 TABLE_ENV = settings.CUTLASS_TABLE_ENV
 
 SCHEDULES = {"ws": 0, "pingpong": 1, "cooperative": 2}
+
+
+def shape_defines(cfg: Any) -> dict[str, str]:
+    """The ``FP8B_*`` macros both kernel sources take from a config's shape (a :class:`KernelConfig` or a
+    :class:`.block_configs.BlockKernelConfig`): tile, cluster, schedule, stream-K and the A/B swap."""
+    return {
+        "FP8B_TILE_M": str(cfg.tile[0]),
+        "FP8B_TILE_N": str(cfg.tile[1]),
+        "FP8B_TILE_K": str(cfg.tile[2]),
+        "FP8B_CLUSTER_M": str(cfg.cluster[0]),
+        "FP8B_CLUSTER_N": str(cfg.cluster[1]),
+        "FP8B_SCHEDULE": str(SCHEDULES[cfg.schedule]),
+        "FP8B_STREAM_K": str(int(cfg.stream_k)),
+        "FP8B_SWAP_AB": str(int(cfg.swap_ab)),
+    }
+
+
+def shape_traits(cfg: Any) -> list[str]:
+    """A config's shape in words beside its tile: schedule, cluster, stream-K, swap."""
+    traits = [cfg.schedule, f"cluster {cfg.cluster[0]}x{cfg.cluster[1]}"]
+    if cfg.stream_k:
+        traits.append("stream-K")
+    if cfg.swap_ab:
+        traits.append("swap AB")
+    return traits
 
 
 @dataclass(frozen=True)
@@ -64,25 +89,10 @@ class KernelConfig:
 
     def defines(self) -> dict[str, str]:
         """The ``FP8B_*`` macros of ``fp8_gemm_sm90.cu`` that select this config."""
-        return {
-            "FP8B_TILE_M": str(self.tile[0]),
-            "FP8B_TILE_N": str(self.tile[1]),
-            "FP8B_TILE_K": str(self.tile[2]),
-            "FP8B_CLUSTER_M": str(self.cluster[0]),
-            "FP8B_CLUSTER_N": str(self.cluster[1]),
-            "FP8B_SCHEDULE": str(SCHEDULES[self.schedule]),
-            "FP8B_STREAM_K": str(int(self.stream_k)),
-            "FP8B_SWAP_AB": str(int(self.swap_ab)),
-        }
+        return shape_defines(self)
 
     def describe(self) -> str:
-        t = "x".join(map(str, self.tile))
-        extras = [self.schedule, f"cluster {self.cluster[0]}x{self.cluster[1]}"]
-        if self.stream_k:
-            extras.append("stream-K")
-        if self.swap_ab:
-            extras.append("swap AB")
-        return f"{self.name}: tile {t}, " + ", ".join(extras)
+        return f"{self.name}: tile {'x'.join(map(str, self.tile))}, " + ", ".join(shape_traits(self))
 
 
 #: Every config the provider can build. Names say schedule, tile (of the kernel's problem) and cluster.
