@@ -29,7 +29,7 @@ makes the row's ``r`` 0: NaN scales and codes in its group (the reference's ``in
 token: the whole row NaN). One division per group instead of one per element: on the H200 the per-element IEEE
 division made the kernel compute-bound (bench/results/block_gemm/2026-12-03-h200-norm-launch-shapes/: 61 µs against
 25 µs for the static-scale kernel over the same bytes, T = 4096, H = 7168); taking the maxima before the row's
-reduction took 7-10% off with group scales (13-18% per token) without the residual add and 1-4% with it, against
+reduction took 7-10% off with group scales (9-19% per token) without the residual add and up to 4% with it, against
 the best launch shape of the former order (bench/results/block_gemm/2026-12-04-h200-norm-early-amax/).
 
 Paths (the launch shape of :func:`dyn_config`, from the static kernel's :func:`.norm_kernels.one_row_config`):
