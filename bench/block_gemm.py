@@ -596,16 +596,15 @@ def _norm_reference(x: Any, weight: Any, eps: float, residual: Any, per_token: b
     return q, scale  # written out as torch ops (not the reference's functions) so torch.compile sees plain code
 
 
-#: ``--norm-configs`` launch shapes of the dynamic kernel: (path, rows per program or groups per chunk, warps, register
-#: cap per thread or None). Launched through Triton's JIT (the graph timer replays them: its host cost is not timed).
-NORM_SHAPES = (("block", 1, 4, None), ("block", 1, 8, None), ("block", 1, 16, None), ("block", 2, 8, None),
-               ("loop", 16, 8, None))
+#: ``--norm-configs`` launch shapes of the dynamic kernel: (path, rows per program or groups per chunk, warps).
+#: Launched through Triton's JIT (the graph timer replays them: its host cost is not timed).
+NORM_SHAPES = (("block", 1, 4), ("block", 1, 8), ("block", 1, 16), ("block", 2, 8), ("loop", 16, 8))
 
 
 def _config_runs(nd: Any, xs: list, rs: list, w: Any, eps: float, tokens: int, hidden: int, residual: bool,
                  sets: int, code_check: Callable[[bool], Any]) -> dict[str, Any]:
     """``--norm-configs``: the dynamic kernel at every launch shape of :data:`NORM_SHAPES`, group and token modes
-    (labels ``group_block_r1w16_reg64``, ``group_loop_c8w4``), and ``static``: the static-scale RMSNorm + quant kernel
+    (labels ``group_block_r1w16``, ``group_loop_c8w4``), and ``static``: the static-scale RMSNorm + quant kernel
     over the same rows (the same bytes, one fixed scale: what computing the dynamic scales costs)."""
     import torch
 
@@ -620,22 +619,19 @@ def _config_runs(nd: Any, xs: list, rs: list, w: Any, eps: float, tokens: int, h
         scales = [torch.empty(tokens, 1, device=dev) if per_token else
                   group_scale_empty(tokens, -(-hidden // GROUP), "row_major", xs[0]) for _ in range(sets)]
         base = nd.dyn_config(tokens, hidden, residual, GROUP, per_token)
-        for path, n, warps, maxnreg in NORM_SHAPES:
-            reg = f"_reg{maxnreg}" if maxnreg else ""
+        for path, n, warps in NORM_SHAPES:
             if path == "loop":
                 cfg = nd.DynConfig("loop", 1, n, GROUP, warps)
-                label = f"{mode}_loop_c{n}w{warps}{reg}"
+                label = f"{mode}_loop_c{n}w{warps}"
             elif base.path == "loop":
                 continue
             else:
                 cfg = base._replace(rows=n, num_warps=warps)
-                label = f"{mode}_block_r{n}w{warps}{reg}"
-            options = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+                label = f"{mode}_block_r{n}w{warps}"
 
-            def call(i: int, per_token: bool = per_token, cfg: Any = cfg, options: dict = options,
-                     scales: list = scales) -> Any:
+            def call(i: int, per_token: bool = per_token, cfg: Any = cfg, scales: list = scales) -> Any:
                 kernel, grid, args = nd.kernel_args(cfg, xs[i], rs[i], w, qs[i], scales[i], eps, per_token, False)
-                kernel[grid](*args, **options)
+                kernel[grid](*args, num_warps=cfg.num_warps)
                 return qs[i]
 
             runs[label] = Run(call, sets, None if residual else code_check(per_token))
