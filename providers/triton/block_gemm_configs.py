@@ -67,6 +67,8 @@ class BlockTileConfig:
     - ``group_m``: ``mm``/``tma`` grouped tile order.
     - ``split_k``: ``swap``/``mm``: 1, a fixed count, or 0 (per launch, :func:`auto_split`).
     - ``persistent``: ``tma`` only, programs per SM walking the tiles (0: one program per tile).
+    - ``scales_ahead``: tensor-core families, each K step's scales loaded one step ahead (``_a0`` in the name: in
+      the step that multiplies by them).
     """
 
     family: str
@@ -78,6 +80,7 @@ class BlockTileConfig:
     group_m: int = 8
     split_k: int = 1
     persistent: int = 0
+    scales_ahead: bool = True
     note: str = ""
 
     def __post_init__(self) -> None:
@@ -100,6 +103,9 @@ class BlockTileConfig:
             raise ValueError(f"{self.name}: only swap and mm configs split K")
         if self.persistent and self.family != "tma":
             raise ValueError(f"{self.name}: only tma configs can be persistent")
+        if not self.scales_ahead and self.family == "gemv":
+            raise ValueError(f"{self.name}: gemv configs have no scale pipeline (scales_ahead applies to the "
+                             "tensor-core families)")
 
     @property
     def name(self) -> str:
@@ -108,7 +114,8 @@ class BlockTileConfig:
         g = f"_g{self.group_m}" if self.family in ("mm", "tma") else ""
         sk = f"_sk{self.split_k}" if self.family in ("swap", "mm") else ""
         p = f"_p{self.persistent}" if self.persistent else ""
-        return f"{self.family}_n{self.block_n}_m{self.block_m}_s{self.stages}_w{self.warps}{g}{sk}{p}"
+        a = "" if self.scales_ahead else "_a0"
+        return f"{self.family}_n{self.block_n}_m{self.block_m}_s{self.stages}_w{self.warps}{g}{sk}{p}{a}"
 
     @classmethod
     def from_name(cls, name: str) -> BlockTileConfig:
@@ -118,12 +125,14 @@ class BlockTileConfig:
         if gemv:
             n, groups, warps = map(int, gemv.groups())
             return cls("gemv", 1, n, 1, warps, groups=groups)
-        tiled = re.fullmatch(r"(swap|mm|tma)_n(\d+)_m(\d+)_s(\d+)_w(\d+)(?:_g(\d+))?(?:_sk(\d+))?(?:_p(\d+))?", name)
+        tiled = re.fullmatch(r"(swap|mm|tma)_n(\d+)_m(\d+)_s(\d+)_w(\d+)(?:_g(\d+))?(?:_sk(\d+))?(?:_p(\d+))?(_a0)?",
+                             name)
         if tiled is None:
             raise ValueError(f"{name!r} spells no block GEMM config (e.g. mm_n128_m64_s4_w4_g8_sk0)")
-        family, n, m, stages, warps, group_m, split_k, persistent = tiled.groups()
+        family, n, m, stages, warps, group_m, split_k, persistent, behind = tiled.groups()
         cfg = cls(family, int(m), int(n), int(stages), int(warps), group_m=int(group_m or 8),
-                  split_k=int(split_k) if split_k is not None else 1, persistent=int(persistent or 0))
+                  split_k=int(split_k) if split_k is not None else 1, persistent=int(persistent or 0),
+                  scales_ahead=behind is None)
         if cfg.name != name:
             raise ValueError(f"{name!r} is not spelled as its config's name {cfg.name!r}")
         return cfg
