@@ -118,12 +118,25 @@ def test_chunked_path(h, group, loop_block, mode, residual):
 
 
 @needs_kernels
-@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_a_nan_row_is_nan_and_alone(mode, chunked):
+@pytest.mark.parametrize(("t", "h", "group", "rows"), [(7, 640, 128, 3), (5, 200, 64, 3), (4, 96, 64, 2),
+                                                       (2, 5120, 128, 3)])
+def test_packed_path(t, h, group, rows, mode, residual):
+    """Rows packed group after group into one block: T not a multiple of the rows per program (the last program's
+    rows past T), a short last group (200 = 3 x 64 + 8), a row of 2 groups, one program holding every row."""
+    cfg = nk.DynConfig("packed", rows, -(-h // group), group, 4)
+    _run_and_check(t, h, mode, residual, group=group, config=cfg)
+
+
+@needs_kernels
+@pytest.mark.parametrize("path", ["block", "loop", "packed"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_nan_row_is_nan_and_alone(mode, path):
     x, r, w = _inputs(4, 384, torch.float32, seed=3)
     x[2, 5] = float("nan")
-    cfg = nk.dyn_config(4, 384, False, 128, mode == "token", single_pass_max=64, loop_block=128) if chunked else None
+    cfg = {"block": None, "packed": nk.DynConfig("packed", 3, 3, 128, 4),
+           "loop": nk.dyn_config(4, 384, False, 128, mode == "token", single_pass_max=64, loop_block=128)}[path]
     q, s, _ = nd.rmsnorm_quant_dynamic(x, w, EPS, act_scale=MODES[mode], config=cfg)
     rq, rs, _ = R.rmsnorm_quant_dynamic(x, w, EPS, None, mode == "token")
     assert torch.isnan(s[2]).all() and torch.isnan(q[2].float()).all()
@@ -131,14 +144,16 @@ def test_a_nan_row_is_nan_and_alone(mode, chunked):
     assert_close(q, s, rq, rs)
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @needs_kernels
 @pytest.mark.parametrize("mode", list(MODES))
-def test_an_inf_matches_the_reference(mode):
+def test_an_inf_matches_the_reference(mode, packed):
     """An inf makes its row's sum of squares inf (rsqrt 0): the reference's 0 · inf is NaN in that group (whole row
-    per token), zeros elsewhere; the kernel, which scales the maxima of ``x · w`` by the rsqrt, gives the same."""
+    per token), zeros elsewhere; the kernels, which scale the maxima of ``x · w`` by the rsqrt, give the same."""
     x, r, w = _inputs(3, 384, torch.float32, seed=4)
     x[1, 200] = float("inf")
-    q, s, _ = nd.rmsnorm_quant_dynamic(x, w, EPS, act_scale=MODES[mode])
+    cfg = nk.DynConfig("packed", 3, 3, 128, 4) if packed else None
+    q, s, _ = nd.rmsnorm_quant_dynamic(x, w, EPS, act_scale=MODES[mode], config=cfg)
     rq, rs, _ = R.rmsnorm_quant_dynamic(x, w, EPS, None, mode == "token")
     assert torch.isnan(rs[1]).any() and not torch.isnan(rs[[0, 2]]).any()
     assert_close(q, s, rq, rs)

@@ -112,6 +112,61 @@ def _norm_dyn_block_kernel(
 
 
 @triton.jit
+def _norm_dyn_packed_kernel(
+    x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, T, H, stride_x, stride_r, stride_q, stride_w, stride_sm, stride_sg, eps,
+    FMAX: tl.constexpr, ROWS: tl.constexpr, ROWS_P2: tl.constexpr, NGR: tl.constexpr, SLOTS: tl.constexpr,
+    GB: tl.constexpr, PER_TOKEN: tl.constexpr, ADD: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """``ROWS`` whole rows per program packed group after group into ``SLOTS`` slots of ``GB`` columns: slot
+    ``i`` holds group ``i % NGR`` of the program's row ``i // NGR`` (``NGR = ceil(H / GB)`` groups a row; ``SLOTS``
+    the power of two at or above ``ROWS · NGR``, ``ROWS_P2`` the one at or above ``ROWS``). Where ``NGR`` is not a
+    power of two, a row as one ``[next_pow2(NGR), GB]`` block leaves lanes idle (H = 5120: 40 groups in 64 slots); a
+    few rows fill more of a block (3 rows: 120 in 128). Per slot the group's maximum of ``|x · w|`` and its sum of
+    squares; the rows' sums, ``rsqrt`` and (per token) maxima are gathered over the slots of each row, with the
+    one-pass kernel's order of operations."""
+    eps = tl.cast(eps, tl.float32)
+    slot = tl.arange(0, SLOTS)
+    local = slot // NGR
+    grp = slot - local * NGR
+    rows = tl.program_id(0) * ROWS + local
+    slot_in = (slot < ROWS * NGR) & (rows < T)
+    cols = grp[:, None] * GB + tl.arange(0, GB)[None, :]  # [SLOTS, GB]
+    col_in = cols < H
+    mask = slot_in[:, None] & col_in
+    rows64 = rows.to(tl.int64)[:, None]
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    x = tl.load(x_ptr + rows64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if ADD:
+        r_ptrs = r_ptr + rows64 * stride_r + cols
+        x += tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols * stride_w, mask=mask, other=0.0).to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if ADD:
+        tl.store(r_ptrs, x.to(r_ptr.dtype.element_ty), mask=mask)
+    squares = tl.sum(x * x, axis=1)  # [SLOTS]
+    xw = x * w
+    amax = nan_max_reduce(tl.abs(xw), 1)  # [SLOTS]
+    row_ids = tl.arange(0, ROWS_P2)
+    own = local[None, :] == row_ids[:, None]  # [rows, SLOTS]: the slots of each row
+    rrms_row = tl.math.rsqrt(tl.sum(tl.where(own, squares[None, :], 0.0), axis=1) / H + eps)
+    rrms = tl.sum(tl.where(own, rrms_row[:, None], 0.0), axis=0)  # [SLOTS]: its row's rsqrt
+    if PER_TOKEN:
+        scale_row = nan_maximum(tl.math.div_rn(nan_max_reduce(tl.where(own, amax[None, :], 0.0), 1) * rrms_row,
+                                               FMAX), 1e-12)
+        token = tl.program_id(0) * ROWS + row_ids
+        tl.store(s_ptr + token.to(tl.int64) * stride_sm, scale_row, mask=(row_ids < ROWS) & (token < T))
+        inv = tl.sum(tl.where(own, (tl.math.div_rn(1.0, scale_row) * rrms_row)[:, None], 0.0), axis=0)
+    else:
+        scale = nan_maximum(tl.math.div_rn(amax * rrms, FMAX), 1e-12)  # [SLOTS]
+        tl.store(s_ptr + rows.to(tl.int64) * stride_sm + grp * stride_sg, scale, mask=slot_in)
+        inv = tl.math.div_rn(1.0, scale) * rrms
+    q = nan_clamp(xw * inv[:, None], -FMAX, FMAX)
+    tl.store(q_ptr + rows64 * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _row_chunk(x_row, r_row, cols, mask, ADD: tl.constexpr, EVICT: tl.constexpr):
     """One chunk of a row: the fp32 sum ``x (+ residual)``."""
     v = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
@@ -193,8 +248,9 @@ PDL_MAX_ELEMENTS = 1 << 22
 
 
 class DynConfig(NamedTuple):
-    """A launch: ``path`` ``"block"`` (``rows`` rows of ``ng`` groups of ``gb`` columns per program) or ``"loop"``
-    (one row per program, chunks of ``ng`` groups of ``gb`` columns), and its warps."""
+    """A launch: ``path`` ``"block"`` (``rows`` rows of ``ng`` groups of ``gb`` columns per program), ``"packed"``
+    (``rows`` rows of ``ng = ceil(H / gb)`` groups each, packed into the power of two of slots at or above
+    ``rows · ng``) or ``"loop"`` (one row per program, chunks of ``ng`` groups of ``gb`` columns), and its warps."""
 
     path: str
     rows: int
@@ -246,6 +302,10 @@ def kernel_args(cfg: DynConfig, x: torch.Tensor, residual: torch.Tensor | None, 
     if cfg.path == "loop":
         return (_norm_dyn_loop_kernel, (t,),
                 (x, r, weight, q, s, h, *strides, eps, fmax, cfg.ng, cfg.gb, per_token, add, use_pdl))
+    if cfg.path == "packed":
+        return (_norm_dyn_packed_kernel, ((t + cfg.rows - 1) // cfg.rows,),
+                (x, r, weight, q, s, t, h, *strides, eps, fmax, cfg.rows, triton.next_power_of_2(cfg.rows), cfg.ng,
+                 triton.next_power_of_2(cfg.rows * cfg.ng), cfg.gb, per_token, add, use_pdl))
     return (_norm_dyn_block_kernel, ((t + cfg.rows - 1) // cfg.rows,),
             (x, r, weight, q, s, t, h, *strides, eps, fmax, cfg.rows, cfg.ng, cfg.gb, add, use_pdl))
 

@@ -31,13 +31,15 @@ from .norm_dynamic_kernels import (
 
 _block_replays = ReplayCache(head=5)
 _loop_replays = ReplayCache(head=5)
+_packed_replays = ReplayCache(head=5)
+_REPLAYS = {"block": _block_replays, "loop": _loop_replays, "packed": _packed_replays}
 
 
 def _launch(cfg: DynConfig, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, q: torch.Tensor,
             scale: torch.Tensor, eps: float, per_token: bool, index: int) -> None:
     use_pdl = _support.pdl_on(index) and x.shape[0] * x.shape[1] < PDL_MAX_ELEMENTS
     r = x if residual is None else residual
-    replays = _loop_replays if cfg.path == "loop" else _block_replays
+    replays = _REPLAYS[cfg.path]
     key = None
     if index >= 0:
         ptrs = (x.data_ptr(), r.data_ptr(), weight.data_ptr(), q.data_ptr(), scale.data_ptr())
