@@ -61,7 +61,8 @@ def compile_variant(fn: Any, types: dict[str, str], consts: dict[str, Any], alig
     ptx = compiled.asm["ptx"]
     regs, stack = _resources(compiled.asm["cubin"])
     return {"regs": regs, "stack": stack, "shared": compiled.metadata.shared,
-            "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)), "cp_async": len(re.findall(r"cp\.async\.c[ag]", ptx)),
+            "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)), "mma_sync": len(re.findall(r"mma\.sync\.aligned", ptx)),
+            "cp_async": len(re.findall(r"cp\.async\.c[ag]", ptx)),
             "tma": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)), "pdl": "griddepcontrol" in ptx}
 
 
@@ -94,7 +95,9 @@ def gemm_variant(cfg: Any, even: bool = True, align: int = 16, split: int | None
     if cfg.family == "mm":
         consts["GROUP_M"] = cfg.group_m
     fn = K.block_gemm_swap_kernel if cfg.family == "swap" else K.block_gemm_mm_kernel
-    return f"{name} split={sk}", compile_variant(fn, GEMM_TYPES, consts, aligned, cfg.warps, cfg.stages)
+    info = compile_variant(fn, GEMM_TYPES, consts, aligned, cfg.warps, cfg.stages)
+    info["mma_rows"] = cfg.block_n if cfg.family == "swap" else cfg.block_m  # the MMA's M side
+    return f"{name} split={sk}", info
 
 
 def quant_variant(k: int, group: int) -> tuple[str, dict]:
@@ -166,7 +169,9 @@ def problems(family: str, info: dict[str, Any]) -> list[str]:
     bad = []
     if info["stack"]:
         bad.append(f"{info['stack']} bytes of stack (register spills)")
-    if family in ("swap", "mm", "tma") and not info["wgmma"]:
+    # a warpgroup MMA covers 64 rows: a tile with fewer on the MMA's M side (mm's 32-row tiles) takes mma.sync
+    small_tile = info.get("mma_rows", 64) < 64 and info["mma_sync"]
+    if family in ("swap", "mm", "tma") and not info["wgmma"] and not small_tile:
         bad.append("no wgmma")
     if family in ("swap", "mm") and not info["cp_async"]:
         bad.append("no cp.async pipelining")
