@@ -73,7 +73,6 @@ def gemm_variant(cfg: Any, even: bool = True, align: int = 16, split: int | None
     from fp8_backends.providers.triton import block_gemm_kernels as K
 
     common = dict(GROUP_K=128, WBN=128, WBK=128, HAS_BIAS=True, USE_PDL=True)
-    ahead = dict(SCALES_AHEAD=cfg.scales_ahead)
     unit = dict(stride_xk=1, stride_wk=1, stride_on=1, stride_b=1)
     aligned = [*GEMM_POINTERS, "N", "stride_om", "stride_xsk"] + (["K", "stride_xm", "stride_wn"] if align == 16
                                                                   else [])
@@ -87,11 +86,11 @@ def gemm_variant(cfg: Any, even: bool = True, align: int = 16, split: int | None
         types = dict(GEMM_TYPES, x_desc=f"tensordesc<fp8e4nv[{cfg.block_m}, 128]>",
                      w_desc=f"tensordesc<fp8e4nv[{cfg.block_n}, 128]>")
         consts = dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, stride_on=1, stride_b=1,
-                      stride_xsm=1, **ahead)
+                      stride_xsm=1)
         return name, compile_variant(K.block_gemm_tma_kernel, types, consts, aligned, cfg.warps, cfg.stages)
     sk = split if split is not None else (cfg.split_k or 4)
     consts = dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=sk, EVEN_K=even, ROW_ALIGN=align, **unit,
-                  stride_xsm=1, **ahead)
+                  stride_xsm=1)
     if cfg.family == "mm":
         consts["GROUP_M"] = cfg.group_m
     fn = K.block_gemm_swap_kernel if cfg.family == "swap" else K.block_gemm_mm_kernel
@@ -122,6 +121,10 @@ def norm_variant(t: int, h: int, add: bool, per_token: bool) -> tuple[str, dict]
     common = dict(FMAX=448.0, ADD=add, USE_PDL=True, stride_w=1, stride_sg=1)
     if cfg.path == "loop":
         fn, consts = nd._norm_dyn_loop_kernel, dict(common, NGC=cfg.ng, G=cfg.gb, PER_TOKEN=per_token)
+    elif cfg.path == "packed":
+        fn = nd._norm_dyn_packed_kernel
+        consts = dict(common, ROWS=cfg.rows, ROWS_P2=1 << (cfg.rows - 1).bit_length(), NGR=cfg.ng,
+                      SLOTS=1 << (cfg.rows * cfg.ng - 1).bit_length(), GB=cfg.gb, PER_TOKEN=per_token)
     else:
         fn, consts = nd._norm_dyn_block_kernel, dict(common, ROWS=cfg.rows, NG=cfg.ng, GB=cfg.gb)
     name = f"norm T={t} H={h} add={add} per_token={per_token} {cfg.path} rows={cfg.rows} ng={cfg.ng} gb={cfg.gb}"

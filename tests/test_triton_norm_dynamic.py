@@ -211,6 +211,12 @@ def test_dyn_config():
     assert nk.dyn_config(16384, 7168, False, 128, False).num_warps == 4
     assert nk.dyn_config(16384, 7168, True, 128, False).num_warps == 8
     assert nk.dyn_config(16384, 4096, False, 128, False).rows == 1
+    # H = 5120: 40 groups of 64 in the one-row block; large launches pack (not per token without the residual add)
+    assert nk.dyn_config(4096, 5120, False, 128, False) == nk.DynConfig("packed", 1, 40, 128, 4)
+    assert nk.dyn_config(4096, 5120, True, 128, True) == nk.DynConfig("packed", 1, 40, 128, 4)
+    assert nk.dyn_config(4096, 5120, False, 128, True).path == "block"
+    assert nk.dyn_config(16, 5120, False, 128, False).path == "block"
+    assert nk.dyn_config(4096, 7168, False, 128, False).path == "block"
     small = nk.dyn_config(64, 96, False, 128, False)
     assert small.path == "block" and small.rows > 1 and small.ng * small.gb >= 96
     big = nk.dyn_config(8, 65536, False, 128, False)

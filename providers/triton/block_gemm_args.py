@@ -160,10 +160,10 @@ def kernel_args(plan: Plan, x: torch.Tensor, w: torch.Tensor, x_scale: torch.Ten
                                     f"{_GRID_Y_MAX}); use config=auto or an mm config for this M")
         return (kernel_of("swap"), (cdiv(n, cfg.block_n), m_tiles, plan.split),
                 (*head, cfg.block_m, cfg.block_n, group_size, wbn, wbk, plan.split, bias is not None, even, align,
-                 use_pdl, cfg.scales_ahead))
+                 use_pdl))
     return (kernel_of("mm"), (tiles_of(cfg, m, n), plan.split),
             (*head, cfg.block_m, cfg.block_n, group_size, wbn, wbk, cfg.group_m, plan.split, bias is not None, even,
-             align, use_pdl, cfg.scales_ahead))
+             align, use_pdl))
 
 
 def empty_k(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

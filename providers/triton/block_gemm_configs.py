@@ -67,8 +67,6 @@ class BlockTileConfig:
     - ``group_m``: ``mm``/``tma`` grouped tile order.
     - ``split_k``: ``swap``/``mm``: 1, a fixed count, or 0 (per launch, :func:`auto_split`).
     - ``persistent``: ``tma`` only, programs per SM walking the tiles (0: one program per tile).
-    - ``scales_ahead``: tensor-core families, each K step's scales loaded one step ahead (``_a0`` in the name: in
-      the step that multiplies by them).
     """
 
     family: str
@@ -80,7 +78,6 @@ class BlockTileConfig:
     group_m: int = 8
     split_k: int = 1
     persistent: int = 0
-    scales_ahead: bool = True
     note: str = ""
 
     def __post_init__(self) -> None:
@@ -103,9 +100,6 @@ class BlockTileConfig:
             raise ValueError(f"{self.name}: only swap and mm configs split K")
         if self.persistent and self.family != "tma":
             raise ValueError(f"{self.name}: only tma configs can be persistent")
-        if not self.scales_ahead and self.family == "gemv":
-            raise ValueError(f"{self.name}: gemv configs have no scale pipeline (scales_ahead applies to the "
-                             "tensor-core families)")
 
     @property
     def name(self) -> str:
@@ -114,8 +108,7 @@ class BlockTileConfig:
         g = f"_g{self.group_m}" if self.family in ("mm", "tma") else ""
         sk = f"_sk{self.split_k}" if self.family in ("swap", "mm") else ""
         p = f"_p{self.persistent}" if self.persistent else ""
-        a = "" if self.scales_ahead else "_a0"
-        return f"{self.family}_n{self.block_n}_m{self.block_m}_s{self.stages}_w{self.warps}{g}{sk}{p}{a}"
+        return f"{self.family}_n{self.block_n}_m{self.block_m}_s{self.stages}_w{self.warps}{g}{sk}{p}"
 
     @classmethod
     def from_name(cls, name: str) -> BlockTileConfig:
@@ -125,14 +118,12 @@ class BlockTileConfig:
         if gemv:
             n, groups, warps = map(int, gemv.groups())
             return cls("gemv", 1, n, 1, warps, groups=groups)
-        tiled = re.fullmatch(r"(swap|mm|tma)_n(\d+)_m(\d+)_s(\d+)_w(\d+)(?:_g(\d+))?(?:_sk(\d+))?(?:_p(\d+))?(_a0)?",
-                             name)
+        tiled = re.fullmatch(r"(swap|mm|tma)_n(\d+)_m(\d+)_s(\d+)_w(\d+)(?:_g(\d+))?(?:_sk(\d+))?(?:_p(\d+))?", name)
         if tiled is None:
             raise ValueError(f"{name!r} spells no block GEMM config (e.g. mm_n128_m64_s4_w4_g8_sk0)")
-        family, n, m, stages, warps, group_m, split_k, persistent, behind = tiled.groups()
+        family, n, m, stages, warps, group_m, split_k, persistent = tiled.groups()
         cfg = cls(family, int(m), int(n), int(stages), int(warps), group_m=int(group_m or 8),
-                  split_k=int(split_k) if split_k is not None else 1, persistent=int(persistent or 0),
-                  scales_ahead=behind is None)
+                  split_k=int(split_k) if split_k is not None else 1, persistent=int(persistent or 0))
         if cfg.name != name:
             raise ValueError(f"{name!r} is not spelled as its config's name {cfg.name!r}")
         return cfg
@@ -179,8 +170,9 @@ CONFIG_LIST: tuple[BlockTileConfig, ...] = (
     C("mm", 128, 128, 3, 8, note="M >= 1024 without TMA (rows not 16-byte aligned)"),
     C("tma", 64, 128, 4, 4, persistent=2, note="M >= 1024: two 4-warp programs per SM (106 KB of shared memory "
       "each), whose promotions overlap the other's MMAs"),
-    C("mm", 64, 128, 3, 4, split_k=0, note="M >= 1024 without TMA: three 4-warp programs per SM (72 KB of shared "
-      "memory and 166 registers a thread each; a split launch takes 191 registers: two)"),
+    C("mm", 64, 128, 3, 4, split_k=0, note="M >= 1024 (and short K from M = 2): 4-warp programs of 72 KB of shared "
+      "memory, two per SM (213 registers a thread with the scales loaded a step ahead); with those it ran 0.65-0.85x "
+      "the persistent TMA kernel's time at M = 1024 / 4096 (bench/results/block_gemm/2026-12-04-h200-scales-ahead/)"),
     C("tma", 64, 128, 4, 4, persistent=1, note="M ~512-1024, narrow N"),
     C("tma", 128, 128, 4, 8, persistent=1, note="M >= 1024: one 8-warp program per SM"),
     C("tma", 128, 128, 4, 8, note="M >= 1024, one program per tile"),
@@ -189,6 +181,7 @@ CONFIG_LIST: tuple[BlockTileConfig, ...] = (
     C("mm", 32, 64, 4, 4, split_k=7, note="narrow N, M 17-64: 32x64 tiles, K in 7"),
     C("swap", 64, 64, 5, 4, split_k=7, note="narrow N (576), M 65-256: K in 7"),
     C("mm", 64, 64, 4, 4, split_k=2, note="narrow N, M 65-4096: 64x64 tiles, K in 2"),
+    C("mm", 64, 64, 4, 4, split_k=4, note="narrow N: q_a 1536x7168 at M 33-64, kv_a 576x7168 at M 65-256"),
 )
 del C
 
@@ -216,34 +209,40 @@ _TMA = "tma_n128_m64_s4_w4_g8_p2"
 
 
 _MM64_SMALL_SK2 = "mm_n64_m64_s4_w4_g8_sk2"
+_MM64_SMALL_SK4 = "mm_n64_m64_s4_w4_g8_sk4"
+_MM_LARGE = "mm_n128_m64_s3_w4_g8_sk0"
 
 
 def _narrow(n: int) -> tuple[tuple[int | None, str], ...]:
     """Buckets of a narrow-N shape (N <= 2048 with K = 7168: N / 64 tiles leave most SMs idle, and each program's
-    K steps wait on their promotions): swap-AB with split K up to M = 64 (the GEMV's 64-thread programs would be too
-    few to keep the weight stream in flight), then 64x64 tiles with K in 2 (kv_a 576x7168 at M = 256: 15.7 µs
-    against 24.2 for the 128x64 tiles with K in 7; q_a 1536x7168: 17.8 against 24.9), up to M = 1024 for q_a
-    (beyond, the persistent TMA kernel) and at every M for kv_a (M = 4096: 63 against 80 µs). kv_a also takes 32x64
-    tiles with K in 7 at M 33-64 (8.5 against 9.9 µs) and swap-AB 64x64 with K in 7 at M 65-256 (13.3 µs). Measured:
-    ``bench/results/block_gemm/2026-12-03-h200-thin-n/``."""
+    K steps wait on their promotions): swap-AB with split K up to M = 32, then 64x64 tiles with K split in 2-7 (kv_a
+    576x7168 also 32x64 tiles with K in 7 at M 33-64), then the 128x64 tiles with an automatic split
+    (``bench/results/block_gemm/2026-12-03-h200-thin-n/``; buckets from M = 64 up re-measured with the scales loaded
+    a step ahead, ``bench/results/block_gemm/2026-12-04-h200-scales-ahead/``: q_a at M = 64 11.0 µs against 12.5
+    for swap-AB, M = 1024 / 4096 31.3 / 103 against 41.2 / 124; kv_a at M = 256 12.1 against 12.9, M = 4096 60.0
+    against 64.1)."""
     if n <= 576:
-        return ((16, _SWAP16), (32, _SWAP32), (64, "mm_n64_m32_s4_w4_g8_sk7"), (256, "swap_n64_m64_s5_w4_sk7"),
-                (None, _MM64_SMALL_SK2))
-    return ((16, _SWAP16), (32, _SWAP32), (64, _SWAP64), (1024, _MM64_SMALL_SK2), (None, _TMA))
+        return ((16, _SWAP16), (32, _SWAP32), (64, "mm_n64_m32_s4_w4_g8_sk7"), (256, _MM64_SMALL_SK4),
+                (1024, _MM64_SMALL_SK2), (None, _MM_LARGE))
+    return ((16, _SWAP16), (32, _SWAP32), (64, _MM64_SMALL_SK4), (256, _MM64_SMALL_SK2), (None, _MM_LARGE))
 
 
 def _short_k() -> tuple[tuple[int | None, str], ...]:
-    """Buckets of a short-K shape (K <= 2048: q_b 24576x1536, kv_b 32768x512): the GEMV's 512-column step."""
-    return ((1, _GEMV_SHORT_K), (16, _SWAP16), (32, _SWAP32), (64, _SWAP64), (512, _MM64), (None, _TMA))
+    """Buckets of a short-K shape (K <= 2048: q_b 24576x1536, kv_b 32768x512): the GEMV's 512-column step at one
+    token, the 128x64 tiles up to M = 64 (q_b / kv_b at M = 16: 13.2 / 6.7 µs against 16.1 / 7.9 for swap-AB; M =
+    64: 13.8 / 7.3 against 18.9 / 10.6), the persistent TMA kernel above (kv_b at M = 256 / 1024: 17.0 / 56.3 against
+    20.5 / 73.2; ``bench/results/block_gemm/2026-12-04-h200-scales-ahead/``)."""
+    return ((1, _GEMV_SHORT_K), (64, _MM_LARGE), (None, _TMA))
 
 
 #: The built-in table for the H200: GEMV at M = 1 for N >= 2048 (the per-tensor sweep's winner at M = 1 on
-#: 4096-28672 x 4096-14336), swap-AB with automatic split K up to M = 64, tiled 128x64 / 128x128 with automatic split
-#: K up to M = 1024, the persistent TMA kernel beyond (reasoned); the narrow DeepSeek-V3 shapes measured
-#: (:func:`_narrow`). Shapes: DeepSeek-V3 (hidden 7168) attention and dense MLP projections, Qwen3-8B and -32B;
-#: ``default`` covers the rest.
+#: 4096-28672 x 4096-14336), swap-AB with automatic split K up to M = 64, tiled 128x64 with automatic split K above:
+#: 4 stages up to M = 512, 3 above (at M = 1024 / 4096 0.65-0.85x the time of the persistent TMA kernel this table
+#: named before, on every DeepSeek-V3 / Qwen3-8B / Qwen3-32B weight but the short-K ones:
+#: bench/results/block_gemm/2026-12-04-h200-scales-ahead/); the narrow and short-K DeepSeek-V3 shapes measured
+#: (:func:`_narrow`, :func:`_short_k`). ``default`` covers the rest.
 DEFAULT_TABLE = BlockTable(
-    default=((1, _GEMV), (16, _SWAP16), (32, _SWAP32), (64, _SWAP64), (512, _MM64), (None, _TMA)),
+    default=((1, _GEMV), (16, _SWAP16), (32, _SWAP32), (64, _SWAP64), (512, _MM64), (None, _MM_LARGE)),
     shapes={
         # DeepSeek-V3: q_a, kv_a (narrow N, K = 7168), q_b, kv_b (short K)
         (1536, 7168): _narrow(1536),
@@ -251,7 +250,8 @@ DEFAULT_TABLE = BlockTable(
         (24576, 1536): _short_k(),
         (32768, 512): _short_k(),
     },
-    source="reasoned defaults, narrow DeepSeek-V3 shapes measured (bench/results/block_gemm/2026-12-03-h200-thin-n/): "
+    source="reasoned defaults below M = 1024, the M >= 1024 bucket and the narrow / short-K DeepSeek-V3 shapes "
+           "measured (bench/results/block_gemm/2026-12-03-h200-thin-n/, 2026-12-04-h200-scales-ahead/): "
            "bench/block_gemm.py --sweep measures a replacement",
 )
 

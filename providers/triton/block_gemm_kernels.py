@@ -194,7 +194,7 @@ def block_gemm_swap_kernel(
     stride_xsm, stride_xsk, stride_wsn, stride_wsk, stride_b,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr, WBN: tl.constexpr, WBK: tl.constexpr,
     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, ROW_ALIGN: tl.constexpr,
-    USE_PDL: tl.constexpr, SCALES_AHEAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Swap-AB GEMM for small M: ``accᵀ[BLOCK_N, BLOCK_M] += (w_tile · x_tileᵀ) · x_scale · w_scale`` per group;
     ``BLOCK_N`` weight rows within one weight block (``WBN % BLOCK_N == 0``: the weight scale is one value per
@@ -218,13 +218,8 @@ def block_gemm_swap_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if SCALES_AHEAD:
-        xs, ws = _swap_scales(xs_row, ws_row, kb_first, stride_xsk, stride_wsk, GROUP_K, WBK)
+    xs, ws = _swap_scales(xs_row, ws_row, kb_first, stride_xsk, stride_wsk, GROUP_K, WBK)
     for kb in range(kb_first, kb_last):
-        if SCALES_AHEAD:
-            xs_k, ws_k = xs, ws
-        else:  # first in the step: their latency overlaps the wait for the operand tiles
-            xs_k, ws_k = _swap_scales(xs_row, ws_row, kb, stride_xsk, stride_wsk, GROUP_K, WBK)
         if EVEN_K:
             a = tl.load(w_ptrs)
             b = tl.load(x_ptrs)
@@ -232,12 +227,11 @@ def block_gemm_swap_kernel(
             k_left = K - kb * GROUP_K
             a = tl.load(w_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             b = tl.load(x_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc += tl.dot(a, b) * (xs_k * ws_k)[None, :]
+        acc += tl.dot(a, b) * (xs * ws)[None, :]
         w_ptrs += GROUP_K * stride_wk
         x_ptrs += GROUP_K * stride_xk
-        if SCALES_AHEAD:  # the next step's (the last step reloads its own): in flight until that step's promotion
-            xs, ws = _swap_scales(xs_row, ws_row, tl.minimum(kb + 1, kb_last - 1), stride_xsk, stride_wsk, GROUP_K,
-                                  WBK)
+        # the next step's scales (the last step reloads its own), in flight until that step's promotion
+        xs, ws = _swap_scales(xs_row, ws_row, tl.minimum(kb + 1, kb_last - 1), stride_xsk, stride_wsk, GROUP_K, WBK)
     _finish(acc, offs_m[None, :], offs_n[:, None], M, N, pid_m * tl.num_programs(0) + pid_n, split, out_ptr,
             stride_om, stride_on, bias_ptr, stride_b, part_ptr, cnt_ptr, HAS_BIAS, SPLIT_K)
 
@@ -254,17 +248,23 @@ def _tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _tile_scales(xs_row, ws_ptr, pid_n, rows_w, kb, stride_xsk, stride_wsn, stride_wsk, GROUP_K: tl.constexpr,
-                 BLOCK_N: tl.constexpr, WBN: tl.constexpr, WBK: tl.constexpr):
-    """The scales of K step ``kb`` (activation group ``kb``) for a ``[BLOCK_M, BLOCK_N]`` tile: ``[BLOCK_M]``
-    activation scales of its rows (``xs_row``: their row pointers) and the weight scale of its columns, one value
-    when the tile lies in one weight block, else a ``[1, BLOCK_N]`` vector."""
-    xs = tl.load(xs_row + kb * stride_xsk)
-    kw = (kb * GROUP_K) // WBK
+def _weight_scales(ws_ptr, pid_n, rows_w, kw, stride_wsn, stride_wsk, BLOCK_N: tl.constexpr, WBN: tl.constexpr):
+    """The weight scales of K step ``kw`` (a weight-block column) for this tile's columns: one value when the tile
+    lies in one weight block, else a ``[1, BLOCK_N]`` vector."""
     if BLOCK_N <= WBN:
         ws = tl.load(ws_ptr + ((pid_n * BLOCK_N) // WBN) * stride_wsn + kw * stride_wsk)
     else:
         ws = tl.load(ws_ptr + (rows_w // WBN) * stride_wsn + kw * stride_wsk)[None, :]
+    return ws
+
+
+@triton.jit
+def _tile_scales(xs_row, ws_ptr, pid_n, rows_w, kb, stride_xsk, stride_wsn, stride_wsk, GROUP_K: tl.constexpr,
+                 BLOCK_N: tl.constexpr, WBN: tl.constexpr, WBK: tl.constexpr):
+    """The scales of K step ``kb`` (activation group ``kb``) for a ``[BLOCK_M, BLOCK_N]`` tile: ``[BLOCK_M]``
+    activation scales of its rows (``xs_row``: their row pointers) and :func:`_weight_scales`."""
+    xs = tl.load(xs_row + kb * stride_xsk)
+    ws = _weight_scales(ws_ptr, pid_n, rows_w, (kb * GROUP_K) // WBK, stride_wsn, stride_wsk, BLOCK_N, WBN)
     return xs, ws
 
 
@@ -276,7 +276,7 @@ def block_gemm_mm_kernel(
     stride_xsm, stride_xsk, stride_wsn, stride_wsk, stride_b,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr, WBN: tl.constexpr, WBK: tl.constexpr,
     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    ROW_ALIGN: tl.constexpr, USE_PDL: tl.constexpr, SCALES_AHEAD: tl.constexpr,
+    ROW_ALIGN: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Tiled GEMM, one ``[BLOCK_M, BLOCK_N]`` tile per program (grouped order) and K split. ``BLOCK_N`` either
     divides ``WBN`` (one weight scale per step) or is a multiple of it (a vector). Grid ``(tiles, SPLIT_K)``."""
@@ -298,15 +298,9 @@ def block_gemm_mm_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if SCALES_AHEAD:
-        xs, ws = _tile_scales(xs_row, ws_ptr, pid_n, rows_w, kb_first, stride_xsk, stride_wsn, stride_wsk, GROUP_K,
-                              BLOCK_N, WBN, WBK)
+    xs, ws = _tile_scales(xs_row, ws_ptr, pid_n, rows_w, kb_first, stride_xsk, stride_wsn, stride_wsk, GROUP_K,
+                          BLOCK_N, WBN, WBK)
     for kb in range(kb_first, kb_last):
-        if SCALES_AHEAD:
-            xs_k, ws_k = xs, ws
-        else:
-            xs_k, ws_k = _tile_scales(xs_row, ws_ptr, pid_n, rows_w, kb, stride_xsk, stride_wsn, stride_wsk, GROUP_K,
-                                      BLOCK_N, WBN, WBK)
         if EVEN_K:
             a = tl.load(x_ptrs)
             b = tl.load(w_ptrs)
@@ -314,12 +308,11 @@ def block_gemm_mm_kernel(
             k_left = K - kb * GROUP_K
             a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc += tl.dot(a, b) * (xs_k[:, None] * ws_k)
+        acc += tl.dot(a, b) * (xs[:, None] * ws)
         x_ptrs += GROUP_K * stride_xk
         w_ptrs += GROUP_K * stride_wk
-        if SCALES_AHEAD:
-            xs, ws = _tile_scales(xs_row, ws_ptr, pid_n, rows_w, tl.minimum(kb + 1, kb_last - 1), stride_xsk,
-                                  stride_wsn, stride_wsk, GROUP_K, BLOCK_N, WBN, WBK)
+        xs, ws = _tile_scales(xs_row, ws_ptr, pid_n, rows_w, tl.minimum(kb + 1, kb_last - 1), stride_xsk, stride_wsn,
+                              stride_wsk, GROUP_K, BLOCK_N, WBN, WBK)
     _finish(acc, offs_m[:, None], offs_n[None, :], M, N, tile, split, out_ptr, stride_om, stride_on, bias_ptr,
             stride_b, part_ptr, cnt_ptr, HAS_BIAS, SPLIT_K)
 
@@ -330,7 +323,7 @@ def block_gemm_tma_kernel(
     M, N, K, num_progs,
     stride_om, stride_on, stride_xsm, stride_xsk, stride_wsn, stride_wsk, stride_b,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr, WBN: tl.constexpr, WBK: tl.constexpr,
-    GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr, SCALES_AHEAD: tl.constexpr,
+    GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Tiled GEMM with operand tiles through TMA (host-built descriptors over ``x [M, K]`` and ``w [N, K]``, block
     shapes ``[BLOCK_M, GROUP_K]`` and ``[BLOCK_N, GROUP_K]``; TMA zero-fills past the edges, so the K loop has no
@@ -353,22 +346,14 @@ def block_gemm_tma_kernel(
         rows_x = offs_m % M
         rows_w = offs_n % N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        xs_row = xs_ptr + rows_x * stride_xsm
-        if SCALES_AHEAD:
-            xs, ws = _tile_scales(xs_row, ws_ptr, pid_n, rows_w, 0, stride_xsk, stride_wsn, stride_wsk, GROUP_K,
-                                  BLOCK_N, WBN, WBK)
         for kb in range(k_steps):
-            if SCALES_AHEAD:
-                xs_k, ws_k = xs, ws
-            else:
-                xs_k, ws_k = _tile_scales(xs_row, ws_ptr, pid_n, rows_w, kb, stride_xsk, stride_wsn, stride_wsk,
-                                          GROUP_K, BLOCK_N, WBN, WBK)
+            # in the step, first (loaded a step ahead, as in the pointer kernels, they made this kernel up to 18%
+            # slower at M = 4096: bench/results/block_gemm/2026-12-04-h200-scales-ahead/)
+            xs = tl.load(xs_ptr + rows_x * stride_xsm + kb * stride_xsk)
+            ws = _weight_scales(ws_ptr, pid_n, rows_w, (kb * GROUP_K) // WBK, stride_wsn, stride_wsk, BLOCK_N, WBN)
             a = x_desc.load([off_m, kb * GROUP_K])
             b = w_desc.load([off_n, kb * GROUP_K])
-            acc += tl.dot(a, b.T) * (xs_k[:, None] * ws_k)
-            if SCALES_AHEAD:
-                xs, ws = _tile_scales(xs_row, ws_ptr, pid_n, rows_w, tl.minimum(kb + 1, k_steps - 1), stride_xsk,
-                                      stride_wsn, stride_wsk, GROUP_K, BLOCK_N, WBN, WBK)
+            acc += tl.dot(a, b.T) * (xs[:, None] * ws)
         _bias_store(acc, offs_m[:, None], offs_n[None, :], M, N, out_ptr, stride_om, stride_on, bias_ptr, stride_b,
                     HAS_BIAS)
 

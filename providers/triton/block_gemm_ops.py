@@ -220,7 +220,7 @@ def _launch_tma(cfg: BlockTileConfig, x: torch.Tensor, w: torch.Tensor, x_scale:
         x_desc, w_desc, out, x_scale, w_scale, b, m, n, k, progs, out.stride(0), out.stride(1), x_scale.stride(0),
         x_scale.stride(1), w_scale.stride(0), w_scale.stride(1), b.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_K=group_size, WBN=weight_block[0], WBK=weight_block[1],
-        GROUP_M=cfg.group_m, HAS_BIAS=bias is not None, USE_PDL=use_pdl, SCALES_AHEAD=cfg.scales_ahead, **extra)
+        GROUP_M=cfg.group_m, HAS_BIAS=bias is not None, USE_PDL=use_pdl, **extra)
 
 
 def launch(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,

@@ -38,6 +38,9 @@ Paths (the launch shape of :func:`dyn_config`, from the static kernel's :func:`.
   of ``GB = G`` columns (per token: one "group" of ``GB = next_pow2(H)`` columns), so each group's amax is a reduction
   over the last axis and the row's sum of squares over the last two. One read of ``x`` (and ``residual``), one write
   of ``q``, the scales (and ``residual``).
+- packed (one pass): ``ROWS`` rows per program packed group after group into a power-of-two block of ``G``-column
+  slots, the rows' sums and maxima gathered over their slots; large launches whose row fills less than
+  :data:`PACKED_MAX_FILL` of its power-of-two block of groups run it with one row per program (H = 5120).
 - two / three passes (larger ``H``): one row per program in chunks of ``NGC x G`` columns: the sum of squares, then
   (per token) the amax of the normalized row, then normalize / quantize / store, re-reading the row (mostly from L2);
   the residual is stored in the last pass, from the same fp32 sum.
@@ -246,6 +249,14 @@ DYN_ELEMS_PER_THREAD = 32
 #: of the next kernel's launch pays where a launch is a few µs.
 PDL_MAX_ELEMENTS = 1 << 22
 
+#: large launches (``T · H >= PDL_MAX_ELEMENTS``) whose row fills less than this share of its power-of-two block of
+#: groups run the packed kernel, one row per program on 4 warps (group scales, or per token with the residual add):
+#: at H = 5120 (40 groups of 64) on the H200 it took 22.4 / 75.2 µs against the one-row block's 24.7 / 87.8 with group
+#: scales at T = 4096 / 16384 (69 / 82% of copy bandwidth against 62 / 70%), 40.9 / 147.7 against 41.6 / 157.5 with
+#: the residual add, per token with it 147.8 against 154.1 at T = 16384; at H = 7168 (56 of 64) and 4096 it was no
+#: faster, per token without the residual add slower (bench/results/block_gemm/2026-12-04-h200-norm-packed/).
+PACKED_MAX_FILL = 0.75
+
 
 class DynConfig(NamedTuple):
     """A launch: ``path`` ``"block"`` (``rows`` rows of ``ng`` groups of ``gb`` columns per program), ``"packed"``
@@ -264,14 +275,18 @@ def dyn_config(t: int, h: int, add: bool, group_size: int, per_token: bool, sing
     """The launch shape for ``[t, h]`` rows: :func:`.norm_kernels.one_row_config` (rows per program and warps as
     measured for the static kernel, without its pairing of rows: one row per program ran 4-7% faster at H = 4096,
     bench/results/block_gemm/2026-12-04-h200-norm-early-amax/), the warps of :data:`DYN_ELEMS_PER_THREAD` with the
-    residual add, the row block split into scale groups. ``single_pass_max`` / ``loop_block`` let tests reach the
-    chunked path at small ``H``."""
+    residual add, the row block split into scale groups; the packed kernel where :data:`PACKED_MAX_FILL` says.
+    ``single_pass_max`` / ``loop_block`` let tests reach the chunked path at small ``H``."""
     from .quant_kernels import SINGLE_PASS_MAX
 
     base = one_row_config(t, h, add)
     limit = SINGLE_PASS_MAX if single_pass_max is None else single_pass_max
     block = triton.next_power_of_2(max(h, 1))
     if block <= limit and base.path != "loop":
+        groups = -(-h // group_size)
+        fill = groups / triton.next_power_of_2(groups)
+        if fill < PACKED_MAX_FILL and (add or not per_token) and t * h >= PDL_MAX_ELEMENTS:
+            return DynConfig("packed", 1, groups, group_size, 4)
         width = max(base.block, block)
         warps = min(16, max(4, base.rows * width // (32 * DYN_ELEMS_PER_THREAD)))
         if not add:
