@@ -75,6 +75,24 @@ PER_TOKEN_GROUP = "per_token_group"
 
 
 @triton.jit
+def _sum_and_weight(x_ptr, r_ptr, w_ptr, x_offs, r_offs, w_offs, mask, w_mask, ADD: tl.constexpr,
+                    USE_PDL: tl.constexpr):
+    """The one-pass kernels' inputs in fp32: ``x (+ residual)``, stored back to ``residual`` (its dtype) with the add,
+    and the weight; the loads wait for the grid this launch depends on, which may launch once they are issued."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+    if ADD:
+        x += tl.load(r_ptr + r_offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + w_offs, mask=w_mask, other=0.0).to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if ADD:
+        tl.store(r_ptr + r_offs, x.to(r_ptr.dtype.element_ty), mask=mask)
+    return x, w
+
+
+@triton.jit
 def _norm_dyn_block_kernel(
     x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, T, H, stride_x, stride_r, stride_q, stride_w, stride_sm, stride_sg, eps,
     FMAX: tl.constexpr, ROWS: tl.constexpr, NG: tl.constexpr, GB: tl.constexpr, ADD: tl.constexpr,
@@ -92,17 +110,8 @@ def _norm_dyn_block_kernel(
     mask = row_in[:, None, None] & col_in[None, :, :]
     rows2 = rows.to(tl.int64)[:, None]
     rows64 = rows2[:, :, None]
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    x = tl.load(x_ptr + rows64 * stride_x + cols[None, :, :], mask=mask, other=0.0).to(tl.float32)
-    if ADD:
-        r_ptrs = r_ptr + rows64 * stride_r + cols[None, :, :]
-        x += tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols * stride_w, mask=col_in, other=0.0).to(tl.float32)
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    if ADD:
-        tl.store(r_ptrs, x.to(r_ptr.dtype.element_ty), mask=mask)
+    x, w = _sum_and_weight(x_ptr, r_ptr, w_ptr, rows64 * stride_x + cols[None, :, :],
+                           rows64 * stride_r + cols[None, :, :], cols * stride_w, mask, col_in, ADD, USE_PDL)
     xw = x * w[None, :, :]
     amax = nan_max_reduce(tl.abs(xw), 2)  # [ROWS, NG]: no wait for the row's reduction
     rrms = tl.math.rsqrt(tl.sum(tl.sum(x * x, axis=2), axis=1) / H + eps)[:, None]  # [ROWS, 1]
@@ -137,17 +146,8 @@ def _norm_dyn_packed_kernel(
     col_in = cols < H
     mask = slot_in[:, None] & col_in
     rows64 = rows.to(tl.int64)[:, None]
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    x = tl.load(x_ptr + rows64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    if ADD:
-        r_ptrs = r_ptr + rows64 * stride_r + cols
-        x += tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols * stride_w, mask=mask, other=0.0).to(tl.float32)
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    if ADD:
-        tl.store(r_ptrs, x.to(r_ptr.dtype.element_ty), mask=mask)
+    x, w = _sum_and_weight(x_ptr, r_ptr, w_ptr, rows64 * stride_x + cols, rows64 * stride_r + cols, cols * stride_w,
+                           mask, mask, ADD, USE_PDL)
     squares = tl.sum(x * x, axis=1)  # [SLOTS]
     xw = x * w
     amax = nan_max_reduce(tl.abs(xw), 1)  # [SLOTS]
