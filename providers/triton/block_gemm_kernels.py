@@ -19,9 +19,12 @@ Shared contract of the kernels (validated by the caller, :mod:`.block_gemm_ops`,
 - fp32 accumulation: every K step of ``G`` columns is one MMA (or CUDA-core dot) whose fp32 result is multiplied by
   ``x_scale[m, g] · w_scale[nb, g·G // WBK]`` and added to the fp32 accumulator (the promotion of DeepGEMM and
   vLLM's Triton kernel); the bias is added in fp32 and the sum cast once. Triton's software pipeline covers the
-  operand tiles, not the scale loads: those come first in each step, so their latency overlaps the wait for the
-  step's operand tiles instead of following it (the sm_90a code issues them before ``cp.async.wait_group``; loading
-  them steps ahead as loop-carried values made Triton drop the operand pipeline altogether).
+  operand tiles, not the scale loads. The swap-AB and tiled kernels load each step's scales one step ahead, after
+  the step before has multiplied by its own (the register is then free: no copy at the end of the step waits for
+  the load), so their latency overlaps a whole step; in the step they cost one global-load latency each
+  (bench/results/block_gemm/2026-12-04-h200-scales-ahead/: 0.68-0.95x the time ahead, geomean per config). The TMA
+  kernel loads them first in the step, which was faster there (ahead, Triton carried them through its persistent
+  loop's pipeline in registers and the kernel ran up to 18% slower).
 - Ragged edges: rows of ``x``/``w`` past ``M``/``N`` are read through a modulo (always in bounds, discarded at the
   store); columns past ``K`` are masked to zero unless ``EVEN_K`` (``K`` a multiple of the K step): the last group
   may be short. ``N``, ``K`` need no alignment (``ROW_ALIGN`` tells the compiler the largest power of two, at most
