@@ -146,6 +146,7 @@ def variants(quick: bool) -> list[tuple[str, Any]]:
         out.append(("gemv", lambda: gemm_variant(bc.CONFIGS[bc.FUSED_GEMV], x_quant=True)))
         out.append(("quant", lambda: quant_variant(7168, 128)))
         out.append(("norm", lambda: norm_variant(4096, 7168, True, False)))
+        out.append(("norm", lambda: norm_variant(16384, 5120, False, False)))  # the packed kernel
         return out
     for cfg in bc.CONFIG_LIST:
         out.append((cfg.family, lambda cfg=cfg: gemm_variant(cfg)))
