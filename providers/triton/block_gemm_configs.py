@@ -171,7 +171,7 @@ CONFIG_LIST: tuple[BlockTileConfig, ...] = (
     C("tma", 64, 128, 4, 4, persistent=2, note="M >= 1024: two 4-warp programs per SM (106 KB of shared memory "
       "each), whose promotions overlap the other's MMAs"),
     C("mm", 64, 128, 3, 4, split_k=0, note="M >= 1024 (and short K from M = 2): 4-warp programs of 72 KB of shared "
-      "memory, two per SM (213 registers a thread with the scales loaded a step ahead); with those it ran 0.65-0.85x "
+      "memory, two per SM (213 registers a thread with the scales loaded a step ahead); with those it ran 0.65-0.92x "
       "the persistent TMA kernel's time at M = 1024 / 4096 (bench/results/block_gemm/2026-12-04-h200-scales-ahead/)"),
     C("tma", 64, 128, 4, 4, persistent=1, note="M ~512-1024, narrow N"),
     C("tma", 128, 128, 4, 8, persistent=1, note="M >= 1024: one 8-warp program per SM"),
