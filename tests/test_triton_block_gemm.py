@@ -193,6 +193,17 @@ def test_every_family_matches_reference(family, m, n, k):
 
 
 @needs_kernels
+@pytest.mark.parametrize("family", ["swap", "mm"])
+@pytest.mark.parametrize(("k", "split"), [(384, 3), (392, 4), (640, 2)])
+def test_splits_of_one_group_and_ragged_last_groups(family, k, split):
+    """The scales loaded a step ahead: a split of one group (its next-step load clamps to its own group), a ragged
+    last group in a split of its own (392 = 3 x 128 + 8), splits of several groups."""
+    cfg = C(family, 16 if family == "swap" else 32, 64, 2, 4, split_k=split)
+    assert bg.plan_launch(cfg, 5, 130, k, 128, 132).split == split
+    _check(cfg, 5, 130, k, bias=True)
+
+
+@needs_kernels
 @pytest.mark.parametrize("family", ["gemv", "swap_split", "mm_split", "tma"])
 def test_ragged_n_and_k_not_multiples_of_16(family):
     """Small variants of N=3420, K=6840 (4 x 855: 8-byte rows) and N=576-like edges: masked loads, never wrong."""
