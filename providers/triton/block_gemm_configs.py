@@ -179,7 +179,8 @@ CONFIG_LIST: tuple[BlockTileConfig, ...] = (
     # narrow N (DeepSeek-V3 kv_a 576 / q_a 1536 x 7168): few output tiles, each K step a latency-bound promotion, so
     # smaller tiles and a fixed K split (bench/results/block_gemm/2026-12-03-h200-thin-n/)
     C("mm", 32, 64, 4, 4, split_k=7, note="narrow N, M 17-64: 32x64 tiles, K in 7"),
-    C("swap", 64, 64, 5, 4, split_k=7, note="narrow N (576), M 65-256: K in 7"),
+    C("swap", 64, 64, 5, 4, split_k=7, note="narrow N (576), M 65-256, K in 7: named by the table until the scales "
+      "were loaded a step ahead, then 64x64 tiles with K in 4 ran faster there (a sweep candidate since)"),
     C("mm", 64, 64, 4, 4, split_k=2, note="narrow N, M 65-4096: 64x64 tiles, K in 2"),
     C("mm", 64, 64, 4, 4, split_k=4, note="narrow N: q_a 1536x7168 at M 33-64, kv_a 576x7168 at M 65-256"),
 )

@@ -29,10 +29,8 @@ from .norm_dynamic_kernels import (
     per_token_mode,
 )
 
-_block_replays = ReplayCache(head=5)
-_loop_replays = ReplayCache(head=5)
-_packed_replays = ReplayCache(head=5)
-_REPLAYS = {"block": _block_replays, "loop": _loop_replays, "packed": _packed_replays}
+#: replays of earlier launches, one cache per kernel (:class:`.norm_dynamic_kernels.DynConfig` paths)
+_REPLAYS = {path: ReplayCache(head=5) for path in ("block", "loop", "packed")}
 
 
 def _launch(cfg: DynConfig, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, q: torch.Tensor,
