@@ -600,16 +600,17 @@ def _norm_reference(x: Any, weight: Any, eps: float, residual: Any, per_token: b
 #: Launched through Triton's JIT (the graph timer replays them: its host cost is not timed). ``packed`` shapes
 #: whose block would exceed :data:`PACKED_MAX_ELEMENTS` are skipped.
 NORM_SHAPES = (("block", 1, 4), ("block", 1, 8), ("block", 2, 8), ("packed", 1, 4), ("packed", 1, 8),
-               ("packed", 2, 8), ("packed", 3, 8), ("packed", 3, 16), ("packed", 6, 16))
+               ("packed", 2, 8), ("packed", 3, 8), ("packed", 3, 16), ("packed", 6, 16), ("parts", 1, 2),
+               ("parts", 1, 4), ("parts", 1, 8))
 PACKED_MAX_ELEMENTS = 16384
 
 
 def _config_runs(nd: Any, xs: list, rs: list, w: Any, eps: float, tokens: int, hidden: int, residual: bool,
                  sets: int, code_check: Callable[[bool], Any]) -> dict[str, Any]:
     """``--norm-configs``: the dynamic kernel at every launch shape of :data:`NORM_SHAPES`, group and token modes
-    (labels ``group_block_r1w8``, ``group_packed_r3w8``, ``group_loop_c8w4``), and ``static``: the static-scale
-    RMSNorm + quant kernel over the same rows (the same bytes, one fixed scale: what computing the dynamic scales
-    costs)."""
+    (labels ``group_block_r1w8``, ``group_packed_r3w8``, ``group_parts_w4``, ``group_loop_c8w4``), and ``static``:
+    the static-scale RMSNorm + quant kernel over the same rows (the same bytes, one fixed scale: what computing the
+    dynamic scales costs)."""
     import torch
 
     from fp8_backends.providers.triton import norm_kernels
@@ -633,6 +634,11 @@ def _config_runs(nd: Any, xs: list, rs: list, w: Any, eps: float, tokens: int, h
                     continue
                 cfg = nd.DynConfig("packed", n, groups, GROUP, warps)
                 label = f"{mode}_packed_r{n}w{warps}"
+            elif path == "parts":
+                if base.path == "loop":
+                    continue
+                cfg = nd.DynConfig("parts", 1, -(-hidden // GROUP), GROUP, warps)
+                label = f"{mode}_parts_w{warps}"
             elif base.path == "loop":
                 continue
             else:

@@ -79,7 +79,7 @@ def gemm_variant(cfg: Any, even: bool = True, align: int = 16, split: int | None
     name = f"{cfg.name} even_k={even} row_align={align}" + (" fused" if x_quant else "")
     if cfg.family == "gemv":
         consts = dict(common, BLOCK_N=cfg.block_n, GROUPS=cfg.groups, EVEN_K=even, ROW_ALIGN=align, **unit,
-                      stride_xsk=1, stride_wsk=1, X_QUANT=x_quant, FMAX=448.0)
+                      stride_xsk=1, stride_wsk=1, X_QUANT=x_quant, FMAX=448.0, PREFETCH=cfg.stages > 1)
         types = dict(GEMM_TYPES, x_ptr="*bf16") if x_quant else GEMM_TYPES
         return name, compile_variant(K.block_gemv_kernel, types, consts, aligned, cfg.warps, cfg.stages)
     if cfg.family == "tma":
@@ -111,10 +111,11 @@ def quant_variant(k: int, group: int) -> tuple[str, dict]:
                                                                     "stride_qm"], cfg.num_warps, 3))
 
 
-def norm_variant(t: int, h: int, add: bool, per_token: bool) -> tuple[str, dict]:
+def norm_variant(t: int, h: int, add: bool, per_token: bool, cfg: Any = None) -> tuple[str, dict]:
+    """The fused norm's kernel for ``[t, h]`` rows at :func:`dyn_config`'s launch (or ``cfg``)."""
     from fp8_backends.providers.triton import norm_dynamic_kernels as nd
 
-    cfg = nd.dyn_config(t, h, add, 128, per_token)
+    cfg = cfg or nd.dyn_config(t, h, add, 128, per_token)
     types = dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", q_ptr=P8, s_ptr="*fp32", T="i32", H="i32",
                  stride_x="i32", stride_r="i32", stride_q="i32", stride_w="i32", stride_sm="i32", stride_sg="i32",
                  eps="fp32")
@@ -125,6 +126,9 @@ def norm_variant(t: int, h: int, add: bool, per_token: bool) -> tuple[str, dict]
         fn = nd._norm_dyn_packed_kernel
         consts = dict(common, ROWS=cfg.rows, ROWS_P2=1 << (cfg.rows - 1).bit_length(), NGR=cfg.ng,
                       SLOTS=1 << (cfg.rows * cfg.ng - 1).bit_length(), GB=cfg.gb, PER_TOKEN=per_token)
+    elif cfg.path == "parts":
+        p0, p1, p2 = nd.row_parts(cfg.ng)
+        fn, consts = nd._norm_dyn_parts_kernel, dict(common, P0=p0, P1=p1, P2=p2, GB=cfg.gb, PER_TOKEN=per_token)
     else:
         fn, consts = nd._norm_dyn_block_kernel, dict(common, ROWS=cfg.rows, NG=cfg.ng, GB=cfg.gb)
     name = f"norm T={t} H={h} add={add} per_token={per_token} {cfg.path} rows={cfg.rows} ng={cfg.ng} gb={cfg.gb}"

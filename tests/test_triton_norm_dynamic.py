@@ -130,12 +130,33 @@ def test_packed_path(t, h, group, rows, mode, residual):
 
 
 @needs_kernels
-@pytest.mark.parametrize("path", ["block", "loop", "packed"])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize(("h", "group"), [(640, 128), (200, 64), (896, 128), (1900, 128), (1024, 128)])
+def test_parts_path(h, group, mode, residual):
+    """A row as up to three power-of-two blocks of groups: 5 = 4 + 1 groups, 4 = 2 + 1 + 1 with a short last group
+    (200 = 3 x 64 + 8), 7 = 4 + 2 + 1, 15 = 8 + 4 + (3 rounded up to 4, one slot idle) with a short last group, and
+    a power of two (one part)."""
+    cfg = nk.DynConfig("parts", 1, -(-h // group), group, 4)
+    _run_and_check(3, h, mode, residual, group=group, config=cfg)
+
+
+def test_row_parts():
+    assert nk.row_parts(40) == (32, 8, 0) and nk.row_parts(56) == (32, 16, 8) and nk.row_parts(64) == (64, 0, 0)
+    assert nk.row_parts(120) == (64, 32, 32) and nk.row_parts(1) == (1, 0, 0) and nk.row_parts(7) == (4, 2, 1)
+
+
+#: the packed and parts launches of 384-column rows (3 groups of 128): 3 rows in one packed program, 2 + 1 parts
+_ONE_PROGRAM_CONFIGS = {"packed": nk.DynConfig("packed", 3, 3, 128, 4), "parts": nk.DynConfig("parts", 1, 3, 128, 4)}
+
+
+@needs_kernels
+@pytest.mark.parametrize("path", ["block", "loop", "packed", "parts"])
 @pytest.mark.parametrize("mode", list(MODES))
 def test_a_nan_row_is_nan_and_alone(mode, path):
     x, r, w = _inputs(4, 384, torch.float32, seed=3)
     x[2, 5] = float("nan")
-    cfg = {"block": None, "packed": nk.DynConfig("packed", 3, 3, 128, 4),
+    cfg = {"block": None, **_ONE_PROGRAM_CONFIGS,
            "loop": nk.dyn_config(4, 384, False, 128, mode == "token", single_pass_max=64, loop_block=128)}[path]
     q, s, _ = nd.rmsnorm_quant_dynamic(x, w, EPS, act_scale=MODES[mode], config=cfg)
     rq, rs, _ = R.rmsnorm_quant_dynamic(x, w, EPS, None, mode == "token")
@@ -144,15 +165,15 @@ def test_a_nan_row_is_nan_and_alone(mode, path):
     assert_close(q, s, rq, rs)
 
 
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("path", ["block", "packed", "parts"])
 @needs_kernels
 @pytest.mark.parametrize("mode", list(MODES))
-def test_an_inf_matches_the_reference(mode, packed):
+def test_an_inf_matches_the_reference(mode, path):
     """An inf makes its row's sum of squares inf (rsqrt 0): the reference's 0 · inf is NaN in that group (whole row
     per token), zeros elsewhere; the kernels, which scale the maxima of ``x · w`` by the rsqrt, give the same."""
     x, r, w = _inputs(3, 384, torch.float32, seed=4)
     x[1, 200] = float("inf")
-    cfg = nk.DynConfig("packed", 3, 3, 128, 4) if packed else None
+    cfg = {"block": None, **_ONE_PROGRAM_CONFIGS}[path]
     q, s, _ = nd.rmsnorm_quant_dynamic(x, w, EPS, act_scale=MODES[mode], config=cfg)
     rq, rs, _ = R.rmsnorm_quant_dynamic(x, w, EPS, None, mode == "token")
     assert torch.isnan(rs[1]).any() and not torch.isnan(rs[[0, 2]]).any()

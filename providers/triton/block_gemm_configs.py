@@ -63,7 +63,8 @@ class BlockTileConfig:
     - ``family``: ``gemv``, ``swap``, ``mm`` or ``tma`` (module docstring).
     - ``block_m`` / ``block_n``: the tile over tokens (M) and output channels (N); ``gemv`` has ``block_m = 1``.
     - ``groups``: ``gemv`` only, activation groups per K step.
-    - ``stages``: software-pipelining depth; ``warps``: ``num_warps``.
+    - ``stages``: software-pipelining depth (``gemv``: 2 loads each step's operands while the step before is
+      computed, named ``_s2``); ``warps``: ``num_warps``.
     - ``group_m``: ``mm``/``tma`` grouped tile order.
     - ``split_k``: ``swap``/``mm``: 1, a fixed count, or 0 (per launch, :func:`auto_split`).
     - ``persistent``: ``tma`` only, programs per SM walking the tiles (0: one program per tile).
@@ -90,6 +91,8 @@ class BlockTileConfig:
         if self.family == "gemv":
             if self.block_m != 1 or self.block_n > wbn:
                 raise ValueError(f"{self.name}: gemv takes block_m = 1 and block_n <= {wbn}")
+            if self.stages not in (1, 2):
+                raise ValueError(f"{self.name}: gemv takes stages 1 or 2 (its loads one step ahead)")
         elif self.block_m < 16 or self.block_n < 16:
             raise ValueError(f"{self.name}: tensor-core tiles need block_m, block_n >= 16")
         if self.family == "swap" and self.block_n > wbn:
@@ -104,7 +107,8 @@ class BlockTileConfig:
     @property
     def name(self) -> str:
         if self.family == "gemv":
-            return f"gemv_n{self.block_n}_g{self.groups}_w{self.warps}"
+            ahead = f"_s{self.stages}" if self.stages > 1 else ""
+            return f"gemv_n{self.block_n}_g{self.groups}_w{self.warps}{ahead}"
         g = f"_g{self.group_m}" if self.family in ("mm", "tma") else ""
         sk = f"_sk{self.split_k}" if self.family in ("swap", "mm") else ""
         p = f"_p{self.persistent}" if self.persistent else ""
@@ -114,10 +118,10 @@ class BlockTileConfig:
     def from_name(cls, name: str) -> BlockTileConfig:
         """The config a name spells (the inverse of :attr:`name`), e.g. ``mm_n64_m64_s4_w4_g8_sk7``: for configs that
         are not shipped (``bench/block_gemm.py --configs``). Raises ``ValueError`` on a name that spells none."""
-        gemv = re.fullmatch(r"gemv_n(\d+)_g(\d+)_w(\d+)", name)
+        gemv = re.fullmatch(r"gemv_n(\d+)_g(\d+)_w(\d+)(?:_s(\d+))?", name)
         if gemv:
-            n, groups, warps = map(int, gemv.groups())
-            return cls("gemv", 1, n, 1, warps, groups=groups)
+            n, groups, warps = map(int, gemv.groups()[:3])
+            return cls("gemv", 1, n, int(gemv.group(4) or 1), warps, groups=groups)
         tiled = re.fullmatch(r"(swap|mm|tma)_n(\d+)_m(\d+)_s(\d+)_w(\d+)(?:_g(\d+))?(?:_sk(\d+))?(?:_p(\d+))?", name)
         if tiled is None:
             raise ValueError(f"{name!r} spells no block GEMM config (e.g. mm_n128_m64_s4_w4_g8_sk0)")
@@ -158,6 +162,10 @@ CONFIG_LIST: tuple[BlockTileConfig, ...] = (
     C("gemv", 1, 8, 1, 4, groups=8, note="M = 1, the activation quantized in the launch (fused), K > 2048: 8 rows "
       "per program, so each program's quantization of the row is spread over 8 weight rows"),
     C("gemv", 1, 16, 1, 2, groups=2, note="M = 1 fused, K <= 2048 (q_b 24576x1536, kv_b 32768x512)"),
+    C("gemv", 1, 2, 2, 2, groups=8, note="gemv_n2_g8_w2 with each step's loads issued a step ahead"),
+    C("gemv", 1, 4, 2, 4, groups=4, note="gemv_n4_g4_w4 with each step's loads issued a step ahead"),
+    C("gemv", 1, 8, 2, 4, groups=8, note="gemv_n8_g8_w4 (fused) with each step's loads issued a step ahead"),
+    C("gemv", 1, 16, 2, 2, groups=2, note="gemv_n16_g2_w2 (fused) with each step's loads issued a step ahead"),
     C("swap", 16, 64, 8, 4, split_k=0, note="M <= 16: 64 KB of weight in flight per program"),
     C("swap", 16, 64, 6, 4, split_k=0, note="M <= 16, fewer stages (more programs per SM)"),
     C("swap", 16, 128, 4, 4, split_k=0, note="M <= 16, wide N"),

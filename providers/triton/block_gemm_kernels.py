@@ -118,6 +118,49 @@ def _finish(acc, offs_m, offs_n, M, N, tile, split, out_ptr, stride_om, stride_o
 
 
 @triton.jit
+def _gemv_load(w_ptrs, x_ptrs, xs_ptrs, ws_row, k0, K, cols, offs_g, stride_wk, stride_xk, stride_xsk, stride_wsk,
+               GROUPS: tl.constexpr, GROUP_K: tl.constexpr, WBK: tl.constexpr, EVEN_K: tl.constexpr,
+               X_QUANT: tl.constexpr):
+    """The GEMV's operands of the K step at column ``k0``: weight ``[BLOCK_N, GROUPS, GROUP_K]``, activation
+    ``[GROUPS, GROUP_K]`` and their ``[GROUPS]`` scales (``X_QUANT``: no activation scales, the weight's in their
+    place)."""
+    ws_ptrs = ws_row + ((k0 + offs_g * GROUP_K) // WBK) * stride_wsk
+    w_ptrs += k0 * stride_wk
+    x_ptrs += k0 * stride_xk
+    xs_ptrs += (k0 // GROUP_K) * stride_xsk
+    if EVEN_K:
+        wv = tl.load(w_ptrs)
+        xv = tl.load(x_ptrs)
+        ws = tl.load(ws_ptrs)
+        xs = ws
+        if not X_QUANT:
+            xs = tl.load(xs_ptrs)
+    else:
+        k_left = K - k0
+        in_k = cols < k_left
+        in_g = offs_g * GROUP_K < k_left
+        wv = tl.load(w_ptrs, mask=in_k[None, :, :], other=0.0)
+        xv = tl.load(x_ptrs, mask=in_k, other=0.0)
+        ws = tl.load(ws_ptrs, mask=in_g, other=0.0)
+        xs = ws
+        if not X_QUANT:
+            xs = tl.load(xs_ptrs, mask=in_g, other=0.0)
+    return wv, xv, xs, ws
+
+
+@triton.jit
+def _gemv_step(acc, wv, xv, xs, ws, X_QUANT: tl.constexpr, FMAX: tl.constexpr, CODE: tl.constexpr):
+    """One K step of the GEMV: ``acc += w · (x · x_scale · w_scale)`` per element; ``X_QUANT``: ``xv`` is unquantized
+    and its groups are quantized here to ``CODE`` first (masked columns load 0: they move no amax)."""
+    if X_QUANT:
+        xf = xv.to(tl.float32)
+        xs = dynamic_scale(nan_max_reduce(tl.abs(xf), 1), FMAX)  # [GROUPS]
+        xv = scaled_cast(xf, xs[:, None], FMAX, CODE)
+    xd = xv.to(tl.float32) * (xs * ws)[:, None]  # the dequantized activation, both scales folded in
+    return acc + wv.to(tl.float32) * xd[None, :, :]
+
+
+@triton.jit
 def block_gemv_kernel(
     x_ptr, w_ptr, out_ptr, xs_ptr, ws_ptr, bias_ptr,
     M, N, K,
@@ -125,13 +168,14 @@ def block_gemv_kernel(
     stride_xsm, stride_xsk, stride_wsn, stride_wsk, stride_b,
     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP_K: tl.constexpr, WBN: tl.constexpr, WBK: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, ROW_ALIGN: tl.constexpr, USE_PDL: tl.constexpr,
-    X_QUANT: tl.constexpr, FMAX: tl.constexpr,
+    X_QUANT: tl.constexpr, FMAX: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """CUDA-core GEMV: ``BLOCK_N`` weight rows (within one weight block: ``WBN % BLOCK_N == 0``) against token
     ``program_id(1)``, ``GROUPS`` activation groups (``GROUPS · GROUP_K`` columns) per step, held as a
     ``[BLOCK_N, GROUPS, GROUP_K]`` block so each group's two scales are one load each. ``EVEN_K``: ``K`` is a
     multiple of ``GROUPS · GROUP_K``. ``X_QUANT``: ``x`` is unquantized and each group is quantized here to
-    ``w``'s float8 type (largest value ``FMAX``); ``xs_ptr`` is then never read."""
+    ``w``'s float8 type (largest value ``FMAX``); ``xs_ptr`` is then never read. ``PREFETCH``: each step's loads
+    are issued before the step before is computed (two steps in flight; the last step loads itself again)."""
     pid_n = tl.program_id(0)
     m = tl.program_id(1)
     stride_xm, stride_wn, K = _row_aligned(stride_xm, stride_wn, K, ROW_ALIGN)
@@ -149,32 +193,22 @@ def block_gemv_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_N, GROUPS, GROUP_K), dtype=tl.float32)
-    for k0 in range(0, K, STEP):
-        ws_ptrs = ws_row + ((k0 + offs_g * GROUP_K) // WBK) * stride_wsk
-        if EVEN_K:
-            wv = tl.load(w_ptrs)
-            xv = tl.load(x_ptrs)
-            if not X_QUANT:
-                xs = tl.load(xs_ptrs)
-            ws = tl.load(ws_ptrs)
-        else:
-            k_left = K - k0
-            in_k = cols < k_left
-            in_g = offs_g * GROUP_K < k_left
-            wv = tl.load(w_ptrs, mask=in_k[None, :, :], other=0.0)
-            xv = tl.load(x_ptrs, mask=in_k, other=0.0)
-            if not X_QUANT:
-                xs = tl.load(xs_ptrs, mask=in_g, other=0.0)
-            ws = tl.load(ws_ptrs, mask=in_g, other=0.0)
-        if X_QUANT:  # the group quantization (masked columns load 0: they move no amax), codes in w's type
-            xf = xv.to(tl.float32)
-            xs = dynamic_scale(nan_max_reduce(tl.abs(xf), 1), FMAX)  # [GROUPS]
-            xv = scaled_cast(xf, xs[:, None], FMAX, w_ptr.dtype.element_ty)
-        xd = xv.to(tl.float32) * (xs * ws)[:, None]  # the dequantized activation, both scales folded in
-        acc += wv.to(tl.float32) * xd[None, :, :]
-        w_ptrs += STEP * stride_wk
-        x_ptrs += STEP * stride_xk
-        xs_ptrs += GROUPS * stride_xsk
+    code = w_ptr.dtype.element_ty
+    if PREFETCH:
+        k_final = ((K - 1) // STEP) * STEP
+        wv, xv, xs, ws = _gemv_load(w_ptrs, x_ptrs, xs_ptrs, ws_row, 0, K, cols, offs_g, stride_wk, stride_xk,
+                                    stride_xsk, stride_wsk, GROUPS, GROUP_K, WBK, EVEN_K, X_QUANT)
+        for k0 in range(0, K, STEP):
+            wn, xn, xsn, wsn = _gemv_load(w_ptrs, x_ptrs, xs_ptrs, ws_row, tl.minimum(k0 + STEP, k_final), K, cols,
+                                          offs_g, stride_wk, stride_xk, stride_xsk, stride_wsk, GROUPS, GROUP_K, WBK,
+                                          EVEN_K, X_QUANT)
+            acc = _gemv_step(acc, wv, xv, xs, ws, X_QUANT, FMAX, code)
+            wv, xv, xs, ws = wn, xn, xsn, wsn
+    else:
+        for k0 in range(0, K, STEP):
+            wv, xv, xs, ws = _gemv_load(w_ptrs, x_ptrs, xs_ptrs, ws_row, k0, K, cols, offs_g, stride_wk, stride_xk,
+                                        stride_xsk, stride_wsk, GROUPS, GROUP_K, WBK, EVEN_K, X_QUANT)
+            acc = _gemv_step(acc, wv, xv, xs, ws, X_QUANT, FMAX, code)
     total = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCK_N]
     _bias_store(total, tl.full((1,), 0, tl.int32) + m, offs_n, M, N, out_ptr, stride_om, stride_on, bias_ptr,
                 stride_b, HAS_BIAS)

@@ -170,6 +170,84 @@ def _norm_dyn_packed_kernel(
 
 
 @triton.jit
+def _part_in(x_row, r_row, w_ptr, first_group, H, stride_w, P: tl.constexpr, GB: tl.constexpr, ADD: tl.constexpr,
+             USE_PDL: tl.constexpr):
+    """Groups ``first_group`` to ``first_group + P - 1`` of a row as a ``[P, GB]`` block: the fp32 ``x (+ residual)``
+    (the residual stored), ``x · w``, its sum of squares and its groups' maxima of ``|x · w|``."""
+    cols = (first_group + tl.arange(0, P))[:, None] * GB + tl.arange(0, GB)[None, :]
+    mask = cols < H
+    x, w = _sum_and_weight(x_row, r_row, w_ptr, cols, cols, cols * stride_w, mask, mask, ADD, USE_PDL)
+    xw = x * w
+    return xw, tl.sum(tl.sum(x * x, axis=1), axis=0), nan_max_reduce(tl.abs(xw), 1)
+
+
+@triton.jit
+def _part_out(xw, amax, rrms, inv_token, q_row, s_row, first_group, H, stride_sg, FMAX: tl.constexpr,
+              P: tl.constexpr, GB: tl.constexpr, PER_TOKEN: tl.constexpr):
+    """Quantize and store a part of :func:`_part_in`: per group (its scales stored) or by the row's ``inv_token``."""
+    groups = first_group + tl.arange(0, P)
+    cols = groups[:, None] * GB + tl.arange(0, GB)[None, :]
+    if PER_TOKEN:
+        inv = inv_token
+    else:
+        scale = nan_maximum(tl.math.div_rn(amax * rrms, FMAX), 1e-12)  # [P]
+        tl.store(s_row + groups * stride_sg, scale, mask=groups * GB < H)
+        inv = (tl.math.div_rn(1.0, scale) * rrms)[:, None]
+    q = nan_clamp(xw * inv, -FMAX, FMAX)
+    tl.store(q_row + cols, q.to(q_row.dtype.element_ty), mask=cols < H)
+
+
+@triton.jit
+def _norm_dyn_parts_kernel(
+    x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, H, stride_x, stride_r, stride_q, stride_w, stride_sm, stride_sg, eps,
+    FMAX: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, GB: tl.constexpr,
+    PER_TOKEN: tl.constexpr, ADD: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """One row per program as up to three power-of-two blocks of ``GB``-column groups (``P0 + P1 + P2`` groups, ``P1``
+    / ``P2`` zero when absent; :func:`row_parts`): a row of 40 groups (H = 5120) is 32 + 8 groups with no idle lane,
+    where one power-of-two block holds 64. The one-pass kernel's order of operations: each part's maxima of
+    ``|x · w|`` and sum of squares, then the row's ``rsqrt``, then the scales and codes part by part."""
+    eps = tl.cast(eps, tl.float32)
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    r_row = r_ptr + row * stride_r
+    q_row = q_ptr + row * stride_q
+    s_row = s_ptr + row * stride_sm
+    xw0, ss, a0 = _part_in(x_row, r_row, w_ptr, 0, H, stride_w, P0, GB, ADD, USE_PDL)
+    amax = nan_max_reduce(a0, 0)
+    if P1 > 0:
+        xw1, ss1, a1 = _part_in(x_row, r_row, w_ptr, P0, H, stride_w, P1, GB, ADD, False)
+        ss += ss1
+        amax = nan_maximum(amax, nan_max_reduce(a1, 0))
+    if P2 > 0:
+        xw2, ss2, a2 = _part_in(x_row, r_row, w_ptr, P0 + P1, H, stride_w, P2, GB, ADD, False)
+        ss += ss2
+        amax = nan_maximum(amax, nan_max_reduce(a2, 0))
+    rrms = tl.math.rsqrt(ss / H + eps)
+    inv_token = rrms
+    if PER_TOKEN:
+        token_scale = nan_maximum(tl.math.div_rn(amax * rrms, FMAX), 1e-12)
+        tl.store(s_row, token_scale)
+        inv_token = tl.math.div_rn(1.0, token_scale) * rrms
+    _part_out(xw0, a0, rrms, inv_token, q_row, s_row, 0, H, stride_sg, FMAX, P0, GB, PER_TOKEN)
+    if P1 > 0:
+        _part_out(xw1, a1, rrms, inv_token, q_row, s_row, P0, H, stride_sg, FMAX, P1, GB, PER_TOKEN)
+    if P2 > 0:
+        _part_out(xw2, a2, rrms, inv_token, q_row, s_row, P0 + P1, H, stride_sg, FMAX, P2, GB, PER_TOKEN)
+
+
+def row_parts(groups: int) -> tuple[int, int, int]:
+    """A row of ``groups`` groups as the parts of :func:`_norm_dyn_parts_kernel`: the two largest powers of two of
+    ``groups``' binary form, and the power of two at or above the rest (its idle lanes masked): 40 -> (32, 8, 0),
+    56 -> (32, 16, 8), 120 -> (64, 32, 32)."""
+    p0 = 1 << (groups.bit_length() - 1)
+    rest = groups - p0
+    p1 = 1 << (rest.bit_length() - 1) if rest else 0
+    rest -= p1
+    return p0, p1, triton.next_power_of_2(rest) if rest else 0
+
+
+@triton.jit
 def _row_chunk(x_row, r_row, cols, mask, ADD: tl.constexpr, EVICT: tl.constexpr):
     """One chunk of a row: the fp32 sum ``x (+ residual)``."""
     v = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
@@ -261,7 +339,8 @@ PACKED_MAX_FILL = 0.75
 class DynConfig(NamedTuple):
     """A launch: ``path`` ``"block"`` (``rows`` rows of ``ng`` groups of ``gb`` columns per program), ``"packed"``
     (``rows`` rows of ``ng = ceil(H / gb)`` groups each, packed into the power of two of slots at or above
-    ``rows · ng``) or ``"loop"`` (one row per program, chunks of ``ng`` groups of ``gb`` columns), and its warps."""
+    ``rows · ng``), ``"parts"`` (one row of ``ng = ceil(H / gb)`` groups as :func:`row_parts`; per token ``gb`` only
+    slices the row) or ``"loop"`` (one row per program, chunks of ``ng`` groups of ``gb`` columns), and its warps."""
 
     path: str
     rows: int
@@ -317,6 +396,9 @@ def kernel_args(cfg: DynConfig, x: torch.Tensor, residual: torch.Tensor | None, 
     if cfg.path == "loop":
         return (_norm_dyn_loop_kernel, (t,),
                 (x, r, weight, q, s, h, *strides, eps, fmax, cfg.ng, cfg.gb, per_token, add, use_pdl))
+    if cfg.path == "parts":
+        return (_norm_dyn_parts_kernel, (t,),
+                (x, r, weight, q, s, h, *strides, eps, fmax, *row_parts(cfg.ng), cfg.gb, per_token, add, use_pdl))
     if cfg.path == "packed":
         return (_norm_dyn_packed_kernel, ((t + cfg.rows - 1) // cfg.rows,),
                 (x, r, weight, q, s, t, h, *strides, eps, fmax, cfg.rows, triton.next_power_of_2(cfg.rows), cfg.ng,

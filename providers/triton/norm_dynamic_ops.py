@@ -30,7 +30,7 @@ from .norm_dynamic_kernels import (
 )
 
 #: replays of earlier launches, one cache per kernel (:class:`.norm_dynamic_kernels.DynConfig` paths)
-_REPLAYS = {path: ReplayCache(head=5) for path in ("block", "loop", "packed")}
+_REPLAYS = {path: ReplayCache(head=5) for path in ("block", "loop", "packed", "parts")}
 
 
 def _launch(cfg: DynConfig, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, q: torch.Tensor,
