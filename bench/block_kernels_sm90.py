@@ -151,6 +151,7 @@ def variants(quick: bool) -> list[tuple[str, Any]]:
         out.append(("quant", lambda: quant_variant(7168, 128)))
         out.append(("norm", lambda: norm_variant(4096, 7168, True, False)))
         out.append(("norm", lambda: norm_variant(16384, 5120, False, False)))  # the packed kernel
+        out.append(("norm", lambda: norm_variant(16384, 5120, True, False, _parts(5120))))
         return out
     for cfg in bc.CONFIG_LIST:
         out.append((cfg.family, lambda cfg=cfg: gemm_variant(cfg)))
@@ -169,7 +170,19 @@ def variants(quick: bool) -> list[tuple[str, Any]]:
             for per_token in (False, True):
                 out.append(("norm", lambda t=t, h=h, add=add, per_token=per_token: norm_variant(t, h, add,
                                                                                                  per_token)))
+    for h in (5120, 7168):  # the parts kernel (a candidate launch, not dyn_config's yet)
+        for add in (False, True):
+            for per_token in (False, True):
+                out.append(("norm", lambda h=h, add=add, per_token=per_token: norm_variant(16384, h, add, per_token,
+                                                                                           _parts(h))))
     return out
+
+
+def _parts(h: int) -> Any:
+    """The parts launch of a ``[T, h]`` norm (one row per program, 4 warps)."""
+    from fp8_backends.providers.triton import norm_dynamic_kernels as nd
+
+    return nd.DynConfig("parts", 1, -(-h // 128), 128, 4)
 
 
 def problems(family: str, info: dict[str, Any]) -> list[str]:
