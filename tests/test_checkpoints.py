@@ -147,6 +147,62 @@ def test_a_block_checkpoint_is_served_or_refused_clearly(ckpt, key):
     assert set(summary.schemes()) == {"weights 128x128 blocks, activations dynamic per-token groups of 128"}
 
 
+@pytest.mark.parametrize("block", [[128, 64], [64, 64], [128, 256], [256, 128]])
+def test_a_block_size_no_provider_serves_is_refused_from_the_config(ckpt, tmp_path, block):
+    """Only 128x128 weight blocks are served (every built-in provider's declaration): another size is refused from
+    config.json, before a module of the model is swapped or a tensor read."""
+    if not block_layer_served():
+        pytest.skip("no block mode in this version's Fp8Linear")
+    bad = cp.edit_checkpoint(ckpt("hf_block"), tmp_path / "b", config={"quantization_config": {
+        "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": block}})
+    with pytest.raises(CheckpointError, match=f"weight_block_size {block[0]}x{block[1]} .* no registered GEMM "
+                       r"provider serves this block-wise mode \(served: .*128x128 blocks with groups of 128"):
+        load_pretrained(bad, device="cpu")
+    model = torch.nn.Sequential(torch.nn.Linear(256, 128, bias=False))
+    state = {"0.weight": torch.zeros(128, 256, dtype=torch.float8_e4m3fn), "0.weight_scale_inv": torch.ones(1, 2)}
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": block}
+    with pytest.raises(CheckpointError, match="no registered GEMM provider"):
+        load_fp8_state_dict(model, state, qc, device="cpu")
+    assert type(model[0]) is torch.nn.Linear  # left as it was
+
+
+@needs_ct
+def test_compressed_tensors_block_structure_as_a_string():
+    """compressed-tensors reads ``block_structure: "128x128"`` (the string its earlier versions wrote) as [128, 128]:
+    so does the loader; a size no provider serves is refused either way."""
+    from fp8_backends.checkpoints.detect import detect_format
+
+    def config(block):
+        return {"quantization_config": {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                        "config_groups": {"g": {"targets": ["Linear"], "weights": {
+                                            "num_bits": 8, "type": "float", "strategy": "block",
+                                            "block_structure": block}, "input_activations": {
+                                            "num_bits": 8, "type": "float", "strategy": "group", "group_size": 128,
+                                            "dynamic": True}}}}}
+
+    scheme = detect_format(config("128x128")).scheme_for("model.layers.0.mlp.down_proj", ["Linear"])
+    assert scheme is not None and scheme.block == (128, 128) and scheme.group_size == 128
+    with pytest.raises(CheckpointError, match="block_structure must be two positive integers"):
+        detect_format(config("128 by 128"))
+    with pytest.raises(CheckpointError, match="no registered GEMM provider"):
+        detect_format(config([64, 128]))
+
+
+def test_two_weight_scales_of_one_weight_are_ambiguous(ckpt, tmp_path):
+    """An HF fp8 linear holding both ``weight_scale_inv`` and ``weight_scale``: which one scales it is not known."""
+    from safetensors.torch import load_file
+
+    path = ckpt("hf_block")
+    state = load_file(str(path / "model.safetensors"))
+    name = next(k for k in state if k.endswith(".weight_scale_inv"))
+    twin = name.removesuffix("_inv")
+    bad = cp.edit_checkpoint(path, tmp_path / "two", put={twin: state[name] * 2})
+    with pytest.raises(CheckpointError, match="weight_scale_inv and weight_scale: which one scales its weight is "
+                       "ambiguous") as err:
+        load_pretrained(bad, device="cpu")
+    assert err.value.tensor == name
+
+
 # ------------------------------------------------------------------------------------------------ cross-checks
 def test_transformers_own_loader_reads_the_hf_fp8_writer_output_alike(ckpt):
     """The format's own consumer: transformers loads the fp8 checkpoint (dequantized to bf16 on a CPU) and its logits

@@ -26,7 +26,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .formats import QuantFormat, fail, require_block, require_mapping, require_str_list
+from .formats import QuantFormat, fail, require_block, require_mapping, require_served_block, require_str_list
 from .schemes import Scheme
 
 #: per-module formats whose FP8 weights are stored as float8 values with their scales
@@ -107,6 +107,16 @@ def _args(group: Mapping[str, Any], key: str, gname: str, source: str) -> Mappin
     return args
 
 
+def _block_structure(value: object) -> object:
+    """A ``block_structure`` as compressed-tensors reads it: ``[BN, BK]``, or the string ``"BNxBK"`` its earlier
+    versions wrote (``"128x128"``); anything else as it is (``require_block`` refuses it)."""
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*", value)
+        if m:
+            return [int(m.group(1)), int(m.group(2))]
+    return value
+
+
 def _group_scheme(group: Mapping[str, Any], gname: str, source: str) -> Scheme:
     where = f"config_groups[{gname!r}]"
     if group.get("output_activations") is not None:
@@ -122,7 +132,8 @@ def _group_scheme(group: Mapping[str, Any], gname: str, source: str) -> Scheme:
         raise fail(f"{where}.weights are dynamic: not served", source)
     block = None
     if w_strategy == "block":
-        block = require_block(weights.get("block_structure"), f"{where}.weights.block_structure", source)
+        block = require_block(_block_structure(weights.get("block_structure")), f"{where}.weights.block_structure",
+                              source)
     elif w_strategy not in ("tensor", "channel"):
         raise fail(f"{where}.weights strategy {w_strategy!r} is not served (tensor, channel or block)", source)
     a_strategy, dynamic = inputs.get("strategy"), inputs.get("dynamic", False)
@@ -144,6 +155,8 @@ def _group_scheme(group: Mapping[str, Any], gname: str, source: str) -> Scheme:
     if (w_strategy == "block") != (act == "group") or (block is not None and group_size != block[1]):
         raise fail(f"{where}: {w_strategy} weights with {a_strategy} activations are not served (block weights pair "
                    "with dynamic group activations whose group size is the block's K)", source)
+    if block is not None:
+        require_served_block(block, block[1], f"{where}.weights.block_structure", source)
     return Scheme(w_strategy, act, block=block, group_size=group_size)
 
 

@@ -24,7 +24,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .formats import QuantFormat, fail, require_block, require_str_list
+from .formats import QuantFormat, fail, require_block, require_served_block, require_str_list
 from .schemes import Scheme
 
 WEIGHT_SCALE_NAMES = ("weight_scale_inv", "weight_scale")
@@ -52,6 +52,7 @@ class HfFp8Format(QuantFormat):
             if act != "dynamic":
                 raise fail("block weights with static activations are not served (weight_block_size with "
                            "activation_scheme static)", source)
+            require_served_block((bn, bk), bk, "weight_block_size", source)
             self.scheme = Scheme("block", "group", block=(bn, bk), group_size=bk, weight_scale_names=WEIGHT_SCALE_NAMES,
                                  input_scale_names=INPUT_SCALE_NAMES)
             described = f"weight_block_size [{bn}, {bk}]"

@@ -77,4 +77,31 @@ def require_block(value: object, what: str, source: str) -> tuple[int, int]:
     return int(value[0]), int(value[1])
 
 
-__all__ = ["KV_CACHE_SCALES", "QuantFormat", "fail", "require_block", "require_mapping", "require_str_list"]
+def served_block_modes() -> frozenset[tuple[int, int, int]]:
+    """``(BN, BK, group size)`` of every block-wise FP8 mode a registered GEMM provider declares
+    (:attr:`~fp8_backends.core.capabilities.GemmCapabilities.weight_blocks` x ``group_sizes``), whatever this machine
+    can run: which provider serves a layer is decided when it is loaded, on its device. Providers that failed to load
+    declare nothing."""
+    from fp8_backends.registry.discovery import LOADED, discover
+
+    modes: set[tuple[int, int, int]] = set()
+    for entry in discover("gemm"):
+        caps = getattr(entry.cls, "capabilities", None) if entry.status == LOADED else None
+        if caps is not None and getattr(caps, "block_scaled", False):
+            modes.update((bn, bk, g) for bn, bk in caps.weight_blocks for g in caps.group_sizes if bk % g == 0)
+    return frozenset(modes)
+
+
+def require_served_block(block: tuple[int, int], group: int, what: str, source: str) -> None:
+    """Refuse, from the config alone (before any tensor is read or any module swapped), ``block`` weights with
+    activation groups of ``group`` where no registered GEMM provider declares that mode (:func:`served_block_modes`)."""
+    modes = served_block_modes()
+    if (*block, group) in modes:
+        return
+    served = ", ".join(f"{bn}x{bk} blocks with groups of {g}" for bn, bk, g in sorted(modes)) or "none"
+    raise fail(f"{what} {block[0]}x{block[1]} with activation groups of {group}: no registered GEMM provider serves "
+               f"this block-wise mode (served: {served})", source)
+
+
+__all__ = ["KV_CACHE_SCALES", "QuantFormat", "fail", "require_block", "require_mapping", "require_served_block",
+           "require_str_list", "served_block_modes"]

@@ -160,6 +160,10 @@ def _plan_one(fmt: QuantFormat, info: LinearInfo, scheme: Scheme, tensors: Mappi
     if scale is None:
         raise CheckpointError(f"missing weight scale ({' or '.join(scheme.weight_scale_names)}) of an FP8 weight",
                               tensor=f"{name}.{scheme.weight_scale_names[0]}", file=weight.file)
+    both = [leaf for leaf in scheme.weight_scale_names if f"{name}.{leaf}" in tensors]
+    if len(both) > 1:
+        raise CheckpointError(f"{name} holds {' and '.join(both)}: which one scales its weight is ambiguous",
+                              tensor=scale.name, file=scale.file)
     e8m0 = scale.dtype == "F8_E8M0" and scheme.weight == "block"
     if scale.dtype not in SCALE_DTYPES and not e8m0:
         raise CheckpointError(f"scale dtype {scale.dtype} is not a float (fp32, bf16, fp16)", tensor=scale.name,
