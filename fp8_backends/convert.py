@@ -43,7 +43,7 @@ from torch import nn
 from .core.backend import Fp8GemmBackend
 from .core.errors import InvalidInputError, InvalidTypeError, UnsupportedProblemError
 from .core.objective import SelectionObjective
-from .core.types import ActScale, Fp8Dtype, WeightScale
+from .core.types import DEFAULT_WEIGHT_BLOCK, ActScale, Fp8Dtype, WeightScale
 from .layers import Fp8Linear
 from .layers.shared_input import Fp8LinearSlice, SharedInputGroup, version_of
 
@@ -90,6 +90,8 @@ class QuantizeSummary:
     objective: str = ""
     #: each fused group: ``(parent module name, sibling leaf names, fused N x K)``
     fused: list[tuple[str, tuple[str, ...], str]] = field(default_factory=list)
+    #: each group of siblings quantized one by one instead: ``(their names joined by "+", why)``
+    not_fused: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def count(self) -> int:
@@ -120,6 +122,9 @@ class QuantizeSummary:
             lines.append(f"  {len(self.fused)} fused group(s), {self.gemms} GEMMs for {self.count} layers:")
             lines += [f"    {count:4d} x {leaves} -> one {shape} GEMM"
                       for (leaves, shape), count in sorted(kinds.items())]
+        if self.not_fused:
+            lines.append(f"  not fused {len(self.not_fused)}:")
+            lines += [f"    {names}: {reason}" for names, reason in self.not_fused]
         if self.skipped:
             lines.append(f"  skipped {len(self.skipped)}:")
             lines += [f"    {name}: {reason}" for name, reason in self.skipped]
@@ -315,10 +320,21 @@ def _swap_fused(model: nn.Module, members: Sequence[tuple[str, nn.Linear]], scal
     names = [name for name, _ in members]
     leaves = tuple(name.rpartition(".")[2] for name in names)
     static = [scales[name] for name in names if name in scales]
-    try:
-        layer = Fp8Linear.from_linear(_concatenated(members), input_scale=max(static) if static else None, **quantize)
-    except UnsupportedProblemError as exc:
-        logger.info("quantize_model: %s not fused: %s", "+".join(names), str(exc).splitlines()[0])
+    reason = None
+    rows = DEFAULT_WEIGHT_BLOCK[0]
+    if quantize["weight_scale"] is WeightScale.BLOCK and any(lin.out_features % rows for _, lin in members[:-1]):
+        sizes = "/".join(str(lin.out_features) for _, lin in members)
+        reason = (f"block scales would straddle siblings ({sizes} rows: every one but the last must span whole "
+                  f"{rows}-row blocks)")
+    else:
+        try:
+            layer = Fp8Linear.from_linear(_concatenated(members), input_scale=max(static) if static else None,
+                                          **quantize)
+        except UnsupportedProblemError as exc:
+            reason = str(exc).splitlines()[0]
+    if reason is not None:
+        logger.info("quantize_model: %s not fused: %s", "+".join(names), reason)
+        summary.not_fused.append(("+".join(names), reason))
         return False
     group = SharedInputGroup([lin.out_features for _, lin in members], leaves)
     slices = [Fp8LinearSlice(group, 0, fused=layer)] + [Fp8LinearSlice(group, i) for i in range(1, len(members))]
@@ -385,8 +401,9 @@ def quantize_model(
         weight_scale: ``"per_channel"`` (one scale per output row: the default, with per-token activations the
             scheme of compressed-tensors' FP8_DYNAMIC checkpoints), ``"per_tensor"`` (the default when
             ``act_scale`` is a per-tensor mode) or ``"block"`` (block-wise FP8 as DeepSeek-V3 and Qwen3-FP8 ship it:
-            one scale per 128x128 weight block, activations quantized per token in groups of 128; fused siblings are
-            quantized as one weight, so a block may span two of them). Why per-channel x per-token is the default:
+            one scale per 128x128 weight block, activations quantized per token in groups of 128; siblings are fused
+            only where every one but the last spans whole 128-row blocks, so that no block straddles two of them:
+            ``summary.not_fused`` names the others). Why per-channel x per-token is the default:
             README ("The default scheme").
         backend: GEMM provider for every layer: a name (``"auto"``, ``"triton"``, ``"DIST:NAME@opt=v"``), an
             instance, or ``None`` (``FP8_GEMM_BACKEND``, else ``auto``).
@@ -450,7 +467,9 @@ def quantize_model(
                 "batches never reached has no scale either)")
     elif input_scales or calibration is not None:
         raise InvalidInputError(f"calibration and input_scales are for act_scale='per_tensor_static', not {mode.value}")
-    explicit = backend not in (None, "auto") or isinstance(backend, Fp8GemmBackend)
+    from .registry.resolution import requests_auto
+
+    explicit = not requests_auto("gemm", backend)  # None: FP8_GEMM_BACKEND may name one
     quantize = {"act_scale": mode, "weight_scale": wmode, "weight_dtype": weight_dtype, "input_dtype": fp8_in,
                 "backend": backend, "objective": objective}
     group_of = {name: members for members in _sibling_groups(targets, patterns, seen_inputs) for name, _ in members}

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from .core import validation as V
 from .core.backend import Fp8GemmBackend
 from .core.errors import InvalidInputError
-from .core.types import ActScale, Fp8Dtype, PreparedWeight, QuantizedActivation
+from .core.types import ActScale, Fp8Dtype, PreparedWeight, QuantizedActivation, WeightScale
 from .layers.general_path import apply_fp8_linear
 
 if TYPE_CHECKING:
@@ -57,7 +57,8 @@ def fp8_linear(
       ``Fp8Linear``; no ``backend``: it holds them), or a :class:`PreparedWeight` from ``backend.prepare_weight``.
     - ``backend``: the provider instance that prepared the weight (required with a PreparedWeight).
     - ``input_scale``: fp32 one value; its presence selects static per-tensor quantization unless
-      ``act_scale`` says otherwise (default without it: dynamic per-tensor).
+      ``act_scale`` says otherwise (default without it: dynamic per-tensor; for a block-scaled weight per token
+      group, the mode it pairs with).
     - ``x``: ``[..., K]`` bf16/fp16/fp32 or a :class:`QuantizedActivation`; ``bias``: ``[N]`` in the
       output dtype. The output is ``[..., N]`` in ``out_dtype`` (default: ``x``'s dtype, or the
       activation's ``orig_dtype``).
@@ -89,10 +90,18 @@ def fp8_linear(
             f"fp8_linear with a PreparedWeight needs backend= (the {layer_or_weight.backend!r} provider "
             "instance that prepared it)"
         )
-    if act_scale is None:
+    prepared = layer_or_weight.default.prepared if kernel is not None else layer_or_weight
+    if act_scale is None and prepared.weight_scale is WeightScale.BLOCK:
+        mode = ActScale.PER_TOKEN_GROUP  # the one mode a block weight pairs with
+    elif act_scale is None:
         mode = ActScale.PER_TENSOR_STATIC if input_scale is not None else ActScale.PER_TENSOR_DYNAMIC
     else:
         mode = ActScale.of(act_scale)
+    block = prepared.weight_scale is WeightScale.BLOCK
+    if not isinstance(x, QuantizedActivation) and (mode is ActScale.PER_TOKEN_GROUP) != block:
+        raise InvalidInputError(  # before the activation is quantized
+            f"{prepared.weight_scale.value} weight scales do not pair with {mode.value} activation scales (block "
+            "weights pair with per_token_group activations, and only they)")
     if mode is not ActScale.PER_TENSOR_STATIC and input_scale is not None:
         raise InvalidInputError(f"input_scale is only used by static quantization, not {mode.value}")
     if input_scale is not None:

@@ -301,6 +301,64 @@ def test_quantize_model_block_on_a_transformers_model():
         quantize_model(nn.Sequential(nn.Linear(128, 128)), weight_scale="block", act_scale="per_token")
 
 
+class _Attention(nn.Module):
+    def __init__(self, q: int, kv: int, k: int = 256) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(k, n, bias=False).to(torch.bfloat16) for n in (q, kv, kv))
+
+
+def test_quantize_model_block_fuses_siblings_only_on_whole_blocks():
+    """q/k/v of 200/72/72 rows would share a 128-row block between q and k: quantized one by one, and the summary
+    says why; 256/128/128 fuse, and each sibling's weight_scale is its own rows of blocks."""
+    torch.manual_seed(0)
+    ragged = nn.Sequential(_Attention(200, 72))
+    summary = quantize_model(ragged, weight_scale="block")
+    assert not summary.fused and summary.count == 3
+    assert [names for names, _ in summary.not_fused] == ["0.q_proj+0.k_proj+0.v_proj"]
+    assert "straddle" in summary.not_fused[0][1] and "not fused 1:" in str(summary)
+    assert all(isinstance(m, Fp8Linear) for m in ragged[0].children())
+    aligned = nn.Sequential(_Attention(256, 128))
+    original = {name: lin.weight.detach().float().clone() for name, lin in aligned[0].named_children()}
+    summary = quantize_model(aligned, weight_scale="block")
+    assert len(summary.fused) == 1 and not summary.not_fused
+    for name, piece in aligned[0].named_children():
+        assert tuple(piece.weight_scale.shape) == (-(-piece.out_features // 128), 2), name
+        w = reference.dequantize_block(piece.weight, piece.weight_scale)
+        assert ((w - original[name]).norm() / original[name].norm()).item() < 0.05, name
+
+
+def test_quantize_model_raises_where_the_environment_names_a_backend_that_cannot_serve(monkeypatch):
+    """FP8_GEMM_BACKEND is an explicit choice, as a backend= argument is: no layer is skipped in silence."""
+    from fp8_backends.core.errors import UnsupportedProblemError
+
+    monkeypatch.setenv("FP8_GEMM_BACKEND", "cutlass")  # CUDA only: it cannot serve these CPU layers
+    model = nn.Sequential(nn.Linear(256, 128).to(torch.bfloat16))
+    with pytest.raises(UnsupportedProblemError, match="cutlass"):
+        quantize_model(model, weight_scale="block")
+    assert type(model[0]) is nn.Linear
+
+
+def test_fp8_linear_with_a_block_weight_defaults_to_groups_and_refuses_other_modes_first(monkeypatch):
+    """The functional call with a block-scaled weight: per-token-group activations by default (the one mode it pairs
+    with); another mode is refused before the activation is quantized."""
+    from fp8_backends import GemmProblem, fp8_linear, resolve_gemm_backend
+    from fp8_backends.layers import general_path
+
+    w_q, w_s = reference.quantize_block(torch.randn(200, 256) * 0.05)
+    backend = resolve_gemm_backend("auto", problem=GemmProblem(n=200, k=256, act_scale="per_token_group",
+                                                               weight_scale="block", device="cpu"))
+    prepared = backend.prepare_weight(w_q, w_s)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    xq, xs = reference.quantize_per_token_group(x)
+    want = reference.fp8_gemm(xq, w_q, xs, w_s, torch.float32)
+    torch.testing.assert_close(fp8_linear(x, prepared, backend=backend).float(), want, rtol=2e-2, atol=2e-2)
+    calls = []
+    monkeypatch.setattr(general_path.quant, "quantize_checked", lambda *a, **k: calls.append(a))
+    with pytest.raises(InvalidInputError, match="block weight scales do not pair with per_tensor_dynamic"):
+        fp8_linear(x, prepared, backend=backend, act_scale="per_tensor_dynamic")
+    assert calls == []
+
+
 # ------------------------------------------------------------------------------------------------ GPU
 def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
     """Relative Frobenius error: elementwise bounds fail on FP8 rounding ties (a group's code one step apart where

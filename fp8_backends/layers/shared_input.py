@@ -129,7 +129,8 @@ class Fp8LinearSlice(nn.Module):
     Attributes: ``in_features``, ``out_features``, ``index`` (its place in the group), ``start`` (its first row),
     ``group`` (:class:`SharedInputGroup`); the group's first slice also holds the fused layer as ``fused``.
     ``weight`` / ``weight_scale`` / ``bias`` are views of the fused layer's rows (``weight_scale`` the one value of a
-    per-tensor scale)."""
+    per-tensor scale; with block scales the rows of blocks that hold this sibling's rows: its own, since fused
+    block-scaled siblings span whole blocks)."""
 
     def __init__(self, group: SharedInputGroup, index: int, fused: Fp8Linear | None = None) -> None:
         super().__init__()
@@ -165,7 +166,12 @@ class Fp8LinearSlice(nn.Module):
 
     @property
     def weight_scale(self) -> torch.Tensor:
-        return self._rows(self.group.layer.weight_scale)
+        layer = self.group.layer
+        block = getattr(layer, "weight_block", None)
+        if block is None:
+            return self._rows(layer.weight_scale)
+        first, end = self.start, self.start + self.out_features  # block scales: this sibling's rows of blocks
+        return layer.weight_scale[first // block[0]:-(-end // block[0])]
 
     @property
     def bias(self) -> torch.Tensor | None:
