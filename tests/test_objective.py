@@ -731,9 +731,9 @@ def test_block_wise_qwen3_runs_cutlass_where_the_scaled_mm_call_is_host_bound(mo
     on cutlass's Python op (60 µs: a saving of 15 µs, under half the context) q/k/v takes the cheapest hidden call,
     triton's (30 µs; in the shipped data its kernel takes 21.4 µs at M = 256 and 61.1 at 1024 against cutlass's
     22.1 / 44.5: decided at both ends, the bucket stays on triton), and gate/up, whose other kernels do not hide,
-    stays. At M <= 1024 the gate/up call is kernel-bound at the top (166.0 µs against cutlass's 172.3) but host-bound at the bottom (M = 256): decided
-    at both ends, the bucket goes to the C++ op (232 µs summed against 291), not to the Python op (a saving of 15 µs
-    a call, under half the context). CUDA graphs take the kernel answer."""
+    stays. At M <= 1024 the gate/up call is kernel-bound at the top (166.0 µs against cutlass's 172.3) but host-bound at
+    the bottom (M = 256): decided at both ends, the bucket goes to the C++ op (232 µs summed against 291), not to the
+    Python op (a saving of 15 µs a call, under half the context). CUDA graphs take the kernel answer."""
     from fp8_backends.providers.cutlass import native_op
 
     monkeypatch.setattr(native_op, "expected", lambda: cutlass_native)
