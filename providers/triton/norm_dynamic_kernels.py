@@ -41,6 +41,9 @@ Paths (the launch shape of :func:`dyn_config`, from the static kernel's :func:`.
 - packed (one pass): ``ROWS`` rows per program packed group after group into a power-of-two block of ``G``-column
   slots, the rows' sums and maxima gathered over their slots; large launches whose row fills less than
   :data:`PACKED_MAX_FILL` of its power-of-two block of groups run it with one row per program (H = 5120).
+- parts (one pass, a candidate launch that :func:`dyn_config` does not choose until measured): one row per program as
+  up to three power-of-two blocks of groups (:func:`row_parts`: H = 5120 is 32 + 8 groups), so no lane idles and no
+  gather over slots is needed; 80 registers a thread on sm_90a at H = 5120 against the packed kernel's 120.
 - two / three passes (larger ``H``): one row per program in chunks of ``NGC x G`` columns: the sum of squares, then
   (per token) the amax of the normalized row, then normalize / quantize / store, re-reading the row (mostly from L2);
   the residual is stored in the last pass, from the same fp32 sum.
