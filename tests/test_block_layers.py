@@ -329,11 +329,22 @@ def test_quantize_model_block_fuses_siblings_only_on_whole_blocks():
 
 def test_quantize_model_raises_where_the_environment_names_a_backend_that_cannot_serve(monkeypatch):
     """FP8_GEMM_BACKEND is an explicit choice, as a backend= argument is: no layer is skipped in silence."""
-    from fp8_backends.core.errors import UnsupportedProblemError
+    import dataclasses
 
-    monkeypatch.setenv("FP8_GEMM_BACKEND", "cutlass")  # CUDA only: it cannot serve these CPU layers
+    from fp8_backends.core.errors import UnsupportedProblemError
+    from fp8_backends.core.types import DeviceKind
+    from fp8_backends.providers.torch_scaled_mm import TorchScaledMMBackend
+    from fp8_backends.registry.registration import register_provider
+
+    class CudaOnlyBlock(TorchScaledMMBackend):  # serves block-wise FP8, but on CUDA tensors only
+        name = "cuda_only_block"
+        aliases = ()
+        capabilities = dataclasses.replace(TorchScaledMMBackend.capabilities, devices=frozenset({DeviceKind.CUDA}))
+
+    monkeypatch.setenv("FP8_GEMM_BACKEND", "cuda_only_block")
     model = nn.Sequential(nn.Linear(256, 128).to(torch.bfloat16))
-    with pytest.raises(UnsupportedProblemError, match="cutlass"):
+    with register_provider(CudaOnlyBlock, dist="fp8-backends-tests"), pytest.raises(UnsupportedProblemError,
+                                                                                   match="cuda_only_block"):
         quantize_model(model, weight_scale="block")
     assert type(model[0]) is nn.Linear
 

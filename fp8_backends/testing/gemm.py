@@ -11,7 +11,9 @@
             return MyGemmBackend()
 
 Every test reads what the provider declares (its :class:`~fp8_backends.GemmCapabilities`) and checks it:
-declared scale modes, FP8 types, output dtypes and bias match :func:`fp8_backends.core.reference.fp8_gemm` (see
+declared scale modes (block-wise FP8 too: per-token-group activation scales in each declared group size, block weight
+scales in each declared block, over several blocks and groups with ragged last ones), FP8 types, output dtypes and
+bias match :func:`fp8_backends.core.reference.fp8_gemm` (see
 :mod:`fp8_backends.testing.compare` for the tolerances) on random data and edge shapes; everything undeclared
 is refused with reasons by ``supports()`` and with :class:`~fp8_backends.InvalidInputError` before any
 kernel runs; malformed inputs raise the library's errors; the module imports no heavy library; the entry
@@ -30,7 +32,17 @@ import pytest
 
 from fp8_backends.core.capabilities import GemmCapabilities
 from fp8_backends.core.padding import round_up
-from fp8_backends.core.types import ActScale, BiasMode, DeviceKind, Fp8Dtype, GemmProblem, OutDtype, WeightScale
+from fp8_backends.core.types import (
+    DEFAULT_WEIGHT_BLOCK,
+    ActScale,
+    BiasMode,
+    DeviceKind,
+    Fp8Dtype,
+    GemmProblem,
+    OutDtype,
+    ScaleLayout,
+    WeightScale,
+)
 
 from ._base import ContractBase, expect_refusal, no_kernel_runs, platform_for
 from .compare import GEMM_RTOL, assert_gemm_close, relative_error
@@ -44,30 +56,47 @@ _PER_TENSOR_SHAPES = ((), (1,), (1, 1))  # every shape a per-tensor scale may ta
 class GemmCase:
     """One combination of what a GEMM provider may declare, and the scale shapes used for it."""
 
-    act: str  # "tensor" (one x_scale value) or "token" ([M, 1])
+    act: str  # "tensor" (one x_scale value), "token" ([M, 1]) or "group" ([M, ceil(K/G)], with block weights)
     weight: WeightScale
     x_dtype: Fp8Dtype
     w_dtype: Fp8Dtype
     out: OutDtype
     bias: bool
     shape_variant: int = 0  # rotates through the accepted scale shapes
+    group_size: int = 128  # block-wise: the activation group G
+    block: tuple[int, int] = DEFAULT_WEIGHT_BLOCK  # block-wise: the weight block (BN, BK)
+    layout: ScaleLayout = ScaleLayout.ROW_MAJOR  # block-wise: the layout of x_scale
+
+    @property
+    def block_scaled(self) -> bool:
+        return self.act == "group"
 
     @property
     def id(self) -> str:
         types = self.x_dtype.value if self.x_dtype is self.w_dtype else f"{self.x_dtype.value}x{self.w_dtype.value}"
-        return f"x-{self.act}_w-{self.weight.value.removeprefix('per_')}_{types}_{self.out.value}" + (
-            "_bias" if self.bias else "")
+        if self.block_scaled:
+            scales = f"x-group{self.group_size}-{self.layout.value}_w-block{self.block[0]}x{self.block[1]}"
+        else:
+            scales = f"x-{self.act}_w-{self.weight.value.removeprefix('per_')}"
+        return f"{scales}_{types}_{self.out.value}" + ("_bias" if self.bias else "")
 
     def act_scale(self, caps: GemmCapabilities) -> ActScale:
+        if self.act == "group":
+            return ActScale.PER_TOKEN_GROUP
         if self.act == "token":
             return ActScale.PER_TOKEN
         return ActScale.PER_TENSOR_DYNAMIC if ActScale.PER_TENSOR_DYNAMIC in caps.act_scales else (
             ActScale.PER_TENSOR_STATIC)
 
     def problem(self, caps: GemmCapabilities, m: int | None, n: int, k: int, device: str) -> GemmProblem:
+        block = {"group_size": self.group_size, "weight_block": self.block} if self.block_scaled else {}
         return GemmProblem(n=n, k=k, m=m, input_dtype=self.x_dtype, weight_dtype=self.w_dtype, out_dtype=self.out,
                            act_scale=self.act_scale(caps), weight_scale=self.weight, has_bias=self.bias,
-                           device=DeviceKind(device))
+                           device=DeviceKind(device), **block)
+
+    def prepare_kwargs(self) -> dict[str, Any]:
+        """What ``prepare_weight`` is told besides the tensors: the block and group size of a block weight."""
+        return {"block": self.block, "group_size": self.group_size} if self.weight is WeightScale.BLOCK else {}
 
     def data(self, m: int, n: int, k: int, device: str, seed: int = 0) -> dict[str, Any]:
         """Random inputs: ``x [M, K]``, ``w [N, K]`` (FP8 from N(0, 2²)), scales in [0.01, 0.06], bias N(0, 4²)
@@ -77,18 +106,28 @@ class GemmCase:
         g = torch.Generator().manual_seed(seed * 7919 + m * 131 + n * 17 + k)
         x = (torch.randn(m, k, generator=g) * 2).to(self.x_dtype.torch_dtype())
         w = (torch.randn(n, k, generator=g) * 2).to(self.w_dtype.torch_dtype())
-        if self.act == "token":
+        if self.act == "group":  # one scale per token and group, in [0.01, 0.06]
+            xs = torch.rand(m, -(-k // self.group_size), generator=g) * 0.05 + 0.01
+        elif self.act == "token":
             xs = torch.rand(m, 1, generator=g) * 0.05 + 0.01
         else:
             xs = torch.tensor(0.03).reshape(_PER_TENSOR_SHAPES[self.shape_variant % 3])
-        if self.weight is WeightScale.PER_CHANNEL:
+        if self.weight is WeightScale.BLOCK:
+            bn, bk = self.block
+            ws = torch.rand(-(-n // bn), -(-k // bk), generator=g) * 0.05 + 0.01
+        elif self.weight is WeightScale.PER_CHANNEL:
             ws = (torch.rand(n, generator=g) * 0.05 + 0.01).reshape((n,) if self.shape_variant % 2 == 0 else (n, 1))
         else:
             ws = torch.tensor(0.02).reshape(_PER_TENSOR_SHAPES[(self.shape_variant + 1) % 3])
         bias = (torch.randn(n, generator=g) * 4).to(self.out.torch_dtype()) if self.bias else None
         moved = {key: None if t is None else t.to(device) for key, t in
                  (("x", x), ("w", w), ("xs", xs), ("ws", ws), ("bias", bias))}
-        return {**moved, "out": self.out.torch_dtype()}
+        if self.act == "group":
+            from fp8_backends.core import group_scales
+
+            moved["xs"] = group_scales.to_layout(moved["xs"], self.layout)
+        return {**moved, "out": self.out.torch_dtype(), "prep": self.prepare_kwargs(), "group_size": self.group_size,
+                "block": self.block}
 
 
 def reference_output(d: dict[str, Any]) -> Any:
@@ -99,13 +138,17 @@ def reference_output(d: dict[str, Any]) -> Any:
 
     if d["x"].shape[0] == 0:
         return torch.zeros(0, d["w"].shape[0], device=d["x"].device)
-    return reference.fp8_gemm(d["x"], d["w"], d["xs"], d["ws"], torch.float32, d["bias"])
+    return reference.fp8_gemm(d["x"], d["w"], d["xs"], d["ws"], torch.float32, d["bias"],
+                              group_size=d.get("group_size", 128), weight_block=d.get("block", DEFAULT_WEIGHT_BLOCK))
 
 
 def gemm_cases(caps: GemmCapabilities) -> list[GemmCase]:
     """Every declared combination of activation scale kind x weight scale x output dtype x bias with the
     default FP8 pair (e4m3fn x e4m3fn where declared), then each other declared FP8 pair (mixed ones where
-    ``mixed_inputs``) once, rotating through those combinations."""
+    ``mixed_inputs``) once, rotating through those combinations; then, where the provider serves block-wise FP8,
+    each declared (group size, weight block) pair x output dtype x bias, the activation scales' layout rotating from
+    the declared ``group_scale_layout`` through the others (a provider is handed any layout), and each other FP8
+    pair once."""
     acts = [a for a, ok in (("tensor", bool(caps.act_scales & {ActScale.PER_TENSOR_STATIC,
                                                                 ActScale.PER_TENSOR_DYNAMIC})),
                             ("token", ActScale.PER_TOKEN in caps.act_scales)) if ok]
@@ -115,13 +158,30 @@ def gemm_cases(caps: GemmCapabilities) -> list[GemmCase]:
                                         if caps.mixed_inputs else [])
     outs = [o for o in _OUT_ORDER if o in caps.out_dtypes]
     biases = [False, True] if caps.bias is not BiasMode.NONE else [False]
-    main = list(itertools.product(acts, weights, outs, biases))
-    if not main or not pairs:
+    if not pairs:
         return []
+    main = list(itertools.product(acts, weights, outs, biases))
     cases = [GemmCase(a, w, *pairs[0], o, b, i) for i, (a, w, o, b) in enumerate(main)]
-    for j, pair in enumerate(pairs[1:]):
+    for j, pair in enumerate(pairs[1:] if main else []):
         a, w, o, b = main[(5 * j + 3) % len(main)]
         cases.append(GemmCase(a, w, *pair, o, b, j))
+    return cases + _block_cases(caps, pairs, outs, biases)
+
+
+def _block_cases(caps: GemmCapabilities, pairs: list[tuple[Fp8Dtype, Fp8Dtype]], outs: list[OutDtype],
+                 biases: list[bool]) -> list[GemmCase]:
+    """The block-wise cases of :func:`gemm_cases` (none where the provider does not serve the mode)."""
+    if not caps.block_scaled:
+        return []
+    modes = [(g, b) for b in sorted(caps.weight_blocks) for g in sorted(caps.group_sizes) if b[1] % g == 0]
+    layouts = [caps.group_scale_layout, *(lay for lay in ScaleLayout if lay is not caps.group_scale_layout)]
+    main = list(itertools.product(modes, outs, biases))
+    cases = [GemmCase("group", WeightScale.BLOCK, *pairs[0], o, b, i, group_size=g, block=blk,
+                      layout=layouts[i % len(layouts)]) for i, ((g, blk), o, b) in enumerate(main)]
+    for j, pair in enumerate(pairs[1:] if main else []):
+        (g, blk), o, b = main[(3 * j + 1) % len(main)]
+        cases.append(GemmCase("group", WeightScale.BLOCK, *pair, o, b, j, group_size=g, block=blk,
+                              layout=caps.group_scale_layout))
     return cases
 
 
@@ -206,6 +266,14 @@ class GemmProviderContract(ContractBase):
     def _base(self, caps: GemmCapabilities) -> tuple[int, int]:
         return round_up(self.base_nk[0], caps.n_align), round_up(self.base_nk[1], caps.k_align)
 
+    def _base_for(self, caps: GemmCapabilities, case: GemmCase) -> tuple[int, int]:
+        """:meth:`_base`, or for a block-wise case a weight of three block rows and three groups of K, the last of
+        each ragged where the alignment allows (a kernel that reads one block's or one group's scale for all fails)."""
+        if not case.block_scaled:
+            return self._base(caps)
+        bn, bk = case.block
+        return round_up(2 * bn + self.base_nk[0], caps.n_align), round_up(2 * bk + self.base_nk[1], caps.k_align)
+
     def _edge_shapes(self, caps: GemmCapabilities) -> list[tuple[int, int, int]]:
         n, k = self._base(caps)
         na, ka = caps.n_align, caps.k_align
@@ -229,9 +297,10 @@ class GemmProviderContract(ContractBase):
             if not caps.act_scales & {ActScale.PER_TENSOR_STATIC, ActScale.PER_TENSOR_DYNAMIC}:
                 out.append(Refusal("act-per_tensor", here, {"act_scale": ActScale.PER_TENSOR_DYNAMIC}, "gemm",
                                    {"act": "tensor"}))
-            for ws in WeightScale:
+            for ws in (WeightScale.PER_TENSOR, WeightScale.PER_CHANNEL):
                 if ws not in caps.weight_scales:
                     out.append(Refusal(f"weight-{ws.value}", here, {"weight_scale": ws}, "prepare", {"weight": ws}))
+            out += _block_refusals(caps, here)
             for dt in Fp8Dtype:
                 if dt not in caps.input_dtypes:
                     out.append(Refusal(f"weight-{dt.value}", here, {"weight_dtype": dt, "input_dtype": dt}, "prepare",
@@ -283,8 +352,9 @@ class GemmProviderContract(ContractBase):
 
     # ------------------------------------------------------------------ numerics
     def test_matches_reference(self, device: str, case: GemmCase) -> None:
-        """Each declared combination, at ``M = 5`` and the base (N, K), against the reference."""
-        self._run_case(device, case, 5, *self._base(self.make_provider().capabilities))
+        """Each declared combination, at ``M = 5`` and the base (N, K) (block-wise: several blocks and groups), against
+        the reference."""
+        self._run_case(device, case, 5, *self._base_for(self.make_provider().capabilities, case))
 
     def test_edge_shapes(self, device: str, shape: tuple[int, int, int]) -> None:
         """M = 0, 1, odd; N and K at their alignment (and odd multiples of it); default combination."""
@@ -295,19 +365,22 @@ class GemmProviderContract(ContractBase):
         drops, swaps or caches a scale fails."""
         provider = self.provider()
         caps = provider.capabilities
-        n, k = self._base(caps)
         platform = platform_for(device)
         outs = {c.out for c in self.cases(caps)}
         out = OutDtype.FP32 if OutDtype.FP32 in outs else min(outs, key=_OUT_ORDER.index, default=None)
         for case in self.cases(caps):
             if case.out is not out or case.bias or case.x_dtype is not case.w_dtype:
                 continue
+            n, k = self._base_for(caps, case)
             if provider.supports(case.problem(caps, 7, n, k, device), platform):
                 continue
             d = case.data(7, n, k, device, seed=3)
-            y1 = provider.gemm(d["x"], provider.prepare_weight(d["w"], d["ws"]), d["xs"], out_dtype=d["out"])
-            y_w = provider.gemm(d["x"], provider.prepare_weight(d["w"], d["ws"] * 2), d["xs"], out_dtype=d["out"])
-            y_x = provider.gemm(d["x"], provider.prepare_weight(d["w"], d["ws"]), d["xs"] * 2, out_dtype=d["out"])
+            prep = d["prep"]
+            y1 = provider.gemm(d["x"], provider.prepare_weight(d["w"], d["ws"], **prep), d["xs"], out_dtype=d["out"])
+            y_w = provider.gemm(d["x"], provider.prepare_weight(d["w"], d["ws"] * 2, **prep), d["xs"],
+                                out_dtype=d["out"])
+            y_x = provider.gemm(d["x"], provider.prepare_weight(d["w"], d["ws"], **prep), d["xs"] * 2,
+                                out_dtype=d["out"])
             for label, y2 in (("w_scale", y_w), ("x_scale", y_x)):
                 err = relative_error(y2, 2 * y1.float())
                 assert err <= 1e-6, f"{case.id}: doubling {label} changed the output by {err:.3g}, not 2x"
@@ -324,19 +397,23 @@ class GemmProviderContract(ContractBase):
         assert reasons and all(isinstance(r, str) and r for r in reasons), (refusal.id, reasons)
         if refusal.device != "cpu" and not _cuda_here():
             return
-        ok_case = gemm_cases(caps)[0]
+        cases = gemm_cases(caps)
+        ok_case = next((c for c in cases if not c.block_scaled), cases[0])
+        n, k = self._base_for(caps, ok_case)
         over = refusal.override
         case = GemmCase(over.get("act", ok_case.act), over.get("weight", ok_case.weight),
                         over.get("x_dtype", ok_case.x_dtype), over.get("w_dtype", ok_case.w_dtype),
-                        over.get("out", ok_case.out), over.get("bias", ok_case.bias))
+                        over.get("out", ok_case.out), over.get("bias", ok_case.bias),
+                        group_size=over.get("group_size", ok_case.group_size), block=over.get("block", ok_case.block),
+                        layout=ok_case.layout)
         d = case.data(4, over.get("n", n), over.get("k", k), refusal.device)
         with no_kernel_runs(provider, _HOOKS) as calls:
             if refusal.call == "prepare":
-                expect_refusal(lambda: provider.prepare_weight(d["w"], d["ws"]), calls, None, refusal.id)
+                expect_refusal(lambda: provider.prepare_weight(d["w"], d["ws"], **d["prep"]), calls, None, refusal.id)
                 return
             good = ok_case.data(4, n, k, refusal.device)
             w = d["w"] if case.w_dtype is not ok_case.w_dtype else good["w"]
-            prepared = provider.prepare_weight(w, good["ws"])
+            prepared = provider.prepare_weight(w, good["ws"], **good["prep"])
             calls.clear()
             expect_refusal(lambda: provider.gemm(d["x"], prepared, d["xs"], out_dtype=d["out"], bias=d["bias"]),
                            calls, None, refusal.id)
@@ -349,11 +426,17 @@ class GemmProviderContract(ContractBase):
         need, build, match = _BAD_INPUTS[bad]
         if not need(caps, device):
             pytest.skip(f"{bad}: not applicable to this provider on {device}")
-        case = gemm_cases(caps)[0]
-        n, k = self._base(caps)
+        cases = gemm_cases(caps)
+        classic = [c for c in cases if not c.block_scaled]
+        pool = {"classic": classic, "block": [c for c in cases if c.block_scaled]}.get(_BAD_MODES.get(bad), classic or
+                                                                                     cases)
+        if not pool:
+            pytest.skip(f"{bad}: for {_BAD_MODES[bad]} scales, which this provider does not declare")
+        case = pool[0]
+        n, k = self._base_for(caps, case)
         d = case.data(4, n, k, device)
         with no_kernel_runs(provider, _HOOKS) as calls:
-            prepared = provider.prepare_weight(d["w"], d["ws"])
+            prepared = provider.prepare_weight(d["w"], d["ws"], **d["prep"])
             calls.clear()
             ctx = {"p": provider, "prepared": prepared, "device": device, "caps": caps, "n": n, "k": k, **d}
             expect_refusal(build(ctx), calls, match, bad)
@@ -370,7 +453,7 @@ class GemmProviderContract(ContractBase):
         for case in served:
             for m in (0, 1, 17) if case.act == "tensor" else (1, 17):
                 d = case.data(m, n, k, device)
-                prepared = provider.prepare_weight(d["w"], d["ws"])  # load time: eager, real tensors
+                prepared = provider.prepare_weight(d["w"], d["ws"], **d["prep"])  # load time: eager, real tensors
                 mode = FakeTensorMode(allow_non_fake_inputs=False)
                 fake = _fakeify(mode, {**d, "prepared": prepared})
                 with mode:
@@ -394,7 +477,7 @@ class GemmProviderContract(ContractBase):
         n, k = self._base(caps)
         for case in self._served_kinds(provider, device, n, k, lambda c: (c.act, c.weight)):
             d = case.data(5, n, k, device)
-            prepared = provider.prepare_weight(d["w"], d["ws"])
+            prepared = provider.prepare_weight(d["w"], d["ws"], **d["prep"])
             keys = provider.traced_extra_keys(prepared, case.problem(caps, 5, n, k, device).act_scale)
             if keys is None or type(prepared) is not PreparedWeight:
                 continue
@@ -413,7 +496,7 @@ class GemmProviderContract(ContractBase):
         n, k = self._base(caps)
         for case in self._served_kinds(provider, device, n, k, lambda c: (c.act, c.weight)):
             d = case.data(5, n, k, device)
-            prepared = provider.prepare_weight(d["w"], d["ws"])
+            prepared = provider.prepare_weight(d["w"], d["ws"], **d["prep"])
             for mode in caps.act_scales:
                 got = provider.traced_fused_quant_max_m(prepared, mode)
                 assert type(got) is int and got >= 0, (case.id, mode, got)
@@ -436,7 +519,7 @@ class GemmProviderContract(ContractBase):
             if case.x_dtype is not Fp8Dtype.E4M3FN:
                 continue
             d = case.data(1, n, k, device)
-            prepared = provider.prepare_weight(d["w"], d["ws"])
+            prepared = provider.prepare_weight(d["w"], d["ws"], **d["prep"])
             for mode in sorted(caps.act_scales, key=lambda mode: mode.value):
                 bound = provider.traced_fused_quant_max_m(prepared, mode)
                 if not bound:
@@ -495,7 +578,7 @@ class GemmProviderContract(ContractBase):
                     x = wide[:, :k] if m == 5 else wide[:, :k].contiguous()
                     static = mode is ActScale.PER_TENSOR_STATIC
                     input_scale = torch.tensor([0.02], device=device) if static else None
-                    prepared = provider.prepare_weight(d["w"], d["ws"])
+                    prepared = provider.prepare_weight(d["w"], d["ws"], **d["prep"])
                     with torch.no_grad():
                         y = provider.fused_quant_gemm_impl(x, prepared, mode, input_scale, d["out"], d["bias"])
                         bound = provider.bind_fused_quant_gemm(prepared, mode, input_scale, d["out"], d["bias"])(x)
@@ -523,7 +606,7 @@ class GemmProviderContract(ContractBase):
         n, k = self._base(caps)
         case = self._served_case(provider, device, n, k)
         d = case.data(5, n, k, device)
-        prepared = provider.prepare_weight(d["w"], d["ws"])
+        prepared = provider.prepare_weight(d["w"], d["ws"], **d["prep"])
 
         def f(x: Any, xs: Any) -> Any:
             return provider.gemm(x, prepared, xs, out_dtype=d["out"], bias=d["bias"]) * 2
@@ -550,7 +633,7 @@ class GemmProviderContract(ContractBase):
                 if provider.supports(case.problem(caps, m, n, k, device), platform):
                     continue  # e.g. a small-M kernel forced by an option
                 d = case.data(m, n, k, device)
-                prepared = provider.prepare_weight(d["w"], d["ws"])
+                prepared = provider.prepare_weight(d["w"], d["ws"], **d["prep"])
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
@@ -579,7 +662,7 @@ class GemmProviderContract(ContractBase):
         n, k = round_up(1024, caps.n_align), round_up(2048, caps.k_align)
         for case in self._gpu_cases(provider, n, k):
             d = case.data(5, n, k, device)
-            prepared = provider.prepare_weight(d["w"], d["ws"])
+            prepared = provider.prepare_weight(d["w"], d["ws"], **d["prep"])
 
             def f(x: Any, xs: Any, prepared: Any = prepared, d: dict[str, Any] = d) -> Any:
                 return provider.gemm(x, prepared, xs, out_dtype=d["out"], bias=d["bias"]) * 2
@@ -601,7 +684,7 @@ class GemmProviderContract(ContractBase):
         n, k = round_up(1024, caps.n_align), round_up(2048, caps.k_align)
         for case in self._gpu_cases(provider, n, k):
             d = case.data(5, n, k, device)
-            prepared = provider.prepare_weight(d["w"], d["ws"])  # checks scale values: may sync (load time)
+            prepared = provider.prepare_weight(d["w"], d["ws"], **d["prep"])  # checks scale values: may sync
             provider.gemm(d["x"], prepared, d["xs"], out_dtype=d["out"], bias=d["bias"])
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
@@ -630,7 +713,7 @@ class GemmProviderContract(ContractBase):
         if reasons:
             pytest.skip(f"{provider.label} refuses {case.id} at M={m} N={n} K={k} on {device}: {'; '.join(reasons)}")
         d = case.data(m, n, k, device)
-        prepared = provider.prepare_weight(d["w"], d["ws"])
+        prepared = provider.prepare_weight(d["w"], d["ws"], **d["prep"])
         assert prepared.n == n and prepared.k == k and prepared.backend == provider.name
         assert prepared.dtype is case.w_dtype and prepared.weight_scale is case.weight
         y = provider.gemm(d["x"], prepared, d["xs"], out_dtype=d["out"], bias=d["bias"])
@@ -659,16 +742,35 @@ class GemmProviderContract(ContractBase):
         return list(out.values())
 
     def _gpu_cases(self, provider: Any, n: int, k: int) -> list[GemmCase]:
-        """The default combination and, where declared and served, per-token x per-channel with bias."""
+        """The default combination and, where declared and served, per-token x per-channel with bias and block-wise
+        (per-token groups x block weights, its declared scale layout) with bias."""
         caps = provider.capabilities
         platform = platform_for("cuda")
         cases = self.cases(caps)
         picked = [self._served_case(provider, "cuda", n, k)]
-        rowwise = [c for c in cases if c.act == "token" and c.weight is WeightScale.PER_CHANNEL
-                   and not provider.supports(c.problem(caps, 5, n, k, "cuda"), platform)]
-        if rowwise and rowwise[0] is not picked[0]:
-            picked.append(max(rowwise, key=lambda c: c.bias))
+        for wanted in (lambda c: c.act == "token" and c.weight is WeightScale.PER_CHANNEL,
+                       lambda c: c.block_scaled and c.layout is caps.group_scale_layout):
+            served = [c for c in cases if wanted(c) and not provider.supports(c.problem(caps, 5, n, k, "cuda"),
+                                                                              platform)]
+            if served and not any(wanted(c) for c in picked):
+                picked.append(max(served, key=lambda c: c.bias))
         return picked
+
+
+def _block_refusals(caps: GemmCapabilities, device: str) -> list[Refusal]:
+    """Block-wise FP8 where the provider does not serve it: the whole mode, or the 128 / 64 activation groups of
+    128x128 blocks it does not declare (asked of ``prepare_weight``, which takes the block and group size)."""
+    mode = {"act_scale": ActScale.PER_TOKEN_GROUP, "weight_scale": WeightScale.BLOCK}
+    override = {"act": "group", "weight": WeightScale.BLOCK}
+    if not caps.block_scaled:
+        return [Refusal("block", device, mode, "prepare", override)]
+    out = []
+    for group in (128, 64):
+        if group not in caps.group_sizes or DEFAULT_WEIGHT_BLOCK not in caps.weight_blocks:
+            out.append(Refusal(f"block-group-{group}", device, {**mode, "group_size": group,
+                                                                "weight_block": DEFAULT_WEIGHT_BLOCK},
+                               "prepare", {**override, "group_size": group, "block": DEFAULT_WEIGHT_BLOCK}))
+    return out
 
 
 def _cuda_here() -> bool:
@@ -711,16 +813,18 @@ _BAD_INPUTS: dict[str, tuple[Any, Any, str]] = {
     "w_q-3d": (_always, lambda c: lambda: c["p"].prepare_weight(c["w"][None], c["ws"]), "w_q must be 2-D"),
     "w_q-column-major": (_always, lambda c: lambda: c["p"].prepare_weight(c["w"].t().contiguous().t(), c["ws"]),
                          "w_q must be row-major contiguous"),
-    "w_scale-fp64": (_always, lambda c: lambda: c["p"].prepare_weight(c["w"], c["ws"].double()),
-                     "w_scale must be a float32 tensor"),
+    "w_scale-fp64": (_always, lambda c: lambda: c["p"].prepare_weight(c["w"], c["ws"].double(), **c["prep"]),
+                     "w_scale must be (a float32 tensor|float32, bfloat16 or float16)"),
     "w_scale-python-float": (_always, lambda c: lambda: c["p"].prepare_weight(c["w"], 0.5),
                              "w_scale must be a torch.Tensor"),
     "w_scale-wrong-count": (_always, lambda c: lambda: c["p"].prepare_weight(
         c["w"], c["ws"].new_ones(c["n"] + 1)), r"w_scale must have one value \(per-tensor\) or N="),
-    "w_scale-inf": (_always, lambda c: lambda: c["p"].prepare_weight(c["w"], c["ws"] * float("inf")),
+    "w_scale-inf": (_always, lambda c: lambda: c["p"].prepare_weight(c["w"], c["ws"] * float("inf"), **c["prep"]),
                     "w_scale must be finite and > 0"),
-    "w_scale-negative": (_always, lambda c: lambda: c["p"].prepare_weight(c["w"], -c["ws"]),
+    "w_scale-negative": (_always, lambda c: lambda: c["p"].prepare_weight(c["w"], -c["ws"], **c["prep"]),
                          "w_scale must be finite and > 0"),
+    "w_scale-wrong-grid": (_always, lambda c: lambda: c["p"].prepare_weight(c["w"], c["ws"][:-1], **c["prep"]),
+                           r"block w_scale for a \[N, K\] = .* must be \[ceil\(N/"),
     "x_q-not-fp8": (_always, lambda c: lambda: c["p"].gemm(c["x"].float(), c["prepared"], c["xs"], out_dtype=c["out"]),
                     "x_q must be float8_e4m3fn or float8_e5m2"),
     "x_q-wrong-k": (_always, lambda c: lambda: c["p"].gemm(c["x"][:, : c["k"] // 2].contiguous(), c["prepared"],
@@ -736,6 +840,15 @@ _BAD_INPUTS: dict[str, tuple[Any, Any, str]] = {
     "x_scale-wrong-rows": (_always, lambda c: lambda: c["p"].gemm(
         c["x"], c["prepared"], c["xs"].new_ones(c["x"].shape[0] + 1, 1), out_dtype=c["out"]),
         r"x_scale must have one value \(per-tensor\) or shape \[M, 1\]"),
+    "x_scale-wrong-groups": (_always, lambda c: lambda: c["p"].gemm(c["x"], c["prepared"], c["xs"][:, :-1],
+                                                                    out_dtype=c["out"]),
+                             r"needs per-token-group activation scales x_scale \[M, ceil\(K/"),
+    "x_scale-per-token-for-block": (_always, lambda c: lambda: c["p"].gemm(
+        c["x"], c["prepared"], c["xs"][:, :1].contiguous(), out_dtype=c["out"]),
+        r"needs per-token-group activation scales x_scale \[M, ceil\(K/"),
+    "x_scale-wrong-rows-for-block": (_always, lambda c: lambda: c["p"].gemm(
+        c["x"], c["prepared"], c["xs"].new_ones(c["x"].shape[0] + 1, c["xs"].shape[1]), out_dtype=c["out"]),
+        r"needs per-token-group activation scales x_scale \[M, ceil\(K/"),
     "x_scale-nan-on-cpu": (lambda caps, dev: dev == "cpu", lambda c: lambda: c["p"].gemm(
         c["x"], c["prepared"], c["xs"] * float("nan"), out_dtype=c["out"]), "x_scale must be finite and > 0"),
     "x_scale-zero-on-cpu": (lambda caps, dev: dev == "cpu", lambda c: lambda: c["p"].gemm(
@@ -759,6 +872,12 @@ _BAD_INPUTS: dict[str, tuple[Any, Any, str]] = {
     "prepared-by-another-provider": (_always, lambda c: lambda: c["p"].gemm(
         c["x"], _foreign(c["prepared"]), c["xs"], out_dtype=c["out"]), "needs a weight prepared by"),
 }
+
+
+#: the bad inputs that need one kind of case (the others take the first classic case, else the first block-wise one)
+_BAD_MODES = {"w_scale-wrong-count": "classic", "x_scale-wrong-rows": "classic", "w_scale-wrong-grid": "block",
+              "x_scale-wrong-groups": "block", "x_scale-per-token-for-block": "block",
+              "x_scale-wrong-rows-for-block": "block"}
 
 
 def _other_float(dtype: Any) -> Any:

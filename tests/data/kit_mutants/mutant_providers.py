@@ -133,6 +133,62 @@ class NotRegistered(GoodGemm):
     name: ClassVar[str] = "not_registered"
 
 
+_BLOCK = {"group_sizes": frozenset({64, 128}), "weight_blocks": frozenset({(128, 128)})}
+
+
+class GoodBlockGemm(GoodGemm):
+    """Correct, block-wise FP8 too (groups of 64 and 128, 128x128 blocks)."""
+
+    name: ClassVar[str] = "good_block_gemm"
+    capabilities: ClassVar[GemmCapabilities] = GemmCapabilities(
+        devices=frozenset({DeviceKind.CPU}), act_scales=frozenset(ActScale), weight_scales=frozenset(WeightScale),
+        out_dtypes=frozenset(OutDtype), bias=BiasMode.ADDED_AFTER, k_align=1, n_align=1, **_BLOCK,
+    )
+
+    def gemm_impl(self, x_q, prepared, x_scale, out_dtype, bias):
+        from fp8_backends.core import reference
+
+        if prepared.block is None:
+            return super().gemm_impl(x_q, prepared, x_scale, out_dtype, bias)
+        return reference.fp8_gemm(x_q, prepared.data, x_scale, prepared.scale, out_dtype, bias,
+                                  group_size=prepared.group_size, weight_block=prepared.block)
+
+
+class GoodBlockOnlyGemm(GoodBlockGemm):
+    """Correct, block-wise FP8 only (no per-tensor or per-token mode)."""
+
+    name: ClassVar[str] = "good_block_only_gemm"
+    capabilities: ClassVar[GemmCapabilities] = GemmCapabilities(
+        devices=frozenset({DeviceKind.CPU}), act_scales=frozenset({ActScale.PER_TOKEN_GROUP}),
+        weight_scales=frozenset({WeightScale.BLOCK}), out_dtypes=frozenset(OutDtype), bias=BiasMode.ADDED_AFTER,
+        k_align=1, n_align=1, **_BLOCK,
+    )
+
+
+class BlockIgnoresWeightScale(GoodBlockGemm):
+    """Block-wise: multiplies by no weight scale (the per-tensor modes are right)."""
+
+    name: ClassVar[str] = "block_ignores_weight_scale"
+
+    def gemm_impl(self, x_q, prepared, x_scale, out_dtype, bias):
+        import dataclasses
+
+        if prepared.block is not None:
+            prepared = dataclasses.replace(prepared, scale=prepared.scale.new_ones(prepared.scale.shape))
+        return super().gemm_impl(x_q, prepared, x_scale, out_dtype, bias)
+
+
+class BlockFirstGroupScale(GoodBlockGemm):
+    """Block-wise: applies each token's first group scale to all its groups."""
+
+    name: ClassVar[str] = "block_first_group_scale"
+
+    def gemm_impl(self, x_q, prepared, x_scale, out_dtype, bias):
+        if prepared.block is not None:
+            x_scale = x_scale[:, :1].expand(x_scale.shape).contiguous()
+        return super().gemm_impl(x_q, prepared, x_scale, out_dtype, bias)
+
+
 class GoodNorm(NormQuantBackend):
     """Correct: the reference, on the CPU."""
 

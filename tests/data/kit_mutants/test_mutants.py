@@ -4,8 +4,12 @@ in a subprocess and checks that each class fails exactly where EXPECTED_FAILURES
 from heavy_provider import HeavyImport
 from mutant_providers import (
     AcceptsUndeclared,
+    BlockFirstGroupScale,
+    BlockIgnoresWeightScale,
     DropsBias,
     FirstRowScaleOnly,
+    GoodBlockGemm,
+    GoodBlockOnlyGemm,
     GoodGemm,
     GoodNorm,
     IgnoresEps,
@@ -27,6 +31,10 @@ from fp8_backends.testing import GemmProviderContract, NormQuantProviderContract
 #: test class -> the kit tests that must fail for it (every other test of the class must pass or skip)
 EXPECTED_FAILURES = {
     "TestGoodGemm": set(),
+    "TestGoodBlockGemm": set(),
+    "TestGoodBlockOnlyGemm": set(),
+    "TestBlockIgnoresWeightScale": {"test_matches_reference", "test_scales_are_applied"},
+    "TestBlockFirstGroupScale": {"test_matches_reference"},
     "TestIgnoresWeightScale": {"test_matches_reference", "test_edge_shapes", "test_scales_are_applied",
                                "test_torch_compile_fullgraph"},
     "TestDropsBias": {"test_matches_reference", "test_edge_shapes", "test_torch_compile_fullgraph"},
@@ -76,7 +84,8 @@ def _norm(cls):
 
 
 for _cls in (GoodGemm, IgnoresWeightScale, DropsBias, LosesLastRow, FirstRowScaleOnly, SkipsValidation,
-             AcceptsUndeclared, ReadsScaleOnHost, InstanceAvailability, NegativeHostCost, HeavyImport):
+             AcceptsUndeclared, ReadsScaleOnHost, InstanceAvailability, NegativeHostCost, HeavyImport, GoodBlockGemm,
+             GoodBlockOnlyGemm, BlockIgnoresWeightScale, BlockFirstGroupScale):
     globals()[f"Test{_cls.__name__}"] = _gemm(_cls)
 globals()["TestNotRegistered"] = _gemm(NotRegistered, check_registration=True)
 for _cls in (GoodNorm, NormIgnoresWeight, ResidualNotWritten, WritesPastOut, IgnoresEps, MultipliesByScale):
