@@ -161,9 +161,10 @@ def test_reference_block_gemm_is_dequantize_then_matmul():
 
 
 # ------------------------------------------------------------------------------------- scale layouts
-@pytest.mark.parametrize("m", [1, 3, 4, 9])
+@pytest.mark.parametrize("m", [0, 1, 3, 4, 9])
 @pytest.mark.parametrize("layout", list(ScaleLayout))
 def test_group_scale_layouts(m, layout):
+    """Every layout, no tokens included (an empty scale is in every layout: its strides mean nothing)."""
     s = group_scales.empty_group_scale(m, 3, layout, "cpu")
     assert s.shape == (m, 3) and group_scales.is_layout(s, layout)
     if layout is ScaleLayout.M_MAJOR_TMA and m > 1:

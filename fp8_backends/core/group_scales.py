@@ -34,8 +34,11 @@ def tma_stride(m: int) -> int:
 
 
 def is_layout(scale: torch.Tensor, layout: ScaleLayout) -> bool:
-    """Whether the 2-D ``scale [M, G]`` is laid out as ``layout`` (strides of size-1 dimensions ignored)."""
+    """Whether the 2-D ``scale [M, G]`` is laid out as ``layout`` (strides of size-1 dimensions ignored; an empty
+    scale, no tokens or no groups, is in every layout)."""
     m, g = scale.shape
+    if m == 0 or g == 0:
+        return True
     s0, s1 = scale.stride()
     if layout is ScaleLayout.ROW_MAJOR:
         return (g <= 1 or s1 == 1) and (m <= 1 or s0 == g)

@@ -38,6 +38,7 @@ _EXPORTS = {
     "assert_codes_close": "fp8_backends.testing.compare",
     "assert_gemm_close": "fp8_backends.testing.compare",
     "assert_residual_close": "fp8_backends.testing.compare",
+    "assert_scales_close": "fp8_backends.testing.compare",
     "provider_from_spec": "fp8_backends.testing._base",
 }
 
@@ -49,6 +50,6 @@ __getattr__, __dir__ = _lazy_exports(globals(), _EXPORTS)
 
 if TYPE_CHECKING:
     from ._base import provider_from_spec
-    from .compare import assert_codes_close, assert_gemm_close, assert_residual_close
+    from .compare import assert_codes_close, assert_gemm_close, assert_residual_close, assert_scales_close
     from .gemm import GemmProviderContract
     from .norm_quant import NormQuantProviderContract

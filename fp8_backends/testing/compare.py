@@ -118,11 +118,26 @@ def assert_residual_close(actual: torch.Tensor, expected: torch.Tensor, max_ulps
     assert not bool(off.any()), f"{label}residual off by more than {max_ulps} ulp at {int(off.sum())} places"
 
 
+def assert_scales_close(actual: torch.Tensor, expected: torch.Tensor, what: str = "", rtol: float = 2e-6) -> None:
+    """Dynamic scales: the reference's shape, NaN where it has NaN, elsewhere within ``rtol`` (a few fp32 ulps: a
+    kernel sums the squares of a row in its own order)."""
+    import torch
+
+    label = f"{what}: " if what else ""
+    assert actual.dtype == torch.float32 and tuple(actual.shape) == tuple(expected.shape), (
+        f"{label}scale {actual.dtype} {tuple(actual.shape)}, expected float32 {tuple(expected.shape)}")
+    a, e = actual.cpu(), expected.cpu()
+    nan = torch.isnan(e)
+    assert torch.equal(torch.isnan(a), nan), f"{label}the scales' NaNs are not where the reference has them"
+    torch.testing.assert_close(a[~nan], e[~nan], rtol=rtol, atol=0, msg=lambda m: f"{label}scales: {m}")
+
+
 __all__ = [
     "CODES_MAX_FRACTION",
     "GEMM_RTOL",
     "assert_codes_close",
     "assert_gemm_close",
     "assert_residual_close",
+    "assert_scales_close",
     "relative_error",
 ]

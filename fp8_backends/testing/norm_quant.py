@@ -17,23 +17,38 @@ declared input dtype over 0, 1 and odd token counts and odd hidden sizes, scales
 subnormals, every per-tensor scale shape, eps; writes stay inside ``out`` and ``residual``; undeclared dtypes,
 hidden sizes, the residual variant and devices are refused before any kernel; malformed inputs raise the
 library's errors; import cost, entry point, fake-tensor shapes, ``torch.compile(fullgraph=True)``; and,
-marked ``gpu``, CUDA-graph replay, Inductor and no host syncs.
+marked ``gpu``, CUDA-graph replay, Inductor and no host syncs. Where the provider declares the dynamic modes
+(``per_token``, ``per_token_group`` in each declared group size), both calls in those modes against
+:func:`fp8_backends.core.reference.rmsnorm_quant_dynamic`: codes as above, scales within a few fp32 ulps in the
+layout asked for (each :class:`~fp8_backends.core.types.ScaleLayout`), NaN where the reference has NaN, the residual
+exact; the modes and group sizes it does not declare are refused before any kernel.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import pytest
 
+from fp8_backends.core import group_scales
 from fp8_backends.core.capabilities import NormQuantCapabilities
 from fp8_backends.core.padding import round_up
-from fp8_backends.core.types import ActScale, DeviceKind, NormQuantProblem, OutDtype, QuantizedActivation
+from fp8_backends.core.types import (
+    ActScale,
+    DeviceKind,
+    NormQuantProblem,
+    OutDtype,
+    QuantizedActivation,
+    ScaleLayout,
+)
 
 from ._base import ContractBase, _cuda_visible, expect_refusal, no_kernel_runs, platform_for
-from .compare import CODES_MAX_FRACTION, assert_codes_close, assert_residual_close
+from .compare import CODES_MAX_FRACTION, assert_codes_close, assert_residual_close, assert_scales_close
 
-_HOOKS = ("rmsnorm_quant_impl", "fused_add_rmsnorm_quant_impl")
+_HOOKS = ("rmsnorm_quant_impl", "fused_add_rmsnorm_quant_impl", "rmsnorm_quant_dynamic_impl")
+#: group sizes the refusal test asks of a provider that does not declare them
+_GROUP_SIZES = (64, 128)
 _DTYPE_ORDER = (OutDtype.BF16, OutDtype.FP16, OutDtype.FP32)
 
 
@@ -78,6 +93,9 @@ class NormQuantProviderContract(ContractBase):
     gpu_token_values: ClassVar[tuple[int, ...]] = (1, 32, 4096)
     #: hidden sizes of the CUDA-graph test (64 tokens each)
     gpu_graph_hidden_sizes: ClassVar[tuple[int, ...]] = (1024, 4096)
+    #: token counts and hidden sizes of the dynamic modes' comparison (ragged last groups among them)
+    dynamic_token_values: ClassVar[tuple[int, ...]] = (0, 1, 17)
+    dynamic_hidden_sizes: ClassVar[tuple[int, ...]] = (33, 200, 1000)
 
     # ------------------------------------------------------------------ parametrization
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
@@ -111,6 +129,11 @@ class NormQuantProviderContract(ContractBase):
                 reason="the provider declares every case this kit knows"))], ids=[r[0] for r in refusals] or ["none"])
         if "bad" in metafunc.fixturenames:
             metafunc.parametrize("bad", list(_BAD_INPUTS))
+        if "dynamic" in metafunc.fixturenames:
+            modes = dynamic_modes(caps) if isinstance(caps, NormQuantCapabilities) else []
+            metafunc.parametrize("dynamic", modes or [pytest.param(None, marks=pytest.mark.skip(
+                reason="the provider declares no dynamic mode (per_token, per_token_group)"))],
+                ids=[m.id for m in modes] or ["none"])
 
     def _hidden(self, caps: NormQuantCapabilities, h: int = 256) -> int:
         return round_up(h, caps.hidden_align)
@@ -130,6 +153,12 @@ class NormQuantProviderContract(ContractBase):
                 out.append(("hidden-misaligned", here, {"hidden": bad_hidden}))
             if not caps.residual:
                 out.append(("residual", here, {"residual": True}))
+            if ActScale.PER_TOKEN not in caps.act_scales:
+                out.append(("dynamic-per_token", here, {"act_scale": ActScale.PER_TOKEN}))
+            for group in _GROUP_SIZES:
+                if ActScale.PER_TOKEN_GROUP not in caps.act_scales or group not in caps.group_sizes:
+                    out.append((f"dynamic-per_token_group-{group}", here,
+                                {"act_scale": ActScale.PER_TOKEN_GROUP, "group_size": group}))
         declared = [d.value for d in caps.devices]
         for dev in ("cpu", "cuda"):
             if dev not in declared and (dev == "cpu" or _cuda_visible()):
@@ -314,7 +343,12 @@ class NormQuantProviderContract(ContractBase):
         x, r, w = norm_inputs(4, problem["hidden"], dtype, device)
         s = _scale(0.02, device)
         with no_kernel_runs(provider, _HOOKS) as calls:
-            if how.get("residual"):
+            if "act_scale" in how:  # a dynamic mode: no scale given
+                kw = {"act_scale": how["act_scale"], "group_size": how.get("group_size", 128)}
+                expect_refusal(lambda: provider.rmsnorm_quant(x, w, None, **kw), calls, None, rid)
+                if caps.residual:
+                    expect_refusal(lambda: provider.fused_add_rmsnorm_quant(x, r, w, None, **kw), calls, None, rid)
+            elif how.get("residual"):
                 expect_refusal(lambda: provider.fused_add_rmsnorm_quant(x, r, w, s), calls, "residual", rid)
             else:
                 expect_refusal(lambda: provider.rmsnorm_quant(x, w, s), calls, None, rid)
@@ -334,6 +368,46 @@ class NormQuantProviderContract(ContractBase):
         ctx = {"p": provider, "x": x, "r": r, "w": w, "s": _scale(0.1, device), "device": device}
         with no_kernel_runs(provider, _HOOKS) as calls:
             expect_refusal(build(ctx), calls, match, bad)
+
+    # ------------------------------------------------------------------ dynamic modes
+    def test_dynamic_matches_reference(self, device: str, dynamic: DynamicMode) -> None:
+        """Both calls in a declared dynamic mode over :attr:`dynamic_token_values` x :attr:`dynamic_hidden_sizes`
+        (every declared input dtype at one size): a typed activation of that mode whose codes, scales (in the layout
+        asked for) and updated residual match the reference."""
+        import torch
+
+        caps = self.make_provider().capabilities
+        sizes = [(t, round_up(h, caps.hidden_align), _first_dtype(caps)) for t in self.dynamic_token_values
+                 for h in self.dynamic_hidden_sizes]
+        sizes += [(3, round_up(384, caps.hidden_align), d) for d in _DTYPE_ORDER if d in caps.in_dtypes]
+        for t, h, dtype in sizes:
+            for residual in (False, True) if caps.residual else (False,):
+                provider = self._serving(device, dtype, h, residual)
+                x, r, w = norm_inputs(t, h, dtype, device, seed=5, amplitude=2.0)
+                x[:, ::7] *= 8  # loud columns: the groups' scales differ
+                ref_q, ref_s, ref_r = self._reference(x, w, r if residual else None, dynamic)
+                what = f"{dynamic.id} {dtype.value} T={t} H={h}" + (" +residual" if residual else "")
+                kw = {"act_scale": dynamic.mode, "group_size": dynamic.group_size, "scale_layout": dynamic.layout}
+                if residual:
+                    qa, r_out = provider.fused_add_rmsnorm_quant(x, r, w, None, 1e-6, **kw)
+                    assert r_out is r, f"{what}: the residual tensor given must come back, updated in place"
+                    assert_residual_close(r, ref_r, self.residual_max_ulps, what)
+                else:
+                    qa = provider.rmsnorm_quant(x, w, None, 1e-6, **kw)
+                assert isinstance(qa, QuantizedActivation) and qa.mode is dynamic.mode, f"{what}: {qa!r}"
+                assert qa.orig_dtype == dtype.torch_dtype() and qa.data.dtype == torch.float8_e4m3fn, what
+                assert_scales_close(qa.scale, ref_s, what)
+                if dynamic.mode is ActScale.PER_TOKEN_GROUP and t > 1:
+                    assert group_scales.is_layout(qa.scale, dynamic.layout), f"{what}: scale strides " \
+                        f"{qa.scale.stride()} are not {dynamic.layout.value}"
+                assert_codes_close(qa.data, ref_q, self.max_code_fraction, what)
+
+    @staticmethod
+    def _reference(x: Any, w: Any, r: Any, dynamic: DynamicMode) -> tuple[Any, Any, Any]:
+        from fp8_backends.core import reference
+
+        return reference.rmsnorm_quant_dynamic(x, w, 1e-6, act_scale=dynamic.mode, group_size=dynamic.group_size,
+                                               residual=r)
 
     # ------------------------------------------------------------------ tracing
     def test_fake_tensor_shapes(self, device: str) -> None:
@@ -539,6 +613,34 @@ class NormQuantProviderContract(ContractBase):
         assert qa.scale is s, "the activation must carry the scale it was quantized with"
         assert qa.orig_dtype == dtype.torch_dtype() and qa.mode is ActScale.PER_TENSOR_STATIC
         assert qa.data.dtype == torch.float8_e4m3fn and qa.data.shape == x.shape and qa.data.device == x.device
+
+
+@dataclass(frozen=True)
+class DynamicMode:
+    """A dynamic norm-quant mode the provider declares: per token, or per token group of ``group_size`` with the
+    scales asked for in ``layout``."""
+
+    mode: ActScale
+    group_size: int = 128
+    layout: ScaleLayout = ScaleLayout.ROW_MAJOR
+
+    @property
+    def id(self) -> str:
+        if self.mode is ActScale.PER_TOKEN:
+            return "per_token"
+        return f"per_token_group{self.group_size}-{self.layout.value}"
+
+
+def dynamic_modes(caps: NormQuantCapabilities) -> list[DynamicMode]:
+    """Per token where declared; per token group in each declared group size, the scale layout rotating through
+    :class:`~fp8_backends.core.types.ScaleLayout` (every layout at least once)."""
+    out = [DynamicMode(ActScale.PER_TOKEN)] if ActScale.PER_TOKEN in caps.act_scales else []
+    if ActScale.PER_TOKEN_GROUP in caps.act_scales and caps.group_sizes:
+        groups, layouts = sorted(caps.group_sizes), list(ScaleLayout)
+        out += [DynamicMode(ActScale.PER_TOKEN_GROUP, groups[i % len(groups)], layout)
+                for i, layout in enumerate(layouts)]
+        out += [DynamicMode(ActScale.PER_TOKEN_GROUP, g, ScaleLayout.ROW_MAJOR) for g in groups[len(layouts):]]
+    return out
 
 
 def _first_dtype(caps: NormQuantCapabilities) -> OutDtype:

@@ -210,6 +210,48 @@ class GoodNorm(NormQuantBackend):
         residual.copy_(r)
 
 
+class GoodDynamicNorm(GoodNorm):
+    """Correct, the dynamic modes too (per token, per token group of 64 / 128): the reference."""
+
+    name: ClassVar[str] = "good_dynamic_norm"
+    capabilities: ClassVar[NormQuantCapabilities] = NormQuantCapabilities(
+        devices=frozenset({DeviceKind.CPU}), in_dtypes=frozenset({OutDtype.BF16, OutDtype.FP16}),
+        act_scales=frozenset({ActScale.PER_TENSOR_STATIC, ActScale.PER_TOKEN, ActScale.PER_TOKEN_GROUP}),
+        group_sizes=frozenset({64, 128}),
+    )
+
+    def rmsnorm_quant_dynamic_impl(self, x, weight, eps, residual, act_scale, group_size, scale_layout):
+        from fp8_backends.core import group_scales, reference
+
+        q, scale, summed = reference.rmsnorm_quant_dynamic(x, weight, eps, act_scale=act_scale,
+                                                           group_size=group_size, residual=residual)
+        if residual is not None:
+            residual.copy_(summed)
+        if act_scale is ActScale.PER_TOKEN_GROUP:
+            scale = group_scales.to_layout(scale, scale_layout)
+        return q, scale
+
+
+class DynamicScaleDoubled(GoodDynamicNorm):
+    """Dynamic modes: returns twice the scale (the codes are right)."""
+
+    name: ClassVar[str] = "dynamic_scale_doubled"
+
+    def rmsnorm_quant_dynamic_impl(self, x, weight, eps, residual, act_scale, group_size, scale_layout):
+        q, scale = super().rmsnorm_quant_dynamic_impl(x, weight, eps, residual, act_scale, group_size, scale_layout)
+        return q, scale.mul_(2)
+
+
+class DynamicResidualNotWritten(GoodDynamicNorm):
+    """Dynamic modes: normalizes x + residual but leaves the residual as it was."""
+
+    name: ClassVar[str] = "dynamic_residual_not_written"
+
+    def rmsnorm_quant_dynamic_impl(self, x, weight, eps, residual, act_scale, group_size, scale_layout):
+        kept = None if residual is None else residual.clone()
+        return super().rmsnorm_quant_dynamic_impl(x, weight, eps, kept, act_scale, group_size, scale_layout)
+
+
 class NormIgnoresWeight(GoodNorm):
     name: ClassVar[str] = "norm_ignores_weight"
 

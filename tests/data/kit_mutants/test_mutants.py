@@ -7,9 +7,12 @@ from mutant_providers import (
     BlockFirstGroupScale,
     BlockIgnoresWeightScale,
     DropsBias,
+    DynamicResidualNotWritten,
+    DynamicScaleDoubled,
     FirstRowScaleOnly,
     GoodBlockGemm,
     GoodBlockOnlyGemm,
+    GoodDynamicNorm,
     GoodGemm,
     GoodNorm,
     IgnoresEps,
@@ -48,6 +51,9 @@ EXPECTED_FAILURES = {
     "TestNotRegistered": {"test_registered_under_its_name"},
     "TestHeavyImport": {"test_module_is_import_light"},
     "TestGoodNorm": set(),
+    "TestGoodDynamicNorm": set(),
+    "TestDynamicScaleDoubled": {"test_dynamic_matches_reference"},
+    "TestDynamicResidualNotWritten": {"test_dynamic_matches_reference"},
     "TestNormIgnoresWeight": {"test_rmsnorm_quant_matches_reference", "test_scale_magnitudes",
                               "test_scale_shapes_and_eps", "test_writes_stay_inside_out_and_residual",
                               "test_strided_weight_and_zero_rows"},
@@ -85,8 +91,10 @@ def _norm(cls):
 
 for _cls in (GoodGemm, IgnoresWeightScale, DropsBias, LosesLastRow, FirstRowScaleOnly, SkipsValidation,
              AcceptsUndeclared, ReadsScaleOnHost, InstanceAvailability, NegativeHostCost, HeavyImport, GoodBlockGemm,
-             GoodBlockOnlyGemm, BlockIgnoresWeightScale, BlockFirstGroupScale):
+             GoodBlockOnlyGemm,
+    GoodDynamicNorm, BlockIgnoresWeightScale, BlockFirstGroupScale):
     globals()[f"Test{_cls.__name__}"] = _gemm(_cls)
 globals()["TestNotRegistered"] = _gemm(NotRegistered, check_registration=True)
-for _cls in (GoodNorm, NormIgnoresWeight, ResidualNotWritten, WritesPastOut, IgnoresEps, MultipliesByScale):
+for _cls in (GoodNorm, NormIgnoresWeight, ResidualNotWritten, WritesPastOut, IgnoresEps, MultipliesByScale,
+             GoodDynamicNorm, DynamicScaleDoubled, DynamicResidualNotWritten):
     globals()[f"Test{_cls.__name__}"] = _norm(_cls)
