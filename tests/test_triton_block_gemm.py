@@ -307,6 +307,21 @@ def test_block_gemm_auto_and_named_configs():
 
 
 @needs_kernels
+@needs_kernels
+def test_weight_blocks_shorter_than_a_swap_tile():
+    """32-row weight blocks: ``auto``'s swap-AB pick (64-row tiles read one weight scale per K step) becomes a tiled
+    config, which computes right; naming the swap-AB config is refused."""
+    x_q, xs = R.quantize_per_token_group(torch.randn(5, 520), 128)
+    w_q, ws = R.quantize_block(torch.randn(200, 520) * 0.1, (32, 128))
+    x_q, xs, w_q, ws = (t.to(DEVICE) for t in (x_q, xs, w_q, ws))
+    ref = R.block_fp8_gemm(x_q, w_q, xs, ws, torch.float32, None, 128, (32, 128))
+    assert bc.active_table().pick(5, 200, 520).startswith("swap")
+    out = bg.block_gemm(x_q, w_q, xs, ws, None, torch.float32, weight_block=(32, 128))
+    assert relerr(out, ref) < TOL[torch.float32]
+    with pytest.raises(InvalidInputError, match="do not fit 32x128 weight blocks"):
+        bg.block_gemm(x_q, w_q, xs, ws, None, torch.float32, config="swap_n64_m16_s8_w4_sk0", weight_block=(32, 128))
+
+
 def test_empty_and_zero_k():
     x_q, w_q, xs, ws = _operands(0, 64, 128)
     assert bg.block_gemm(x_q, w_q, xs, ws).shape == (0, 64)

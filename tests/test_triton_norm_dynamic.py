@@ -221,6 +221,28 @@ def test_bad_arguments():
         nd.rmsnorm_quant_dynamic(x, w, EPS, fp8_dtype=torch.int8)
     with pytest.raises(InvalidInputError, match="scale_layout"):
         nd.rmsnorm_quant_dynamic(x, w, EPS, scale_layout="nope")
+    with pytest.raises(InvalidInputError, match="unit column stride"):
+        nd.rmsnorm_quant_dynamic(torch.zeros(64, 2).t(), w, EPS)
+    with pytest.raises(InvalidInputError, match="weight must be"):
+        nd.rmsnorm_quant_dynamic(x, torch.ones(60), EPS)
+    with pytest.raises(InvalidInputError, match="residual must be"):
+        nd.rmsnorm_quant_dynamic(x, w, EPS, torch.zeros(2, 60))
+
+
+@pytest.mark.parametrize(("cfg", "mode", "match"), [
+    (nk.DynConfig("block", 1, 8, 128, 4), "token", "as one group"),  # per token: one group spans the row
+    (nk.DynConfig("block", 1, 16, 64, 4), "group", "not the group size 128"),
+    (nk.DynConfig("loop", 1, 4, 64, 4), "group", "not the group size 128"),
+    (nk.DynConfig("block", 1, 2, 128, 4), "group", "does not hold a row of 640"),
+    (nk.DynConfig("parts", 1, 4, 128, 4), "group", "has 5 groups of 128"),
+    (nk.DynConfig("rows", 1, 5, 128, 4), "group", "not a launch shape"),
+])
+def test_a_launch_shape_that_does_not_compute_the_problem_is_refused(cfg, mode, match):
+    """``config=`` (tests, benchmarks) is checked against the problem: a shape that would compute other groups (or
+    write past the scales) raises before any launch."""
+    x = torch.zeros(3, 640)
+    with pytest.raises(InvalidInputError, match=match):
+        nd.rmsnorm_quant_dynamic(x, torch.ones(640), EPS, act_scale=MODES[mode], config=cfg)
 
 
 def test_dyn_config():

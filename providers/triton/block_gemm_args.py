@@ -49,6 +49,24 @@ def pick_config(config: str, m: int, n: int, k: int) -> BlockTileConfig:
         raise InvalidInputError(f"unknown block GEMM config {config!r}") from None
 
 
+#: what ``auto`` runs where its pick's tiles do not fit the weight block (a swap-AB tile taller than the block's N):
+#: tiled 128x64, whose weight scales are a vector over its columns for any power-of-two block
+SMALL_BLOCK_CONFIG = "mm_n128_m64_s4_w4_g8_sk0"
+
+
+def fit_weight_block(cfg: BlockTileConfig, config: str, weight_block: tuple[int, int]) -> BlockTileConfig:
+    """``cfg`` where its tiles serve ``weight_block``; else, for ``auto``, :data:`SMALL_BLOCK_CONFIG`, and for a named
+    config the library error. The swap-AB and GEMV kernels read one weight scale per K step, so their ``block_n``
+    rows must lie in one block (``BN % block_n == 0``); the tiled kernels read a vector where a tile spans blocks."""
+    if cfg.family not in ("swap", "gemv") or not weight_block[0] % cfg.block_n:
+        return cfg
+    if config != "auto":
+        raise InvalidInputError(f"config {cfg.name}: its {cfg.block_n}-row tiles do not fit {weight_block[0]}x"
+                                f"{weight_block[1]} weight blocks (a {cfg.family} tile reads one weight scale per K "
+                                "step); name a tiled (mm) config or use config=auto")
+    return CONFIGS[SMALL_BLOCK_CONFIG]
+
+
 def fused_config(config: str, m: int, n: int, k: int, any_m: bool = False) -> BlockTileConfig | None:
     """The ``gemv`` config of a fused launch (the activation quantized inside it) at ``M x N x K``: ``config`` where it
     names a ``gemv`` config (up to its ``max_m``), for ``auto`` the fused pick
@@ -187,7 +205,8 @@ def new_output(x: torch.Tensor, n: int, out_dtype: torch.dtype, bias: torch.Tens
 
 
 __all__ = [
-    "COUNTER_SLOTS", "QUANT_OP_BASENAME", "TMA_OP_BASENAME", "Plan", "cdiv", "empty_k", "fused_config",
+    "COUNTER_SLOTS", "QUANT_OP_BASENAME", "SMALL_BLOCK_CONFIG", "TMA_OP_BASENAME", "Plan", "cdiv", "empty_k",
+    "fit_weight_block", "fused_config",
     "kernel_args", "kernel_of", "new_output", "pick_config",
     "plan_launch", "pointer_twin", "row_align", "sm_count", "tiles_of", "tma_ok",
 ]

@@ -43,6 +43,7 @@ from .block_gemm_args import (
     Plan,
     cdiv,
     empty_k,
+    fit_weight_block,
     fused_config,
     kernel_args,
     new_output,
@@ -235,7 +236,10 @@ def launch(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor, w_scale: tor
         return out
     if k == 0:
         return empty_k(out, bias)
-    run_config(pick_config(config, m, n, k), x, w, x_scale, w_scale, bias, out, group_size, weight_block)
+    cfg = pick_config(config, m, n, k)
+    if weight_block != WEIGHT_BLOCK:  # the table's configs fit 128x128 blocks
+        cfg = fit_weight_block(cfg, config, weight_block)
+    run_config(cfg, x, w, x_scale, w_scale, bias, out, group_size, weight_block)
     return out
 
 

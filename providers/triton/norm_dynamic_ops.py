@@ -58,6 +58,33 @@ def _launch(cfg: DynConfig, x: torch.Tensor, residual: torch.Tensor | None, weig
         replays.record(key, kernel_launcher, grid, args, **options)
 
 
+def _check_operands(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+    """What the kernels rely on (metadata only): ``x`` and ``residual`` read with a unit column stride, one weight
+    per column, a residual of ``x``'s shape."""
+    t, h = x.shape
+    if h > 1 and x.stride(1) != 1:
+        raise InvalidInputError(f"x must have a unit column stride (rows may be strided), got strides {x.stride()}")
+    if weight.dim() != 1 or weight.shape[0] != h:
+        raise InvalidInputError(f"weight must be [H] = [{h}], got {list(weight.shape)}")
+    if residual is not None and (tuple(residual.shape) != (t, h) or (h > 1 and residual.stride(1) != 1)):
+        raise InvalidInputError(f"residual must be [T, H] = [{t}, {h}] with a unit column stride, got "
+                                f"{list(residual.shape)} strides {residual.stride()}")
+
+
+def _check_config(cfg: DynConfig, h: int, group_size: int, per_token: bool) -> None:
+    """A launch shape given by the caller (``config=``) that computes this problem: groups of ``group_size`` (per
+    group), one group spanning the row (the one-pass block per token), a block that covers the row."""
+    if cfg.path not in _REPLAYS or cfg.rows < 1 or cfg.ng < 1 or cfg.gb < 1:
+        raise InvalidInputError(f"config {cfg} is not a launch shape of the dynamic norm")
+    if not per_token and cfg.gb != group_size:
+        raise InvalidInputError(f"config {cfg}: its groups of {cfg.gb} columns are not the group size {group_size}")
+    if cfg.path == "block" and (cfg.ng * cfg.gb < h or (per_token and cfg.ng != 1)):
+        raise InvalidInputError(f"config {cfg}: a one-pass block of {cfg.ng} x {cfg.gb} columns does not hold a row "
+                                f"of {h}" + (" as one group (per token)" if per_token else ""))
+    if cfg.path in ("packed", "parts") and cfg.ng != -(-h // cfg.gb):
+        raise InvalidInputError(f"config {cfg}: a row of {h} columns has {-(-h // cfg.gb)} groups of {cfg.gb}")
+
+
 def rmsnorm_quant_dynamic(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
     act_scale: object = PER_TOKEN_GROUP, group_size: int = 128, scale_layout: str = "row_major",
@@ -83,8 +110,11 @@ def rmsnorm_quant_dynamic(
         scale = x.new_empty((t, 1), dtype=torch.float32)
     else:
         scale = group_scale_empty(t, -(-h // group_size), scale_layout, x)
+    _check_operands(x, weight, residual)
     if t == 0 or h == 0:
         return q, scale, residual
+    if config is not None:
+        _check_config(config, h, group_size, per_token)
     cfg = config if config is not None else dyn_config(t, h, residual is not None, group_size, per_token)
     index = x.get_device()
     _support.on_device(index, _launch, cfg, x, residual, weight, q, scale, float(eps), per_token, index)
