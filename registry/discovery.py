@@ -347,6 +347,18 @@ def _check_class(kind: str, ep_name: str, cls: Any) -> str | None:
         return f"entry point does not name a {base.__name__} subclass (got {cls!r})"
     if getattr(cls, "name", None) != ep_name:
         return f"entry point name {ep_name!r} differs from the provider's name {getattr(cls, 'name', None)!r}"
+    from fp8_backends.core.capabilities import GemmCapabilities, NormQuantCapabilities
+
+    record = GemmCapabilities if kind == "gemm" else NormQuantCapabilities
+    try:  # the record is read by every listing and ranking: a broken one makes the provider unusable, not them
+        caps = cls.capabilities
+        priority = caps.priority
+    except Exception as exc:  # noqa: BLE001 - a plugin's attribute may raise anything
+        return f"reading its capabilities raised {type(exc).__name__}: {exc}"
+    if not isinstance(caps, record):
+        return f"capabilities must be a {record.__name__}, got {type(caps).__name__}"
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        return f"capabilities.priority must be an int, got {priority!r}"
     return None
 
 

@@ -83,7 +83,8 @@ def register_provider(cls: type, *, dist: str | None = None, version: str | None
     class's top-level package, else that package's name) at ``version`` (default: that distribution's installed
     version, if any). Returns a :class:`Registration` (also a context manager that unregisters at exit).
 
-    Raises :class:`~fp8_backends.core.errors.InvalidTypeError` when ``cls`` is not a provider class and
+    Raises :class:`~fp8_backends.core.errors.InvalidTypeError` when ``cls`` is not a provider class or its capability
+    record is not one (of its kind, with an int priority), and
     :class:`~fp8_backends.core.errors.InvalidInputError` for a malformed name or distribution, for this package's own
     distribution (its providers register through its entry points), and when ``dist`` already registers this
     kind and name (through an entry point, or in-process unless ``replace=True``: ``DIST:NAME`` must name one
@@ -103,6 +104,9 @@ def register_provider(cls: type, *, dist: str | None = None, version: str | None
                                 f"{cls.__qualname__} under your own distribution name")
     if version is None:
         version = _installed_version(dist)
+    problem = discovery._check_class(kind, name, cls)  # the capability record, as discovery checks an entry point's
+    if problem is not None:
+        raise InvalidTypeError(f"{cls.__qualname__}: {problem}")
     entry = ProviderEntry(kind=kind, name=name, target=f"{cls.__module__}:{cls.__qualname__}", dist=dist,
                           dist_version=version, status=LOADED, cls=cls, origin="in_process")
     key = _key_of(entry)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+import sys
 
 import pytest
 
@@ -565,3 +566,74 @@ def test_a_provider_whose_support_check_raises_is_never_usable(thirdparty_plugin
     bad = next(c for c in res.candidates if c.entry.name == "badcheck")
     assert not bad.ok and bad.reasons == ["support check raised ZeroDivisionError: support check exploded"]
     assert res.backend.name == "toy"
+
+
+_BROKEN_RECORDS = '''
+from typing import ClassVar
+
+from fp8_backends.core.capabilities import GemmCapabilities, NormQuantCapabilities
+from fp8_backends.core.types import DeviceKind
+from fp8_backends.providers.torch_scaled_mm import TorchScaledMMBackend
+
+
+class _Raises:
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise RuntimeError("capabilities exploded")
+
+
+class PriorityText(TorchScaledMMBackend):
+    name: ClassVar[str] = "priority_text"
+    aliases: ClassVar[tuple[str, ...]] = ()
+    capabilities = GemmCapabilities(devices=frozenset({DeviceKind.CPU}), priority="high")
+
+
+class RecordRaises(TorchScaledMMBackend):
+    name: ClassVar[str] = "record_raises"
+    aliases: ClassVar[tuple[str, ...]] = ()
+    capabilities = _Raises()
+
+
+class NormRecord(TorchScaledMMBackend):
+    name: ClassVar[str] = "norm_record"
+    aliases: ClassVar[tuple[str, ...]] = ()
+    capabilities = NormQuantCapabilities(devices=frozenset({DeviceKind.CPU}))
+'''
+
+
+def test_a_plugin_with_a_broken_capability_record_is_listed_failed_and_breaks_nothing(tmp_path, monkeypatch, capsys):
+    """A capability record that is not one (a priority as text, attributes that raise, a norm-quant record on a GEMM
+    provider): the entry point is listed failed with the reason; the listing and ``auto`` go on; registering such a
+    class in-process is refused."""
+    from fp8_backends import list as listing
+    from fp8_backends.core.errors import InvalidTypeError
+    from fp8_backends.core.types import GemmProblem
+    from fp8_backends.registry import discovery
+    from fp8_backends.registry.registration import register_provider
+    from fp8_backends.registry.resolution import resolve_gemm_backend
+
+    (tmp_path / "broken_records.py").write_text(_BROKEN_RECORDS)
+    info = tmp_path / "broken_records-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-records\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[fp8_backends.gemm]\npriority_text = broken_records:PriorityText\n"
+                                           "record_raises = broken_records:RecordRaises\n"
+                                           "norm_record = broken_records:NormRecord\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    discovery.refresh()
+    try:
+        found = {e.name: e for e in discovery.discover("gemm")}
+        want = {"priority_text": "priority must be an int", "record_raises": "raised RuntimeError",
+                "norm_record": "must be a GemmCapabilities"}
+        for name, reason in want.items():
+            assert found[name].status == discovery.FAILED and reason in found[name].error, found[name]
+        assert listing.main([]) == 0 and "priority_text" in capsys.readouterr().out
+        assert resolve_gemm_backend("auto", problem=GemmProblem(n=64, k=64, device="cpu")).name != "priority_text"
+        import broken_records
+
+        with pytest.raises(InvalidTypeError, match="priority must be an int"):
+            register_provider(broken_records.PriorityText, dist="broken-records-2")
+    finally:
+        sys.modules.pop("broken_records", None)
+        discovery.refresh()
