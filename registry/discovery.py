@@ -322,7 +322,11 @@ def _scan(kind: str, allowed: set[str] | None) -> list[ProviderEntry]:
             dist_version = dist.version if dist is not None else None
             entry = ProviderEntry(kind=kind, name=ep.name, target=ep.value, dist=dist_name,
                                   dist_version=dist_version, status=LOADED)
-            if key in manager.failures:
+            if allowed is not None and dist_name is not None and (
+                    settings.canonical_dist(dist_name) not in {BUILTIN_DIST} | allowed):
+                # this distribution's entry, though another, allowed one registers the same entry point
+                entry.status, entry.error = BLOCKED, f"blocked: distribution {dist_name} not in {settings.PLUGINS_ENV}"
+            elif key in manager.failures:
                 err = manager.failures[key]
                 if isinstance(err, _Blocked):
                     entry.status, entry.error = BLOCKED, f"blocked: {err}"

@@ -637,3 +637,31 @@ def test_a_plugin_with_a_broken_capability_record_is_listed_failed_and_breaks_no
     finally:
         sys.modules.pop("broken_records", None)
         discovery.refresh()
+
+
+def test_the_plugin_allowlist_blocks_each_distribution_of_a_shared_entry_point(tmp_path, monkeypatch):
+    """Two distributions registering the same entry point (name and target): ``FP8_BACKENDS_PLUGINS`` allowing one
+    leaves the other's entry blocked (the allowlist is per distribution, not per entry point)."""
+    from fp8_backends.registry import discovery
+
+    (tmp_path / "shared_ep.py").write_text(
+        "from typing import ClassVar\n"
+        "from fp8_backends.providers.torch_scaled_mm import TorchScaledMMBackend\n\n\n"
+        "class SharedMM(TorchScaledMMBackend):\n"
+        "    name: ClassVar[str] = 'shared_mm'\n"
+        "    aliases: ClassVar[tuple[str, ...]] = ()\n")
+    for dist in ("dist-a", "dist-b"):
+        info = tmp_path / f"{dist.replace('-', '_')}-0.1.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+        (info / "entry_points.txt").write_text("[fp8_backends.gemm]\nshared_mm = shared_ep:SharedMM\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        for allowed, blocked in (("dist-a", "dist-b"), ("dist-b", "dist-a")):
+            monkeypatch.setenv("FP8_BACKENDS_PLUGINS", allowed)
+            discovery.refresh()
+            status = {e.dist: e.status for e in discovery.discover("gemm") if e.name == "shared_mm"}
+            assert status == {allowed: discovery.LOADED, blocked: discovery.BLOCKED}, status
+    finally:
+        sys.modules.pop("shared_ep", None)
+        discovery.refresh()
