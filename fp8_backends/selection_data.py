@@ -472,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps(reports if len(reports) > 1 else reports[0], indent=1) + "\n",
                                        encoding="utf-8")
         return 0
-    except DataFileError as exc:
+    except (ValueError, OSError) as exc:  # DataFileError (a ValueError) names its file; a bad value; an unwritable path
         print(f"error: {exc}", file=sys.stderr)
         return 1
 
@@ -483,7 +483,20 @@ def _read_lockfile(path: str) -> tuple[Path, dict[str, Any]]:
     doc, problem = lockfile.read_document(src)
     if doc is None:
         raise DataFileError(src, [problem or "unreadable"])
+    bad = [f"entry {name}: not an object" for section in doc["sections"].values() if isinstance(section, dict)
+           for name, entry in (section.get("entries") or {}).items() if not isinstance(entry, dict)]
+    prov = doc.get("provenance")
+    if isinstance(prov, dict) and prov.get("grid") is not None and not isinstance(prov["grid"], dict):
+        bad.append("provenance.grid is not an object")
+    if bad:
+        raise DataFileError(src, bad)
     return src, doc
+
+
+def _naming(src: Path, exc: DataFileError) -> DataFileError:
+    """``exc`` naming the file ``src`` where it named a placeholder (``<lockfile>``: :func:`pack` and :func:`merge`
+    see documents, not files)."""
+    return DataFileError(src, exc.problems) if exc.path.startswith("<") else exc
 
 
 def _write_compact(out: Path, doc: Mapping[str, Any]) -> None:
@@ -500,10 +513,13 @@ def _write_compact(out: Path, doc: Mapping[str, Any]) -> None:
 
 
 def _pack_cli(args: argparse.Namespace, argv: list[str]) -> int:
-    _, doc = _read_lockfile(args.lockfile)
-    packed = pack(doc, exclude=args.exclude_model, partial=args.partial, neighbours=args.neighbours,
-                  sms=args.sms, tie_margin=args.tie_margin,
-                  command=" ".join(["python -m fp8_backends.selection_data", *argv]))
+    src, doc = _read_lockfile(args.lockfile)
+    try:
+        packed = pack(doc, exclude=args.exclude_model, partial=args.partial, neighbours=args.neighbours,
+                      sms=args.sms, tie_margin=args.tie_margin,
+                      command=" ".join(["python -m fp8_backends.selection_data", *argv]))
+    except DataFileError as exc:
+        raise _naming(src, exc) from None
     prov = packed["provenance"]
     name = shipped_data.file_name(prov["sm"], prov["gpu"])
     if args.out is None:
@@ -523,8 +539,11 @@ def _pack_cli(args: argparse.Namespace, argv: list[str]) -> int:
 def _merge_cli(args: argparse.Namespace, argv: list[str]) -> int:
     shipped = shipped_data.load_file(args.shipped)
     src, doc = _read_lockfile(args.lockfile)
-    merged = merge(shipped, doc, partial=args.partial, tie_margin=args.tie_margin,
-                   command=" ".join(["python -m fp8_backends.selection_data", *argv]))
+    try:
+        merged = merge(shipped, doc, partial=args.partial, tie_margin=args.tie_margin,
+                       command=" ".join(["python -m fp8_backends.selection_data", *argv]))
+    except DataFileError as exc:
+        raise _naming(src, exc) from None
     out = Path(args.out or args.shipped)
     _write_compact(out, merged)
     record = merged["provenance"]["merged"][-1]

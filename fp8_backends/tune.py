@@ -36,6 +36,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import sys
 import time
 from collections.abc import Iterator
@@ -210,6 +211,12 @@ def _sigterm_to_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _cuda_visible() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def main(argv: list[str] | None = None, *, timer: Timer | None = None) -> int:
     from fp8_backends.tuning.plan import done_keys, plan_from_args, select_shard
 
@@ -240,12 +247,16 @@ def main(argv: list[str] | None = None, *, timer: Timer | None = None) -> int:
         return 0
     if platform.simulated:
         ap.error(f"cannot time on a simulated platform ({platform.describe()}); --list shows its candidates")
-    if device == "cpu" and args.device != "cpu":
+    if device == "cpu" and args.device != "cpu" or device == "cuda" and not _cuda_visible():
         ap.error("no CUDA device found; pass --device cpu to tune CPU problems (small --shapes)")
+    if not 0.0 <= args.tie_margin < math.inf:
+        ap.error(f"--tie-margin must be a finite number >= 0, got {args.tie_margin}")
     if args.no_write:
         path = None
     elif args.lockfile:
         path = Path(args.lockfile).expanduser()
+        if path.is_dir():
+            ap.error(f"--lockfile {path} is a folder: name a file (e.g. {path / 'fp8_backends.lock.json'})")
     else:
         path = lockfile.lockfile_path() or lockfile.default_lockfile_path()
     config = TimerConfig.quick() if args.quick else TimerConfig()

@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8_backends.core import settings
+from fp8_backends.core.errors import DataFileError
 from fp8_backends.core.types import ActScale, GemmProblem, NormQuantProblem, WeightScale
 
 from .discovery import ProviderEntry, discover
@@ -339,6 +340,8 @@ def entry_problems(entry: Any) -> list[str]:
             value = problem.get(name)
             if not (isinstance(value, typ) and (typ is not int or _is_int(value))):
                 out.append(f"problem field {name!r} is not a {typ.__name__}")
+            elif name in ("n", "k", "hidden") and value < 1:
+                out.append(f"problem field {name!r} is {value}, not >= 1")
         if kind == "gemm":
             out += block_field_problems(problem)
     if not _is_int(entry.get("m")) or entry["m"] < 0:
@@ -452,10 +455,14 @@ def update_document(
     already_locked: bool = False,
 ) -> dict[str, Any]:
     """Read-modify-write ``path`` under its lock: ``mutate(doc)`` changes the current document (a fresh
-    one when the file is missing or corrupt; a corrupt file is kept as ``<path>.corrupt`` and reported)."""
+    one when the file is missing or corrupt; a corrupt file is kept as ``<path>.corrupt`` and reported). A path that
+    cannot be read (a folder, no permission) raises :class:`~fp8_backends.core.errors.DataFileError`: it is not moved
+    aside."""
     path = Path(path)
     with contextlib.nullcontext() if already_locked else locked(path, timeout):
         doc, problem = read_document(path)
+        if doc is None and problem and problem.startswith("unreadable"):  # a folder, no permission: not ours to move
+            raise DataFileError(path, [f"{problem}: nothing was written"])
         if doc is None:
             if problem and problem != "missing":
                 backup = path.with_name(path.name + ".corrupt")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import gzip
 import json
 import re
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -179,7 +180,7 @@ def load_file(path: str | Path) -> dict[str, Any]:
         text = read_text(p)
     except FileNotFoundError:
         raise DataFileError(p, ["no such file"]) from None
-    except (OSError, UnicodeDecodeError, EOFError, gzip.BadGzipFile) as exc:
+    except (OSError, UnicodeDecodeError, EOFError, gzip.BadGzipFile, zlib.error) as exc:
         raise DataFileError(p, [f"unreadable ({type(exc).__name__}: {exc})"]) from None
     try:
         doc = json.loads(text)

@@ -750,3 +750,88 @@ def test_the_data_can_say_its_sm_count():
     packed = selection_data.pack(_tuner_lockfile(make_doc()), neighbours=2, sms=148)
     assert packed["provenance"]["model"] == {"neighbours": 2, "sms": 148}
     assert shipped_data.sms(packed["provenance"], 132) == 148
+
+
+# ------------------------------------------------------------------------------------ bad files, one clear error
+def test_unusable_shipped_files_are_named_and_refused(tmp_path):
+    """A ``.gz`` whose stream is corrupt (zlib's error, not gzip's) and an entry with N = 0 (the nearest-shape
+    model takes logs of it) are unusable, each with its reason."""
+    good = shipped_data.dumps_compact(make_doc()).encode("utf-8")
+    garbled = bytearray(gzip.compress(good, mtime=0))
+    garbled[len(garbled) // 2:len(garbled) // 2 + 16] = bytes(16)
+    (tmp_path / "garbled.json.gz").write_bytes(bytes(garbled))
+    with pytest.raises(DataFileError, match="garbled.json.gz: unreadable"):
+        shipped_data.load_file(tmp_path / "garbled.json.gz")
+    doc = make_doc()
+    entries = shipped_data.the_section(doc)["entries"]
+    name, entry = next(iter(entries.items()))
+    entries[name] = {**entry, "problem": {**entry["problem"], "n": 0}}
+    assert any("problem field 'n' is 0, not >= 1" in p for p in shipped_data.check_document(doc))
+
+
+def test_selection_data_cli_errors_are_one_line(tmp_path, capsys):
+    """``pack`` of a lockfile whose entry is not an object, or whose grid is not one, names the file; a bad model
+    name or an unwritable --out is one line; none is a traceback."""
+    base = _tuner_lockfile(make_doc())
+    cases = []
+    for label, edit in (("entry", lambda d: shipped_data.the_section(d)["entries"].update(junk=[1, 2])),
+                        ("grid", lambda d: d["provenance"].update(grid=[1]))):
+        doc = json.loads(json.dumps(base))
+        edit(doc)
+        path = tmp_path / f"{label}.lock.json"
+        path.write_text(json.dumps(doc), encoding="utf-8")
+        cases.append((["pack", str(path), "--out", str(tmp_path / "o")], f"{path}: "))
+    good = tmp_path / "good.lock.json"
+    good.write_text(json.dumps(base), encoding="utf-8")
+    (tmp_path / "file").write_text("x")
+    cases += [(["pack", str(good), "--exclude-model", "nosuch", "--out", str(tmp_path / "o")], "unknown model"),
+              (["pack", str(good), "--out", str(tmp_path / "file" / "x.json")], "error: ")]
+    for argv, says in cases:
+        assert selection_data.main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, (argv, err)
+
+
+def test_tune_refuses_bad_arguments_before_measuring(tmp_path, capsys):
+    """No CUDA device for --device cuda, a folder as --lockfile, a negative --tie-margin: argparse errors."""
+    import torch
+
+    from fp8_backends import tune
+
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    cases = [(["--device", "cpu", "--shapes", "64,64", "--m", "1", "--lockfile", str(folder)], "is a folder"),
+             (["--device", "cpu", "--shapes", "64,64", "--m", "1", "--no-write", "--tie-margin", "-1"],
+              "--tie-margin must be a finite number >= 0")]
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda", "--no-write"], "no CUDA device found"))
+    for argv, says in cases:
+        with pytest.raises(SystemExit) as exit_:
+            tune.main(argv)
+        assert exit_.value.code == 2 and says in capsys.readouterr().err, argv
+    assert folder.is_dir() and not list(tmp_path.glob("folder.*"))
+
+
+def test_a_lockfile_path_that_cannot_be_read_is_not_moved_aside(tmp_path):
+    """A folder where the lockfile should be: the writer raises (it is not a corrupt file to keep as .corrupt)."""
+    folder = tmp_path / "lock"
+    folder.mkdir()
+    with pytest.raises(DataFileError, match="unreadable"):
+        lockfile.update_document(folder, lambda doc: None)
+    assert folder.is_dir() and not (tmp_path / "lock.corrupt").exists()
+
+
+def test_the_tuner_measures_again_the_entries_readers_skip(tmp_path):
+    """``done_keys``: a malformed entry is not done (readers skip it; the next tune rewrites it)."""
+    from fp8_backends.tuning.plan import done_keys
+
+    platform = simulate_platform("9.0")
+    doc = make_doc()
+    _, digest = lockfile.current_key(platform)
+    section = next(iter(doc["sections"].values()))
+    doc["sections"] = {digest: section}
+    names = list(section["entries"])
+    section["entries"][names[0]] = {**section["entries"][names[0]], "m": "one"}
+    path = tmp_path / "lock.json"
+    path.write_text(json.dumps(doc), encoding="utf-8")
+    assert done_keys(path, platform) == set(names[1:])

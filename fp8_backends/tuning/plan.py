@@ -206,7 +206,8 @@ def select_shard(plan: TunePlan, index: int, count: int) -> TunePlan:
 
 
 def done_keys(path: Path | None, platform: Platform) -> set[str]:
-    """Entry keys the lockfile at ``path`` already holds for ``platform`` (empty when there is no usable file)."""
+    """Entry keys the lockfile at ``path`` already holds, usable, for ``platform`` (empty when there is no usable file):
+    an entry readers skip as malformed is measured again."""
     if path is None:
         return set()
     doc, _ = lockfile.read_document(path)
@@ -214,7 +215,10 @@ def done_keys(path: Path | None, platform: Platform) -> set[str]:
         return set()
     _, digest = lockfile.current_key(platform)
     section = doc["sections"].get(digest)
-    return set(section["entries"]) if isinstance(section, dict) else set()
+    entries = section.get("entries") if isinstance(section, dict) else None
+    if not isinstance(entries, dict):
+        return set()
+    return {key for key, entry in entries.items() if not lockfile.entry_problems(entry)}
 
 
 __all__ = ["TunePlan", "done_keys", "gemm_problems", "parse_pin", "parse_scales", "parse_shard", "pins_from",
