@@ -109,6 +109,22 @@ def test_ops_are_registered_lazily():
     assert done.returncode == 0, done.stderr
 
 
+def test_op_mode_first_call_may_be_inside_torch_compile():
+    """``set_compile_mode("op")`` defines the ops then (load time): a mode's first call may be traced (Dynamo cannot
+    trace their definition), with no eager warm-up call."""
+    code = (
+        "import torch, fp8_backends.quant as q\n"
+        "q.set_compile_mode('op')\n"
+        "x = torch.randn(4, 256)\n"
+        "for mode in ('per_token', 'per_tensor_dynamic', 'per_token_group'):\n"
+        "    f = torch.compile(lambda x, mode=mode: q.quantize(x, mode), backend='aot_eager', fullgraph=True)\n"
+        "    got, want = f(x), q.quantize(x, mode)\n"
+        "    assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)), mode\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("mode", list(ActScale))
 def test_opcheck(mode):
     """Schema, fake (meta) implementation and dispatch agree with the real one."""
@@ -213,6 +229,7 @@ def test_compile_dynamic_shapes_through_fake_impl():
         (lambda: quant.quantize(torch.ones(2, 4), "per_token", torch.ones(1)), "computes its own scale"),
         (lambda: quant.register_quant_impl("per_token", "cpu", 3), "callable"),
         (lambda: quant.set_compile_mode("fast"), "inline"),
+        (lambda: quant.quantize_per_token_group(torch.ones(2, 128), 64.0), "group_size must be one of"),
     ],
 )
 def test_bad_input(call, match):

@@ -132,6 +132,8 @@ def set_compile_mode(mode: str) -> str:
     global _compile_mode
     if mode not in ("inline", "op"):
         raise InvalidInputError(f"compile mode must be 'inline' or 'op', got {mode!r}")
+    if mode == "op":
+        _OPS.preload()  # defined now: a first call inside torch.compile tracing cannot define them (Dynamo and locks)
     previous, _compile_mode = _compile_mode, mode
     return previous
 
@@ -508,7 +510,7 @@ def quantize_per_token_group(
     along K; returns ``(q [M, K] row-major, scale [M, ceil(K/G)] fp32)``, the scale written in ``scale_layout`` (the
     layout the consuming GEMM reads: its ``capabilities.group_scale_layout``)."""
     _check_x(x)
-    if group_size not in GROUP_SIZES:
+    if type(group_size) is not int or group_size not in GROUP_SIZES:  # 64.0 == 64, but a float cannot shape a view
         raise InvalidInputError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size!r}")
     return quantize_checked(x, ActScale.PER_TOKEN_GROUP, None, dtype, group_size, ScaleLayout.of(scale_layout))
 
