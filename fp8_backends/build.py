@@ -59,6 +59,17 @@ def _pick(raw: str, allowed: Sequence[str], what: str, aliases: dict[str, str] |
     return out
 
 
+def _positive_int(text: str) -> int:
+    """``--jobs``: an integer >= 1 (argparse's error otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _cutlass(argv: Sequence[str]) -> int:
     from fp8_backends.core.errors import BuildError
     from fp8_backends.providers.cutlass import build
@@ -73,7 +84,7 @@ def _cutlass(argv: Sequence[str]) -> int:
     parser.add_argument("--block-config", default="all")
     parser.add_argument("--out-dtype", default="bfloat16")
     parser.add_argument("--accum", default="fast")
-    parser.add_argument("--jobs", type=int, default=None)
+    parser.add_argument("--jobs", type=_positive_int, default=None)
     parser.add_argument("--force", action="store_true")
     parser.add_argument("--list", action="store_true")
     parser.add_argument("--json", default=None)
@@ -121,7 +132,11 @@ def _cutlass(argv: Sequence[str]) -> int:
     except BuildError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    jobs = args.jobs or build.default_jobs(len(specs))
+    try:
+        jobs = args.jobs or build.default_jobs(len(specs))
+    except ValueError as exc:  # a bad FP8_BACKENDS_BUILD_JOBS (ConfigurationError)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     todo = [s for s in specs if args.force or build.locate(s) is None]
     print(f"nvcc {tc.nvcc_version} ({tc.nvcc}), CUTLASS {tc.cutlass_version}, arch sm_{arch}; "
           f"{len(specs)} libraries, {len(specs) - len(todo)} cached, building {len(todo)} with {jobs} jobs "

@@ -207,6 +207,8 @@ def _defaults_list(kind: str, platform: Platform, problem: Any = None) -> list[d
         from fp8_backends.registry import defaults
 
         table = defaults.defaults_for(kind, platform, problem)
+    except ConfigurationError:
+        raise  # a bad FP8_BACKENDS_DEFAULTS: the listing fails with it, it does not list "no defaults"
     except Exception:  # the listing must print even if the defaults module breaks
         return []
     if table is None:
@@ -396,6 +398,10 @@ def main(argv: list[str] | None = None) -> int:
     logger = logging.getLogger("fp8_backends")
     logger.addHandler(handler)
     try:
+        settings.check_environment()  # the listing reads some variables only where it would use them
+        from fp8_backends.providers.flashinfer.common import autotune_default
+
+        autotune_default()
         data = collect(platform, gemm_problem, norm_problem, args.gemm_backend, args.norm_quant_backend,
                        args.objective)
     except Fp8BackendError as exc:  # e.g. a bad FP8_BACKENDS_PDL: say so, no traceback

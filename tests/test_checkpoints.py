@@ -6,6 +6,7 @@ every bad checkpoint gives one :class:`~fp8_backends.core.errors.CheckpointError
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import subprocess
@@ -186,6 +187,29 @@ def test_compressed_tensors_block_structure_as_a_string():
         detect_format(config("128 by 128"))
     with pytest.raises(CheckpointError, match="no registered GEMM provider"):
         detect_format(config([64, 128]))
+
+
+def test_a_backend_that_cannot_serve_is_refused_before_the_model_changes(monkeypatch):
+    """``load_fp8_state_dict(backend=...)``: an unknown name, or a provider that does not run on the model's device,
+    raises before any module is swapped."""
+    from fp8_backends.core.errors import Fp8BackendError, UnknownBackendError, UnsupportedProblemError
+    from fp8_backends.core.types import DeviceKind
+    from fp8_backends.providers.torch_scaled_mm import TorchScaledMMBackend
+    from fp8_backends.registry.registration import register_provider
+
+    class CudaOnly(TorchScaledMMBackend):
+        name = "cuda_only_mm"
+        aliases = ()
+        capabilities = dataclasses.replace(TorchScaledMMBackend.capabilities, devices=frozenset({DeviceKind.CUDA}))
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False))
+    state = {"0.weight": torch.zeros(32, 64, dtype=torch.float8_e4m3fn), "0.weight_scale": torch.ones(())}
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    with register_provider(CudaOnly, dist="fp8-backends-tests"):
+        for backend, error in (("no_such_backend", UnknownBackendError), ("cuda_only_mm", UnsupportedProblemError)):
+            with pytest.raises(error) as err:
+                load_fp8_state_dict(model, state, qc, backend=backend, device="cpu")
+            assert isinstance(err.value, Fp8BackendError) and type(model[0]) is torch.nn.Linear, backend
 
 
 def test_two_weight_scales_of_one_weight_are_ambiguous(ckpt, tmp_path):

@@ -105,6 +105,26 @@ def test_listing_exits_non_zero_when_an_explicit_choice_fails(capsys, monkeypatc
     assert "needs SM >= 8.9" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("var", ["FP8_BACKENDS_PDL", "FP8_BACKENDS_CHECK_SCALES", "FP8_BACKENDS_TUNE",
+                                 "FP8_BACKENDS_DEFAULTS", "FP8_BACKENDS_FLASHINFER_AUTOTUNE",
+                                 "FP8_BACKENDS_BUILD_JOBS"])
+def test_listing_exits_non_zero_on_a_bad_environment_value(var, capsys, monkeypatch):
+    """A variable the listing would not otherwise read (no kernel launched, no build, a simulated SM where the
+    measured defaults apply) still fails it with the variable's name."""
+    monkeypatch.setenv(var, "maybe")
+    assert listing.main(["--simulate-sm", "9.0", "--problem", "16,4096,4096"]) == 1
+    assert f"{var}='maybe' is not valid" in capsys.readouterr().err
+
+
+def test_build_jobs_must_be_positive(capsys):
+    from fp8_backends import build
+
+    for bad in ("0", "-1", "x"):
+        with pytest.raises(SystemExit) as exit_:
+            build.main(["cutlass", "--jobs", bad])
+        assert exit_.value.code == 2 and "--jobs" in capsys.readouterr().err
+
+
 def test_listing_bad_arguments_exit_2(capsys):
     with pytest.raises(SystemExit) as info:
         listing.main(["--problem", "1,2"])

@@ -319,6 +319,30 @@ def test_unloaded_shard_is_reported():
         layer.process_weights_after_loading()
 
 
+def test_a_failed_load_leaves_a_processed_layer_as_it_was():
+    """``load_weights`` checks everything it is given before it writes: a bad input scale (or bias) after a good weight
+    raises with the layer, and what it computes, unchanged."""
+    layer = Fp8Linear.from_linear(_linear(), act_scale="per_tensor_static", input_scale=0.01)
+    x = _x(3, 64)
+    before = layer(x)
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    w_new, s_new = reference.quantize_dynamic_per_tensor(torch.randn(32, 64) * 3)
+    for bad in ({"input_scale": torch.tensor([0.01, 0.02])}, {"input_scale": 0.01, "bias": torch.zeros(31)}):
+        with pytest.raises(InvalidInputError):
+            layer.load_weights(w_new, s_new, **bad)
+        assert all(torch.equal(v, state[k]) for k, v in layer.state_dict().items()) and layer.is_processed
+        assert torch.equal(layer(x), before)
+
+
+def test_an_input_scale_of_the_wrong_shape_from_a_state_dict_is_refused_at_processing():
+    src = Fp8Linear.from_linear(_linear(), act_scale="per_tensor_static", input_scale=0.01)
+    state = {**src.state_dict(), "input_scale": torch.tensor([0.01, 0.02, 0.03])}
+    layer = Fp8Linear(64, 32, bias=True, act_scale="per_tensor_static")
+    layer.load_state_dict(state)
+    with pytest.raises(InvalidInputError, match="input_scale must hold 1 value"):
+        layer.process_weights_after_loading()
+
+
 # ------------------------------------------------------------------------------------------ functional
 def test_fp8_linear_with_a_layer_and_with_a_prepared_weight():
     layer = Fp8Linear.from_linear(_linear(), act_scale="per_tensor_static", input_scale=0.01)

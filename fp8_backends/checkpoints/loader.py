@@ -282,6 +282,7 @@ def load_fp8_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]
     dtype = torch.bfloat16 if dtype is None else dtype
     first = next(iter(state_dict.values()), None)
     device = torch.device(device if device is not None else (first.device if first is not None else "cpu"))
+    check_backend(backend, device)
     metas = {name: TensorMeta(name, dtype_code(t), tuple(t.shape), "<state dict>") for name, t in state_dict.items()}
     plan = plan_linears(fmt, linear_infos(model), metas, fuse_groups=fuse_patterns(fuse),
                         block_served=block_layer_served(), where="<state dict>")
@@ -300,6 +301,23 @@ def load_fp8_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]
     summary = loader.process_weights_after_loading()
     summary.checkpoint_bytes = sum(meta.nbytes for meta in metas.values())
     return summary
+
+
+def check_backend(backend: Any, device: Any) -> None:
+    """An explicit GEMM backend for the layers (``backend``, or ``FP8_GEMM_BACKEND`` when it is None): known, usable
+    here and serving ``device``'s tensors, checked before the model is changed (the library error otherwise). What each
+    layer's problem adds (shapes, scale modes) is checked when the layers are processed."""
+    from fp8_backends.core.backend import Fp8GemmBackend
+    from fp8_backends.core.errors import UnsupportedProblemError
+    from fp8_backends.registry.resolution import requests_auto, resolve_gemm_backend
+
+    if requests_auto("gemm", backend):
+        return
+    provider = backend if isinstance(backend, Fp8GemmBackend) else resolve_gemm_backend(backend)
+    served = ", ".join(sorted(d.value for d in provider.capabilities.devices))
+    if device.type not in served.split(", "):
+        raise UnsupportedProblemError(f"GEMM backend {provider.label!r} cannot serve the layers on {device}: it runs "
+                                      f"on {served} tensors", [f"runs on {served} tensors only"])
 
 
 def fuse_patterns(fuse: Any) -> tuple[tuple[str, ...], ...]:
@@ -321,5 +339,7 @@ def fuse_patterns(fuse: Any) -> tuple[tuple[str, ...], ...]:
     return groups
 
 
-__all__ = ["Fp8CheckpointLoader", "block_layer_served", "dtype_code", "fuse_patterns", "load_fp8_state_dict",
-           "set_module"]
+__all__ = [
+    "Fp8CheckpointLoader", "block_layer_served", "check_backend", "dtype_code", "fuse_patterns", "load_fp8_state_dict",
+    "set_module",
+]

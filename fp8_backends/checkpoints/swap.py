@@ -109,7 +109,7 @@ def swap_fp8_layers(model: nn.Module, *, backend: Any = None, fuse: Any = True, 
     import torch
     from torch import nn
 
-    from .loader import Fp8CheckpointLoader, block_layer_served, dtype_code, fuse_patterns
+    from .loader import Fp8CheckpointLoader, block_layer_served, check_backend, dtype_code, fuse_patterns
     from .params import linear_infos
     from .plan import LinearInfo, plan_linears
     from .shards import TensorMeta
@@ -134,6 +134,7 @@ def swap_fp8_layers(model: nn.Module, *, backend: Any = None, fuse: Any = True, 
     plan = plan_linears(fmt, infos, metas, fuse_groups=fuse_patterns(fuse), block_served=block_layer_served(),
                         where=WHERE)
     device = next(iter(tensors.values())).device
+    check_backend(backend, device)
     loader = Fp8CheckpointLoader(plan, dtype=dtype, device=device, backend=backend, objective=objective,
                                  shard_scales=shard_scales)
     with torch.no_grad():

@@ -321,6 +321,19 @@ def selection_objective(default: SelectionObjective) -> SelectionObjective:
     return member  # type: ignore[return-value]
 
 
+def check_environment() -> None:
+    """Read every variable of the table above that takes a fixed kind of value (the flags, the objective, the host
+    context, the build jobs) now: :class:`ConfigurationError` for the first bad one. What reads them at use may never
+    run in a process (the listing builds nothing, a CPU run launches no kernel), so a tool that reports the
+    configuration calls this."""
+    for name, default in ((CHECK_SCALES_ENV, False), (TUNE_ENV, False), (PDL_ENV, True), (DEFAULTS_ENV, True),
+                          (CUTLASS_NATIVE_ENV, True)):
+        env_flag(name, default)
+    selection_objective(SelectionObjective.KERNEL)
+    host_context_us()
+    env_int(BUILD_JOBS_ENV, os.cpu_count() or 1)
+
+
 def host_context_us() -> float:
     """``FP8_SELECTION_HOST_CONTEXT_US`` read now: a finite number of µs >= 0, :data:`~.objective.HOST_CONTEXT_US`
     when unset or empty; anything else raises :class:`ConfigurationError` naming the variable."""

@@ -449,24 +449,22 @@ class Fp8Linear(nn.Module):
             raise InvalidInputError("this layer is fused from shards: load it with load_shard(i, ...)")
         self._check_weight(weight, self.out_features, "weight")
         if self.weight_block is not None:
-            grid = self._block_scales(weight_scale, self.out_features, "weight_scale")
-            with torch.no_grad():
-                self.weight.copy_(weight)
-                self.weight_scale.copy_(grid)
-            self._load_input_scale(0, input_scale)
-            if bias is not None:
-                self.load_bias(bias)
-            self._mark_loaded()
-            return
-        rows = self._scale_rows(weight_scale, self.out_features, "weight_scale")
-        if self.weight_scale_mode is WeightScale.PER_TENSOR and _numel(weight_scale) != 1:
-            raise InvalidInputError(f"a per-tensor layer takes one weight_scale value, got {_numel(weight_scale)}")
-        with torch.no_grad():
-            self.weight.copy_(weight)
-            self.weight_scale.copy_(rows[:1] if self.weight_scale.numel() == 1 else rows)
-        self._load_input_scale(0, input_scale)
+            scale = self._block_scales(weight_scale, self.out_features, "weight_scale")
+        else:
+            rows = self._scale_rows(weight_scale, self.out_features, "weight_scale")
+            if self.weight_scale_mode is WeightScale.PER_TENSOR and _numel(weight_scale) != 1:
+                raise InvalidInputError(f"a per-tensor layer takes one weight_scale value, got {_numel(weight_scale)}")
+            scale = rows[:1] if self.weight_scale.numel() == 1 else rows
+        s_in = self._checked_input_scale(input_scale, "input_scale")
         if bias is not None:
-            self.load_bias(bias)
+            self._check_bias(bias)
+        with torch.no_grad():  # everything checked first: an error leaves the layer as it was
+            self.weight.copy_(weight)
+            self.weight_scale.copy_(scale)
+            if s_in is not None:
+                self.input_scale[0].copy_(s_in)
+            if bias is not None:
+                self.bias.copy_(bias)
         self._mark_loaded()
 
     def load_shard(
@@ -489,22 +487,27 @@ class Fp8Linear(nn.Module):
         if not self._raw:
             raise InvalidInputError("this fused layer was already processed; build a new one to load shards")
         if self.weight_block is not None:  # the shard's own blocks (shards start on block rows: checked at build)
-            grid = self._block_scales(weight_scale, rows, f"shard {index} weight_scale")
+            scale = self._block_scales(weight_scale, rows, f"shard {index} weight_scale")
             first = start // self.weight_block[0]
-            with torch.no_grad():
-                self.weight[start:start + rows].copy_(weight)
-                self.weight_scale[first:first + grid.shape[0]].copy_(grid)
-            self._load_input_scale(index, input_scale, f"shard {index} input_scale")
-            self._mark_loaded()
-            return
-        scale_rows = self._scale_rows(weight_scale, rows, f"shard {index} weight_scale")
-        with torch.no_grad():
+            scale_slice = slice(first, first + scale.shape[0])
+        else:
+            scale = self._scale_rows(weight_scale, rows, f"shard {index} weight_scale")
+            scale_slice = slice(start, start + rows)
+        s_in = self._checked_input_scale(input_scale, f"shard {index} input_scale")
+        with torch.no_grad():  # everything checked first: an error leaves the layer as it was
             self.weight[start:start + rows].copy_(weight)
-            self.weight_scale[start:start + rows].copy_(scale_rows)
-        self._load_input_scale(index, input_scale, f"shard {index} input_scale")
+            self.weight_scale[scale_slice].copy_(scale)
+            if s_in is not None:
+                self.input_scale[index].copy_(s_in)
         self._mark_loaded()
 
     def load_bias(self, bias: torch.Tensor) -> None:
+        self._check_bias(bias)
+        with torch.no_grad():
+            self.bias.copy_(bias)
+        self._mark_loaded()
+
+    def _check_bias(self, bias: torch.Tensor) -> None:
         if self.bias is None:
             raise InvalidInputError("this layer was built with bias=False")
         V.require_tensor(bias, "bias")
@@ -512,22 +515,19 @@ class Fp8Linear(nn.Module):
             raise InvalidInputError(f"bias must be [{self.out_features}], got {tuple(bias.shape)}")
         if not bias.is_floating_point() or bias.dtype.itemsize < 2:
             raise InvalidInputError(f"bias must be a bf16/fp16/fp32 tensor, got {bias.dtype}")
-        with torch.no_grad():
-            self.bias.copy_(bias)
-        self._mark_loaded()
 
-    def _load_input_scale(self, index: int, value: object, what: str = "input_scale") -> None:
+    def _checked_input_scale(self, value: object, what: str = "input_scale") -> torch.Tensor | None:
+        """A static input scale as one fp32 value (``None``: not given, or a dynamic layer, which takes none)."""
         if self.act_scale is not ActScale.PER_TENSOR_STATIC:
             if value is not None:
                 raise InvalidInputError(f"{what} given to a {self.act_scale.value} layer (static layers only)")
-            return
+            return None
         if value is None:
-            return  # may come later (state dict); missing ones are reported at processing
+            return None  # may come later (state dict); missing ones are reported at processing
         s = _scale_tensor(value, what, self.weight.device)
         if not V.is_scalar_shape(s):
             raise InvalidInputError(f"{what} must hold one value (per-tensor), got shape {tuple(s.shape)}")
-        with torch.no_grad():
-            self.input_scale[index].copy_(s.reshape(()))
+        return s.reshape(())
 
     def _mark_loaded(self) -> None:
         if self.kernel is not None:  # new values: the prepared weight is stale
@@ -594,6 +594,11 @@ class Fp8Linear(nn.Module):
             self.weight = self.weight.contiguous()
         block = self.weight_block is not None
         fused = self.shard_sizes is not None and self._raw and not block  # block shards keep their own blocks
+        if self.input_scale is not None:  # a state dict may have brought another shape
+            want = len(self.shard_sizes) if fused else 1
+            if self.input_scale.numel() != want:
+                raise InvalidInputError(f"input_scale must hold {want} value(s) ({'one per shard' if fused else 'one'}"
+                                        f"), got shape {tuple(self.input_scale.shape)}")
         if fused:
             self._check_shards()
             if self.input_scale is not None:
