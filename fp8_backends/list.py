@@ -399,9 +399,6 @@ def main(argv: list[str] | None = None) -> int:
     logger.addHandler(handler)
     try:
         settings.check_environment()  # the listing reads some variables only where it would use them
-        from fp8_backends.providers.flashinfer.common import autotune_default
-
-        autotune_default()
         data = collect(platform, gemm_problem, norm_problem, args.gemm_backend, args.norm_quant_backend,
                        args.objective)
     except Fp8BackendError as exc:  # e.g. a bad FP8_BACKENDS_PDL: say so, no traceback

@@ -57,6 +57,8 @@ DEFAULTS_ENV = "FP8_BACKENDS_DEFAULTS"
 SHIPPED_ENV = "FP8_BACKENDS_SHIPPED"
 CACHE_DIR_ENV = "FP8_BACKENDS_CACHE_DIR"
 FLASHINFER_AUTOTUNE_ENV = "FP8_BACKENDS_FLASHINFER_AUTOTUNE"
+#: the values of :data:`FLASHINFER_AUTOTUNE_ENV` (``flashinfer_bmm``'s ``autotune`` option)
+FLASHINFER_AUTOTUNE_MODES = ("off", "cache", "tune")
 CUTLASS_DIR_ENV = "FP8_BACKENDS_CUTLASS_DIR"
 CUTLASS_CACHE_ENV = "FP8_BACKENDS_CUTLASS_CACHE"
 CUTLASS_TABLE_ENV = "FP8_BACKENDS_CUTLASS_TABLE"
@@ -332,6 +334,10 @@ def check_environment() -> None:
     selection_objective(SelectionObjective.KERNEL)
     host_context_us()
     env_int(BUILD_JOBS_ENV, os.cpu_count() or 1)
+    autotune = os.environ.get(FLASHINFER_AUTOTUNE_ENV, "")
+    if autotune.strip() and autotune.strip().lower() not in FLASHINFER_AUTOTUNE_MODES:
+        raise ConfigurationError(FLASHINFER_AUTOTUNE_ENV, autotune,
+                                 f"{', '.join(FLASHINFER_AUTOTUNE_MODES)} (unset or empty: off)")
 
 
 def host_context_us() -> float:

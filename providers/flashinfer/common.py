@@ -34,7 +34,7 @@ DIST_NAME = "flashinfer-python"
 
 #: default of the GEMM provider's ``autotune`` option when the option is not given
 AUTOTUNE_ENV = settings.FLASHINFER_AUTOTUNE_ENV
-AUTOTUNE_MODES = ("off", "cache", "tune")
+AUTOTUNE_MODES = settings.FLASHINFER_AUTOTUNE_MODES
 CACHE_DIR_ENV = settings.CACHE_DIR_ENV
 
 RUNNERS = ("cublas", "cudnn", "cutlass", "auto")
