@@ -328,9 +328,11 @@ def check_environment() -> None:
     context, the build jobs) now: :class:`ConfigurationError` for the first bad one. What reads them at use may never
     run in a process (the listing builds nothing, a CPU run launches no kernel), so a tool that reports the
     configuration calls this."""
-    for name, default in ((CHECK_SCALES_ENV, False), (TUNE_ENV, False), (PDL_ENV, True), (DEFAULTS_ENV, True),
-                          (CUTLASS_NATIVE_ENV, True)):
-        env_flag(name, default)
+    env_flag(CHECK_SCALES_ENV, False)  # read fresh (check_scales_at_call's flag caches its value)
+    tune_at_first_use()
+    pdl_allowed()
+    measured_defaults_enabled()
+    env_flag(CUTLASS_NATIVE_ENV, True)  # the cutlass provider's reader (providers/cutlass/native_op.py)
     selection_objective(SelectionObjective.KERNEL)
     host_context_us()
     env_int(BUILD_JOBS_ENV, os.cpu_count() or 1)

@@ -94,7 +94,20 @@ def rmsnorm_quant_dynamic(
     """``(q [T, H], scale, residual or None)``: the fused RMSNorm (+ residual add, in place) + dynamic quantization of
     the module docstring. ``act_scale``: ``per_token_group`` (``scale [T, ceil(H / group_size)]`` in
     ``scale_layout``) or ``per_token`` (``scale [T, 1]``). ``q_out`` / ``scale_out``: tensors to write instead of new
-    ones. ``config`` overrides :func:`dyn_config` (tests)."""
+    ones. ``config`` overrides :func:`dyn_config` (tests). Checks its operands (the ops, whose callers validated
+    them, skip those checks: :func:`_run`)."""
+    if x.dim() == 2:  # else _run's error
+        _check_operands(x, weight, residual)
+        if config is not None:
+            _check_config(config, x.shape[1], group_size, per_token_mode(act_scale))
+    return _run(x, weight, eps, residual, act_scale, group_size, scale_layout, fp8_dtype, q_out, scale_out, config)
+
+
+def _run(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, act_scale: object,
+         group_size: int, scale_layout: str, fp8_dtype: torch.dtype, q_out: torch.Tensor | None,
+         scale_out: torch.Tensor | None, config: DynConfig | None
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`rmsnorm_quant_dynamic` without the operand checks (the ops' eager body: a provider validated them)."""
     per_token = per_token_mode(act_scale)
     if fp8_dtype not in FMAX:
         raise InvalidInputError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}")
@@ -110,11 +123,8 @@ def rmsnorm_quant_dynamic(
         scale = x.new_empty((t, 1), dtype=torch.float32)
     else:
         scale = group_scale_empty(t, -(-h // group_size), scale_layout, x)
-    _check_operands(x, weight, residual)
     if t == 0 or h == 0:
         return q, scale, residual
-    if config is not None:
-        _check_config(config, h, group_size, per_token)
     cfg = config if config is not None else dyn_config(t, h, residual is not None, group_size, per_token)
     index = x.get_device()
     _support.on_device(index, _launch, cfg, x, residual, weight, q, scale, float(eps), per_token, index)
@@ -135,16 +145,15 @@ SCHEMAS = {
 
 def _eager_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int, scale_layout: str,
                 fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    q, s, _ = rmsnorm_quant_dynamic(x, weight, eps, None, act_scale=PER_TOKEN if group_size == 0 else PER_TOKEN_GROUP,
-                                    group_size=group_size or 128, scale_layout=scale_layout, fp8_dtype=fp8_dtype)
+    q, s, _ = _run(x, weight, eps, None, PER_TOKEN if group_size == 0 else PER_TOKEN_GROUP, group_size or 128,
+                   scale_layout, fp8_dtype, None, None, None)
     return q, s
 
 
 def _eager_add_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int,
                     scale_layout: str, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    q, s, _ = rmsnorm_quant_dynamic(x, weight, eps, residual,
-                                    act_scale=PER_TOKEN if group_size == 0 else PER_TOKEN_GROUP,
-                                    group_size=group_size or 128, scale_layout=scale_layout, fp8_dtype=fp8_dtype)
+    q, s, _ = _run(x, weight, eps, residual, PER_TOKEN if group_size == 0 else PER_TOKEN_GROUP, group_size or 128,
+                   scale_layout, fp8_dtype, None, None, None)
     return q, s
 
 
