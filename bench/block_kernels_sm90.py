@@ -79,7 +79,7 @@ def gemm_variant(cfg: Any, even: bool = True, align: int = 16, split: int | None
     name = f"{cfg.name} even_k={even} row_align={align}" + (" fused" if x_quant else "")
     if cfg.family == "gemv":
         consts = dict(common, BLOCK_N=cfg.block_n, GROUPS=cfg.groups, EVEN_K=even, ROW_ALIGN=align, **unit,
-                      stride_xsk=1, stride_wsk=1, X_QUANT=x_quant, FMAX=448.0, PREFETCH=cfg.stages > 1)
+                      stride_xsk=1, stride_wsk=1, X_QUANT=x_quant, FMAX=448.0)
         types = dict(GEMM_TYPES, x_ptr="*bf16") if x_quant else GEMM_TYPES
         return name, compile_variant(K.block_gemv_kernel, types, consts, aligned, cfg.warps, cfg.stages)
     if cfg.family == "tma":

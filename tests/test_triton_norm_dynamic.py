@@ -254,10 +254,15 @@ def test_dyn_config():
     assert nk.dyn_config(16384, 7168, False, 128, False).num_warps == 4
     assert nk.dyn_config(16384, 7168, True, 128, False).num_warps == 8
     assert nk.dyn_config(16384, 4096, False, 128, False).rows == 1
-    # H = 5120: 40 groups of 64 in the one-row block; large launches pack (not per token without the residual add)
-    assert nk.dyn_config(4096, 5120, False, 128, False) == nk.DynConfig("packed", 1, 40, 128, 4)
-    assert nk.dyn_config(4096, 5120, True, 128, True) == nk.DynConfig("packed", 1, 40, 128, 4)
-    assert nk.dyn_config(4096, 5120, False, 128, True).path == "block"
+    # H = 5120: 40 groups fill 40 of 64 slots of the one-row block; large launches take the row as 32 + 8 groups in
+    # every mode (per token: parts of 128 columns whatever group size is passed)
+    assert nk.dyn_config(4096, 5120, False, 128, False) == nk.DynConfig("parts", 1, 40, 128, 4)
+    assert nk.dyn_config(4096, 5120, True, 128, True) == nk.DynConfig("parts", 1, 40, 128, 4)
+    assert nk.dyn_config(4096, 5120, False, 64, True) == nk.DynConfig("parts", 1, 40, 128, 4)
+    assert nk.dyn_config(4096, 5120, False, 64, False) == nk.DynConfig("parts", 1, 80, 64, 4)
+    # a row of three parts (88 = 64 + 16 + 8 groups) keeps the packed kernel, per token without the residual the block
+    assert nk.dyn_config(4096, 11264, True, 128, False) == nk.DynConfig("packed", 1, 88, 128, 4)
+    assert nk.dyn_config(4096, 11264, False, 128, True).path == "block"
     assert nk.dyn_config(16, 5120, False, 128, False).path == "block"
     assert nk.dyn_config(4096, 7168, False, 128, False).path == "block"
     small = nk.dyn_config(64, 96, False, 128, False)

@@ -164,7 +164,7 @@ def kernel_args(plan: Plan, x: torch.Tensor, w: torch.Tensor, x_scale: torch.Ten
             raise InvalidInputError(f"config {cfg.name} cannot launch {m} tokens (CUDA grid limit {_GRID_Y_MAX})")
         return (kernel_of("gemv"), (cdiv(n, cfg.block_n), m),
                 (x, w, out, x_scale, w_scale, b, m, n, k, *strides, cfg.block_n, cfg.groups, group_size, wbn, wbk,
-                 bias is not None, k % step == 0, align, use_pdl, x_quant, Fp8Dtype.of(w.dtype).max, cfg.stages > 1))
+                 bias is not None, k % step == 0, align, use_pdl, x_quant, Fp8Dtype.of(w.dtype).max))
     if x_quant:
         raise InvalidInputError(f"config {cfg.name}: only the gemv configs quantize the activation themselves")
     part_t = out if part is None else part

@@ -63,8 +63,7 @@ class BlockTileConfig:
     - ``family``: ``gemv``, ``swap``, ``mm`` or ``tma`` (module docstring).
     - ``block_m`` / ``block_n``: the tile over tokens (M) and output channels (N); ``gemv`` has ``block_m = 1``.
     - ``groups``: ``gemv`` only, activation groups per K step.
-    - ``stages``: software-pipelining depth (``gemv``: 2 loads each step's operands while the step before is
-      computed, named ``_s2``); ``warps``: ``num_warps``.
+    - ``stages``: software-pipelining depth (``gemv``: 1, its K loop is not pipelined); ``warps``: ``num_warps``.
     - ``group_m``: ``mm``/``tma`` grouped tile order.
     - ``split_k``: ``swap``/``mm``: 1, a fixed count, or 0 (per launch, :func:`auto_split`).
     - ``persistent``: ``tma`` only, programs per SM walking the tiles (0: one program per tile).
@@ -91,8 +90,8 @@ class BlockTileConfig:
         if self.family == "gemv":
             if self.block_m != 1 or self.block_n > wbn:
                 raise ValueError(f"{self.name}: gemv takes block_m = 1 and block_n <= {wbn}")
-            if self.stages not in (1, 2):
-                raise ValueError(f"{self.name}: gemv takes stages 1 or 2 (its loads one step ahead)")
+            if self.stages != 1:
+                raise ValueError(f"{self.name}: gemv takes stages = 1 (its K loop is not pipelined)")
         elif self.block_m < 16 or self.block_n < 16:
             raise ValueError(f"{self.name}: tensor-core tiles need block_m, block_n >= 16")
         if self.family == "swap" and self.block_n > wbn:
@@ -107,8 +106,7 @@ class BlockTileConfig:
     @property
     def name(self) -> str:
         if self.family == "gemv":
-            ahead = f"_s{self.stages}" if self.stages > 1 else ""
-            return f"gemv_n{self.block_n}_g{self.groups}_w{self.warps}{ahead}"
+            return f"gemv_n{self.block_n}_g{self.groups}_w{self.warps}"
         g = f"_g{self.group_m}" if self.family in ("mm", "tma") else ""
         sk = f"_sk{self.split_k}" if self.family in ("swap", "mm") else ""
         p = f"_p{self.persistent}" if self.persistent else ""
@@ -118,10 +116,10 @@ class BlockTileConfig:
     def from_name(cls, name: str) -> BlockTileConfig:
         """The config a name spells (the inverse of :attr:`name`), e.g. ``mm_n64_m64_s4_w4_g8_sk7``: for configs that
         are not shipped (``bench/block_gemm.py --configs``). Raises ``ValueError`` on a name that spells none."""
-        gemv = re.fullmatch(r"gemv_n(\d+)_g(\d+)_w(\d+)(?:_s(\d+))?", name)
+        gemv = re.fullmatch(r"gemv_n(\d+)_g(\d+)_w(\d+)", name)
         if gemv:
-            n, groups, warps = map(int, gemv.groups()[:3])
-            return cls("gemv", 1, n, int(gemv.group(4) or 1), warps, groups=groups)
+            n, groups, warps = map(int, gemv.groups())
+            return cls("gemv", 1, n, 1, warps, groups=groups)
         tiled = re.fullmatch(r"(swap|mm|tma)_n(\d+)_m(\d+)_s(\d+)_w(\d+)(?:_g(\d+))?(?:_sk(\d+))?(?:_p(\d+))?", name)
         if tiled is None:
             raise ValueError(f"{name!r} spells no block GEMM config (e.g. mm_n128_m64_s4_w4_g8_sk0)")
@@ -162,10 +160,6 @@ CONFIG_LIST: tuple[BlockTileConfig, ...] = (
     C("gemv", 1, 8, 1, 4, groups=8, note="M = 1, the activation quantized in the launch (fused), K > 2048: 8 rows "
       "per program, so each program's quantization of the row is spread over 8 weight rows"),
     C("gemv", 1, 16, 1, 2, groups=2, note="M = 1 fused, K <= 2048 (q_b 24576x1536, kv_b 32768x512)"),
-    C("gemv", 1, 2, 2, 2, groups=8, note="gemv_n2_g8_w2 with each step's loads issued a step ahead"),
-    C("gemv", 1, 4, 2, 4, groups=4, note="gemv_n4_g4_w4 with each step's loads issued a step ahead"),
-    C("gemv", 1, 8, 2, 4, groups=8, note="gemv_n8_g8_w4 (fused) with each step's loads issued a step ahead"),
-    C("gemv", 1, 16, 2, 2, groups=2, note="gemv_n16_g2_w2 (fused) with each step's loads issued a step ahead"),
     C("swap", 16, 64, 8, 4, split_k=0, note="M <= 16: 64 KB of weight in flight per program"),
     C("swap", 16, 64, 6, 4, split_k=0, note="M <= 16, fewer stages (more programs per SM)"),
     C("swap", 16, 128, 4, 4, split_k=0, note="M <= 16, wide N"),
@@ -229,19 +223,21 @@ def _narrow(n: int) -> tuple[tuple[int | None, str], ...]:
     (``bench/results/block_gemm/2026-12-03-h200-thin-n/``; buckets from M = 64 up re-measured with the scales loaded
     a step ahead, ``bench/results/block_gemm/2026-12-04-h200-scales-ahead/``: q_a at M = 64 11.0 µs against 12.5
     for swap-AB, M = 1024 / 4096 31.3 / 103 against 41.2 / 124; kv_a at M = 256 12.1 against 12.9, M = 4096 60.0
-    against 64.1)."""
+    against 64.1). q_a takes the GEMV at one token (6.7 µs against 8.1 for swap-AB; kv_a's 576 rows fill too few
+    programs: 5.8 against 5.4, bench/results/block_gemm/2026-12-05-h200-gemv-prefetch/)."""
     if n <= 576:
         return ((16, _SWAP16), (32, _SWAP32), (64, "mm_n64_m32_s4_w4_g8_sk7"), (256, _MM64_SMALL_SK4),
                 (1024, _MM64_SMALL_SK2), (None, _MM_LARGE))
-    return ((16, _SWAP16), (32, _SWAP32), (64, _MM64_SMALL_SK4), (256, _MM64_SMALL_SK2), (None, _MM_LARGE))
+    return ((1, _GEMV), (16, _SWAP16), (32, _SWAP32), (64, _MM64_SMALL_SK4), (256, _MM64_SMALL_SK2), (None, _MM_LARGE))
 
 
-def _short_k() -> tuple[tuple[int | None, str], ...]:
-    """Buckets of a short-K shape (K <= 2048: q_b 24576x1536, kv_b 32768x512): the GEMV's 512-column step at one
-    token, the 128x64 tiles up to M = 64 (q_b / kv_b at M = 16: 13.2 / 6.7 µs against 16.1 / 7.9 for swap-AB; M =
+def _short_k(k: int) -> tuple[tuple[int | None, str], ...]:
+    """Buckets of a short-K shape (K <= 2048: q_b 24576x1536, kv_b 32768x512): at one token the GEMV's 512-column
+    step for q_b, swap-AB for kv_b, whose 4 K steps leave the GEMV's programs little to stream (9.1 µs against 11.6,
+    bench/results/block_gemm/2026-12-04-h200-fused-gemv/ and 2026-12-05-h200-gemv-prefetch/), the 128x64 tiles up to M = 64 (q_b / kv_b at M = 16: 13.2 / 6.7 µs against 16.1 / 7.9 for swap-AB; M =
     64: 13.8 / 7.3 against 18.9 / 10.6), the persistent TMA kernel above (kv_b at M = 256 / 1024: 17.0 / 56.3 against
     20.5 / 73.2; ``bench/results/block_gemm/2026-12-04-h200-scales-ahead/``)."""
-    return ((1, _GEMV_SHORT_K), (64, _MM_LARGE), (None, _TMA))
+    return ((1, _GEMV_SHORT_K if k > 512 else _SWAP16), (64, _MM_LARGE), (None, _TMA))
 
 
 #: The built-in table for the H200: GEMV at M = 1 for N >= 2048 (the per-tensor sweep's winner at M = 1 on
@@ -256,8 +252,8 @@ DEFAULT_TABLE = BlockTable(
         # DeepSeek-V3: q_a, kv_a (narrow N, K = 7168), q_b, kv_b (short K)
         (1536, 7168): _narrow(1536),
         (576, 7168): _narrow(576),
-        (24576, 1536): _short_k(),
-        (32768, 512): _short_k(),
+        (24576, 1536): _short_k(1536),
+        (32768, 512): _short_k(512),
     },
     source="reasoned defaults below M = 1024, the M >= 1024 bucket and the narrow / short-K DeepSeek-V3 shapes "
            "measured (bench/results/block_gemm/2026-12-03-h200-thin-n/, 2026-12-04-h200-scales-ahead/): "

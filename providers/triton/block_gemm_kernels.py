@@ -168,14 +168,13 @@ def block_gemv_kernel(
     stride_xsm, stride_xsk, stride_wsn, stride_wsk, stride_b,
     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP_K: tl.constexpr, WBN: tl.constexpr, WBK: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, ROW_ALIGN: tl.constexpr, USE_PDL: tl.constexpr,
-    X_QUANT: tl.constexpr, FMAX: tl.constexpr, PREFETCH: tl.constexpr,
+    X_QUANT: tl.constexpr, FMAX: tl.constexpr,
 ):
     """CUDA-core GEMV: ``BLOCK_N`` weight rows (within one weight block: ``WBN % BLOCK_N == 0``) against token
     ``program_id(1)``, ``GROUPS`` activation groups (``GROUPS · GROUP_K`` columns) per step, held as a
     ``[BLOCK_N, GROUPS, GROUP_K]`` block so each group's two scales are one load each. ``EVEN_K``: ``K`` is a
     multiple of ``GROUPS · GROUP_K``. ``X_QUANT``: ``x`` is unquantized and each group is quantized here to
-    ``w``'s float8 type (largest value ``FMAX``); ``xs_ptr`` is then never read. ``PREFETCH``: each step's loads
-    are issued before the step before is computed (two steps in flight; the last step loads itself again)."""
+    ``w``'s float8 type (largest value ``FMAX``); ``xs_ptr`` is then never read."""
     pid_n = tl.program_id(0)
     m = tl.program_id(1)
     stride_xm, stride_wn, K = _row_aligned(stride_xm, stride_wn, K, ROW_ALIGN)
@@ -194,21 +193,10 @@ def block_gemv_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_N, GROUPS, GROUP_K), dtype=tl.float32)
     code = w_ptr.dtype.element_ty
-    if PREFETCH:
-        k_final = ((K - 1) // STEP) * STEP
-        wv, xv, xs, ws = _gemv_load(w_ptrs, x_ptrs, xs_ptrs, ws_row, 0, K, cols, offs_g, stride_wk, stride_xk,
+    for k0 in range(0, K, STEP):
+        wv, xv, xs, ws = _gemv_load(w_ptrs, x_ptrs, xs_ptrs, ws_row, k0, K, cols, offs_g, stride_wk, stride_xk,
                                     stride_xsk, stride_wsk, GROUPS, GROUP_K, WBK, EVEN_K, X_QUANT)
-        for k0 in range(0, K, STEP):
-            wn, xn, xsn, wsn = _gemv_load(w_ptrs, x_ptrs, xs_ptrs, ws_row, tl.minimum(k0 + STEP, k_final), K, cols,
-                                          offs_g, stride_wk, stride_xk, stride_xsk, stride_wsk, GROUPS, GROUP_K, WBK,
-                                          EVEN_K, X_QUANT)
-            acc = _gemv_step(acc, wv, xv, xs, ws, X_QUANT, FMAX, code)
-            wv, xv, xs, ws = wn, xn, xsn, wsn
-    else:
-        for k0 in range(0, K, STEP):
-            wv, xv, xs, ws = _gemv_load(w_ptrs, x_ptrs, xs_ptrs, ws_row, k0, K, cols, offs_g, stride_wk, stride_xk,
-                                        stride_xsk, stride_wsk, GROUPS, GROUP_K, WBK, EVEN_K, X_QUANT)
-            acc = _gemv_step(acc, wv, xv, xs, ws, X_QUANT, FMAX, code)
+        acc = _gemv_step(acc, wv, xv, xs, ws, X_QUANT, FMAX, code)
     total = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCK_N]
     _bias_store(total, tl.full((1,), 0, tl.int32) + m, offs_n, M, N, out_ptr, stride_om, stride_on, bias_ptr,
                 stride_b, HAS_BIAS)

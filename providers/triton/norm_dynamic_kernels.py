@@ -40,10 +40,11 @@ Paths (the launch shape of :func:`dyn_config`, from the static kernel's :func:`.
   of ``q``, the scales (and ``residual``).
 - packed (one pass): ``ROWS`` rows per program packed group after group into a power-of-two block of ``G``-column
   slots, the rows' sums and maxima gathered over their slots; large launches whose row fills less than
-  :data:`PACKED_MAX_FILL` of its power-of-two block of groups run it with one row per program (H = 5120).
-- parts (one pass, a candidate launch that :func:`dyn_config` does not choose until measured): one row per program as
-  up to three power-of-two blocks of groups (:func:`row_parts`: H = 5120 is 32 + 8 groups), so no lane idles and no
-  gather over slots is needed; 80 registers a thread on sm_90a at H = 5120 against the packed kernel's 120.
+  :data:`PACKED_MAX_FILL` of its power-of-two block of groups and is not two parts run it with one row per program.
+- parts (one pass): one row per program as up to three power-of-two blocks of groups (:func:`row_parts`: H = 5120 is
+  32 + 8 groups), so no lane idles and no gather over slots is needed; 80 registers a thread on sm_90a at H = 5120
+  against the packed kernel's 120. Large launches whose row fills less than :data:`PACKED_MAX_FILL` of its
+  power-of-two block and is two parts run it, in every mode (:data:`PARTS_MAX`).
 - two / three passes (larger ``H``): one row per program in chunks of ``NGC x G`` columns: the sum of squares, then
   (per token) the amax of the normalized row, then normalize / quantize / store, re-reading the row (mostly from L2);
   the residual is stored in the last pass, from the same fp32 sum.
@@ -338,6 +339,19 @@ PDL_MAX_ELEMENTS = 1 << 22
 #: faster, per token without the residual add slower (bench/results/block_gemm/2026-12-04-h200-norm-packed/).
 PACKED_MAX_FILL = 0.75
 
+#: the most parts a row may take to run the parts kernel where :data:`PACKED_MAX_FILL` calls for a repacked row: at
+#: H = 5120 (32 + 8 groups), 4 warps, on the H200 it took 19.9 / 68.8 µs per token without the residual add at
+#: T = 4096 / 16384 against the one-row block's 21.0 / 74.8 (77 / 89% of copy bandwidth against 72 / 82%), 38.5 / 144.0
+#: with group scales and the residual add against the packed kernel's 40.8 / 148.4, per token with it 38.8 / 143.3
+#: against 40.8 / 148.0, with group scales without it 21.9 / 77.7 against 22.3 / 75.9; a row of three parts ran
+#: 1.2-1.4x the one-row block's time at H = 7168 (32 + 16 + 8), so those keep the packed kernel
+#: (bench/results/block_gemm/2026-12-05-h200-norm-parts/).
+PARTS_MAX = 2
+
+#: the columns of a part's group when per-token scales are computed by the parts kernel (the scale is the row's; the
+#: groups only cut the row into parts)
+PARTS_TOKEN_GROUP = 128
+
 
 class DynConfig(NamedTuple):
     """A launch: ``path`` ``"block"`` (``rows`` rows of ``ng`` groups of ``gb`` columns per program), ``"packed"``
@@ -357,7 +371,8 @@ def dyn_config(t: int, h: int, add: bool, group_size: int, per_token: bool, sing
     """The launch shape for ``[t, h]`` rows: :func:`.norm_kernels.one_row_config` (rows per program and warps as
     measured for the static kernel, without its pairing of rows: one row per program ran 4-7% faster at H = 4096,
     bench/results/block_gemm/2026-12-04-h200-norm-early-amax/), the warps of :data:`DYN_ELEMS_PER_THREAD` with the
-    residual add, the row block split into scale groups; the packed kernel where :data:`PACKED_MAX_FILL` says.
+    residual add, the row block split into scale groups; the parts or packed kernel where :data:`PACKED_MAX_FILL`
+    and :data:`PARTS_MAX` say.
     ``single_pass_max`` / ``loop_block`` let tests reach the chunked path at small ``H``."""
     from .quant_kernels import SINGLE_PASS_MAX
 
@@ -365,10 +380,14 @@ def dyn_config(t: int, h: int, add: bool, group_size: int, per_token: bool, sing
     limit = SINGLE_PASS_MAX if single_pass_max is None else single_pass_max
     block = triton.next_power_of_2(max(h, 1))
     if block <= limit and base.path != "loop":
-        groups = -(-h // group_size)
+        gb = PARTS_TOKEN_GROUP if per_token else group_size
+        groups = -(-h // gb)
         fill = groups / triton.next_power_of_2(groups)
-        if fill < PACKED_MAX_FILL and (add or not per_token) and t * h >= PDL_MAX_ELEMENTS:
-            return DynConfig("packed", 1, groups, group_size, 4)
+        if fill < PACKED_MAX_FILL and t * h >= PDL_MAX_ELEMENTS:
+            if sum(1 for p in row_parts(groups) if p) <= PARTS_MAX:
+                return DynConfig("parts", 1, groups, gb, 4)
+            if add or not per_token:
+                return DynConfig("packed", 1, groups, gb, 4)
         width = max(base.block, block)
         warps = min(16, max(4, base.rows * width // (32 * DYN_ELEMS_PER_THREAD)))
         if not add:
