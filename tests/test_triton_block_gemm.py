@@ -134,8 +134,9 @@ def test_default_table_covers_every_m_with_a_known_config():
 
 
 def test_default_table_at_one_token_follows_the_h200_measurements():
-    """The M = 1 bucket per DeepSeek-V3 projection as measured (bench/results/block_gemm/2026-12-05-h200-gemv-prefetch/):
-    the GEMV where the weight gives it enough programs and K steps, swap-AB on kv_a's 576 rows and kv_b's K = 512."""
+    """The M = 1 bucket per DeepSeek-V3 projection as measured
+    (bench/results/block_gemm/2026-12-05-h200-gemv-prefetch/): the GEMV where the weight gives it enough programs
+    and K steps, swap-AB on kv_a's 576 rows and kv_b's K = 512."""
     pick = bc.DEFAULT_TABLE.pick
     assert pick(1, 1536, 7168) == "gemv_n2_g8_w2" and pick(2, 1536, 7168) == "swap_n64_m16_s8_w4_sk0"
     assert pick(1, 576, 7168) == "swap_n64_m16_s8_w4_sk0"

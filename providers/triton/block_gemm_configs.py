@@ -223,7 +223,7 @@ def _narrow(n: int) -> tuple[tuple[int | None, str], ...]:
     (``bench/results/block_gemm/2026-12-03-h200-thin-n/``; buckets from M = 64 up re-measured with the scales loaded
     a step ahead, ``bench/results/block_gemm/2026-12-04-h200-scales-ahead/``: q_a at M = 64 11.0 µs against 12.5
     for swap-AB, M = 1024 / 4096 31.3 / 103 against 41.2 / 124; kv_a at M = 256 12.1 against 12.9, M = 4096 60.0
-    against 64.1). q_a takes the GEMV at one token (6.7 µs against 8.1 for swap-AB; kv_a's 576 rows fill too few
+    against 64.1). q_a takes the GEMV at one token (6.7 µs against 8.0 for swap-AB; kv_a's 576 rows fill too few
     programs: 5.8 against 5.4, bench/results/block_gemm/2026-12-05-h200-gemv-prefetch/)."""
     if n <= 576:
         return ((16, _SWAP16), (32, _SWAP32), (64, "mm_n64_m32_s4_w4_g8_sk7"), (256, _MM64_SMALL_SK4),
@@ -234,9 +234,10 @@ def _narrow(n: int) -> tuple[tuple[int | None, str], ...]:
 def _short_k(k: int) -> tuple[tuple[int | None, str], ...]:
     """Buckets of a short-K shape (K <= 2048: q_b 24576x1536, kv_b 32768x512): at one token the GEMV's 512-column
     step for q_b, swap-AB for kv_b, whose 4 K steps leave the GEMV's programs little to stream (9.1 µs against 11.6,
-    bench/results/block_gemm/2026-12-04-h200-fused-gemv/ and 2026-12-05-h200-gemv-prefetch/), the 128x64 tiles up to M = 64 (q_b / kv_b at M = 16: 13.2 / 6.7 µs against 16.1 / 7.9 for swap-AB; M =
-    64: 13.8 / 7.3 against 18.9 / 10.6), the persistent TMA kernel above (kv_b at M = 256 / 1024: 17.0 / 56.3 against
-    20.5 / 73.2; ``bench/results/block_gemm/2026-12-04-h200-scales-ahead/``)."""
+    bench/results/block_gemm/2026-12-04-h200-fused-gemv/ and 2026-12-05-h200-gemv-prefetch/), the 128x64 tiles up to
+    M = 64 (q_b / kv_b at M = 16: 13.2 / 6.7 µs against 16.1 / 7.9 for swap-AB; M = 64: 13.8 / 7.3 against 18.9 /
+    10.6), the persistent TMA kernel above (kv_b at M = 256 / 1024: 17.0 / 56.3 against 20.5 / 73.2;
+    ``bench/results/block_gemm/2026-12-04-h200-scales-ahead/``)."""
     return ((1, _GEMV_SHORT_K if k > 512 else _SWAP16), (64, _MM_LARGE), (None, _TMA))
 
 

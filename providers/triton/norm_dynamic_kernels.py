@@ -344,7 +344,7 @@ PACKED_MAX_FILL = 0.75
 #: T = 4096 / 16384 against the one-row block's 21.0 / 74.8 (77 / 89% of copy bandwidth against 72 / 82%), 38.5 / 144.0
 #: with group scales and the residual add against the packed kernel's 40.8 / 148.4, per token with it 38.8 / 143.3
 #: against 40.8 / 148.0, with group scales without it 21.9 / 77.7 against 22.3 / 75.9; a row of three parts ran
-#: 1.2-1.4x the one-row block's time at H = 7168 (32 + 16 + 8), so those keep the packed kernel
+#: 1.01-1.23x the one-row block's time at H = 7168 (32 + 16 + 8), so those keep the packed kernel
 #: (bench/results/block_gemm/2026-12-05-h200-norm-parts/).
 PARTS_MAX = 2
 
