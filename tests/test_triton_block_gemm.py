@@ -200,7 +200,7 @@ def test_row_align():
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 200, 520), (5, 192, 256), (17, 130, 384)])
 def test_every_family_matches_reference(family, m, n, k):
     cfg = SMALL[family]
-    if family.startswith("gemv") and m > 5:
+    if family == "gemv" and m > 5:
         pytest.skip("the GEMV streams the weight per token (slow on the interpreter)")
     _check(cfg, m, n, k, bias=True)
 

@@ -332,11 +332,13 @@ DYN_ELEMS_PER_THREAD = 32
 PDL_MAX_ELEMENTS = 1 << 22
 
 #: large launches (``T · H >= PDL_MAX_ELEMENTS``) whose row fills less than this share of its power-of-two block of
-#: groups run the packed kernel, one row per program on 4 warps (group scales, or per token with the residual add):
-#: at H = 5120 (40 groups of 64) on the H200 it took 22.4 / 75.2 µs against the one-row block's 24.7 / 87.8 with group
-#: scales at T = 4096 / 16384 (69 / 82% of copy bandwidth against 62 / 70%), 40.9 / 147.7 against 41.6 / 157.5 with
-#: the residual add, per token with it 147.8 against 154.1 at T = 16384; at H = 7168 (56 of 64) and 4096 it was no
-#: faster, per token without the residual add slower (bench/results/block_gemm/2026-12-04-h200-norm-packed/).
+#: groups leave the one-row block: the parts kernel where the row is at most :data:`PARTS_MAX` parts, else the packed
+#: kernel, one row per program on 4 warps (group scales, or per token with the residual add). The packed kernel, when
+#: it was measured against the one-row block at H = 5120 (40 groups filling 40 of 64 slots) on the H200, took 22.4 /
+#: 75.2 µs against the one-row block's 24.7 / 87.8 with group scales at T = 4096 / 16384 (69 / 82% of copy bandwidth
+#: against 62 / 70%), 40.9 / 147.7 against 41.6 / 157.5 with the residual add, per token with it 147.8 against 154.1
+#: at T = 16384; at H = 7168 (56 of 64) and 4096 it was no faster, per token without the residual add slower
+#: (bench/results/block_gemm/2026-12-04-h200-norm-packed/).
 PACKED_MAX_FILL = 0.75
 
 #: the most parts a row may take to run the parts kernel where :data:`PACKED_MAX_FILL` calls for a repacked row: at
