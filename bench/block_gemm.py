@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=None, help="output folder (default bench/results/<date>-<gpu>/block_gemm)")
     ap.add_argument("--models", nargs="+", default=None, choices=sorted(MODELS), help="model shape tables")
     ap.add_argument("--layers", nargs="+", default=None, help="only these layers (q_a, kv_a, o, gate_up, ...)")
+    ap.add_argument("--shapes", nargs="+", default=None, metavar="N,K",
+                    help="weight shapes [N, K] to time instead of the model tables (an engine's own, or a grid: "
+                    "rows are labelled 'shapes NxK')")
     ap.add_argument("--m", default=None, help="M values, comma-separated (default 1,4,16,64,256,1024,4096)")
     ap.add_argument("--tokens", default=None, help="norm token counts, comma-separated (default 1,16,256,4096,16384)")
     ap.add_argument("--quick", action="store_true", help="4 shapes x M 1,16,256,4096, fewer repeats, no flashinfer")
@@ -131,10 +134,20 @@ def _ints(text: str | None, default: tuple[int, ...]) -> tuple[int, ...]:
     return default if not text else tuple(int(v) for v in text.split(",") if v.strip())
 
 
+def _shape(text: str) -> tuple[int, int]:
+    """``"N,K"`` (or ``"NxK"``) as ``(N, K)``."""
+    parts = text.replace("x", ",").split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"--shapes takes N,K pairs of positive integers, got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
 def gemm_shapes(args: argparse.Namespace) -> list[tuple[str, str, int, int]]:
     """``(model, layer, N, K)`` of the run."""
     if args.smoke:
         return list(SMOKE_SHAPES)
+    if args.shapes:
+        return [("shapes", f"{n}x{k}", n, k) for n, k in (_shape(text) for text in args.shapes)]
     if args.quick and not args.models:
         pairs = QUICK_SHAPES
         table = {(model, layer): (n, k) for model, rows in MODELS.items() for layer, n, k in rows}
@@ -927,8 +940,10 @@ def main(argv: list[str] | None = None) -> int:
         return rerender(Path(args.rerender), Path(args.out))
     try:
         extra_configs(args.configs, 1, 16)
-    except ValueError as exc:
-        ap.error(f"--configs: {exc}")
+        for text in args.shapes or ():
+            _shape(text)
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        ap.error(f"--configs / --shapes: {exc}")
     if args.device == "cpu" and "TRITON_INTERPRET" not in os.environ:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is defined
     import torch

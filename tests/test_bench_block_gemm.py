@@ -62,6 +62,14 @@ def test_extra_configs_are_parsed_and_kept_where_eligible():
         bench.main(["--configs", "mm_n64", "--device", "cpu", "--smoke"])
 
 
+def test_shapes_replace_the_model_tables_and_bad_ones_are_refused():
+    args = bench.build_parser().parse_args(["--shapes", "576,7168", "4096x12288", "--models", "qwen3-8b"])
+    assert bench.gemm_shapes(args) == [("shapes", "576x7168", 576, 7168), ("shapes", "4096x12288", 4096, 12288)]
+    for bad in ("576", "0,128", "a,b", "1,2,3"):
+        with pytest.raises(SystemExit):
+            bench.main(["--shapes", bad, "--device", "cpu", "--smoke"])
+
+
 def _point(m, us, model="deepseek-v3", layer="kv_a", n=576, k=7168, floor=None, pick="triton[config=auto]"):
     variants = {lab: {"us": v, "config": lab.split(":")[-1] if ":" in lab else "swap_n64_m16_s8_w4_sk0"}
                 for lab, v in us.items()}
