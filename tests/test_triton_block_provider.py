@@ -61,7 +61,8 @@ def test_block_provider_quantizes_one_token_in_its_gemv_launch():
     assert _backend("mm_n128_m64_s4_w4_g8_sk0").traced_fused_quant_max_m(prepared, ActScale.PER_TOKEN_GROUP) == 0
     x = (torch.randn(1, 384) * 3).to(torch.bfloat16).to(DEVICE)
     xq, xs = gq.quant_per_token_group(x, 128, torch.float8_e4m3fn, "m_major_tma")
-    want = provider.gemm_impl(xq, prepared, xs, torch.bfloat16, None)
+    # bit for bit: the fused launch is its GEMV config's plain launch with the quantization inside
+    want = _backend(bc.fused_shape_config(256, 384)).gemm_impl(xq, prepared, xs, torch.bfloat16, None)
     bound = provider.bind_fused_quant_gemm(prepared, ActScale.PER_TOKEN_GROUP, None, torch.bfloat16, None)
     assert torch.equal(bound(x), want)
     assert torch.equal(provider.traced_fused_quant_gemm_impl(x, prepared, ActScale.PER_TOKEN_GROUP, None,
@@ -75,6 +76,29 @@ def test_block_provider_quantizes_one_token_in_its_gemv_launch():
     assert host_aware.host_us_of(cls, 1, 256, 384, {"config": "mm_n128_m64_s4_w4_g8_sk0"}, block=True) == \
         cls.block_host_us
 
+
+
+@needs_kernels
+def test_block_provider_fuses_in_cuda_graphs_only_where_the_fused_launch_is_the_gemm_launch():
+    """Eager calls of a one-token block linear always take the fused GEMV; calls captured into a CUDA graph take it
+    only where it is the launch the GEMM runs there with 8 or more rows a program (the saved quantization is then
+    the whole difference); elsewhere they quantize, then run the table's GEMM."""
+    provider = _backend()
+    x_q, w_q, x_s, w_s = _operands(1, 256, 384)
+    prepared = provider.prepare_weight(w_q, w_s)
+    group = ActScale.PER_TOKEN_GROUP
+    fused = bc.fused_shape_config(256, 384)
+    for plain, in_graph in ((fused, True), ("gemv_n2_g8_w2", False), ("swap_n64_m16_s8_w4_sk0", False)):
+        previous = bc.use_table(bc.BlockTable(default=((1, plain), (None, "mm_n128_m64_s4_w4_g8_sk0")), source="test"))
+        try:
+            assert provider.fuses_act_quant_for(prepared, group, False)
+            assert provider.fuses_act_quant_for(prepared, group, True) is in_graph, plain
+        finally:
+            bc.use_table(previous)
+    assert not _backend("mm_n128_m64_s4_w4_g8_sk0").fuses_act_quant_for(prepared, group, True)
+    assert _backend("gemv_n8_g8_w4").fuses_act_quant_for(prepared, group, True)
+    assert not _backend("gemv_n4_g4_w4").fuses_act_quant_for(prepared, group, True)  # 4 rows a program
+    assert not provider.fuses_act_quant_for(prepared, ActScale.PER_TOKEN, True)
 
 
 def test_capabilities_declare_block_wise_fp8_explicitly():

@@ -230,6 +230,7 @@ def test_a_k_padded_weight_skips_the_fused_launch():
         fused_act_quant = frozenset({ActScale.PER_TENSOR_DYNAMIC})
         fused_act_quant_in_graphs = None
         fuses_act_quant = Fp8GemmBackend.fuses_act_quant
+        fuses_act_quant_for = Fp8GemmBackend.fuses_act_quant_for
 
         def bind_fused_quant_gemm(self, *args):
             calls.append("fused")
@@ -270,6 +271,7 @@ def test_captured_calls_skip_a_fused_launch_the_provider_keeps_out_of_graphs(mon
         fused_act_quant = modes
         fused_act_quant_in_graphs = frozenset({ActScale.PER_TENSOR_STATIC})
         fuses_act_quant = Fp8GemmBackend.fuses_act_quant
+        fuses_act_quant_for = Fp8GemmBackend.fuses_act_quant_for
         capabilities = SimpleNamespace(group_scale_layout=None)
 
         def bind_fused_quant_gemm(self, *args):

@@ -605,6 +605,12 @@ class Fp8GemmBackend(ProviderBase):
         graph = self.fused_act_quant_in_graphs
         return act_scale in self.fused_act_quant and (not in_graph or graph is None or act_scale in graph)
 
+    def fuses_act_quant_for(self, prepared: PreparedWeight, act_scale: ActScale, in_graph: bool) -> bool:
+        """:meth:`fuses_act_quant` for one prepared weight: what a layer's eager plan asks. A provider whose fused
+        launch pays inside CUDA graphs on some weights only (where it is the same launch as its GEMM's, so the
+        quantization it saves is the whole difference) overrides this; the default answers per mode."""
+        return self.fuses_act_quant(act_scale, in_graph)
+
     def fused_quant_gemm_impl(
         self,
         x: torch.Tensor,

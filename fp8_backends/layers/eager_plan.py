@@ -64,14 +64,15 @@ def bind_linear(backend: Fp8GemmBackend, prepared: PreparedWeight, out_dtype: to
                 bias: torch.Tensor | None, quantize: Callable[[Any], Any], mode: ActScale,
                 input_scale: torch.Tensor | None, fp8_dtype: torch.dtype, in_graph: bool = False) -> LinearCall:
     """One provider's linear: its fused quantize+GEMM launch (:meth:`Fp8GemmBackend.fused_quant_gemm_impl`) where
-    it fuses ``mode`` (:meth:`Fp8GemmBackend.fuses_act_quant`; ``in_graph``: the binding for calls captured into a
-    CUDA graph), the activation's float8 type is the weight's and the weight is not K-padded, falling back to
-    ``quantize`` then :func:`bind_gemm`'s call where it declines; else those two."""
+    it fuses ``mode`` for ``prepared`` (:meth:`Fp8GemmBackend.fuses_act_quant_for`; ``in_graph``: the binding for
+    calls captured into a CUDA graph), the activation's float8 type is the weight's and the weight is not K-padded,
+    falling back to ``quantize`` then :func:`bind_gemm`'s call where it declines; else those two."""
     gemm = bind_gemm(backend, prepared, out_dtype, bias)
     # a weight the provider padded along K (prepared.k_pad) runs on its aligned rows: quantize into the padded width,
     # then the GEMM (a fused launch would read the unpadded K with masked loads: 1.8-3.5x slower at K = 6840 on the
     # H200, bench/results/unaligned/2026-12-03-h200-layers/)
-    if not backend.fuses_act_quant(mode, in_graph) or prepared.data.dtype != fp8_dtype or prepared.k_pad is not None:
+    if (not backend.fuses_act_quant_for(prepared, mode, in_graph) or prepared.data.dtype != fp8_dtype
+            or prepared.k_pad is not None):
         def linear(x: Any) -> Any:
             x_q, x_scale = quantize(x)
             return gemm(x_q, x_scale)
@@ -231,9 +232,11 @@ def bind_per_m(kernel: PerMGemm, *, k: int, n: int, dtype: torch.dtype, device: 
         return out
 
     # calls captured into a CUDA graph take rows of their own where the providers differ there, or where one fuses
-    # this mode's quantization in eager calls but not in graphs (Fp8GemmBackend.fused_act_quant_in_graphs)
+    # this mode's quantization in eager calls but not in graphs (Fp8GemmBackend.fused_act_quant_in_graphs, per weight:
+    # fuses_act_quant_for)
     graph_differs = kernel.split or any(
-        row.backend.fuses_act_quant(mode, False) != row.backend.fuses_act_quant(mode, True) for row in kernel.rows)
+        row.backend.fuses_act_quant_for(row.prepared, mode, False)
+        != row.backend.fuses_act_quant_for(row.prepared, mode, True) for row in kernel.rows)
     graph = bind(kernel.graph_rows if kernel.split else kernel.rows, True) if graph_differs else None
     return EagerPlan(k=k, n=n, dtype=dtype, device=device, rows=bind(kernel.rows), graph_rows=graph)
 

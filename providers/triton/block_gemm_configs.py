@@ -160,6 +160,10 @@ CONFIG_LIST: tuple[BlockTileConfig, ...] = (
     C("gemv", 1, 8, 1, 4, groups=8, note="M = 1, the activation quantized in the launch (fused), K > 2048: 8 rows "
       "per program, so each program's quantization of the row is spread over 8 weight rows"),
     C("gemv", 1, 16, 1, 2, groups=2, note="M = 1 fused, K <= 2048 (q_b 24576x1536, kv_b 32768x512)"),
+    C("gemv", 1, 1, 1, 2, groups=32, note="M = 1, N <= 1024: one row x 4096 columns a step per program (kv_a "
+      "576x7168: 3.77 µs against 5.4 for swap-AB)"),
+    C("gemv", 1, 2, 1, 4, groups=16, note="M = 1, N 1025-2048: 2 rows x 2048 columns a step (q_a 1536x7168: 6.05 µs "
+      "against 6.6 for gemv_n2_g8_w2)"),
     C("swap", 16, 64, 8, 4, split_k=0, note="M <= 16: 64 KB of weight in flight per program"),
     C("swap", 16, 64, 6, 4, split_k=0, note="M <= 16, fewer stages (more programs per SM)"),
     C("swap", 16, 128, 4, 4, split_k=0, note="M <= 16, wide N"),
@@ -184,7 +188,10 @@ CONFIG_LIST: tuple[BlockTileConfig, ...] = (
     C("swap", 64, 64, 5, 4, split_k=7, note="narrow N (576), M 65-256, K in 7: named by the table until the scales "
       "were loaded a step ahead, then 64x64 tiles with K in 4 ran faster there (a sweep candidate since)"),
     C("mm", 64, 64, 4, 4, split_k=2, note="narrow N, M 65-4096: 64x64 tiles, K in 2"),
-    C("mm", 64, 64, 4, 4, split_k=4, note="narrow N: q_a 1536x7168 at M 33-64, kv_a 576x7168 at M 65-256"),
+    C("mm", 64, 64, 4, 4, split_k=4, note="narrow N: q_a 1536x7168 at M 33-64"),
+    C("mm", 64, 64, 3, 4, split_k=6, note="narrow N: kv_a 576x7168 at M 65-256, 3 stages (four programs an SM) and K "
+      "in 6: 10.34 / 10.50 µs in two runs against 11.9 for 4 stages and K in 4 "
+      "(bench/results/block_gemm/2026-12-05-h200-deepseek-v3-kv-a-m256-splits/)"),
 )
 del C
 
@@ -216,6 +223,26 @@ _MM64_SMALL_SK4 = "mm_n64_m64_s4_w4_g8_sk4"
 _MM_LARGE = "mm_n128_m64_s3_w4_g8_sk0"
 
 
+#: the one-token GEMV by output width (largest N served, config) where K >= :data:`LONG_STEP_MIN_K`
+#: (bench/results/block_gemm/2026-12-05-h200-gemv-long-steps/): a narrow weight gives the GEMV few programs, so each
+#: streams more bytes a step (up to 4096 columns: K this long fills the steps)
+ONE_TOKEN_BY_N: tuple[tuple[int | None, str], ...] = (
+    (1024, "gemv_n1_g32_w2"), (2048, "gemv_n2_g16_w4"), (4096, "gemv_n8_g8_w4"), (None, _GEMV))
+LONG_STEP_MIN_K = 4096
+
+
+def one_token_config(n: int, k: int) -> str:
+    """The config of the built-in table at one token for an ``N x K`` weight: swap-AB at K <= 512, the GEMV's
+    512-column step to K = 2048, from K = 4096 the GEMV :data:`ONE_TOKEN_BY_N` names for N, else the 2-row GEMV."""
+    if k <= 512:
+        return _SWAP16
+    if k <= 2048:
+        return _GEMV_SHORT_K
+    if k < LONG_STEP_MIN_K:
+        return _GEMV
+    return next(name for bound, name in ONE_TOKEN_BY_N if bound is None or n <= bound)
+
+
 def _narrow(n: int) -> tuple[tuple[int | None, str], ...]:
     """Buckets of a narrow-N shape (N <= 2048 with K = 7168: N / 64 tiles leave most SMs idle, and each program's
     K steps wait on their promotions): swap-AB with split K up to M = 32, then 64x64 tiles with K split in 2-7 (kv_a
@@ -226,9 +253,9 @@ def _narrow(n: int) -> tuple[tuple[int | None, str], ...]:
     against 64.1). q_a takes the GEMV at one token (6.7 µs against 8.0 for swap-AB; kv_a's 576 rows fill too few
     programs: 5.8 against 5.4, bench/results/block_gemm/2026-12-05-h200-gemv-prefetch/)."""
     if n <= 576:
-        return ((16, _SWAP16), (32, _SWAP32), (64, "mm_n64_m32_s4_w4_g8_sk7"), (256, _MM64_SMALL_SK4),
+        return ((16, _SWAP16), (32, _SWAP32), (64, "mm_n64_m32_s4_w4_g8_sk7"), (256, "mm_n64_m64_s3_w4_g8_sk6"),
                 (1024, _MM64_SMALL_SK2), (None, _MM_LARGE))
-    return ((1, _GEMV), (16, _SWAP16), (32, _SWAP32), (64, _MM64_SMALL_SK4), (256, _MM64_SMALL_SK2), (None, _MM_LARGE))
+    return ((16, _SWAP16), (32, _SWAP32), (64, _MM64_SMALL_SK4), (256, _MM64_SMALL_SK2), (None, _MM_LARGE))
 
 
 def _short_k(k: int) -> tuple[tuple[int | None, str], ...]:
@@ -238,7 +265,7 @@ def _short_k(k: int) -> tuple[tuple[int | None, str], ...]:
     M = 64 (q_b / kv_b at M = 16: 13.2 / 6.7 µs against 16.1 / 7.9 for swap-AB; M = 64: 13.8 / 7.3 against 18.9 /
     10.6), the persistent TMA kernel above (kv_b at M = 256 / 1024: 17.0 / 56.3 against 20.5 / 73.2;
     ``bench/results/block_gemm/2026-12-04-h200-scales-ahead/``)."""
-    return ((1, _GEMV_SHORT_K if k > 512 else _SWAP16), (64, _MM_LARGE), (None, _TMA))
+    return ((64, _MM_LARGE), (None, _TMA))
 
 
 #: The built-in table for the H200: GEMV at M = 1 for N >= 2048 (the per-tensor sweep's winner at M = 1 on
@@ -247,14 +274,34 @@ def _short_k(k: int) -> tuple[tuple[int | None, str], ...]:
 #: named before, on every DeepSeek-V3 / Qwen3-8B / Qwen3-32B weight but the short-K ones:
 #: bench/results/block_gemm/2026-12-04-h200-scales-ahead/); the narrow and short-K DeepSeek-V3 shapes measured
 #: (:func:`_narrow`, :func:`_short_k`). ``default`` covers the rest.
-DEFAULT_TABLE = BlockTable(
+class BuiltinBlockTable(BlockTable):
+    """The built-in table: a listed shape takes its own buckets; every other shape ``default``'s above one token and
+    :func:`one_token_config`'s pick at one token. A table read from JSON is a plain :class:`BlockTable`, whose
+    ``default`` one-token bucket serves every unlisted shape."""
+
+    def buckets_for(self, n: int, k: int) -> tuple[tuple[int | None, str], ...]:
+        listed = self.shapes.get((n, k))
+        if listed is not None:
+            return listed
+        return ((1, one_token_config(n, k)), *((m, name) for m, name in self.default if m is None or m > 1))
+
+    def config_names(self) -> set[str]:
+        return super().config_names() | {name for _, name in ONE_TOKEN_BY_N} | {_GEMV_SHORT_K, _SWAP16}
+
+
+def _with_one_token(n: int, k: int, buckets: tuple[tuple[int | None, str], ...]) -> tuple[tuple[int | None, str], ...]:
+    """A listed shape's buckets above one token, with :func:`one_token_config`'s pick at one token."""
+    return ((1, one_token_config(n, k)), *buckets)
+
+
+DEFAULT_TABLE = BuiltinBlockTable(
     default=((1, _GEMV), (16, _SWAP16), (32, _SWAP32), (64, _SWAP64), (512, _MM64), (None, _MM_LARGE)),
     shapes={
         # DeepSeek-V3: q_a, kv_a (narrow N, K = 7168), q_b, kv_b (short K)
-        (1536, 7168): _narrow(1536),
-        (576, 7168): _narrow(576),
-        (24576, 1536): _short_k(1536),
-        (32768, 512): _short_k(512),
+        (1536, 7168): _with_one_token(1536, 7168, _narrow(1536)),
+        (576, 7168): _with_one_token(576, 7168, _narrow(576)),
+        (24576, 1536): _with_one_token(24576, 1536, _short_k(1536)),
+        (32768, 512): _with_one_token(32768, 512, _short_k(512)),
     },
     source="reasoned defaults below M = 1024, the M >= 1024 bucket and the narrow / short-K DeepSeek-V3 shapes "
            "measured (bench/results/block_gemm/2026-12-03-h200-thin-n/, 2026-12-04-h200-scales-ahead/): "
@@ -302,6 +349,7 @@ def use_table(table: BlockTable | None) -> BlockTable | None:
 
 __all__ = [
     "CONFIGS", "CONFIG_LIST", "CONFIG_NAMES", "DEFAULT_TABLE", "FAMILIES", "MAX_SPLIT_K", "MIN_GROUPS_PER_SPLIT",
-    "FUSED_GEMV", "FUSED_GEMV_SHORT_K", "FUSED_MAX_M", "WEIGHT_BLOCK", "BlockTable", "BlockTileConfig", "active_table",
-    "auto_split", "fused_pick", "fused_shape_config", "use_table",
+    "FUSED_GEMV", "FUSED_GEMV_SHORT_K", "FUSED_MAX_M", "LONG_STEP_MIN_K", "ONE_TOKEN_BY_N", "WEIGHT_BLOCK",
+    "BlockTable", "BlockTileConfig", "BuiltinBlockTable", "active_table", "auto_split", "fused_pick",
+    "fused_shape_config", "one_token_config", "use_table",
 ]

@@ -271,6 +271,17 @@ class TritonGemmBackend(OpGemmBackend):
     # which quantizes, then runs the GEMM; bench/results/unaligned/2026-12-03-h200-x-align/)
     fused_act_quant_in_graphs = frozenset({ActScale.PER_TENSOR_STATIC})
 
+    def fuses_act_quant_for(self, prepared: PreparedWeight, act_scale: ActScale, in_graph: bool) -> bool:
+        """Block-wise weights in per-token-group mode also fuse inside CUDA graphs where the fused GEMV is the launch
+        the GEMM itself runs at one token (:func:`.block_gemm_args.fused_is_gemm_launch`): the quantization kernel
+        it saves is then the whole difference."""
+        if in_graph and act_scale is ActScale.PER_TOKEN_GROUP and prepared.block is not None:
+            from .block_gemm_args import fused_is_gemm_launch
+
+            return (_fused_bound(self._block_config) >= 1
+                    and fused_is_gemm_launch(self._block_config, prepared.n, prepared.k))
+        return super().fuses_act_quant_for(prepared, act_scale, in_graph)
+
     def fused_quant_gemm_impl(
         self,
         x: torch.Tensor,
