@@ -894,9 +894,8 @@ def sweep_table(gemm: list[dict[str, Any]]) -> Any:
         else:
             buckets.append((None, picks[ms[-1]]))
         shapes[shape] = tuple(buckets)
-    # the built-in's rules (its one-token pick) serve the shapes the sweep did not measure
-    return type(bc.DEFAULT_TABLE)(default=bc.DEFAULT_TABLE.default, shapes={**bc.DEFAULT_TABLE.shapes, **shapes},
-                                  source="bench/block_gemm.py --sweep")
+    return bc.BlockTable(default=bc.DEFAULT_TABLE.default, shapes={**bc.DEFAULT_TABLE.shapes, **shapes},
+                         source="bench/block_gemm.py --sweep")
 
 
 # ---------------------------------------------------------------------------------------------- main

@@ -89,10 +89,8 @@ def gemm_variant(cfg: Any, even: bool = True, align: int = 16, split: int | None
                       stride_xsm=1)
         return name, compile_variant(K.block_gemm_tma_kernel, types, consts, aligned, cfg.warps, cfg.stages)
     sk = split if split is not None else (cfg.split_k or 4)
-    from fp8_backends.providers.triton.block_gemm_args import reduce_unroll
-
     consts = dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=sk, EVEN_K=even, ROW_ALIGN=align, **unit,
-                  stride_xsm=1, REDUCE_UNROLL=reduce_unroll(cfg, sk))
+                  stride_xsm=1)
     if cfg.family == "mm":
         consts["GROUP_M"] = cfg.group_m
     fn = K.block_gemm_swap_kernel if cfg.family == "swap" else K.block_gemm_mm_kernel

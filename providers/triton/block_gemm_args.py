@@ -95,22 +95,6 @@ def tiles_of(cfg: BlockTileConfig, m: int, n: int) -> int:
     return cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
 
 
-#: fp32 values per thread the last program of a split-K tile may hold of the partials it sums at once
-REDUCE_REGISTERS = 128
-
-
-def reduce_unroll(cfg: BlockTileConfig, split: int) -> int:
-    """How many of a split-K tile's partials its last program loads at once (``REDUCE_UNROLL``): as many as
-    :data:`REDUCE_REGISTERS` fp32 registers a thread hold (a partial is the tile's ``BM x BN`` values over its
-    ``32 x warps`` threads), at most ``split - 1``, in chunks of equal size; 1 without a split."""
-    if split <= 1:
-        return 1
-    per_thread = max(1, cfg.block_m * cfg.block_n // (32 * cfg.warps))
-    most = max(1, min(split - 1, REDUCE_REGISTERS // per_thread))
-    chunks = cdiv(split - 1, most)
-    return cdiv(split - 1, chunks)
-
-
 def plan_launch(cfg: BlockTileConfig, m: int, n: int, k: int, group_size: int, sms: int) -> Plan:
     """The split-K of ``cfg`` on ``M x N x K`` (``split_k = 0``: :func:`.block_gemm_configs.auto_split`)."""
     groups = cdiv(k, group_size)
@@ -208,10 +192,10 @@ def kernel_args(plan: Plan, x: torch.Tensor, w: torch.Tensor, x_scale: torch.Ten
                                     f"{_GRID_Y_MAX}); use config=auto or an mm config for this M")
         return (kernel_of("swap"), (cdiv(n, cfg.block_n), m_tiles, plan.split),
                 (*head, cfg.block_m, cfg.block_n, group_size, wbn, wbk, plan.split, bias is not None, even, align,
-                 use_pdl, reduce_unroll(cfg, plan.split)))
+                 use_pdl))
     return (kernel_of("mm"), (tiles_of(cfg, m, n), plan.split),
             (*head, cfg.block_m, cfg.block_n, group_size, wbn, wbk, cfg.group_m, plan.split, bias is not None, even,
-             align, use_pdl, reduce_unroll(cfg, plan.split)))
+             align, use_pdl))
 
 
 def empty_k(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -237,6 +221,6 @@ def new_output(x: torch.Tensor, n: int, out_dtype: torch.dtype, bias: torch.Tens
 __all__ = [
     "COUNTER_SLOTS", "FUSED_AS_GEMM_MIN_ROWS", "QUANT_OP_BASENAME", "SMALL_BLOCK_CONFIG", "TMA_OP_BASENAME", "Plan",
     "cdiv", "empty_k", "fit_weight_block", "fused_config", "fused_is_gemm_launch", "kernel_args", "kernel_of",
-    "new_output", "pick_config", "plan_launch", "pointer_twin", "reduce_unroll", "row_align", "sm_count", "tiles_of",
+    "new_output", "pick_config", "plan_launch", "pointer_twin", "row_align", "sm_count", "tiles_of",
     "tma_ok",
 ]

@@ -221,26 +221,19 @@ _TMA = "tma_n128_m64_s4_w4_g8_p2"
 _MM64_SMALL_SK2 = "mm_n64_m64_s4_w4_g8_sk2"
 _MM64_SMALL_SK4 = "mm_n64_m64_s4_w4_g8_sk4"
 _MM_LARGE = "mm_n128_m64_s3_w4_g8_sk0"
+#: the buckets of every shape the table does not list
+DEFAULT_BUCKETS: tuple[tuple[int | None, str], ...] = (
+    (1, _GEMV), (16, _SWAP16), (32, _SWAP32), (64, _SWAP64), (512, _MM64), (None, _MM_LARGE))
 
 
-#: the one-token GEMV by output width (largest N served, config) where K >= :data:`LONG_STEP_MIN_K`
-#: (bench/results/block_gemm/2026-12-05-h200-gemv-long-steps/): a narrow weight gives the GEMV few programs, so each
-#: streams more bytes a step (up to 4096 columns: K this long fills the steps)
-ONE_TOKEN_BY_N: tuple[tuple[int | None, str], ...] = (
-    (1024, "gemv_n1_g32_w2"), (2048, "gemv_n2_g16_w4"), (4096, "gemv_n8_g8_w4"), (None, _GEMV))
-LONG_STEP_MIN_K = 4096
-
-
-def one_token_config(n: int, k: int) -> str:
-    """The config of the built-in table at one token for an ``N x K`` weight: swap-AB at K <= 512, the GEMV's
-    512-column step to K = 2048, from K = 4096 the GEMV :data:`ONE_TOKEN_BY_N` names for N, else the 2-row GEMV."""
-    if k <= 512:
-        return _SWAP16
-    if k <= 2048:
-        return _GEMV_SHORT_K
-    if k < LONG_STEP_MIN_K:
-        return _GEMV
-    return next(name for bound, name in ONE_TOKEN_BY_N if bound is None or n <= bound)
+#: one token on the narrow DeepSeek-V3 weights and Qwen3-8B's N = 4096 weights: GEMVs that stream more bytes per
+#: program and step than the 2-row default, measured against it, the table's former picks and flashinfer
+#: (bench/results/block_gemm/2026-12-05-h200-gemv-long-steps/): kv_a 576x7168 3.77 µs with one row x 4096 columns
+#: (swap-AB 5.4, gemv_n2_g8_w2 5.7), q_a 1536x7168 6.05 with two rows x 2048 (6.6), o 4096x4096 / down 4096x12288
+#: 7.45 / 17.5 with eight rows x 1024 (8.3 / 20.2; flashinfer 8.5 / 18.9)
+_GEMV_ONE_ROW = "gemv_n1_g32_w2"
+_GEMV_LONG_STEP = "gemv_n2_g16_w4"
+_GEMV_EIGHT_ROWS = "gemv_n8_g8_w4"
 
 
 def _narrow(n: int) -> tuple[tuple[int | None, str], ...]:
@@ -250,12 +243,14 @@ def _narrow(n: int) -> tuple[tuple[int | None, str], ...]:
     (``bench/results/block_gemm/2026-12-03-h200-thin-n/``; buckets from M = 64 up re-measured with the scales loaded
     a step ahead, ``bench/results/block_gemm/2026-12-04-h200-scales-ahead/``: q_a at M = 64 11.0 µs against 12.5
     for swap-AB, M = 1024 / 4096 31.3 / 103 against 41.2 / 124; kv_a at M = 256 12.1 against 12.9, M = 4096 60.0
-    against 64.1). q_a takes the GEMV at one token (6.7 µs against 8.0 for swap-AB; kv_a's 576 rows fill too few
-    programs: 5.8 against 5.4, bench/results/block_gemm/2026-12-05-h200-gemv-prefetch/)."""
+    against 64.1; kv_a at M 65-256 64x64 tiles on 3 stages with K in 6,
+    ``bench/results/block_gemm/2026-12-05-h200-deepseek-v3-kv-a-m256-splits/``). One token: GEMVs with long K steps
+    (:data:`_GEMV_ONE_ROW`, :data:`_GEMV_LONG_STEP`)."""
     if n <= 576:
-        return ((16, _SWAP16), (32, _SWAP32), (64, "mm_n64_m32_s4_w4_g8_sk7"), (256, "mm_n64_m64_s3_w4_g8_sk6"),
-                (1024, _MM64_SMALL_SK2), (None, _MM_LARGE))
-    return ((16, _SWAP16), (32, _SWAP32), (64, _MM64_SMALL_SK4), (256, _MM64_SMALL_SK2), (None, _MM_LARGE))
+        return ((1, _GEMV_ONE_ROW), (16, _SWAP16), (32, _SWAP32), (64, "mm_n64_m32_s4_w4_g8_sk7"),
+                (256, "mm_n64_m64_s3_w4_g8_sk6"), (1024, _MM64_SMALL_SK2), (None, _MM_LARGE))
+    return ((1, _GEMV_LONG_STEP), (16, _SWAP16), (32, _SWAP32), (64, _MM64_SMALL_SK4), (256, _MM64_SMALL_SK2),
+            (None, _MM_LARGE))
 
 
 def _short_k(k: int) -> tuple[tuple[int | None, str], ...]:
@@ -265,7 +260,7 @@ def _short_k(k: int) -> tuple[tuple[int | None, str], ...]:
     M = 64 (q_b / kv_b at M = 16: 13.2 / 6.7 µs against 16.1 / 7.9 for swap-AB; M = 64: 13.8 / 7.3 against 18.9 /
     10.6), the persistent TMA kernel above (kv_b at M = 256 / 1024: 17.0 / 56.3 against 20.5 / 73.2;
     ``bench/results/block_gemm/2026-12-04-h200-scales-ahead/``)."""
-    return ((64, _MM_LARGE), (None, _TMA))
+    return ((1, _GEMV_SHORT_K if k > 512 else _SWAP16), (64, _MM_LARGE), (None, _TMA))
 
 
 #: The built-in table for the H200: GEMV at M = 1 for N >= 2048 (the per-tensor sweep's winner at M = 1 on
@@ -273,39 +268,24 @@ def _short_k(k: int) -> tuple[tuple[int | None, str], ...]:
 #: 4 stages up to M = 512, 3 above (at M = 1024 / 4096 0.65-0.85x the time of the persistent TMA kernel this table
 #: named before, on every DeepSeek-V3 / Qwen3-8B / Qwen3-32B weight but the short-K ones:
 #: bench/results/block_gemm/2026-12-04-h200-scales-ahead/); the narrow and short-K DeepSeek-V3 shapes measured
-#: (:func:`_narrow`, :func:`_short_k`). ``default`` covers the rest.
-class BuiltinBlockTable(BlockTable):
-    """The built-in table: a listed shape takes its own buckets; every other shape ``default``'s above one token and
-    :func:`one_token_config`'s pick at one token. A table read from JSON is a plain :class:`BlockTable`, whose
-    ``default`` one-token bucket serves every unlisted shape."""
-
-    def buckets_for(self, n: int, k: int) -> tuple[tuple[int | None, str], ...]:
-        listed = self.shapes.get((n, k))
-        if listed is not None:
-            return listed
-        return ((1, one_token_config(n, k)), *((m, name) for m, name in self.default if m is None or m > 1))
-
-    def config_names(self) -> set[str]:
-        return super().config_names() | {name for _, name in ONE_TOKEN_BY_N} | {_GEMV_SHORT_K, _SWAP16}
-
-
-def _with_one_token(n: int, k: int, buckets: tuple[tuple[int | None, str], ...]) -> tuple[tuple[int | None, str], ...]:
-    """A listed shape's buckets above one token, with :func:`one_token_config`'s pick at one token."""
-    return ((1, one_token_config(n, k)), *buckets)
-
-
-DEFAULT_TABLE = BuiltinBlockTable(
-    default=((1, _GEMV), (16, _SWAP16), (32, _SWAP32), (64, _SWAP64), (512, _MM64), (None, _MM_LARGE)),
+#: (:func:`_narrow`, :func:`_short_k`) and Qwen3-8B's o / down at one token (:data:`_GEMV_EIGHT_ROWS`). ``default``
+#: covers the rest.
+DEFAULT_TABLE = BlockTable(
+    default=DEFAULT_BUCKETS,
     shapes={
         # DeepSeek-V3: q_a, kv_a (narrow N, K = 7168), q_b, kv_b (short K)
-        (1536, 7168): _with_one_token(1536, 7168, _narrow(1536)),
-        (576, 7168): _with_one_token(576, 7168, _narrow(576)),
-        (24576, 1536): _with_one_token(24576, 1536, _short_k(1536)),
-        (32768, 512): _with_one_token(32768, 512, _short_k(512)),
+        (1536, 7168): _narrow(1536),
+        (576, 7168): _narrow(576),
+        (24576, 1536): _short_k(1536),
+        (32768, 512): _short_k(512),
+        # Qwen3-8B: o, down (N = 4096)
+        (4096, 4096): ((1, _GEMV_EIGHT_ROWS), *DEFAULT_BUCKETS[1:]),
+        (4096, 12288): ((1, _GEMV_EIGHT_ROWS), *DEFAULT_BUCKETS[1:]),
     },
-    source="reasoned defaults below M = 1024, the M >= 1024 bucket and the narrow / short-K DeepSeek-V3 shapes "
-           "measured (bench/results/block_gemm/2026-12-03-h200-thin-n/, 2026-12-04-h200-scales-ahead/): "
-           "bench/block_gemm.py --sweep measures a replacement",
+    source="reasoned defaults below M = 1024, the M >= 1024 bucket, the narrow / short-K DeepSeek-V3 shapes and "
+           "Qwen3-8B's N = 4096 weights at one token measured (bench/results/block_gemm/2026-12-03-h200-thin-n/, "
+           "2026-12-04-h200-scales-ahead/, 2026-12-05-h200-gemv-long-steps/): bench/block_gemm.py --sweep measures "
+           "a replacement",
 )
 
 #: the fused GEMV (the activation's group quantization inside the launch, :func:`.block_gemm_ops.fused_launch`): its
@@ -349,7 +329,6 @@ def use_table(table: BlockTable | None) -> BlockTable | None:
 
 __all__ = [
     "CONFIGS", "CONFIG_LIST", "CONFIG_NAMES", "DEFAULT_TABLE", "FAMILIES", "MAX_SPLIT_K", "MIN_GROUPS_PER_SPLIT",
-    "FUSED_GEMV", "FUSED_GEMV_SHORT_K", "FUSED_MAX_M", "LONG_STEP_MIN_K", "ONE_TOKEN_BY_N", "WEIGHT_BLOCK",
-    "BlockTable", "BlockTileConfig", "BuiltinBlockTable", "active_table", "auto_split", "fused_pick",
-    "fused_shape_config", "one_token_config", "use_table",
+    "FUSED_GEMV", "FUSED_GEMV_SHORT_K", "FUSED_MAX_M", "WEIGHT_BLOCK", "BlockTable", "BlockTileConfig", "active_table",
+    "auto_split", "fused_pick", "fused_shape_config", "use_table",
 ]

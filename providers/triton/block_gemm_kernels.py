@@ -97,11 +97,9 @@ def _bias_store(acc, offs_m, offs_n, M, N, out_ptr, stride_om, stride_on, bias_p
 
 @triton.jit
 def _finish(acc, offs_m, offs_n, M, N, tile, split, out_ptr, stride_om, stride_on, bias_ptr, stride_b, part_ptr,
-            cnt_ptr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, REDUCE_UNROLL: tl.constexpr):
+            cnt_ptr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
     """The epilogue of program ``split`` of output tile ``tile``: straight to ``out`` when ``SPLIT_K == 1``, else
-    through the partials and the tile's arrival counter (module docstring). The last program sums the partials
-    ``REDUCE_UNROLL`` at a time: their loads are issued together (one L2 latency per chunk, not per split), still
-    added in split order."""
+    through the partials and the tile's arrival counter (module docstring)."""
     if SPLIT_K == 1:
         _bias_store(acc, offs_m, offs_n, M, N, out_ptr, stride_om, stride_on, bias_ptr, stride_b, HAS_BIAS)
     else:
@@ -113,12 +111,8 @@ def _finish(acc, offs_m, offs_n, M, N, tile, split, out_ptr, stride_om, stride_o
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
             total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-            for first in range(1, SPLIT_K, REDUCE_UNROLL):  # REDUCE_UNROLL partials in registers at a time
-                for j in tl.static_range(REDUCE_UNROLL):
-                    s = first + j  # past the last split in the last chunk: masked off (a full-shape mask)
-                    in_split = (tl.zeros_like(offs) + s) < SPLIT_K
-                    total += tl.load(part_ptr + s * plane + offs, mask=mask & in_split, other=0.0,
-                                     cache_modifier=".cg")
+            for s in range(1, SPLIT_K):  # not unrolled: one partial in registers at a time
+                total += tl.load(part_ptr + s * plane + offs, mask=mask, other=0.0, cache_modifier=".cg")
             _bias_store(total, offs_m, offs_n, M, N, out_ptr, stride_om, stride_on, bias_ptr, stride_b, HAS_BIAS)
             tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
@@ -225,7 +219,7 @@ def block_gemm_swap_kernel(
     stride_xsm, stride_xsk, stride_wsn, stride_wsk, stride_b,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr, WBN: tl.constexpr, WBK: tl.constexpr,
     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, ROW_ALIGN: tl.constexpr,
-    USE_PDL: tl.constexpr, REDUCE_UNROLL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Swap-AB GEMM for small M: ``accᵀ[BLOCK_N, BLOCK_M] += (w_tile · x_tileᵀ) · x_scale · w_scale`` per group;
     ``BLOCK_N`` weight rows within one weight block (``WBN % BLOCK_N == 0``: the weight scale is one value per
@@ -264,7 +258,7 @@ def block_gemm_swap_kernel(
         # the next step's scales (the last step reloads its own), in flight until that step's promotion
         xs, ws = _swap_scales(xs_row, ws_row, tl.minimum(kb + 1, kb_last - 1), stride_xsk, stride_wsk, GROUP_K, WBK)
     _finish(acc, offs_m[None, :], offs_n[:, None], M, N, pid_m * tl.num_programs(0) + pid_n, split, out_ptr,
-            stride_om, stride_on, bias_ptr, stride_b, part_ptr, cnt_ptr, HAS_BIAS, SPLIT_K, REDUCE_UNROLL)
+            stride_om, stride_on, bias_ptr, stride_b, part_ptr, cnt_ptr, HAS_BIAS, SPLIT_K)
 
 
 @triton.jit
@@ -307,7 +301,7 @@ def block_gemm_mm_kernel(
     stride_xsm, stride_xsk, stride_wsn, stride_wsk, stride_b,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr, WBN: tl.constexpr, WBK: tl.constexpr,
     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    ROW_ALIGN: tl.constexpr, USE_PDL: tl.constexpr, REDUCE_UNROLL: tl.constexpr,
+    ROW_ALIGN: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Tiled GEMM, one ``[BLOCK_M, BLOCK_N]`` tile per program (grouped order) and K split. ``BLOCK_N`` either
     divides ``WBN`` (one weight scale per step) or is a multiple of it (a vector). Grid ``(tiles, SPLIT_K)``."""
@@ -345,7 +339,7 @@ def block_gemm_mm_kernel(
         xs, ws = _tile_scales(xs_row, ws_ptr, pid_n, rows_w, tl.minimum(kb + 1, kb_last - 1), stride_xsk, stride_wsn,
                               stride_wsk, GROUP_K, BLOCK_N, WBN, WBK)
     _finish(acc, offs_m[:, None], offs_n[None, :], M, N, tile, split, out_ptr, stride_om, stride_on, bias_ptr,
-            stride_b, part_ptr, cnt_ptr, HAS_BIAS, SPLIT_K, REDUCE_UNROLL)
+            stride_b, part_ptr, cnt_ptr, HAS_BIAS, SPLIT_K)
 
 
 @triton.jit
