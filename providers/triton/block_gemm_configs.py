@@ -160,10 +160,10 @@ CONFIG_LIST: tuple[BlockTileConfig, ...] = (
     C("gemv", 1, 8, 1, 4, groups=8, note="M = 1, the activation quantized in the launch (fused), K > 2048: 8 rows "
       "per program, so each program's quantization of the row is spread over 8 weight rows"),
     C("gemv", 1, 16, 1, 2, groups=2, note="M = 1 fused, K <= 2048 (q_b 24576x1536, kv_b 32768x512)"),
-    C("gemv", 1, 1, 1, 2, groups=32, note="M = 1, N <= 1024: one row x 4096 columns a step per program (kv_a "
+    C("gemv", 1, 1, 1, 2, groups=32, note="M = 1, a narrow weight: one row x 4096 columns a step per program (kv_a "
       "576x7168: 3.77 µs against 5.4 for swap-AB)"),
-    C("gemv", 1, 2, 1, 4, groups=16, note="M = 1, N 1025-2048: 2 rows x 2048 columns a step (q_a 1536x7168: 6.05 µs "
-      "against 6.6 for gemv_n2_g8_w2)"),
+    C("gemv", 1, 2, 1, 4, groups=16, note="M = 1, a narrow weight: 2 rows x 2048 columns a step (q_a 1536x7168: "
+      "6.05 µs against 6.6 for gemv_n2_g8_w2)"),
     C("swap", 16, 64, 8, 4, split_k=0, note="M <= 16: 64 KB of weight in flight per program"),
     C("swap", 16, 64, 6, 4, split_k=0, note="M <= 16, fewer stages (more programs per SM)"),
     C("swap", 16, 128, 4, 4, split_k=0, note="M <= 16, wide N"),
@@ -222,7 +222,7 @@ _MM64_SMALL_SK2 = "mm_n64_m64_s4_w4_g8_sk2"
 _MM64_SMALL_SK4 = "mm_n64_m64_s4_w4_g8_sk4"
 _MM_LARGE = "mm_n128_m64_s3_w4_g8_sk0"
 #: the buckets of every shape the table does not list
-DEFAULT_BUCKETS: tuple[tuple[int | None, str], ...] = (
+_DEFAULT_BUCKETS: tuple[tuple[int | None, str], ...] = (
     (1, _GEMV), (16, _SWAP16), (32, _SWAP32), (64, _SWAP64), (512, _MM64), (None, _MM_LARGE))
 
 
@@ -271,7 +271,7 @@ def _short_k(k: int) -> tuple[tuple[int | None, str], ...]:
 #: (:func:`_narrow`, :func:`_short_k`) and Qwen3-8B's o / down at one token (:data:`_GEMV_EIGHT_ROWS`). ``default``
 #: covers the rest.
 DEFAULT_TABLE = BlockTable(
-    default=DEFAULT_BUCKETS,
+    default=_DEFAULT_BUCKETS,
     shapes={
         # DeepSeek-V3: q_a, kv_a (narrow N, K = 7168), q_b, kv_b (short K)
         (1536, 7168): _narrow(1536),
@@ -279,8 +279,8 @@ DEFAULT_TABLE = BlockTable(
         (24576, 1536): _short_k(1536),
         (32768, 512): _short_k(512),
         # Qwen3-8B: o, down (N = 4096)
-        (4096, 4096): ((1, _GEMV_EIGHT_ROWS), *DEFAULT_BUCKETS[1:]),
-        (4096, 12288): ((1, _GEMV_EIGHT_ROWS), *DEFAULT_BUCKETS[1:]),
+        (4096, 4096): ((1, _GEMV_EIGHT_ROWS), *_DEFAULT_BUCKETS[1:]),
+        (4096, 12288): ((1, _GEMV_EIGHT_ROWS), *_DEFAULT_BUCKETS[1:]),
     },
     source="reasoned defaults below M = 1024, the M >= 1024 bucket, the narrow / short-K DeepSeek-V3 shapes and "
            "Qwen3-8B's N = 4096 weights at one token measured (bench/results/block_gemm/2026-12-03-h200-thin-n/, "
