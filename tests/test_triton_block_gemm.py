@@ -465,7 +465,6 @@ def test_fused_gemv_nan_and_edges():
 
 
 def test_fused_config_follows_the_fused_pick_and_named_gemv_configs():
-
     assert ba.fused_config("auto", 1, 4096, 4096).name == bc.FUSED_GEMV == bc.fused_pick(1, 4096, 4096)
     assert ba.fused_config("auto", 1, 24576, 1536).name == bc.FUSED_GEMV_SHORT_K
     assert ba.fused_config("auto", bc.FUSED_MAX_M + 1, 4096, 4096) is None  # quantize, then the table's kernel
