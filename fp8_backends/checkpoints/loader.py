@@ -273,6 +273,7 @@ def load_fp8_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]
     import torch
 
     from .detect import detect_format
+    from .experts import expand_experts
     from .params import assign_params, linear_infos, plan_params
     from .plan import plan_linears
     from .shards import TensorMeta
@@ -284,6 +285,7 @@ def load_fp8_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]
     device = torch.device(device if device is not None else (first.device if first is not None else "cpu"))
     check_backend(backend, device)
     metas = {name: TensorMeta(name, dtype_code(t), tuple(t.shape), "<state dict>") for name, t in state_dict.items()}
+    expert_notes = expand_experts(model, metas, strict=strict, where="<state dict>")
     plan = plan_linears(fmt, linear_infos(model), metas, fuse_groups=fuse_patterns(fuse),
                         block_served=block_layer_served(), where="<state dict>")
     targets = plan_params(model, plan, metas, strict=strict, where="<state dict>")
@@ -299,6 +301,7 @@ def load_fp8_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]
             plan.ignored.append(name)
     model.to(device)
     summary = loader.process_weights_after_loading()
+    summary.notes += expert_notes
     summary.checkpoint_bytes = sum(meta.nbytes for meta in metas.values())
     return summary
 

@@ -4,7 +4,8 @@
    safetensors header (:mod:`.shards`).
 2. Builds the ``transformers`` model from its config with every parameter on the meta device (no weight memory,
    no random initialisation; buffers such as rotary frequencies are computed as usual).
-3. Plans (:mod:`.plan`, :mod:`.params`): which linears become :class:`~fp8_backends.layers.Fp8Linear` with which
+3. Plans (:mod:`.plan`, :mod:`.params`; MoE experts stored one by one first get one linear each, :mod:`.experts`):
+   which linears become :class:`~fp8_backends.layers.Fp8Linear` with which
    scheme, which siblings are fused, which modules stay in the model dtype; every name, dtype and shape is checked.
 4. Reads every scale and bias of the FP8 linears (small) and checks their values (finite, > 0).
 5. Only then changes the model (:class:`~fp8_backends.checkpoints.loader.Fp8CheckpointLoader`) and streams the
@@ -127,6 +128,7 @@ def load_pretrained(
     import torch
 
     from .detect import detect
+    from .experts import expand_experts
     from .loader import Fp8CheckpointLoader, block_layer_served, fuse_patterns
     from .params import assign_params, linear_infos, plan_params
     from .plan import plan_linears
@@ -141,6 +143,7 @@ def load_pretrained(
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     model = build_skeleton(folder, dtype, model_class, trust_remote_code)
     clock.lap("build model")
+    expert_notes = expand_experts(model, index.tensors, where=str(folder))
     plan = plan_linears(fmt, linear_infos(model), index.tensors, fuse_groups=fuse_patterns(fuse),
                         block_served=block_layer_served(), where=str(folder))
     targets = plan_params(model, plan, index.tensors, where=str(folder))
@@ -172,6 +175,7 @@ def load_pretrained(
         logger.warning("load_pretrained: %d checkpoint tensor(s) not used by %s: %s", len(unused),
                        type(model).__name__, ", ".join(unused[:5]))
     summary.ignored += unused
+    summary.notes += expert_notes
     summary.checkpoint_bytes = index.nbytes
     summary.load_seconds = clock.total()
     summary.load_phases = clock.phases

@@ -1,0 +1,318 @@
+"""MoE FP8 checkpoints as they ship (DeepSeek-V3, Qwen3-MoE: every routed expert's ``gate_proj`` / ``up_proj`` /
+``down_proj`` its own block-scaled FP8 weight) loaded into ``transformers`` 5 models, whose experts module holds 3-D
+``gate_up_proj`` / ``down_proj`` parameters: served one linear triple per expert
+(:class:`~fp8_backends.layers.experts.PerExpertLinears`), against a reference that computes every routed token's
+experts from the checkpoint's dequantized tensors, activations group-quantized as the served path does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+torch = pytest.importorskip("torch")
+
+import checkpoint_producers as cp  # noqa: E402
+
+from fp8_backends.checkpoints import load_fp8_state_dict, load_pretrained  # noqa: E402
+from fp8_backends.checkpoints.experts import expand_experts  # noqa: E402
+from fp8_backends.checkpoints.shards import TensorMeta  # noqa: E402
+from fp8_backends.core.errors import CheckpointError, InvalidInputError  # noqa: E402
+from fp8_backends.layers import Fp8Linear  # noqa: E402
+from fp8_backends.layers.experts import PerExpertLinears, unserved_layout  # noqa: E402
+from fp8_backends.layers.shared_input import Fp8LinearSlice  # noqa: E402
+
+HAS_FUSED_EXPERTS = hasattr(getattr(transformers, "Qwen3MoeConfig", None), "model_type") and int(
+    transformers.__version__.split(".")[0]) >= 5
+pytestmark = pytest.mark.skipif(not HAS_FUSED_EXPERTS, reason="transformers < 5 builds MoE experts as nn.Linear "
+                                "modules (served as any other linear)")
+IDS = cp.calibration_ids(20)
+COMMON = {"hidden_size": 256, "intermediate_size": 384, "num_hidden_layers": 2, "vocab_size": cp.VOCAB,
+          "max_position_embeddings": 256, "tie_word_embeddings": False}
+#: the served model in fp32 against the fp32 reference, per token: the same math, summation order aside (median
+#: 2e-7); a sum that lands on an FP8 rounding boundary flips one activation code, which moves its token by up to ~0.6%
+FP32_MEDIAN = 1e-5
+FP32_MAX = 1e-2
+#: the served model in bf16 against the fp32 reference, per token (median): FP8 codes of bf16 activations and bf16
+#: rounding through the MLA projections' chains (0.06-0.07 for the tiny DeepSeek-V3); a token whose router picks
+#: another expert in bf16 lands far off (0.25-0.4), hence the median
+BF16_MEDIAN = 0.1
+
+
+def tiny_moe(arch: str, moe_intermediate: int = 128) -> torch.nn.Module:
+    if arch == "deepseek_v3":  # MLA attention, layer 0 dense, layer 1 MoE with a shared expert
+        config = transformers.DeepseekV3Config(
+            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=192, kv_lora_rank=128, qk_rope_head_dim=32,
+            qk_nope_head_dim=64, v_head_dim=64, moe_intermediate_size=moe_intermediate, n_routed_experts=4,
+            num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+            architectures=["DeepseekV3ForCausalLM"], **COMMON)
+    else:
+        config = transformers.Qwen3MoeConfig(num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                             moe_intermediate_size=moe_intermediate, num_experts=4,
+                                             num_experts_per_tok=2, architectures=["Qwen3MoeForCausalLM"], **COMMON)
+    torch.manual_seed(0)
+    model = getattr(transformers, config.architectures[0])(config).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "experts" in name or (p.dim() == 2 and "embed" not in name):  # blocks get different scales
+                p.mul_(torch.exp(torch.randn(*p.shape[:-1], 1) * 0.5).to(p.dtype))
+    return model
+
+
+def quantize_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x128-block FP8 of ``w`` [N, K]: ``(w_q e4m3, scale [ceil(N/128), ceil(K/128)] fp32)``."""
+    n, k = w.shape
+    pad = torch.nn.functional.pad(w.float(), (0, -k % 128, 0, -n % 128))
+    amax = pad.reshape(pad.shape[0] // 128, 128, pad.shape[1] // 128, 128).abs().amax((1, 3))
+    scale = (amax / 448.0).clamp_min(1e-12)
+    w_q = (w.float() / cp.expand_blocks(scale, n, k, (128, 128))).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return w_q, scale
+
+
+def per_expert_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s state dict with every 3-D experts parameter split into the shipped per-expert weights."""
+    state = {}
+    for key, value in model.state_dict().items():
+        prefix, _, leaf = key.rpartition(".")
+        if leaf == "gate_up_proj" and value.dim() == 3:
+            for e in range(value.shape[0]):
+                gate, up = value[e].chunk(2, 0)
+                state[f"{prefix}.{e}.gate_proj.weight"], state[f"{prefix}.{e}.up_proj.weight"] = gate, up
+        elif leaf == "down_proj" and value.dim() == 3:
+            for e in range(value.shape[0]):
+                state[f"{prefix}.{e}.down_proj.weight"] = value[e]
+        else:
+            state[key] = value
+    return state
+
+
+def moe_checkpoint(path: Path, arch: str, *, keep: tuple[str, ...] = ("lm_head", "mlp.gate"),
+                   moe_intermediate: int = 128) -> Path:
+    """A Hugging Face ``fp8`` block checkpoint (``weight_scale_inv``) of a tiny MoE model in the shipped layout;
+    ``keep``: ``modules_to_not_convert`` (those stay bf16)."""
+    from safetensors.torch import save_file
+
+    model = tiny_moe(arch, moe_intermediate)
+    out = {}
+    for key, value in per_expert_state(model).items():
+        module = key.rpartition(".")[0]
+        kept = any(module.startswith(f"{k}.") or module.endswith(k) for k in keep)  # as the format matches
+        quantized = key.endswith(".weight") and value.dim() == 2 and "embed" not in key and not kept
+        if quantized:
+            out[key], out[f"{module}.weight_scale_inv"] = quantize_block(value)
+        else:
+            out[key] = value.contiguous()
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128], "modules_to_not_convert": list(keep)}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def assert_matches(got: torch.Tensor, ref: torch.Tensor) -> None:
+    per_token = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert float(per_token.median()) < FP32_MEDIAN and float(per_token.max()) < FP32_MAX, per_token
+
+
+def fake_quant(x: torch.Tensor) -> torch.Tensor:
+    """``x`` quantized per token in groups of 128 and dequantized (fp32)."""
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    q, s = cp.quantize_groups(x2, 128)
+    return (q.float() * cp.expand_blocks(s, *q.shape, (1, 128))).reshape(x.shape)
+
+
+def reference_logits(path: Path) -> torch.Tensor:
+    """The checkpoint's logits in fp32 from its own tensors: every FP8 weight ``w_q * scale``, every FP8 linear's
+    input group-quantized; each MoE layer's routed experts computed token by token (``sum_j w_j * down_e(q(act(
+    gate_e(q(x))) * up_e(q(x))))`` over the token's experts ``e``), the router and everything else the model's own."""
+    from safetensors.torch import load_file
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    model = getattr(transformers, config.architectures[0])._from_config(config, dtype=torch.float32).eval()
+    state = load_file(str(path / "model.safetensors"))
+    dense = {}
+    for name, t in state.items():
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and t.dtype == torch.float8_e4m3fn:
+            dense[name] = t.float() * cp.expand_blocks(state[f"{module}.weight_scale_inv"], *t.shape, (128, 128))
+        elif t.is_floating_point() and t.dtype.itemsize >= 2:
+            dense[name] = t.float()
+    fp8_modules = {n.rpartition(".")[0] for n, t in state.items() if t.dtype == torch.float8_e4m3fn}
+    for name, module in model.named_modules():
+        if name in fp8_modules:
+            module.register_forward_pre_hook(lambda _m, args: (fake_quant(args[0]),))
+        if getattr(module, "gate_up_proj", None) is not None and module.gate_up_proj.dim() == 3:
+            experts = [(dense.pop(f"{name}.{e}.gate_proj.weight"), dense.pop(f"{name}.{e}.up_proj.weight"),
+                        dense.pop(f"{name}.{e}.down_proj.weight")) for e in range(module.gate_up_proj.shape[0])]
+            quant = f"{name}.0.gate_proj" in fp8_modules
+            module.forward = _reference_experts(experts, module.act_fn, quant)
+    model.load_state_dict(dense, strict=False)
+    with torch.no_grad():
+        return model(IDS).logits.float()
+
+
+def _reference_experts(experts, act, quant):
+    q = fake_quant if quant else (lambda x: x.float())
+
+    def forward(hidden, top_k_index, top_k_weights):
+        out = torch.zeros(hidden.shape, dtype=torch.float32)
+        for t in range(hidden.shape[0]):
+            for j in range(top_k_index.shape[1]):
+                gate, up, down = experts[int(top_k_index[t, j])]
+                x = q(hidden[t:t + 1])
+                h = act(x @ gate.t()) * (x @ up.t())
+                out[t] += float(top_k_weights[t, j]) * (q(h) @ down.t())[0]
+        return out.to(hidden.dtype)
+
+    return forward
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    made: dict[tuple, Path] = {}
+
+    def get(arch: str, **kw) -> Path:
+        key = (arch, tuple(sorted(kw.items())))
+        if key not in made:
+            made[key] = moe_checkpoint(tmp_path_factory.mktemp(arch), arch, **kw)
+        return made[key]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+def test_a_moe_checkpoint_is_served_one_fp8_linear_triple_per_expert(moe, arch):
+    path = moe(arch)
+    ref = reference_logits(path)
+    model32, summary = load_pretrained(path, device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        got32 = model32(IDS).logits.float()
+    assert_matches(got32, ref)
+    experts = model32.model.layers[1].mlp.experts
+    assert isinstance(experts, PerExpertLinears) and experts.num_experts == 4
+    assert isinstance(experts.expert(3).gate_proj, Fp8LinearSlice)  # gate/up: one GEMM per expert
+    assert isinstance(experts.expert(3).down_proj, Fp8Linear)
+    assert "model.layers.1.mlp.experts.3.gate_proj+up_proj" in [g for g, _ in summary.fused]
+    layers = {"deepseek_v3": 1, "qwen3_moe": 2}[arch]  # DeepSeek-V3: layer 0 dense
+    assert any(f"{layers} MoE layer(s) with experts stored one by one" in note for note in summary.notes)
+    assert not any(p.device.type == "meta" for p in model32.parameters())
+    model, _ = load_pretrained(path, device="cpu")  # bf16: the FP8 error, bf16 rounding and a few routing flips
+    with torch.no_grad():
+        got = model(IDS).logits.float()
+    per_token = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert float(per_token.median()) < BF16_MEDIAN, per_token
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    assert model.generate(IDS[:1, :6], max_new_tokens=3, do_sample=False).shape == (1, 9)
+
+
+def test_experts_the_config_keeps_are_served_per_expert_in_the_model_dtype(moe):
+    path = moe("qwen3_moe", keep=("lm_head", "mlp.gate", "model.layers.0.mlp.experts", "model.layers.1.mlp.experts"))
+    model, summary = load_pretrained(path, device="cpu", dtype=torch.float32)
+    experts = model.model.layers[0].mlp.experts
+    assert type(experts.expert(0).gate_proj) is torch.nn.Linear
+    assert "model.layers.0.mlp.experts.0.gate_proj" in [m for m, _ in summary.kept]
+    with torch.no_grad():
+        got = model(IDS).logits.float()
+    assert_matches(got, reference_logits(path))
+
+
+def test_ragged_experts_whose_gate_up_blocks_would_straddle_run_unfused(moe):
+    """``moe_intermediate_size`` 96: gate and up are not whole 128-row blocks, so each runs its own GEMM."""
+    path = moe("qwen3_moe", moe_intermediate=96)
+    model, summary = load_pretrained(path, device="cpu", dtype=torch.float32)
+    assert "model.layers.0.mlp.experts.1.gate_proj+up_proj" in [g for g, _ in summary.not_fused]
+    with torch.no_grad():
+        got = model(IDS).logits.float()
+    assert_matches(got, reference_logits(path))
+
+
+def test_a_moe_state_dict_loads_into_a_model_built_from_its_config(moe):
+    from safetensors.torch import load_file
+
+    path = moe("deepseek_v3")
+    config = json.loads((path / "config.json").read_text())
+    model = transformers.DeepseekV3ForCausalLM(transformers.AutoConfig.from_pretrained(path)).eval()
+    summary = load_fp8_state_dict(model, load_file(str(path / "model.safetensors")), config,
+                                  dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        got = model(IDS).logits.float()
+    assert_matches(got, reference_logits(path))
+    assert any("MoE" in note for note in summary.notes)
+
+
+def test_a_missing_expert_or_a_layout_in_neither_form_is_a_checkpoint_error(moe, tmp_path):
+    path = moe("qwen3_moe")
+    missing = cp.edit_checkpoint(path, tmp_path / "missing", drop=("model.layers.1.mlp.experts.2.up_proj.weight",))
+    with pytest.raises(CheckpointError, match="missing") as err:
+        load_pretrained(missing, device="cpu")
+    assert err.value.tensor == "model.layers.1.mlp.experts.2.up_proj.weight"
+    from safetensors.torch import load_file
+
+    state = load_file(str(path / "model.safetensors"))
+    renamed = {k.replace("mlp.experts.", "mlp.moe_experts."): v for k, v in state.items()}
+    other = cp.edit_checkpoint(path, tmp_path / "other", drop=tuple(state), put=renamed)
+    with pytest.raises(CheckpointError, match="stores neither those nor per-expert") as err:
+        load_pretrained(other, device="cpu")
+    assert err.value.tensor == "model.layers.0.mlp.experts.gate_up_proj"
+
+
+class _BiasedExperts(torch.nn.Module):
+    """A 3-D experts module with biases (gpt-oss style): not served per expert."""
+
+    has_bias = True
+
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.zeros(2, 8, 4))
+        self.down_proj = torch.nn.Parameter(torch.zeros(2, 4, 4))
+        self.act_fn = torch.nn.SiLU()
+
+
+def test_an_experts_layout_the_per_expert_form_cannot_serve_is_refused_before_the_model_changes():
+    model = torch.nn.Module()
+    model.experts = _BiasedExperts()
+    assert "has_bias=True" in unserved_layout(model.experts)
+    metas = {f"experts.0.{leaf}.weight": TensorMeta(f"experts.0.{leaf}.weight", "F8_E4M3", (4, 4), "f.safetensors")
+             for leaf in ("gate_proj", "up_proj", "down_proj")}
+    with pytest.raises(CheckpointError, match="cannot be served per expert: its layout"):
+        expand_experts(model, metas)
+    assert isinstance(model.experts, _BiasedExperts)
+    with pytest.raises(InvalidInputError, match="has_bias=True"):
+        PerExpertLinears.from_fused(model.experts)
+    # stored as the model holds it (3-D tensors): left alone, loaded as any other parameter
+    fused = {"experts.gate_up_proj": TensorMeta("experts.gate_up_proj", "BF16", (2, 8, 4), "f.safetensors"),
+             "experts.down_proj": TensorMeta("experts.down_proj", "BF16", (2, 4, 4), "f.safetensors")}
+    assert expand_experts(model, fused) == [] and isinstance(model.experts, _BiasedExperts)
+
+
+def test_the_per_expert_forward_matches_transformers_experts_on_the_same_weights():
+    """The per-expert module with plain fp32 linears against the replaced ``transformers`` module itself (its eager
+    experts implementation); an expert-parallel sentinel id (== E) contributes nothing."""
+    model = tiny_moe("qwen3_moe").float()
+    original = model.model.layers[0].mlp.experts
+    gate_up, down = original.gate_up_proj.detach().clone(), original.down_proj.detach().clone()
+    torch.manual_seed(3)
+    hidden = torch.randn(9, 256)
+    index = torch.randint(0, 4, (9, 2))
+    weights = torch.rand(9, 2)
+    original.config._experts_implementation = "eager"
+    with torch.no_grad():
+        want = original(hidden, index, weights)
+        per_expert = PerExpertLinears.from_fused(original)
+        per_expert.to_empty(device="cpu")
+        for e in range(4):
+            mlp = per_expert.expert(e)
+            mlp.gate_proj.weight.copy_(gate_up[e, :128])
+            mlp.up_proj.weight.copy_(gate_up[e, 128:])
+            mlp.down_proj.weight.copy_(down[e])
+        got = per_expert(hidden, index, weights)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        sentinel = index.clone()
+        sentinel[:, 1] = 4
+        dropped = per_expert(hidden, index, weights * torch.tensor([1.0, 0.0]))
+        torch.testing.assert_close(per_expert(hidden, sentinel, weights), dropped, rtol=1e-6, atol=1e-6)
