@@ -232,7 +232,11 @@ def _stat(entry: str) -> tuple[int, int]:
     return (st.st_mtime_ns, st.st_ino)
 
 
-_lock = threading.Lock()
+#: reentrant, so that a plugin calling :func:`discover` while a scan imports it fails with a reason instead of
+#: waiting forever on the lock its own thread holds
+_lock = threading.RLock()
+#: per thread: how many scans are importing plugins now (a :func:`discover` inside one is refused)
+_scanning = threading.local()
 _cache: dict[tuple[str, frozenset[str] | None], list[ProviderEntry]] = {}
 _watches: dict[tuple[str, frozenset[str] | None], PathWatch] = {}
 
@@ -254,6 +258,7 @@ def discover(kind: str) -> list[ProviderEntry]:
     allowed = settings.allowed_plugin_dists()
     key = (kind, None if allowed is None else frozenset(allowed))
     with _lock:
+        _refuse_reentrant_scan(kind)
         watch = _watches.get(key)
         if key not in _cache or watch is None or watch.changed():
             if watch is None:
@@ -264,13 +269,36 @@ def discover(kind: str) -> list[ProviderEntry]:
 
                 clear_availability_cache(faults=False)
             watch.record()
-            _cache[key] = _keep_known(_cache.get(key, []), _scan(kind, allowed))
+            _cache[key] = _keep_known(_cache.get(key, []), _guarded_scan(kind, allowed))
         found = _cache[key]
         registered = in_process  # replaced, never mutated, by .registration: one read is a consistent view
         if not registered:
             return found
         extra = [_gated(entry, allowed) for entry in registered.values() if entry.kind == kind]
         return [*found, *extra] if extra else found
+
+
+def _refuse_reentrant_scan(kind: str) -> None:
+    """Raise :class:`~fp8_backends.core.errors.BackendUnavailableError` when this thread is importing plugins for a
+    scan: a plugin that discovers or resolves providers while its module is imported would otherwise read a half-built
+    registry (or, without the reentrant lock, wait forever). Raised inside that plugin's import, it makes the plugin
+    fail to load with this reason; the scan goes on with the others."""
+    if getattr(_scanning, "depth", 0):
+        from fp8_backends.core.errors import BackendUnavailableError
+
+        raise BackendUnavailableError(
+            f"{kind} provider discovery was called while providers are being imported: a plugin must not discover "
+            "or resolve providers (discover(), resolve_*_backend()) when its module is imported; do it on first use"
+        )
+
+
+def _guarded_scan(kind: str, allowed: set[str] | None) -> list[ProviderEntry]:
+    """:func:`_scan`, with this thread marked as importing plugins (:func:`_refuse_reentrant_scan`)."""
+    _scanning.depth = getattr(_scanning, "depth", 0) + 1
+    try:
+        return _scan(kind, allowed)
+    finally:
+        _scanning.depth -= 1
 
 
 #: providers registered in this process, by ``(kind, canonical distribution, name)`` in registration order; written

@@ -1,0 +1,102 @@
+"""Broken or odd third-party providers installed through entry points: each is reported unusable (failed, with its
+reason) and never breaks discovery, resolution, the listing or ``add_cli_args``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from fp8_backends.registry import discovery
+
+PROVIDER_SRC = '''
+from fp8_backends import DeviceKind, Fp8GemmBackend, GemmCapabilities, OutDtype
+
+
+class Good(Fp8GemmBackend):
+    name = NAME
+    capabilities = GemmCapabilities(devices=frozenset({DeviceKind.CPU}),
+                                    out_dtypes=frozenset({OutDtype.BF16, OutDtype.FP32}), priority=PRIO)
+
+    def prepare_weight_impl(self, w_q, w_scale, weight_scale):
+        return self.prepare_k_major(w_q, w_scale, weight_scale)
+
+    def gemm_impl(self, x_q, prepared, x_scale, out_dtype, bias):
+        x = x_q.float() * x_scale.reshape(-1, 1)
+        w = prepared.data.float() * prepared.scale.reshape(-1, 1)
+        return (x @ w.t()).to(out_dtype)
+'''
+
+
+def write_plugin(site: Path, dist: str, ep_name: str, *, name: str | None = None, prio: int = 0, pre: str = "",
+                 post: str = "") -> str:
+    """Write an installed distribution ``dist`` (dist-info and module) into ``site`` whose entry point ``ep_name``
+    names a CPU GEMM provider called ``name`` (default ``ep_name``); ``pre`` / ``post`` run before / after the class
+    is defined. Returns the module's name."""
+    module = dist.replace("-", "_")
+    info = site / f"{module}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[fp8_backends.gemm]\n{ep_name} = {module}:Good\n")
+    (site / module).mkdir()
+    source = PROVIDER_SRC.replace("NAME", repr(ep_name if name is None else name)).replace("PRIO", str(prio))
+    (site / module / "__init__.py").write_text(textwrap.dedent(pre) + source + textwrap.dedent(post))
+    return module
+
+
+@pytest.fixture
+def plugins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., str]:
+    """``install(dist, ep_name, **kw)``: install a fake plugin (:func:`write_plugin`) on ``sys.path`` for one test."""
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    modules: list[str] = []
+
+    def install(dist: str, ep_name: str, **kw: object) -> str:
+        modules.append(write_plugin(site, dist, ep_name, **kw))
+        discovery.refresh()
+        return str(site)
+
+    yield install
+    for module in modules:
+        sys.modules.pop(module, None)
+    discovery.refresh()
+
+
+def entry_of(kind: str, dist: str) -> discovery.ProviderEntry:
+    """The discovered entry of distribution ``dist``."""
+    return next(e for e in discovery.discover(kind) if e.dist == dist)
+
+
+def run_python(site: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run this interpreter with ``site`` on ``PYTHONPATH``."""
+    import os
+
+    env = dict(os.environ, PYTHONPATH=site)
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+# ------------------------------------------------------------------------------------- re-entrant discovery
+def test_a_plugin_that_discovers_while_imported_fails_to_load_instead_of_hanging(plugins):
+    site = plugins("reent-plugin", "reent", pre="from fp8_backends.registry import discovery\n"
+                                              "discovery.discover('norm_quant')\n")
+    code = ("import fp8_backends\nfrom fp8_backends.registry import discovery\n"
+            "print(fp8_backends.resolve_gemm_backend('auto').name)\n"
+            "e = next(e for e in discovery.discover('gemm') if e.name == 'reent')\nprint(e.status, e.error)")
+    done = run_python(site, "-c", code, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "torch_scaled_mm"
+    assert lines[1].startswith("failed") and "discovery was called while providers are being imported" in lines[1]
+
+
+def test_a_plugin_that_resolves_while_imported_fails_in_process(plugins):
+    plugins("reent-resolve", "reent_resolve", pre="import fp8_backends\nfp8_backends.resolve_gemm_backend('torch')\n")
+    entry = entry_of("gemm", "reent-resolve")
+    assert entry.status == discovery.FAILED
+    assert "BackendUnavailableError" in entry.error and "being imported" in entry.error
+    assert discovery.discover("gemm")  # the lock is free again and the scan is over
