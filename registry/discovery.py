@@ -17,8 +17,10 @@ import importlib
 import importlib.metadata
 import logging
 import os
+import re
 import sys
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -371,14 +373,69 @@ def _scan(kind: str, allowed: set[str] | None) -> list[ProviderEntry]:
     return entries
 
 
+#: what a provider name or alias may not contain (it is parsed out of ``[KIND:][DIST:]NAME[@opts]`` requests and lists)
+BAD_NAME_CHARS = re.compile(r"[:@,=\s]")
+#: the rule :func:`name_problem` applies, in words
+NAME_RULE = "a non-empty string without ':', '@', ',', '=' or spaces, and not 'auto'"
+
+
+def name_problem(name: Any) -> str | None:
+    """Why ``name`` cannot name a provider (as its name or an alias: requests parse ``[DIST:]NAME[@key=value]`` and
+    ``auto`` is the automatic choice), or None. The one rule for entry points and in-process registrations."""
+    if not isinstance(name, str) or not name or BAD_NAME_CHARS.search(name) or name == "auto":
+        return f"{name!r} is not a valid provider name ({NAME_RULE})"
+    return None
+
+
+def aliases_problem(aliases: Any) -> str | None:
+    """Why ``aliases`` (a provider class's attribute) is not a tuple or list of valid names (:func:`name_problem`),
+    or None."""
+    if not isinstance(aliases, (tuple, list)):
+        return f"aliases must be a tuple of names, got {type(aliases).__name__} {aliases!r}"
+    for alias in aliases:
+        problem = name_problem(alias)
+        if problem is not None:
+            return f"alias {problem}"
+    return None
+
+
+def options_problem(options: Any) -> str | None:
+    """Why ``options`` (a provider class's attribute) is not a mapping of option name to a non-empty tuple or list of
+    string values (the first the default), or None."""
+    if not isinstance(options, Mapping):
+        return f"options must be a mapping of option name to allowed values, got {type(options).__name__}"
+    for key, values in options.items():
+        if not isinstance(key, str) or not key:
+            return f"option name {key!r} is not a non-empty string"
+        if not isinstance(values, (tuple, list)) or not values or not all(isinstance(v, str) for v in values):
+            return f"option {key!r} must list its allowed values as a non-empty tuple of strings, got {values!r}"
+    return None
+
+
+def _attribute_problems(cls: type) -> str | None:
+    """Why the aliases or options of provider class ``cls`` (read by every listing, flag and resolution) are
+    malformed, or None."""
+    try:
+        aliases, options = getattr(cls, "aliases", ()), getattr(cls, "options", {})
+    except Exception as exc:  # noqa: BLE001 - a plugin's attribute may raise anything
+        return f"reading its aliases or options raised {type(exc).__name__}: {exc}"
+    return aliases_problem(aliases) or options_problem(options)
+
+
 def _check_class(kind: str, ep_name: str, cls: Any) -> str | None:
     from fp8_backends.core.backend import Fp8GemmBackend, NormQuantBackend
 
     base = Fp8GemmBackend if kind == "gemm" else NormQuantBackend
     if not (isinstance(cls, type) and issubclass(cls, base)):
         return f"entry point does not name a {base.__name__} subclass (got {cls!r})"
+    problem = name_problem(ep_name)
+    if problem is not None:
+        return problem
     if getattr(cls, "name", None) != ep_name:
         return f"entry point name {ep_name!r} differs from the provider's name {getattr(cls, 'name', None)!r}"
+    problem = _attribute_problems(cls)
+    if problem is not None:
+        return problem
     from fp8_backends.core.capabilities import GemmCapabilities, NormQuantCapabilities
 
     record = GemmCapabilities if kind == "gemm" else NormQuantCapabilities

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import re
 import sys
 import threading
 from types import TracebackType
@@ -40,8 +39,8 @@ from .discovery import BUILTIN_DIST, LOADED, ProviderEntry
 
 logger = logging.getLogger("fp8_backends")
 
-#: what a provider name may not contain (it is parsed out of ``[KIND:][DIST:]NAME[@opts]`` requests and lists)
-_BAD_NAME = re.compile(r"[:@,=\s]")
+#: what a distribution name may not contain (it is parsed out of ``[KIND:][DIST:]NAME[@opts]`` requests and lists)
+_BAD_NAME = discovery.BAD_NAME_CHARS
 _lock = threading.Lock()
 
 
@@ -84,16 +83,20 @@ def register_provider(cls: type, *, dist: str | None = None, version: str | None
     version, if any). Returns a :class:`Registration` (also a context manager that unregisters at exit).
 
     Raises :class:`~fp8_backends.core.errors.InvalidTypeError` when ``cls`` is not a provider class or its capability
-    record is not one (of its kind, with an int priority), and
-    :class:`~fp8_backends.core.errors.InvalidInputError` for a malformed name or distribution, for this package's own
+    record is not one (of its kind, with an int priority) or its ``options`` are not a mapping of option name to a
+    tuple of string values, and :class:`~fp8_backends.core.errors.InvalidInputError` for a malformed name, alias
+    (``aliases`` must be a tuple of names, each under the rule a name follows) or distribution, for this package's own
     distribution (its providers register through its entry points), and when ``dist`` already registers this
     kind and name (through an entry point, or in-process unless ``replace=True``: ``DIST:NAME`` must name one
     provider)."""
     kind = _kind_of(cls)
     name = getattr(cls, "name", None)
-    if not isinstance(name, str) or not name or _BAD_NAME.search(name) or name == "auto":
-        raise InvalidInputError(f"{cls.__qualname__}.name must be a non-empty string without ':', '@', ',', '=' or "
-                                f"spaces and not 'auto' (it is what requests name); got {name!r}")
+    if discovery.name_problem(name) is not None:
+        raise InvalidInputError(f"{cls.__qualname__}.name must be {discovery.NAME_RULE} (it is what requests name); "
+                                f"got {name!r}")
+    problem = discovery.aliases_problem(getattr(cls, "aliases", ()))
+    if problem is not None:
+        raise InvalidInputError(f"{cls.__qualname__}: {problem}")
     if dist is None:
         dist = _distribution_of_module(cls.__module__)
     if not isinstance(dist, str) or not dist.strip() or _BAD_NAME.search(dist):

@@ -100,3 +100,117 @@ def test_a_plugin_that_resolves_while_imported_fails_in_process(plugins):
     assert entry.status == discovery.FAILED
     assert "BackendUnavailableError" in entry.error and "being imported" in entry.error
     assert discovery.discover("gemm")  # the lock is free again and the scan is over
+
+
+# ------------------------------------------------------------------------------------- names, aliases, options
+def _listing_and_flags_work() -> None:
+    """The listing, the flags and a resolution of a built-in still work."""
+    import argparse
+
+    import fp8_backends
+    from fp8_backends import list as listing
+    from fp8_backends.registry.platform import cpu_platform
+
+    assert fp8_backends.resolve_gemm_backend("torch").name == "torch_scaled_mm"
+    data = listing.collect(cpu_platform())
+    listing.render(data)
+    parser = argparse.ArgumentParser()
+    fp8_backends.add_cli_args(parser)
+    parser.format_help()
+
+
+@pytest.mark.parametrize("aliases", ["5", "'xyz'", "('', 'fine')", "('auto',)", "('a:b',)", "(None,)"])
+def test_a_plugin_with_malformed_aliases_fails_to_load(plugins, aliases):
+    plugins("alias-bad", "alias_bad", post=f"Good.aliases = {aliases}\n")
+    entry = entry_of("gemm", "alias-bad")
+    assert entry.status == discovery.FAILED and "alias" in entry.error
+    assert entry.aliases == ()
+    _listing_and_flags_work()
+    from fp8_backends import UnknownBackendError, resolve_gemm_backend
+
+    for name in ("x", "", "fine"):
+        with pytest.raises(UnknownBackendError):
+            resolve_gemm_backend(name)
+
+
+def test_valid_aliases_in_a_list_are_accepted(plugins):
+    plugins("alias-list", "alias_list", post="Good.aliases = ['al_one', 'al_two']\n")
+    entry = entry_of("gemm", "alias-list")
+    assert entry.status == discovery.LOADED and entry.aliases == ("al_one", "al_two")
+
+
+@pytest.mark.parametrize("aliases", [5, "xyz", ("", "fine"), ("auto",), ("a b",)])
+def test_register_provider_refuses_malformed_aliases(monkeypatch, aliases):
+    from fake_provider import FakeMM
+
+    from fp8_backends import register_provider
+    from fp8_backends.core.errors import InvalidInputError
+
+    monkeypatch.setattr(discovery, "in_process", discovery.in_process)
+    cls = type("AliasedMM", (FakeMM,), {"aliases": aliases})
+    with pytest.raises(InvalidInputError, match="alias"):
+        register_provider(cls, dist="alias-engine")
+
+
+@pytest.mark.parametrize("options", ["'abc'", "{'runner': 'ab'}", "{'runner': ()}", "{'runner': (1, 2)}",
+                                     "{5: ('a',)}"])
+def test_a_plugin_whose_options_are_malformed_fails_and_the_listing_still_prints(plugins, options):
+    plugins("opts-bad", "opts_bad", post=f"Good.options = {options}\n")
+    entry = entry_of("gemm", "opts-bad")
+    assert entry.status == discovery.FAILED and "option" in entry.error
+    _listing_and_flags_work()
+
+
+def test_register_provider_refuses_options_that_are_no_mapping(monkeypatch):
+    from fake_provider import FakeMM
+
+    from fp8_backends import register_provider
+    from fp8_backends.core.errors import InvalidTypeError
+
+    monkeypatch.setattr(discovery, "in_process", discovery.in_process)
+    with pytest.raises(InvalidTypeError, match="options must be a mapping"):
+        register_provider(type("OptsMM", (FakeMM,), {"options": "abc"}), dist="opts-engine")
+
+
+def test_the_listing_survives_options_broken_after_loading(monkeypatch):
+    from fake_provider import FakeMM, install
+
+    from fp8_backends import list as listing
+    from fp8_backends.registry.platform import cpu_platform
+
+    cls = type("LaterMM", (FakeMM,), {})
+    install(monkeypatch, cls, dist="later-engine")
+    monkeypatch.setattr(cls, "options", "abc")
+    row = next(p for p in listing.collect(cpu_platform())["providers"] if p["distribution"] == "later-engine")
+    assert row["options"] == {}
+
+
+@pytest.mark.parametrize("ep_name", ["bad@name", "bad:name", "auto", "bad,name"])
+def test_an_entry_point_under_a_name_requests_cannot_give_fails_to_load(plugins, ep_name):
+    plugins("nm-bad", ep_name)
+    entry = entry_of("gemm", "nm-bad")
+    assert entry.status == discovery.FAILED and "not a valid provider name" in entry.error
+    from fp8_backends import cli
+
+    assert ep_name not in cli.backend_choices("gemm")[1:]
+    _listing_and_flags_work()
+
+
+def test_one_name_rule_for_entry_points_and_registrations():
+    for name in ("bad@name", "bad:name", "auto", "", "a b", "a=b", None, 5):
+        assert discovery.name_problem(name) is not None
+    for name in ("fine", "fast%gemm", "a-b.c_d"):
+        assert discovery.name_problem(name) is None
+
+
+def test_a_percent_in_a_provider_name_leaves_the_engine_help_intact(plugins):
+    import argparse
+
+    import fp8_backends
+
+    plugins("nm-pct", "fast%gemm", post="Good.aliases = ('pct%alias',)\n")
+    parser = argparse.ArgumentParser()
+    fp8_backends.add_cli_args(parser)
+    text = " ".join(parser.format_help().split())
+    assert "fast%gemm" in text and "pct%alias" in text
+    assert parser.parse_args(["--fp8-gemm-backend", "fast%gemm"]).fp8_gemm_backend == "fast%gemm"
