@@ -22,12 +22,20 @@ from fp8_backends.registry import discovery, resolution
 
 
 def backend_choices(kind: str) -> list[str]:
-    """``auto`` plus every discovered name and alias for ``kind``."""
+    """``auto`` plus every discovered name and alias for ``kind`` (an entry point under a name no request can give,
+    which fails to load, left out)."""
     names: set[str] = set()
     for e in discovery.discover(kind):
-        names.add(e.name)
+        if discovery.name_problem(e.name) is None:
+            names.add(e.name)
         names.update(e.aliases)
     return ["auto", *sorted(names)]
+
+
+def _help_text(text: str) -> str:
+    """``text`` for an argparse help string, which argparse formats with ``%``: a provider name or alias holding a
+    ``%`` (``fast%gemm``) must not break every ``--help``."""
+    return text.replace("%", "%%")
 
 
 def _usable_summary(kind: str) -> str:
@@ -74,8 +82,8 @@ def add_cli_args(parser: argparse.ArgumentParser, *, gemm: bool = True, norm_qua
             default=None,
             metavar="NAME",
             help=(
-                f"FP8 GEMM provider: {{{', '.join(backend_choices('gemm'))}}}, optionally DIST:NAME and "
-                f"@key=value options (default: $FP8_GEMM_BACKEND or auto). Here: {_usable_summary('gemm')}."
+                f"FP8 GEMM provider: {{{_help_text(', '.join(backend_choices('gemm')))}}}, optionally DIST:NAME and "
+                f"@key=value options (default: $FP8_GEMM_BACKEND or auto). Here: {_help_text(_usable_summary('gemm'))}."
             ),
         )
     if norm_quant:
@@ -85,8 +93,8 @@ def add_cli_args(parser: argparse.ArgumentParser, *, gemm: bool = True, norm_qua
             default=None,
             metavar="NAME",
             help=(
-                f"fused RMSNorm+FP8-quant provider: {{{', '.join(backend_choices('norm_quant'))}}} "
-                f"(default: $FP8_NORM_QUANT_BACKEND or auto). Here: {_usable_summary('norm_quant')}."
+                f"fused RMSNorm+FP8-quant provider: {{{_help_text(', '.join(backend_choices('norm_quant')))}}} "
+                f"(default: $FP8_NORM_QUANT_BACKEND or auto). Here: {_help_text(_usable_summary('norm_quant'))}."
             ),
         )
 

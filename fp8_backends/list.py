@@ -66,6 +66,15 @@ def _caps_dict(cls: Any) -> dict[str, Any]:
     return out
 
 
+def _options_dict(cls: Any) -> dict[str, list[str]]:
+    """A provider class's options as JSON (empty for none, no class, or options that are not a well-formed mapping:
+    discovery refuses such a class when it loads, and the listing must print whatever a class holds later)."""
+    options = getattr(cls, "options", {}) if cls is not None else {}
+    if discovery.options_problem(options) is not None:
+        return {}
+    return {str(k): list(v) for k, v in options.items()}
+
+
 def _platform_dict(p: Platform) -> dict[str, Any]:
     return {
         "kind": p.kind.value,
@@ -162,9 +171,7 @@ def collect(
                     "install_hint": avail.install_hint or None,
                     "note": "; ".join(notes) or None,
                     "description": getattr(entry.cls, "description", "") if entry.cls else "",
-                    "options": {k: list(v) for k, v in getattr(entry.cls, "options", {}).items()}
-                    if entry.cls
-                    else {},
+                    "options": _options_dict(entry.cls),
                     "capabilities": _caps_dict(entry.cls),
                     "host_us": host_aware.host_us_of(entry.cls) if kind == "gemm" and entry.cls else None,
                     "block_host_us": (host_aware.host_us_of(entry.cls, block=True)
