@@ -93,7 +93,12 @@ class ProviderEntry:
             return Availability.no(self.error or "blocked")
         if self.status != LOADED or self.cls is None:
             return Availability.no(f"failed to load: {self.error}")
-        return self.cls.cached_availability()  # per class, per process (a failed preload updates it)
+        from fp8_backends.core.backend import checked_availability
+
+        try:  # per class, per process (a failed preload updates it)
+            return checked_availability(self.cls.cached_availability())
+        except Exception as exc:  # noqa: BLE001 - a class that overrides the cache must not break the registry
+            return Availability.no(f"cached_availability() raised {type(exc).__name__}: {exc}")
 
     def unusable_reason(self) -> str | None:
         """Why this entry can never be chosen here (blocked, failed, disabled, unavailable), or None."""

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from fp8_backends import Availability
 from fp8_backends.registry import discovery
 
 PROVIDER_SRC = '''
@@ -214,3 +215,47 @@ def test_a_percent_in_a_provider_name_leaves_the_engine_help_intact(plugins):
     text = " ".join(parser.format_help().split())
     assert "fast%gemm" in text and "pct%alias" in text
     assert parser.parse_args(["--fp8-gemm-backend", "fast%gemm"]).fp8_gemm_backend == "fast%gemm"
+
+
+# ------------------------------------------------------------------------------------- malformed hook results
+@pytest.mark.parametrize("made", [Availability.no(None), Availability(1, "x"), Availability.no("x", 5),
+                                  Availability.yes(["fine"])])
+def test_a_malformed_availability_makes_only_that_provider_unusable(monkeypatch, made):
+    from fake_provider import FakeMM, install
+
+    import fp8_backends
+    from fp8_backends import list as listing
+    from fp8_backends.core.errors import BackendUnavailableError
+    from fp8_backends.registry.platform import cpu_platform
+
+    cls = type("BadAvailMM", (FakeMM,), {"name": "bad_avail", "availability": classmethod(lambda c: made)})
+    entry = install(monkeypatch, cls, dist="avail-engine")
+    assert "malformed Availability" in entry.unusable_reason()
+    assert fp8_backends.resolve_gemm_backend("auto").name != "bad_avail"
+    with pytest.raises(BackendUnavailableError, match="malformed Availability"):
+        fp8_backends.resolve_gemm_backend("bad_avail")
+    row = next(p for p in listing.collect(cpu_platform())["providers"] if p["name"] == "bad_avail")
+    assert not row["usable"] and "malformed Availability" in row["reasons"][0]
+
+
+def test_a_lone_string_from_extra_reasons_is_one_reason(monkeypatch):
+    from fake_provider import FakeMM, install
+
+    from fp8_backends.registry.platform import cpu_platform
+
+    cls = type("StrReasonMM", (FakeMM,), {"name": "str_reason", "extra_reasons": lambda self, p, pl: "needs K<=64"})
+    install(monkeypatch, cls, dist="reason-engine")
+    assert cls().supports(None, cpu_platform()) == ["needs K<=64"]
+    odd = type("OddReasonMM", (FakeMM,), {"name": "odd_reason", "extra_reasons": lambda self, p, pl: 5})
+    assert odd().supports(None, cpu_platform()) == ["extra_reasons() returned 5, not a list of reasons"]
+
+
+def test_a_lone_string_in_requires_is_one_module(monkeypatch):
+    from fake_provider import FakeMM
+
+    from fp8_backends.core.backend import clear_availability_cache
+
+    cls = type("StrRequiresMM", (FakeMM,), {"name": "str_requires", "requires": "no_such_module_xyz"})
+    clear_availability_cache()
+    assert cls.cached_availability().reason == "missing Python module(s): no_such_module_xyz"
+    assert type("TorchMM", (FakeMM,), {"requires": "torch"}).availability().ok

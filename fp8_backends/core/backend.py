@@ -88,7 +88,7 @@ class ProviderBase(ABC):
 
         Override to add checks (a feature probe, a build); keep it cheap and never raise.
         """
-        missing = [mod for mod in cls.requires if _find_spec(mod) is None]
+        missing = [mod for mod in _names(cls.requires) if _find_spec(mod) is None]
         if missing:
             return Availability.no(f"missing Python module(s): {', '.join(missing)}", cls.install_hint)
         return Availability.yes()
@@ -105,9 +105,7 @@ class ProviderBase(ABC):
         cached = _AVAILABILITY.get(cls)
         if cached is None:
             try:
-                cached = cls.availability()
-                if not isinstance(cached, Availability):
-                    cached = Availability.no(f"availability() returned {type(cached).__name__}, not Availability")
+                cached = checked_availability(cls.availability())
             except Exception as exc:  # a broken plugin must not break discovery or resolution
                 cached = Availability.no(f"availability() raised {type(exc).__name__}: {exc}")
             _AVAILABILITY[cls] = cached
@@ -193,7 +191,7 @@ class ProviderBase(ABC):
         if not avail.ok:
             return [avail.reason + (f" (install: {avail.install_hint})" if avail.install_hint else "")]
         reasons = list(self.capabilities.check(problem, platform))
-        reasons += self.extra_reasons(problem, platform)
+        reasons += reason_list(self.extra_reasons(problem, platform), "extra_reasons()")
         return reasons
 
     def __repr__(self) -> str:
@@ -206,6 +204,38 @@ class ProviderBase(ABC):
 
 
 _AVAILABILITY: dict[type, Availability] = {}
+
+
+def checked_availability(avail: Any) -> Availability:
+    """``avail`` (what a provider's :meth:`~ProviderBase.availability` returned) when it is a well-formed
+    :class:`Availability` (a bool ``ok``, string ``reason`` and ``install_hint``), else an unavailable one that says
+    what is wrong with it: every listing and resolution reads these fields."""
+    if not isinstance(avail, Availability):
+        return Availability.no(f"availability() returned {type(avail).__name__}, not Availability")
+    for field_name, want in (("ok", bool), ("reason", str), ("install_hint", str)):
+        value = getattr(avail, field_name)
+        if not isinstance(value, want):
+            return Availability.no(f"availability() returned a malformed Availability: {field_name} must be a "
+                                   f"{want.__name__}, got {value!r}")
+    return avail
+
+
+def _names(value: Any) -> tuple[str, ...]:
+    """A class's ``requires``: one module name given as a lone string is that name, not its characters."""
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def reason_list(value: Any, what: str) -> list[str]:
+    """The reasons a provider hook (``what``: ``"extra_reasons()"``, ...) returned, as a list of strings: a lone
+    string is one reason (not one per character), None none; anything else is a reason of its own that says what the
+    hook returned (the provider then cannot serve, and the caller sees why)."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)) and all(isinstance(r, str) for r in value):
+        return list(value)
+    return [f"{what} returned {value!r}, not a list of reasons"]
 _INF = float("inf")
 #: ``[torch.Tensor]`` once torch is imported (the hot paths compare output types with it; this module stays torch-free)
 _TENSOR: list[Any] = [None]
@@ -398,7 +428,7 @@ class Fp8GemmBackend(ProviderBase):
         reasons = super().supports(problem, platform)
         if (isinstance(problem, GemmProblem) and problem.block_scaled and self.capabilities.block_scaled
                 and self.cached_availability().ok):
-            reasons += self.block_reasons(problem)
+            reasons += reason_list(self.block_reasons(problem), "block_reasons()")
         return reasons
 
     @abstractmethod
