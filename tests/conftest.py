@@ -84,6 +84,15 @@ def _clean_registry(monkeypatch: pytest.MonkeyPatch):
     resolution.reset_caches()
 
 
+@pytest.fixture(autouse=True)
+def _restore_grad_mode():
+    """The benchmarks' ``main()`` s turn autograd off for their process: a test that runs one leaves it on."""
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None and not torch.is_grad_enabled():
+        torch.set_grad_enabled(True)
+
+
 _FUZZ_CASES: dict[str, int] = {}
 _VIEW_CASES: dict[str, int] = {}
 

@@ -429,3 +429,14 @@ def test_torch_scaled_mm_block_path_traces_scaled_mm_where_the_load_time_answer_
     assert calls == ["torch code", "op"]
     monkeypatch.setattr(torch_block, "_traced", [None])
     assert torch_block.traced_support(False) in (True, False)
+
+
+@pytest.mark.parametrize("k", [96, 128, 256])
+def test_the_reference_gemm_takes_no_tokens_with_one_scale_column(k):
+    """``M = 0`` with an activation scale of one column (groups: ``K <= 128``; per token: ``[0, 1]``)."""
+    w_q, w_s = reference.quantize_block(torch.randn(160, k))
+    x_q, x_s = reference.quantize_per_token_group(torch.randn(0, k))
+    assert reference.fp8_gemm(x_q, w_q, x_s, w_s, torch.bfloat16).shape == (0, 160)
+    t_q, t_s = reference.quantize_per_token(torch.randn(0, k))
+    c_q, c_s = reference.quantize_per_token(torch.randn(64, k))
+    assert reference.fp8_gemm(t_q, c_q, t_s, c_s.reshape(-1), torch.bfloat16).shape == (0, 64)

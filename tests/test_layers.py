@@ -1132,3 +1132,35 @@ def test_a_layer_reads_its_scale_values_once_at_load(monkeypatch):
         TorchScaledMMBackend().prepare_weight(layer.weight, bad)
     with V.scales_checked(bad):
         V.check_scale_values(bad, "w_scale", force=True)  # trusted by identity: not read
+
+
+@pytest.mark.parametrize(("weight_scale", "act_scale"), [("block", "per_token_group"), ("per_channel", "per_token"),
+                                                         ("per_tensor", "per_tensor_dynamic")])
+def test_a_backward_through_an_fp8_layer_raises_the_library_error(weight_scale, act_scale):
+    """The layers are inference-only: a backward must not flow a gradient of the quantized math (the CPU block path
+    is plain torch ops, whose autograd would differentiate the FP8 rounding); without grad, outputs carry none."""
+    torch.manual_seed(0)
+    layer = Fp8Linear.from_linear(nn.Linear(300, 200, bias=False).to(torch.bfloat16), weight_scale=weight_scale,
+                                  act_scale=act_scale, backend="torch")
+    x = torch.randn(2, 300, dtype=torch.bfloat16, requires_grad=True)
+    y = layer(x)
+    with pytest.raises(InvalidInputError, match="FP8 layers have no backward"):
+        y.float().sum().backward()
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), y.detach(), rtol=0, atol=0)
+        assert not layer(x).requires_grad
+
+
+@pytest.mark.parametrize("kwargs", [{"weight_block": (128,)}, {"weight_block": 128}, {"weight_block": None},
+                                    {"weight_block": "128x128"}])
+def test_a_malformed_weight_block_is_one_type_error(kwargs):
+    with pytest.raises(fp8_backends.InvalidTypeError, match="weight_block must be two integers"):
+        Fp8Linear(256, 256, weight_scale="block", **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{"group_size": 64}, {"group_size": "abc"}, {"weight_block": (64, 64)},
+                                    {"act_scale": "per_token", "group_size": 128}])
+def test_block_arguments_without_block_weights_are_refused(kwargs):
+    """A user who forgot ``weight_scale="block"`` gets an error, not a per-tensor layer that ignores the group."""
+    with pytest.raises(InvalidInputError, match="block-wise FP8 arguments"):
+        Fp8Linear(256, 256, **kwargs)

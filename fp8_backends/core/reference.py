@@ -114,11 +114,11 @@ def fp8_gemm(
     if x_scale.dim() == 2 and x_scale.shape[1] > 1:
         x = dequantize_groups(x_q, x_scale, group_size)
     else:
-        x = x_q.float() * (x_scale.float().reshape(-1, 1) if x_scale.numel() > 1 else x_scale.float().reshape(()))
+        x = x_q.float() * (x_scale.float().reshape(()) if x_scale.numel() == 1 else x_scale.float().reshape(-1, 1))
     if _is_block_scale(w_scale, n, k, weight_block):
         w = dequantize_block(w_q, w_scale, weight_block)
     else:
-        w = w_q.float() * (w_scale.float().reshape(-1, 1) if w_scale.numel() > 1 else w_scale.float().reshape(()))
+        w = w_q.float() * (w_scale.float().reshape(()) if w_scale.numel() == 1 else w_scale.float().reshape(-1, 1))
     y = x @ w.t()
     if bias is not None:
         y = y + bias.float()

@@ -151,6 +151,8 @@ DEFAULT_WEIGHT_BLOCK = (128, 128)
 def _block_field(owner: str, value: Any) -> tuple[int, int]:
     """``(BN, BK)`` as a tuple of two positive ints, or the library error."""
     try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError
         bn, bk = value
     except (TypeError, ValueError):
         raise InvalidTypeError(f"{owner}.weight_block must be two integers (BN, BK), got {value!r}") from None

@@ -45,6 +45,7 @@ from ..core.types import (
     PreparedWeight,
     QuantizedActivation,
     WeightScale,
+    _block_field,
 )
 from ..registry.per_m import PerMGemm, init_fp8_gemm
 from .eager_plan import EagerPlan, bind_per_m
@@ -169,6 +170,20 @@ def _quant_compile_mode() -> str:
     return quant.compile_mode()
 
 
+class _NoBackward(torch.autograd.Function):
+    """Identity forward; a backward through an FP8 layer raises :class:`InvalidInputError` (the quantization has no
+    gradient the library defines: a wrong one must not flow silently)."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor) -> torch.Tensor:
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise InvalidInputError("FP8 layers have no backward: run them under torch.no_grad() or "
+                                "torch.inference_mode() (inference only)")
+
+
 class Fp8Linear(nn.Module):
     """``y = x @ Wᵀ (+ bias)`` with ``W = w_q · s_w`` in FP8 and the activation quantized to FP8.
 
@@ -249,10 +264,13 @@ class Fp8Linear(nn.Module):
             act_scale = ActScale.PER_TOKEN_GROUP if block_scaled else ActScale.PER_TENSOR_DYNAMIC
         self.act_scale = ActScale.of(act_scale)
         # the block-wise pairing and sizes, checked as the problem checks them (one error for a bad combination)
+        block = _block_field("Fp8Linear", weight_block)
+        if not block_scaled and (group_size is not None or block != DEFAULT_WEIGHT_BLOCK):
+            raise InvalidInputError("group_size and weight_block are block-wise FP8 arguments: give "
+                                    f"weight_scale='block' too (got weight_scale={self.weight_scale_mode.value})")
         check = GemmProblem(n=self.out_features, k=self.in_features, act_scale=self.act_scale,
-                            weight_scale=self.weight_scale_mode, weight_block=tuple(weight_block),
-                            group_size=(weight_block[1] if group_size is None else group_size) if block_scaled
-                            else 128)
+                            weight_scale=self.weight_scale_mode, weight_block=block,
+                            group_size=(block[1] if group_size is None else group_size) if block_scaled else 128)
         self.weight_block: tuple[int, int] | None = check.weight_block if block_scaled else None
         self.group_size: int | None = check.group_size if block_scaled else None
         _check_backend_request(backend, Fp8GemmBackend)
@@ -730,11 +748,14 @@ class Fp8Linear(nn.Module):
 
         A plain eager call of a processed layer takes its :class:`~.eager_plan.EagerPlan` (load-time
         bindings, per-call checks of the input only), a compiled one its traced plan (:mod:`.traced_plan`)
-        (the same, with few guards); every other call the general path."""
+        (the same, with few guards); every other call the general path. The layer has no backward: where autograd
+        would differentiate the output (``x`` requires grad, grad mode on), a backward reaching it raises the
+        library's error instead of a gradient."""
         if _compiling():
             traced = self._traced
             if traced is not None:
-                return traced(x)
+                y = traced(x)
+                return _NoBackward.apply(y) if y.requires_grad else y
         elif not _dispatch_modes():
             plan = self._plan
             if plan is None and self.kernel is not None:  # a copy or an unpickled layer: bind again
@@ -742,15 +763,16 @@ class Fp8Linear(nn.Module):
             if plan is not None:
                 y = plan(x)
                 if y is not None:
-                    return y
+                    return _NoBackward.apply(y) if y.requires_grad else y
         kernel = self.kernel
         if kernel is None:
             raise InvalidInputError("Fp8Linear: call process_weights_after_loading() before the first forward")
         data = x.data if isinstance(x, QuantizedActivation) else x
         if isinstance(data, torch.Tensor) and data.device != self.weight.device:
             raise InvalidInputError(f"input is on {data.device} but the layer's weight is on {self.weight.device}")
-        return apply_fp8_linear(x, kernel, act_scale=self.act_scale, input_scale=self.input_scale, bias=self.bias,
-                                out_dtype=self.out_dtype, input_dtype=self.input_dtype)
+        y = apply_fp8_linear(x, kernel, act_scale=self.act_scale, input_scale=self.input_scale, bias=self.bias,
+                             out_dtype=self.out_dtype, input_dtype=self.input_dtype)
+        return _NoBackward.apply(y) if y.requires_grad else y
 
     def extra_repr(self) -> str:
         parts = [f"in_features={self.in_features}", f"out_features={self.out_features}",
