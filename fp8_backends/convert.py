@@ -7,7 +7,9 @@ model's own code keeps calling ``self.q_proj(x)``; ``generate()`` and ``torch.co
 
 What is skipped: modules matching ``skip`` (default: the output head ``lm_head`` and anything named like an
 embedding), linears a filter rejects, and, with ``backend="auto"``, linears no provider can serve (the summary
-says why, e.g. a K that is not a multiple of 16). A backend named explicitly that cannot serve a layer raises, as
+says why, e.g. a K that is not a multiple of 16). MoE experts that ``transformers`` holds as 3-D parameters (not
+``nn.Linear``) stay in the model dtype, and the summary lists them (FP8 checkpoints that store them one by one are
+served per expert by :func:`~fp8_backends.checkpoints.load_pretrained`). A backend named explicitly that cannot serve a layer raises, as
 everywhere in the library.
 
 Static activation scales (``act_scale="per_tensor_static"``) come from ``input_scales`` (``{module name: float}``)
@@ -138,10 +140,16 @@ def _matches(name: str, patterns: Sequence[str]) -> bool:
 
 def _targets(model: nn.Module, skip: Sequence[str], include: Callable[[str, nn.Linear], bool] | None,
              summary: QuantizeSummary) -> list[tuple[str, nn.Linear]]:
+    from .layers.experts import fused_experts_layout
+
     found = []
     for name, module in model.named_modules():
         if type(module) is not nn.Linear:  # exactly nn.Linear: subclasses may change the forward
-            if isinstance(module, nn.Linear):
+            layout = fused_experts_layout(module)
+            if layout is not None:
+                summary.skipped.append((name, f"MoE experts held as 3-D parameters ({layout[0]} experts), not "
+                                              "nn.Linear: kept in the model dtype"))
+            elif isinstance(module, nn.Linear):
                 summary.skipped.append((name, f"{type(module).__name__} subclasses nn.Linear (its forward may differ)"))
             continue
         if _matches(name, skip):

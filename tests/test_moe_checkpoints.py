@@ -316,3 +316,18 @@ def test_the_per_expert_forward_matches_transformers_experts_on_the_same_weights
         sentinel[:, 1] = 4
         dropped = per_expert(hidden, index, weights * torch.tensor([1.0, 0.0]))
         torch.testing.assert_close(per_expert(hidden, sentinel, weights), dropped, rtol=1e-6, atol=1e-6)
+
+
+def test_quantize_model_lists_3d_experts_it_keeps_in_the_model_dtype():
+    from fp8_backends import quantize_model
+
+    model = tiny_moe("qwen3_moe")
+    with torch.no_grad():
+        want = model(IDS).logits.float()
+    summary = quantize_model(model, weight_scale="block", backend="torch")
+    kept = {name: why for name, why in summary.skipped}
+    assert "MoE experts held as 3-D parameters (4 experts)" in kept["model.layers.1.mlp.experts"]
+    assert model.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+    with torch.no_grad():
+        got = model(IDS).logits.float()
+    assert cp.rel_err(got, want) < 0.15
