@@ -331,3 +331,18 @@ def test_quantize_model_lists_3d_experts_it_keeps_in_the_model_dtype():
     with torch.no_grad():
         got = model(IDS).logits.float()
     assert cp.rel_err(got, want) < 0.15
+
+
+@pytest.mark.gpu
+def test_a_moe_checkpoint_on_the_gpu_runs_eagerly_and_refuses_a_cuda_graph_capture(moe):
+    path = moe("deepseek_v3")
+    ref = reference_logits(path)
+    model, _ = load_pretrained(path, device="cuda")
+    ids = IDS.to("cuda")
+    with torch.no_grad():
+        got = model(ids).logits.float().cpu()
+        per_token = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
+        assert float(per_token.median()) < BF16_MEDIAN, per_token
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(InvalidInputError, match="cannot be captured in a CUDA graph"), torch.cuda.graph(graph):
+            model(ids)

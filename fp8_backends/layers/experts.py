@@ -120,6 +120,9 @@ class PerExpertLinears(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        if hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise InvalidInputError("MoE experts served per expert read which experts were hit on the host: they "
+                                    "cannot be captured in a CUDA graph (run the model eagerly or compiled)")
         out = torch.zeros_like(hidden_states)
         hit = torch.unique(top_k_index).tolist()  # the host sync of a data-dependent expert loop
         for e in hit:
