@@ -9,8 +9,8 @@ What is skipped: modules matching ``skip`` (default: the output head ``lm_head``
 embedding), linears a filter rejects, and, with ``backend="auto"``, linears no provider can serve (the summary
 says why, e.g. a K that is not a multiple of 16). MoE experts that ``transformers`` holds as 3-D parameters (not
 ``nn.Linear``) stay in the model dtype, and the summary lists them (FP8 checkpoints that store them one by one are
-served per expert by :func:`~fp8_backends.checkpoints.load_pretrained`). A backend named explicitly that cannot serve a layer raises, as
-everywhere in the library.
+served per expert by :func:`~fp8_backends.checkpoints.load_pretrained`). A backend named explicitly that cannot
+serve a layer raises, as everywhere in the library.
 
 Static activation scales (``act_scale="per_tensor_static"``) come from ``input_scales`` (``{module name: float}``)
 or from calibration: ``calibration`` batches are run through the unmodified model with a hook on every linear
