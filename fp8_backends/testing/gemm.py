@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import pytest
 
@@ -185,6 +185,19 @@ def _block_cases(caps: GemmCapabilities, pairs: list[tuple[Fp8Dtype, Fp8Dtype]],
     return cases
 
 
+class EdgeShape(NamedTuple):
+    """One run of :meth:`GemmProviderContract.test_edge_shapes`: a combination at ``M x N x K``."""
+
+    case: GemmCase
+    m: int
+    n: int
+    k: int
+
+    @property
+    def id(self) -> str:
+        return f"{self.case.id}-M{self.m}-N{self.n}-K{self.k}"
+
+
 @dataclass(frozen=True)
 class Refusal:
     """Something the provider does not declare, how to ask for it, and what ``supports()`` is shown."""
@@ -231,6 +244,20 @@ class GemmProviderContract(ContractBase):
             pytest.skip("include_case() leaves no declared combination to test")
         return next((c for c in cases if c.bias), cases[0])
 
+    def edge_cases(self, caps: GemmCapabilities) -> list[GemmCase]:
+        """The combinations :meth:`test_edge_shapes` runs: :meth:`default_case`, then one included combination of each
+        other declared activation-scale family (per-token, where it prefers per-channel weights; block-wise: per-token
+        groups x block weights, in the declared scale layout), without a bias (the bias, N(0, 4²), would outweigh an
+        error of the scales). Each family is its own kernel path, with its own M tails (decode at M = 1, tiles past
+        M = 16)."""
+        default = self.default_case(caps)
+        picked = {default.act: default}
+        ranked = sorted(self.cases(caps), key=lambda c: (c.bias, c.weight is not WeightScale.PER_CHANNEL,
+                                                         c.layout is not caps.group_scale_layout))
+        for case in ranked:
+            picked.setdefault(case.act, case)
+        return list(picked.values())
+
     # ------------------------------------------------------------------ parametrization
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         provider, error = self._collected_provider()
@@ -249,8 +276,8 @@ class GemmProviderContract(ContractBase):
             cases = self.cases(caps) if isinstance(caps, GemmCapabilities) else []
             metafunc.parametrize("case", cases or [None], ids=[c.id for c in cases] or ["none"])
         if "shape" in names:
-            shapes = self._edge_shapes(caps) if isinstance(caps, GemmCapabilities) else [(1, 16, 16)]
-            metafunc.parametrize("shape", shapes, ids=[f"M{m}-N{n}-K{k}" for m, n, k in shapes])
+            shapes = self._edge_shapes(caps) if isinstance(caps, GemmCapabilities) else []
+            metafunc.parametrize("shape", shapes or [None], ids=[s.id for s in shapes] or ["none"])
         if "gpu_shape" in names:
             metafunc.parametrize("gpu_shape", self.gpu_shapes, ids=[f"M{m}-N{n}-K{k}" for m, n, k in self.gpu_shapes])
         if "refusal" in names:
@@ -274,11 +301,21 @@ class GemmProviderContract(ContractBase):
         bn, bk = case.block
         return round_up(2 * bn + self.base_nk[0], caps.n_align), round_up(2 * bk + self.base_nk[1], caps.k_align)
 
-    def _edge_shapes(self, caps: GemmCapabilities) -> list[tuple[int, int, int]]:
+    def _edge_shapes(self, caps: GemmCapabilities) -> list[EdgeShape]:
+        """:attr:`m_values` for each of :meth:`edge_cases` (at its base N and K: several blocks and groups for a
+        block-wise one), and N and K at their alignment and odd multiples of it for the default combination."""
+        if not self.cases(caps):
+            return []
+        default, *others = self.edge_cases(caps)
         n, k = self._base(caps)
         na, ka = caps.n_align, caps.k_align
         nk_edges = [(na, ka), (3 * na, 5 * ka), (9 * na, 2 * ka)]
-        return [(m, n, k) for m in self.m_values] + [(3, en, ek) for en, ek in nk_edges if (en, ek) != (n, k)]
+        shapes = [EdgeShape(default, m, n, k) for m in self.m_values]
+        shapes += [EdgeShape(default, 3, en, ek) for en, ek in nk_edges if (en, ek) != (n, k)]
+        for case in others:
+            n, k = self._base_for(caps, case)
+            shapes += [EdgeShape(case, m, n, k) for m in self.m_values]
+        return shapes
 
     def _refusals(self, provider: Any) -> list[Refusal]:
         """What the provider does not declare, each with a device where it can be asked."""
@@ -356,9 +393,13 @@ class GemmProviderContract(ContractBase):
         the reference."""
         self._run_case(device, case, 5, *self._base_for(self.make_provider().capabilities, case))
 
-    def test_edge_shapes(self, device: str, shape: tuple[int, int, int]) -> None:
-        """M = 0, 1, odd; N and K at their alignment (and odd multiples of it); default combination."""
-        self._run_case(device, self.default_case(self.make_provider().capabilities), *shape)
+    def test_edge_shapes(self, device: str, shape: EdgeShape | None) -> None:
+        """M = 0, 1, odd, past 16 and 64 for the default combination and one of each other declared activation-scale
+        family (:meth:`edge_cases`: per-token, block-wise); N and K at their alignment (and odd multiples of it) for
+        the default combination."""
+        if shape is None:
+            pytest.skip("include_case() leaves no declared combination to test")
+        self._run_case(device, shape.case, shape.m, shape.n, shape.k)
 
     def test_scales_are_applied(self, device: str) -> None:
         """Doubling ``x_scale`` or ``w_scale`` doubles the output (exact in binary floating point): a kernel that
@@ -892,4 +933,4 @@ def _foreign(prepared: Any) -> Any:
     return dataclasses.replace(prepared, backend=f"not_{prepared.backend}")
 
 
-__all__ = ["GemmCase", "GemmProviderContract", "Refusal", "gemm_cases", "reference_output"]
+__all__ = ["EdgeShape", "GemmCase", "GemmProviderContract", "Refusal", "gemm_cases", "reference_output"]

@@ -189,6 +189,30 @@ class BlockFirstGroupScale(GoodBlockGemm):
         return super().gemm_impl(x_q, prepared, x_scale, out_dtype, bias)
 
 
+class BlockDecodeFirstBlockScale(GoodBlockGemm):
+    """Block-wise at M = 1 only (a decode kernel): applies the first weight block's scale to every block."""
+
+    name: ClassVar[str] = "block_decode_first_block_scale"
+
+    def gemm_impl(self, x_q, prepared, x_scale, out_dtype, bias):
+        import dataclasses
+
+        if prepared.block is not None and x_q.shape[0] == 1:
+            prepared = dataclasses.replace(prepared, scale=prepared.scale[:1, :1].expand(prepared.scale.shape))
+        return super().gemm_impl(x_q, prepared, x_scale, out_dtype, bias)
+
+
+class BlockLargeMFirstGroupScale(GoodBlockGemm):
+    """Block-wise past M = 16 only (a large-tile kernel): applies each token's first group scale to all its groups."""
+
+    name: ClassVar[str] = "block_large_m_first_group_scale"
+
+    def gemm_impl(self, x_q, prepared, x_scale, out_dtype, bias):
+        if prepared.block is not None and x_q.shape[0] > 16:
+            x_scale = x_scale[:, :1].expand(x_scale.shape).contiguous()
+        return super().gemm_impl(x_q, prepared, x_scale, out_dtype, bias)
+
+
 class GoodNorm(NormQuantBackend):
     """Correct: the reference, on the CPU."""
 
