@@ -187,3 +187,22 @@ def test_kit_package_imports_without_torch():
             "print(sorted(m for m in ('torch', 'triton') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("specs", [["fp8-backends:torch_scaled_mmm"], ["fp8-backends:torch_scaled_mm", "nope:typo"],
+                                   ["auto"]])
+def test_the_command_line_refuses_a_spec_that_names_no_provider(specs, capsys):
+    from fp8_backends.testing.__main__ import main
+
+    assert main([*specs, "--", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: UnknownBackendError") and repr(specs[-1]) in err and "registered:" in err
+
+
+def test_collecting_the_conformance_module_fails_on_an_unknown_spec():
+    from fp8_backends.core.errors import UnknownBackendError
+    from fp8_backends.testing.conformance import check_specs
+
+    check_specs(["fp8-backends:torch_scaled_mm", "torch"])
+    with pytest.raises(UnknownBackendError, match="'nope:typo'"):
+        check_specs(["torch", "nope:typo"])

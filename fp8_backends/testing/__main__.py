@@ -1,5 +1,5 @@
 """``python -m fp8_backends.testing DIST:NAME [DIST:NAME ...] [-- pytest options]``: the conformance kit
-against registered providers (exit status: pytest's)."""
+against registered providers (exit status: pytest's; 2 when a spec names no registered provider)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,14 @@ def main(argv: list[str] | None = None) -> int:
         extra = [a for a in args if a.startswith("-")]
     if not specs or any(s in ("-h", "--help") for s in args[:1]):
         print(__doc__.strip(), file=sys.stderr)
+        return 2
+    from fp8_backends.core.errors import Fp8BackendError
+    from fp8_backends.testing.conformance import check_specs
+
+    try:
+        check_specs(specs)
+    except Fp8BackendError as exc:  # a typo runs nothing: say which spec, no traceback
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     options = [item for spec in specs for item in ("--fp8-provider", spec)]
     return int(pytest.main(["-p", "fp8_backends.testing.plugin", "--import-mode=importlib", *options,

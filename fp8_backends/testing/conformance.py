@@ -26,6 +26,23 @@ def _registered_in(kind: str, spec: str) -> bool:
     return any(e.matches(request.name, request.dist) for e in discovery.discover(kind))
 
 
+def check_specs(specs: list[str]) -> None:
+    """Raise :class:`~fp8_backends.core.errors.UnknownBackendError` naming every spec of ``specs`` that matches no
+    discovered GEMM or norm-quant provider (a typo would otherwise run no test, or only the others'), and
+    :class:`~fp8_backends.core.errors.InvalidInputError` for a malformed one."""
+    from fp8_backends.core.errors import UnknownBackendError
+    from fp8_backends.registry import discovery
+
+    unknown = [spec for spec in specs if not any(_registered_in(kind, spec) for kind in discovery.GROUPS)]
+    if not unknown:
+        return
+    held = sorted({e.qualified_name for kind in discovery.GROUPS for e in discovery.discover(kind)})
+    error = UnknownBackendError(unknown[0], "provider", held)
+    error.args = (f"no registered GEMM or norm-quant provider matches {', '.join(map(repr, unknown))} (registered: "
+                  f"{', '.join(held) or 'none'})",)
+    raise error
+
+
 def _contract_for(base: type, spec: str) -> type:
     kind = base.kind
 
@@ -45,6 +62,7 @@ def _contract_for(base: type, spec: str) -> type:
 def _define() -> dict[str, type]:
     classes: dict[str, type] = {}
     specs = requested_providers()
+    check_specs(specs)  # collecting this module fails with the error
     for i, spec in enumerate(specs):
         suffix = "" if len(specs) == 1 else str(i)
         for base, label in ((GemmProviderContract, "Gemm"), (NormQuantProviderContract, "NormQuant")):
