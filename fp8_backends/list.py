@@ -134,11 +134,12 @@ def collect(
     ``auto`` optimizes for the GEMM resolution (``kernel`` / ``host``; default ``FP8_SELECTION_OBJECTIVE``, else
     kernel)."""
     # explain_loaded, as resolve does: the `*` marks exactly what auto resolves to (a provider that fails to load
-    # is passed over by both)
+    # is passed over by both); on a simulated platform nothing is loaded (the listing stays fast and imports no
+    # kernel library for a GPU that is not there)
+    explain = resolution.explain if platform.simulated else resolution.explain_loaded
     resolutions = {
-        "gemm": resolution.explain_loaded("gemm", gemm_request, problem=gemm_problem, platform=platform,
-                                          objective=objective),
-        "norm_quant": resolution.explain_loaded("norm_quant", norm_request, problem=norm_problem, platform=platform),
+        "gemm": explain("gemm", gemm_request, problem=gemm_problem, platform=platform, objective=objective),
+        "norm_quant": explain("norm_quant", norm_request, problem=norm_problem, platform=platform),
     }
     providers = []
     for kind in ("gemm", "norm_quant"):
@@ -395,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
             t, h = _parse_ints(args.norm_problem, 2, "--norm-problem")
             norm_problem = NormQuantProblem(hidden=h, tokens=t, in_dtype=args.in_dtype,
                                             residual=args.residual, device=device)
+    except ConfigurationError as exc:  # a bad FP8_BACKENDS_SIMULATE_SM: as every variable, exit 1
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     except (ValueError, argparse.ArgumentTypeError) as exc:
         ap.error(str(exc))
     # the library's warnings while listing (a plugin that fails to load, an FP8_BACKENDS_DISABLED item that matches

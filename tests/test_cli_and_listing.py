@@ -251,3 +251,26 @@ def test_text_table():
 
     assert console_table is text_table
     assert text_table(["a", "long"], [["xyz", 1], ["", None]]) == "a    long\n---  ----\nxyz  1\n     None"
+
+
+@pytest.mark.parametrize("args", [["--simulate-sm", "9.0"], ["--simulate-sm", "10.0", "--json"]])
+def test_listing_a_simulated_sm_loads_no_provider(args):
+    """On a simulated GPU nothing is preloaded: the listing imports no torch or triton (the providers ``auto`` picks
+    there define their ops on load)."""
+    code = ("import sys, io, contextlib, fp8_backends.list as listing\n"
+            f"with contextlib.redirect_stdout(io.StringIO()): rc = listing.main({args!r})\n"
+            "print(rc, [m for m in ('torch', 'triton') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "0 []"
+
+
+def test_listing_exits_1_on_a_bad_simulated_sm_variable_and_2_on_a_bad_flag(capsys, monkeypatch):
+    monkeypatch.setenv("FP8_BACKENDS_SIMULATE_SM", "abc")
+    assert listing.main([]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ConfigurationError: FP8_BACKENDS_SIMULATE_SM='abc' is not valid")
+    assert "usage" not in err
+    monkeypatch.delenv("FP8_BACKENDS_SIMULATE_SM")
+    with pytest.raises(SystemExit) as info:
+        listing.main(["--simulate-sm", "abc"])
+    assert info.value.code == 2
