@@ -19,6 +19,7 @@ from typing import Any
 
 from fp8_backends.core.errors import InvalidInputError, InvalidTypeError
 from fp8_backends.registry import discovery, resolution
+from fp8_backends.registry.platform import detect_platform
 
 
 def backend_choices(kind: str) -> list[str]:
@@ -40,13 +41,52 @@ def _help_text(text: str) -> str:
 
 def _usable_summary(kind: str) -> str:
     """Each discovered provider once (as ``DIST:NAME`` where two distributions share the name), marked
-    ``(unavailable)`` unless it can serve on this machine: the same verdict as the listing's, so a provider
-    that is missing a library, disabled, blocked, failed to load, cannot run on this device, or whose support
-    check raises is not offered as usable."""
-    res = resolution.explain(kind, resolution.AUTO)
+    ``(unavailable)`` unless it can serve on this machine: the listing's verdict, reached the same way (``auto``'s
+    choice loaded, as resolving loads it, unless the platform is simulated), so a provider that is missing a library,
+    disabled, blocked, failed to load or to preload, cannot run on this device, or whose support check raises is not
+    offered as usable."""
+    platform = detect_platform(None)
+    explain = resolution.explain if platform.simulated else resolution.explain_loaded
+    res = explain(kind, resolution.AUTO, platform=platform)
     entries = [c.entry for c in res.candidates]
     parts = [resolution.display_name(c.entry, entries) + ("" if c.ok else " (unavailable)") for c in res.candidates]
     return ", ".join(parts) or "none registered"
+
+
+_HELP_HEADS = {
+    "gemm": ("FP8 GEMM provider: {{{choices}}}, optionally DIST:NAME and @key=value options (default: "
+             "$FP8_GEMM_BACKEND or auto). Here: {usable}."),
+    "norm_quant": ("fused RMSNorm+FP8-quant provider: {{{choices}}} (default: $FP8_NORM_QUANT_BACKEND or auto). "
+                   "Here: {usable}."),
+}
+
+
+def backend_help(kind: str) -> str:
+    """The help of ``kind``'s flag (argparse ``%`` escaped): the choices and which providers are usable here."""
+    text = _HELP_HEADS[kind].format(choices=", ".join(backend_choices(kind)), usable=_usable_summary(kind))
+    return _help_text(text)
+
+
+class _BackendAction(argparse.Action):
+    """``store`` for a backend flag, whose help is built when a help text is formatted (``--help``, an engine's
+    ``format_help()``), not when the flag is added: telling which providers are usable means evaluating (and loading
+    ``auto``'s choice), a cost an engine start must not pay."""
+
+    def __init__(self, option_strings: list[str], dest: str, *, kind: str, **kwargs: Any) -> None:
+        self.kind = kind
+        super().__init__(option_strings, dest, **kwargs)
+
+    @property  # type: ignore[override]
+    def help(self) -> str:
+        return backend_help(self.kind)
+
+    @help.setter
+    def help(self, value: str | None) -> None:  # argparse sets it; the text is always backend_help's
+        pass
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
 
 
 class _BackendChoice:
@@ -75,28 +115,10 @@ def add_cli_args(parser: argparse.ArgumentParser, *, gemm: bool = True, norm_qua
     if not isinstance(parser, argparse.ArgumentParser):
         raise InvalidTypeError(f"add_cli_args needs an argparse.ArgumentParser, got {type(parser).__name__}")
     group = parser.add_argument_group("FP8 backends (fp8_backends)")
-    if gemm:
-        group.add_argument(
-            "--fp8-gemm-backend",
-            type=_BackendChoice("gemm"),
-            default=None,
-            metavar="NAME",
-            help=(
-                f"FP8 GEMM provider: {{{_help_text(', '.join(backend_choices('gemm')))}}}, optionally DIST:NAME and "
-                f"@key=value options (default: $FP8_GEMM_BACKEND or auto). Here: {_help_text(_usable_summary('gemm'))}."
-            ),
-        )
-    if norm_quant:
-        group.add_argument(
-            "--fp8-norm-quant-backend",
-            type=_BackendChoice("norm_quant"),
-            default=None,
-            metavar="NAME",
-            help=(
-                f"fused RMSNorm+FP8-quant provider: {{{_help_text(', '.join(backend_choices('norm_quant')))}}} "
-                f"(default: $FP8_NORM_QUANT_BACKEND or auto). Here: {_help_text(_usable_summary('norm_quant'))}."
-            ),
-        )
+    for wanted, kind in ((gemm, "gemm"), (norm_quant, "norm_quant")):
+        if wanted:
+            group.add_argument(f"--fp8-{kind.replace('_', '-')}-backend", action=_BackendAction, kind=kind,
+                               type=_BackendChoice(kind), default=None, metavar="NAME")
 
 
 def backends_from_args(

@@ -375,7 +375,7 @@ def _explain_named(res: Resolution, request: BackendRequest, selectable: list[Pr
             res.error = BackendUnavailableError(
                 f"{label} backend {request.name!r} is not usable here: "
                 + "; ".join(f"{e.qualified_name}: {'; '.join(res.verdict(e).reasons)}" for e in matches)
-                + _alternatives_text(res.candidates, None, entries)
+                + _alternatives_text(res, None)
             )
             return res
     if not matches:
@@ -392,7 +392,7 @@ def _explain_named(res: Resolution, request: BackendRequest, selectable: list[Pr
         reasons = res.verdict(entry).reasons
         res.error = BackendUnavailableError(
             f"{label} backend {entry.name!r} ({entry.dist}) is not usable here: {'; '.join(reasons)}"
-            + _alternatives_text(res.candidates, entry, entries)
+            + _alternatives_text(res, entry)
         )
         return res
     cand = res.verdict(entry) if not request.options else _consider(entry, problem, platform, request.options)
@@ -402,14 +402,14 @@ def _explain_named(res: Resolution, request: BackendRequest, selectable: list[Pr
     if cand.fault is not None:  # the provider itself failed: it is unusable, and says why
         res.error = BackendUnavailableError(
             f"{label} backend {entry.name!r} ({entry.dist}) is not usable here: {'; '.join(cand.reasons)}"
-            + _alternatives_text(res.candidates, entry, entries)
+            + _alternatives_text(res, entry)
         )
         res.error.__cause__ = cand.fault
         return res
     backend = provider_instance(entry, request.options)  # made (and cached) by _consider
     if cand.reasons:
         what = problem.describe() if problem is not None else "any problem"
-        alts = [display_name(c.entry, entries) for c in res.candidates if c.ok and c.entry is not entry]
+        alts = [display_name(c.entry, entries) for c in _serving_alternatives(res, entry)]
         res.error = UnsupportedProblemError(
             f"{label} backend {backend.label!r} cannot serve {what} on {platform.describe()}:\n"
             + "".join(f"  - {r}\n" for r in cand.reasons)
@@ -553,11 +553,30 @@ def _format_reasons(candidates: list[Candidate]) -> str:
     return "".join(lines) or "  (no providers are registered)\n"
 
 
-def _alternatives_text(
-    candidates: list[Candidate], exclude: ProviderEntry | None, entries: Sequence[ProviderEntry]
-) -> str:
-    alts = [display_name(c.entry, entries) for c in candidates if c.ok and c.entry is not exclude]
+def _alternatives_text(res: Resolution, exclude: ProviderEntry | None) -> str:
+    alts = [display_name(c.entry, res.entries) for c in _serving_alternatives(res, exclude)]
     return f"; providers that can serve: {', '.join(alts)}" if alts else "; no other provider can serve it"
+
+
+def _serving_alternatives(res: Resolution, exclude: ProviderEntry | None) -> list[Candidate]:
+    """The candidates of ``res`` other than ``exclude`` that can serve its problem, each loaded first
+    (:meth:`~fp8_backends.core.backend.ProviderBase.ensure_preloaded`, as resolving it would) unless the platform is
+    simulated: one whose preload fails is marked unusable (the listing and every later resolution say why) and left
+    out, so that an error never offers a provider that resolving would refuse. Only errors ask, and pay the loads."""
+    return [c for c in res.candidates if c.ok and c.entry is not exclude and _loads(res, c)]
+
+
+def _loads(res: Resolution, cand: Candidate) -> bool:
+    """Whether ``cand``'s provider (default options) loads here; when it does not, its verdict in ``res`` is renewed
+    (it now carries the failure as its reason)."""
+    if res.platform.simulated:
+        return True
+    try:
+        provider_instance(cand.entry).ensure_preloaded()
+    except Exception:  # noqa: BLE001 - a failed preload is recorded as a fault of the provider; any other failure too
+        res._verdicts[id(cand.entry)] = _consider(cand.entry, res.problem, res.platform)
+        return False
+    return True
 
 
 def explain_loaded(

@@ -259,3 +259,67 @@ def test_a_lone_string_in_requires_is_one_module(monkeypatch):
     clear_availability_cache()
     assert cls.cached_availability().reason == "missing Python module(s): no_such_module_xyz"
     assert type("TorchMM", (FakeMM,), {"requires": "torch"}).availability().ok
+
+
+# ------------------------------------------------------------------------------------- one verdict on a failed preload
+@pytest.fixture
+def failing_preload(monkeypatch):
+    """A provider that outranks the built-ins on the CPU but whose preload fails, registered for one test."""
+    import dataclasses
+
+    from fake_provider import install
+
+    from fp8_backends.core.backend import clear_availability_cache
+    from fp8_backends.providers.torch_scaled_mm import TorchScaledMMBackend
+
+    class PreloadFails(TorchScaledMMBackend):
+        name = "preload_fails"
+        capabilities = dataclasses.replace(TorchScaledMMBackend.capabilities, priority=10_000)
+
+        def preload(self) -> None:
+            raise RuntimeError("preload boom")
+
+    entry = install(monkeypatch, PreloadFails, dist="preload-engine")
+    yield entry
+    clear_availability_cache()
+
+
+def test_the_flags_help_and_the_listing_agree_on_a_provider_whose_preload_fails(failing_preload):
+    import argparse
+
+    import fp8_backends
+    from fp8_backends import list as listing
+    from fp8_backends.registry.platform import detect_platform
+
+    parser = argparse.ArgumentParser()
+    fp8_backends.add_cli_args(parser, norm_quant=False)
+    here = " ".join(parser.format_help().split()).split("Here:")[1]
+    assert "preload_fails (unavailable)" in here and "torch_scaled_mm," in here
+    row = next(p for p in listing.collect(detect_platform(None))["providers"] if p["name"] == "preload_fails")
+    assert not row["usable"] and "preload() failed" in row["reasons"][0]
+
+
+def test_errors_never_offer_a_provider_whose_preload_fails(failing_preload):
+    from fp8_backends import GemmProblem, UnsupportedProblemError, resolve_gemm_backend
+
+    with pytest.raises(UnsupportedProblemError) as info:
+        resolve_gemm_backend("cutlass", problem=GemmProblem(n=32, k=64, m=4, device="cpu"))
+    assert "preload_fails" not in info.value.alternatives and "torch_scaled_mm" in info.value.alternatives
+    assert "preload() failed" in failing_preload.unusable_reason()
+
+
+def test_adding_the_flags_evaluates_no_provider(monkeypatch):
+    import argparse
+
+    import fp8_backends
+    from fp8_backends.registry import resolution
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("add_cli_args evaluated the providers")
+
+    monkeypatch.setattr(resolution, "explain", refuse)
+    monkeypatch.setattr(resolution, "explain_loaded", refuse)
+    parser = argparse.ArgumentParser()
+    fp8_backends.add_cli_args(parser)
+    assert parser.parse_args(["--fp8-gemm-backend", "torch"]).fp8_gemm_backend == "torch"
+    assert parser.parse_args([]).fp8_norm_quant_backend is None
