@@ -255,7 +255,10 @@ def _short(values: list[str] | None) -> str:
 def render(data: dict[str, Any]) -> str:
     p = data["platform"]
     out = []
-    where = "CPU (no CUDA device)" if p["kind"] == "cpu" else f"{p['name']}, SM {p['arch']}"
+    if p["kind"] == "cpu":
+        where = "CPU (no CUDA device)"
+    else:
+        where = p["name"] if p["sm"] is None else f"{p['name']}, SM {p['arch']}"
     if p["simulated"]:
         where += " (simulated)"
     out.append(f"platform: {where}; PDL {'yes' if p['pdl'] else 'no'}")

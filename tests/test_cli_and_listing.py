@@ -274,3 +274,14 @@ def test_listing_exits_1_on_a_bad_simulated_sm_variable_and_2_on_a_bad_flag(caps
     with pytest.raises(SystemExit) as info:
         listing.main(["--simulate-sm", "abc"])
     assert info.value.code == 2
+
+
+def test_a_cuda_platform_without_a_device_is_never_described_as_sm_cpu(capsys):
+    from fp8_backends.core.platform import Platform
+    from fp8_backends.core.types import DeviceKind
+
+    absent = Platform(kind=DeviceKind.CUDA, name="no CUDA device")
+    assert absent.arch == "none" and absent.describe() == "no CUDA device"
+    data = listing.collect(absent)
+    text = listing.render(data)
+    assert text.splitlines()[0] == "platform: no CUDA device; PDL no" and "SM cpu" not in text

@@ -40,9 +40,10 @@ class Platform:
 
     @property
     def arch(self) -> str:
-        """``"9.0a"`` style: major.minor plus ``a`` where an arch-specific target exists."""
+        """``"9.0a"`` style: major.minor plus ``a`` where an arch-specific target exists; ``"cpu"`` for the CPU and
+        ``"none"`` for a CUDA platform without a device (one asked for on a machine that has none)."""
         if self.sm is None:
-            return "cpu"
+            return "cpu" if self.kind is DeviceKind.CPU else "none"
         return f"{self.sm[0]}.{self.sm[1]}{'a' if self.sm >= (9, 0) else ''}"
 
     @property
@@ -56,6 +57,8 @@ class Platform:
             return "CPU"
         extra = " (simulated)" if self.simulated else ""
         idx = "" if self.device_index is None else f"cuda:{self.device_index} "
+        if self.sm is None:  # no device: its name says so, and there is no SM to give
+            return f"{idx}{self.name}{extra}"
         return f"{idx}{self.name}, SM {self.arch}{extra}"
 
 
