@@ -18,7 +18,6 @@ from fp8_backends.core.types import Availability, DeviceKind
 
 #: modules a provider module must not import when it is imported (discovery imports every provider module)
 HEAVY_MODULES: tuple[str, ...] = ("torch", "triton", "flashinfer", "cupy", "jax", "tensorflow")
-_NAME_FORBIDDEN = set(":@,= \t")
 
 
 def provider_from_spec(kind: str, spec: str) -> Any:
@@ -175,12 +174,12 @@ class ContractBase:
             raise error
         cls = type(provider)
         assert isinstance(provider, base), f"{cls.__name__} is not a {base.__name__}"
-        for label, name in (("name", cls.name), *(("alias", a) for a in cls.aliases)):
-            assert isinstance(name, str) and name and not (_NAME_FORBIDDEN & set(name)) and name != "auto", (
-                f"{label} {name!r}: a non-empty string without ':', '@', ',', '=' or spaces, and not 'auto' "
-                "(the backend flag parses [DIST:]NAME[@key=value])"
-            )
+        from fp8_backends.registry import discovery
+
         assert isinstance(cls.aliases, tuple) and cls.name not in cls.aliases, "aliases: a tuple without the name"
+        for label, name in (("name", cls.name), *(("alias", a) for a in cls.aliases)):
+            problem = discovery.name_problem(name)  # the rule discovery and register_provider apply
+            assert problem is None, f"{label}: {problem} (the backend flag parses [DIST:]NAME[@key=value])"
         assert isinstance(cls.description, str), "description must be a str (the listing shows it)"
         assert isinstance(cls.requires, tuple) and all(isinstance(r, str) for r in cls.requires), "requires"
         assert isinstance(cls.install_hint, str), "install_hint must be a str"
