@@ -201,7 +201,7 @@ def test_the_command_line_refuses_a_spec_that_names_no_provider(specs, capsys):
 
 def test_collecting_the_conformance_module_fails_on_an_unknown_spec():
     from fp8_backends.core.errors import UnknownBackendError
-    from fp8_backends.testing.conformance import check_specs
+    from fp8_backends.testing._base import check_specs
 
     check_specs(["fp8-backends:torch_scaled_mm", "torch"])
     with pytest.raises(UnknownBackendError, match="'nope:typo'"):

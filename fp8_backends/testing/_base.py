@@ -20,6 +20,32 @@ from fp8_backends.core.types import Availability, DeviceKind
 HEAVY_MODULES: tuple[str, ...] = ("torch", "triton", "flashinfer", "cupy", "jax", "tensorflow")
 
 
+def registered_in(kind: str, spec: str) -> bool:
+    """Whether ``spec`` (``[DIST:]NAME[@options]``) names a discovered provider of ``kind``."""
+    from fp8_backends.registry import discovery
+    from fp8_backends.registry.resolution import BackendRequest
+
+    request = BackendRequest.parse(spec)
+    return any(e.matches(request.name, request.dist) for e in discovery.discover(kind))
+
+
+def check_specs(specs: list[str]) -> None:
+    """Raise :class:`~fp8_backends.core.errors.UnknownBackendError` naming every spec of ``specs`` that matches no
+    discovered GEMM or norm-quant provider (a typo would otherwise run no test, or only the others'), and
+    :class:`~fp8_backends.core.errors.InvalidInputError` for a malformed one."""
+    from fp8_backends.core.errors import UnknownBackendError
+    from fp8_backends.registry import discovery
+
+    unknown = [spec for spec in specs if not any(registered_in(kind, spec) for kind in discovery.GROUPS)]
+    if not unknown:
+        return
+    held = sorted({e.qualified_name for kind in discovery.GROUPS for e in discovery.discover(kind)})
+    error = UnknownBackendError(unknown[0], "provider", held)
+    error.args = (f"no registered GEMM or norm-quant provider matches {', '.join(map(repr, unknown))} (registered: "
+                  f"{', '.join(held) or 'none'})",)
+    raise error
+
+
 def provider_from_spec(kind: str, spec: str) -> Any:
     """The provider instance that ``[DIST:]NAME[@key=value,...]`` names among the discovered ``kind``
     providers, built directly from its class (no support check: the kit decides what to run where)."""

@@ -12,35 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from fp8_backends.testing._base import provider_from_spec
+from fp8_backends.testing._base import check_specs, provider_from_spec, registered_in
 from fp8_backends.testing.gemm import GemmProviderContract
 from fp8_backends.testing.norm_quant import NormQuantProviderContract
 from fp8_backends.testing.plugin import requested_providers
-
-
-def _registered_in(kind: str, spec: str) -> bool:
-    from fp8_backends.registry import discovery
-    from fp8_backends.registry.resolution import BackendRequest
-
-    request = BackendRequest.parse(spec)
-    return any(e.matches(request.name, request.dist) for e in discovery.discover(kind))
-
-
-def check_specs(specs: list[str]) -> None:
-    """Raise :class:`~fp8_backends.core.errors.UnknownBackendError` naming every spec of ``specs`` that matches no
-    discovered GEMM or norm-quant provider (a typo would otherwise run no test, or only the others'), and
-    :class:`~fp8_backends.core.errors.InvalidInputError` for a malformed one."""
-    from fp8_backends.core.errors import UnknownBackendError
-    from fp8_backends.registry import discovery
-
-    unknown = [spec for spec in specs if not any(_registered_in(kind, spec) for kind in discovery.GROUPS)]
-    if not unknown:
-        return
-    held = sorted({e.qualified_name for kind in discovery.GROUPS for e in discovery.discover(kind)})
-    error = UnknownBackendError(unknown[0], "provider", held)
-    error.args = (f"no registered GEMM or norm-quant provider matches {', '.join(map(repr, unknown))} (registered: "
-                  f"{', '.join(held) or 'none'})",)
-    raise error
 
 
 def _contract_for(base: type, spec: str) -> type:
@@ -50,7 +25,7 @@ def _contract_for(base: type, spec: str) -> type:
         provider_spec = spec
 
         def make_provider(self) -> Any:
-            if not _registered_in(kind, spec):
+            if not registered_in(kind, spec):
                 import pytest
 
                 pytest.skip(f"{spec} is not a registered {kind} provider")
@@ -66,7 +41,7 @@ def _define() -> dict[str, type]:
     for i, spec in enumerate(specs):
         suffix = "" if len(specs) == 1 else str(i)
         for base, label in ((GemmProviderContract, "Gemm"), (NormQuantProviderContract, "NormQuant")):
-            if _registered_in(base.kind, spec):
+            if registered_in(base.kind, spec):
                 cls = _contract_for(base, spec)
                 cls.__name__ = cls.__qualname__ = f"Test{label}{suffix}"
                 classes[cls.__name__] = cls
