@@ -103,6 +103,21 @@ def test_a_plugin_that_resolves_while_imported_fails_in_process(plugins):
     assert discovery.discover("gemm")  # the lock is free again and the scan is over
 
 
+def test_threads_discovering_at_once_see_one_registry(plugins):
+    import threading
+
+    plugins("slow-plugin", "slow_plugin", pre="import time\ntime.sleep(0.2)\n")
+    discovery.refresh()
+    seen: list[list[discovery.ProviderEntry]] = []
+    threads = [threading.Thread(target=lambda: seen.append(discovery.discover("gemm"))) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert len(seen) == 4 and all(found is seen[0] for found in seen)  # one scan, its list shared
+    assert entry_of("gemm", "slow-plugin").status == discovery.LOADED
+
+
 # ------------------------------------------------------------------------------------- names, aliases, options
 def _listing_and_flags_work() -> None:
     """The listing, the flags and a resolution of a built-in still work."""
