@@ -2,7 +2,8 @@
 
 One Llama-3-8B-sized model (hidden 4096, intermediate 14336, 32 / 8 heads, ``--layers`` of them, vocabulary 32000,
 random weights: nothing is downloaded; ``--model qwen3``: Qwen3-8B's layer sizes, the models that ship block-wise FP8
-checkpoints) is written to ``--ckpt-dir`` (local disk) once in bf16 and once per format,
+checkpoints; ``--model qwen3_moe``: Qwen3-30B-A3B's, a MoE model whose experts are written one by one as its FP8
+checkpoint stores them, ``hf_block`` only) is written to ``--ckpt-dir`` (local disk) once in bf16 and once per format,
 each file by file in shards of ``--shard-gib`` with an index, in the layout its producer writes:
 
 - ``modelopt``: ModelOpt FP8 (``hf_quant_config.json``; per-tensor weights, static per-tensor input scales);
@@ -57,7 +58,11 @@ FORMATS = ("modelopt", "ct_fp8", "ct_dynamic", "ct_block", "hf_block")
 HF_LOADS = ("ct_fp8", "ct_dynamic", "ct_block", "hf_block")
 SKIP = ("lm_head", "embed")
 #: ``--model`` -> the model whose layer sizes it has (folder names and titles)
-MODEL_NAMES = {"llama": "llama3-8b", "qwen3": "qwen3-8b"}
+MODEL_NAMES = {"llama": "llama3-8b", "qwen3": "qwen3-8b", "qwen3_moe": "qwen3-30b-a3b"}
+MODEL_TITLES = {"llama": "Llama-3-8B", "qwen3": "Qwen3-8B", "qwen3_moe": "Qwen3-30B-A3B"}
+#: formats a MoE model is written in (its experts one by one, as the block-wise checkpoints ship them; the static
+#: formats would need every expert's calibrated input scale)
+MOE_FORMATS = ("hf_block",)
 
 
 def log(msg: str) -> None:
@@ -147,6 +152,14 @@ def build_model(args: Any) -> Any:
 
     if not args.small:
         return hf.build_model(args.model, args.layers, args.device, False, 4096)
+    if args.model == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(hidden_size=256, intermediate_size=384, moe_intermediate_size=128,
+                                             num_experts=4, num_experts_per_tok=2, num_attention_heads=4,
+                                             num_key_value_heads=2, head_dim=64, num_hidden_layers=args.layers,
+                                             vocab_size=256, max_position_embeddings=512, tie_word_embeddings=False)
+        torch.manual_seed(0)
+        with torch.device(args.device):
+            return transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16).eval()
     config = transformers.LlamaConfig(hidden_size=256, intermediate_size=384, num_attention_heads=4,
                                       num_key_value_heads=2, head_dim=64, num_hidden_layers=args.layers,
                                       vocab_size=256, max_position_embeddings=512, tie_word_embeddings=False)
@@ -157,7 +170,8 @@ def build_model(args: Any) -> Any:
 
 def write_checkpoints(args: Any) -> dict[str, Path]:
     """``{"bf16": folder, fmt: folder}``: written once (a folder with its ``config.json`` is reused)."""
-    root = args.ckpt_dir / ("small" if args.small else f"{MODEL_NAMES[args.model]}-{args.layers}l")
+    small = "small" if args.model == "llama" else f"small-{MODEL_NAMES[args.model]}"
+    root = args.ckpt_dir / (small if args.small else f"{MODEL_NAMES[args.model]}-{args.layers}l")
     folders = {name: root / name for name in ("bf16", *args.formats)}
     if all((f / "config.json").is_file() for f in folders.values()):
         return folders
@@ -181,6 +195,7 @@ def write_checkpoints(args: Any) -> dict[str, Path]:
                 top = max(amax[g] for g in group)
                 amax.update({g: top for g in group})
     state = model.state_dict()
+    experts = per_expert_state(state)  # the layout the FP8 checkpoints of MoE models ship
     shard_bytes = int(args.shard_gib * 2**30)
     for name, folder in folders.items():
         if (folder / "config.json").is_file():
@@ -190,10 +205,12 @@ def write_checkpoints(args: Any) -> dict[str, Path]:
             out = state
         else:
             out = {}
-            for key, t in state.items():
+            for key, t in experts.items():
                 module = key.rpartition(".")[0]
-                if key.endswith(".weight") and module in amax and not any(s in key for s in SKIP):
-                    out.update({f"{module}.{leaf}": v for leaf, v in _quantized(name, t, amax[module]).items()})
+                linear = module in amax or key not in state  # a Linear, or one expert's (only block formats)
+                if key.endswith(".weight") and linear and not any(s in key for s in SKIP):
+                    tensors = _quantized(name, t, amax.get(module, 0.0))
+                    out.update({f"{module}.{leaf}": v for leaf, v in tensors.items()})
                 else:
                     out[key] = t
         write_shards(out, folder, shard_bytes)
@@ -209,6 +226,25 @@ def write_checkpoints(args: Any) -> dict[str, Path]:
     del model, state
     gc.collect()
     return folders
+
+
+def per_expert_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with each MoE layer's 3-D ``experts.gate_up_proj`` ``[E, 2I, H]`` / ``experts.down_proj``
+    ``[E, H, I]`` split into ``experts.<e>.{gate,up,down}_proj.weight`` (unchanged for a dense model)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, t in state.items():
+        prefix, _, leaf = key.rpartition(".")
+        if leaf == "gate_up_proj" and t.dim() == 3:
+            for e in range(t.shape[0]):
+                gate, up = t[e].chunk(2, 0)
+                out[f"{prefix}.{e}.gate_proj.weight"] = gate.contiguous()
+                out[f"{prefix}.{e}.up_proj.weight"] = up.contiguous()
+        elif leaf == "down_proj" and t.dim() == 3:
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.down_proj.weight"] = t[e].contiguous()
+        else:
+            out[key] = t
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ loading
@@ -323,7 +359,8 @@ def parse_args(argv: list[str] | None) -> Any:
     p.add_argument("--loaders", nargs="+", default=["lib", "hf"], choices=["lib", "hf"],
                    help="hf: also transformers' own loading of the formats it reads")
     p.add_argument("--model", choices=sorted(MODEL_NAMES), default="llama",
-                   help="layer sizes: Llama-3-8B (default) or Qwen3-8B (the block-wise FP8 checkpoints' models)")
+                   help="layer sizes: Llama-3-8B (default), Qwen3-8B (the block-wise FP8 checkpoints' models) or "
+                        "Qwen3-30B-A3B (a MoE model; hf_block only, its experts written one by one)")
     p.add_argument("--finegrained-fp8", type=Path, default=None, metavar="DIR",
                    help="a local copy of the hub kernel package transformers' fp8 path runs (finegrained_fp8), for a "
                         "machine without the network")
@@ -348,11 +385,17 @@ def parse_args(argv: list[str] | None) -> Any:
     p.add_argument("--profile-load", nargs="?", const=True, default=None,
                    help="profile one more load per loader (cProfile: 45 costliest calls by cumulative, 25 by own "
                         "time) into --out/load-profile-*.txt")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.model == "qwen3_moe":
+        extra = sorted(set(args.formats) - set(MOE_FORMATS))
+        if extra and args.formats != list(FORMATS):
+            p.error(f"--model {args.model} is written in {', '.join(MOE_FORMATS)} only, not {', '.join(extra)}")
+        args.formats = [f for f in args.formats if f in MOE_FORMATS]
+    return args
 
 
 def render(result: dict[str, Any]) -> list[str]:
-    model = {"llama": "Llama-3-8B", "qwen3": "Qwen3-8B"}[result.get("model", "llama")]
+    model = MODEL_TITLES[result.get("model", "llama")]
     lines = common.header_markdown(result["header"], f"FP8 checkpoints, {model} layers x {result['layers']}")
     names = list(dict.fromkeys(v for row in result["rows"] for v in row["us"]))
     lines += ["", "µs per step (median of interleaved rounds; host µs in parentheses), ratio to bf16 and to "

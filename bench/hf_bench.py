@@ -86,8 +86,15 @@ MODELS: dict[str, dict[str, Any]] = {
     "qwen3": {"arch": "Qwen3ForCausalLM", "config": "Qwen3Config", "hidden_size": 4096, "intermediate_size": 12288,
               "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 1000000.0,
               "rms_norm_eps": 1e-6},
+    # Qwen3-30B-A3B layer sizes (a MoE model shipped as a block-wise FP8 checkpoint): 128 experts, 8 routed a token
+    "qwen3_moe": {"arch": "Qwen3MoeForCausalLM", "config": "Qwen3MoeConfig", "hidden_size": 2048,
+                  "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+                  "num_experts_per_tok": 8, "norm_topk_prob": True, "num_attention_heads": 32,
+                  "num_key_value_heads": 4, "head_dim": 128, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6},
 }
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
+#: what ``--small`` also shrinks of a MoE model
+SMALL_MOE = {"moe_intermediate_size": 64, "num_experts": 4, "num_experts_per_tok": 2}
 VOCAB = 32000
 
 
@@ -133,6 +140,7 @@ def build_model(name: str, layers: int, device: str, small: bool, max_positions:
     arch, cfg_name = spec.pop("arch"), spec.pop("config")
     if small:
         spec.update(SMALL)
+        spec.update({k: v for k, v in SMALL_MOE.items() if k in spec})
         if "head_dim" in spec:
             spec["head_dim"] = 16
     config = getattr(transformers, cfg_name)(num_hidden_layers=layers, vocab_size=VOCAB if not small else 256,
