@@ -49,7 +49,7 @@ from .candidates import Candidate as Candidate
 from .candidates import forget_instances
 from .candidates import provider_instance as provider_instance
 from .candidates import rank_key as rank_key
-from .discovery import BLOCKED, ProviderEntry, discover
+from .discovery import BLOCKED, ProviderEntry, discover, name_problem
 from .platform import Platform, detect_platform
 
 # the policy contract, re-exported here (its public home before policies were objects); the built-in policies
@@ -379,7 +379,9 @@ def _explain_named(res: Resolution, request: BackendRequest, selectable: list[Pr
             )
             return res
     if not matches:
-        valid = {e.name for e in entries} | {a for e in entries for a in e.aliases}
+        # an entry point under a name no request can give (it failed to load for it) is no valid name
+        valid = {e.name for e in entries if name_problem(e.name) is None} | {
+            a for e in entries for a in e.aliases}
         res.error = UnknownBackendError(
             request.name if request.dist is None else f"{request.dist}:{request.name}", label, valid
         )

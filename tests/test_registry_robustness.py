@@ -338,3 +338,14 @@ def test_adding_the_flags_evaluates_no_provider(monkeypatch):
     fp8_backends.add_cli_args(parser)
     assert parser.parse_args(["--fp8-gemm-backend", "torch"]).fp8_gemm_backend == "torch"
     assert parser.parse_args([]).fp8_norm_quant_backend is None
+
+
+def test_an_unknown_name_error_lists_no_name_that_failed_the_name_rule(plugins):
+    from fp8_backends import UnknownBackendError, resolve_gemm_backend
+
+    plugins("nm-auto", "auto")
+    plugins("nm-at", "bad@name")
+    with pytest.raises(UnknownBackendError) as info:
+        resolve_gemm_backend("nope")
+    assert "auto" not in info.value.valid and "bad@name" not in info.value.valid
+    assert "torch_scaled_mm" in info.value.valid and str(info.value).count("auto") == 1
