@@ -561,24 +561,25 @@ def _alternatives_text(res: Resolution, exclude: ProviderEntry | None) -> str:
 
 
 def _serving_alternatives(res: Resolution, exclude: ProviderEntry | None) -> list[Candidate]:
-    """The candidates of ``res`` other than ``exclude`` that can serve its problem, each loaded first
-    (:meth:`~fp8_backends.core.backend.ProviderBase.ensure_preloaded`, as resolving it would) unless the platform is
-    simulated: one whose preload fails is marked unusable (the listing and every later resolution say why) and left
-    out, so that an error never offers a provider that resolving would refuse. Only errors ask, and pay the loads."""
-    return [c for c in res.candidates if c.ok and c.entry is not exclude and _loads(res, c)]
+    """The candidates of ``res`` other than ``exclude`` that can serve its problem, by the listing's verdict: ``auto``'s
+    choice for the problem loaded first (:func:`_load_auto_choice`), so that an error never offers the provider
+    ``auto`` would pick when its preload fails. Nothing else is loaded (a preload may import a kernel library or
+    build one)."""
+    if any(c.ok and c.entry is not exclude for c in res.candidates):
+        _load_auto_choice(res)
+    return [c for c in res.candidates if c.ok and c.entry is not exclude]
 
 
-def _loads(res: Resolution, cand: Candidate) -> bool:
-    """Whether ``cand``'s provider (default options) loads here; when it does not, its verdict in ``res`` is renewed
-    (it now carries the failure as its reason)."""
+def _load_auto_choice(res: Resolution) -> None:
+    """Load what ``auto`` picks for ``res``'s problem (:func:`explain_loaded`, as the listing does; nothing on a
+    simulated platform), then renew the verdicts in ``res`` of the candidates found unusable meanwhile (a failed
+    preload)."""
     if res.platform.simulated:
-        return True
-    try:
-        provider_instance(cand.entry).ensure_preloaded()
-    except Exception:  # noqa: BLE001 - a failed preload is recorded as a fault of the provider; any other failure too
-        res._verdicts[id(cand.entry)] = _consider(cand.entry, res.problem, res.platform)
-        return False
-    return True
+        return
+    explain_loaded(res.kind, AUTO, problem=res.problem, platform=res.platform)
+    for cand in res.candidates:
+        if cand.ok and not cand.entry.availability().ok:
+            res._verdicts[id(cand.entry)] = _consider(cand.entry, res.problem, res.platform)
 
 
 def explain_loaded(

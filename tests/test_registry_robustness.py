@@ -349,3 +349,26 @@ def test_an_unknown_name_error_lists_no_name_that_failed_the_name_rule(plugins):
         resolve_gemm_backend("nope")
     assert "auto" not in info.value.valid and "bad@name" not in info.value.valid
     assert "torch_scaled_mm" in info.value.valid and str(info.value).count("auto") == 1
+
+
+def test_errors_load_no_alternative_but_autos_choice(monkeypatch):
+    import dataclasses
+
+    from fake_provider import install
+
+    from fp8_backends import GemmProblem, UnsupportedProblemError, resolve_gemm_backend
+    from fp8_backends.providers.torch_scaled_mm import TorchScaledMMBackend
+
+    loaded: list[str] = []
+
+    class CountsLoads(TorchScaledMMBackend):
+        name = "counts_loads"
+        capabilities = dataclasses.replace(TorchScaledMMBackend.capabilities, priority=-5)
+
+        def preload(self) -> None:
+            loaded.append(self.name)
+
+    install(monkeypatch, CountsLoads, dist="loads-engine")
+    with pytest.raises(UnsupportedProblemError) as info:
+        resolve_gemm_backend("cutlass", problem=GemmProblem(n=32, k=64, m=4, device="cpu"))
+    assert "counts_loads" in info.value.alternatives and loaded == []  # offered, never loaded (not auto's choice)
