@@ -561,25 +561,11 @@ def _alternatives_text(res: Resolution, exclude: ProviderEntry | None) -> str:
 
 
 def _serving_alternatives(res: Resolution, exclude: ProviderEntry | None) -> list[Candidate]:
-    """The candidates of ``res`` other than ``exclude`` that can serve its problem, by the listing's verdict: ``auto``'s
-    choice for the problem loaded first (:func:`_load_auto_choice`), so that an error never offers the provider
-    ``auto`` would pick when its preload fails. Nothing else is loaded (a preload may import a kernel library or
-    build one)."""
-    if any(c.ok and c.entry is not exclude for c in res.candidates):
-        _load_auto_choice(res)
+    """The candidates of ``res`` other than ``exclude`` that can serve its problem, by what is known of them: one
+    whose preload has failed in this process is unusable and left out. An error loads nothing to find out more (a
+    preload may import a kernel library or build one, and some errors are caught by their caller, e.g. a layer's
+    optional residual norm)."""
     return [c for c in res.candidates if c.ok and c.entry is not exclude]
-
-
-def _load_auto_choice(res: Resolution) -> None:
-    """Load what ``auto`` picks for ``res``'s problem (:func:`explain_loaded`, as the listing does; nothing on a
-    simulated platform), then renew the verdicts in ``res`` of the candidates found unusable meanwhile (a failed
-    preload)."""
-    if res.platform.simulated:
-        return
-    explain_loaded(res.kind, AUTO, problem=res.problem, platform=res.platform)
-    for cand in res.candidates:
-        if cand.ok and not cand.entry.availability().ok:
-            res._verdicts[id(cand.entry)] = _consider(cand.entry, res.problem, res.platform)
 
 
 def explain_loaded(

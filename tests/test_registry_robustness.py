@@ -317,6 +317,10 @@ def test_the_flags_help_and_the_listing_agree_on_a_provider_whose_preload_fails(
 def test_errors_never_offer_a_provider_whose_preload_fails(failing_preload):
     from fp8_backends import GemmProblem, UnsupportedProblemError, resolve_gemm_backend
 
+    from fp8_backends import BackendUnavailableError
+
+    with pytest.raises(BackendUnavailableError, match="preload"):  # its preload fails once, at its first resolution
+        resolve_gemm_backend("preload_fails", problem=GemmProblem(n=32, k=64, m=4, device="cpu"))
     with pytest.raises(UnsupportedProblemError) as info:
         resolve_gemm_backend("cutlass", problem=GemmProblem(n=32, k=64, m=4, device="cpu"))
     assert "preload_fails" not in info.value.alternatives and "torch_scaled_mm" in info.value.alternatives
@@ -351,7 +355,8 @@ def test_an_unknown_name_error_lists_no_name_that_failed_the_name_rule(plugins):
     assert "torch_scaled_mm" in info.value.valid and str(info.value).count("auto") == 1
 
 
-def test_errors_load_no_alternative_but_autos_choice(monkeypatch):
+def test_an_error_loads_no_provider_it_offers(monkeypatch):
+    """Not even ``auto``'s choice: an error may be caught by its caller, and a preload may build a kernel library."""
     import dataclasses
 
     from fake_provider import install
@@ -363,7 +368,7 @@ def test_errors_load_no_alternative_but_autos_choice(monkeypatch):
 
     class CountsLoads(TorchScaledMMBackend):
         name = "counts_loads"
-        capabilities = dataclasses.replace(TorchScaledMMBackend.capabilities, priority=-5)
+        capabilities = dataclasses.replace(TorchScaledMMBackend.capabilities, priority=10_000)  # auto's choice
 
         def preload(self) -> None:
             loaded.append(self.name)
@@ -371,4 +376,4 @@ def test_errors_load_no_alternative_but_autos_choice(monkeypatch):
     install(monkeypatch, CountsLoads, dist="loads-engine")
     with pytest.raises(UnsupportedProblemError) as info:
         resolve_gemm_backend("cutlass", problem=GemmProblem(n=32, k=64, m=4, device="cpu"))
-    assert "counts_loads" in info.value.alternatives and loaded == []  # offered, never loaded (not auto's choice)
+    assert "counts_loads" in info.value.alternatives and loaded == []  # offered, never loaded
