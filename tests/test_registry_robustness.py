@@ -315,9 +315,7 @@ def test_the_flags_help_and_the_listing_agree_on_a_provider_whose_preload_fails(
 
 
 def test_errors_never_offer_a_provider_whose_preload_fails(failing_preload):
-    from fp8_backends import GemmProblem, UnsupportedProblemError, resolve_gemm_backend
-
-    from fp8_backends import BackendUnavailableError
+    from fp8_backends import BackendUnavailableError, GemmProblem, UnsupportedProblemError, resolve_gemm_backend
 
     with pytest.raises(BackendUnavailableError, match="preload"):  # its preload fails once, at its first resolution
         resolve_gemm_backend("preload_fails", problem=GemmProblem(n=32, k=64, m=4, device="cpu"))
