@@ -41,13 +41,11 @@ def _help_text(text: str) -> str:
 
 def _usable_summary(kind: str) -> str:
     """Each discovered provider once (as ``DIST:NAME`` where two distributions share the name), marked
-    ``(unavailable)`` unless it can serve on this machine: the listing's verdict, reached the same way (``auto``'s
-    choice loaded, as resolving loads it, unless the platform is simulated), so a provider that is missing a library,
-    disabled, blocked, failed to load or to preload, cannot run on this device, or whose support check raises is not
-    offered as usable."""
-    platform = detect_platform(None)
-    explain = resolution.explain if platform.simulated else resolution.explain_loaded
-    res = explain(kind, resolution.AUTO, platform=platform)
+    ``(unavailable)`` unless it can serve on this machine by what is known without loading any: a provider that is
+    missing a library, disabled, blocked, failed to load, failed its preload in this process, cannot run on this
+    device, or whose support check raises is not offered as usable. Showing help loads no provider (a preload may
+    import or build a kernel library); ``python -m fp8_backends.list`` also loads ``auto``'s choice."""
+    res = resolution.explain(kind, resolution.AUTO, platform=detect_platform(None))
     entries = [c.entry for c in res.candidates]
     parts = [resolution.display_name(c.entry, entries) + ("" if c.ok else " (unavailable)") for c in res.candidates]
     return ", ".join(parts) or "none registered"
@@ -69,8 +67,8 @@ def backend_help(kind: str) -> str:
 
 class _BackendAction(argparse.Action):
     """``store`` for a backend flag, whose help is built when a help text is formatted (``--help``, an engine's
-    ``format_help()``), not when the flag is added: telling which providers are usable means evaluating (and loading
-    ``auto``'s choice), a cost an engine start must not pay."""
+    ``format_help()``), not when the flag is added: telling which providers are usable means evaluating them, a cost
+    an engine start must not pay."""
 
     def __init__(self, option_strings: list[str], dest: str, *, kind: str, **kwargs: Any) -> None:
         self.kind = kind
