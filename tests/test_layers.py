@@ -1164,3 +1164,13 @@ def test_block_arguments_without_block_weights_are_refused(kwargs):
     """A user who forgot ``weight_scale="block"`` gets an error, not a per-tensor layer that ignores the group."""
     with pytest.raises(InvalidInputError, match="block-wise FP8 arguments"):
         Fp8Linear(256, 256, **kwargs)
+
+
+def test_a_backward_through_fp8_linear_raises_the_library_error():
+    backend = fp8_backends.resolve_gemm_backend("torch")
+    w_q, w_s = reference.quantize_block(torch.randn(160, 256))
+    prepared = backend.prepare_weight(w_q, w_s, block=(128, 128))
+    x = torch.randn(3, 256, requires_grad=True)
+    y = fp8_backends.fp8_linear(x, prepared, backend=backend, out_dtype=torch.float32)
+    with pytest.raises(InvalidInputError, match="FP8 layers have no backward"):
+        y.sum().backward()

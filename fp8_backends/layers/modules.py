@@ -170,7 +170,7 @@ def _quant_compile_mode() -> str:
     return quant.compile_mode()
 
 
-class _NoBackward(torch.autograd.Function):
+class NoBackward(torch.autograd.Function):
     """Identity forward; a backward through an FP8 layer raises :class:`InvalidInputError` (the quantization has no
     gradient the library defines: a wrong one must not flow silently)."""
 
@@ -755,7 +755,7 @@ class Fp8Linear(nn.Module):
             traced = self._traced
             if traced is not None:
                 y = traced(x)
-                return _NoBackward.apply(y) if y.requires_grad else y
+                return NoBackward.apply(y) if y.requires_grad else y
         elif not _dispatch_modes():
             plan = self._plan
             if plan is None and self.kernel is not None:  # a copy or an unpickled layer: bind again
@@ -763,7 +763,7 @@ class Fp8Linear(nn.Module):
             if plan is not None:
                 y = plan(x)
                 if y is not None:
-                    return _NoBackward.apply(y) if y.requires_grad else y
+                    return NoBackward.apply(y) if y.requires_grad else y
         kernel = self.kernel
         if kernel is None:
             raise InvalidInputError("Fp8Linear: call process_weights_after_loading() before the first forward")
@@ -772,7 +772,7 @@ class Fp8Linear(nn.Module):
             raise InvalidInputError(f"input is on {data.device} but the layer's weight is on {self.weight.device}")
         y = apply_fp8_linear(x, kernel, act_scale=self.act_scale, input_scale=self.input_scale, bias=self.bias,
                              out_dtype=self.out_dtype, input_dtype=self.input_dtype)
-        return _NoBackward.apply(y) if y.requires_grad else y
+        return NoBackward.apply(y) if y.requires_grad else y
 
     def extra_repr(self) -> str:
         parts = [f"in_features={self.in_features}", f"out_features={self.out_features}",
