@@ -281,3 +281,26 @@ def test_inference_mode_inputs_have_no_version_counter_and_are_served_by_identit
         batch = _x()
     summary = quantize_model(calibrated, act_scale="per_tensor_static", calibration=[batch])
     assert len(summary.fused) == 2
+
+
+@pytest.mark.parametrize("mode", ["eager", "inference", "compiled"])
+def test_a_sibling_called_again_on_a_refilled_buffer_gets_a_fresh_gemm(mode):
+    """A decode step that calls only ``q_proj`` on one static buffer refilled in place (``copy_``): the pending
+    result of the previous step is never served again, eager, under ``inference_mode`` (no version counter) or
+    compiled (identity resolved at trace time)."""
+    model = _model()
+    quantize_model(model, backend="torch")
+    q = model[0].q_proj
+    buf = _x()
+    step = torch.compile(lambda t: q(t), backend="aot_eager", fullgraph=True) if mode == "compiled" else q
+    context = torch.inference_mode() if mode == "inference" else torch.no_grad()
+    torch._dynamo.reset()
+    try:
+        with context:
+            buf = buf.clone()
+            for seed in (3, 4, 5):
+                buf.copy_(_x(seed=seed))
+                got = step(buf)
+                assert torch.equal(got, _rows(model[0], _x(seed=seed), 0, 32)), seed
+    finally:
+        torch._dynamo.reset()

@@ -11,7 +11,8 @@ How a call is served (:meth:`SharedInputGroup.output`): the first slice called w
 it and keeps the outputs (views of one ``[..., N]`` result, split along the last dim); a sibling called next with
 *the same tensor object* (and, eager, the same version counter: not modified in place since; inference tensors
 have none, so under ``torch.inference_mode`` identity alone decides) takes its view; once
-every sibling has taken its own, the group forgets them. A sibling called with another input runs the fused layer on
+every sibling has taken its own, the group forgets them (a sibling called again before then, as on a static buffer
+refilled in place, runs the fused layer anew). A sibling called with another input runs the fused layer on
 that input instead, so the result is always this input's: correctness never depends on the model calling siblings
 together, only speed does. Eager calls that leave a group's outputs untaken (the siblings do not share their
 input, e.g. a cross-attention's ``k``/``v`` on encoder states) are logged once as a warning: pass ``fuse=False`` to
@@ -75,6 +76,8 @@ class SharedInputGroup:
         #: ``(input, its version counter (eager; -1 compiled), the siblings' outputs)``, written and read as one
         #: object, so a call never pairs one input with another input's outputs, from any thread
         self._pending: tuple[Any, int, tuple[torch.Tensor, ...]] | None = None
+        #: bit ``i``: sibling ``i`` has not taken its output of the pending result yet (a sibling called again with
+        #: the same input object, e.g. a static buffer refilled in place, gets a fused call of its own)
         self._left = 0
         self.warned = False
 
@@ -88,12 +91,14 @@ class SharedInputGroup:
         this very input, else of a fused call made now."""
         compiling = _compiling()
         pending = self._pending
-        if pending is not None and pending[0] is x and (compiling or pending[1] == version_of(x)):
-            self._left -= 1
-            if self._left <= 0:
+        bit = 1 << index
+        if (pending is not None and pending[0] is x and self._left & bit
+                and (compiling or pending[1] == version_of(x))):
+            self._left &= ~bit
+            if not self._left:
                 self._pending = None
             return pending[2][index]
-        if pending is not None and not compiling and not self.warned:
+        if pending is not None and pending[0] is not x and not compiling and not self.warned:
             self.warned = True
             logger.warning("fused linears %s: %s was called with another input than the one its siblings' outputs "
                            "were computed from (they do not share their input here); each such call runs the whole "
@@ -101,7 +106,7 @@ class SharedInputGroup:
                            self.names[index])
         outs = self.layer(x).split(self.sizes, dim=-1)
         self._pending = (x, -1 if compiling else version_of(x), outs)
-        self._left = len(self.sizes) - 1
+        self._left = ((1 << len(self.sizes)) - 1) & ~bit
         return outs[index]
 
     def reset(self) -> None:
