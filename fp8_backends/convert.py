@@ -79,8 +79,9 @@ class SwappedLayer:
 
 @dataclass
 class QuantizeSummary:
-    """What :func:`quantize_model` did. ``bytes_before`` / ``bytes_after``: weight bytes of the swapped layers
-    (bias and scales included after)."""
+    """What :func:`quantize_model` did. ``bytes_before``: weight (and bias) bytes of the swapped layers;
+    ``bytes_after``: that less what the model holds fewer after the swap (storages counted once: a weight tied to a
+    module kept unquantized stays held, so its layer's FP8 copy adds to the model)."""
 
     swapped: list[SwappedLayer] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
@@ -138,8 +139,17 @@ def _matches(name: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(leaf, p) for p in patterns)
 
 
+def module_aliases(model: nn.Module) -> dict[str, list[str]]:
+    """``{first name: every name}`` of each module ``model`` registers under more than one name (a module reused in
+    an ``nn.Sequential``, or assigned to two attributes)."""
+    names: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), []).append(name)
+    return {found[0]: found for found in names.values() if len(found) > 1}
+
+
 def _targets(model: nn.Module, skip: Sequence[str], include: Callable[[str, nn.Linear], bool] | None,
-             summary: QuantizeSummary) -> list[tuple[str, nn.Linear]]:
+             summary: QuantizeSummary, aliases: Mapping[str, list[str]]) -> list[tuple[str, nn.Linear]]:
     from .layers.experts import fused_experts_layout
 
     found = []
@@ -151,13 +161,20 @@ def _targets(model: nn.Module, skip: Sequence[str], include: Callable[[str, nn.L
                                               "nn.Linear: kept in the model dtype"))
             elif isinstance(module, nn.Linear):
                 summary.skipped.append((name, f"{type(module).__name__} subclasses nn.Linear (its forward may differ)"))
+            elif type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
+                summary.skipped.append((name, "transformers Conv1D (a linear stored [in, out], GPT-2 style), not "
+                                              "nn.Linear: kept in the model dtype"))
             continue
-        if _matches(name, skip):
-            summary.skipped.append((name, "matches skip"))
-        elif include is not None and not include(name, module):
+        names = aliases.get(name, [name])
+        skipped_as = next((alias for alias in names if _matches(alias, skip)), None)
+        if skipped_as is not None:
+            summary.skipped.append((name, "matches skip" + (f" (as {skipped_as})" if skipped_as != name else "")))
+        elif include is not None and not all(include(alias, module) for alias in names):
             summary.skipped.append((name, "rejected by include"))
         elif module.weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             summary.skipped.append((name, f"weight dtype {module.weight.dtype}"))
+        elif module.in_features == 0 or module.out_features == 0:
+            summary.skipped.append((name, f"zero-size weight [{module.out_features}, {module.in_features}]"))
         else:
             found.append((name, module))
     return found
@@ -234,12 +251,16 @@ def _fuse_patterns(fuse: object) -> tuple[tuple[str, ...], ...]:
 
 
 def _sibling_groups(targets: Sequence[tuple[str, nn.Linear]], patterns: Sequence[tuple[str, ...]],
-                    inputs: Mapping[str, Sequence[_Fingerprint]] | None) -> list[list[tuple[str, nn.Linear]]]:
+                    inputs: Mapping[str, Sequence[_Fingerprint]] | None, summary: QuantizeSummary,
+                    aliases: Mapping[str, list[str]]) -> list[list[tuple[str, nn.Linear]]]:
     """The groups of ``targets`` to fuse: per parent module, the members of a pattern that are all targets, with one
     ``in_features``, weight dtype, device and bias presence (and, when ``inputs`` were recorded, the same inputs in
-    every call); each linear in one group at most."""
+    every call); each linear in one group at most. A module registered under several names never fuses. Groups that
+    match a pattern but do not fuse are added to ``summary.not_fused`` with the reason."""
     by_parent: dict[str, dict[str, tuple[str, nn.Linear]]] = {}
     for name, linear in targets:
+        if name in aliases:
+            continue
         parent, _, leaf = name.rpartition(".")
         by_parent.setdefault(parent, {})[leaf] = (name, linear)
     groups = []
@@ -254,15 +275,17 @@ def _sibling_groups(targets: Sequence[tuple[str, nn.Linear]], patterns: Sequence
             same = all(lin.in_features == first.in_features and lin.weight.dtype == first.weight.dtype
                        and lin.weight.device == first.weight.device
                        and (lin.bias is None) == (first.bias is None) for lin in lins)
+            joined = "+".join(name for name, _ in members)
             if not same:
-                logger.info("quantize_model: %s not fused (in_features, dtype, device or bias differ)",
-                            "+".join(name for name, _ in members))
+                summary.not_fused.append((joined, "in_features, dtype, device or bias presence differ"))
+                logger.info("quantize_model: %s not fused (in_features, dtype, device or bias differ)", joined)
                 continue
             if inputs is not None:
                 seen = [inputs.get(name, []) for name, _ in members]
                 if not seen[0] or any(s != seen[0] for s in seen[1:]):
+                    summary.not_fused.append((joined, "the calibration batches gave them different inputs"))
                     logger.info("quantize_model: %s not fused (the calibration batches gave them different inputs)",
-                                "+".join(name for name, _ in members))
+                                joined)
                     continue
             used.update(pattern)
             groups.append(members)
@@ -287,9 +310,38 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, leaf, module)
 
 
-def _weight_bytes(module: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))
-               if t is not None)
+def _held_bytes(modules: Iterable[nn.Module], recurse: bool = True) -> int:
+    """Bytes of every parameter and buffer of ``modules`` (with their submodules when ``recurse``), each storage
+    counted once (tied weights, views of one tensor)."""
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    for module in modules:
+        for t in (*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)):
+            if t.device.type == "meta":
+                total += t.numel() * t.element_size()
+                continue
+            storage = t.untyped_storage()
+            key = (str(t.device), storage.data_ptr())
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+    return total
+
+
+def _check_input_scale_names(model: nn.Module, input_scales: Mapping[str, float], targets: set[str]) -> None:
+    """``input_scales`` naming no module of ``model`` is an error (a typo would otherwise be ignored); naming a
+    module that is not swapped is logged."""
+    if not input_scales:
+        return
+    modules = {name for name, _ in model.named_modules(remove_duplicate=False)}
+    unknown = sorted(set(input_scales) - modules)
+    if unknown:
+        raise InvalidInputError(f"input_scales names no module of the model: {', '.join(unknown[:5])}"
+                                + (" ..." if len(unknown) > 5 else ""))
+    unused = sorted(set(input_scales) - targets)
+    if unused:
+        logger.warning("quantize_model: input_scales of %d module(s) not swapped are not used: %s", len(unused),
+                       ", ".join(unused[:5]))
 
 
 def _patterns(skip: object) -> tuple[str, ...]:
@@ -346,8 +398,6 @@ def _swap_fused(model: nn.Module, members: Sequence[tuple[str, nn.Linear]], scal
         return False
     group = SharedInputGroup([lin.out_features for _, lin in members], leaves)
     slices = [Fp8LinearSlice(group, 0, fused=layer)] + [Fp8LinearSlice(group, i) for i in range(1, len(members))]
-    summary.bytes_before += sum(_weight_bytes(lin) for _, lin in members)
-    summary.bytes_after += _weight_bytes(layer)
     with_text = "+".join(leaves)
     for (name, lin), piece in zip(members, slices):
         _set_module(model, name, piece)
@@ -445,8 +495,13 @@ def quantize_model(
     skip = _patterns(skip)
     if include is not None and not callable(include):
         raise InvalidTypeError(f"include must be a callable (name, linear) -> bool, got {type(include).__name__}")
-    if calibration is not None and (isinstance(calibration, (str, bytes)) or not hasattr(calibration, "__iter__")):
-        raise InvalidTypeError(f"calibration must be an iterable of batches, got {type(calibration).__name__}")
+    if calibration is not None and (isinstance(calibration, (str, bytes, Mapping, torch.Tensor))
+                                    or not hasattr(calibration, "__iter__")):
+        hint = ": wrap one batch in a list ([batch])" if isinstance(calibration, (Mapping, torch.Tensor)) else ""
+        raise InvalidTypeError(f"calibration must be an iterable of batches, got {type(calibration).__name__}{hint}")
+    if isinstance(model, nn.Linear):
+        raise InvalidInputError("quantize_model swaps the linears inside a model, and this model is an nn.Linear "
+                                "itself: Fp8Linear.from_linear(linear, ...) quantizes one")
     input_scales = _input_scales(input_scales)
     patterns = _fuse_patterns(fuse)
     if backend is not None and not isinstance(backend, (str, Fp8GemmBackend)):
@@ -459,7 +514,10 @@ def quantize_model(
 
     objective = layer_objective(objective)  # once: every layer decides by the same objective
     summary = QuantizeSummary(act_scale=mode.value, weight_scale=wmode.value, objective=objective.value)
-    targets = _targets(model, tuple(skip), include, summary)
+    aliases = module_aliases(model)
+    targets = _targets(model, tuple(skip), include, summary, aliases)
+    _check_input_scale_names(model, input_scales, {name for name, _ in targets})
+    held_before = _held_bytes([model])
     scales: dict[str, float] = {}
     seen_inputs: dict[str, list[_Fingerprint]] | None = None
     if mode is ActScale.PER_TENSOR_STATIC:
@@ -480,7 +538,8 @@ def quantize_model(
     explicit = not requests_auto("gemm", backend)  # None: FP8_GEMM_BACKEND may name one
     quantize = {"act_scale": mode, "weight_scale": wmode, "weight_dtype": weight_dtype, "input_dtype": fp8_in,
                 "backend": backend, "objective": objective}
-    group_of = {name: members for members in _sibling_groups(targets, patterns, seen_inputs) for name, _ in members}
+    group_of = {name: members for members in _sibling_groups(targets, patterns, seen_inputs, summary, aliases)
+                for name, _ in members}
     done: set[str] = set()
     for name, linear in targets:
         if name in done:
@@ -501,10 +560,16 @@ def quantize_model(
             summary.skipped.append((name, f"no provider can serve it: {reason}"))
             logger.warning("quantize_model: %s stays %s: %s", name, type(linear).__name__, reason)
             continue
-        summary.bytes_before += _weight_bytes(linear)
-        summary.bytes_after += _weight_bytes(layer)
-        _set_module(model, name, layer)
+        except InvalidInputError as exc:  # the weight itself (non-finite values, the meta device): name the module
+            raise InvalidInputError(f"{name}: {exc} (the linears before it are swapped already)") from None
+        for alias in aliases.get(name, [name]):  # every name the module has gets the one new layer
+            _set_module(model, alias, layer)
         summary.swapped.append(SwappedLayer(name, layer.out_features, layer.in_features, layer.backends_text))
+    # what the model holds now against before, storages counted once (a weight tied to a module kept unquantized,
+    # e.g. an embedding, stays held: its bytes are not saved)
+    swapped = {layer.name for layer in summary.swapped}
+    summary.bytes_before = _held_bytes([lin for name, lin in targets if name in swapped], recurse=False)
+    summary.bytes_after = summary.bytes_before - (held_before - _held_bytes([model]))
     if static_launch and summary.swapped:
         from .layers.inductor_setup import static_launch_triton_ops
 

@@ -423,3 +423,86 @@ def test_static_launch_reaches_inductors_compile_workers(monkeypatch):
         fake._pool_set = set()
         assert inductor_setup.static_launch_triton_ops(False) is True
         assert os.environ[inductor_setup.ENV] == "0" and shut == [1], "no pool started: nothing to shut down"
+
+
+# ------------------------------------------------------------------------------------------------ general models
+def test_a_linear_registered_under_two_names_becomes_one_fp8_layer_under_both():
+    shared = nn.Linear(64, 64, dtype=torch.bfloat16)
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = model(x).float()
+    summary = quantize_model(model, backend="torch")
+    assert model[0] is model[2] and isinstance(model[0], Fp8Linear)
+    assert [layer.name for layer in summary.swapped] == ["0"]
+    with torch.no_grad():
+        assert ((model(x).float() - want).norm() / want.norm()) < 0.1
+    other = nn.Module()
+    other.a = other.b = nn.Linear(64, 64, dtype=torch.bfloat16)
+    summary = quantize_model(other, backend="torch", skip=["b"])  # a skip pattern on any of its names keeps it
+    assert type(other.a) is nn.Linear and other.a is other.b and summary.skipped == [("a", "matches skip (as b)")]
+
+
+def test_the_summary_counts_each_storage_once():
+    """A head tied to the embedding and quantized (skip=[]): its bf16 storage stays held by the embedding, so the
+    FP8 copy adds to the model instead of saving; two linears sharing one weight count it once."""
+    embed = nn.Embedding(100, 64, dtype=torch.bfloat16)
+    head = nn.Linear(64, 100, bias=False, dtype=torch.bfloat16)
+    head.weight = embed.weight
+    model = nn.ModuleDict({"embed": embed, "head": head})
+    summary = quantize_model(model, backend="torch", skip=[])
+    assert summary.bytes_before == 100 * 64 * 2 and summary.bytes_saved < 0  # 6400 fp8 bytes and a scale more
+    a, b = nn.Linear(64, 64, bias=False, dtype=torch.bfloat16), nn.Linear(64, 64, bias=False, dtype=torch.bfloat16)
+    b.weight = a.weight
+    summary = quantize_model(nn.ModuleDict({"a": a, "b": b}), backend="torch")
+    assert summary.bytes_before == 64 * 64 * 2
+
+
+def test_a_model_that_is_a_linear_and_misused_arguments_get_clear_errors():
+    from fp8_backends.core.errors import InvalidTypeError
+
+    with pytest.raises(InvalidInputError, match="Fp8Linear.from_linear"):
+        quantize_model(nn.Linear(64, 64))
+    model = nn.Sequential(nn.Linear(64, 64))
+    x = torch.randn(2, 64)
+    with pytest.raises(InvalidTypeError, match=r"wrap one batch in a list"):
+        quantize_model(model, act_scale="per_tensor_static", calibration=x)
+    with pytest.raises(InvalidTypeError, match=r"wrap one batch in a list"):
+        quantize_model(model, act_scale="per_tensor_static", calibration={"input": x})
+    with pytest.raises(InvalidInputError, match="names no module of the model: 0.typo"):
+        quantize_model(model, act_scale="per_tensor_static", input_scales={"0": 0.1, "0.typo": 0.1})
+    assert type(model[0]) is nn.Linear  # refused before any layer changed
+
+
+def test_zero_size_linears_are_skipped_and_a_bad_weight_names_its_module():
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 0), nn.Linear(0, 16))
+    summary = quantize_model(model, backend="torch")
+    assert [name for name, why in summary.skipped if why.startswith("zero-size")] == ["1", "2"]
+    bad = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    with torch.no_grad():
+        bad[1].weight[0, 0] = float("inf")
+    with pytest.raises(InvalidInputError, match=r"^1: .*finite"):
+        quantize_model(bad, backend="torch")
+    with pytest.raises(InvalidInputError, match="meta"):
+        quantize_model(nn.Sequential(nn.Linear(256, 256, device="meta")), weight_scale="block", backend="torch")
+
+
+def test_siblings_that_do_not_fuse_are_listed_with_the_reason():
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj = nn.Linear(64, 64, bias=True)
+            self.k_proj = nn.Linear(64, 32, bias=False)
+            self.v_proj = nn.Linear(64, 32, bias=False)
+
+    summary = quantize_model(nn.Sequential(Attn()), backend="torch")
+    assert summary.fused == [] and summary.not_fused == [
+        ("0.q_proj+0.k_proj+0.v_proj", "in_features, dtype, device or bias presence differ")]
+
+
+def test_transformers_conv1d_is_listed_as_kept():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_embd=64, n_layer=1, n_head=2, vocab_size=100, n_positions=32)
+    summary = quantize_model(transformers.GPT2LMHeadModel(config), backend="torch")
+    kept = dict(summary.skipped)
+    assert "Conv1D" in kept["transformer.h.0.attn.c_attn"] and summary.count == 0

@@ -1174,3 +1174,11 @@ def test_a_backward_through_fp8_linear_raises_the_library_error():
     y = fp8_backends.fp8_linear(x, prepared, backend=backend, out_dtype=torch.float32)
     with pytest.raises(InvalidInputError, match="FP8 layers have no backward"):
         y.sum().backward()
+
+
+def test_an_input_cast_to_the_weight_s_float8_dtype_is_refused_with_the_hint():
+    """T5's feed-forward casts its input to ``wo.weight.dtype``: float8 after the swap (the values are lost)."""
+    layer = Fp8Linear.from_linear(nn.Linear(64, 32, dtype=torch.bfloat16), backend="torch")
+    x = torch.randn(2, 64, dtype=torch.bfloat16).to(layer.weight.dtype)
+    with pytest.raises(InvalidInputError, match=r"cast this linear's input to its weight's dtype.*skip="):
+        layer(x)

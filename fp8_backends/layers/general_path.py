@@ -167,7 +167,11 @@ def _out_dtype(dtype: torch.dtype, expected: OutDtype | None, what: str) -> OutD
     try:
         got = OutDtype.of(dtype)
     except ValueError:
-        raise InvalidInputError(f"{what} must be bfloat16, float16 or float32, got {dtype}") from None
+        hint = ""
+        if "float8" in str(dtype) and what == "x":  # e.g. T5's feed-forward casts its input to wo.weight.dtype
+            hint = (": the model cast this linear's input to its weight's dtype (float8 here; unscaled, the values are "
+                    "lost): keep the module out of quantize_model (skip=[...])")
+        raise InvalidInputError(f"{what} must be bfloat16, float16 or float32, got {dtype}{hint}") from None
     if expected is not None and got is not expected:
         raise InvalidInputError(
             f"{what} is {got.value} but this linear was prepared for {expected.value} activations and outputs"

@@ -354,6 +354,8 @@ class Fp8Linear(nn.Module):
         if not isinstance(linear, nn.Linear):
             raise InvalidInputError(f"from_linear needs an nn.Linear, got {type(linear).__name__}")
         w = linear.weight.detach()
+        if w.device.type not in {d.value for d in DeviceKind}:  # quantizing reads the values: none on meta
+            raise InvalidInputError(f"cannot quantize a weight on {w.device}: it holds no values")
         dtype = _model_dtype(w.dtype)
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, act_scale=act_scale,
                     weight_scale=weight_scale, weight_dtype=weight_dtype, input_dtype=input_dtype, dtype=dtype,
@@ -766,7 +768,8 @@ class Fp8Linear(nn.Module):
                     return NoBackward.apply(y) if y.requires_grad else y
         kernel = self.kernel
         if kernel is None:
-            raise InvalidInputError("Fp8Linear: call process_weights_after_loading() before the first forward")
+            raise InvalidInputError("Fp8Linear: call process_weights_after_loading() before the first forward (and "
+                                    "after every load_state_dict: fp8_backends.process_weights_after_loading(model))")
         data = x.data if isinstance(x, QuantizedActivation) else x
         if isinstance(data, torch.Tensor) and data.device != self.weight.device:
             raise InvalidInputError(f"input is on {data.device} but the layer's weight is on {self.weight.device}")
