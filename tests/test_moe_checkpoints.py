@@ -346,3 +346,16 @@ def test_a_moe_checkpoint_on_the_gpu_runs_eagerly_and_refuses_a_cuda_graph_captu
         graph = torch.cuda.CUDAGraph()
         with pytest.raises(InvalidInputError, match="cannot be captured in a CUDA graph"), torch.cuda.graph(graph):
             model(ids)
+
+
+def test_a_moe_model_served_per_expert_compiles(moe):
+    """``torch.compile`` (a graph break where the hit experts are read) gives the eager logits."""
+    model, _ = load_pretrained(moe("deepseek_v3"), device="cpu")
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            eager = model(IDS).logits.float()
+            compiled = torch.compile(model, backend="aot_eager")(IDS).logits.float()
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
