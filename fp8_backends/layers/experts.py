@@ -124,16 +124,24 @@ class PerExpertLinears(nn.Module):
             raise InvalidInputError("MoE experts served per expert read which experts were hit on the host: they "
                                     "cannot be captured in a CUDA graph (run the model eagerly or compiled)")
         out = torch.zeros_like(hidden_states)
-        hit = torch.unique(top_k_index).tolist()  # the host sync of a data-dependent expert loop
-        for e in hit:
-            if not 0 <= e < self.num_experts:
-                continue
-            tokens, slots = torch.where(top_k_index == e)
-            x = hidden_states[tokens]
-            expert = self.expert(e)
-            h = self._gate(torch.cat((expert.gate_proj(x), expert.up_proj(x)), dim=-1))
-            y = expert.down_proj(h) * top_k_weights[tokens, slots, None]
-            out.index_add_(0, tokens, y.to(out.dtype))
+        k = top_k_index.shape[-1]
+        flat = top_k_index.reshape(-1)
+        # the (token, slot) pairs grouped by expert; ids outside [0, E) (expert-parallel sentinels) counted apart
+        ids = torch.where((flat >= 0) & (flat < self.num_experts), flat, self.num_experts)
+        order = torch.argsort(ids, stable=True)
+        counts = torch.bincount(ids, minlength=self.num_experts + 1).tolist()  # the layer's one host sync
+        weights = top_k_weights.reshape(-1)
+        start = 0
+        for e, count in enumerate(counts[:-1]):
+            if count:
+                pairs = order[start:start + count]
+                tokens = pairs // k
+                x = hidden_states[tokens]
+                expert = self.expert(e)
+                h = self._gate(torch.cat((expert.gate_proj(x), expert.up_proj(x)), dim=-1))
+                y = expert.down_proj(h) * weights[pairs, None]
+                out.index_add_(0, tokens, y.to(out.dtype))
+            start += count
         return out
 
     def extra_repr(self) -> str:
