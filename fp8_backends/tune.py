@@ -94,8 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--shapes-file", nargs="+", default=[], metavar="PATH",
                       help="JSON or CSV of N, K (optional bias, model, tp, layer labels): an engine's own shapes")
     what.add_argument("--shipped-grid", action="store_true",
-                      help="the grid of the shipped selection data (fp8_backends/grid.py: 25 models x TP 1/2/4/8 "
-                           "x M 1,4,16,64,256,1024,4096, kernel-config tables pinned to auto) with provenance")
+                      help="the grid of the shipped selection data (fp8_backends/tuning/grid.py: 25 models x TP "
+                           "1/2/4/8 x M 1,4,16,64,256,1024,4096, kernel-config tables pinned to auto) with provenance")
     what.add_argument("--block", action="store_true",
                       help="block-wise FP8 problems (per_token_group activations x 128x128 block weights); TP "
                            "splits whose shards would cut a checkpoint's blocks are left out. With --shipped-grid: "

@@ -57,7 +57,7 @@ from .platform import Platform, detect_platform
 from .policy import CallablePolicy as CallablePolicy
 from .policy import PolicyPick as PolicyPick
 from .policy import SelectionPolicy as SelectionPolicy
-from .policy import ordered as selection_policies
+from .policy import ordered as _ordered_policies
 from .policy import register_selection_policy as register_selection_policy
 from .policy import unregister_selection_policy as unregister_selection_policy
 
@@ -322,6 +322,13 @@ def _explain_auto(res: Resolution) -> Resolution:
     return res
 
 
+def selection_policies() -> tuple[SelectionPolicy, ...]:
+    """The registered selection policies in asking order, the built-in ones included (loaded first if no ``auto``
+    resolution has loaded them yet)."""
+    load_builtin_policies()
+    return _ordered_policies()
+
+
 #: the built-in policies' modules, loaded on the first ``auto`` resolution (each registers its policies on import)
 BUILTIN_POLICY_MODULES = {
     "lockfile_policy": lambda: importlib.import_module("fp8_backends.registry.lockfile_policy"),
@@ -471,7 +478,7 @@ def _ask_policies(kind: str, problem: Any, platform: Platform, serving: list[Can
     """The first policy's usable pick, or None. A policy that raises is skipped with a WARNING (a
     :class:`ConfigurationError` propagates: a bad variable is the user's to fix); a pick that cannot serve, or whose
     options the provider refuses, is ignored (:func:`_ignore_pick`)."""
-    for pol in selection_policies():
+    for pol in _ordered_policies():
         try:
             picked = pol.pick_for(kind, problem, platform, serving, objective)
         except ConfigurationError:
@@ -499,7 +506,7 @@ def _ask_buckets(kind: str, problem: Any, platform: Platform) -> tuple[str, list
     """``(policy name, buckets)`` of the first policy (by rank) that distinguishes M buckets for ``problem``, or
     ``("", [])``. A policy whose :meth:`~.policy.SelectionPolicy.buckets` raises is skipped with a WARNING (once per
     policy and error type; later ones at DEBUG; a :class:`ConfigurationError` propagates)."""
-    for pol in selection_policies():
+    for pol in _ordered_policies():
         try:
             found = sorted({int(b) for b in pol.buckets(kind, problem, platform) or ()})
         except ConfigurationError:

@@ -73,7 +73,8 @@ def build_skeleton(folder: Path, dtype: Any, model_class: Any = None, trust_remo
     try:
         import transformers
     except ImportError as exc:
-        raise ImportError("load_pretrained builds transformers models: pip install 'fp8-backends[hf]'") from exc
+        raise ImportError("load_pretrained builds transformers models: "
+                          "pip install 'fp8-backends[checkpoints]'") from exc
     try:
         config = transformers.AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
     except (ValueError, KeyError, TypeError, OSError) as exc:

@@ -769,7 +769,8 @@ class Fp8Linear(nn.Module):
         kernel = self.kernel
         if kernel is None:
             raise InvalidInputError("Fp8Linear: call process_weights_after_loading() before the first forward (and "
-                                    "after every load_state_dict: fp8_backends.process_weights_after_loading(model))")
+                                    "after every load_state_dict: "
+                                    "fp8_backends.layers.process_weights_after_loading(model))")
         data = x.data if isinstance(x, QuantizedActivation) else x
         if isinstance(data, torch.Tensor) and data.device != self.weight.device:
             raise InvalidInputError(f"input is on {data.device} but the layer's weight is on {self.weight.device}")
