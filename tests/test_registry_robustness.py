@@ -315,13 +315,30 @@ def test_the_flags_help_and_the_listing_agree_on_a_provider_whose_preload_fails(
     assert "preload_fails (unavailable)" in here and "torch_scaled_mm," in here
 
 
-def test_errors_never_offer_a_provider_whose_preload_fails(failing_preload):
+def _install_refuser(monkeypatch):
+    """A provider usable on the CPU that refuses every problem: naming it raises UnsupportedProblemError with the
+    alternatives, on any machine (a built-in such as cutlass is unavailable, not unsupported, where nvcc is not)."""
+    from fake_provider import install
+
+    from fp8_backends.providers.torch_scaled_mm import TorchScaledMMBackend
+
+    class RefusesAll(TorchScaledMMBackend):
+        name = "refuses_all"
+
+        def extra_reasons(self, problem, platform):
+            return ["refuses every problem"]
+
+    install(monkeypatch, RefusesAll, dist="refuser-engine")
+
+
+def test_errors_never_offer_a_provider_whose_preload_fails(failing_preload, monkeypatch):
     from fp8_backends import BackendUnavailableError, GemmProblem, UnsupportedProblemError, resolve_gemm_backend
 
     with pytest.raises(BackendUnavailableError, match="preload"):  # its preload fails once, at its first resolution
         resolve_gemm_backend("preload_fails", problem=GemmProblem(n=32, k=64, m=4, device="cpu"))
+    _install_refuser(monkeypatch)
     with pytest.raises(UnsupportedProblemError) as info:
-        resolve_gemm_backend("cutlass", problem=GemmProblem(n=32, k=64, m=4, device="cpu"))
+        resolve_gemm_backend("refuses_all", problem=GemmProblem(n=32, k=64, m=4, device="cpu"))
     assert "preload_fails" not in info.value.alternatives and "torch_scaled_mm" in info.value.alternatives
     assert "preload() failed" in failing_preload.unusable_reason()
 
@@ -373,6 +390,7 @@ def test_an_error_loads_no_provider_it_offers(monkeypatch):
             loaded.append(self.name)
 
     install(monkeypatch, CountsLoads, dist="loads-engine")
+    _install_refuser(monkeypatch)
     with pytest.raises(UnsupportedProblemError) as info:
-        resolve_gemm_backend("cutlass", problem=GemmProblem(n=32, k=64, m=4, device="cpu"))
+        resolve_gemm_backend("refuses_all", problem=GemmProblem(n=32, k=64, m=4, device="cpu"))
     assert "counts_loads" in info.value.alternatives and loaded == []  # offered, never loaded
