@@ -47,6 +47,22 @@ def install(monkeypatch: Any, cls: type, dist: str = FAKE_DIST, version: str | N
     return register_provider(cls, dist=dist, version=version).entry
 
 
+def install_preload_failure(monkeypatch: Any, name: str, error: BaseException, dist: str) -> ProviderEntry:
+    """A ``torch_scaled_mm`` copy named ``name`` that outranks every built-in and whose ``preload()`` raises
+    ``error``, registered as ``dist`` for one test."""
+    import dataclasses
+
+    from fp8_backends.providers.torch_scaled_mm import TorchScaledMMBackend
+
+    def preload(self: Any) -> None:
+        raise error
+
+    cls = type(f"PreloadFails_{name}", (TorchScaledMMBackend,),
+               {"name": name, "preload": preload,
+                "capabilities": dataclasses.replace(TorchScaledMMBackend.capabilities, priority=10_000)})
+    return install(monkeypatch, cls, dist=dist)
+
+
 def install_fake(monkeypatch: Any, cls: type[Fp8GemmBackend] = FakeMM) -> ProviderEntry:
     """List ``cls`` beside the real GEMM providers as distribution ``fake-plugin 1.0``, for one test."""
     return install(monkeypatch, cls)

@@ -432,18 +432,10 @@ def test_a_provider_whose_preload_fails_is_reported_unavailable_by_name():
 def test_auto_skips_a_plugin_whose_preload_fails_and_lists_it_unavailable(monkeypatch, caplog):
     """A third-party provider that outranks the built-ins but cannot load its kernels: ``auto`` warns and
     moves on, the listing then reports it unavailable with the reason, and naming it fails loudly."""
-    from fake_provider import install
+    from fake_provider import install_preload_failure
 
-    from fp8_backends.providers.torch_scaled_mm import TorchScaledMMBackend
-
-    class EagerToLoad(TorchScaledMMBackend):
-        name = "eager_to_load"
-        capabilities = dataclasses.replace(TorchScaledMMBackend.capabilities, priority=10_000)
-
-        def preload(self) -> None:
-            raise OSError("libkernels.so: cannot open shared object file")
-
-    entry = install(monkeypatch, EagerToLoad, dist="plugin-dist")
+    entry = install_preload_failure(monkeypatch, "eager_to_load",
+                                    OSError("libkernels.so: cannot open shared object file"), "plugin-dist")
     problem = GemmProblem(n=32, k=64, m=4, device="cpu")
     assert resolution.explain("gemm", problem=problem).backend.name == "eager_to_load"  # outranks the built-ins
     try:

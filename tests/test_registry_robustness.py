@@ -280,22 +280,11 @@ def test_a_lone_string_in_requires_is_one_module(monkeypatch):
 @pytest.fixture
 def failing_preload(monkeypatch):
     """A provider that outranks the built-ins on the CPU but whose preload fails, registered for one test."""
-    import dataclasses
-
-    from fake_provider import install
+    from fake_provider import install_preload_failure
 
     from fp8_backends.core.backend import clear_availability_cache
-    from fp8_backends.providers.torch_scaled_mm import TorchScaledMMBackend
 
-    class PreloadFails(TorchScaledMMBackend):
-        name = "preload_fails"
-        capabilities = dataclasses.replace(TorchScaledMMBackend.capabilities, priority=10_000)
-
-        def preload(self) -> None:
-            raise RuntimeError("preload boom")
-
-    entry = install(monkeypatch, PreloadFails, dist="preload-engine")
-    yield entry
+    yield install_preload_failure(monkeypatch, "preload_fails", RuntimeError("preload boom"), "preload-engine")
     clear_availability_cache()
 
 
