@@ -501,15 +501,14 @@ def _naming(src: Path, exc: DataFileError) -> DataFileError:
 
 def _write_compact(out: Path, doc: Mapping[str, Any]) -> None:
     """Write ``doc`` in the shipped data's compact form to ``out`` (gzip-compressed, reproducibly, when the name ends in
-    ``.gz``), creating its folder."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    text = shipped_data.dumps_compact(doc)
+    ``.gz``), creating its folder. The file is replaced atomically: a write that fails (a full disk, an interrupt)
+    leaves the previous file whole."""
+    data = shipped_data.dumps_compact(doc).encode("utf-8")
     if out.name.endswith(".gz"):
         import gzip
 
-        out.write_bytes(gzip.compress(text.encode("utf-8"), mtime=0))
-    else:
-        out.write_text(text, encoding="utf-8")
+        data = gzip.compress(data, mtime=0)
+    lockfile.atomic_write_bytes(out, data)
 
 
 def _pack_cli(args: argparse.Namespace, argv: list[str]) -> int:

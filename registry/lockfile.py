@@ -408,14 +408,19 @@ def merge_entries(doc: dict[str, Any], key: Mapping[str, Any], entries: Mapping[
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary file next to ``path``, fsync it, and ``os.replace`` it over ``path``:
-    readers see the old file or the new one, never a part."""
+    """Write ``text`` (UTF-8) to ``path`` atomically (see :func:`atomic_write_bytes`)."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to a temporary file next to ``path``, fsync it, and ``os.replace`` it over ``path``:
+    readers see the old file or the new one, never a part (a full disk or an interrupt leaves the old file)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         try:

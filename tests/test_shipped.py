@@ -835,3 +835,22 @@ def test_the_tuner_measures_again_the_entries_readers_skip(tmp_path):
     path = tmp_path / "lock.json"
     path.write_text(json.dumps(doc), encoding="utf-8")
     assert done_keys(path, platform) == set(names[1:])
+
+
+@pytest.mark.parametrize("name", ["sm90-nvidia-h200.json", "sm90-nvidia-h200.json.gz"])
+def test_a_shipped_file_write_that_fails_midway_leaves_the_old_file(tmp_path, name):
+    """``pack`` / ``merge`` replace the shipped file atomically: a full disk (here a file-size limit, which Python
+    reports as an OSError) leaves the previous file whole and no temporary file behind."""
+    resource = pytest.importorskip("resource")
+    out = tmp_path / name
+    selection_data._write_compact(out, make_doc())
+    before = out.read_bytes()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (len(before) // 2, hard))
+    try:
+        with pytest.raises(OSError):
+            selection_data._write_compact(out, make_doc(buckets=(1, 4, 16, 64, 256)))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert out.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == [name]
