@@ -259,6 +259,9 @@ def main(argv: list[str] | None = None, *, timer: Timer | None = None) -> int:
             ap.error(f"--lockfile {path} is a folder: name a file (e.g. {path / 'fp8_backends.lock.json'})")
     else:
         path = lockfile.lockfile_path() or lockfile.default_lockfile_path()
+    problem = None if path is None else lockfile.lock_problem(path)
+    if problem is not None:
+        ap.error(f"lockfile {path}: {problem} (name another --lockfile, or --no-write)")
     config = TimerConfig.quick() if args.quick else TimerConfig()
     if args.rounds is not None:
         config.rounds = max(1, args.rounds)

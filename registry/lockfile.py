@@ -441,13 +441,31 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             os.close(dir_fd)
 
 
+def lock_problem(path: Path) -> str | None:
+    """Why ``<path>.lock`` cannot be created (its folder cannot be made or written, e.g. under ``/proc`` or read-only),
+    or None. A lock file that exists already is fine: another process may hold it, and :func:`locked` waits."""
+    lock = Path(str(path) + ".lock")
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        if lock.exists():
+            return None
+        os.close(os.open(lock, os.O_WRONLY | os.O_CREAT, 0o644))
+    except OSError as exc:
+        return f"cannot create the lock file {lock}: {exc.strerror or exc}"
+    return None
+
+
 @contextlib.contextmanager
 def locked(path: Path, timeout: float = DEFAULT_LOCK_TIMEOUT_S) -> Iterator[None]:
-    """Hold ``<path>.lock`` (a filelock, shared by every process on the host)."""
+    """Hold ``<path>.lock`` (a filelock, shared by every process on the host), waiting up to ``timeout`` seconds
+    while another process holds it. A lock file that cannot be created raises
+    :class:`~fp8_backends.core.errors.DataFileError` at once (waiting would not help)."""
     from filelock import FileLock
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    problem = lock_problem(path)
+    if problem is not None:
+        raise DataFileError(path, [problem])
     with FileLock(str(path) + ".lock", timeout=timeout):
         yield
 

@@ -23,6 +23,7 @@ from fake_provider import FAKE_DIST, install_fake
 from fp8_backends import tune as tune_cli
 from fp8_backends.core import reference
 from fp8_backends.core.capabilities import GemmCapabilities
+from fp8_backends.core.errors import DataFileError
 from fp8_backends.core.types import DeviceKind, GemmProblem, NormQuantProblem
 from fp8_backends.list import collect, render
 from fp8_backends.registry import lockfile, resolution
@@ -641,3 +642,58 @@ def test_tune_cli_keeps_the_engine_names():
                  "format_summary", "format_rejections"):
         assert getattr(tune, name) is getattr(engine, name)
     assert tune.parse_m_list is plan.parse_m_list and tune.QUICK_M_BUCKETS == plan.QUICK_M_BUCKETS
+
+
+# ------------------------------------------------------------------------------------------ stopping and locks
+def test_an_interrupt_while_writing_stops_the_run_without_writing_again(lockpath, monkeypatch):
+    """Ctrl-C (or SIGTERM) during a lockfile write (e.g. waiting for the lock) ends the run: no second write."""
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        calls.append(args[0])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tuner.lockfile_io, "write_entries", interrupted)
+    report = tune_fake(lockpath, {}, buckets=(1,), problems=[gemm(), gemm(n=64)])
+    assert len(calls) == 1
+    assert report.stopped == "interrupted" and len(report.problems) == 1
+    assert report.write_errors and "interrupted" in report.write_errors[0]
+
+
+def test_an_interrupt_during_the_last_write_ends_the_run(lockpath, monkeypatch):
+    """An interrupt while measuring writes what was measured once; a second one during that write stops it."""
+    calls = []
+
+    def timer(runs):
+        if calls:
+            raise KeyboardInterrupt
+        calls.append("timed")
+        return fake_timer({})(runs)
+
+    def interrupted(*args, **kwargs):
+        calls.append("write")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tuner.lockfile_io, "write_entries", interrupted)
+    report = tuner.tune([gemm()], m_buckets=(1, 2), platform=CPU, timer=timer, lockfile=lockpath, progress=False)
+    assert calls == ["timed", "write"] and report.stopped == "interrupted" and report.write_errors
+
+
+def test_a_lock_file_that_cannot_be_created_is_an_error_at_once(tmp_path):
+    """No waiting for the lock timeout when the lock file cannot be created (a file where its folder should be;
+    /proc); a lock another process holds is still waited for."""
+    from filelock import FileLock, Timeout
+
+    (tmp_path / "file").write_text("")
+    paths = [tmp_path / "file" / "sel.lock.json"] + ([Path("/proc/fp8-backends-test.lock.json")]
+                                                     if Path("/proc/self").exists() else [])
+    for path in paths:
+        assert lockfile.lock_problem(path) is not None
+        started = time.monotonic()
+        with pytest.raises(DataFileError, match="cannot"), lockfile.locked(path, timeout=5):
+            pass
+        assert time.monotonic() - started < 2
+    path = tmp_path / "held" / "sel.lock.json"
+    assert lockfile.lock_problem(path) is None
+    with FileLock(str(path) + ".lock"), pytest.raises(Timeout), lockfile.locked(path, timeout=0.2):
+        pass

@@ -285,23 +285,45 @@ def tune(
                         dict(pins or {}), deadline, allow_builds)
     bar = ctx.bar = _progress(report.remaining, progress)
     pending: list[ProblemResult] = []
+    writing = False
     try:
         for pk, base in shapes.items():
             if todo[pk]:
                 _tune_shape(ctx, base, todo[pk], list((labels or {}).get(pk, ())), pending)
                 if path is not None and pending:
+                    writing = True
                     _write(report, path, pending)
+                    writing = False
                 pending.clear()
     except _OutOfTime:
         report.stopped = "time limit"
     except KeyboardInterrupt:
         report.stopped = "interrupted"
+        if writing:  # the interrupt stopped the write itself (e.g. waiting for the lock): do not try again
+            _interrupted_write(report, path, pending)
     finally:
         bar.close()
         if path is not None and pending:
-            _write(report, path, pending)
+            _final_write(report, path, pending)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _interrupted_write(report: TuneReport, path: Path | None, pending: list[ProblemResult]) -> None:
+    """Record that ``pending`` was not written because the run was interrupted, and drop it."""
+    msg = f"could not write {path}: interrupted with {len(pending)} measured problem(s) not written"
+    report.write_errors.append(msg)
+    logger.warning("%s", msg)
+    pending.clear()
+
+
+def _final_write(report: TuneReport, path: Path, pending: list[ProblemResult]) -> None:
+    """The last write of a run (what was measured since the last one); an interrupt during it stops it."""
+    try:
+        _write(report, path, pending)
+    except KeyboardInterrupt:
+        report.stopped = report.stopped or "interrupted"
+        _interrupted_write(report, path, pending)
 
 
 @dataclass

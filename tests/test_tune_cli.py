@@ -1,0 +1,41 @@
+"""``python -m fp8_backends.tune`` arguments: what is refused before measuring (with a message naming the option),
+what an empty plan or shard does, and the exit status when an output cannot be written. Runs on the CPU with
+``torch_scaled_mm`` at tiny shapes."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from fp8_backends import tune as tune_cli
+from fp8_backends.registry import lockfile
+
+RUN = ["--device", "cpu", "--no-progress", "--rounds", "1", "--replays", "1", "--providers", "torch_scaled_mm"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_lockfile_state(tmp_path, monkeypatch):
+    monkeypatch.setenv("FP8_BACKENDS_LOCKFILE", str(tmp_path / "default.lock.json"))
+    lockfile.reset_state()
+    yield
+    lockfile.reset_state()
+
+
+def refused(argv: list[str], capsys) -> str:
+    """The argument error ``argv`` gets (exit 2), as printed."""
+    with pytest.raises(SystemExit) as info:
+        tune_cli.main(argv)
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_a_lock_file_that_cannot_be_created_is_refused_before_measuring(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    paths = [tmp_path / "file" / "sel.lock.json"]
+    paths += [Path("/proc/fp8-backends-test.lock.json")] if Path("/proc/self").exists() else []
+    for path in paths:
+        started = time.monotonic()
+        err = refused([*RUN, "--shapes", "32,64", "--m", "1", "--lockfile", str(path)], capsys)
+        assert f"lockfile {path}: cannot create the lock file" in err and time.monotonic() - started < 5
