@@ -234,10 +234,15 @@ def main(argv: list[str] | None = None, *, timer: Timer | None = None) -> int:
                 option_combos(entry.cls, options)  # unknown option values: a clear error now
     except (ValueError, argparse.ArgumentTypeError) as exc:
         ap.error(str(exc))
+    planned = len(plan.problems)
     if args.shard is not None:
         plan = select_shard(plan, *args.shard)
     for note in plan.notes:
         print(f"left out: {note}", file=sys.stderr)
+    if not plan.problems and not args.list:
+        shard = f" in shard {args.shard[0]}/{args.shard[1]}" if args.shard else ""
+        print(f"nothing to do: no problems{shard} (the arguments describe {planned} problem(s))")
+        return 0
     providers = None if args.providers is None else {p.strip() for p in args.providers.split(",") if p.strip()}
     if args.list:
         text, per_problem = _list_candidates(plan.problems, plan.buckets, platform, providers, plan.pins,

@@ -39,3 +39,18 @@ def test_a_lock_file_that_cannot_be_created_is_refused_before_measuring(tmp_path
         started = time.monotonic()
         err = refused([*RUN, "--shapes", "32,64", "--m", "1", "--lockfile", str(path)], capsys)
         assert f"lockfile {path}: cannot create the lock file" in err and time.monotonic() - started < 5
+
+
+def test_an_empty_shard_has_nothing_to_do(tmp_path, capsys):
+    """More shards than problems: the empty shard says so and exits 0 (no traceback, no lockfile)."""
+    path = tmp_path / "sel.lock.json"
+    assert tune_cli.main([*RUN, "--shapes", "32,64", "--m", "1", "--shard", "2/2", "--lockfile", str(path)]) == 0
+    assert "nothing to do: no problems in shard 2/2" in capsys.readouterr().out and not path.exists()
+
+
+@pytest.mark.parametrize(("kind", "given", "needed"), [
+    ("norm_quant", ["--shapes", "32,64"], "--kind norm_quant needs --hidden"),
+    ("gemm", ["--hidden", "64"], "--hidden is for --kind norm_quant"),
+])
+def test_problems_of_the_other_kind_are_an_argument_error(kind, given, needed, capsys):
+    assert needed in refused([*RUN, "--kind", kind, *given, "--m", "1", "--no-write"], capsys)

@@ -151,6 +151,9 @@ def plan_from_args(args: argparse.Namespace, device: str) -> TunePlan:
     pins = pins_from(args.pin or [], base_pins)
     if args.kind == "norm_quant":
         hiddens = list(dict.fromkeys([*args.hidden, *(hidden_size(m) for m in models)]))
+        if not hiddens:
+            raise ValueError("--kind norm_quant needs --hidden H (or --model): --shapes and --shapes-file are GEMM "
+                             "weight shapes")
         residuals = {"both": [False, True], "yes": [True], "no": [False]}[args.residual]
         problems = [NormQuantProblem(hidden=h, in_dtype=args.in_dtype, residual=r, device=device)
                     for h in hiddens for r in residuals]
@@ -169,6 +172,8 @@ def plan_from_args(args: argparse.Namespace, device: str) -> TunePlan:
         gone = {model_spec(m).name for m in args.exclude_model}
         shapes = [s for s in shapes if not s.labels or not s.models <= gone]
     shapes = grid.merge_shapes(shapes)
+    if args.hidden and not (models or args.shapes or args.shapes_file):
+        raise ValueError("--hidden is for --kind norm_quant; GEMM problems need --shapes, --shapes-file or --model")
     if block and (args.scales or args.act_scale or args.weight_scale):
         raise ValueError("--block sets the scales (per_token_group x block); leave out --scales, --act-scale and "
                          "--weight-scale")
