@@ -27,7 +27,8 @@ GPU). ``--shipped-grid`` tunes the grid of the selection data that ships with th
 provenance (:mod:`fp8_backends.tuning.grid`, :mod:`fp8_backends.tuning.provenance`).
 
 Exit status: 0 when at least one problem got a choice (or none was left to do), 1 when none did, 2 on bad
-arguments, 3 when ``--limit-seconds`` (or SIGTERM) stopped the run with problems left (run it again to resume).
+arguments, 3 when ``--limit-seconds`` (or SIGTERM) stopped the run with problems left (run it again to resume),
+4 when the lockfile or the ``--report`` could not be written (the measurements are printed all the same).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -211,6 +213,31 @@ def _sigterm_to_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _report_problem(path: Path) -> str | None:
+    """Why the ``--report`` file ``path`` cannot be written (checked before measuring), or None."""
+    if path.is_dir():
+        return "is a folder: name a file"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"its folder cannot be made ({exc.strerror or exc})"
+    target = path if path.exists() else path.parent
+    if not os.access(target, os.W_OK):
+        return f"{target} is not writable"
+    return None
+
+
+def _write_report(report: TuneReport, path: Path) -> bool:
+    """Write ``report`` as JSON to ``path``; False (and the reason printed) when that fails."""
+    try:
+        lockfile.atomic_write_text(path, json.dumps(report.to_json(), indent=1) + "\n")
+    except OSError as exc:
+        print(f"report NOT written: {path}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return False
+    print(f"report: {path}")
+    return True
+
+
 def _cuda_visible() -> bool:
     import torch
 
@@ -267,6 +294,10 @@ def main(argv: list[str] | None = None, *, timer: Timer | None = None) -> int:
     problem = None if path is None else lockfile.lock_problem(path)
     if problem is not None:
         ap.error(f"lockfile {path}: {problem} (name another --lockfile, or --no-write)")
+    report_path = None if args.report is None else Path(args.report).expanduser()
+    problem = None if report_path is None else _report_problem(report_path)
+    if problem is not None:
+        ap.error(f"--report {report_path}: {problem}")
     config = TimerConfig.quick() if args.quick else TimerConfig()
     if args.rounds is not None:
         config.rounds = max(1, args.rounds)
@@ -287,6 +318,11 @@ def main(argv: list[str] | None = None, *, timer: Timer | None = None) -> int:
                       tie_margin=args.tie_margin, rtol=args.rtol, providers=providers, lockfile=path,
                       progress=not args.no_progress, seed=args.seed, pins=plan.pins, labels=plan.labels, skip=skip,
                       deadline=deadline, provenance=provenance, allow_builds=args.allow_builds)
+    return _finish(report, path, report_path)
+
+
+def _finish(report: TuneReport, path: Path | None, report_path: Path | None) -> int:
+    """Print the end of a run, write the ``--report``, and return the exit status (see the module docstring)."""
     if report.already_done:
         print(f"{report.already_done} problem(s) already in {path}: skipped (--retune measures them again)")
     print(format_summary(report))
@@ -301,19 +337,21 @@ def main(argv: list[str] | None = None, *, timer: Timer | None = None) -> int:
             print("lockfile NOT fully written: " + "; ".join(report.write_errors))
         elif report.lockfile_entries_total is not None:
             print(f"lockfile: {path} ({report.lockfile_entries_total} entries for this platform)")
-    if args.report:
-        Path(args.report).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        Path(args.report).expanduser().write_text(json.dumps(report.to_json(), indent=1) + "\n", encoding="utf-8")
-        print(f"report: {args.report}")
-    if report.stopped and report.remaining:
+    written = not (path is not None and report.write_errors)
+    if report_path is not None:
+        written = _write_report(report, report_path) and written
+    left = bool(report.stopped and report.remaining)
+    if left:
         print(f"stopped ({report.stopped}) with {report.remaining} problem(s) left: run the same command again to "
               "resume")
+    if not written:
+        return 4
+    if left:
         return 3
     if not report.problems:
         print("nothing to do: every problem is in the lockfile")
         return 0
     return 0 if chosen else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -54,3 +54,23 @@ def test_an_empty_shard_has_nothing_to_do(tmp_path, capsys):
 ])
 def test_problems_of_the_other_kind_are_an_argument_error(kind, given, needed, capsys):
     assert needed in refused([*RUN, "--kind", kind, *given, "--m", "1", "--no-write"], capsys)
+
+
+def test_a_report_path_that_cannot_be_written_is_refused_before_measuring(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert "is a folder" in refused([*RUN, "--shapes", "32,64", "--m", "1", "--no-write", "--report",
+                                     str(tmp_path)], capsys)
+    assert "cannot be made" in refused([*RUN, "--shapes", "32,64", "--m", "1", "--no-write", "--report",
+                                        str(tmp_path / "file" / "report.json")], capsys)
+
+
+def test_a_lockfile_that_could_not_be_written_exits_4(tmp_path, capsys, monkeypatch):
+    """The measurements are printed, the failure is named, and the exit status says the lockfile is incomplete."""
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(lockfile, "write_entries", full_disk)
+    path = tmp_path / "sel.lock.json"
+    assert tune_cli.main([*RUN, "--shapes", "32,64", "--m", "1", "--lockfile", str(path)]) == 4
+    out = capsys.readouterr().out
+    assert "torch_scaled_mm" in out and "lockfile NOT fully written" in out and "No space left" in out
