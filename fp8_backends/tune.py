@@ -238,6 +238,25 @@ def _write_report(report: TuneReport, path: Path) -> bool:
     return True
 
 
+def _provider_names(text: str | None) -> set[str] | None:
+    """The ``--providers`` names (None: every discovered provider)."""
+    if text is None:
+        return None
+    names = {p.strip() for p in text.split(",") if p.strip()}
+    if not names:
+        raise ValueError("--providers names no provider (comma-separated names, e.g. torch_scaled_mm,cutlass)")
+    return names
+
+
+def _check_provider_names(kind: str, providers: set[str] | None, pinned: list[str]) -> None:
+    """Refuse ``--providers`` and ``--pin`` names that no discovered ``kind`` provider has."""
+    known = sorted({e.name for e in discover_entries(kind)})
+    for option, names in (("--providers", sorted(providers or ())), ("--pin", list(dict.fromkeys(pinned)))):
+        unknown = [name for name in names if name not in known]
+        if unknown:
+            raise ValueError(f"{option}: unknown {kind} provider(s) {', '.join(unknown)}; known: {', '.join(known)}")
+
+
 def _cuda_visible() -> bool:
     import torch
 
@@ -256,6 +275,8 @@ def main(argv: list[str] | None = None, *, timer: Timer | None = None) -> int:
         platform = detect_platform(args.device)
         device = "cpu" if platform.kind.value == "cpu" else "cuda"
         plan = plan_from_args(args, device)
+        providers = _provider_names(args.providers)
+        _check_provider_names(plan.kind, providers, [provider for provider, _, _ in args.pin])
         for provider, options in plan.pins.items():
             for entry in (e for e in discover_entries(plan.kind) if e.name == provider and e.cls is not None):
                 option_combos(entry.cls, options)  # unknown option values: a clear error now
@@ -270,7 +291,6 @@ def main(argv: list[str] | None = None, *, timer: Timer | None = None) -> int:
         shard = f" in shard {args.shard[0]}/{args.shard[1]}" if args.shard else ""
         print(f"nothing to do: no problems{shard} (the arguments describe {planned} problem(s))")
         return 0
-    providers = None if args.providers is None else {p.strip() for p in args.providers.split(",") if p.strip()}
     if args.list:
         text, per_problem = _list_candidates(plan.problems, plan.buckets, platform, providers, plan.pins,
                                              args.allow_builds)

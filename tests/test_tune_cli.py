@@ -74,3 +74,13 @@ def test_a_lockfile_that_could_not_be_written_exits_4(tmp_path, capsys, monkeypa
     assert tune_cli.main([*RUN, "--shapes", "32,64", "--m", "1", "--lockfile", str(path)]) == 4
     out = capsys.readouterr().out
     assert "torch_scaled_mm" in out and "lockfile NOT fully written" in out and "No space left" in out
+
+
+@pytest.mark.parametrize(("given", "named"), [
+    (["--providers", "bogus"], "--providers: unknown gemm provider(s) bogus"),
+    (["--providers", "torch_scaled_mm,bogus"], "--providers: unknown gemm provider(s) bogus"),
+    (["--pin", "nosuch:x=y"], "--pin: unknown gemm provider(s) nosuch"),
+])
+def test_unknown_provider_names_are_refused_listing_the_known_ones(given, named, capsys):
+    err = refused(["--device", "cpu", "--no-progress", "--shapes", "32,64", "--m", "1", "--no-write", *given], capsys)
+    assert named in err and "known: " in err and "torch_scaled_mm" in err.split("known: ")[1]
