@@ -84,3 +84,9 @@ def test_a_lockfile_that_could_not_be_written_exits_4(tmp_path, capsys, monkeypa
 def test_unknown_provider_names_are_refused_listing_the_known_ones(given, named, capsys):
     err = refused(["--device", "cpu", "--no-progress", "--shapes", "32,64", "--m", "1", "--no-write", *given], capsys)
     assert named in err and "known: " in err and "torch_scaled_mm" in err.split("known: ")[1]
+
+
+@pytest.mark.parametrize("m", ["", " , ", "-1", "0", "1.5", "abc", "8-1", "1-"])
+def test_a_bad_m_list_is_refused_naming_m_and_its_syntax(m, capsys):
+    err = refused(["--device", "cpu", "--shapes", "32,64", "--m", m, "--list"], capsys)
+    assert f"--m {m!r}" in err and "comma-separated positive integers and LO-HI ranges" in err

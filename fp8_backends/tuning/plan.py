@@ -22,27 +22,40 @@ from fp8_backends.tuning import grid
 QUICK_M_BUCKETS = (1, 16, 256, 4096)
 
 
+#: the M list syntax, for error messages
+M_LIST_SYNTAX = ("comma-separated positive integers and LO-HI ranges (which stand for their powers of two), "
+                 "e.g. 1,16,256 or 1-16384 or 1-8,100")
+
+
+def _m_value(text: str, part: str) -> int:
+    """One M of an M list (``part`` is the item it comes from, for the message)."""
+    try:
+        v = int(text.strip())
+    except ValueError:
+        raise ValueError(f"bad M {part!r}: M buckets are {M_LIST_SYNTAX}") from None
+    if v < 1:
+        raise ValueError(f"bad M {part!r}: M buckets are {M_LIST_SYNTAX}")
+    return v
+
+
+def _m_range(part: str) -> list[int]:
+    """Every power of two in ``"LO-HI"``."""
+    lo_text, _, hi_text = part.partition("-")
+    lo, hi = _m_value(lo_text, part), _m_value(hi_text, part)
+    powers = [1 << e for e in range(hi.bit_length()) if lo <= 1 << e <= hi]
+    if not powers:
+        raise ValueError(f"bad M range {part!r}: it holds no power of two; M buckets are {M_LIST_SYNTAX}")
+    return powers
+
+
 def parse_m_list(text: str) -> list[int]:
-    """``"1,16,256"``, or ``"1-16384"`` (every power of two in the range), or a mix: ``"1-8,100"``."""
+    """``"1,16,256"``, or ``"1-16384"`` (every power of two in the range), or a mix: ``"1-8,100"``. Anything else
+    (a negative or fractional M, an empty list) raises ValueError naming the syntax."""
     out: set[int] = set()
     for part in filter(None, (p.strip() for p in text.split(","))):
-        if "-" in part:
-            lo_text, _, hi_text = part.partition("-")
-            lo, hi = int(lo_text), int(hi_text)
-            if lo < 1 or hi < lo:
-                raise ValueError(f"bad M range {part!r}")
-            v = 1
-            while v <= hi:
-                if v >= lo:
-                    out.add(v)
-                v *= 2
-        else:
-            v = int(part)
-            if v < 1:
-                raise ValueError(f"M must be >= 1, got {v}")
-            out.add(v)
+        out.update(_m_range(part) if "-" in part else [_m_value(part, part)])
     if not out:
-        raise ValueError(f"no M values in {text!r}")
+        raise ValueError(f"no M values in {text!r}: M buckets are {M_LIST_SYNTAX}")
     return sorted(out)
 
 
@@ -141,8 +154,11 @@ def plan_from_args(args: argparse.Namespace, device: str) -> TunePlan:
     shipped_models = grid.BLOCK_MODELS if block else grid.SHIPPED_MODELS
     models = list(args.model) or (list(shipped_models) if shipped else [] if explicit else ["llama3-8b"])
     tps = list(args.tp) if args.tp else (list(grid.SHIPPED_TPS) if shipped else [1])
-    if args.m:
-        buckets = parse_m_list(args.m)
+    if args.m is not None:
+        try:
+            buckets = parse_m_list(args.m)
+        except ValueError as exc:
+            raise ValueError(f"--m {args.m!r}: {exc}") from None
     elif shipped:
         buckets = list(grid.SHIPPED_M_BUCKETS)
     else:
