@@ -130,6 +130,8 @@ def test_shapes_files_json_and_csv(tmp_path):
     ("n,m\n1,2\n", ["needs a header row with n and k"]),
     ("n,k\n64,32\n64,abc\n16,16,1,2,3,4,5\n", ["line 3 k: 'abc' is not an integer", "line 4: more values"]),
     ("n,k,bias\n64,32,maybe\n", ["line 2 bias: 'maybe' is not a boolean"]),
+    ("# my shapes\n\nn,k\n64,32\n  # a comment\n\n64,abc\n16,16,1\n",
+     ["line 7 k: 'abc' is not an integer", "line 8: more values"]),  # the file's own line numbers
 ])
 def test_bad_shapes_files_list_every_problem(tmp_path, text, needles):
     path = tmp_path / "bad.txt"

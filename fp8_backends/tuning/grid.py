@@ -213,16 +213,18 @@ def parse_shapes(text: str, name: str = "<shapes>") -> list[ShapeSpec]:
             if spec is not None:
                 specs.append(spec)
     else:
-        lines = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
-        reader = csv.DictReader(io.StringIO("\n".join(lines)), skipinitialspace=True)
+        numbered = [(no, line) for no, line in enumerate(text.splitlines(), 1)
+                    if line.strip() and not line.lstrip().startswith("#")]
+        reader = csv.DictReader(io.StringIO("\n".join(line for _, line in numbered)), skipinitialspace=True)
         header = [h.strip().lower() for h in reader.fieldnames or []]
         if "n" not in header or "k" not in header:
             raise DataFileError(name, [f"a CSV shapes file needs a header row with n and k columns, got {header}"])
-        for i, row in enumerate(reader):
+        for row in reader:
+            where = f"line {numbered[reader.line_num - 1][0]}"  # the file's own line (comments and blanks count)
             if None in row:
-                problems.append(f"line {i + 2}: more values than header columns")
+                problems.append(f"{where}: more values than header columns")
                 continue
-            spec = _spec_from_record(row, f"line {i + 2}", problems)
+            spec = _spec_from_record(row, where, problems)
             if spec is not None:
                 specs.append(spec)
     if problems:
