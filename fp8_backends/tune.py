@@ -238,6 +238,12 @@ def _write_report(report: TuneReport, path: Path) -> bool:
     return True
 
 
+def _check_limit_seconds(seconds: float | None) -> None:
+    """``--limit-seconds`` is a finite number of seconds > 0 (or not given)."""
+    if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"--limit-seconds must be a finite number of seconds > 0, got {seconds:g}")
+
+
 def _provider_names(text: str | None) -> set[str] | None:
     """The ``--providers`` names (None: every discovered provider)."""
     if text is None:
@@ -275,6 +281,7 @@ def main(argv: list[str] | None = None, *, timer: Timer | None = None) -> int:
         platform = detect_platform(args.device)
         device = "cpu" if platform.kind.value == "cpu" else "cuda"
         plan = plan_from_args(args, device)
+        _check_limit_seconds(args.limit_seconds)
         providers = _provider_names(args.providers)
         _check_provider_names(plan.kind, providers, [provider for provider, _, _ in args.pin])
         for provider, options in plan.pins.items():

@@ -90,3 +90,9 @@ def test_unknown_provider_names_are_refused_listing_the_known_ones(given, named,
 def test_a_bad_m_list_is_refused_naming_m_and_its_syntax(m, capsys):
     err = refused(["--device", "cpu", "--shapes", "32,64", "--m", m, "--list"], capsys)
     assert f"--m {m!r}" in err and "comma-separated positive integers and LO-HI ranges" in err
+
+
+@pytest.mark.parametrize("seconds", ["nan", "inf", "-1", "0"])
+def test_limit_seconds_must_be_finite_and_positive(seconds, capsys):
+    err = refused([*RUN, "--shapes", "32,64", "--m", "1", "--no-write", "--limit-seconds", seconds], capsys)
+    assert "--limit-seconds must be a finite number of seconds > 0" in err
