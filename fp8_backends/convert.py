@@ -561,6 +561,8 @@ def quantize_model(
             logger.warning("quantize_model: %s stays %s: %s", name, type(linear).__name__, reason)
             continue
         except InvalidInputError as exc:  # the weight itself (non-finite values, the meta device): name the module
+            if type(exc) is not InvalidInputError:  # a subclass (an option error, ...) keeps its type and message
+                raise
             raise InvalidInputError(f"{name}: {exc} (the linears before it are swapped already)") from None
         for alias in aliases.get(name, [name]):  # every name the module has gets the one new layer
             _set_module(model, alias, layer)
