@@ -287,7 +287,7 @@ def test_an_experts_layout_the_per_expert_form_cannot_serve_is_refused_before_th
     # stored as the model holds it (3-D tensors): left alone, loaded as any other parameter
     fused = {"experts.gate_up_proj": TensorMeta("experts.gate_up_proj", "BF16", (2, 8, 4), "f.safetensors"),
              "experts.down_proj": TensorMeta("experts.down_proj", "BF16", (2, 4, 4), "f.safetensors")}
-    assert expand_experts(model, fused) == [] and isinstance(model.experts, _BiasedExperts)
+    assert expand_experts(model, fused)[0] == [] and isinstance(model.experts, _BiasedExperts)
 
 
 def test_the_per_expert_forward_matches_transformers_experts_on_the_same_weights():
@@ -359,3 +359,20 @@ def test_a_moe_model_served_per_expert_compiles(moe):
     finally:
         torch._dynamo.reset()
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+def test_a_failed_moe_state_dict_load_leaves_the_model_unchanged(moe):
+    from safetensors.torch import load_file
+
+    path = moe("qwen3_moe")
+    config = json.loads((path / "config.json").read_text())
+    model = transformers.Qwen3MoeForCausalLM(transformers.AutoConfig.from_pretrained(path)).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    experts = model.model.layers[1].mlp.experts
+    state = load_file(str(path / "model.safetensors"))
+    state["model.layers.1.mlp.experts.2.gate_proj.weight_scale_inv"].fill_(float("nan"))  # found before any change
+    with pytest.raises(CheckpointError, match="finite"):
+        load_fp8_state_dict(model, state, config, dtype=torch.float32, device="cpu")
+    assert model.model.layers[1].mlp.experts is experts and experts.gate_up_proj.shape == (4, 256, 256)
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())

@@ -12,7 +12,7 @@ them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from ..core.errors import CheckpointError
@@ -25,10 +25,11 @@ PER_EXPERT_LEAVES = ("gate_proj", "up_proj", "down_proj")
 
 
 def expand_experts(model: nn.Module, tensors: Mapping[str, TensorMeta], *, strict: bool = True,
-                   where: str = "") -> list[str]:
+                   where: str = "") -> tuple[list[str], Callable[[], None]]:
     """Replace, in ``model``, every ``transformers`` experts module whose experts ``tensors`` stores one by one by a
     :class:`~fp8_backends.layers.experts.PerExpertLinears` (module docstring); return the summary's notes (empty when
-    nothing was replaced). ``strict``: an experts module the checkpoint stores in neither layout is an error.
+    nothing was replaced) and a function that puts the replaced modules back (a load that fails before it changes
+    the model otherwise). ``strict``: an experts module the checkpoint stores in neither layout is an error.
 
     Raises :class:`~fp8_backends.core.errors.CheckpointError` for experts stored one by one whose module's layout
     the per-expert form cannot serve (biases, interleaved gate/up, ...), before the model is changed."""
@@ -55,15 +56,24 @@ def expand_experts(model: nn.Module, tensors: Mapping[str, TensorMeta], *, stric
                                   f"cannot be served per expert: {reason}", tensor=first, file=tensors[first].file)
         todo.append((name, module))
     if not todo:
-        return []
+        return [], lambda: None
     sizes = set()
+    replaced = []
     for name, module in todo:
         e, i, h = fused_experts_layout(module)  # type: ignore[misc]
         sizes.add(f"{e} x gate/up [{i}, {h}] + down [{h}, {i}]")
+        weights = {attr: module._parameters[attr] for attr in ("gate_up_proj", "down_proj")}
         model.set_submodule(name, PerExpertLinears.from_fused(module))
+        replaced.append((name, module, weights))
+
+    def undo() -> None:
+        for name, module, weights in replaced:
+            module._parameters.update(weights)
+            model.set_submodule(name, module)
+
     return [f"{len(todo)} MoE layer(s) with experts stored one by one, served one linear triple per expert "
             f"({'; '.join(sorted(sizes))}): an eager loop over the experts hit, one host sync per layer "
-            "(not CUDA-graph capturable)"]
+            "(not CUDA-graph capturable)"], undo
 
 
 __all__ = ["PER_EXPERT_LEAVES", "expand_experts"]

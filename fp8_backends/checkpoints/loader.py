@@ -285,14 +285,18 @@ def load_fp8_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]
     device = torch.device(device if device is not None else (first.device if first is not None else "cpu"))
     check_backend(backend, device)
     metas = {name: TensorMeta(name, dtype_code(t), tuple(t.shape), "<state dict>") for name, t in state_dict.items()}
-    expert_notes = expand_experts(model, metas, strict=strict, where="<state dict>")
-    plan = plan_linears(fmt, linear_infos(model), metas, fuse_groups=fuse_patterns(fuse),
-                        block_served=block_layer_served(), where="<state dict>")
-    targets = plan_params(model, plan, metas, strict=strict, where="<state dict>")
-    loader = Fp8CheckpointLoader(plan, dtype=dtype, device=device, backend=backend, objective=objective,
-                                 shard_scales=shard_scales)
-    for meta in plan.small_tensors():
-        loader.weight_loader(meta.name, state_dict[meta.name])
+    expert_notes, undo_experts = expand_experts(model, metas, strict=strict, where="<state dict>")
+    try:  # every check before the model changes; a failure puts the experts modules back
+        plan = plan_linears(fmt, linear_infos(model), metas, fuse_groups=fuse_patterns(fuse),
+                            block_served=block_layer_served(), where="<state dict>")
+        targets = plan_params(model, plan, metas, strict=strict, where="<state dict>")
+        loader = Fp8CheckpointLoader(plan, dtype=dtype, device=device, backend=backend, objective=objective,
+                                     shard_scales=shard_scales)
+        for meta in plan.small_tensors():
+            loader.weight_loader(meta.name, state_dict[meta.name])
+    except BaseException:
+        undo_experts()
+        raise
     loader.create_weights(model)
     for name, tensor in state_dict.items():
         if name in targets:

@@ -144,7 +144,7 @@ def load_pretrained(
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     model = build_skeleton(folder, dtype, model_class, trust_remote_code)
     clock.lap("build model")
-    expert_notes = expand_experts(model, index.tensors, where=str(folder))
+    expert_notes, _ = expand_experts(model, index.tensors, where=str(folder))  # a model of its own: no undo
     plan = plan_linears(fmt, linear_infos(model), index.tensors, fuse_groups=fuse_patterns(fuse),
                         block_served=block_layer_served(), where=str(folder))
     targets = plan_params(model, plan, index.tensors, where=str(folder))
