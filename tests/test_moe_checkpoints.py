@@ -376,3 +376,47 @@ def test_a_failed_moe_state_dict_load_leaves_the_model_unchanged(moe):
     assert model.model.layers[1].mlp.experts is experts and experts.gate_up_proj.shape == (4, 256, 256)
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+
+
+#: other transformers 5 MoE families with 3-D experts (Qwen2-MoE with its gated shared expert, OLMoE, GLM-4-MoE)
+OTHER_MOE = {
+    "Qwen2MoeForCausalLM": ("Qwen2MoeConfig", {"moe_intermediate_size": 128, "num_experts": 4,
+                                                "num_experts_per_tok": 2, "shared_expert_intermediate_size": 256}),
+    "OlmoeForCausalLM": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2}),
+    "Glm4MoeForCausalLM": ("Glm4MoeConfig", {"moe_intermediate_size": 128, "n_routed_experts": 4,
+                                              "num_experts_per_tok": 2, "n_shared_experts": 1,
+                                              "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+                                              "head_dim": 64}),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(OTHER_MOE))
+def test_other_moe_families_are_served_per_expert(tmp_path, arch):
+    from safetensors.torch import save_file
+
+    config_name, extra = OTHER_MOE[arch]
+    if not hasattr(transformers, config_name):
+        pytest.skip(f"this transformers has no {config_name}")
+    config = getattr(transformers, config_name)(num_attention_heads=4, num_key_value_heads=2, architectures=[arch],
+                                                **COMMON, **extra)
+    torch.manual_seed(0)
+    model = getattr(transformers, arch)(config).to(torch.bfloat16).eval()
+    keep = ("lm_head", "gate", "shared_expert_gate")
+    out = {}
+    for key, value in per_expert_state(model).items():
+        module = key.rpartition(".")[0]
+        leaf = module.rpartition(".")[2]
+        if key.endswith(".weight") and value.dim() == 2 and "embed" not in key and leaf not in keep:
+            out[key], out[f"{module}.weight_scale_inv"] = quantize_block(value)
+        else:
+            out[key] = value.contiguous()
+    save_file(out, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    saved = model.config.to_dict()
+    saved["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                    "weight_block_size": [128, 128], "modules_to_not_convert": list(keep)}
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    served, summary = load_pretrained(tmp_path, device="cpu", dtype=torch.float32)
+    assert any("MoE layer(s) with experts stored one by one" in note for note in summary.notes)
+    with torch.no_grad():
+        got = served(IDS).logits.float()
+    assert_matches(got, reference_logits(tmp_path))
