@@ -35,16 +35,17 @@ def expand_experts(model: nn.Module, tensors: Mapping[str, TensorMeta], *, stric
     the per-expert form cannot serve (biases, interleaved gate/up, ...), before the model is changed."""
     from fp8_backends.layers.experts import PerExpertLinears, fused_experts_layout, unserved_layout
 
-    found = [(name, module) for name, module in model.named_modules() if fused_experts_layout(module) is not None]
+    found = [(name, module, layout) for name, module in model.named_modules()
+             if (layout := fused_experts_layout(module)) is not None]
     todo = []
-    for name, module in found:
+    sizes: set[str] = set()
+    for name, module, (e, i, h) in found:
         if f"{name}.gate_up_proj" in tensors or f"{name}.down_proj" in tensors:
             continue  # stored as the model holds it: loaded as any other parameter
         first = next((f"{name}.0.{leaf}.weight" for leaf in PER_EXPERT_LEAVES
                       if f"{name}.0.{leaf}.weight" in tensors), None)
         if first is None:
             if strict:
-                e, i, h = fused_experts_layout(module)  # type: ignore[misc]
                 raise CheckpointError(f"missing: the model holds {name}'s {e} experts as gate_up_proj [{e}, {2 * i}, "
                                       f"{h}] and down_proj [{e}, {h}, {i}]; the checkpoint stores neither those nor "
                                       f"per-expert {name}.<e>.{{{','.join(PER_EXPERT_LEAVES)}}}.weight",
@@ -55,13 +56,11 @@ def expand_experts(model: nn.Module, tensors: Mapping[str, TensorMeta], *, stric
             raise CheckpointError(f"the checkpoint stores {name}'s experts one by one, but {type(module).__name__} "
                                   f"cannot be served per expert: {reason}", tensor=first, file=tensors[first].file)
         todo.append((name, module))
+        sizes.add(f"{e} x gate/up [{i}, {h}] + down [{h}, {i}]")
     if not todo:
         return [], lambda: None
-    sizes = set()
     replaced = []
     for name, module in todo:
-        e, i, h = fused_experts_layout(module)  # type: ignore[misc]
-        sizes.add(f"{e} x gate/up [{i}, {h}] + down [{h}, {i}]")
         weights = {attr: module._parameters[attr] for attr in ("gate_up_proj", "down_proj")}
         model.set_submodule(name, PerExpertLinears.from_fused(module))
         replaced.append((name, module, weights))

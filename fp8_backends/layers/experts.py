@@ -93,6 +93,7 @@ class PerExpertLinears(nn.Module):
             self.add_module(str(e), ExpertMLP(hidden, intermediate, device=device, dtype=dtype))
         #: the replaced experts module without its weights: its ``_apply_gate`` (or ``act_fn``) gates
         self.gating = gating
+        self._own_gate = callable(getattr(gating, "_apply_gate", None))  # decided once, not per call
 
     @classmethod
     def from_fused(cls, module: nn.Module) -> PerExpertLinears:
@@ -112,9 +113,8 @@ class PerExpertLinears(nn.Module):
         return self._modules[str(e)]  # type: ignore[return-value]
 
     def _gate(self, gate_up: torch.Tensor) -> torch.Tensor:
-        apply_gate = getattr(self.gating, "_apply_gate", None)
-        if apply_gate is not None:
-            return apply_gate(gate_up)
+        if self._own_gate:
+            return self.gating._apply_gate(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.gating.act_fn(gate) * up
 
