@@ -6,7 +6,9 @@ experts from the checkpoint's dequantized tensors, activations group-quantized a
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,7 @@ from fp8_backends.checkpoints import load_fp8_state_dict, load_pretrained  # noq
 from fp8_backends.checkpoints.experts import expand_experts  # noqa: E402
 from fp8_backends.checkpoints.shards import TensorMeta  # noqa: E402
 from fp8_backends.core.errors import CheckpointError, InvalidInputError  # noqa: E402
-from fp8_backends.layers import Fp8Linear  # noqa: E402
+from fp8_backends.layers import Fp8Linear, process_weights_after_loading  # noqa: E402
 from fp8_backends.layers.experts import PerExpertLinears, unserved_layout  # noqa: E402
 from fp8_backends.layers.shared_input import Fp8LinearSlice  # noqa: E402
 
@@ -333,19 +335,149 @@ def test_quantize_model_lists_3d_experts_it_keeps_in_the_model_dtype():
     assert cp.rel_err(got, want) < 0.15
 
 
+def _experts_layers(model):
+    return [m for m in model.modules() if isinstance(m, PerExpertLinears)]
+
+
+def _grouped_on(model, on: bool = True, max_pairs: int = 64):
+    """Ask every MoE layer for the grouped decode path (on the CPU: under Triton's interpreter) and stack."""
+    for m in _experts_layers(model):
+        m.grouped = on
+        m.grouped_max_pairs = max_pairs
+    process_weights_after_loading(model)
+
+
+needs_interpreter = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or (not torch.cuda.is_available()
+                                                   and os.environ.get("TRITON_INTERPRET") != "1"),
+    reason="the grouped experts GEMV is a Triton kernel: a GPU or Triton's interpreter")
+
+
+@needs_interpreter
+def test_stacked_experts_share_their_linears_storage_and_the_grouped_path_matches_the_loop(moe):
+    """Stacking moves every expert's weights into one tensor per projection (the linears become views: no second
+    copy); the grouped GEMV path (decode sizes) gives the per-expert loop's logits within the interpreter's FP8
+    rounding (it rounds some fp32 -> fp8 casts differently from torch: a flipped code, not a wrong formula)."""
+    model, summary = load_pretrained(moe("qwen3_moe"), device="cpu", dtype=torch.float32)
+    assert any("without the grouped decode path" in n and "grouped=True" in n for n in summary.notes)
+    with torch.no_grad():
+        loop = model(IDS).logits.float()
+    _grouped_on(model, max_pairs=10**6)
+    for experts in _experts_layers(model):
+        st = experts.stacked
+        assert st is not None and experts.grouped_reason is None
+        assert tuple(st.gate_up.shape) == (4, 256, 256) and tuple(st.down.shape) == (4, 256, 128)
+        fused = experts.expert(2).gate_proj.group.layer
+        assert fused.weight._base is st.gate_up and fused.weight.data_ptr() == st.gate_up[2].data_ptr()
+        assert experts.expert(3).down_proj.weight.data_ptr() == st.down[3].data_ptr()
+        assert "grouped decode: stacked" in repr(experts)
+    with torch.no_grad():
+        grouped = model(IDS).logits.float()
+    per_token = (grouped - loop).norm(dim=-1) / loop.norm(dim=-1)
+    assert float(per_token.median()) < 0.05, per_token  # interpreter rounding (docstring): 0.03 here
+    # the layer itself, exactly: each pair through the fused block GEMV (same interpreter) on the linears' tensors
+    from fp8_backends.providers.triton.block_gemm_ops import fused_launch
+
+    experts = _experts_layers(model)[0]
+    torch.manual_seed(1)
+    hidden, index, weights = torch.randn(3, 256), torch.tensor([[0, 3], [2, 3], [1, 4]]), torch.rand(3, 2)
+    want = torch.zeros(3, 256)
+    for t in range(3):
+        for j in range(2):
+            e = int(index[t, j])
+            if e >= 4:  # an expert-parallel sentinel: nothing
+                continue
+            fused, down = experts.expert(e).gate_proj.group.layer, experts.expert(e).down_proj
+            gu = fused_launch(hidden[t:t + 1], fused.weight, fused.weight_scale, None, torch.float32)
+            h = experts._gate(gu)
+            want[t] += fused_launch(h, down.weight, down.weight_scale, None, torch.float32)[0] * weights[t, j]
+    with torch.no_grad():
+        torch.testing.assert_close(experts(hidden, index, weights), want, rtol=1e-5, atol=1e-5)
+    for experts in _experts_layers(model):  # back to the loop: the same linears, now views of the stack
+        experts.grouped_max_pairs = 0
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS).logits.float(), loop, rtol=1e-5, atol=1e-5)
+
+
+def test_experts_that_cannot_stack_say_why_and_keep_the_loop(moe):
+    path = moe("qwen3_moe", moe_intermediate=96)  # gate/up of 96 rows: not whole blocks
+    model, summary = load_pretrained(path, device="cpu", dtype=torch.float32)
+    _grouped_on(model)
+    experts = _experts_layers(model)[0]
+    assert experts.stacked is None and "not a multiple of 128" in experts.grouped_reason
+    model2, _ = load_pretrained(moe("qwen3_moe"), device="cpu", dtype=torch.float32, backend="torch")
+    _grouped_on(model2)
+    assert "explicit GEMM provider" in _experts_layers(model2)[0].grouped_reason
+    model3, _ = load_pretrained(moe("qwen3_moe"), device="cpu", dtype=torch.float32)
+    _grouped_on(model3, on=False)
+    assert _experts_layers(model3)[0].grouped_reason == "switched off (grouped=False)"
+
+
+@needs_interpreter
+def test_the_experts_gemv_is_the_fused_group_quant_gemv_per_pair():
+    """Each (token, slot) pair's row equals the block GEMV of its token against its expert (same kernel body, bit
+    for bit), times its routing weight; a sentinel id gives a zero row; bad operands: one library error."""
+    from fp8_backends.providers.triton.block_gemm_ops import fused_launch
+    from fp8_backends.providers.triton.experts_gemv_ops import experts_gemv
+
+    torch.manual_seed(0)
+    e_count, n, k, tokens, slots = 3, 200, 300, 3, 2  # ragged N and K
+    blocks = [quantize_block(torch.randn(n, k)) for _ in range(e_count)]
+    w, s = torch.stack([q for q, _ in blocks]), torch.stack([sc for _, sc in blocks])
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    w, s = w.to(dev), s.to(dev)
+    x = torch.randn(tokens, k, dtype=torch.bfloat16, device=dev)
+    ids = torch.tensor([0, 2, 1, 3, 2, 2], device=dev)
+    rw = torch.rand(6, device=dev)
+    got = experts_gemv(x, w, s, ids, rw, slots, torch.float32)
+    for p in range(6):
+        e = int(ids[p])
+        if e >= e_count:
+            assert not got[p].any()
+            continue
+        want = fused_launch(x[p // slots:p // slots + 1], w[e], s[e], None, torch.float32,
+                            config="gemv_n16_g2_w2")[0] * rw[p]
+        torch.testing.assert_close(got[p], want, rtol=1e-6, atol=1e-5)
+    with pytest.raises(InvalidInputError, match="routing weights"):
+        experts_gemv(x, w, s, ids, rw[:3], slots)
+    with pytest.raises(InvalidInputError, match="pairs need"):
+        experts_gemv(x, w, s, ids, None, 1)
+    with pytest.raises(InvalidInputError, match="scales must be float32"):
+        experts_gemv(x, w, s[:, :1], ids, None, slots)
+    with pytest.raises(InvalidInputError, match="3-D float8"):
+        experts_gemv(x, w[0], s, ids, None, slots)
+
+
 @pytest.mark.gpu
-def test_a_moe_checkpoint_on_the_gpu_runs_eagerly_and_refuses_a_cuda_graph_capture(moe):
+def test_a_moe_checkpoint_on_the_gpu_runs_grouped_in_cuda_graphs_and_the_loop_refuses_a_capture(moe):
     path = moe("deepseek_v3")
     ref = reference_logits(path)
-    model, _ = load_pretrained(path, device="cuda")
+    model, summary = load_pretrained(path, device="cuda")
+    experts = _experts_layers(model)
+    assert all(m.stacked is not None for m in experts), [m.grouped_reason for m in experts]
+    assert not any("without the grouped decode path" in n for n in summary.notes)
     ids = IDS.to("cuda")
     with torch.no_grad():
-        got = model(ids).logits.float().cpu()
-        per_token = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
-        assert float(per_token.median()) < BF16_MEDIAN, per_token
+        for max_pairs in (10**6, 0):  # grouped GEMVs, then the per-expert loop
+            for m in experts:
+                m.grouped_max_pairs = max_pairs
+            got = model(ids).logits.float().cpu()
+            per_token = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
+            assert float(per_token.median()) < BF16_MEDIAN, (max_pairs, per_token)
+        step = ids[:, -1:].clone()  # a decode-sized step (no cache): captured with the grouped path
+        eager = model(step).logits
         graph = torch.cuda.CUDAGraph()
-        with pytest.raises(InvalidInputError, match="cannot be captured in a CUDA graph"), torch.cuda.graph(graph):
-            model(ids)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            out = model(step).logits
+        graph.replay()
+        torch.testing.assert_close(out, eager, rtol=0, atol=0)
+        for m in experts:
+            m.grouped = False
+        process_weights_after_loading(model)
+        with pytest.raises(InvalidInputError, match="cannot be captured in a CUDA graph"), \
+                torch.cuda.graph(torch.cuda.CUDAGraph()):
+            model(step)
 
 
 def test_a_moe_model_served_per_expert_compiles(moe):

@@ -33,7 +33,12 @@ def expand_experts(model: nn.Module, tensors: Mapping[str, TensorMeta], *, stric
 
     Raises :class:`~fp8_backends.core.errors.CheckpointError` for experts stored one by one whose module's layout
     the per-expert form cannot serve (biases, interleaved gate/up, ...), before the model is changed."""
-    from fp8_backends.layers.experts import PerExpertLinears, fused_experts_layout, unserved_layout
+    from fp8_backends.layers.experts import (
+        GROUPED_MAX_PAIRS,
+        PerExpertLinears,
+        fused_experts_layout,
+        unserved_layout,
+    )
 
     found = [(name, module, layout) for name, module in model.named_modules()
              if (layout := fused_experts_layout(module)) is not None]
@@ -71,8 +76,9 @@ def expand_experts(model: nn.Module, tensors: Mapping[str, TensorMeta], *, stric
             model.set_submodule(name, module)
 
     return [f"{len(todo)} MoE layer(s) with experts stored one by one, served one linear triple per expert "
-            f"({'; '.join(sorted(sizes))}): an eager loop over the experts hit, one host sync per layer "
-            "(not CUDA-graph capturable)"], undo
+            f"({'; '.join(sorted(sizes))}): up to {GROUPED_MAX_PAIRS} (token, slot) pairs and in CUDA graphs "
+            "one grouped FP8 GEMV launch per projection over the stacked experts, more pairs an eager loop over the "
+            "experts hit (one host sync per layer)"], undo
 
 
 __all__ = ["PER_EXPERT_LEAVES", "expand_experts"]

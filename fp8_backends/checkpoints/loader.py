@@ -93,6 +93,8 @@ class Fp8CheckpointLoader:
         self._input_scales: dict[str, list[float]] = {}  # fused group name -> its members' static input scales
         self._seen: set[str] = set()
         self._created = False
+        self._experts: list[Any] = []  # the model's PerExpertLinears (stacked before the layers are processed)
+        self.experts_notes: list[str] = []  # MoE layers not stacked for the grouped decode path, and why
 
     # ---------------------------------------------------------------------------------------- 1. create_weights
     def create_weights(self, model: nn.Module) -> None:
@@ -122,6 +124,9 @@ class Fp8CheckpointLoader:
                               backend=self.backend, objective=self.objective, **_block_kwargs(lin.scheme))
             self.layers[lin.name] = layer
             set_module(model, lin.name, layer)
+        from fp8_backends.layers.experts import PerExpertLinears
+
+        self._experts = [(name, m) for name, m in model.named_modules() if isinstance(m, PerExpertLinears)]
         self._created = True
         for name in list(self._pending):  # weights that came before the layers existed
             self._try_load(self.plan.linears[name])
@@ -192,6 +197,8 @@ class Fp8CheckpointLoader:
                 if meta.name not in self._seen:
                     raise CheckpointError("never given to weight_loader (missing from the checkpoint?)",
                                           tensor=meta.name, file=meta.file)
+        # MoE experts go into their stacks first: the linears are then processed once, on their final tensors
+        self.experts_notes = [f"{name}: {m.grouped_reason}" for name, m in self._experts if not m.stack_weights()]
         for layer in self.layers.values():
             layer.process_weights_after_loading()
         return self.summary()
@@ -203,7 +210,7 @@ class Fp8CheckpointLoader:
         fmt = self.plan.fmt
         out = CheckpointSummary(format=fmt.description, source=fmt.source, kept=list(self.plan.kept),
                                 not_fused=list(self.plan.not_fused), ignored=list(self.plan.ignored),
-                                notes=list(fmt.notes))
+                                notes=list(fmt.notes) + _grouped_off(self.experts_notes))
         for lin in self.plan.linears.values():
             layer = self.layers.get(lin.group.name if lin.group is not None else lin.name)
             backends = layer.backends_text if layer is not None else "(not created)"
@@ -225,6 +232,17 @@ class Fp8CheckpointLoader:
                 out.merged_input_scales.append((group.name, "/".join(f"{s:.4g}" for s in inputs)
                                                 + f" -> {max(inputs):.4g}"))
         return out
+
+
+def _grouped_off(notes: list[str]) -> list[str]:
+    """The summary's lines for MoE layers left without the grouped decode path: one per reason."""
+    by_reason: dict[str, list[str]] = {}
+    for note in notes:
+        name, _, reason = note.partition(": ")
+        by_reason.setdefault(reason, []).append(name)
+    return [f"{len(names)} MoE layer(s) without the grouped decode path (decode and CUDA graphs run the per-expert "
+            f"loop, which cannot be captured): {reason} ({names[0]}{', ...' if len(names) > 1 else ''})"
+            for reason, names in by_reason.items()]
 
 
 def _scale(tensor: torch.Tensor, name: str, file: str) -> torch.Tensor:

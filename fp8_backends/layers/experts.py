@@ -11,19 +11,39 @@ other linear of the model.
 The forward is the one ``transformers``' default ("eager") experts implementation runs: for every expert some token
 was routed to, ``down(gate(cat(gate_proj(x), up_proj(x)))) * routing weight``, summed into the tokens' rows; the
 gating (activation and product) is the replaced module's own ``_apply_gate`` (default: ``act(gate) * up``). Which
-experts were hit is read on the host (one sync per MoE layer and step, as in ``transformers``' eager experts), so a
-MoE layer served this way is not CUDA-graph capturable and breaks a ``torch.compile`` graph; an FP8 grouped GEMM
-over all experts is not part of the library yet.
+experts were hit is read on the host (one sync per MoE layer and step, as in ``transformers``' eager experts), so
+that loop is not CUDA-graph capturable and breaks a ``torch.compile`` graph.
+
+Decode (few tokens) takes another path where it can: :meth:`PerExpertLinears.stack_weights` (run by
+:func:`fp8_backends.layers.process_weights_after_loading` and the checkpoint loaders, before the linears are
+processed) copies every expert's block-scaled FP8 gate/up and down weights into one ``[E, 2*I, H]`` and one
+``[E, H, I]`` tensor (with ``[E, ., .]`` scales) and makes each expert's linears views of them (no second copy of
+the weights). A call with at most :data:`GROUPED_MAX_PAIRS` (token, slot) pairs, and every call inside a CUDA-graph
+capture, then runs two launches of the Triton experts GEMV
+(:mod:`fp8_backends.providers.triton.experts_gemv_ops`: each pair's row against its own expert's weight, the
+activation quantized per group of 128 inside the launch) around the gating: no host sync, CUDA-graph capturable,
+one graph under ``torch.compile``. Stacking needs every expert's linears block-scaled (128x128, activation groups
+of 128, e4m3), without biases, of one shape, on a device Triton runs on, gate/up in whole blocks, and the linears'
+provider left to ``auto`` (an explicit provider choice is honoured by the per-expert loop); where it cannot,
+:attr:`PerExpertLinears.grouped_reason` says why.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from ..core.errors import InvalidInputError
+
+logger = logging.getLogger("fp8_backends")
+
+#: the most (token, slot) pairs an eager or compiled call serves with the grouped experts GEMV; more go through the
+#: per-expert loop (tensor-core GEMMs per expert). A CUDA-graph capture always takes the GEMV (the loop cannot be
+#: captured).
+GROUPED_MAX_PAIRS = 64
 
 #: the attributes ``transformers``' ``use_experts_implementation`` sets on an experts module, and the values the
 #: per-expert layout serves: gate and up concatenated (not interleaved), ``[out, in]`` weights, no biases, no norm
@@ -72,6 +92,19 @@ def unserved_layout(module: nn.Module) -> str | None:
     return None
 
 
+class StackedExperts(NamedTuple):
+    """Every expert's FP8 weights in one tensor per projection (:meth:`PerExpertLinears.stack_weights`):
+    ``gate_up`` ``[E, 2*I, H]`` float8 with ``gate_up_scale`` ``[E, 2*I/128, ceil(H/128)]`` fp32, ``down``
+    ``[E, H, I]`` with ``down_scale`` ``[E, ceil(H/128), ceil(I/128)]``; ``op`` the experts GEMV's hot-path
+    callable."""
+
+    gate_up: torch.Tensor
+    gate_up_scale: torch.Tensor
+    down: torch.Tensor
+    down_scale: torch.Tensor
+    op: Any
+
+
 class PerExpertLinears(nn.Module):
     """A ``transformers`` experts module's place in the model, served as one :class:`ExpertMLP` per expert (children
     named ``"0"``, ``"1"``, ...; module docstring). Build it with :meth:`from_fused`.
@@ -94,6 +127,14 @@ class PerExpertLinears(nn.Module):
         #: the replaced experts module without its weights: its ``_apply_gate`` (or ``act_fn``) gates
         self.gating = gating
         self._own_gate = callable(getattr(gating, "_apply_gate", None))  # decided once, not per call
+        #: the stacked weights of the grouped decode path (None: per-expert loop only; :attr:`grouped_reason` why)
+        self.stacked: StackedExperts | None = None
+        self.grouped_reason: str | None = "not stacked yet (process_weights_after_loading)"
+        #: the most (token, slot) pairs an eager / compiled call serves with the grouped GEMV
+        self.grouped_max_pairs = GROUPED_MAX_PAIRS
+        #: the grouped decode path: None (default) where it can run on a GPU, True also on the CPU under Triton's
+        #: interpreter (tests), False never; takes effect at the next :meth:`stack_weights`
+        self.grouped: bool | None = None
 
     @classmethod
     def from_fused(cls, module: nn.Module) -> PerExpertLinears:
@@ -118,11 +159,110 @@ class PerExpertLinears(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)
         return self.gating.act_fn(gate) * up
 
+    # ------------------------------------------------------------------------------ stacking
+    def _sources(self) -> tuple[list[tuple[Any, ...]], str | None]:
+        """Per expert ``(gate_up_parts, down)``: the Fp8Linear(s) holding its gate and up rows (one fused layer, or
+        gate and up) and its down layer; or a reason the experts cannot be stacked."""
+        from .modules import Fp8Linear
+        from .shared_input import Fp8LinearSlice
+
+        out = []
+        for e in range(self.num_experts):
+            ex = self.expert(e)
+            gate, up, down = ex.gate_proj, ex.up_proj, ex.down_proj
+            if (isinstance(gate, Fp8LinearSlice) and isinstance(up, Fp8LinearSlice) and gate.group is up.group
+                    and gate.index == 0 and up.index == 1 and len(gate.group.sizes) == 2):
+                parts = (gate.group.layer,)
+            elif isinstance(gate, Fp8Linear) and isinstance(up, Fp8Linear):
+                parts = (gate, up)
+            else:
+                return [], f"expert {e}'s gate_proj / up_proj are not FP8 linears ({type(gate).__name__})"
+            if not isinstance(down, Fp8Linear):
+                return [], f"expert {e}'s down_proj is not an FP8 linear ({type(down).__name__})"
+            out.append((parts, down))
+        return out, None
+
+    def _stack_problem(self, sources: list[tuple[Any, ...]]) -> str | None:
+        from ..core.types import ActScale
+        from .modules import _requests_auto
+
+        h, i = self.hidden_dim, self.intermediate_dim
+        if self.grouped is False:
+            return "switched off (grouped=False)"
+        if i % 128:
+            return f"the intermediate size {i} is not a multiple of 128 (gate and up in whole blocks)"
+        first = sources[0][1].weight
+        for e, (parts, down) in enumerate(sources):
+            for lin, rows, cols in [(p, 2 * i // len(parts), h) for p in parts] + [(down, h, i)]:
+                if (lin.weight_block != (128, 128) or lin.group_size != 128
+                        or lin.act_scale is not ActScale.PER_TOKEN_GROUP):
+                    return f"expert {e} is not block-scaled with 128x128 blocks and activation groups of 128"
+                if (lin.out_features, lin.in_features) != (rows, cols) or lin.bias is not None:
+                    return f"expert {e}'s linears are not [{rows}, {cols}] without bias"
+                if lin.weight.dtype != torch.float8_e4m3fn or lin.input_dtype.torch_dtype() != torch.float8_e4m3fn:
+                    return f"expert {e}'s weights or inputs are not float8_e4m3fn"
+                if lin.weight.device != first.device:
+                    return "the experts' weights are on several devices"
+                if not _requests_auto("gemm", lin.backend_request):
+                    return f"an explicit GEMM provider was asked for ({lin.backend_request!r}): the loop honours it"
+        return _grouped_device_problem(first.device, self.grouped is True)
+
+    def stack_weights(self) -> bool:
+        """Stack every expert's FP8 weights for the grouped decode path (module docstring); True when stacked, else
+        :attr:`grouped_reason` says why not. Load time: copies the weights once (peak: one more copy of this
+        layer's experts), makes every expert's linears views of the stack and leaves them unprocessed where they
+        were (a processed linear whose weight moved into the stack is processed again)."""
+        sources, why = self._sources()
+        why = why or self._stack_problem(sources)
+        if why is not None:
+            self.stacked, self.grouped_reason = None, why
+            return False
+        if self.stacked is not None and all(p.weight._base is self.stacked.gate_up for parts, _ in sources
+                                            for p in parts):
+            return True  # already views of the current stack
+        h, i, e_count = self.hidden_dim, self.intermediate_dim, self.num_experts
+        dev = sources[0][1].weight.device
+        gate_up = torch.empty((e_count, 2 * i, h), dtype=torch.float8_e4m3fn, device=dev)
+        gate_up_scale = torch.empty((e_count, 2 * i // 128, -(-h // 128)), dtype=torch.float32, device=dev)
+        down = torch.empty((e_count, h, i), dtype=torch.float8_e4m3fn, device=dev)
+        down_scale = torch.empty((e_count, -(-h // 128), i // 128), dtype=torch.float32, device=dev)
+        for e, (parts, down_lin) in enumerate(sources):
+            rows = 2 * i // len(parts)
+            for j, lin in enumerate(parts):
+                _move_into(lin, gate_up[e, j * rows:(j + 1) * rows], gate_up_scale[e, j * rows // 128:
+                                                                                     (j + 1) * rows // 128])
+            _move_into(down_lin, down[e], down_scale[e])
+        from fp8_backends.providers.triton.experts_gemv_ops import load_op
+
+        self.stacked = StackedExperts(gate_up, gate_up_scale, down, down_scale, load_op())
+        self.grouped_reason = None
+        logger.debug("MoE experts %d x [%d, %d] stacked for the grouped decode path", e_count, i, h)
+        return True
+
+    def _apply(self, fn: Any, recurse: bool = True) -> PerExpertLinears:
+        """A move (``.to()``, ``.cuda()``) moves every expert's linears on their own: the stack is rebuilt from
+        them (or dropped, with the reason, where the new device cannot serve it)."""
+        had = self.stacked is not None
+        self.stacked = None
+        super()._apply(fn, recurse)
+        if had and self.stack_weights():
+            for parts, down in self._sources()[0]:
+                for lin in (*parts, down):
+                    if lin.kernel is not None and lin.weight._base is not None:
+                        lin.process_weights_after_loading()
+        return self
+
+    # ------------------------------------------------------------------------------ forward
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        if hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():
+        capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
+        stacked = self.stacked
+        if stacked is not None and (capturing or top_k_index.numel() <= self.grouped_max_pairs):
+            return self._grouped(stacked, hidden_states, top_k_index, top_k_weights)
+        if capturing:
             raise InvalidInputError("MoE experts served per expert read which experts were hit on the host: they "
-                                    "cannot be captured in a CUDA graph (run the model eagerly or compiled)")
+                                    "cannot be captured in a CUDA graph (run the model eagerly or compiled; the "
+                                    f"grouped decode path that can is off: {self.grouped_reason})")
         out = torch.zeros_like(hidden_states)
         k = top_k_index.shape[-1]
         flat = top_k_index.reshape(-1)
@@ -144,8 +284,58 @@ class PerExpertLinears(nn.Module):
             start += count
         return out
 
+    def _grouped(self, stacked: StackedExperts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Both projections as experts GEMVs over every (token, slot) pair; the slots summed in fp32."""
+        t, k = top_k_index.shape
+        ids = top_k_index.reshape(-1)
+        gate_up = stacked.op(hidden_states, stacked.gate_up, stacked.gate_up_scale, ids, None, k,
+                             hidden_states.dtype, "auto")
+        h = self._gate(gate_up)
+        y = stacked.op(h, stacked.down, stacked.down_scale, ids, top_k_weights.reshape(-1).float(), 1,
+                       torch.float32, "auto")
+        return y.view(t, k, -1).sum(dim=1).to(hidden_states.dtype)
+
     def extra_repr(self) -> str:
-        return f"num_experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}"
+        grouped = "stacked" if self.stacked is not None else f"off ({self.grouped_reason})"
+        return (f"num_experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "
+                f"grouped decode: {grouped}")
 
 
-__all__ = ["SERVED_LAYOUT", "ExpertMLP", "PerExpertLinears", "fused_experts_layout", "unserved_layout"]
+def _move_into(lin: Any, weight: torch.Tensor, scale: torch.Tensor) -> None:
+    """Copy ``lin``'s weight and block scales into the stack's views ``weight`` / ``scale`` and make those its
+    buffers (processed again when it had been: its prepared weight held the old tensor)."""
+    weight.copy_(lin.weight)
+    scale.copy_(lin.weight_scale)
+    lin.weight = weight
+    lin.weight_scale = scale
+    if lin.kernel is not None:
+        lin.kernel = lin._plan = lin._traced = None
+        lin.process_weights_after_loading()
+
+
+def _grouped_device_problem(device: torch.device, interpreter: bool) -> str | None:
+    """Why the Triton experts GEMV cannot run on ``device`` (None: it can); ``interpreter``: CPU tensors under
+    Triton's interpreter count (tests)."""
+    try:
+        from fp8_backends.providers.triton import _support
+    except ImportError as exc:  # no triton
+        return f"Triton is not importable ({exc})"
+    if device.type == "cuda":
+        if torch.cuda.get_device_capability(device) < _support.MIN_SM:
+            return f"the GPU is below SM {_support.MIN_SM[0]}.{_support.MIN_SM[1]}"
+        return None
+    if device.type == "cpu" and _support.interpreting():
+        return None if interpreter else "CPU tensors (under Triton's interpreter only when asked: grouped=True)"
+    return f"the experts GEMV does not run on {device.type} tensors"
+
+
+def stack_expert_weights(model: nn.Module) -> list[str]:
+    """:meth:`PerExpertLinears.stack_weights` for every MoE layer of ``model`` served per expert; returns the
+    reasons of those that were not stacked (``"<name>: <reason>"``)."""
+    return [f"{name}: {m.grouped_reason}" for name, m in model.named_modules()
+            if isinstance(m, PerExpertLinears) and not m.stack_weights()]
+
+
+__all__ = ["GROUPED_MAX_PAIRS", "SERVED_LAYOUT", "ExpertMLP", "PerExpertLinears", "StackedExperts",
+           "fused_experts_layout", "stack_expert_weights", "unserved_layout"]
