@@ -1,0 +1,184 @@
+"""Benchmark: one MoE layer's routed experts, block-scaled FP8 served by the library against ``transformers``' bf16
+experts (its default ``grouped_mm`` implementation and its ``eager`` loop), at decode and small-prefill token counts.
+
+Variants (one layer of ``--model``'s sizes, random weights, random top-k routing, the same inputs for all):
+
+- ``bf16/grouped_mm``: ``transformers``' experts module as a bf16 model runs it by default (``torch._grouped_mm``).
+- ``bf16/eager``: the same module with ``experts_implementation="eager"`` (a loop over the experts hit).
+- ``fp8/grouped``: :class:`~fp8_backends.layers.experts.PerExpertLinears` on the stacked FP8 experts, the Triton
+  experts GEMV (two launches around the gating) whatever the token count.
+- ``fp8/loop``: the same module's per-expert loop (one FP8 GEMM per expert hit and projection, one host sync).
+- ``.../graph``: the step captured in a CUDA graph and replayed (the variants that can be captured).
+
+Timing: ``--rounds`` interleaved rounds, the order rotated each round, CUDA events around ``--iters`` calls (median);
+ratios are the median over rounds of the per-round ratio. Writes ``moe_experts.json`` / ``.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench import common
+from bench.hf_bench import capture, cuda_time_us
+
+#: (experts, hidden, moe intermediate, experts per token) of the layers timed
+MODELS = {"qwen3-30b-a3b": (128, 2048, 768, 8), "deepseek-v3": (256, 7168, 2048, 8),
+          "tiny": (4, 256, 128, 2)}  # tiny: a CPU smoke test (Triton's interpreter)
+
+
+def build(model: str, device: str) -> dict[str, Any]:
+    """``{"bf16": transformers experts module, "fp8": PerExpertLinears}`` on the same (block-quantized) weights."""
+    import transformers
+
+    from fp8_backends import quantize_model
+    from fp8_backends.layers import process_weights_after_loading
+    from fp8_backends.layers.experts import PerExpertLinears
+
+    e, h, i, k = MODELS[model]
+    config = transformers.Qwen3MoeConfig(hidden_size=h, moe_intermediate_size=i, num_experts=e,
+                                         num_experts_per_tok=k, hidden_act="silu")
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        bf16 = Qwen3MoeExperts(config).to(torch.bfloat16)
+        torch.nn.init.normal_(bf16.gate_up_proj, std=h ** -0.5)
+        torch.nn.init.normal_(bf16.down_proj, std=i ** -0.5)
+        donor = Qwen3MoeExperts(config).to(torch.bfloat16)
+    gate_up, down = bf16.gate_up_proj.detach(), bf16.down_proj.detach()
+    fp8 = PerExpertLinears.from_fused(donor).to_empty(device=device)
+    with torch.no_grad():
+        for x in range(e):
+            ex = fp8.expert(x)
+            ex.gate_proj.weight.copy_(gate_up[x, :i])
+            ex.up_proj.weight.copy_(gate_up[x, i:])
+            ex.down_proj.weight.copy_(down[x])
+    holder = torch.nn.Module()
+    holder.experts = fp8
+    summary = quantize_model(holder, weight_scale="block")
+    process_weights_after_loading(holder)
+    served = (f"{summary.count} linears swapped, {len(summary.fused)} gate/up groups fused, "
+              f"{fp8.expert(0).down_proj.backends_text}; grouped decode: {fp8.grouped_reason or 'stacked'}")
+    return {"bf16": bf16, "fp8": fp8, "config": config, "summary": served}
+
+
+def routing(tokens: int, config: Any, device: str) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator(device="cpu").manual_seed(tokens)
+    hidden = torch.randn(tokens, config.hidden_size, generator=g).to(device, torch.bfloat16)
+    logits = torch.randn(tokens, config.num_experts, generator=g)
+    weights, index = torch.topk(torch.softmax(logits, -1), config.num_experts_per_tok, dim=-1)
+    return hidden, index.to(device), (weights / weights.sum(-1, keepdim=True)).to(device, torch.bfloat16)
+
+
+def steps_for(mods: dict[str, Any], tokens: int, device: str, graphs: bool) -> dict[str, Any]:
+    bf16, fp8, config = mods["bf16"], mods["fp8"], mods["config"]
+    hidden, index, weights = routing(tokens, config, device)
+
+    def bf16_impl(name: str) -> Any:
+        def step() -> Any:
+            config._experts_implementation = name
+            return bf16(hidden, index, weights)
+        return step
+
+    def fp8_impl(max_pairs: int) -> Any:
+        def step() -> Any:
+            fp8.grouped_max_pairs = max_pairs
+            return fp8(hidden, index, weights)
+        return step
+
+    steps = {"bf16/grouped_mm": bf16_impl("grouped_mm"), "bf16/eager": bf16_impl("eager"),
+             "fp8/grouped": fp8_impl(1 << 30), "fp8/loop": fp8_impl(0)}
+    outs = {}
+    with torch.no_grad():
+        for name, fn in steps.items():
+            outs[name] = fn().float()
+        if graphs:
+            for name in ("bf16/grouped_mm", "fp8/grouped"):
+                try:
+                    steps[f"{name}/graph"] = capture(steps[name])
+                except Exception as exc:  # reported, not timed
+                    print(f"{name}: no CUDA graph ({type(exc).__name__}: {exc})", file=sys.stderr)
+    ref = outs["bf16/grouped_mm"]
+    errors = {name: float((o - ref).norm() / ref.norm()) for name, o in outs.items()}
+    return {"steps": steps, "errors": errors}
+
+
+def run(args: Any) -> dict[str, Any]:
+    from fp8_backends.registry.platform import detect_platform
+
+    platform = detect_platform()
+    result: dict[str, Any] = {"header": common.run_header(platform, args.device), "model": args.model, "rows": []}
+    mods = build(args.model, args.device)
+    result["fp8_layer"] = mods["summary"]
+    for tokens in args.tokens:
+        got = steps_for(mods, tokens, args.device, args.device == "cuda")
+        steps = got["steps"]
+        samples: dict[str, list[float]] = {name: [] for name in steps}
+        with torch.no_grad():
+            for fn in steps.values():  # warm up (compile, first launches) outside the timing
+                for _ in range(3):
+                    fn()
+            for r in range(args.rounds):
+                order = list(steps)
+                order = order[r % len(order):] + order[:r % len(order)]
+                for name in order:
+                    samples[name].append(cuda_time_us(steps[name], args.iters, args.device))
+        row = {"tokens": tokens, "us": {n: statistics.median(v) for n, v in samples.items()}, "us_rounds": samples,
+               "rel_err_vs_bf16": got["errors"]}
+        result["rows"].append(row)
+        print(f"T={tokens}: " + ", ".join(f"{n} {u:.1f}" for n, u in row["us"].items()), file=sys.stderr)
+    return result
+
+
+def ratio(row: dict[str, Any], a: str, b: str) -> str:
+    ra, rb = row["us_rounds"].get(a), row["us_rounds"].get(b)
+    if not ra or not rb:
+        return "-"
+    values = [x / y for x, y in zip(ra, rb)]
+    return f"{statistics.median(values):.3f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def render(result: dict[str, Any]) -> list[str]:
+    e, h, i, k = MODELS[result["model"]]
+    lines = common.header_markdown(result["header"], f"MoE experts, one layer of {result['model']} sizes "
+                                   f"({e} experts, hidden {h}, intermediate {i}, top-{k})")
+    names = list(dict.fromkeys(n for row in result["rows"] for n in row["us"]))
+    lines += ["µs per call (median of interleaved rounds); ratios: the median over rounds of the per-round ratio "
+              "(range); < 1 is faster. `/graph`: replay of a CUDA-graph capture.", ""]
+    pairs = [("fp8/grouped", "bf16/grouped_mm"), ("fp8/grouped", "fp8/loop"),
+             ("fp8/grouped/graph", "bf16/grouped_mm/graph")]
+    header = ["tokens", *names, *[f"{a} / {b}" for a, b in pairs]]
+    rows = [[row["tokens"], *[common.fmt(row["us"].get(n), ".1f") for n in names],
+             *[ratio(row, a, b) for a, b in pairs]] for row in result["rows"]]
+    lines += common.md_table(header, rows)
+    lines += ["", "Relative error of each variant's output against bf16/grouped_mm (same inputs): "
+              + "; ".join(f"T={row['tokens']}: " + ", ".join(f"{n} {v:.4f}" for n, v in row["rel_err_vs_bf16"].items()
+                                                           if n != "bf16/grouped_mm")
+                          for row in result["rows"][:2])]
+    lines += ["", f"FP8 layer: {result['fp8_layer']}"]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b-a3b")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    result = run(args)
+    common.write_json(args.out / "moe_experts.json", result)
+    common.write_markdown(args.out / "moe_experts.md", render(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
