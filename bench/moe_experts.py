@@ -5,9 +5,11 @@ Variants (one layer of ``--model``'s sizes, random weights, random top-k routing
 
 - ``bf16/grouped_mm``: ``transformers``' experts module as a bf16 model runs it by default (``torch._grouped_mm``).
 - ``bf16/eager``: the same module with ``experts_implementation="eager"`` (a loop over the experts hit).
-- ``fp8/grouped``: :class:`~fp8_backends.layers.experts.PerExpertLinears` on the stacked FP8 experts, the Triton
-  experts GEMV (two launches around the gating) whatever the token count.
+- ``fp8/gemv``: :class:`~fp8_backends.layers.experts.PerExpertLinears` on the stacked FP8 experts, the Triton
+  experts GEMV (two launches around the gating) whatever the token count (timed up to 64 tokens).
+- ``fp8/tiles``: the same module's tiled experts GEMM (pairs sorted by expert, tensor-core tiles).
 - ``fp8/loop``: the same module's per-expert loop (one FP8 GEMM per expert hit and projection, one host sync).
+- The library's default takes ``fp8/gemv`` up to 64 (token, slot) pairs, ``fp8/tiles`` above.
 - ``.../graph``: the step captured in a CUDA graph and replayed (the variants that can be captured).
 
 Timing: ``--rounds`` interleaved rounds, the order rotated each round, CUDA events around ``--iters`` calls (median);
@@ -86,20 +88,24 @@ def steps_for(mods: dict[str, Any], tokens: int, device: str, graphs: bool) -> d
             return bf16(hidden, index, weights)
         return step
 
-    def fp8_impl(max_pairs: int) -> Any:
+    def fp8_impl(max_pairs: int, grouped: bool | None = None) -> Any:
         def step() -> Any:
-            fp8.grouped_max_pairs = max_pairs
+            fp8.grouped_max_pairs, fp8.grouped = max_pairs, grouped
             return fp8(hidden, index, weights)
         return step
 
-    steps = {"bf16/grouped_mm": bf16_impl("grouped_mm"), "bf16/eager": bf16_impl("eager"),
-             "fp8/grouped": fp8_impl(1 << 30), "fp8/loop": fp8_impl(0)}
+    steps = {"bf16/grouped_mm": bf16_impl("grouped_mm"), "bf16/eager": bf16_impl("eager")}
+    if tokens <= 64:
+        steps["fp8/gemv"] = fp8_impl(1 << 30)
+    steps |= {"fp8/tiles": fp8_impl(0), "fp8/loop": fp8_impl(0, False)}
     outs = {}
     with torch.no_grad():
         for name, fn in steps.items():
             outs[name] = fn().float()
         if graphs:
-            for name in ("bf16/grouped_mm", "fp8/grouped"):
+            for name in ("bf16/grouped_mm", "fp8/gemv", "fp8/tiles"):
+                if name not in steps:
+                    continue
                 try:
                     steps[f"{name}/graph"] = capture(steps[name])
                 except Exception as exc:  # reported, not timed
@@ -151,8 +157,8 @@ def render(result: dict[str, Any]) -> list[str]:
     names = list(dict.fromkeys(n for row in result["rows"] for n in row["us"]))
     lines += ["µs per call (median of interleaved rounds); ratios: the median over rounds of the per-round ratio "
               "(range); < 1 is faster. `/graph`: replay of a CUDA-graph capture.", ""]
-    pairs = [("fp8/grouped", "bf16/grouped_mm"), ("fp8/grouped", "fp8/loop"),
-             ("fp8/grouped/graph", "bf16/grouped_mm/graph")]
+    pairs = [("fp8/gemv", "bf16/grouped_mm"), ("fp8/tiles", "bf16/grouped_mm"), ("fp8/gemv", "fp8/tiles"),
+             ("fp8/gemv/graph", "bf16/grouped_mm/graph"), ("fp8/tiles/graph", "bf16/grouped_mm/graph")]
     header = ["tokens", *names, *[f"{a} / {b}" for a, b in pairs]]
     rows = [[row["tokens"], *[common.fmt(row["us"].get(n), ".1f") for n in names],
              *[ratio(row, a, b) for a, b in pairs]] for row in result["rows"]]
@@ -168,7 +174,7 @@ def render(result: dict[str, Any]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b-a3b")
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 512, 2048])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

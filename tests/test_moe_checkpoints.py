@@ -393,8 +393,16 @@ def test_stacked_experts_share_their_linears_storage_and_the_grouped_path_matche
             want[t] += fused_launch(h, down.weight, down.weight_scale, None, torch.float32)[0] * weights[t, j]
     with torch.no_grad():
         torch.testing.assert_close(experts(hidden, index, weights), want, rtol=1e-5, atol=1e-5)
-    for experts in _experts_layers(model):  # back to the loop: the same linears, now views of the stack
+        experts.grouped_max_pairs = 0  # the tiled GEMM: the same numbers, summation order aside
+        torch.testing.assert_close(experts(hidden, index, weights), want, rtol=1e-4, atol=1e-4)
+    for experts in _experts_layers(model):  # prefill sizes: the tiled experts GEMM
         experts.grouped_max_pairs = 0
+    with torch.no_grad():
+        tiled = model(IDS).logits.float()
+    per_token = (tiled - loop).norm(dim=-1) / loop.norm(dim=-1)
+    assert float(per_token.median()) < 0.05, per_token
+    for experts in _experts_layers(model):  # back to the loop at once: the same linears, now views of the stack
+        experts.grouped = False
     with torch.no_grad():
         torch.testing.assert_close(model(IDS).logits.float(), loop, rtol=1e-5, atol=1e-5)
 
@@ -414,11 +422,12 @@ def test_experts_that_cannot_stack_say_why_and_keep_the_loop(moe):
 
 
 @needs_interpreter
-def test_the_experts_gemv_is_the_fused_group_quant_gemv_per_pair():
-    """Each (token, slot) pair's row equals the block GEMV of its token against its expert (same kernel body, bit
-    for bit), times its routing weight; a sentinel id gives a zero row; bad operands: one library error."""
+def test_the_experts_gemv_and_gemm_compute_each_pair_against_its_own_expert():
+    """GEMV: each (token, slot) pair's row equals the block GEMV of its token against its expert (same kernel body,
+    bit for bit), times its routing weight; the tiled GEMM: the reference GEMM of the group-quantized token (ragged
+    N and K, two tile heights); a sentinel id gives a zero row; bad operands: one library error."""
     from fp8_backends.providers.triton.block_gemm_ops import fused_launch
-    from fp8_backends.providers.triton.experts_gemv_ops import experts_gemv
+    from fp8_backends.providers.triton.experts_ops import experts_gemv
 
     torch.manual_seed(0)
     e_count, n, k, tokens, slots = 3, 200, 300, 3, 2  # ragged N and K
@@ -438,6 +447,19 @@ def test_the_experts_gemv_is_the_fused_group_quant_gemv_per_pair():
         want = fused_launch(x[p // slots:p // slots + 1], w[e], s[e], None, torch.float32,
                             config="gemv_n16_g2_w2")[0] * rw[p]
         torch.testing.assert_close(got[p], want, rtol=1e-6, atol=1e-5)
+    # the tiled GEMM on the same pairs: each row the reference GEMM of the group-quantized token and its expert
+    from fp8_backends.core import reference
+    from fp8_backends.providers.triton.experts_ops import experts_gemm
+    from fp8_backends.providers.triton.group_quant_ops import triton_quant_per_token_group
+
+    x_q, x_s = triton_quant_per_token_group(x, 128, torch.float8_e4m3fn, "row_major")
+    for block_m in (16, 32):
+        tiled = experts_gemm(x, w, s, ids, rw, slots, torch.float32, block_m=block_m)
+        for p in range(6):
+            e, t = int(ids[p]), p // slots
+            want = (torch.zeros(n, device=dev) if e >= e_count else
+                    reference.fp8_gemm(x_q[t:t + 1], w[e], x_s[t:t + 1], s[e], torch.float32)[0] * rw[p])
+            torch.testing.assert_close(tiled[p], want, rtol=1e-5, atol=1e-4)
     with pytest.raises(InvalidInputError, match="routing weights"):
         experts_gemv(x, w, s, ids, rw[:3], slots)
     with pytest.raises(InvalidInputError, match="pairs need"):
@@ -458,20 +480,22 @@ def test_a_moe_checkpoint_on_the_gpu_runs_grouped_in_cuda_graphs_and_the_loop_re
     assert not any("without the grouped decode path" in n for n in summary.notes)
     ids = IDS.to("cuda")
     with torch.no_grad():
-        for max_pairs in (10**6, 0):  # grouped GEMVs, then the per-expert loop
+        for max_pairs, grouped in ((10**6, None), (0, None), (0, False)):  # experts GEMV, tiled GEMM, the loop
             for m in experts:
-                m.grouped_max_pairs = max_pairs
+                m.grouped_max_pairs, m.grouped = max_pairs, grouped
             got = model(ids).logits.float().cpu()
             per_token = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
-            assert float(per_token.median()) < BF16_MEDIAN, (max_pairs, per_token)
-        step = ids[:, -1:].clone()  # a decode-sized step (no cache): captured with the grouped path
-        eager = model(step).logits
-        graph = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
-            out = model(step).logits
-        graph.replay()
-        torch.testing.assert_close(out, eager, rtol=0, atol=0)
+            assert float(per_token.median()) < BF16_MEDIAN, (max_pairs, grouped, per_token)
+        for m in experts:
+            m.grouped, m.grouped_max_pairs = None, 64
+        for step in (ids[:, -1:].clone(), ids.clone()):  # decode sizes (the GEMV) and prefill sizes (tiles)
+            eager = model(step).logits
+            graph = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph):
+                out = model(step).logits
+            graph.replay()
+            torch.testing.assert_close(out, eager, rtol=0, atol=0)
         for m in experts:
             m.grouped = False
         process_weights_after_loading(model)

@@ -8,24 +8,27 @@ place with one :class:`ExpertMLP` (three ``nn.Linear``) per expert, named as the
 become an :class:`~fp8_backends.layers.Fp8Linear` (gate/up fused into one GEMM where their blocks allow) like any
 other linear of the model.
 
-The forward is the one ``transformers``' default ("eager") experts implementation runs: for every expert some token
-was routed to, ``down(gate(cat(gate_proj(x), up_proj(x)))) * routing weight``, summed into the tokens' rows; the
-gating (activation and product) is the replaced module's own ``_apply_gate`` (default: ``act(gate) * up``). Which
-experts were hit is read on the host (one sync per MoE layer and step, as in ``transformers``' eager experts), so
-that loop is not CUDA-graph capturable and breaks a ``torch.compile`` graph.
+Two forwards:
 
-Decode (few tokens) takes another path where it can: :meth:`PerExpertLinears.stack_weights` (run by
-:func:`fp8_backends.layers.process_weights_after_loading` and the checkpoint loaders, before the linears are
-processed) copies every expert's block-scaled FP8 gate/up and down weights into one ``[E, 2*I, H]`` and one
-``[E, H, I]`` tensor (with ``[E, ., .]`` scales) and makes each expert's linears views of them (no second copy of
-the weights). A call with at most :data:`GROUPED_MAX_PAIRS` (token, slot) pairs, and every call inside a CUDA-graph
-capture, then runs two launches of the Triton experts GEMV
-(:mod:`fp8_backends.providers.triton.experts_gemv_ops`: each pair's row against its own expert's weight, the
-activation quantized per group of 128 inside the launch) around the gating: no host sync, CUDA-graph capturable,
-one graph under ``torch.compile``. Stacking needs every expert's linears block-scaled (128x128, activation groups
-of 128, e4m3), without biases, of one shape, on a device Triton runs on, gate/up in whole blocks, and the linears'
-provider left to ``auto`` (an explicit provider choice is honoured by the per-expert loop); where it cannot,
-:attr:`PerExpertLinears.grouped_reason` says why.
+- **Grouped** (where the experts stack): :meth:`PerExpertLinears.stack_weights` (run by
+  :func:`fp8_backends.layers.process_weights_after_loading` and the checkpoint loaders, before the linears are
+  processed) copies every expert's block-scaled FP8 gate/up and down weights into one ``[E, 2*I, H]`` and one
+  ``[E, H, I]`` tensor (with ``[E, ., .]`` scales) and makes each expert's linears views of them (no second copy).
+  A call with at most :data:`GROUPED_MAX_PAIRS` (token, slot) pairs (decode) runs two launches of the Triton experts
+  GEMV (:mod:`fp8_backends.providers.triton.experts_ops`: each pair's row against its own expert's weight, the
+  activation quantized per group of 128 inside the launch) around the gating; a call with more (prefill) runs the
+  tiled experts GEMM (pairs sorted by expert on the device, tensor-core tiles of one expert each, the activation
+  group-quantized first). Nothing is read on the host: CUDA-graph capturable, one graph under ``torch.compile``.
+  Stacking needs every expert's linears block-scaled (128x128, activation groups of 128, e4m3), without biases, of
+  one shape, on a device Triton runs on, gate/up in whole blocks (``I % 128 == 0``), and the linears' provider left
+  to ``auto`` (an explicit provider choice is honoured by the loop); where it cannot,
+  :attr:`PerExpertLinears.grouped_reason` says why.
+- **The per-expert loop** otherwise, the one ``transformers``' "eager" experts implementation runs: for every expert
+  some token was routed to, ``down(gate(cat(gate_proj(x), up_proj(x)))) * routing weight``, summed into the tokens'
+  rows. Which experts were hit is read on the host (one sync per MoE layer and step), so the loop is not CUDA-graph
+  capturable and breaks a ``torch.compile`` graph.
+
+Both gate with the replaced module's own ``_apply_gate`` (default: ``act(gate) * up``).
 """
 
 from __future__ import annotations
@@ -40,9 +43,8 @@ from ..core.errors import InvalidInputError
 
 logger = logging.getLogger("fp8_backends")
 
-#: the most (token, slot) pairs an eager or compiled call serves with the grouped experts GEMV; more go through the
-#: per-expert loop (tensor-core GEMMs per expert). A CUDA-graph capture always takes the GEMV (the loop cannot be
-#: captured).
+#: the most (token, slot) pairs a call serves with the experts GEMV (each pair's row against its expert's weight);
+#: more go through the tiled experts GEMM (tensor cores, pairs sorted by expert)
 GROUPED_MAX_PAIRS = 64
 
 #: the attributes ``transformers``' ``use_experts_implementation`` sets on an experts module, and the values the
@@ -103,6 +105,9 @@ class StackedExperts(NamedTuple):
     down: torch.Tensor
     down_scale: torch.Tensor
     op: Any
+    #: the tiled GEMM's hot-path callable and the Triton group quantization that feeds it
+    gemm_op: Any
+    quant: Any
 
 
 class PerExpertLinears(nn.Module):
@@ -130,10 +135,11 @@ class PerExpertLinears(nn.Module):
         #: the stacked weights of the grouped decode path (None: per-expert loop only; :attr:`grouped_reason` why)
         self.stacked: StackedExperts | None = None
         self.grouped_reason: str | None = "not stacked yet (process_weights_after_loading)"
-        #: the most (token, slot) pairs an eager / compiled call serves with the grouped GEMV
+        #: the most (token, slot) pairs a call serves with the experts GEMV (more: the tiled experts GEMM)
         self.grouped_max_pairs = GROUPED_MAX_PAIRS
-        #: the grouped decode path: None (default) where it can run on a GPU, True also on the CPU under Triton's
-        #: interpreter (tests), False never; takes effect at the next :meth:`stack_weights`
+        #: the grouped paths: None (default) where they can run on a GPU, True also on the CPU under Triton's
+        #: interpreter (tests; takes effect at the next :meth:`stack_weights`), False never (the per-expert loop at
+        #: once; the stack is dropped at the next :meth:`stack_weights`)
         self.grouped: bool | None = None
 
     @classmethod
@@ -232,9 +238,13 @@ class PerExpertLinears(nn.Module):
                 _move_into(lin, gate_up[e, j * rows:(j + 1) * rows], gate_up_scale[e, j * rows // 128:
                                                                                      (j + 1) * rows // 128])
             _move_into(down_lin, down[e], down_scale[e])
-        from fp8_backends.providers.triton.experts_gemv_ops import load_op
+        from fp8_backends.providers.triton.experts_ops import load_gemm_op, load_op
+        from fp8_backends.providers.triton.group_quant_ops import load_op as load_quant_op
+        from fp8_backends.providers.triton.group_quant_ops import triton_quant_per_token_group
 
-        self.stacked = StackedExperts(gate_up, gate_up_scale, down, down_scale, load_op())
+        load_quant_op()
+        self.stacked = StackedExperts(gate_up, gate_up_scale, down, down_scale, load_op(), load_gemm_op(),
+                                      triton_quant_per_token_group)
         self.grouped_reason = None
         logger.debug("MoE experts %d x [%d, %d] stacked for the grouped decode path", e_count, i, h)
         return True
@@ -255,11 +265,12 @@ class PerExpertLinears(nn.Module):
     # ------------------------------------------------------------------------------ forward
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
         stacked = self.stacked
-        if stacked is not None and (capturing or top_k_index.numel() <= self.grouped_max_pairs):
-            return self._grouped(stacked, hidden_states, top_k_index, top_k_weights)
-        if capturing:
+        if stacked is not None and self.grouped is not False:
+            if top_k_index.numel() <= self.grouped_max_pairs:
+                return self._grouped(stacked, hidden_states, top_k_index, top_k_weights)
+            return self._grouped_tiles(stacked, hidden_states, top_k_index, top_k_weights)
+        if hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():
             raise InvalidInputError("MoE experts served per expert read which experts were hit on the host: they "
                                     "cannot be captured in a CUDA graph (run the model eagerly or compiled; the "
                                     f"grouped decode path that can is off: {self.grouped_reason})")
@@ -294,6 +305,24 @@ class PerExpertLinears(nn.Module):
         h = self._gate(gate_up)
         y = stacked.op(h, stacked.down, stacked.down_scale, ids, top_k_weights.reshape(-1).float(), 1,
                        torch.float32, "auto")
+        return y.view(t, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+    def _grouped_tiles(self, stacked: StackedExperts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                       top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Both projections as tiled experts GEMMs over the pairs sorted by expert (one tile plan for both)."""
+        from fp8_backends.providers.triton.experts_ops import block_m_for, tile_plan
+
+        t, k = top_k_index.shape
+        ids = top_k_index.reshape(-1)
+        bm = block_m_for(ids.shape[0], self.num_experts)
+        plan = tile_plan(ids, self.num_experts, bm)
+        fp8 = stacked.gate_up.dtype
+        x_q, x_s = stacked.quant(hidden_states, 128, fp8, "row_major")
+        gate_up = stacked.gemm_op(x_q, x_s, stacked.gate_up, stacked.gate_up_scale, *plan, None, k, bm,
+                                  hidden_states.dtype)
+        h_q, h_s = stacked.quant(self._gate(gate_up), 128, fp8, "row_major")
+        y = stacked.gemm_op(h_q, h_s, stacked.down, stacked.down_scale, *plan, top_k_weights.reshape(-1).float(), 1,
+                            bm, torch.float32)
         return y.view(t, k, -1).sum(dim=1).to(hidden_states.dtype)
 
     def extra_repr(self) -> str:

@@ -1,11 +1,14 @@
-"""Triton kernel of the block-scaled FP8 GEMV over routed experts (a MoE layer's decode).
+"""Triton kernels of the block-scaled FP8 GEMMs over routed experts (a MoE layer): :func:`experts_gemv_kernel` for
+few (token, slot) pairs (decode), :func:`experts_gemm_kernel` for many (prefill).
+
+The GEMV:
 
 ``out[p, n] = sum_g (q(x[p // TOKEN_DIV])[g] · x_scale[g]) · (w[e_p, n, g] · w_scale[e_p, n // WBN, g·G // WBK])``
 for every (token, slot) pair ``p`` with ``e_p = ids[p]``: each pair's row is multiplied by its own expert's weight,
 in one launch for all pairs, so a decode step's MoE layer reads each routed expert's weight once per pair and needs
 no host-side knowledge of which experts were hit (CUDA-graph capturable, no sync).
 
-Shared contract (validated by the caller, :mod:`.experts_gemv_ops`):
+Shared contract (validated by the caller, :mod:`.experts_ops`):
 
 - ``x``: ``[R, K]`` bf16/fp16/fp32, the *unquantized* rows; pair ``p`` reads row ``p // TOKEN_DIV`` (``TOKEN_DIV = k``
   for the gate/up projection, where the ``k`` slots of a token share its hidden state; 1 for the down projection).
@@ -18,6 +21,20 @@ Shared contract (validated by the caller, :mod:`.experts_gemv_ops`):
 - ``out``: ``[P, N]`` (``stride_om, stride_on``), bf16/fp16/fp32; ``HAS_RW``: row ``p`` is multiplied by the fp32
   routing weight ``rw[p]`` before the store.
 - Grid ``(cdiv(N, BLOCK_N), P)``; ``BLOCK_N`` divides ``WBN`` (a program's rows lie in one weight block).
+
+The tiled GEMM (tensor cores, pairs sorted by expert; the tile plan is made on the device by
+:func:`.experts_ops.tile_plan`, so nothing is read on the host):
+
+- ``x_q``: ``[R, K]`` float8, already quantized per group of ``G`` (``x_scale`` fp32 ``[R, ceil(K / G)]``, any
+  strides); pair ``p`` reads row ``p // TOKEN_DIV``.
+- ``order``: ``[P]`` the pairs sorted by expert; tile ``b`` covers ``order[row0[b] : min(row0[b] + BLOCK_M,
+  row_end[b])]``, all of expert ``tile_expert[b]`` (``>= E``: an unused tile, which exits at once). Each expert's
+  pairs start a new tile, so a tile reads one expert's weight.
+- ``w``: ``[E, N, K]`` float8 with ``w_scale`` ``[E, ceil(N / WBN), ceil(K / WBK)]``; ``BLOCK_N`` divides ``WBN``
+  and ``G`` divides ``WBK`` (one weight scale per tile and K step).
+- Every K step of ``G`` columns is one MMA whose fp32 result is multiplied by the rows' activation scales and the
+  tile's weight scale and added to the fp32 accumulator; ``out`` row ``p`` (``[P, N]``) gets the sum, times ``rw[p]``
+  where ``HAS_RW``. Grid ``(max_tiles, cdiv(N, BLOCK_N))``.
 """
 
 from __future__ import annotations
@@ -66,3 +83,50 @@ def experts_gemv_kernel(
     total = tl.where(valid, total, 0.0)
     tl.store(out_ptr + p.to(tl.int64) * stride_om + offs_n * stride_on, total.to(out_ptr.dtype.element_ty),
              mask=offs_n < N)
+
+
+@triton.jit
+def experts_gemm_kernel(
+    x_ptr, w_ptr, out_ptr, xs_ptr, ws_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr, tile_end_ptr, rw_ptr,
+    N, K, E, TOKEN_DIV,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
+    stride_xsm, stride_xsk, stride_wse, stride_wsn, stride_wsk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr, WBN: tl.constexpr, WBK: tl.constexpr,
+    EVEN_K: tl.constexpr, HAS_RW: tl.constexpr,
+):
+    """One ``BLOCK_M x BLOCK_N`` output tile of one expert's sorted pairs (module docstring)."""
+    b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(tile_expert_ptr + b).to(tl.int64)
+    if expert >= E:
+        return
+    row0 = tl.load(tile_row0_ptr + b)
+    row_end = tl.load(tile_end_ptr + b)
+    offs_r = row0 + tl.arange(0, BLOCK_M)
+    in_m = offs_r < row_end
+    pairs = tl.load(order_ptr + offs_r, mask=in_m, other=0).to(tl.int64)
+    rows_x = pairs // TOKEN_DIV
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_w = (offs_n % N).to(tl.int64)
+    offs_k = tl.arange(0, GROUP_K)
+    x_ptrs = x_ptr + rows_x[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    w_ptrs = w_ptr + expert * stride_we + rows_w[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    xs_ptrs = xs_ptr + rows_x * stride_xsm
+    ws_row = ws_ptr + expert * stride_wse + ((pid_n * BLOCK_N) // WBN) * stride_wsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, GROUP_K)):
+        k0 = kb * GROUP_K
+        if EVEN_K:
+            a = tl.load(x_ptrs + k0 * stride_xk, mask=in_m[:, None], other=0.0)
+            bw = tl.load(w_ptrs + k0 * stride_wk)
+        else:
+            in_k = offs_k < K - k0
+            a = tl.load(x_ptrs + k0 * stride_xk, mask=in_m[:, None] & in_k[None, :], other=0.0)
+            bw = tl.load(w_ptrs + k0 * stride_wk, mask=in_k[:, None], other=0.0)
+        xs = tl.load(xs_ptrs + kb * stride_xsk, mask=in_m, other=0.0)
+        ws = tl.load(ws_row + (k0 // WBK) * stride_wsk)
+        acc += tl.dot(a, bw) * (xs[:, None] * ws)
+    if HAS_RW:
+        acc = acc * tl.load(rw_ptr + pairs, mask=in_m, other=0.0).to(tl.float32)[:, None]
+    ptrs = out_ptr + pairs[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & (offs_n[None, :] < N))

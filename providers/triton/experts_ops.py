@@ -1,0 +1,243 @@
+"""The block-scaled FP8 GEMMs over routed experts (kernel contracts in :mod:`.experts_kernels`):
+:func:`experts_gemv` for few (token, slot) pairs (a MoE layer's decode, one launch per projection) and
+:func:`experts_gemm` for many (prefill: the pairs sorted by expert into tiles of tensor-core MMAs).
+
+``experts_gemv(x [R, K], w [E, N, K] fp8, w_scale [E, ceil(N/128), ceil(K/128)] fp32, ids [P] int, rw [P] fp32 or
+None, token_div, out_dtype) -> [P, N]``: row ``p`` is ``x[p // token_div]`` (quantized per group of 128 inside the
+launch) times expert ``ids[p]``'s weight, times ``rw[p]`` where given; ids outside ``[0, E)`` give zero rows.
+
+``experts_gemm`` computes the same (``x`` quantized per group of 128 first by the Triton group quantization): the
+pairs sorted by expert (:func:`tile_plan`, torch ops on the device: a stable sort, a scatter-add count, cumulative
+sums and a ``searchsorted``; no host sync), then one launch over ``cdiv(P, BLOCK_M) + min(E, P)`` tile rows (the
+most tiles any routing needs; the unused ones exit at once).
+
+Plain eager calls launch through the library's cached launcher (:mod:`.launcher`); under ``torch.compile`` the ops
+``fp8_backends::triton_experts_gemv`` / ``triton_experts_gemm`` are ``triton_op`` s whose bodies launch the same
+kernels through ``wrap_triton`` (Inductor launches them from its generated code). No host-device sync: CUDA-graph
+capturable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fp8_backends.core.errors import InvalidInputError
+from fp8_backends.core.oplib import LazyOps, TritonOpSpec
+from fp8_backends.core.types import Fp8Dtype
+
+from . import _support
+from .block_gemm_args import row_align
+from .block_gemm_configs import CONFIGS, WEIGHT_BLOCK, fused_shape_config
+from .launcher import launch as _launch
+
+OP_BASENAME = "triton_experts_gemv"
+GEMM_OP_BASENAME = "triton_experts_gemm"
+GROUP_SIZE = 128
+_GRID_Y_MAX = 65535
+
+
+def check_inputs(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, ids: torch.Tensor,
+                 rw: torch.Tensor | None, token_div: int) -> None:
+    """One :class:`~fp8_backends.core.errors.InvalidInputError` for operands :func:`experts_gemv` cannot take."""
+    if w.dim() != 3 or w.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise InvalidInputError(f"experts weight must be a 3-D float8 [E, N, K] tensor, got {w.dtype} "
+                                f"{tuple(w.shape)}")
+    e, n, k = w.shape
+    want = (e, -(-n // WEIGHT_BLOCK[0]), -(-k // WEIGHT_BLOCK[1]))
+    if w_scale.dtype != torch.float32 or tuple(w_scale.shape) != want:
+        raise InvalidInputError(f"experts weight scales must be float32 {want}, got {w_scale.dtype} "
+                                f"{tuple(w_scale.shape)}")
+    if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise InvalidInputError(f"experts input must be a bf16/fp16/fp32 [rows, {k}] tensor, got {x.dtype} "
+                                f"{tuple(x.shape)}")
+    if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
+        raise InvalidInputError(f"expert ids must be a 1-D int32/int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
+    if token_div < 1 or ids.shape[0] > x.shape[0] * token_div:
+        raise InvalidInputError(f"{ids.shape[0]} pairs need {-(-ids.shape[0] // max(token_div, 1))} input rows "
+                                f"(token_div {token_div}), got {x.shape[0]}")
+    if rw is not None and (rw.dim() != 1 or rw.shape[0] != ids.shape[0] or rw.dtype != torch.float32):
+        raise InvalidInputError(f"routing weights must be float32 [{ids.shape[0]}], got {rw.dtype} "
+                                f"{tuple(rw.shape)}")
+    if ids.shape[0] > _GRID_Y_MAX:
+        raise InvalidInputError(f"the experts GEMV launches one program row per pair: at most {_GRID_Y_MAX}, got "
+                                f"{ids.shape[0]}")
+    devices = {t.device for t in (x, w, w_scale, ids) + (() if rw is None else (rw,))}
+    if len(devices) != 1:
+        raise InvalidInputError(f"experts GEMV operands on several devices: {sorted(map(str, devices))}")
+
+
+def _kernel() -> Any:
+    from .experts_kernels import experts_gemv_kernel
+
+    return experts_gemv_kernel
+
+
+def kernel_args(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor | None,
+          token_div: int, out: torch.Tensor, config: str) -> tuple[Any, tuple[int, int], tuple[Any, ...], int]:
+    e, n, k = w.shape
+    cfg = CONFIGS[config if config in CONFIGS and CONFIGS[config].family == "gemv" else fused_shape_config(n, k)]
+    step = cfg.groups * GROUP_SIZE
+    args = (x, w, out, w_scale, ids, out if rw is None else rw, n, k, e, token_div,
+            x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
+            w_scale.stride(0), w_scale.stride(1), w_scale.stride(2),
+            cfg.block_n, cfg.groups, GROUP_SIZE, WEIGHT_BLOCK[0], WEIGHT_BLOCK[1], k % step == 0,
+            row_align(k, x.stride(0), w.stride(1)), rw is not None, Fp8Dtype.of(w.dtype).max)
+    return _kernel(), (-(-n // cfg.block_n), ids.shape[0]), args, cfg.warps
+
+
+def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor | None,
+           token_div: int, out_dtype: torch.dtype, config: str = "auto") -> torch.Tensor:
+    """The eager implementation (operands assumed checked: :func:`check_inputs`)."""
+    out = x.new_empty((ids.shape[0], w.shape[1]), dtype=out_dtype)
+    if ids.shape[0] == 0:
+        return out
+    kernel, grid, args, warps = kernel_args(x, w, w_scale, ids, rw, token_div, out, config)
+    index = x.get_device()
+    _support.on_device(index, _launch_on, kernel, grid, args, warps, index)
+    return out
+
+
+def _launch_on(kernel: Any, grid: tuple[int, int], args: tuple[Any, ...], warps: int, index: int) -> None:
+    _launch(kernel, grid, args, num_warps=warps, num_stages=1, pdl=False, device_index=max(index, 0))
+
+
+# ------------------------------------------------------------------------------------------ the tiled GEMM
+def block_m_for(pairs: int, experts: int) -> int:
+    """The tile height for ``pairs`` pairs over ``experts`` experts: about the pairs an expert gets (16 to 64)."""
+    per_expert = pairs / max(1, min(experts, pairs))
+    return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
+
+
+def tile_plan(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
+    """``(order, tile_expert, tile_row0, tile_end)`` of :func:`.experts_kernels.experts_gemm_kernel` for the expert
+    ids ``ids [P]``: the pairs sorted by expert (ids outside ``[0, E)`` last, in no tile), and for each of
+    ``cdiv(P, block_m) + min(E, P)`` tiles its expert (``E``: unused), first sorted row and its expert's row end.
+    Torch ops only, on ``ids``' device: no host sync (traced by ``torch.compile``, captured by CUDA graphs)."""
+    p = ids.shape[0]
+    ids = ids.to(torch.int64)
+    clean = torch.where((ids >= 0) & (ids < experts), ids, experts)
+    order = torch.argsort(clean, stable=True)
+    counts = torch.zeros(experts + 1, dtype=torch.int64, device=ids.device)
+    counts = counts.scatter_add_(0, clean, torch.ones_like(clean))[:experts]
+    tiles = (counts + block_m - 1) // block_m
+    tiles_end = torch.cumsum(tiles, 0)
+    seg_start = torch.cumsum(counts, 0) - counts
+    max_tiles = -(-p // block_m) + min(experts, p)
+    b = torch.arange(max_tiles, device=ids.device, dtype=torch.int64)
+    tile_expert = torch.searchsorted(tiles_end, b, right=True)
+    e = tile_expert.clamp(max=experts - 1)
+    tile_row0 = seg_start[e] + (b - (tiles_end[e] - tiles[e])) * block_m
+    tile_end = seg_start[e] + counts[e]
+    return order, tile_expert.to(torch.int32), tile_row0.to(torch.int32), tile_end.to(torch.int32)
+
+
+def gemm_kernel_args(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                     order: torch.Tensor, tile_expert: torch.Tensor, tile_row0: torch.Tensor, tile_end: torch.Tensor,
+                     rw: torch.Tensor | None, token_div: int, block_m: int, out: torch.Tensor
+                     ) -> tuple[Any, tuple[int, int], tuple[Any, ...], int, int]:
+    from .experts_kernels import experts_gemm_kernel
+
+    e, n, k = w.shape
+    block_n = 128
+    args = (x_q, w, out, x_scale, w_scale, order, tile_expert, tile_row0, tile_end, out if rw is None else rw,
+            n, k, e, token_div,
+            x_q.stride(0), x_q.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
+            x_scale.stride(0), x_scale.stride(1), w_scale.stride(0), w_scale.stride(1), w_scale.stride(2),
+            block_m, block_n, GROUP_SIZE, WEIGHT_BLOCK[0], WEIGHT_BLOCK[1], k % GROUP_SIZE == 0, rw is not None)
+    return experts_gemm_kernel, (tile_expert.shape[0], -(-n // block_n)), args, 4, 3
+
+
+def gemm_launch(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                order: torch.Tensor, tile_expert: torch.Tensor, tile_row0: torch.Tensor, tile_end: torch.Tensor,
+                rw: torch.Tensor | None, token_div: int, block_m: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """The eager implementation of the tiled GEMM: ``[P, N]``, rows of pairs in no tile (ids outside ``[0, E)``)
+    zero."""
+    out = x_q.new_zeros((order.shape[0], w.shape[1]), dtype=out_dtype)
+    if order.shape[0] == 0:
+        return out
+    kernel, grid, args, warps, stages = gemm_kernel_args(x_q, x_scale, w, w_scale, order, tile_expert, tile_row0,
+                                                         tile_end, rw, token_div, block_m, out)
+    index = x_q.get_device()
+    _support.on_device(index, _launch_gemm_on, kernel, grid, args, warps, stages, index)
+    return out
+
+
+def _launch_gemm_on(kernel: Any, grid: tuple[int, int], args: tuple[Any, ...], warps: int, stages: int,
+                    index: int) -> None:
+    _launch(kernel, grid, args, num_warps=warps, num_stages=stages, pdl=False, device_index=max(index, 0))
+
+
+def _fake_gemm(x_q: Any, x_scale: Any, w: Any, w_scale: Any, order: Any, tile_expert: Any, tile_row0: Any,
+               tile_end: Any, rw: Any, token_div: int, block_m: int, out_dtype: Any) -> Any:
+    return x_q.new_empty((order.shape[0], w.shape[1]), dtype=out_dtype)
+
+
+def experts_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, ids: torch.Tensor,
+                 rw: torch.Tensor | None = None, token_div: int = 1, out_dtype: torch.dtype | None = None,
+                 block_m: int | None = None) -> torch.Tensor:
+    """Checked call of the tiled GEMM (module docstring): what :func:`experts_gemv` computes, for many pairs."""
+    from .group_quant_ops import triton_quant_per_token_group
+
+    check_inputs(x, w, w_scale, ids, rw, token_div)
+    bm = block_m_for(ids.shape[0], w.shape[0]) if block_m is None else block_m
+    plan = tile_plan(ids, w.shape[0], bm)
+    x_q, x_scale = triton_quant_per_token_group(x, GROUP_SIZE, w.dtype, "row_major")
+    return load_gemm_op()(x_q, x_scale, w, w_scale, *plan, rw, token_div, bm,
+                          x.dtype if out_dtype is None else out_dtype)
+
+
+def _fake(x: Any, w: Any, w_scale: Any, ids: Any, rw: Any, token_div: int, out_dtype: Any, config: str) -> Any:
+    return x.new_empty((ids.shape[0], w.shape[1]), dtype=out_dtype)
+
+
+_SCHEMA = (f"{OP_BASENAME}(Tensor x, Tensor w, Tensor w_scale, Tensor ids, Tensor? rw, int token_div, "
+           "ScalarType out_dtype, str config) -> Tensor")
+
+
+_GEMM_SCHEMA = (f"{GEMM_OP_BASENAME}(Tensor x_q, Tensor x_scale, Tensor w, Tensor w_scale, Tensor order, "
+                "Tensor tile_expert, Tensor tile_row0, Tensor tile_end, Tensor? rw, int token_div, int block_m, "
+                "ScalarType out_dtype) -> Tensor")
+
+
+def _specs() -> dict[str, Any]:
+    # under the interpreter plain opaque ops: Inductor cannot launch interpreted kernels
+    if _support.interpreting():
+        return {OP_BASENAME: (_SCHEMA, launch, _fake), GEMM_OP_BASENAME: (_GEMM_SCHEMA, gemm_launch, _fake_gemm)}
+    from .experts_traced import triton_experts_gemm, triton_experts_gemv
+
+    return {OP_BASENAME: TritonOpSpec(triton_experts_gemv, launch),
+            GEMM_OP_BASENAME: TritonOpSpec(triton_experts_gemm, gemm_launch)}
+
+
+def _dispatch_keys() -> tuple[str, ...]:
+    return ("CUDA", "CPU") if _support.interpreting() else ("CUDA",)
+
+
+_OPS = LazyOps(_specs, _dispatch_keys)
+
+
+def load_op() -> Any:
+    """Define the ops now (load time, never inside ``torch.compile`` tracing); returns the GEMV's hot-path callable."""
+    _OPS.preload()
+    return _OPS.call(OP_BASENAME)
+
+
+def load_gemm_op() -> Any:
+    """Define the ops now (load time); returns the tiled GEMM's hot-path callable (``(x_q, x_scale, w, w_scale,
+    order, tile_expert, tile_row0, tile_end, rw, token_div, block_m, out_dtype) -> [P, N]``)."""
+    _OPS.preload()
+    return _OPS.call(GEMM_OP_BASENAME)
+
+
+def experts_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, ids: torch.Tensor,
+                 rw: torch.Tensor | None = None, token_div: int = 1, out_dtype: torch.dtype | None = None,
+                 config: str = "auto") -> torch.Tensor:
+    """Checked call (module docstring): ``[ids.numel(), N]`` in ``out_dtype`` (default ``x``'s dtype)."""
+    check_inputs(x, w, w_scale, ids, rw, token_div)
+    return load_op()(x, w, w_scale, ids, rw, token_div, x.dtype if out_dtype is None else out_dtype, config)
+
+
+__all__ = ["GEMM_OP_BASENAME", "OP_BASENAME", "block_m_for", "check_inputs", "experts_gemm", "experts_gemv",
+           "gemm_launch", "launch", "load_gemm_op", "load_op", "tile_plan"]
