@@ -76,9 +76,9 @@ def expand_experts(model: nn.Module, tensors: Mapping[str, TensorMeta], *, stric
             model.set_submodule(name, module)
 
     return [f"{len(todo)} MoE layer(s) with experts stored one by one, served one linear triple per expert "
-            f"({'; '.join(sorted(sizes))}): up to {GROUPED_MAX_PAIRS} (token, slot) pairs and in CUDA graphs "
-            "one grouped FP8 GEMV launch per projection over the stacked experts, more pairs an eager loop over the "
-            "experts hit (one host sync per layer)"], undo
+            f"({'; '.join(sorted(sizes))}): stacked, an experts GEMV per projection up to {GROUPED_MAX_PAIRS} "
+            "(token, slot) pairs and a tiled experts GEMM above; experts that cannot stack run an eager loop over "
+            "the experts hit (one host sync per layer)"], undo
 
 
 __all__ = ["PER_EXPERT_LEAVES", "expand_experts"]
