@@ -52,6 +52,7 @@ def build(model: str, device: str) -> dict[str, Any]:
         bf16 = Qwen3MoeExperts(config).to(torch.bfloat16)
         torch.nn.init.normal_(bf16.gate_up_proj, std=h ** -0.5)
         torch.nn.init.normal_(bf16.down_proj, std=i ** -0.5)
+    with torch.device("meta"):  # only its gating and shape: PerExpertLinears allocates its own linears
         donor = Qwen3MoeExperts(config).to(torch.bfloat16)
     gate_up, down = bf16.gate_up_proj.detach(), bf16.down_proj.detach()
     fp8 = PerExpertLinears.from_fused(donor).to_empty(device=device)
