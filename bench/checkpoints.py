@@ -378,6 +378,8 @@ def parse_args(argv: list[str] | None) -> Any:
     p.add_argument("--load-runs", type=int, default=2, help="fresh processes per loader (0: no load table)")
     p.add_argument("--check-tokens", type=int, default=64, help="logits of each variant against bf16 (0: none)")
     p.add_argument("--gc-freeze", action="store_true")
+    p.add_argument("--profile", action="store_true",
+                   help="also list the kernels of one step per variant (compiled / graph rows; torch.profiler)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--small", action="store_true", help="tiny layers (CPU smoke test)")
     p.add_argument("--out", type=Path, required=True)
@@ -412,6 +414,13 @@ def render(result: dict[str, Any]) -> list[str]:
         cells += [hf.ratio_cell(row, v, v.split("/")[0] + "/hf") for v in names if v.endswith("/lib")]
         rows.append(cells)
     lines += common.md_table(header, rows)
+    for row in result["rows"]:
+        for v, prof in (row.get("profile") or {}).items():
+            if prof:
+                lines += ["", f"Kernels of one `{row['workload']}` / {row['mode']} step of `{v}` (torch.profiler): "
+                          f"{prof['kernels']} kernels, {prof['kernel_us']:.0f} µs; the largest by total time:", ""]
+                lines += common.md_table(["kernel", "count", "µs"], [[k["name"], k["count"], f"{k['us']:.1f}"]
+                                                                      for k in prof["all"][:15]])
     if result.get("load"):
         lines += ["", "Loading (a fresh process per load, loaders in turns, median of runs; `x bf16 load`: the median "
                   "over turns of the load's time over the bf16 load's in the same turn; peak host memory is the "
@@ -497,6 +506,11 @@ def main(argv: list[str] | None = None) -> int:
             rewinds: dict[str, Any] = {}
             steps = hf.build_steps(models, compiled, workload, mode, args, decode, result["errors"], rewinds)
             row = {"workload": workload, "mode": mode, **hf.time_steps(steps, args, mode != "graph", rewinds)}
+            if args.profile and mode != "eager":
+                row["profile"] = {}
+                for name, fn in steps.items():
+                    rewinds.get(name, lambda: None)()
+                    row["profile"][name] = hf.kernel_profile(fn, args.device)
             result["rows"].append(row)
             us = row["us"]
             log("  " + ", ".join(f"{k} {v:.0f} µs" for k, v in us.items()))
