@@ -470,6 +470,33 @@ def test_the_experts_gemv_and_gemm_compute_each_pair_against_its_own_expert():
         experts_gemv(x, w[0], s, ids, None, slots)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("experts,pairs,block_m", [(4, 6, 16), (128, 64, 16), (256, 4096, 32), (5, 300, 64)])
+def test_the_tile_plan_launch_equals_the_traced_torch_plan(monkeypatch, experts, pairs, block_m):
+    """Eager calls plan the tiles in one launch, compiled ones with torch ops: the same plan (ids outside [0, E) in
+    no tile; every pair in exactly one used tile of its expert)."""
+    from fp8_backends.providers.triton import experts_ops
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(pairs)
+    ids = torch.randint(-1, experts + 1, (pairs,), device=dev)
+    order, *launched = experts_ops.tile_plan(ids, experts, block_m)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    order2, *traced = experts_ops.tile_plan(ids, experts, block_m)
+    assert torch.equal(launched[0], traced[0])
+    used = launched[0] < experts
+    for a, b in zip(launched[1:], traced[1:]):
+        assert torch.equal(a[used], b[used])
+    covered = []
+    for t in used.nonzero().flatten().tolist():
+        e, row0, end = int(launched[0][t]), int(launched[1][t]), int(launched[2][t])
+        rows = order[row0:min(row0 + block_m, end)]
+        assert rows.numel() and bool((ids[rows] == e).all())
+        covered += rows.tolist()
+    valid = ((ids >= 0) & (ids < experts)).nonzero().flatten().tolist()
+    assert sorted(covered) == sorted(valid)
+
+
 @pytest.mark.gpu
 def test_a_moe_checkpoint_on_the_gpu_runs_grouped_in_cuda_graphs_and_the_loop_refuses_a_capture(moe):
     path = moe("deepseek_v3")

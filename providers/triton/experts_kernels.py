@@ -130,3 +130,28 @@ def experts_gemm_kernel(
         acc = acc * tl.load(rw_ptr + pairs, mask=in_m, other=0.0).to(tl.float32)[:, None]
     ptrs = out_ptr + pairs[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & (offs_n[None, :] < N))
+
+
+@triton.jit
+def experts_tile_plan_kernel(
+    counts_ptr, tile_expert_ptr, tile_row0_ptr, tile_end_ptr, E, n_tiles,
+    BLOCK_M: tl.constexpr, E_P2: tl.constexpr, TILES: tl.constexpr,
+):
+    """The tiled GEMM's tile plan from the pairs per expert ``counts [E]`` (what :func:`.experts_ops.tile_plan`
+    computes with torch ops, in one launch): tile ``b``'s expert (``E`` where unused), first sorted row and its
+    expert's row end. ``TILES`` tiles per program; ``E_P2``: ``E`` rounded up to a power of two."""
+    offs_e = tl.arange(0, E_P2)
+    c = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0).to(tl.int32)
+    t = (c + BLOCK_M - 1) // BLOCK_M
+    t_end = tl.cumsum(t, 0)
+    seg_end = tl.cumsum(c, 0)
+    b = tl.program_id(0) * TILES + tl.arange(0, TILES)
+    e = tl.sum((t_end[None, :] <= b[:, None]).to(tl.int32), axis=1)  # experts whose tiles end at or before b
+    sel = offs_e[None, :] == e[:, None]
+    first_tile = tl.sum(tl.where(sel, (t_end - t)[None, :], 0), axis=1)
+    seg_start = tl.sum(tl.where(sel, (seg_end - c)[None, :], 0), axis=1)
+    end = tl.sum(tl.where(sel, seg_end[None, :], 0), axis=1)
+    in_b = b < n_tiles
+    tl.store(tile_expert_ptr + b, tl.minimum(e, E), mask=in_b)
+    tl.store(tile_row0_ptr + b, seg_start + (b - first_tile) * BLOCK_M, mask=in_b)
+    tl.store(tile_end_ptr + b, end, mask=in_b)

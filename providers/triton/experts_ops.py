@@ -114,23 +114,43 @@ def tile_plan(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tens
     """``(order, tile_expert, tile_row0, tile_end)`` of :func:`.experts_kernels.experts_gemm_kernel` for the expert
     ids ``ids [P]``: the pairs sorted by expert (ids outside ``[0, E)`` last, in no tile), and for each of
     ``cdiv(P, block_m) + min(E, P)`` tiles its expert (``E``: unused), first sorted row and its expert's row end.
-    Torch ops only, on ``ids``' device: no host sync (traced by ``torch.compile``, captured by CUDA graphs)."""
+    On ``ids``' device, no host sync (CUDA-graph capturable): a sort and a scatter-add count, then, eager, one launch
+    of :func:`.experts_kernels.experts_tile_plan_kernel`; traced, the same plan as torch ops (cumulative sums and a
+    ``searchsorted``) for Inductor to fuse."""
     p = ids.shape[0]
     ids = ids.to(torch.int64)
     clean = torch.where((ids >= 0) & (ids < experts), ids, experts)
-    order = torch.argsort(clean, stable=True)
-    counts = torch.zeros(experts + 1, dtype=torch.int64, device=ids.device)
-    counts = counts.scatter_add_(0, clean, torch.ones_like(clean))[:experts]
+    order = torch.argsort(clean)  # any order within an expert
+    counts = torch.zeros(experts + 1, dtype=torch.int32, device=ids.device)
+    counts = counts.scatter_add_(0, clean, torch.ones_like(clean, dtype=torch.int32))
+    max_tiles = -(-p // block_m) + min(experts, p)
+    if not torch.compiler.is_compiling() and p:  # eager: the plan in one launch (traced: torch ops Inductor fuses)
+        plan = torch.empty((3, max_tiles), dtype=torch.int32, device=ids.device)
+        _plan_launch(counts, plan, experts, max_tiles, block_m)
+        return order, plan[0], plan[1], plan[2]
+    counts = counts[:experts].to(torch.int64)
     tiles = (counts + block_m - 1) // block_m
     tiles_end = torch.cumsum(tiles, 0)
     seg_start = torch.cumsum(counts, 0) - counts
-    max_tiles = -(-p // block_m) + min(experts, p)
     b = torch.arange(max_tiles, device=ids.device, dtype=torch.int64)
     tile_expert = torch.searchsorted(tiles_end, b, right=True)
     e = tile_expert.clamp(max=experts - 1)
     tile_row0 = seg_start[e] + (b - (tiles_end[e] - tiles[e])) * block_m
     tile_end = seg_start[e] + counts[e]
     return order, tile_expert.to(torch.int32), tile_row0.to(torch.int32), tile_end.to(torch.int32)
+
+
+_PLAN_TILES = 64
+
+
+def _plan_launch(counts: torch.Tensor, plan: torch.Tensor, experts: int, max_tiles: int, block_m: int) -> None:
+    from .experts_kernels import experts_tile_plan_kernel
+
+    args = (counts, plan[0], plan[1], plan[2], experts, max_tiles, block_m,
+            max(16, 1 << (experts - 1).bit_length()), _PLAN_TILES)
+    index = counts.get_device()
+    _support.on_device(index, _launch_gemm_on, experts_tile_plan_kernel, (-(-max_tiles // _PLAN_TILES),), args, 4,
+                       1, index)
 
 
 def gemm_kernel_args(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
