@@ -470,6 +470,85 @@ def test_the_experts_gemv_and_gemm_compute_each_pair_against_its_own_expert():
         experts_gemv(x, w[0], s, ids, None, slots)
 
 
+def _stacked_experts(dtype=torch.float32):
+    """A stacked PerExpertLinears (4 experts, hidden 256, intermediate 128) built from a bf16 experts module and
+    block-quantized by quantize_model, with grouped=True (the CPU: Triton's interpreter)."""
+    from fp8_backends import quantize_model
+
+    original = tiny_moe("qwen3_moe").to(dtype).model.layers[0].mlp.experts
+    gate_up, down = original.gate_up_proj.detach().clone(), original.down_proj.detach().clone()
+    experts = PerExpertLinears.from_fused(original).to_empty(device="cuda" if torch.cuda.is_available() else "cpu")
+    with torch.no_grad():
+        for e in range(4):
+            experts.expert(e).gate_proj.weight.copy_(gate_up[e, :128])
+            experts.expert(e).up_proj.weight.copy_(gate_up[e, 128:])
+            experts.expert(e).down_proj.weight.copy_(down[e])
+    holder = torch.nn.Module()
+    holder.experts = experts
+    quantize_model(holder, weight_scale="block")
+    experts.grouped = True
+    process_weights_after_loading(holder)
+    assert experts.stacked is not None, experts.grouped_reason
+    return holder
+
+
+@needs_interpreter
+def test_grouped_experts_edge_inputs_persistence_and_misuse(tmp_path):
+    """Zero tokens, strided routing tensors, pickling, a state-dict load that replaces the linears' tensors, a
+    backward, a move that changes nothing, and bad operands of the ops."""
+    import io
+
+    from fp8_backends.providers.triton.experts_ops import experts_gemm, experts_gemv
+
+    holder = _stacked_experts()
+    experts = holder.experts
+    dev = experts.stacked.gate_up.device
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 256, device=dev)
+    index = torch.tensor([[0, 3], [2, 3], [1, 4]], device=dev)
+    weights = torch.rand(3, 2, device=dev)
+    with torch.no_grad():
+        for max_pairs in (0, 64):  # tiles, GEMV (the default kept below)
+            experts.grouped_max_pairs = max_pairs
+            want = experts(hidden, index, weights)
+            assert experts(hidden[:0], index[:0], weights[:0]).shape == (0, 256)
+            wide_i = torch.stack((index, index), dim=2).reshape(3, 4)[:, ::2]  # strides (4, 2)
+            wide_w = torch.stack((weights, weights), dim=2).reshape(3, 4)[:, ::2]
+            torch.testing.assert_close(experts(hidden, wide_i, wide_w), want, rtol=0, atol=0)
+        experts.grouped_max_pairs = 64
+        buf = io.BytesIO()
+        torch.save(holder, buf)
+        buf.seek(0)
+        restored = torch.load(buf, weights_only=False)
+        torch.testing.assert_close(restored.experts(hidden, index, weights), want, rtol=0, atol=0)
+        stack = experts.stacked
+        holder.float()  # moves nothing: the stack stays
+        assert experts.stacked is stack
+        state = {k: v.clone() for k, v in holder.state_dict().items()}
+        state["experts.1.down_proj.weight_scale"] *= 2
+        holder.load_state_dict(state, assign=True)
+        assert experts.stacked is None
+        process_weights_after_loading(holder)
+        assert experts.stacked is not None and experts.stacked.holds(experts.expert(1).down_proj)
+        doubled = experts(hidden, index, weights)
+        assert not torch.allclose(doubled[2], want[2]) and torch.allclose(doubled[:2], want[:2])
+    h = hidden.clone().requires_grad_()
+    with pytest.raises(InvalidInputError, match="no backward"):
+        experts(h, index, weights).sum().backward()
+    st = experts.stacked
+    ids = index.reshape(-1)
+    for call, match in [
+        (lambda: experts_gemv(hidden, st.down[:0], st.down_scale[:0], ids), "3-D float8"),
+        (lambda: experts_gemv(hidden, st.gate_up, st.gate_up_scale, ids, None, 2, torch.int32), "out_dtype"),
+        (lambda: experts_gemm(hidden, st.gate_up, st.gate_up_scale, ids, None, 2, block_m=24), "block_m"),
+        (lambda: experts_gemv(hidden, st.gate_up, st.gate_up_scale, ids.tolist(), None, 2), "ids must be a tensor"),
+        (lambda: experts_gemv(hidden, st.gate_up, st.gate_up_scale, (torch.arange(12, device=dev) % 4)[::2], None, 2),
+         "contiguous"),
+    ]:
+        with pytest.raises(InvalidInputError, match=match):
+            call()
+
+
 @needs_interpreter
 @pytest.mark.parametrize("experts,pairs,block_m", [(4, 6, 16), (128, 64, 16), (256, 4096, 32), (5, 300, 64)])
 def test_the_tile_plan_launch_equals_the_traced_torch_plan(monkeypatch, experts, pairs, block_m):

@@ -27,7 +27,7 @@ import importlib.util
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from . import group_scales, output_contract
 from . import validation as V
@@ -53,6 +53,26 @@ if TYPE_CHECKING:
     import torch
 
     from .platform import Platform
+
+
+@runtime_checkable
+class ExpertsKernels(Protocol):
+    """A MoE layer's routed experts over stacked block-FP8 weights, every (token, slot) pair against its own expert
+    (what :meth:`ProviderBase.experts_kernels` returns). Weights ``w [E, N, K]`` float8_e4m3fn with scales
+    ``w_scale [E, ceil(N/128), ceil(K/128)]`` fp32 (128x128 blocks); activations quantized per group of 128 by the
+    kernels themselves. No host-device sync: CUDA-graph capturable, traceable by ``torch.compile``.
+
+    - ``plan(ids, experts, gemv_pairs)``: once per layer call, from the expert ids ``ids [P]`` (contiguous int;
+      ids outside ``[0, E)`` contribute nothing): whatever :meth:`matmul` needs for these ids (None allowed), shared
+      by the layer's projections. ``gemv_pairs``: the layer's bound below which a weight-streaming kernel is wanted.
+    - ``matmul(x, w, w_scale, ids, rw, token_div, out_dtype, plan)``: ``[P, N]`` in ``out_dtype`` (bf16 / fp16 /
+      fp32): row ``p`` is ``x[p // token_div] @ w[ids[p]]ᵀ`` (dequantized), times ``rw[p]`` (fp32 ``[P]``) where
+      given; zero for ids outside ``[0, E)``. ``x``: ``[R, K]`` bf16 / fp16 / fp32, unquantized."""
+
+    def plan(self, ids: torch.Tensor, experts: int, gemv_pairs: int) -> Any: ...
+
+    def matmul(self, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, ids: torch.Tensor,
+               rw: torch.Tensor | None, token_div: int, out_dtype: torch.dtype, plan: Any) -> torch.Tensor: ...
 
 
 class ProviderBase(ABC):
@@ -128,6 +148,20 @@ class ProviderBase(ABC):
         Raise :class:`~fp8_backends.core.errors.BackendUnavailableError` with the reason when the kernels cannot run
         here (an old GPU): the reason is logged and the next provider is asked. The default supplies none."""
         return {}
+
+    #: device types (``"cuda"``, ...) for which :meth:`experts_kernels` supplies MoE grouped-experts kernels (empty:
+    #: none, the default)
+    experts_devices: ClassVar[frozenset[str]] = frozenset()
+
+    @classmethod
+    def experts_kernels(cls, device_type: str) -> ExpertsKernels | None:
+        """The grouped-experts kernels this provider supplies for MoE layers on ``device_type`` (one of
+        :attr:`experts_devices`; :class:`ExpertsKernels`), or None. A stacking
+        :class:`~fp8_backends.layers.experts.PerExpertLinears` asks the providers that declare ``device_type``, once
+        per process, in ``auto``'s order, and takes the first answer; providers that are disabled, blocked or
+        unavailable are not asked. Raise :class:`~fp8_backends.core.errors.BackendUnavailableError` with the reason
+        where the kernels cannot run here: the next provider is asked. The default supplies none."""
+        return None
 
     def preload(self) -> None:
         """Load-time work that must not first happen inside ``torch.compile`` tracing or CUDA-graph
@@ -1111,4 +1145,5 @@ class OpNormQuantBackend(NormQuantBackend):
         self._loaded_ops()[1](out, x, residual, weight, scale, eps)
 
 
-__all__ = ["Fp8Dtype", "Fp8GemmBackend", "NormQuantBackend", "OpGemmBackend", "OpNormQuantBackend", "ProviderBase"]
+__all__ = ["ExpertsKernels", "Fp8Dtype", "Fp8GemmBackend", "NormQuantBackend", "OpGemmBackend", "OpNormQuantBackend",
+           "ProviderBase"]

@@ -14,15 +14,15 @@ Two forwards:
   :func:`fp8_backends.layers.process_weights_after_loading` and the checkpoint loaders, before the linears are
   processed) copies every expert's block-scaled FP8 gate/up and down weights into one ``[E, 2*I, H]`` and one
   ``[E, H, I]`` tensor (with ``[E, ., .]`` scales) and makes each expert's linears views of them (no second copy).
-  A call with at most :data:`GROUPED_MAX_PAIRS` (token, slot) pairs (decode) runs two launches of the Triton experts
-  GEMV (:mod:`fp8_backends.providers.triton.experts_ops`: each pair's row against its own expert's weight, the
-  activation quantized per group of 128 inside the launch) around the gating; a call with more (prefill) runs the
-  tiled experts GEMM (pairs sorted by expert on the device, tensor-core tiles of one expert each, the activation
-  group-quantized first). Nothing is read on the host: CUDA-graph capturable, one graph under ``torch.compile``.
-  Stacking needs every expert's linears block-scaled (128x128, activation groups of 128, e4m3), without biases, of
-  one shape, on a device Triton runs on, gate/up in whole blocks (``I % 128 == 0``), and the linears' provider left
-  to ``auto`` (an explicit provider choice is honoured by the loop); where it cannot,
-  :attr:`PerExpertLinears.grouped_reason` says why.
+  Both projections then run on the grouped-experts kernels of the first provider that supplies them
+  (``ProviderBase.experts_kernels``; the built-in ``triton`` provider's): up to :data:`GROUPED_MAX_PAIRS`
+  (token, slot) pairs (decode) an experts GEMV, each pair's row against its own expert's weight with the activation
+  quantized per group of 128 inside the launch; more pairs (prefill) a tiled experts GEMM, pairs sorted by expert on
+  the device into tensor-core tiles of one expert each. Nothing is read on the host: CUDA-graph capturable, one
+  graph under ``torch.compile``. Stacking needs every expert's linears block-scaled (128x128, activation groups of
+  128, e4m3), without biases, of one shape, gate/up in whole blocks (``I % 128 == 0``), a provider with grouped
+  kernels for the device, and the linears' provider left to ``auto`` (an explicit provider choice is honoured by
+  the loop); where it cannot, :attr:`PerExpertLinears.grouped_reason` says why.
 - **The per-expert loop** otherwise, the one ``transformers``' "eager" experts implementation runs: for every expert
   some token was routed to, ``down(gate(cat(gate_proj(x), up_proj(x)))) * routing weight``, summed into the tokens'
   rows. Which experts were hit is read on the host (one sync per MoE layer and step), so the loop is not CUDA-graph
@@ -97,17 +97,70 @@ def unserved_layout(module: nn.Module) -> str | None:
 class StackedExperts(NamedTuple):
     """Every expert's FP8 weights in one tensor per projection (:meth:`PerExpertLinears.stack_weights`):
     ``gate_up`` ``[E, 2*I, H]`` float8 with ``gate_up_scale`` ``[E, 2*I/128, ceil(H/128)]`` fp32, ``down``
-    ``[E, H, I]`` with ``down_scale`` ``[E, ceil(H/128), ceil(I/128)]``; ``op`` the experts GEMV's hot-path
-    callable."""
+    ``[E, H, I]`` with ``down_scale`` ``[E, ceil(H/128), ceil(I/128)]``."""
 
     gate_up: torch.Tensor
     gate_up_scale: torch.Tensor
     down: torch.Tensor
     down_scale: torch.Tensor
-    op: Any
-    #: the tiled GEMM's hot-path callable and the Triton group quantization that feeds it
-    gemm_op: Any
-    quant: Any
+
+    def holds(self, lin: Any) -> bool:
+        """Whether ``lin``'s weight and scales are views of this stack."""
+        return ((lin.weight._base is self.gate_up and lin.weight_scale._base is self.gate_up_scale)
+                or (lin.weight._base is self.down and lin.weight_scale._base is self.down_scale))
+
+
+_kernels: dict[str, tuple[Any, str]] = {}  # device type -> (ExpertsKernels or None, why none)
+
+
+def experts_kernels(device_type: str) -> tuple[Any, str]:
+    """``(kernels, reason)``: the :class:`~fp8_backends.core.backend.ExpertsKernels` of the first usable provider
+    that declares ``device_type`` in its ``experts_devices`` and answers (``auto``'s order: priority, built-ins
+    first), or ``(None, why none does)``. Asked once per device type and process (at load time: stacking)."""
+    got = _kernels.get(device_type)
+    if got is not None:
+        return got
+    from fp8_backends.core.errors import BackendUnavailableError
+    from fp8_backends.registry import candidates, discovery
+
+    entries = [e for e in discovery.discover("gemm")
+               if e.cls is not None and device_type in getattr(e.cls, "experts_devices", ())]
+    entries.sort(key=candidates.rank_key)
+    reasons = []
+    for entry in entries:
+        why = entry.unusable_reason()
+        if why is None:
+            try:
+                kernels = entry.cls.experts_kernels(device_type)
+            except BackendUnavailableError as exc:
+                why = str(exc)
+            except Exception as exc:  # a broken kernel install must not break loading: the loop serves
+                logger.warning("MoE experts: %s's grouped kernels are unusable on %s (%s: %s)", entry.name,
+                               device_type, type(exc).__name__, exc)
+                why = f"raised {type(exc).__name__}: {exc}"
+            else:
+                if kernels is not None:
+                    got = _kernels[device_type] = (kernels, "")
+                    return got
+                continue
+        reasons.append(f"{entry.name}: {why}")
+    got = _kernels[device_type] = (None, "no provider supplies grouped-experts kernels for "
+                                   f"{device_type} tensors" + (f" ({'; '.join(reasons)})" if reasons else ""))
+    return got
+
+
+class _ExpertsNoBackward(torch.autograd.Function):
+    """Identity on the grouped output; a backward reaching it raises (as :class:`~.modules.NoBackward` does for the
+    linears): the grouped kernels define no gradient, for the hidden states or the routing weights."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        raise InvalidInputError("FP8 layers have no backward: run them under torch.no_grad() or "
+                                "torch.inference_mode() (inference only)")
 
 
 class PerExpertLinears(nn.Module):
@@ -211,7 +264,10 @@ class PerExpertLinears(nn.Module):
                     return "the experts' weights are on several devices"
                 if not _requests_auto("gemm", lin.backend_request):
                     return f"an explicit GEMM provider was asked for ({lin.backend_request!r}): the loop honours it"
-        return _grouped_device_problem(first.device, self.grouped is True)
+        if first.device.type == "cpu" and self.grouped is not True:
+            return "CPU tensors (grouped kernels on the CPU, e.g. under Triton's interpreter, only when asked: " \
+                   "grouped=True)"
+        return experts_kernels(first.device.type)[1] or None
 
     def stack_weights(self) -> bool:
         """Stack every expert's FP8 weights for the grouped decode path (module docstring); True when stacked, else
@@ -223,9 +279,9 @@ class PerExpertLinears(nn.Module):
         if why is not None:
             self.stacked, self.grouped_reason = None, why
             return False
-        if self.stacked is not None and all(p.weight._base is self.stacked.gate_up for parts, _ in sources
-                                            for p in parts):
-            return True  # already views of the current stack
+        stacked = self.stacked
+        if stacked is not None and all(stacked.holds(lin) for parts, down in sources for lin in (*parts, down)):
+            return True  # every weight and scale already a view of the current stack
         h, i, e_count = self.hidden_dim, self.intermediate_dim, self.num_experts
         dev = sources[0][1].weight.device
         gate_up = torch.empty((e_count, 2 * i, h), dtype=torch.float8_e4m3fn, device=dev)
@@ -238,13 +294,7 @@ class PerExpertLinears(nn.Module):
                 _move_into(lin, gate_up[e, j * rows:(j + 1) * rows], gate_up_scale[e, j * rows // 128:
                                                                                      (j + 1) * rows // 128])
             _move_into(down_lin, down[e], down_scale[e])
-        from fp8_backends.providers.triton.experts_ops import load_gemm_op, load_op
-        from fp8_backends.providers.triton.group_quant_ops import load_op as load_quant_op
-        from fp8_backends.providers.triton.group_quant_ops import triton_quant_per_token_group
-
-        load_quant_op()
-        self.stacked = StackedExperts(gate_up, gate_up_scale, down, down_scale, load_op(), load_gemm_op(),
-                                      triton_quant_per_token_group)
+        self.stacked = StackedExperts(gate_up, gate_up_scale, down, down_scale)
         self.grouped_reason = None
         logger.debug("MoE experts %d x [%d, %d] stacked for the grouped decode path", e_count, i, h)
         return True
@@ -252,24 +302,44 @@ class PerExpertLinears(nn.Module):
     def _apply(self, fn: Any, recurse: bool = True) -> PerExpertLinears:
         """A move (``.to()``, ``.cuda()``) moves every expert's linears on their own: the stack is rebuilt from
         them (or dropped, with the reason, where the new device cannot serve it)."""
-        had = self.stacked is not None
-        self.stacked = None
+        from .modules import _keeping_dtype
+
+        stacked, moved = self.stacked, []
+        if stacked is not None:
+            new = StackedExperts(*(_keeping_dtype(fn)(t) for t in stacked))
+            if any(a is not b for a, b in zip(stacked, new)):
+                # the linears become views of the moved stack first: their own moves are then no-ops
+                for parts, down in self._sources()[0]:
+                    for lin in (*parts, down):
+                        if stacked.holds(lin):
+                            _point_at(lin, stacked, new)
+                            moved.append(lin)
+                self.stacked = new
         super()._apply(fn, recurse)
-        if had and self.stack_weights():
-            for parts, down in self._sources()[0]:
-                for lin in (*parts, down):
-                    if lin.kernel is not None and lin.weight._base is not None:
-                        lin.process_weights_after_loading()
+        for lin in moved:  # their prepared weights held the old tensors
+            lin.kernel = lin._plan = lin._traced = None
+            lin.process_weights_after_loading()
+        if stacked is not None:
+            self.stack_weights()  # a no-op where every linear is a view of the stack, else it copies anew
         return self
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any, **kwargs: Any) -> None:
+        # the linears below take new tensors (or new values): the stack is rebuilt when they are processed again
+        self.stacked = None
+        self.grouped_reason = "not stacked since the last state-dict load (process_weights_after_loading)"
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     # ------------------------------------------------------------------------------ forward
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         stacked = self.stacked
         if stacked is not None and self.grouped is not False:
-            if top_k_index.numel() <= self.grouped_max_pairs:
-                return self._grouped(stacked, hidden_states, top_k_index, top_k_weights)
-            return self._grouped_tiles(stacked, hidden_states, top_k_index, top_k_weights)
+            if top_k_index.numel() == 0:
+                return torch.zeros_like(hidden_states)
+            y = self._grouped(stacked, hidden_states, top_k_index, top_k_weights)
+            if torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad):
+                y = _ExpertsNoBackward.apply(y, hidden_states, top_k_weights)
+            return y
         if hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():
             raise InvalidInputError("MoE experts served per expert read which experts were hit on the host: they "
                                     "cannot be captured in a CUDA graph (run the model eagerly or compiled; the "
@@ -295,35 +365,18 @@ class PerExpertLinears(nn.Module):
             start += count
         return out
 
-    def _grouped(self, stacked: StackedExperts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+    def _grouped(self, stacked: StackedExperts, x: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
-        """Both projections as experts GEMVs over every (token, slot) pair; the slots summed in fp32."""
-        t, k = top_k_index.shape
-        ids = top_k_index.reshape(-1)
-        gate_up = stacked.op(hidden_states, stacked.gate_up, stacked.gate_up_scale, ids, None, k,
-                             hidden_states.dtype, "auto")
-        h = self._gate(gate_up)
-        y = stacked.op(h, stacked.down, stacked.down_scale, ids, top_k_weights.reshape(-1).float(), 1,
-                       torch.float32, "auto")
-        return y.view(t, k, -1).sum(dim=1).to(hidden_states.dtype)
-
-    def _grouped_tiles(self, stacked: StackedExperts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                       top_k_weights: torch.Tensor) -> torch.Tensor:
-        """Both projections as tiled experts GEMMs over the pairs sorted by expert (one tile plan for both)."""
-        from fp8_backends.providers.triton.experts_ops import block_m_for, tile_plan
-
-        t, k = top_k_index.shape
-        ids = top_k_index.reshape(-1)
-        bm = block_m_for(ids.shape[0], self.num_experts)
-        plan = tile_plan(ids, self.num_experts, bm)
-        fp8 = stacked.gate_up.dtype
-        x_q, x_s = stacked.quant(hidden_states, 128, fp8, "row_major")
-        gate_up = stacked.gemm_op(x_q, x_s, stacked.gate_up, stacked.gate_up_scale, *plan, None, k, bm,
-                                  hidden_states.dtype)
-        h_q, h_s = stacked.quant(self._gate(gate_up), 128, fp8, "row_major")
-        y = stacked.gemm_op(h_q, h_s, stacked.down, stacked.down_scale, *plan, top_k_weights.reshape(-1).float(), 1,
-                            bm, torch.float32)
-        return y.view(t, k, -1).sum(dim=1).to(hidden_states.dtype)
+        """Both projections through the provider's grouped-experts kernels (one plan for both); the slots summed in
+        fp32."""
+        k = top_k_index.shape[-1]
+        ids = top_k_index.contiguous().view(-1)
+        rw = top_k_weights.contiguous().view(-1).float()
+        kernels = (_kernels.get(x.device.type) or experts_kernels(x.device.type))[0]
+        plan = kernels.plan(ids, self.num_experts, self.grouped_max_pairs)
+        gate_up = kernels.matmul(x, stacked.gate_up, stacked.gate_up_scale, ids, None, k, x.dtype, plan)
+        y = kernels.matmul(self._gate(gate_up), stacked.down, stacked.down_scale, ids, rw, 1, torch.float32, plan)
+        return y.view(x.shape[0], k, self.hidden_dim).sum(dim=1).to(x.dtype)
 
     def extra_repr(self) -> str:
         grouped = "stacked" if self.stacked is not None else f"off ({self.grouped_reason})"
@@ -343,20 +396,12 @@ def _move_into(lin: Any, weight: torch.Tensor, scale: torch.Tensor) -> None:
         lin.process_weights_after_loading()
 
 
-def _grouped_device_problem(device: torch.device, interpreter: bool) -> str | None:
-    """Why the Triton experts GEMV cannot run on ``device`` (None: it can); ``interpreter``: CPU tensors under
-    Triton's interpreter count (tests)."""
-    try:
-        from fp8_backends.providers.triton import _support
-    except ImportError as exc:  # no triton
-        return f"Triton is not importable ({exc})"
-    if device.type == "cuda":
-        if torch.cuda.get_device_capability(device) < _support.MIN_SM:
-            return f"the GPU is below SM {_support.MIN_SM[0]}.{_support.MIN_SM[1]}"
-        return None
-    if device.type == "cpu" and _support.interpreting():
-        return None if interpreter else "CPU tensors (under Triton's interpreter only when asked: grouped=True)"
-    return f"the experts GEMV does not run on {device.type} tensors"
+def _point_at(lin: Any, old: StackedExperts, new: StackedExperts) -> None:
+    """Make ``lin``'s weight and scales the views of ``new`` at the places they have in ``old``."""
+    for attr in ("weight", "weight_scale"):
+        t = getattr(lin, attr)
+        index = next(i for i, b in enumerate(old) if t._base is b)
+        setattr(lin, attr, new[index].as_strided(t.size(), t.stride(), t.storage_offset()))
 
 
 def stack_expert_weights(model: nn.Module) -> list[str]:

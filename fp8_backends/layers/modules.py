@@ -1088,21 +1088,4 @@ def _dynamic_args(lin: Fp8Linear) -> dict[str, Any]:
     return {}
 
 
-def process_weights_after_loading(model: nn.Module) -> nn.Module:
-    """Process every :class:`Fp8Linear` in ``model``, then every :class:`RMSNormFp8Quant` (whose
-    quantization reads its linear's final input scale). MoE layers served per expert
-    (:class:`~fp8_backends.layers.experts.PerExpertLinears`) stack their experts' weights first. Returns ``model``."""
-    from .experts import stack_expert_weights
-
-    stack_expert_weights(model)  # MoE experts' weights into their stacks before their linears are processed
-    mods = list(model.modules())
-    for m in mods:
-        if isinstance(m, Fp8Linear):
-            m.process_weights_after_loading()
-    for m in mods:
-        if isinstance(m, RMSNormFp8Quant):
-            m.process_weights_after_loading()
-    return model
-
-
-__all__ = ["Fp8Linear", "RMSNormFp8Quant", "SHARD_SCALE_POLICIES", "process_weights_after_loading"]
+__all__ = ["Fp8Linear", "RMSNormFp8Quant", "SHARD_SCALE_POLICIES"]

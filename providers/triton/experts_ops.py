@@ -25,23 +25,30 @@ import torch
 
 from fp8_backends.core.errors import InvalidInputError
 from fp8_backends.core.oplib import LazyOps, TritonOpSpec
-from fp8_backends.core.types import Fp8Dtype
 
 from . import _support
-from .block_gemm_args import row_align
-from .block_gemm_configs import CONFIGS, WEIGHT_BLOCK, fused_shape_config
+from .block_gemm_configs import WEIGHT_BLOCK
+from .experts_args import BLOCK_MS, GROUP_SIZE, block_m_for, gemm_kernel_args, kernel_args
 from .launcher import launch as _launch
 
 OP_BASENAME = "triton_experts_gemv"
 GEMM_OP_BASENAME = "triton_experts_gemm"
-GROUP_SIZE = 128
 _GRID_Y_MAX = 65535
 
 
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 def check_inputs(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, ids: torch.Tensor,
-                 rw: torch.Tensor | None, token_div: int) -> None:
-    """One :class:`~fp8_backends.core.errors.InvalidInputError` for operands :func:`experts_gemv` cannot take."""
-    if w.dim() != 3 or w.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+                 rw: torch.Tensor | None, token_div: int, out_dtype: torch.dtype | None = None,
+                 gemv: bool = True) -> None:
+    """One :class:`~fp8_backends.core.errors.InvalidInputError` for operands :func:`experts_gemv` (``gemv``) or
+    :func:`experts_gemm` cannot take."""
+    named = {"x": x, "w": w, "w_scale": w_scale, "ids": ids} | ({} if rw is None else {"rw": rw})
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise InvalidInputError(f"{name} must be a tensor, got {type(t).__name__}")
+    if w.dim() != 3 or w.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or w.shape[0] < 1:
         raise InvalidInputError(f"experts weight must be a 3-D float8 [E, N, K] tensor, got {w.dtype} "
                                 f"{tuple(w.shape)}")
     e, n, k = w.shape
@@ -52,39 +59,28 @@ def check_inputs(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, ids: t
     if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise InvalidInputError(f"experts input must be a bf16/fp16/fp32 [rows, {k}] tensor, got {x.dtype} "
                                 f"{tuple(x.shape)}")
-    if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
-        raise InvalidInputError(f"expert ids must be a 1-D int32/int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
+    if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64) or ids.stride(0) != 1:
+        raise InvalidInputError(f"expert ids must be a contiguous 1-D int32/int64 tensor, got {ids.dtype} "
+                                f"{tuple(ids.shape)} strides {ids.stride()}")
+    if out_dtype is not None and out_dtype not in _OUT_DTYPES:
+        raise InvalidInputError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
     if token_div < 1 or ids.shape[0] > x.shape[0] * token_div:
         raise InvalidInputError(f"{ids.shape[0]} pairs need {-(-ids.shape[0] // max(token_div, 1))} input rows "
                                 f"(token_div {token_div}), got {x.shape[0]}")
-    if rw is not None and (rw.dim() != 1 or rw.shape[0] != ids.shape[0] or rw.dtype != torch.float32):
-        raise InvalidInputError(f"routing weights must be float32 [{ids.shape[0]}], got {rw.dtype} "
+    if rw is not None and (rw.dim() != 1 or rw.shape[0] != ids.shape[0] or rw.dtype != torch.float32
+                           or rw.stride(0) != 1):
+        raise InvalidInputError(f"routing weights must be contiguous float32 [{ids.shape[0]}], got {rw.dtype} "
                                 f"{tuple(rw.shape)}")
-    if ids.shape[0] > _GRID_Y_MAX:
+    if gemv and ids.shape[0] > _GRID_Y_MAX:
         raise InvalidInputError(f"the experts GEMV launches one program row per pair: at most {_GRID_Y_MAX}, got "
                                 f"{ids.shape[0]}")
     devices = {t.device for t in (x, w, w_scale, ids) + (() if rw is None else (rw,))}
     if len(devices) != 1:
         raise InvalidInputError(f"experts GEMV operands on several devices: {sorted(map(str, devices))}")
-
-
-def _kernel() -> Any:
-    from .experts_kernels import experts_gemv_kernel
-
-    return experts_gemv_kernel
-
-
-def kernel_args(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor | None,
-          token_div: int, out: torch.Tensor, config: str) -> tuple[Any, tuple[int, int], tuple[Any, ...], int]:
-    e, n, k = w.shape
-    cfg = CONFIGS[config if config in CONFIGS and CONFIGS[config].family == "gemv" else fused_shape_config(n, k)]
-    step = cfg.groups * GROUP_SIZE
-    args = (x, w, out, w_scale, ids, out if rw is None else rw, n, k, e, token_div,
-            x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
-            w_scale.stride(0), w_scale.stride(1), w_scale.stride(2),
-            cfg.block_n, cfg.groups, GROUP_SIZE, WEIGHT_BLOCK[0], WEIGHT_BLOCK[1], k % step == 0,
-            row_align(k, x.stride(0), w.stride(1)), rw is not None, Fp8Dtype.of(w.dtype).max)
-    return _kernel(), (-(-n // cfg.block_n), ids.shape[0]), args, cfg.warps
+    device = next(iter(devices))
+    if device.type not in {d.value for d in _support.DEVICES}:
+        raise InvalidInputError(f"the experts kernels run on CUDA tensors (CPU ones only under Triton's interpreter, "
+                                f"TRITON_INTERPRET=1), got {device.type}")
 
 
 def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor | None,
@@ -104,12 +100,6 @@ def _launch_on(kernel: Any, grid: tuple[int, int], args: tuple[Any, ...], warps:
 
 
 # ------------------------------------------------------------------------------------------ the tiled GEMM
-def block_m_for(pairs: int, experts: int) -> int:
-    """The tile height for ``pairs`` pairs over ``experts`` experts: about the pairs an expert gets (16 to 64)."""
-    per_expert = pairs / max(1, min(experts, pairs))
-    return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
-
-
 def tile_plan(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
     """``(order, tile_expert, tile_row0, tile_end)`` of :func:`.experts_kernels.experts_gemm_kernel` for the expert
     ids ``ids [P]``: the pairs sorted by expert (ids outside ``[0, E)`` last, in no tile), and for each of
@@ -153,22 +143,6 @@ def _plan_launch(counts: torch.Tensor, plan: torch.Tensor, experts: int, max_til
                        1, index)
 
 
-def gemm_kernel_args(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                     order: torch.Tensor, tile_expert: torch.Tensor, tile_row0: torch.Tensor, tile_end: torch.Tensor,
-                     rw: torch.Tensor | None, token_div: int, block_m: int, out: torch.Tensor
-                     ) -> tuple[Any, tuple[int, int], tuple[Any, ...], int, int]:
-    from .experts_kernels import experts_gemm_kernel
-
-    e, n, k = w.shape
-    block_n = 128
-    args = (x_q, w, out, x_scale, w_scale, order, tile_expert, tile_row0, tile_end, out if rw is None else rw,
-            n, k, e, token_div,
-            x_q.stride(0), x_q.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
-            x_scale.stride(0), x_scale.stride(1), w_scale.stride(0), w_scale.stride(1), w_scale.stride(2),
-            block_m, block_n, GROUP_SIZE, WEIGHT_BLOCK[0], WEIGHT_BLOCK[1], k % GROUP_SIZE == 0, rw is not None)
-    return experts_gemm_kernel, (tile_expert.shape[0], -(-n // block_n)), args, 4, 3
-
-
 def gemm_launch(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                 order: torch.Tensor, tile_expert: torch.Tensor, tile_row0: torch.Tensor, tile_end: torch.Tensor,
                 rw: torch.Tensor | None, token_div: int, block_m: int, out_dtype: torch.dtype) -> torch.Tensor:
@@ -200,7 +174,9 @@ def experts_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, ids: t
     """Checked call of the tiled GEMM (module docstring): what :func:`experts_gemv` computes, for many pairs."""
     from .group_quant_ops import triton_quant_per_token_group
 
-    check_inputs(x, w, w_scale, ids, rw, token_div)
+    check_inputs(x, w, w_scale, ids, rw, token_div, out_dtype, gemv=False)
+    if block_m is not None and block_m not in BLOCK_MS:
+        raise InvalidInputError(f"block_m must be one of {BLOCK_MS}, got {block_m!r}")
     bm = block_m_for(ids.shape[0], w.shape[0]) if block_m is None else block_m
     plan = tile_plan(ids, w.shape[0], bm)
     x_q, x_scale = triton_quant_per_token_group(x, GROUP_SIZE, w.dtype, "row_major")
@@ -255,9 +231,36 @@ def experts_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, ids: t
                  rw: torch.Tensor | None = None, token_div: int = 1, out_dtype: torch.dtype | None = None,
                  config: str = "auto") -> torch.Tensor:
     """Checked call (module docstring): ``[ids.numel(), N]`` in ``out_dtype`` (default ``x``'s dtype)."""
-    check_inputs(x, w, w_scale, ids, rw, token_div)
+    check_inputs(x, w, w_scale, ids, rw, token_div, out_dtype)
     return load_op()(x, w, w_scale, ids, rw, token_div, x.dtype if out_dtype is None else out_dtype, config)
 
 
-__all__ = ["GEMM_OP_BASENAME", "OP_BASENAME", "block_m_for", "check_inputs", "experts_gemm", "experts_gemv",
+class TritonExpertsKernels:
+    """The :class:`~fp8_backends.core.backend.ExpertsKernels` of the ``triton`` provider: the experts GEMV up to
+    ``gemv_pairs`` pairs, the tiled experts GEMM above (its tile plan made once a layer call, shared by both
+    projections). Define the ops at construction (load time)."""
+
+    def __init__(self) -> None:
+        from .group_quant_ops import load_op as load_quant_op
+        from .group_quant_ops import triton_quant_per_token_group
+
+        load_quant_op()
+        self._gemv, self._gemm, self._quant = load_op(), load_gemm_op(), triton_quant_per_token_group
+
+    def plan(self, ids: torch.Tensor, experts: int, gemv_pairs: int) -> Any:
+        if ids.shape[0] <= min(gemv_pairs, _GRID_Y_MAX):
+            return None
+        bm = block_m_for(ids.shape[0], experts)
+        return (bm, *tile_plan(ids, experts, bm))
+
+    def matmul(self, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, ids: torch.Tensor,
+               rw: torch.Tensor | None, token_div: int, out_dtype: torch.dtype, plan: Any) -> torch.Tensor:
+        if plan is None:
+            return self._gemv(x, w, w_scale, ids, rw, token_div, out_dtype, "auto")
+        bm, *tiles = plan
+        x_q, x_s = self._quant(x, GROUP_SIZE, w.dtype, "row_major")
+        return self._gemm(x_q, x_s, w, w_scale, *tiles, rw, token_div, bm, out_dtype)
+
+
+__all__ = ["GEMM_OP_BASENAME", "OP_BASENAME", "TritonExpertsKernels", "check_inputs", "experts_gemm", "experts_gemv",
            "gemm_launch", "launch", "load_gemm_op", "load_op", "tile_plan"]

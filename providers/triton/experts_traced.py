@@ -10,7 +10,7 @@ import typing
 import torch
 from torch.library import wrap_triton
 
-from .experts_ops import gemm_kernel_args, kernel_args
+from .experts_args import gemm_kernel_args, kernel_args
 
 
 def triton_experts_gemv(

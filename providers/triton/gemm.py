@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from fp8_backends.core.backend import OpGemmBackend
 from fp8_backends.core.capabilities import GemmCapabilities
-from fp8_backends.core.errors import InvalidInputError
+from fp8_backends.core.errors import BackendUnavailableError, InvalidInputError
 from fp8_backends.core.padding import ROW_ALIGN, match_k, pad_weight, round_up
 from fp8_backends.core.types import (
     ActScale,
@@ -85,6 +85,8 @@ class TritonGemmBackend(OpGemmBackend):
     install_hint: ClassVar[str] = _support.INSTALL_HINT
     options: ClassVar[dict[str, tuple[str, ...]]] = {"config": ("auto", *CONFIG_NAMES, *block_configs.CONFIG_NAMES)}
     tunable_options: ClassVar[tuple[str, ...]] = ("config",)
+    #: MoE grouped experts (:mod:`.experts_ops`): CUDA, and the CPU under Triton's interpreter (tests)
+    experts_devices: ClassVar[frozenset[str]] = frozenset(d.value for d in _support.DEVICES)
     capabilities: ClassVar[GemmCapabilities] = GemmCapabilities(
         devices=_support.DEVICES,
         min_sm=_support.MIN_SM,
@@ -233,6 +235,22 @@ class TritonGemmBackend(OpGemmBackend):
     def op_arguments(self) -> tuple[str]:
         # a block config is never passed to the per-tensor op (extra_reasons refuses those problems)
         return (self.config["config"] if self.config["config"] in CONFIGS else "auto",)
+
+    @classmethod
+    def experts_kernels(cls, device_type: str) -> Any:
+        """The experts GEMV and tiled GEMM (:class:`.experts_ops.TritonExpertsKernels`) on CUDA GPUs of SM >= 8.9
+        (FP8 conversions) and, under Triton's interpreter, on the CPU; defines their ops (load time)."""
+        if device_type == "cuda":
+            import torch
+
+            sms = [tuple(torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())]
+            if not sms or min(sms) < _support.MIN_SM:
+                raise BackendUnavailableError(f"the Triton experts kernels need SM >= 8.9 on every GPU, found {sms}")
+        elif device_type not in cls.experts_devices:
+            return None
+        from .experts_ops import TritonExpertsKernels
+
+        return TritonExpertsKernels()
 
     def prepare_weight_impl(self, w_q: torch.Tensor, w_scale: torch.Tensor,
                             weight_scale: WeightScale) -> PreparedWeight:
