@@ -118,6 +118,17 @@ def _finish(acc, offs_m, offs_n, M, N, tile, split, out_ptr, stride_om, stride_o
 
 
 @triton.jit
+def gemv_tile(pid_n, N, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP_K: tl.constexpr):
+    """A GEMV program's indices: its output columns ``offs_n [BLOCK_N]``, the weight rows it reads (``offs_n % N``,
+    int64: always in bounds), the groups of a K step ``offs_g [GROUPS]`` and their columns ``[GROUPS, GROUP_K]``."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_w = (offs_n % N).to(tl.int64)
+    offs_g = tl.arange(0, GROUPS)
+    cols = offs_g[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]
+    return offs_n, rows_w, offs_g, cols
+
+
+@triton.jit
 def _gemv_load(w_ptrs, x_ptrs, xs_ptrs, ws_row, k0, K, cols, offs_g, stride_wk, stride_xk, stride_xsk, stride_wsk,
                GROUPS: tl.constexpr, GROUP_K: tl.constexpr, WBK: tl.constexpr, EVEN_K: tl.constexpr,
                X_QUANT: tl.constexpr):
@@ -179,11 +190,7 @@ def block_gemv_kernel(
     m = tl.program_id(1)
     stride_xm, stride_wn, K = _row_aligned(stride_xm, stride_wn, K, ROW_ALIGN)
     STEP: tl.constexpr = GROUPS * GROUP_K
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_w = (offs_n % N).to(tl.int64)
-    offs_g = tl.arange(0, GROUPS)
-    offs_j = tl.arange(0, GROUP_K)
-    cols = offs_g[:, None] * GROUP_K + offs_j[None, :]  # [GROUPS, GROUP_K]
+    offs_n, rows_w, offs_g, cols = gemv_tile(pid_n, N, BLOCK_N, GROUPS, GROUP_K)
     w_ptrs = w_ptr + rows_w[:, None, None] * stride_wn + cols[None, :, :] * stride_wk
     x_ptrs = x_ptr + m.to(tl.int64) * stride_xm + cols * stride_xk
     xs_ptrs = xs_ptr + m.to(tl.int64) * stride_xsm + offs_g * stride_xsk

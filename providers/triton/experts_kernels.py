@@ -42,7 +42,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .block_gemm_kernels import _gemv_load, _gemv_step, _row_aligned
+from .block_gemm_kernels import _gemv_load, _gemv_step, _row_aligned, gemv_tile
 
 
 @triton.jit
@@ -62,11 +62,7 @@ def experts_gemv_kernel(
     valid = (expert >= 0) & (expert < E)
     expert = tl.where(valid, expert, 0)
     STEP: tl.constexpr = GROUPS * GROUP_K
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_w = (offs_n % N).to(tl.int64)
-    offs_g = tl.arange(0, GROUPS)
-    offs_j = tl.arange(0, GROUP_K)
-    cols = offs_g[:, None] * GROUP_K + offs_j[None, :]  # [GROUPS, GROUP_K]
+    offs_n, rows_w, offs_g, cols = gemv_tile(pid_n, N, BLOCK_N, GROUPS, GROUP_K)
     w_ptrs = w_ptr + expert * stride_we + rows_w[:, None, None] * stride_wn + cols[None, :, :] * stride_wk
     x_ptrs = x_ptr + (p // TOKEN_DIV).to(tl.int64) * stride_xm + cols * stride_xk
     ws_row = ws_ptr + expert * stride_wse + ((pid_n * BLOCK_N) // WBN) * stride_wsn
