@@ -67,7 +67,7 @@ def build(model: str, device: str) -> dict[str, Any]:
     summary = quantize_model(holder, weight_scale="block")
     process_weights_after_loading(holder)
     served = (f"{summary.count} linears swapped, {len(summary.fused)} gate/up groups fused, "
-              f"{fp8.expert(0).down_proj.backends_text}; grouped decode: {fp8.grouped_reason or 'stacked'}")
+              f"{fp8.expert(0).down_proj.backends_text}; grouped: {fp8.grouped_reason or 'stacked'}")
     return {"bf16": bf16, "fp8": fp8, "config": config, "summary": served}
 
 

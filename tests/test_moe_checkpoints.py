@@ -370,7 +370,7 @@ def test_stacked_experts_share_their_linears_storage_and_the_grouped_path_matche
         fused = experts.expert(2).gate_proj.group.layer
         assert fused.weight._base is st.gate_up and fused.weight.data_ptr() == st.gate_up[2].data_ptr()
         assert experts.expert(3).down_proj.weight.data_ptr() == st.down[3].data_ptr()
-        assert "grouped decode: stacked" in repr(experts)
+        assert "grouped: stacked" in repr(experts)
     with torch.no_grad():
         grouped = model(IDS).logits.float()
     per_token = (grouped - loop).norm(dim=-1) / loop.norm(dim=-1)
@@ -524,6 +524,11 @@ def test_grouped_experts_edge_inputs_persistence_and_misuse(tmp_path):
         stack = experts.stacked
         holder.float()  # moves nothing: the stack stays
         assert experts.stacked is stack
+        holder._apply(lambda t: t.clone())  # what a device move does: every tensor anew
+        moved = experts.stacked
+        assert moved is not None and moved.gate_up is not stack.gate_up
+        assert all(moved.holds(lin) for lin in (experts.expert(2).gate_proj.group.layer, experts.expert(2).down_proj))
+        torch.testing.assert_close(experts(hidden, index, weights), want, rtol=0, atol=0)
         state = {k: v.clone() for k, v in holder.state_dict().items()}
         state["experts.1.down_proj.weight_scale"] *= 2
         holder.load_state_dict(state, assign=True)

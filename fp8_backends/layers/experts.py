@@ -185,7 +185,7 @@ class PerExpertLinears(nn.Module):
         #: the replaced experts module without its weights: its ``_apply_gate`` (or ``act_fn``) gates
         self.gating = gating
         self._own_gate = callable(getattr(gating, "_apply_gate", None))  # decided once, not per call
-        #: the stacked weights of the grouped decode path (None: per-expert loop only; :attr:`grouped_reason` why)
+        #: the stacked weights of the grouped paths (None: per-expert loop only; :attr:`grouped_reason` says why)
         self.stacked: StackedExperts | None = None
         self.grouped_reason: str | None = "not stacked yet (process_weights_after_loading)"
         #: the most (token, slot) pairs a call serves with the experts GEMV (more: the tiled experts GEMM)
@@ -270,7 +270,7 @@ class PerExpertLinears(nn.Module):
         return experts_kernels(first.device.type)[1] or None
 
     def stack_weights(self) -> bool:
-        """Stack every expert's FP8 weights for the grouped decode path (module docstring); True when stacked, else
+        """Stack every expert's FP8 weights for the grouped paths (module docstring); True when stacked, else
         :attr:`grouped_reason` says why not. Load time: copies the weights once (peak: one more copy of this
         layer's experts), makes every expert's linears views of the stack and leaves them unprocessed where they
         were (a processed linear whose weight moved into the stack is processed again)."""
@@ -296,12 +296,14 @@ class PerExpertLinears(nn.Module):
             _move_into(down_lin, down[e], down_scale[e])
         self.stacked = StackedExperts(gate_up, gate_up_scale, down, down_scale)
         self.grouped_reason = None
-        logger.debug("MoE experts %d x [%d, %d] stacked for the grouped decode path", e_count, i, h)
+        logger.debug("MoE experts %d x [%d, %d] stacked for the grouped paths", e_count, i, h)
         return True
 
     def _apply(self, fn: Any, recurse: bool = True) -> PerExpertLinears:
-        """A move (``.to()``, ``.cuda()``) moves every expert's linears on their own: the stack is rebuilt from
-        them (or dropped, with the reason, where the new device cannot serve it)."""
+        """A move (``.to()``, ``.cuda()``) moves the stack once and makes the expert linears views of the moved stack
+        before their own moves (then no-ops); processed linears are processed again on their new tensors. Linears
+        that were not views of the stack are stacked anew (or the stack dropped, with the reason, where the new
+        device cannot serve it)."""
         from .modules import _keeping_dtype
 
         stacked, moved = self.stacked, []
@@ -312,13 +314,14 @@ class PerExpertLinears(nn.Module):
                 for parts, down in self._sources()[0]:
                     for lin in (*parts, down):
                         if stacked.holds(lin):
+                            moved.append((lin, lin.kernel is not None))
                             _point_at(lin, stacked, new)
-                            moved.append(lin)
                 self.stacked = new
         super()._apply(fn, recurse)
-        for lin in moved:  # their prepared weights held the old tensors
+        for lin, processed in moved:  # their prepared weights held the old tensors
             lin.kernel = lin._plan = lin._traced = None
-            lin.process_weights_after_loading()
+            if processed:
+                lin.process_weights_after_loading()
         if stacked is not None:
             self.stack_weights()  # a no-op where every linear is a view of the stack, else it copies anew
         return self
@@ -381,7 +384,7 @@ class PerExpertLinears(nn.Module):
     def extra_repr(self) -> str:
         grouped = "stacked" if self.stacked is not None else f"off ({self.grouped_reason})"
         return (f"num_experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "
-                f"grouped decode: {grouped}")
+                f"grouped: {grouped}")
 
 
 def _move_into(lin: Any, weight: torch.Tensor, scale: torch.Tensor) -> None:
@@ -412,4 +415,4 @@ def stack_expert_weights(model: nn.Module) -> list[str]:
 
 
 __all__ = ["GROUPED_MAX_PAIRS", "SERVED_LAYOUT", "ExpertMLP", "PerExpertLinears", "StackedExperts",
-           "fused_experts_layout", "stack_expert_weights", "unserved_layout"]
+           "experts_kernels", "fused_experts_layout", "stack_expert_weights", "unserved_layout"]
