@@ -340,7 +340,7 @@ def _experts_layers(model):
 
 
 def _grouped_on(model, on: bool = True, max_pairs: int = 64):
-    """Ask every MoE layer for the grouped decode path (on the CPU: under Triton's interpreter) and stack."""
+    """Ask every MoE layer for the grouped experts paths (on the CPU: under Triton's interpreter) and stack."""
     for m in _experts_layers(model):
         m.grouped = on
         m.grouped_max_pairs = max_pairs
@@ -359,7 +359,7 @@ def test_stacked_experts_share_their_linears_storage_and_the_grouped_path_matche
     copy); the grouped GEMV path (decode sizes) gives the per-expert loop's logits within the interpreter's FP8
     rounding (it rounds some fp32 -> fp8 casts differently from torch: a flipped code, not a wrong formula)."""
     model, summary = load_pretrained(moe("qwen3_moe"), device="cpu", dtype=torch.float32)
-    assert any("without the grouped decode path" in n and "grouped=True" in n for n in summary.notes)
+    assert any("without the grouped experts paths" in n and "grouped=True" in n for n in summary.notes)
     with torch.no_grad():
         loop = model(IDS).logits.float()
     _grouped_on(model, max_pairs=10**6)
@@ -588,7 +588,7 @@ def test_a_moe_checkpoint_on_the_gpu_runs_grouped_in_cuda_graphs_and_the_loop_re
     model, summary = load_pretrained(path, device="cuda")
     experts = _experts_layers(model)
     assert all(m.stacked is not None for m in experts), [m.grouped_reason for m in experts]
-    assert not any("without the grouped decode path" in n for n in summary.notes)
+    assert not any("without the grouped experts paths" in n for n in summary.notes)
     ids = IDS.to("cuda")
     with torch.no_grad():
         for max_pairs, grouped in ((10**6, None), (0, None), (0, False)):  # experts GEMV, tiled GEMM, the loop

@@ -94,7 +94,7 @@ class Fp8CheckpointLoader:
         self._seen: set[str] = set()
         self._created = False
         self._experts: list[Any] = []  # the model's PerExpertLinears (stacked before the layers are processed)
-        self.experts_notes: list[str] = []  # MoE layers not stacked for the grouped decode path, and why
+        self.experts_notes: list[str] = []  # MoE layers not stacked for the grouped experts paths, and why
 
     # ---------------------------------------------------------------------------------------- 1. create_weights
     def create_weights(self, model: nn.Module) -> None:
@@ -235,13 +235,13 @@ class Fp8CheckpointLoader:
 
 
 def _grouped_off(notes: list[str]) -> list[str]:
-    """The summary's lines for MoE layers left without the grouped decode path: one per reason."""
+    """The summary's lines for MoE layers left without the grouped experts paths: one per reason."""
     by_reason: dict[str, list[str]] = {}
     for note in notes:
         name, _, reason = note.partition(": ")
         by_reason.setdefault(reason, []).append(name)
-    return [f"{len(names)} MoE layer(s) without the grouped decode path (decode and CUDA graphs run the per-expert "
-            f"loop, which cannot be captured): {reason} ({names[0]}{', ...' if len(names) > 1 else ''})"
+    return [f"{len(names)} MoE layer(s) without the grouped experts paths (they run the per-expert loop: a host "
+            f"sync per layer, no CUDA-graph capture): {reason} ({names[0]}{', ...' if len(names) > 1 else ''})"
             for reason, names in by_reason.items()]
 
 

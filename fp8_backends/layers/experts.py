@@ -346,7 +346,7 @@ class PerExpertLinears(nn.Module):
         if hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():
             raise InvalidInputError("MoE experts served per expert read which experts were hit on the host: they "
                                     "cannot be captured in a CUDA graph (run the model eagerly or compiled; the "
-                                    f"grouped decode path that can is off: {self.grouped_reason})")
+                                    f"grouped experts paths that can are off: {self.grouped_reason})")
         out = torch.zeros_like(hidden_states)
         k = top_k_index.shape[-1]
         flat = top_k_index.reshape(-1)
