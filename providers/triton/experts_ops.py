@@ -7,8 +7,8 @@ None, token_div, out_dtype) -> [P, N]``: row ``p`` is ``x[p // token_div]`` (qua
 launch) times expert ``ids[p]``'s weight, times ``rw[p]`` where given; ids outside ``[0, E)`` give zero rows.
 
 ``experts_gemm`` computes the same (``x`` quantized per group of 128 first by the Triton group quantization): the
-pairs sorted by expert (:func:`tile_plan`, torch ops on the device: a stable sort, a scatter-add count, cumulative
-sums and a ``searchsorted``; no host sync), then one launch over ``cdiv(P, BLOCK_M) + min(E, P)`` tile rows (the
+pairs sorted by expert (:func:`tile_plan`, on the device: a sort, a scatter-add count and the tile plan; no host
+sync), then one launch over ``cdiv(P, BLOCK_M) + min(E, P)`` tile rows (the
 most tiles any routing needs; the unused ones exit at once).
 
 Plain eager calls launch through the library's cached launcher (:mod:`.launcher`); under ``torch.compile`` the ops
@@ -91,12 +91,14 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, ids: torch.T
         return out
     kernel, grid, args, warps = kernel_args(x, w, w_scale, ids, rw, token_div, out, config)
     index = x.get_device()
-    _support.on_device(index, _launch_on, kernel, grid, args, warps, index)
+    _support.on_device(index, _launch_on, kernel, grid, args, warps, 1, index)
     return out
 
 
-def _launch_on(kernel: Any, grid: tuple[int, int], args: tuple[Any, ...], warps: int, index: int) -> None:
-    _launch(kernel, grid, args, num_warps=warps, num_stages=1, pdl=False, device_index=max(index, 0))
+def _launch_on(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], warps: int, stages: int,
+               index: int) -> None:
+    """Launch through the library's cached launcher (no PDL); ``index``: the tensors' device (-1: the interpreter)."""
+    _launch(kernel, grid, args, num_warps=warps, num_stages=stages, pdl=False, device_index=max(index, 0))
 
 
 # ------------------------------------------------------------------------------------------ the tiled GEMM
@@ -139,7 +141,7 @@ def _plan_launch(counts: torch.Tensor, plan: torch.Tensor, experts: int, max_til
     args = (counts, plan[0], plan[1], plan[2], experts, max_tiles, block_m,
             max(16, 1 << (experts - 1).bit_length()), _PLAN_TILES)
     index = counts.get_device()
-    _support.on_device(index, _launch_gemm_on, experts_tile_plan_kernel, (-(-max_tiles // _PLAN_TILES),), args, 4,
+    _support.on_device(index, _launch_on, experts_tile_plan_kernel, (-(-max_tiles // _PLAN_TILES),), args, 4,
                        1, index)
 
 
@@ -154,13 +156,8 @@ def gemm_launch(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_sca
     kernel, grid, args, warps, stages = gemm_kernel_args(x_q, x_scale, w, w_scale, order, tile_expert, tile_row0,
                                                          tile_end, rw, token_div, block_m, out)
     index = x_q.get_device()
-    _support.on_device(index, _launch_gemm_on, kernel, grid, args, warps, stages, index)
+    _support.on_device(index, _launch_on, kernel, grid, args, warps, stages, index)
     return out
-
-
-def _launch_gemm_on(kernel: Any, grid: tuple[int, int], args: tuple[Any, ...], warps: int, stages: int,
-                    index: int) -> None:
-    _launch(kernel, grid, args, num_warps=warps, num_stages=stages, pdl=False, device_index=max(index, 0))
 
 
 def _fake_gemm(x_q: Any, x_scale: Any, w: Any, w_scale: Any, order: Any, tile_expert: Any, tile_row0: Any,
