@@ -380,6 +380,9 @@ def parse_args(argv: list[str] | None) -> Any:
     p.add_argument("--gc-freeze", action="store_true")
     p.add_argument("--profile", action="store_true",
                    help="also list the kernels of one step per variant (compiled / graph rows; torch.profiler)")
+    p.add_argument("--step-profile", action="store_true",
+                   help="also profile the host side of 20 compiled steps per variant (cProfile, 30 costliest by own "
+                        "time)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--small", action="store_true", help="tiny layers (CPU smoke test)")
     p.add_argument("--out", type=Path, required=True)
@@ -421,6 +424,10 @@ def render(result: dict[str, Any]) -> list[str]:
                           f"{prof['kernels']} kernels, {prof['kernel_us']:.0f} µs; the largest by total time:", ""]
                 lines += common.md_table(["kernel", "count", "µs"], [[k["name"], k["count"], f"{k['us']:.1f}"]
                                                                       for k in prof["all"][:15]])
+    for row in result["rows"]:
+        for v, text in (row.get("step_profile") or {}).items():
+            lines += ["", f"Host side of 20 `{row['workload']}` / {row['mode']} steps of `{v}` (cProfile, by own "
+                      "time):", "", "```", text.rstrip(), "```"]
     if result.get("load"):
         lines += ["", "Loading (a fresh process per load, loaders in turns, median of runs; `x bf16 load`: the median "
                   "over turns of the load's time over the bf16 load's in the same turn; peak host memory is the "
@@ -511,6 +518,11 @@ def main(argv: list[str] | None = None) -> int:
                 for name, fn in steps.items():
                     rewinds.get(name, lambda: None)()
                     row["profile"][name] = hf.kernel_profile(fn, args.device)
+            if args.step_profile and mode == "compiled":
+                row["step_profile"] = {}
+                for name, fn in steps.items():
+                    rewinds.get(name, lambda: None)()
+                    row["step_profile"][name] = hf.step_profile_text(fn)
             result["rows"].append(row)
             us = row["us"]
             log("  " + ", ".join(f"{k} {v:.0f} µs" for k, v in us.items()))

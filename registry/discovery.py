@@ -460,13 +460,14 @@ def refresh() -> None:
     """Forget discovered providers and cached availability: the next :func:`discover` rescans the entry
     points (e.g. after installing a plugin into the running interpreter; an install into a ``sys.path``
     folder is noticed without it)."""
-    from fp8_backends.core.backend import clear_availability_cache
+    from fp8_backends.core.backend import clear_availability_cache, run_refresh_hooks
 
     clear_availability_cache()
     importlib.invalidate_caches()
     with _lock:
         _cache.clear()
         _watches.clear()
+    run_refresh_hooks()  # the decisions the floors above made from the providers (quant defaults, MoE kernels)
 
 
 def _distribution_of(cls: type) -> str | None:

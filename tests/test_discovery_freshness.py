@@ -169,3 +169,19 @@ def test_a_recorded_fault_survives_a_rescan_and_cwd_writes_cost_no_rescan(tmp_pa
     finally:
         discovery.refresh()
     assert next(e for e in discovery.discover("norm_quant") if e.name == "torch").availability().ok
+
+
+def test_a_refresh_forgets_the_decisions_made_from_the_providers(monkeypatch):
+    """What the floors above the registry decided from the discovered providers (the activation-quant defaults, the
+    MoE experts' grouped kernels) is asked again after ``refresh``: a plugin installed since can supply them."""
+    pytest.importorskip("torch")
+    from fp8_backends import quant
+    from fp8_backends.layers import experts
+
+    monkeypatch.setitem(experts._kernels, "toy-device", (None, "decided before the plugin came"))
+    quant.default_quant_impl("per_token", "cpu")
+    assert quant._defaults and experts.experts_kernels("toy-device")[1] == "decided before the plugin came"
+    discovery.refresh()
+    assert not quant._defaults and "toy-device" not in experts._kernels
+    kernels, why = experts.experts_kernels("toy-device")
+    assert kernels is None and "no provider supplies grouped-experts kernels for toy-device" in why

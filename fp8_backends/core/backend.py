@@ -317,6 +317,24 @@ def record_fault(cls: type, reason: str) -> None:
     _FAULTS[cls] = Availability.no(reason)
 
 
+_REFRESH_HOOKS: list[Callable[[], None]] = []
+
+
+def on_provider_refresh(hook: Callable[[], None]) -> Callable[[], None]:
+    """Have ``hook()`` called whenever the registry forgets the discovered providers
+    (:func:`fp8_backends.registry.discovery.refresh`): for caches of decisions made from them (the activation-quant
+    defaults, the MoE experts kernels), kept on the floors above the registry. Returns ``hook`` (a decorator)."""
+    if hook not in _REFRESH_HOOKS:
+        _REFRESH_HOOKS.append(hook)
+    return hook
+
+
+def run_refresh_hooks() -> None:
+    """Call every :func:`on_provider_refresh` hook (the registry's ``refresh`` does)."""
+    for hook in list(_REFRESH_HOOKS):
+        hook()
+
+
 def clear_availability_cache(*, faults: bool = True) -> None:
     """Forget the availability probes (and, unless ``faults=False``, the recorded faults)."""
     _AVAILABILITY.clear()

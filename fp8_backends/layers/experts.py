@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from ..core.backend import on_provider_refresh
 from ..core.errors import InvalidInputError
 
 logger = logging.getLogger("fp8_backends")
@@ -111,12 +112,14 @@ class StackedExperts(NamedTuple):
 
 
 _kernels: dict[str, tuple[Any, str]] = {}  # device type -> (ExpertsKernels or None, why none)
+on_provider_refresh(_kernels.clear)  # a plugin installed and discovered anew may supply them
 
 
 def experts_kernels(device_type: str) -> tuple[Any, str]:
     """``(kernels, reason)``: the :class:`~fp8_backends.core.backend.ExpertsKernels` of the first usable provider
     that declares ``device_type`` in its ``experts_devices`` and answers (``auto``'s order: priority, built-ins
-    first), or ``(None, why none does)``. Asked once per device type and process (at load time: stacking)."""
+    first), or ``(None, why none does)``. Asked once per device type (at load time: stacking) until the registry's
+    ``refresh``."""
     got = _kernels.get(device_type)
     if got is not None:
         return got

@@ -48,6 +48,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..core import validation as V
+from ..core.backend import on_provider_refresh
 from ..core.errors import BackendUnavailableError, InvalidInputError
 from ..core.oplib import LazyOps
 from ..core.types import (
@@ -236,9 +237,13 @@ def _resolve_default(mode: ActScale, device_type: str) -> QuantImpl:
 
 
 def reset_default_impls() -> None:
-    """Forget the per-device-type default decisions (tests; after changing ``FP8_BACKENDS_DISABLED``)."""
+    """Forget the per-device-type default decisions (tests; after changing ``FP8_BACKENDS_DISABLED``; the registry's
+    ``refresh`` calls it)."""
     with _lock:
         _defaults.clear()
+
+
+on_provider_refresh(reset_default_impls)
 
 
 def default_quant_impl(mode: ActScale | str, device_type: str) -> QuantImpl:
