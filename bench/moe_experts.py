@@ -34,8 +34,9 @@ MODELS = {"qwen3-30b-a3b": (128, 2048, 768, 8), "deepseek-v3": (256, 7168, 2048,
           "tiny": (4, 256, 128, 2)}  # tiny: a CPU smoke test (Triton's interpreter)
 
 
-def build(model: str, device: str) -> dict[str, Any]:
-    """``{"bf16": transformers experts module, "fp8": PerExpertLinears}`` on the same (block-quantized) weights."""
+def build(model: str, device: str, weight_scale: str = "block") -> dict[str, Any]:
+    """``{"bf16": transformers experts module, "fp8": PerExpertLinears}`` on the same weights, quantized by
+    ``quantize_model(weight_scale=...)`` (``block``, ``per_channel`` or ``per_tensor``)."""
     import transformers
 
     from fp8_backends import quantize_model
@@ -64,7 +65,7 @@ def build(model: str, device: str) -> dict[str, Any]:
             ex.down_proj.weight.copy_(down[x])
     holder = torch.nn.Module()
     holder.experts = fp8
-    summary = quantize_model(holder, weight_scale="block")
+    summary = quantize_model(holder, weight_scale=weight_scale)
     process_weights_after_loading(holder)
     served = (f"{summary.count} linears swapped, {len(summary.fused)} gate/up groups fused, "
               f"{fp8.expert(0).down_proj.backends_text}; grouped: {fp8.grouped_reason or 'stacked'}")
@@ -121,8 +122,9 @@ def run(args: Any) -> dict[str, Any]:
 
     platform = detect_platform()
     result: dict[str, Any] = {"header": common.run_header(platform, args.device), "model": args.model, "rows": []}
-    mods = build(args.model, args.device)
+    mods = build(args.model, args.device, args.weight_scale)
     result["fp8_layer"] = mods["summary"]
+    result["weight_scale"] = args.weight_scale
     for tokens in args.tokens:
         got = steps_for(mods, tokens, args.device, args.device == "cuda")
         steps = got["steps"]
@@ -176,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b-a3b")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 512, 2048])
+    ap.add_argument("--weight-scale", choices=["block", "per_channel", "per_tensor"], default="block",
+                    help="how the experts' weights are quantized (the grouped paths serve all three)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -91,10 +91,20 @@ def per_expert_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
+def quantize_rows(w: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel (``per_row``: scale ``[N, 1]``) or per-tensor (scale ``[]``) FP8 of ``w`` [N, K]."""
+    amax = w.float().abs().amax(1, keepdim=True) if per_row else w.float().abs().amax()
+    scale = (amax / 448.0).clamp_min(1e-12)
+    return (w.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+
+
 def moe_checkpoint(path: Path, arch: str, *, keep: tuple[str, ...] = ("lm_head", "mlp.gate"),
-                   moe_intermediate: int = 128) -> Path:
-    """A Hugging Face ``fp8`` block checkpoint (``weight_scale_inv``) of a tiny MoE model in the shipped layout;
-    ``keep``: ``modules_to_not_convert`` (those stay bf16)."""
+                   moe_intermediate: int = 128, scheme: str = "block") -> Path:
+    """A tiny MoE model's FP8 checkpoint in the shipped per-expert layout: ``scheme="block"`` a Hugging Face ``fp8``
+    block checkpoint (``weight_scale_inv``, as DeepSeek-V3 and Qwen3-FP8 ship), ``"tensor"`` the same format without
+    blocks (one ``weight_scale_inv`` per weight), ``"channel"`` compressed-tensors per-channel weights with dynamic
+    per-token activations (``FP8_DYNAMIC``, as the ``-FP8-dynamic`` MoE checkpoints ship). ``keep``: modules left in
+    bf16."""
     from safetensors.torch import save_file
 
     model = tiny_moe(arch, moe_intermediate)
@@ -103,15 +113,28 @@ def moe_checkpoint(path: Path, arch: str, *, keep: tuple[str, ...] = ("lm_head",
         module = key.rpartition(".")[0]
         kept = any(module.startswith(f"{k}.") or module.endswith(k) for k in keep)  # as the format matches
         quantized = key.endswith(".weight") and value.dim() == 2 and "embed" not in key and not kept
-        if quantized:
+        if quantized and scheme == "block":
             out[key], out[f"{module}.weight_scale_inv"] = quantize_block(value)
+        elif quantized:
+            out[key], scale = quantize_rows(value, scheme == "channel")
+            out[f"{module}.weight_scale" if scheme == "channel" else f"{module}.weight_scale_inv"] = scale
         else:
             out[key] = value.contiguous()
     path.mkdir(parents=True, exist_ok=True)
     save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
     config = model.config.to_dict()
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": [128, 128], "modules_to_not_convert": list(keep)}
+    if scheme == "channel":
+        fp8 = {"num_bits": 8, "type": "float", "symmetric": True}
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "format": "float-quantized",
+                                          "weights": {**fp8, "strategy": "channel", "dynamic": False},
+                                          "input_activations": {**fp8, "strategy": "token", "dynamic": True}}},
+            "ignore": [k if k == "lm_head" else f"re:.*{k}$" for k in keep]}
+    else:
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                         "weight_block_size": [128, 128] if scheme == "block" else None,
+                                         "modules_to_not_convert": list(keep)}
     (path / "config.json").write_text(json.dumps(config))
     return path
 
@@ -421,6 +444,99 @@ def test_experts_that_cannot_stack_say_why_and_keep_the_loop(moe):
     assert _experts_layers(model3)[0].grouped_reason == "switched off (grouped=False)"
 
 
+def dequantized_logits(model) -> torch.Tensor:
+    """``model``'s logits in fp32 with every FP8 linear's dequantized weight and unquantized inputs (each
+    PerExpertLinears' experts through their dequantized linears): what FP8 activations approximate."""
+    from fp8_backends.core import reference
+
+    def dense(lin):
+        w = lin.weight.float()
+        s = lin.weight_scale.float()
+        return reference.dequantize_block(lin.weight, s, lin.weight_block) if lin.weight_block else w * s.reshape(-1, 1)
+
+    saved = {}
+    for m in model.modules():
+        if isinstance(m, Fp8Linear):
+            saved[m] = m.forward
+            m.forward = (lambda w: (lambda x: (x.float() @ w.t()).to(x.dtype)))(dense(m))
+        if isinstance(m, PerExpertLinears):
+            saved[m] = m.grouped
+            m.grouped = False
+    try:
+        with torch.no_grad():
+            return model(IDS).logits.float()
+    finally:
+        for m, v in saved.items():
+            if isinstance(m, PerExpertLinears):
+                m.grouped = v
+            else:
+                m.forward = v
+
+
+@needs_interpreter
+@pytest.mark.parametrize("scheme", ["tensor", "channel"])
+def test_per_tensor_and_per_channel_experts_stack_with_a_scale_per_row(moe, scheme):
+    """MoE checkpoints with per-tensor (Hugging Face ``fp8`` without blocks) or per-channel (compressed-tensors
+    ``FP8_DYNAMIC``) expert weights stack too: one scale per output row (``[E, 2*I]``, ``[E, H]``), the linears views
+    (a per-tensor one keeps its one value, a view of its first row's); the grouped paths quantize activations per
+    group of 128 (finer than the checkpoint's per-token / per-tensor: no less accurate than the loop)."""
+    model, summary = load_pretrained(moe("qwen3_moe", scheme=scheme), device="cpu", dtype=torch.float32)
+    exact = dequantized_logits(model)
+    with torch.no_grad():
+        loop = model(IDS).logits.float()
+    _grouped_on(model, max_pairs=0)  # the tiled GEMM for the model (the interpreter runs the GEMV's many programs
+    for experts in _experts_layers(model):  # slowly: the GEMV is checked on one layer below)
+        st = experts.stacked
+        assert st is not None and experts.grouped_reason is None
+        assert tuple(st.gate_up_scale.shape) == (4, 256) and tuple(st.down_scale.shape) == (4, 256)
+        for e in range(4):
+            fused, down = experts.expert(e).gate_proj.group.layer, experts.expert(e).down_proj
+            assert experts.stacked.holds(fused) and experts.stacked.holds(down)
+            assert down.weight_scale.numel() == (1 if scheme == "tensor" else 256)
+            torch.testing.assert_close(st.down_scale[e], down.weight_scale.expand(256))
+    with torch.no_grad():
+        tiles = model(IDS).logits.float()
+
+    def err(x, ref=exact):
+        return float(((x - ref).norm(dim=-1) / ref.norm(dim=-1)).median())
+
+    assert err(tiles) < 0.05 and err(tiles) <= 1.2 * err(loop), (err(tiles), err(loop))
+    experts = _experts_layers(model)[0]  # the GEMV on one layer: the tiled GEMM's numbers up to the interpreter's
+    torch.manual_seed(2)                 # rounding of the quantization inside its launch
+    hidden, index, weights = torch.randn(3, 256), torch.tensor([[0, 3], [2, 3], [1, 1]]), torch.rand(3, 2)
+    with torch.no_grad():
+        tiled = experts(hidden, index, weights)
+        experts.grouped_max_pairs = 64
+        assert err(experts(hidden, index, weights), tiled) < 0.01
+
+
+@needs_interpreter
+def test_scales_processing_replaces_go_back_into_the_stack():
+    """A fused gate/up of per-tensor shards is reduced to one scale (equal shards) or requantized to the larger one
+    (in place, in the stack's rows) by processing: the stack's scales follow, so the stack dequantizes to what each
+    linear does and the grouped paths stay near the loop (a stale scale would be off by the shards' 3x ratio)."""
+    holder = _stacked_experts(weight_scale="per_tensor", fuse=True)
+    experts = holder.experts
+    st = experts.stacked
+    for e in range(4):
+        fused, down = experts.expert(e).gate_proj.group.layer, experts.expert(e).down_proj
+        assert fused.weight_scale.numel() == 1 and st.holds(fused) and st.holds(down)
+        torch.testing.assert_close(st.gate_up[e].float() * st.gate_up_scale[e][:, None],
+                                   fused.weight.float() * fused.weight_scale, rtol=0, atol=0)
+        torch.testing.assert_close(st.down[e].float() * st.down_scale[e][:, None],
+                                   down.weight.float() * down.weight_scale, rtol=0, atol=0)
+    torch.manual_seed(3)
+    hidden, index, weights = torch.randn(5, 256), torch.randint(0, 4, (5, 2)), torch.rand(5, 2)
+    with torch.no_grad():
+        experts.grouped_max_pairs = 0
+        grouped = experts(hidden, index, weights)
+        experts.grouped = False
+        loop = experts(hidden, index, weights)
+    # the interpreter's fp32 -> fp8 rounding of the group-quantized activations adds ~0.1 here (on a GPU the two
+    # agree as closely as their activation scales allow: bench/results/moe_experts)
+    assert float((grouped - loop).norm() / loop.norm()) < 0.25
+
+
 @needs_interpreter
 def test_the_experts_gemv_and_gemm_compute_each_pair_against_its_own_expert():
     """GEMV: each (token, slot) pair's row equals the block GEMV of its token against its expert (same kernel body,
@@ -460,6 +576,22 @@ def test_the_experts_gemv_and_gemm_compute_each_pair_against_its_own_expert():
             want = (torch.zeros(n, device=dev) if e >= e_count else
                     reference.fp8_gemm(x_q[t:t + 1], w[e], x_s[t:t + 1], s[e], torch.float32)[0] * rw[p])
             torch.testing.assert_close(tiled[p], want, rtol=1e-5, atol=1e-4)
+    # weight scales one per output row ([E, N]: per-channel checkpoints; per-tensor ones repeated): both kernels
+    # against the dequantized rows (the GEMV quantizes in its launch, where the interpreter may round a code apart)
+    rows = torch.rand(e_count, n, device=dev) * 0.02 + 0.001
+    wq = w.float()
+    deq_x = x_q.float() * x_s.repeat_interleave(128, dim=1)[:, :k]
+    want_rows = torch.stack([torch.zeros(n, device=dev) if int(ids[p]) >= e_count else
+                             (deq_x[p // slots] @ (wq[int(ids[p])] * rows[int(ids[p])][:, None]).T) * rw[p]
+                             for p in range(6)])
+    for got_rows in (experts_gemv(x, w, rows, ids, rw, slots, torch.float32),
+                     experts_gemm(x, w, rows, ids, rw, slots, torch.float32, block_m=16)):
+        assert not got_rows[3].any()
+        torch.testing.assert_close(got_rows, want_rows, rtol=2e-2, atol=2e-2 * float(want_rows.abs().max()))
+    torch.testing.assert_close(experts_gemm(x, w, rows, ids, rw, slots, torch.float32, block_m=16), want_rows,
+                               rtol=1e-5, atol=1e-4)  # the GEMM takes the same quantized rows: exact up to order
+    with pytest.raises(InvalidInputError, match="one per output row"):
+        experts_gemv(x, w, rows[:, :10], ids, None, slots)
     with pytest.raises(InvalidInputError, match="routing weights"):
         experts_gemv(x, w, s, ids, rw[:3], slots)
     with pytest.raises(InvalidInputError, match="pairs need"):
@@ -470,10 +602,13 @@ def test_the_experts_gemv_and_gemm_compute_each_pair_against_its_own_expert():
         experts_gemv(x, w[0], s, ids, None, slots)
 
 
-def _stacked_experts(dtype=torch.float32):
+def _stacked_experts(dtype=torch.float32, weight_scale="block", fuse=False):
     """A stacked PerExpertLinears (4 experts, hidden 256, intermediate 128) built from a bf16 experts module and
-    block-quantized by quantize_model, with grouped=True (the CPU: Triton's interpreter)."""
+    quantized by quantize_model (``weight_scale``), with grouped=True (the CPU: Triton's interpreter). ``fuse``:
+    each expert's gate and up quantized on their own, then loaded as the shards of one fused layer (as a checkpoint
+    loader does), per-tensor scales half the time equal (processing reduces them to one) and else requantized."""
     from fp8_backends import quantize_model
+    from fp8_backends.layers.shared_input import SharedInputGroup
 
     original = tiny_moe("qwen3_moe").to(dtype).model.layers[0].mlp.experts
     gate_up, down = original.gate_up_proj.detach().clone(), original.down_proj.detach().clone()
@@ -481,11 +616,21 @@ def _stacked_experts(dtype=torch.float32):
     with torch.no_grad():
         for e in range(4):
             experts.expert(e).gate_proj.weight.copy_(gate_up[e, :128])
-            experts.expert(e).up_proj.weight.copy_(gate_up[e, 128:])
+            experts.expert(e).up_proj.weight.copy_(gate_up[e, 128:] * (1.0 if fuse and e % 2 else 3.0))
             experts.expert(e).down_proj.weight.copy_(down[e])
     holder = torch.nn.Module()
     holder.experts = experts
-    quantize_model(holder, weight_scale="block")
+    quantize_model(holder, weight_scale=weight_scale, fuse=not fuse)
+    if fuse:
+        for e in range(4):
+            ex = experts.expert(e)
+            if e % 2:  # equal shard scales: processing keeps one value
+                ex.up_proj.weight_scale.copy_(ex.gate_proj.weight_scale)
+            fused = Fp8Linear.from_fused_shards([(lin.weight, lin.weight_scale) for lin in (ex.gate_proj, ex.up_proj)],
+                                                act_scale=ex.gate_proj.act_scale, dtype=dtype,
+                                                shard_scales="requantize", process=False)
+            group = SharedInputGroup([128, 128], ["gate_proj", "up_proj"])
+            ex.gate_proj, ex.up_proj = Fp8LinearSlice(group, 0, fused=fused), Fp8LinearSlice(group, 1)
     experts.grouped = True
     process_weights_after_loading(holder)
     assert experts.stacked is not None, experts.grouped_reason

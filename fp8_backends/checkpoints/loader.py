@@ -201,6 +201,9 @@ class Fp8CheckpointLoader:
         self.experts_notes = [f"{name}: {m.grouped_reason}" for name, m in self._experts if not m.stack_weights()]
         for layer in self.layers.values():
             layer.process_weights_after_loading()
+        for _, m in self._experts:  # scales processing replaced (per-tensor / per-channel experts) back into the stack
+            if m.stacked is not None:
+                m.stack_weights()
         return self.summary()
 
     def summary(self) -> CheckpointSummary:

@@ -57,10 +57,12 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class ExpertsKernels(Protocol):
-    """A MoE layer's routed experts over stacked block-FP8 weights, every (token, slot) pair against its own expert
+    """A MoE layer's routed experts over stacked FP8 weights, every (token, slot) pair against its own expert
     (what :meth:`ProviderBase.experts_kernels` returns). Weights ``w [E, N, K]`` float8_e4m3fn with scales
-    ``w_scale [E, ceil(N/128), ceil(K/128)]`` fp32 (128x128 blocks); activations quantized per group of 128 by the
-    kernels themselves. No host-device sync: CUDA-graph capturable, traceable by ``torch.compile``.
+    ``w_scale [E, ceil(N/128), ceil(K/128)]`` fp32 (128x128 blocks), or, where the object's ``row_scales`` attribute is
+    True, ``[E, N]`` fp32, one per output row (per-channel checkpoints; per-tensor ones repeated over the rows);
+    activations quantized dynamically per group of 128 by the kernels themselves. No host-device sync: CUDA-graph
+    capturable, traceable by ``torch.compile``.
 
     - ``plan(ids, experts, gemv_pairs)``: once per layer call, from the expert ids ``ids [P]`` (contiguous int;
       ids outside ``[0, E)`` contribute nothing): whatever :meth:`matmul` needs for these ids (None allowed), shared

@@ -12,16 +12,20 @@ Two forwards:
 
 - **Grouped** (where the experts stack): :meth:`PerExpertLinears.stack_weights` (run by
   :func:`fp8_backends.layers.process_weights_after_loading` and the checkpoint loaders, before the linears are
-  processed) copies every expert's block-scaled FP8 gate/up and down weights into one ``[E, 2*I, H]`` and one
-  ``[E, H, I]`` tensor (with ``[E, ., .]`` scales) and makes each expert's linears views of them (no second copy).
+  processed) copies every expert's FP8 gate/up and down weights into one ``[E, 2*I, H]`` and one ``[E, H, I]``
+  tensor (with ``[E, ., .]`` block scales, or ``[E, 2*I]`` / ``[E, H]`` scales one per output row for per-channel and
+  per-tensor experts) and makes each expert's linears views of them (no second copy; after processing, scales it
+  replaced go back into the stack's rows).
   Both projections then run on the grouped-experts kernels of the first provider that supplies them
   (``ProviderBase.experts_kernels``; the built-in ``triton`` provider's): up to :data:`GROUPED_MAX_PAIRS`
   (token, slot) pairs (decode) an experts GEMV, each pair's row against its own expert's weight with the activation
   quantized per group of 128 inside the launch; more pairs (prefill) a tiled experts GEMM, pairs sorted by expert on
   the device into tensor-core tiles of one expert each. Nothing is read on the host: CUDA-graph capturable, one
-  graph under ``torch.compile``. Stacking needs every expert's linears block-scaled (128x128, activation groups of
-  128, e4m3), without biases, of one shape, gate/up in whole blocks (``I % 128 == 0``), a provider with grouped
-  kernels for the device, and the linears' provider left to ``auto`` (an explicit provider choice is honoured by
+  graph under ``torch.compile``. Stacking needs every expert's linears e4m3 in one scheme, block-scaled (128x128,
+  activation groups of 128, gate/up in whole blocks: ``I % 128 == 0``) or per-channel / per-tensor (any activation
+  scheme: the grouped paths quantize activations dynamically per group of 128, finer than per token or per tensor),
+  without biases, of one shape, a provider with grouped kernels for the device (for per-row scales, kernels whose
+  ``row_scales`` is True), and the linears' provider left to ``auto`` (an explicit provider choice is honoured by
   the loop); where it cannot, :attr:`PerExpertLinears.grouped_reason` says why.
 - **The per-expert loop** otherwise, the one ``transformers``' "eager" experts implementation runs: for every expert
   some token was routed to, ``down(gate(cat(gate_proj(x), up_proj(x)))) * routing weight``, summed into the tokens'
@@ -96,7 +100,8 @@ def unserved_layout(module: nn.Module) -> str | None:
 
 
 class StackedExperts(NamedTuple):
-    """Every expert's FP8 weights in one tensor per projection (:meth:`PerExpertLinears.stack_weights`):
+    """Every expert's FP8 weights in one tensor per projection (:meth:`PerExpertLinears.stack_weights`), scales
+    below as block scales (per-row scales: ``[E, 2*I]`` and ``[E, H]``):
     ``gate_up`` ``[E, 2*I, H]`` float8 with ``gate_up_scale`` ``[E, 2*I/128, ceil(H/128)]`` fp32, ``down``
     ``[E, H, I]`` with ``down_scale`` ``[E, ceil(H/128), ceil(I/128)]``."""
 
@@ -251,14 +256,19 @@ class PerExpertLinears(nn.Module):
         h, i = self.hidden_dim, self.intermediate_dim
         if self.grouped is False:
             return "switched off (grouped=False)"
-        if i % 128:
+        block = _block_scaled(sources[0][1])
+        if block and i % 128:
             return f"the intermediate size {i} is not a multiple of 128 (gate and up in whole blocks)"
         first = sources[0][1].weight
         for e, (parts, down) in enumerate(sources):
             for lin, rows, cols in [(p, 2 * i // len(parts), h) for p in parts] + [(down, h, i)]:
-                if (lin.weight_block != (128, 128) or lin.group_size != 128
-                        or lin.act_scale is not ActScale.PER_TOKEN_GROUP):
-                    return f"expert {e} is not block-scaled with 128x128 blocks and activation groups of 128"
+                if lin.weight_block is not None and not _block_scaled(lin):
+                    return (f"expert {e}'s weights are block-scaled with {lin.weight_block[0]}x{lin.weight_block[1]} "
+                            f"blocks and activation groups of {lin.group_size}, not 128x128 and 128")
+                if _block_scaled(lin) != block:
+                    return "the experts mix block-scaled and per-tensor / per-channel linears"
+                if block and lin.act_scale is not ActScale.PER_TOKEN_GROUP:
+                    return f"expert {e} is block-scaled without activation groups of 128"
                 if (lin.out_features, lin.in_features) != (rows, cols) or lin.bias is not None:
                     return f"expert {e}'s linears are not [{rows}, {cols}] without bias"
                 if lin.weight.dtype != torch.float8_e4m3fn or lin.input_dtype.torch_dtype() != torch.float8_e4m3fn:
@@ -270,7 +280,10 @@ class PerExpertLinears(nn.Module):
         if first.device.type == "cpu" and self.grouped is not True:
             return "CPU tensors (grouped kernels on the CPU, e.g. under Triton's interpreter, only when asked: " \
                    "grouped=True)"
-        return experts_kernels(first.device.type)[1] or None
+        kernels, why = experts_kernels(first.device.type)
+        if kernels is not None and not block and not getattr(kernels, "row_scales", False):
+            return f"the grouped-experts kernels ({type(kernels).__name__}) take 128x128 block scales only"
+        return why or None
 
     def stack_weights(self) -> bool:
         """Stack every expert's FP8 weights for the grouped paths (module docstring); True when stacked, else
@@ -283,24 +296,48 @@ class PerExpertLinears(nn.Module):
             self.stacked, self.grouped_reason = None, why
             return False
         stacked = self.stacked
-        if stacked is not None and all(stacked.holds(lin) for parts, down in sources for lin in (*parts, down)):
+        everyone = [lin for parts, down in sources for lin in (*parts, down)]
+        if stacked is not None and all(stacked.holds(lin) for lin in everyone):
             return True  # every weight and scale already a view of the current stack
+        if (stacked is not None and stacked.gate_up_scale.dim() == 2
+                and all(lin.weight._base is stacked.gate_up or lin.weight._base is stacked.down for lin in everyone)):
+            # per-row scales: processing replaced some linears' scales (shards' equal scales reduced to one, or
+            # requantized to their max in place, in the stack's rows): take the new values over, no copy of weights
+            for lin, _rows, scale_rows in self._places(sources, stacked):
+                if lin.weight_scale._base is not scale_rows._base:
+                    _take_scale(lin, scale_rows)
+            return True
         h, i, e_count = self.hidden_dim, self.intermediate_dim, self.num_experts
         dev = sources[0][1].weight.device
         gate_up = torch.empty((e_count, 2 * i, h), dtype=torch.float8_e4m3fn, device=dev)
-        gate_up_scale = torch.empty((e_count, 2 * i // 128, -(-h // 128)), dtype=torch.float32, device=dev)
         down = torch.empty((e_count, h, i), dtype=torch.float8_e4m3fn, device=dev)
-        down_scale = torch.empty((e_count, -(-h // 128), i // 128), dtype=torch.float32, device=dev)
-        for e, (parts, down_lin) in enumerate(sources):
-            rows = 2 * i // len(parts)
-            for j, lin in enumerate(parts):
-                _move_into(lin, gate_up[e, j * rows:(j + 1) * rows], gate_up_scale[e, j * rows // 128:
-                                                                                     (j + 1) * rows // 128])
-            _move_into(down_lin, down[e], down_scale[e])
-        self.stacked = StackedExperts(gate_up, gate_up_scale, down, down_scale)
+        if _block_scaled(sources[0][1]):
+            gate_up_scale = torch.empty((e_count, 2 * i // 128, -(-h // 128)), dtype=torch.float32, device=dev)
+            down_scale = torch.empty((e_count, -(-h // 128), i // 128), dtype=torch.float32, device=dev)
+        else:  # one scale per output row (per-tensor scales repeated over their rows)
+            gate_up_scale = torch.empty((e_count, 2 * i), dtype=torch.float32, device=dev)
+            down_scale = torch.empty((e_count, h), dtype=torch.float32, device=dev)
+        new = StackedExperts(gate_up, gate_up_scale, down, down_scale)
+        for lin, weight_rows, scale_rows in self._places(sources, new):
+            _move_into(lin, weight_rows, scale_rows)
+        self.stacked = new
         self.grouped_reason = None
         logger.debug("MoE experts %d x [%d, %d] stacked for the grouped paths", e_count, i, h)
         return True
+
+    def _places(self, sources: list[tuple[Any, ...]], stack: StackedExperts) -> list[tuple[Any, Any, Any]]:
+        """``(linear, its weight rows in the stack, its scale rows)`` for every expert linear (block scales: the rows
+        of 128-row blocks)."""
+        i = self.intermediate_dim
+        per = 128 if stack.gate_up_scale.dim() == 3 else 1
+        out = []
+        for e, (parts, down_lin) in enumerate(sources):
+            rows = 2 * i // len(parts)
+            for j, lin in enumerate(parts):
+                out.append((lin, stack.gate_up[e, j * rows:(j + 1) * rows],
+                            stack.gate_up_scale[e, j * rows // per:(j + 1) * rows // per]))
+            out.append((down_lin, stack.down[e], stack.down_scale[e]))
+        return out
 
     def _apply(self, fn: Any, recurse: bool = True) -> PerExpertLinears:
         """A move (``.to()``, ``.cuda()``) moves the stack once and makes the expert linears views of the moved stack
@@ -390,13 +427,29 @@ class PerExpertLinears(nn.Module):
                 f"grouped: {grouped}")
 
 
+def _block_scaled(lin: Any) -> bool:
+    return lin.weight_block == (128, 128) and lin.group_size == 128
+
+
+def _take_scale(lin: Any, scale: torch.Tensor) -> None:
+    """Copy ``lin``'s weight scales into the stack's view ``scale`` and make that view its buffer: block scales as
+    they are; per-tensor or per-row scales (one value, or one per row) written over the linear's rows, the linear
+    keeping its own shape (one value: a view of its first row's)."""
+    own = lin.weight_scale
+    if scale.dim() == 2:
+        scale.copy_(own)
+        lin.weight_scale = scale
+        return
+    scale.copy_(own.reshape(-1).expand(scale.shape[0]) if own.numel() == 1 else own.reshape(-1))
+    lin.weight_scale = scale[:1] if own.numel() == 1 else scale.view(own.shape)
+
+
 def _move_into(lin: Any, weight: torch.Tensor, scale: torch.Tensor) -> None:
-    """Copy ``lin``'s weight and block scales into the stack's views ``weight`` / ``scale`` and make those its
-    buffers (processed again when it had been: its prepared weight held the old tensor)."""
+    """Copy ``lin``'s weight and scales into the stack's views ``weight`` / ``scale`` (:func:`_take_scale`) and make
+    those its buffers (processed again when it had been: its prepared weight held the old tensor)."""
     weight.copy_(lin.weight)
-    scale.copy_(lin.weight_scale)
+    _take_scale(lin, scale)
     lin.weight = weight
-    lin.weight_scale = scale
     if lin.kernel is not None:
         lin.kernel = lin._plan = lin._traced = None
         lin.process_weights_after_loading()

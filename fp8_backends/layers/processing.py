@@ -17,6 +17,7 @@ def process_weights_after_loading(model: nn.Module) -> nn.Module:
     for m in mods:
         if isinstance(m, Fp8Linear):
             m.process_weights_after_loading()
+    stack_expert_weights(model)  # scales processing replaced (per-tensor / per-channel experts) back into the stacks
     for m in mods:
         if isinstance(m, RMSNormFp8Quant):
             m.process_weights_after_loading()

@@ -15,7 +15,8 @@ Shared contract (validated by the caller, :mod:`.experts_ops`):
   Each group of ``G`` columns is quantized here to ``w``'s float8 type as the per-token-group quantization does
   (``scale = max(amax / FMAX, 1e-12)``), the same codes as :mod:`.block_gemm_kernels`' fused GEMV.
 - ``w``: ``[E, N, K]`` float8 (strides ``stride_we, stride_wn, stride_wk``); ``w_scale``: fp32 ``[E, ceil(N / WBN),
-  ceil(K / WBK)]`` (any strides).
+  ceil(K / WBK)]`` (any strides), or with ``W_ROWS`` one scale per output row, ``[E, N]`` (``stride_wse,
+  stride_wsn``; per-channel checkpoints, and per-tensor ones with the value repeated), applied to the finished row.
 - ``ids``: ``[P]`` integer expert ids; a pair whose id is outside ``[0, E)`` (an expert-parallel sentinel) gets a
   zero row and reads no weight of its own (expert 0's, discarded).
 - ``out``: ``[P, N]`` (``stride_om, stride_on``), bf16/fp16/fp32; ``HAS_RW``: row ``p`` is multiplied by the fp32
@@ -31,7 +32,8 @@ The tiled GEMM (tensor cores, pairs sorted by expert; the tile plan is made on t
   row_end[b])]``, all of expert ``tile_expert[b]`` (``>= E``: an unused tile, which exits at once). Each expert's
   pairs start a new tile, so a tile reads one expert's weight.
 - ``w``: ``[E, N, K]`` float8 with ``w_scale`` ``[E, ceil(N / WBN), ceil(K / WBK)]``; ``BLOCK_N`` divides ``WBN``
-  and ``G`` divides ``WBK`` (one weight scale per tile and K step).
+  and ``G`` divides ``WBK`` (one weight scale per tile and K step); with ``W_ROWS`` ``[E, N]``, one scale per output
+  row, applied to the finished tile.
 - Every K step of ``G`` columns is one MMA whose fp32 result is multiplied by the rows' activation scales and the
   tile's weight scale and added to the fp32 accumulator; ``out`` row ``p`` (``[P, N]``) gets the sum, times ``rw[p]``
   where ``HAS_RW``. Grid ``(max_tiles, cdiv(N, BLOCK_N))``.
@@ -52,7 +54,7 @@ def experts_gemv_kernel(
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
     stride_wse, stride_wsn, stride_wsk,
     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP_K: tl.constexpr, WBN: tl.constexpr, WBK: tl.constexpr,
-    EVEN_K: tl.constexpr, ROW_ALIGN: tl.constexpr, HAS_RW: tl.constexpr, FMAX: tl.constexpr,
+    EVEN_K: tl.constexpr, ROW_ALIGN: tl.constexpr, HAS_RW: tl.constexpr, FMAX: tl.constexpr, W_ROWS: tl.constexpr,
 ):
     """One program: ``BLOCK_N`` rows of pair ``program_id(1)``'s expert against that pair's row of ``x``."""
     pid_n = tl.program_id(0)
@@ -72,8 +74,12 @@ def experts_gemv_kernel(
         # X_QUANT: the activation scale slot is not read (the weight's row pointer fills it)
         wv, xv, xs, ws = _gemv_load(w_ptrs, x_ptrs, ws_row, ws_row, k0, K, cols, offs_g, stride_wk, stride_xk, 0,
                                     stride_wsk, GROUPS, GROUP_K, WBK, EVEN_K, True)
+        if W_ROWS:  # the rows' scales come after the loop (the load above read one row's scale at stride 0)
+            ws = tl.full([GROUPS], 1.0, tl.float32)
         acc = _gemv_step(acc, wv, xv, xs, ws, True, FMAX, code)
     total = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCK_N]
+    if W_ROWS:
+        total = total * tl.load(ws_ptr + expert * stride_wse + rows_w * stride_wsn)
     if HAS_RW:
         total = total * tl.load(rw_ptr + p).to(tl.float32)
     total = tl.where(valid, total, 0.0)
@@ -88,7 +94,7 @@ def experts_gemm_kernel(
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
     stride_xsm, stride_xsk, stride_wse, stride_wsn, stride_wsk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr, WBN: tl.constexpr, WBK: tl.constexpr,
-    EVEN_K: tl.constexpr, HAS_RW: tl.constexpr,
+    EVEN_K: tl.constexpr, HAS_RW: tl.constexpr, W_ROWS: tl.constexpr,
 ):
     """One ``BLOCK_M x BLOCK_N`` output tile of one expert's sorted pairs (module docstring)."""
     b = tl.program_id(0)
@@ -120,8 +126,13 @@ def experts_gemm_kernel(
             a = tl.load(x_ptrs + k0 * stride_xk, mask=in_m[:, None] & in_k[None, :], other=0.0)
             bw = tl.load(w_ptrs + k0 * stride_wk, mask=in_k[:, None], other=0.0)
         xs = tl.load(xs_ptrs + kb * stride_xsk, mask=in_m, other=0.0)
-        ws = tl.load(ws_row + (k0 // WBK) * stride_wsk)
-        acc += tl.dot(a, bw) * (xs[:, None] * ws)
+        if W_ROWS:
+            acc += tl.dot(a, bw) * xs[:, None]
+        else:
+            ws = tl.load(ws_row + (k0 // WBK) * stride_wsk)
+            acc += tl.dot(a, bw) * (xs[:, None] * ws)
+    if W_ROWS:
+        acc = acc * tl.load(ws_ptr + expert * stride_wse + rows_w * stride_wsn)[None, :]
     if HAS_RW:
         acc = acc * tl.load(rw_ptr + pairs, mask=in_m, other=0.0).to(tl.float32)[:, None]
     ptrs = out_ptr + pairs[:, None] * stride_om + offs_n[None, :] * stride_on

@@ -4,7 +4,9 @@
 
 ``experts_gemv(x [R, K], w [E, N, K] fp8, w_scale [E, ceil(N/128), ceil(K/128)] fp32, ids [P] int, rw [P] fp32 or
 None, token_div, out_dtype) -> [P, N]``: row ``p`` is ``x[p // token_div]`` (quantized per group of 128 inside the
-launch) times expert ``ids[p]``'s weight, times ``rw[p]`` where given; ids outside ``[0, E)`` give zero rows.
+launch) times expert ``ids[p]``'s weight, times ``rw[p]`` where given; ids outside ``[0, E)`` give zero rows. The
+weight scales may also be one per output row, ``w_scale [E, N]`` (per-channel checkpoints; per-tensor ones with the
+value repeated over the rows).
 
 ``experts_gemm`` computes the same (``x`` quantized per group of 128 first by the Triton group quantization): the
 pairs sorted by expert (:func:`tile_plan`, on the device: a sort, a scatter-add count and the tile plan; no host
@@ -53,9 +55,9 @@ def check_inputs(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, ids: t
                                 f"{tuple(w.shape)}")
     e, n, k = w.shape
     want = (e, -(-n // WEIGHT_BLOCK[0]), -(-k // WEIGHT_BLOCK[1]))
-    if w_scale.dtype != torch.float32 or tuple(w_scale.shape) != want:
-        raise InvalidInputError(f"experts weight scales must be float32 {want}, got {w_scale.dtype} "
-                                f"{tuple(w_scale.shape)}")
+    if w_scale.dtype != torch.float32 or tuple(w_scale.shape) not in (want, (e, n)):
+        raise InvalidInputError(f"experts weight scales must be float32 {want} (128x128 blocks) or {(e, n)} (one per "
+                                f"output row), got {w_scale.dtype} {tuple(w_scale.shape)}")
     if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise InvalidInputError(f"experts input must be a bf16/fp16/fp32 [rows, {k}] tensor, got {x.dtype} "
                                 f"{tuple(x.shape)}")
@@ -236,6 +238,9 @@ class TritonExpertsKernels:
     """The :class:`~fp8_backends.core.backend.ExpertsKernels` of the ``triton`` provider: the experts GEMV up to
     ``gemv_pairs`` pairs, the tiled experts GEMM above (its tile plan made once a layer call, shared by both
     projections). Define the ops at construction (load time)."""
+
+    #: weight scales one per output row (``[E, N]``) served besides 128x128 blocks
+    row_scales = True
 
     def __init__(self) -> None:
         from .group_quant_ops import load_op as load_quant_op
