@@ -7,10 +7,16 @@ Variants (one layer of ``--model``'s sizes, random weights, random top-k routing
 - ``bf16/eager``: the same module with ``experts_implementation="eager"`` (a loop over the experts hit).
 - ``fp8/gemv``: :class:`~fp8_backends.layers.experts.PerExpertLinears` on the stacked FP8 experts, the Triton
   experts GEMV (two launches around the gating) whatever the token count (timed up to 64 tokens).
-- ``fp8/tiles``: the same module's tiled experts GEMM (pairs sorted by expert, tensor-core tiles).
+- ``fp8/tiles``: the same module's tiled experts GEMM (pairs sorted by expert, tensor-core tiles; the sort and the
+  tile plan in one launch of the library's routing kernel).
+- ``fp8/tiles_torch_plan``: the same tiles with the sort and the tile plan made by torch ops instead
+  (:class:`TorchPlanKernels`: ``argsort``, a scatter-add count, cumulative sums and a ``searchsorted``), what the
+  library ran before its routing kernel; the baseline of that kernel.
 - ``fp8/loop``: the same module's per-expert loop (one FP8 GEMM per expert hit and projection, one host sync).
 - The library's default takes ``fp8/gemv`` up to 64 (token, slot) pairs, ``fp8/tiles`` above.
 - ``.../graph``: the step captured in a CUDA graph and replayed (the variants that can be captured).
+- ``.../compiled`` (``--compiled``): the module call under ``torch.compile`` (no CUDA graphs; host time per launch
+  counts), for ``bf16/grouped_mm`` and the two tiled variants.
 
 Timing: ``--rounds`` interleaved rounds, the order rotated each round, CUDA events around ``--iters`` calls (median);
 ratios are the median over rounds of the per-round ratio. Writes ``moe_experts.json`` / ``.md`` under ``--out``.
@@ -72,6 +78,42 @@ def build(model: str, device: str, weight_scale: str = "block") -> dict[str, Any
     return {"bf16": bf16, "fp8": fp8, "config": config, "summary": served}
 
 
+class TorchPlanKernels:
+    """The library's grouped-experts kernels with the tiled GEMM's routing (the pairs sorted by expert and the tile
+    plan, the contract of :func:`fp8_backends.providers.triton.experts_ops.tile_plan`) made by torch ops: the
+    baseline of its routing kernel."""
+
+    row_scales = True
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def plan(self, ids: torch.Tensor, experts: int, gemv_pairs: int) -> Any:
+        from fp8_backends.providers.triton.experts_args import block_m_for, route_sizes
+
+        p = ids.shape[0]
+        if p <= gemv_pairs:
+            return None
+        bm = block_m_for(p, experts)
+        n_tiles = route_sizes(p, experts, bm)[0]
+        clean = torch.where((ids >= 0) & (ids < experts), ids, experts).to(torch.int64)
+        order = torch.argsort(clean).to(torch.int32)
+        counts = torch.zeros(experts + 1, dtype=torch.int64, device=ids.device).scatter_add_(
+            0, clean, torch.ones_like(clean))
+        tiles = (counts + bm - 1) // bm
+        tiles_end = torch.cumsum(tiles, 0)
+        seg_start = torch.cumsum(counts, 0) - counts
+        b = torch.arange(n_tiles, device=ids.device, dtype=torch.int64)
+        tile_expert = torch.searchsorted(tiles_end, b, right=True)  # E + 1 past the used tiles
+        e = tile_expert.clamp(max=experts)
+        tile_row0 = seg_start[e] + (b - (tiles_end[e] - tiles[e])) * bm
+        tile_end = seg_start[e] + counts[e]
+        return bm, order, tile_expert.to(torch.int32), tile_row0.to(torch.int32), tile_end.to(torch.int32)
+
+    def matmul(self, *args: Any) -> torch.Tensor:
+        return self.inner.matmul(*args)
+
+
 def routing(tokens: int, config: Any, device: str) -> tuple[torch.Tensor, ...]:
     g = torch.Generator(device="cpu").manual_seed(tokens)
     hidden = torch.randn(tokens, config.hidden_size, generator=g).to(device, torch.bfloat16)
@@ -80,32 +122,50 @@ def routing(tokens: int, config: Any, device: str) -> tuple[torch.Tensor, ...]:
     return hidden, index.to(device), (weights / weights.sum(-1, keepdim=True)).to(device, torch.bfloat16)
 
 
-def steps_for(mods: dict[str, Any], tokens: int, device: str, graphs: bool) -> dict[str, Any]:
+def steps_for(mods: dict[str, Any], tokens: int, device: str, graphs: bool,
+              compiled: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``{"steps": {variant: step}, "errors": {variant: relative error against bf16/grouped_mm}}``; ``compiled``
+    (``{"bf16": ..., "fp8": ...}``, the modules under ``torch.compile``) adds the ``/compiled`` variants."""
+    from fp8_backends.layers import experts as experts_mod
+
     bf16, fp8, config = mods["bf16"], mods["fp8"], mods["config"]
     hidden, index, weights = routing(tokens, config, device)
+    own = experts_mod.experts_kernels(hidden.device.type)[0]
+    torch_plan = TorchPlanKernels(own) if own is not None else None
 
-    def bf16_impl(name: str) -> Any:
+    def bf16_impl(name: str, module: Any = bf16) -> Any:
         def step() -> Any:
             config._experts_implementation = name
-            return bf16(hidden, index, weights)
+            return module(hidden, index, weights)
         return step
 
-    def fp8_impl(max_pairs: int, grouped: bool | None = None) -> Any:
+    def fp8_impl(max_pairs: int, grouped: bool | None = None, kernels: Any = None, module: Any = fp8) -> Any:
         def step() -> Any:
             fp8.grouped_max_pairs, fp8.grouped = max_pairs, grouped
-            return fp8(hidden, index, weights)
+            experts_mod._kernels[hidden.device.type] = (kernels or own, "")
+            try:
+                return module(hidden, index, weights)
+            finally:
+                experts_mod._kernels[hidden.device.type] = (own, "")
         return step
 
     steps = {"bf16/grouped_mm": bf16_impl("grouped_mm"), "bf16/eager": bf16_impl("eager")}
     if tokens <= 64:
         steps["fp8/gemv"] = fp8_impl(1 << 30)
     steps |= {"fp8/tiles": fp8_impl(0), "fp8/loop": fp8_impl(0, False)}
+    if torch_plan is not None:
+        steps["fp8/tiles_torch_plan"] = fp8_impl(0, kernels=torch_plan)
+    if compiled:
+        steps["bf16/grouped_mm/compiled"] = bf16_impl("grouped_mm", compiled["bf16"])
+        steps["fp8/tiles/compiled"] = fp8_impl(0, module=compiled["fp8"])
+        if torch_plan is not None:
+            steps["fp8/tiles_torch_plan/compiled"] = fp8_impl(0, kernels=torch_plan, module=compiled["fp8"])
     outs = {}
     with torch.no_grad():
         for name, fn in steps.items():
             outs[name] = fn().float()
         if graphs:
-            for name in ("bf16/grouped_mm", "fp8/gemv", "fp8/tiles"):
+            for name in ("bf16/grouped_mm", "fp8/gemv", "fp8/tiles", "fp8/tiles_torch_plan"):
                 if name not in steps:
                     continue
                 try:
@@ -125,8 +185,11 @@ def run(args: Any) -> dict[str, Any]:
     mods = build(args.model, args.device, args.weight_scale)
     result["fp8_layer"] = mods["summary"]
     result["weight_scale"] = args.weight_scale
+    compiled = None
+    if args.compiled:  # Dynamo guards on the kernels each call was traced with: one graph per routing variant
+        compiled = {name: torch.compile(mods[name], dynamic=False) for name in ("bf16", "fp8")}
     for tokens in args.tokens:
-        got = steps_for(mods, tokens, args.device, args.device == "cuda")
+        got = steps_for(mods, tokens, args.device, args.device == "cuda", compiled)
         steps = got["steps"]
         samples: dict[str, list[float]] = {name: [] for name in steps}
         with torch.no_grad():
@@ -161,7 +224,12 @@ def render(result: dict[str, Any]) -> list[str]:
     lines += ["µs per call (median of interleaved rounds); ratios: the median over rounds of the per-round ratio "
               "(range); < 1 is faster. `/graph`: replay of a CUDA-graph capture.", ""]
     pairs = [("fp8/gemv", "bf16/grouped_mm"), ("fp8/tiles", "bf16/grouped_mm"), ("fp8/gemv", "fp8/tiles"),
-             ("fp8/gemv/graph", "bf16/grouped_mm/graph"), ("fp8/tiles/graph", "bf16/grouped_mm/graph")]
+             ("fp8/tiles", "fp8/tiles_torch_plan"),
+             ("fp8/gemv/graph", "bf16/grouped_mm/graph"), ("fp8/tiles/graph", "bf16/grouped_mm/graph"),
+             ("fp8/tiles/graph", "fp8/tiles_torch_plan/graph"),
+             ("fp8/tiles/compiled", "bf16/grouped_mm/compiled"),
+             ("fp8/tiles/compiled", "fp8/tiles_torch_plan/compiled")]
+    pairs = [(a, b) for a, b in pairs if a in names and b in names]
     header = ["tokens", *names, *[f"{a} / {b}" for a, b in pairs]]
     rows = [[row["tokens"], *[common.fmt(row["us"].get(n), ".1f") for n in names],
              *[ratio(row, a, b) for a, b in pairs]] for row in result["rows"]]
@@ -182,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="how the experts' weights are quantized (the grouped paths serve all three)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--compiled", action="store_true",
+                    help="also time bf16/grouped_mm and the tiled variants under torch.compile (no CUDA graphs)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)

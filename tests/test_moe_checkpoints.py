@@ -700,30 +700,64 @@ def test_grouped_experts_edge_inputs_persistence_and_misuse(tmp_path):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("experts,pairs,block_m", [(4, 6, 16), (128, 64, 16), (256, 4096, 32), (5, 300, 64)])
-def test_the_tile_plan_launch_equals_the_traced_torch_plan(monkeypatch, experts, pairs, block_m):
-    """Eager calls plan the tiles in one launch, compiled ones with torch ops: the same plan (ids outside [0, E) in
-    no tile; every pair in exactly one used tile of its expert)."""
+@pytest.mark.parametrize("experts,pairs,block_m", [(4, 6, 16), (128, 64, 16), (256, 4096, 32), (5, 300, 64),
+                                                   (127, 2500, 16), (3, 1, 64)])
+def test_the_routing_puts_every_pair_in_one_tile_of_its_expert(experts, pairs, block_m):
+    """One launch sorts the pairs by expert and plans the tiles: the order is a permutation sorted by expert (ids
+    outside [0, E) last, int32 or int64 ids alike); every pair lies in exactly one tile of its expert, or of the
+    pairs without one (tile expert E); the unused tiles, all after the used ones, are marked > E."""
     from fp8_backends.providers.triton import experts_ops
+    from fp8_backends.providers.triton.experts_args import route_sizes
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(pairs)
-    ids = torch.randint(-1, experts + 1, (pairs,), device=dev)
-    order, *launched = experts_ops.tile_plan(ids, experts, block_m)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    order2, *traced = experts_ops.tile_plan(ids, experts, block_m)
-    assert torch.equal(launched[0], traced[0])
-    used = launched[0] < experts
-    for a, b in zip(launched[1:], traced[1:]):
-        assert torch.equal(a[used], b[used])
+    ids = torch.randint(-2, experts + 2, (pairs,), device=dev)
+    clean = torch.where((ids >= 0) & (ids < experts), ids, experts)
+    order, tile_expert, tile_row0, tile_end = experts_ops.tile_plan(ids, experts, block_m)
+    assert sorted(order.tolist()) == list(range(pairs))
+    assert bool((clean[order.long()].diff() >= 0).all())
+    assert tile_expert.shape == (route_sizes(pairs, experts, block_m)[0],)
+    order32 = experts_ops.tile_plan(ids.int(), experts, block_m)[0]
+    assert torch.equal(clean[order32.long()], clean[order.long()])
+    used = (tile_expert <= experts).tolist()
+    assert used == sorted(used, reverse=True)  # used tiles first
     covered = []
-    for t in used.nonzero().flatten().tolist():
-        e, row0, end = int(launched[0][t]), int(launched[1][t]), int(launched[2][t])
-        rows = order[row0:min(row0 + block_m, end)]
-        assert rows.numel() and bool((ids[rows] == e).all())
+    for t in range(sum(used)):
+        e, row0, end = int(tile_expert[t]), int(tile_row0[t]), int(tile_end[t])
+        rows = order[row0:min(row0 + block_m, end)].long()
+        assert rows.numel() and bool((clean[rows] == e).all()), (t, e, row0, end)
         covered += rows.tolist()
-    valid = ((ids >= 0) & (ids < experts)).nonzero().flatten().tolist()
-    assert sorted(covered) == sorted(valid)
+    assert sorted(covered) == list(range(pairs))
+
+
+@needs_interpreter
+def test_the_tiled_experts_gemm_writes_every_row_itself(monkeypatch):
+    """The tiled GEMM's output is not zero-filled first: the tiles of pairs without an expert write their zero rows,
+    the others their results (outputs allocated with NaN here give the same answer)."""
+    from fp8_backends.providers.triton.experts_ops import experts_gemm
+
+    torch.manual_seed(1)
+    e_count, n, k = 4, 160, 256
+    blocks = [quantize_block(torch.randn(n, k)) for _ in range(e_count)]
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    w = torch.stack([q for q, _ in blocks]).to(dev)
+    s = torch.stack([sc for _, sc in blocks]).to(dev)
+    x = torch.randn(40, k, dtype=torch.bfloat16, device=dev)
+    ids = torch.randint(-1, e_count + 1, (80,), device=dev)
+    ids[:3] = e_count  # some pairs without an expert, whatever the draw
+    want = experts_gemm(x, w, s, ids, None, 2, torch.float32, block_m=16)
+    empty = torch.Tensor.new_empty
+
+    def poisoned(t: torch.Tensor, *args, **kwargs):
+        out = empty(t, *args, **kwargs)
+        return out.fill_(float("nan") if out.is_floating_point() else -7)
+
+    monkeypatch.setattr(torch.Tensor, "new_empty", poisoned)
+    got = experts_gemm(x, w, s, ids, None, 2, torch.float32, block_m=16)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    outside = (ids < 0) | (ids >= e_count)
+    assert not got[outside].any() and got[~outside].abs().sum(dim=1).min() > 0
 
 
 @pytest.mark.gpu

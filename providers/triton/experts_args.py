@@ -25,6 +25,40 @@ def block_m_for(pairs: int, experts: int) -> int:
     return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
 
 
+#: the routing kernel's ids per pass step, tile-plan rows per step (``[ROUTE_TILE_ELEMS // E_P2, E_P2]`` matrices)
+#: and warps
+ROUTE_CHUNK = 1024
+ROUTE_TILE_ELEMS = 8192
+ROUTE_WARPS = 8
+
+
+def route_sizes(pairs: Any, experts: int, block_m: int) -> tuple[Any, int]:
+    """``(max_tiles, E_P2)`` of :func:`.experts_kernels.experts_route_kernel` for ``pairs`` pairs over ``experts``
+    experts: the most tiles any routing needs (each expert's pairs and the pairs without an expert in whole tiles)
+    and the histogram's bins (``E + 2`` rounded up to a power of two)."""
+    return -(-pairs // block_m) + min(experts + 1, pairs), max(16, 1 << (experts + 1).bit_length())
+
+
+def route_kernel_args(ids: torch.Tensor, experts: int, block_m: int, buf: torch.Tensor
+                      ) -> tuple[Any, tuple[int], tuple[Any, ...], int]:
+    """The routing kernel's launch over ``buf`` (int32 ``[P + 3 * max_tiles + E_P2]``: the order, the three tile
+    plan rows and the kernel's scratch, :func:`route_views`)."""
+    from .experts_kernels import experts_route_kernel
+
+    p = ids.shape[0]
+    n_tiles, e_p2 = route_sizes(p, experts, block_m)
+    order, tile_expert, tile_row0, tile_end, cursor = route_views(buf, p, n_tiles)
+    args = (ids, order, tile_expert, tile_row0, tile_end, cursor, p, experts, n_tiles,
+            block_m, e_p2, ROUTE_CHUNK, max(16, min(64, ROUTE_TILE_ELEMS // e_p2)))
+    return experts_route_kernel, (1,), args, ROUTE_WARPS
+
+
+def route_views(buf: torch.Tensor, pairs: Any, n_tiles: Any) -> tuple[torch.Tensor, ...]:
+    """``(order, tile_expert, tile_row0, tile_end, scratch)``: the views of the routing kernel's one int32 output."""
+    return (buf[:pairs], buf[pairs:pairs + n_tiles], buf[pairs + n_tiles:pairs + 2 * n_tiles],
+            buf[pairs + 2 * n_tiles:pairs + 3 * n_tiles], buf[pairs + 3 * n_tiles:])
+
+
 def _kernel() -> Any:
     from .experts_kernels import experts_gemv_kernel
 
@@ -69,5 +103,5 @@ def gemm_kernel_args(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, 
     return experts_gemm_kernel, (tile_expert.shape[0], -(-n // block_n)), args, 4, 3
 
 
-
-__all__ = ["BLOCK_MS", "GROUP_SIZE", "block_m_for", "gemm_kernel_args", "kernel_args", "scale_strides"]
+__all__ = ["BLOCK_MS", "GROUP_SIZE", "block_m_for", "gemm_kernel_args", "kernel_args", "route_kernel_args",
+           "route_sizes", "route_views", "scale_strides"]

@@ -23,14 +23,15 @@ Shared contract (validated by the caller, :mod:`.experts_ops`):
   routing weight ``rw[p]`` before the store.
 - Grid ``(cdiv(N, BLOCK_N), P)``; ``BLOCK_N`` divides ``WBN`` (a program's rows lie in one weight block).
 
-The tiled GEMM (tensor cores, pairs sorted by expert; the tile plan is made on the device by
-:func:`.experts_ops.tile_plan`, so nothing is read on the host):
+The tiled GEMM (tensor cores, pairs sorted by expert; the sort and the tile plan are made on the device by
+:func:`experts_route_kernel`, so nothing is read on the host):
 
 - ``x_q``: ``[R, K]`` float8, already quantized per group of ``G`` (``x_scale`` fp32 ``[R, ceil(K / G)]``, any
   strides); pair ``p`` reads row ``p // TOKEN_DIV``.
-- ``order``: ``[P]`` the pairs sorted by expert; tile ``b`` covers ``order[row0[b] : min(row0[b] + BLOCK_M,
-  row_end[b])]``, all of expert ``tile_expert[b]`` (``>= E``: an unused tile, which exits at once). Each expert's
-  pairs start a new tile, so a tile reads one expert's weight.
+- ``order``: ``[P]`` the pairs sorted by expert (pairs without one, ids outside ``[0, E)``, last); tile ``b`` covers
+  ``order[row0[b] : min(row0[b] + BLOCK_M, row_end[b])]``, all of expert ``tile_expert[b]``: ``E`` for the pairs
+  without an expert (the tile writes their rows' zeros), ``> E`` an unused tile (exits at once). Each expert's pairs
+  start a new tile, so a tile reads one expert's weight; every row of ``out`` is written by exactly one tile.
 - ``w``: ``[E, N, K]`` float8 with ``w_scale`` ``[E, ceil(N / WBN), ceil(K / WBK)]``; ``BLOCK_N`` divides ``WBN``
   and ``G`` divides ``WBK`` (one weight scale per tile and K step); with ``W_ROWS`` ``[E, N]``, one scale per output
   row, applied to the finished tile.
@@ -96,69 +97,95 @@ def experts_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr, WBN: tl.constexpr, WBK: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_RW: tl.constexpr, W_ROWS: tl.constexpr,
 ):
-    """One ``BLOCK_M x BLOCK_N`` output tile of one expert's sorted pairs (module docstring)."""
+    """One ``BLOCK_M x BLOCK_N`` output tile of one expert's sorted pairs, or zeros for pairs without an expert
+    (module docstring)."""
     b = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(tile_expert_ptr + b).to(tl.int64)
-    if expert >= E:
+    if expert > E:
         return
     row0 = tl.load(tile_row0_ptr + b)
     row_end = tl.load(tile_end_ptr + b)
     offs_r = row0 + tl.arange(0, BLOCK_M)
     in_m = offs_r < row_end
     pairs = tl.load(order_ptr + offs_r, mask=in_m, other=0).to(tl.int64)
-    rows_x = pairs // TOKEN_DIV
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_w = (offs_n % N).to(tl.int64)
-    offs_k = tl.arange(0, GROUP_K)
-    x_ptrs = x_ptr + rows_x[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    w_ptrs = w_ptr + expert * stride_we + rows_w[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    xs_ptrs = xs_ptr + rows_x * stride_xsm
-    ws_row = ws_ptr + expert * stride_wse + ((pid_n * BLOCK_N) // WBN) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, GROUP_K)):
-        k0 = kb * GROUP_K
-        if EVEN_K:
-            a = tl.load(x_ptrs + k0 * stride_xk, mask=in_m[:, None], other=0.0)
-            bw = tl.load(w_ptrs + k0 * stride_wk)
-        else:
-            in_k = offs_k < K - k0
-            a = tl.load(x_ptrs + k0 * stride_xk, mask=in_m[:, None] & in_k[None, :], other=0.0)
-            bw = tl.load(w_ptrs + k0 * stride_wk, mask=in_k[:, None], other=0.0)
-        xs = tl.load(xs_ptrs + kb * stride_xsk, mask=in_m, other=0.0)
+    if expert < E:
+        rows_x = pairs // TOKEN_DIV
+        rows_w = (offs_n % N).to(tl.int64)
+        offs_k = tl.arange(0, GROUP_K)
+        x_ptrs = x_ptr + rows_x[:, None] * stride_xm + offs_k[None, :] * stride_xk
+        w_ptrs = w_ptr + expert * stride_we + rows_w[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        xs_ptrs = xs_ptr + rows_x * stride_xsm
+        ws_row = ws_ptr + expert * stride_wse + ((pid_n * BLOCK_N) // WBN) * stride_wsn
+        for kb in range(0, tl.cdiv(K, GROUP_K)):
+            k0 = kb * GROUP_K
+            if EVEN_K:
+                a = tl.load(x_ptrs + k0 * stride_xk, mask=in_m[:, None], other=0.0)
+                bw = tl.load(w_ptrs + k0 * stride_wk)
+            else:
+                in_k = offs_k < K - k0
+                a = tl.load(x_ptrs + k0 * stride_xk, mask=in_m[:, None] & in_k[None, :], other=0.0)
+                bw = tl.load(w_ptrs + k0 * stride_wk, mask=in_k[:, None], other=0.0)
+            xs = tl.load(xs_ptrs + kb * stride_xsk, mask=in_m, other=0.0)
+            if W_ROWS:
+                acc += tl.dot(a, bw) * xs[:, None]
+            else:
+                ws = tl.load(ws_row + (k0 // WBK) * stride_wsk)
+                acc += tl.dot(a, bw) * (xs[:, None] * ws)
         if W_ROWS:
-            acc += tl.dot(a, bw) * xs[:, None]
-        else:
-            ws = tl.load(ws_row + (k0 // WBK) * stride_wsk)
-            acc += tl.dot(a, bw) * (xs[:, None] * ws)
-    if W_ROWS:
-        acc = acc * tl.load(ws_ptr + expert * stride_wse + rows_w * stride_wsn)[None, :]
-    if HAS_RW:
-        acc = acc * tl.load(rw_ptr + pairs, mask=in_m, other=0.0).to(tl.float32)[:, None]
+            acc = acc * tl.load(ws_ptr + expert * stride_wse + rows_w * stride_wsn)[None, :]
+        if HAS_RW:
+            acc = acc * tl.load(rw_ptr + pairs, mask=in_m, other=0.0).to(tl.float32)[:, None]
     ptrs = out_ptr + pairs[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & (offs_n[None, :] < N))
 
 
 @triton.jit
-def experts_tile_plan_kernel(
-    counts_ptr, tile_expert_ptr, tile_row0_ptr, tile_end_ptr, E, n_tiles,
-    BLOCK_M: tl.constexpr, E_P2: tl.constexpr, TILES: tl.constexpr,
+def experts_route_kernel(
+    ids_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr, tile_end_ptr, cursor_ptr, P, E, n_tiles,
+    BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr, TILES: tl.constexpr,
 ):
-    """The tiled GEMM's tile plan from the pairs per expert ``counts [E]`` (what :func:`.experts_ops.tile_plan`
-    computes with torch ops, in one launch): tile ``b``'s expert (``E`` where unused), first sorted row and its
-    expert's row end. ``TILES`` tiles per program; ``E_P2``: ``E`` rounded up to a power of two."""
+    """The tiled GEMM's routing in one program: the pairs sorted by expert (``order [P]``, int32) and the tile plan
+    (``tile_expert`` / ``tile_row0`` / ``tile_end``, ``n_tiles`` each) from the expert ids ``ids [P]``.
+
+    Three passes over the ids, ``CHUNK`` at a time: a histogram of the ids (ids outside ``[0, E)`` counted in bin
+    ``E``, which sorts after every expert), the tiles from the counts (each expert's pairs in whole tiles of
+    ``BLOCK_M`` rows, then the pairs without an expert, tile expert ``E``; tiles past them ``E + 1``: unused), and
+    each pair's place (its bin's start plus an atomic counter: any order within an expert, which no output row
+    depends on). ``cursor [E_P2]`` int32 is scratch; ``E_P2 >= E + 2`` a power of two (bin ``E_P2 - 1`` takes the
+    chunk's padding)."""
     offs_e = tl.arange(0, E_P2)
-    c = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0).to(tl.int32)
-    t = (c + BLOCK_M - 1) // BLOCK_M
+    counts = tl.zeros([E_P2], dtype=tl.int32)
+    for c0 in range(0, P, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        live = offs < P
+        e = tl.load(ids_ptr + offs, mask=live, other=0)
+        e = tl.where((e >= 0) & (e < E), e, E).to(tl.int32)
+        counts += tl.histogram(tl.where(live, e, E_P2 - 1), E_P2)
+    counts = tl.where(offs_e <= E, counts, 0)
+    seg_end = tl.cumsum(counts, 0)
+    seg_start = seg_end - counts
+    tl.store(cursor_ptr + offs_e, seg_start)
+    t = (counts + BLOCK_M - 1) // BLOCK_M
     t_end = tl.cumsum(t, 0)
-    seg_end = tl.cumsum(c, 0)
-    b = tl.program_id(0) * TILES + tl.arange(0, TILES)
-    e = tl.sum((t_end[None, :] <= b[:, None]).to(tl.int32), axis=1)  # experts whose tiles end at or before b
-    sel = offs_e[None, :] == e[:, None]
-    first_tile = tl.sum(tl.where(sel, (t_end - t)[None, :], 0), axis=1)
-    seg_start = tl.sum(tl.where(sel, (seg_end - c)[None, :], 0), axis=1)
-    end = tl.sum(tl.where(sel, seg_end[None, :], 0), axis=1)
-    in_b = b < n_tiles
-    tl.store(tile_expert_ptr + b, tl.minimum(e, E), mask=in_b)
-    tl.store(tile_row0_ptr + b, seg_start + (b - first_tile) * BLOCK_M, mask=in_b)
-    tl.store(tile_end_ptr + b, end, mask=in_b)
+    for b0 in range(0, n_tiles, TILES):
+        b = b0 + tl.arange(0, TILES)
+        eb = tl.sum((t_end[None, :] <= b[:, None]).to(tl.int32), axis=1)  # bins whose tiles end at or before b
+        sel = offs_e[None, :] == eb[:, None]
+        first_tile = tl.sum(tl.where(sel, (t_end - t)[None, :], 0), axis=1)
+        start = tl.sum(tl.where(sel, seg_start[None, :], 0), axis=1)
+        end = tl.sum(tl.where(sel, seg_end[None, :], 0), axis=1)
+        in_b = b < n_tiles
+        tl.store(tile_expert_ptr + b, tl.minimum(eb, E + 1), mask=in_b)
+        tl.store(tile_row0_ptr + b, start + (b - first_tile) * BLOCK_M, mask=in_b)
+        tl.store(tile_end_ptr + b, end, mask=in_b)
+    tl.debug_barrier()  # the cursors stored above, before any program thread takes a place from them
+    for c0 in range(0, P, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        live = offs < P
+        e = tl.load(ids_ptr + offs, mask=live, other=0)
+        e = tl.where((e >= 0) & (e < E), e, E).to(tl.int32)
+        place = tl.atomic_add(cursor_ptr + e, 1, mask=live)
+        tl.store(order_ptr + place, offs, mask=live)

@@ -9,14 +9,14 @@ weight scales may also be one per output row, ``w_scale [E, N]`` (per-channel ch
 value repeated over the rows).
 
 ``experts_gemm`` computes the same (``x`` quantized per group of 128 first by the Triton group quantization): the
-pairs sorted by expert (:func:`tile_plan`, on the device: a sort, a scatter-add count and the tile plan; no host
-sync), then one launch over ``cdiv(P, BLOCK_M) + min(E, P)`` tile rows (the
-most tiles any routing needs; the unused ones exit at once).
+pairs sorted by expert and cut into tiles of one expert each (:func:`tile_plan`: one launch on the device, no host
+sync), then one launch over ``cdiv(P, BLOCK_M) + min(E + 1, P)`` tile rows (the most tiles any routing needs; the
+unused ones exit at once, those of pairs without an expert write their zero rows).
 
 Plain eager calls launch through the library's cached launcher (:mod:`.launcher`); under ``torch.compile`` the ops
-``fp8_backends::triton_experts_gemv`` / ``triton_experts_gemm`` are ``triton_op`` s whose bodies launch the same
-kernels through ``wrap_triton`` (Inductor launches them from its generated code). No host-device sync: CUDA-graph
-capturable.
+``fp8_backends::triton_experts_gemv`` / ``triton_experts_gemm`` / ``triton_experts_route`` are ``triton_op`` s
+whose bodies launch the same kernels through ``wrap_triton`` (Inductor launches them from its generated code). No
+host-device sync: CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -30,11 +30,21 @@ from fp8_backends.core.oplib import LazyOps, TritonOpSpec
 
 from . import _support
 from .block_gemm_configs import WEIGHT_BLOCK
-from .experts_args import BLOCK_MS, GROUP_SIZE, block_m_for, gemm_kernel_args, kernel_args
+from .experts_args import (
+    BLOCK_MS,
+    GROUP_SIZE,
+    block_m_for,
+    gemm_kernel_args,
+    kernel_args,
+    route_kernel_args,
+    route_sizes,
+    route_views,
+)
 from .launcher import launch as _launch
 
 OP_BASENAME = "triton_experts_gemv"
 GEMM_OP_BASENAME = "triton_experts_gemm"
+ROUTE_OP_BASENAME = "triton_experts_route"
 _GRID_Y_MAX = 65535
 
 
@@ -106,53 +116,39 @@ def _launch_on(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], warps:
 # ------------------------------------------------------------------------------------------ the tiled GEMM
 def tile_plan(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
     """``(order, tile_expert, tile_row0, tile_end)`` of :func:`.experts_kernels.experts_gemm_kernel` for the expert
-    ids ``ids [P]``: the pairs sorted by expert (ids outside ``[0, E)`` last, in no tile), and for each of
-    ``cdiv(P, block_m) + min(E, P)`` tiles its expert (``E``: unused), first sorted row and its expert's row end.
-    On ``ids``' device, no host sync (CUDA-graph capturable): a sort and a scatter-add count, then, eager, one launch
-    of :func:`.experts_kernels.experts_tile_plan_kernel`; traced, the same plan as torch ops (cumulative sums and a
-    ``searchsorted``) for Inductor to fuse."""
+    ids ``ids [P]`` (contiguous int32/int64): the pairs sorted by expert (ids outside ``[0, E)`` last, in tiles of
+    expert ``E`` that write their zero rows), and for each of :func:`.experts_args.route_sizes`' ``max_tiles`` tiles
+    its expert (``> E``: unused), first sorted row and its segment's row end; int32 views of one tensor. One launch
+    of :func:`.experts_kernels.experts_route_kernel` (the op ``fp8_backends::triton_experts_route``, which
+    ``torch.compile`` launches itself), no host sync: CUDA-graph capturable."""
     p = ids.shape[0]
-    ids = ids.to(torch.int64)
-    clean = torch.where((ids >= 0) & (ids < experts), ids, experts)
-    order = torch.argsort(clean)  # any order within an expert
-    counts = torch.zeros(experts + 1, dtype=torch.int32, device=ids.device)
-    counts = counts.scatter_add_(0, clean, torch.ones_like(clean, dtype=torch.int32))
-    max_tiles = -(-p // block_m) + min(experts, p)
-    if not torch.compiler.is_compiling() and p:  # eager: the plan in one launch (traced: torch ops Inductor fuses)
-        plan = torch.empty((3, max_tiles), dtype=torch.int32, device=ids.device)
-        _plan_launch(counts, plan, experts, max_tiles, block_m)
-        return order, plan[0], plan[1], plan[2]
-    counts = counts[:experts].to(torch.int64)
-    tiles = (counts + block_m - 1) // block_m
-    tiles_end = torch.cumsum(tiles, 0)
-    seg_start = torch.cumsum(counts, 0) - counts
-    b = torch.arange(max_tiles, device=ids.device, dtype=torch.int64)
-    tile_expert = torch.searchsorted(tiles_end, b, right=True)
-    e = tile_expert.clamp(max=experts - 1)
-    tile_row0 = seg_start[e] + (b - (tiles_end[e] - tiles[e])) * block_m
-    tile_end = seg_start[e] + counts[e]
-    return order, tile_expert.to(torch.int32), tile_row0.to(torch.int32), tile_end.to(torch.int32)
+    buf = load_route_op()(ids, experts, block_m)
+    return route_views(buf, p, route_sizes(p, experts, block_m)[0])[:4]
 
 
-_PLAN_TILES = 64
+def route_launch(ids: torch.Tensor, experts: int, block_m: int) -> torch.Tensor:
+    """The eager implementation of ``triton_experts_route``: one int32 tensor holding the order, the tile plan and
+    the kernel's scratch (:func:`.experts_args.route_views`)."""
+    n_tiles, e_p2 = route_sizes(ids.shape[0], experts, block_m)
+    buf = ids.new_empty((ids.shape[0] + 3 * n_tiles + e_p2,), dtype=torch.int32)
+    if ids.shape[0]:
+        kernel, grid, args, warps = route_kernel_args(ids, experts, block_m, buf)
+        index = ids.get_device()
+        _support.on_device(index, _launch_on, kernel, grid, args, warps, 1, index)
+    return buf
 
 
-def _plan_launch(counts: torch.Tensor, plan: torch.Tensor, experts: int, max_tiles: int, block_m: int) -> None:
-    from .experts_kernels import experts_tile_plan_kernel
-
-    args = (counts, plan[0], plan[1], plan[2], experts, max_tiles, block_m,
-            max(16, 1 << (experts - 1).bit_length()), _PLAN_TILES)
-    index = counts.get_device()
-    _support.on_device(index, _launch_on, experts_tile_plan_kernel, (-(-max_tiles // _PLAN_TILES),), args, 4,
-                       1, index)
+def _fake_route(ids: Any, experts: int, block_m: int) -> Any:
+    n_tiles, e_p2 = route_sizes(ids.shape[0], experts, block_m)
+    return ids.new_empty((ids.shape[0] + 3 * n_tiles + e_p2,), dtype=torch.int32)
 
 
 def gemm_launch(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                 order: torch.Tensor, tile_expert: torch.Tensor, tile_row0: torch.Tensor, tile_end: torch.Tensor,
                 rw: torch.Tensor | None, token_div: int, block_m: int, out_dtype: torch.dtype) -> torch.Tensor:
-    """The eager implementation of the tiled GEMM: ``[P, N]``, rows of pairs in no tile (ids outside ``[0, E)``)
-    zero."""
-    out = x_q.new_zeros((order.shape[0], w.shape[1]), dtype=out_dtype)
+    """The eager implementation of the tiled GEMM: ``[P, N]`` (rows of pairs without an expert zero, written by
+    their tiles)."""
+    out = x_q.new_empty((order.shape[0], w.shape[1]), dtype=out_dtype)
     if order.shape[0] == 0:
         return out
     kernel, grid, args, warps, stages = gemm_kernel_args(x_q, x_scale, w, w_scale, order, tile_expert, tile_row0,
@@ -191,6 +187,9 @@ _SCHEMA = (f"{OP_BASENAME}(Tensor x, Tensor w, Tensor w_scale, Tensor ids, Tenso
            "ScalarType out_dtype, str config) -> Tensor")
 
 
+_ROUTE_SCHEMA = f"{ROUTE_OP_BASENAME}(Tensor ids, int experts, int block_m) -> Tensor"
+
+
 _GEMM_SCHEMA = (f"{GEMM_OP_BASENAME}(Tensor x_q, Tensor x_scale, Tensor w, Tensor w_scale, Tensor order, "
                 "Tensor tile_expert, Tensor tile_row0, Tensor tile_end, Tensor? rw, int token_div, int block_m, "
                 "ScalarType out_dtype) -> Tensor")
@@ -199,11 +198,13 @@ _GEMM_SCHEMA = (f"{GEMM_OP_BASENAME}(Tensor x_q, Tensor x_scale, Tensor w, Tenso
 def _specs() -> dict[str, Any]:
     # under the interpreter plain opaque ops: Inductor cannot launch interpreted kernels
     if _support.interpreting():
-        return {OP_BASENAME: (_SCHEMA, launch, _fake), GEMM_OP_BASENAME: (_GEMM_SCHEMA, gemm_launch, _fake_gemm)}
-    from .experts_traced import triton_experts_gemm, triton_experts_gemv
+        return {OP_BASENAME: (_SCHEMA, launch, _fake), GEMM_OP_BASENAME: (_GEMM_SCHEMA, gemm_launch, _fake_gemm),
+                ROUTE_OP_BASENAME: (_ROUTE_SCHEMA, route_launch, _fake_route)}
+    from .experts_traced import triton_experts_gemm, triton_experts_gemv, triton_experts_route
 
     return {OP_BASENAME: TritonOpSpec(triton_experts_gemv, launch),
-            GEMM_OP_BASENAME: TritonOpSpec(triton_experts_gemm, gemm_launch)}
+            GEMM_OP_BASENAME: TritonOpSpec(triton_experts_gemm, gemm_launch),
+            ROUTE_OP_BASENAME: TritonOpSpec(triton_experts_route, route_launch)}
 
 
 def _dispatch_keys() -> tuple[str, ...]:
@@ -224,6 +225,13 @@ def load_gemm_op() -> Any:
     order, tile_expert, tile_row0, tile_end, rw, token_div, block_m, out_dtype) -> [P, N]``)."""
     _OPS.preload()
     return _OPS.call(GEMM_OP_BASENAME)
+
+
+def load_route_op() -> Any:
+    """Define the ops now (load time); returns the routing op's hot-path callable (``(ids, experts, block_m) ->``
+    int32 ``[P + 3 * max_tiles + E_P2]``, :func:`tile_plan`'s views of it)."""
+    _OPS.preload()
+    return _OPS.call(ROUTE_OP_BASENAME)
 
 
 def experts_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, ids: torch.Tensor,
@@ -248,6 +256,7 @@ class TritonExpertsKernels:
 
         load_quant_op()
         self._gemv, self._gemm, self._quant = load_op(), load_gemm_op(), triton_quant_per_token_group
+        load_route_op()
 
     def plan(self, ids: torch.Tensor, experts: int, gemv_pairs: int) -> Any:
         if ids.shape[0] <= min(gemv_pairs, _GRID_Y_MAX):
@@ -264,5 +273,6 @@ class TritonExpertsKernels:
         return self._gemm(x_q, x_s, w, w_scale, *tiles, rw, token_div, bm, out_dtype)
 
 
-__all__ = ["GEMM_OP_BASENAME", "OP_BASENAME", "TritonExpertsKernels", "check_inputs", "experts_gemm", "experts_gemv",
-           "gemm_launch", "launch", "load_gemm_op", "load_op", "tile_plan"]
+__all__ = ["GEMM_OP_BASENAME", "OP_BASENAME", "ROUTE_OP_BASENAME", "TritonExpertsKernels", "check_inputs",
+           "experts_gemm", "experts_gemv", "gemm_launch", "launch", "load_gemm_op", "load_op", "load_route_op",
+           "route_launch", "tile_plan"]

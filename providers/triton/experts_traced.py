@@ -1,6 +1,6 @@
-"""What ``torch.compile`` sees of the experts GEMV and GEMM: the bodies of the ``fp8_backends::triton_experts_gemv``
-and ``triton_experts_gemm`` ``triton_op`` s, the launches :mod:`.experts_ops` makes, through
-:func:`torch.library.wrap_triton`.
+"""What ``torch.compile`` sees of the experts GEMV, GEMM and routing: the bodies of the
+``fp8_backends::triton_experts_gemv``, ``triton_experts_gemm`` and ``triton_experts_route`` ``triton_op`` s, the
+launches :mod:`.experts_ops` makes, through :func:`torch.library.wrap_triton`.
 
 Real type hints (no ``from __future__ import annotations``): ``triton_op`` infers the op's schema from them.
 """
@@ -10,7 +10,7 @@ import typing
 import torch
 from torch.library import wrap_triton
 
-from .experts_args import gemm_kernel_args, kernel_args
+from .experts_args import gemm_kernel_args, kernel_args, route_kernel_args, route_sizes
 
 
 def triton_experts_gemv(
@@ -47,11 +47,20 @@ def triton_experts_gemm(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """The tiled experts GEMM (operands as :mod:`.experts_ops` states, checked by the caller)."""
-    out = x_q.new_zeros((order.shape[0], w.shape[1]), dtype=out_dtype)
+    out = x_q.new_empty((order.shape[0], w.shape[1]), dtype=out_dtype)
     kernel, grid, args, warps, stages = gemm_kernel_args(x_q, x_scale, w, w_scale, order, tile_expert, tile_row0,
                                                          tile_end, rw, token_div, block_m, out)
     wrap_triton(kernel)[grid](*args, num_warps=warps, num_stages=stages)
     return out
 
 
-__all__ = ["triton_experts_gemm", "triton_experts_gemv"]
+def triton_experts_route(ids: torch.Tensor, experts: int, block_m: int) -> torch.Tensor:
+    """The pairs sorted by expert and the tile plan in one int32 tensor (:func:`.experts_ops.tile_plan`)."""
+    n_tiles, e_p2 = route_sizes(ids.shape[0], experts, block_m)
+    buf = ids.new_empty((ids.shape[0] + 3 * n_tiles + e_p2,), dtype=torch.int32)
+    kernel, grid, args, warps = route_kernel_args(ids, experts, block_m, buf)
+    wrap_triton(kernel)[grid](*args, num_warps=warps, num_stages=1)
+    return buf
+
+
+__all__ = ["triton_experts_gemm", "triton_experts_gemv", "triton_experts_route"]
