@@ -25,10 +25,8 @@ def block_m_for(pairs: int, experts: int) -> int:
     return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
 
 
-#: the routing kernel's ids per pass step, tile-plan rows per step (``[ROUTE_TILE_ELEMS // E_P2, E_P2]`` matrices)
-#: and warps
-ROUTE_CHUNK = 1024
-ROUTE_TILE_ELEMS = 8192
+#: the routing kernel's ids per step of its passes, and its warps
+ROUTE_CHUNK = 2048
 ROUTE_WARPS = 8
 
 
@@ -39,18 +37,18 @@ def route_sizes(pairs: Any, experts: int, block_m: int) -> tuple[Any, int]:
     return -(-pairs // block_m) + min(experts + 1, pairs), max(16, 1 << (experts + 1).bit_length())
 
 
-def route_kernel_args(ids: torch.Tensor, experts: int, block_m: int, buf: torch.Tensor
-                      ) -> tuple[Any, tuple[int], tuple[Any, ...], int]:
+def route_kernel_args(ids: torch.Tensor, experts: int, block_m: int, buf: torch.Tensor, chunk: int = ROUTE_CHUNK,
+                      warps: int = ROUTE_WARPS) -> tuple[Any, tuple[int], tuple[Any, ...], int]:
     """The routing kernel's launch over ``buf`` (int32 ``[P + 3 * max_tiles + E_P2]``: the order, the three tile
-    plan rows and the kernel's scratch, :func:`route_views`)."""
+    plan rows and the kernel's scratch, :func:`route_views`); ``chunk`` and ``warps`` other than the defaults for
+    ``bench/experts_routing.py``."""
     from .experts_kernels import experts_route_kernel
 
     p = ids.shape[0]
     n_tiles, e_p2 = route_sizes(p, experts, block_m)
     order, tile_expert, tile_row0, tile_end, cursor = route_views(buf, p, n_tiles)
-    args = (ids, order, tile_expert, tile_row0, tile_end, cursor, p, experts, n_tiles,
-            block_m, e_p2, ROUTE_CHUNK, max(16, min(64, ROUTE_TILE_ELEMS // e_p2)))
-    return experts_route_kernel, (1,), args, ROUTE_WARPS
+    args = (ids, order, tile_expert, tile_row0, tile_end, cursor, p, experts, n_tiles, block_m, e_p2, chunk)
+    return experts_route_kernel, (1,), args, warps
 
 
 def route_views(buf: torch.Tensor, pairs: Any, n_tiles: Any) -> tuple[torch.Tensor, ...]:

@@ -145,47 +145,45 @@ def experts_gemm_kernel(
 @triton.jit
 def experts_route_kernel(
     ids_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr, tile_end_ptr, cursor_ptr, P, E, n_tiles,
-    BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr, TILES: tl.constexpr,
+    BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """The tiled GEMM's routing in one program: the pairs sorted by expert (``order [P]``, int32) and the tile plan
     (``tile_expert`` / ``tile_row0`` / ``tile_end``, ``n_tiles`` each) from the expert ids ``ids [P]``.
 
-    Three passes over the ids, ``CHUNK`` at a time: a histogram of the ids (ids outside ``[0, E)`` counted in bin
-    ``E``, which sorts after every expert), the tiles from the counts (each expert's pairs in whole tiles of
-    ``BLOCK_M`` rows, then the pairs without an expert, tile expert ``E``; tiles past them ``E + 1``: unused), and
-    each pair's place (its bin's start plus an atomic counter: any order within an expert, which no output row
-    depends on). ``cursor [E_P2]`` int32 is scratch; ``E_P2 >= E + 2`` a power of two (bin ``E_P2 - 1`` takes the
-    chunk's padding)."""
+    A histogram of the ids, ``CHUNK`` at a time (ids outside ``[0, E)`` counted in bin ``E``, which sorts after every
+    expert); the tiles from the counts (each bin's pairs in whole tiles of ``BLOCK_M`` rows, written bin by bin: the
+    experts' tiles, then those of the pairs without one, tile expert ``E``; the tiles past them ``E + 1``: unused,
+    their rows not written); then each pair's place, its bin's start plus an atomic counter (any order within an
+    expert, which no output row depends on). ``cursor [E_P2]`` int32 is scratch; ``E_P2 >= E + 2`` a power of two
+    (bin ``E_P2 - 1`` takes a chunk's padding)."""
     offs_e = tl.arange(0, E_P2)
+    offs_c = tl.arange(0, CHUNK)
     counts = tl.zeros([E_P2], dtype=tl.int32)
     for c0 in range(0, P, CHUNK):
-        offs = c0 + tl.arange(0, CHUNK)
-        live = offs < P
-        e = tl.load(ids_ptr + offs, mask=live, other=0)
+        live = c0 + offs_c < P
+        e = tl.load(ids_ptr + c0 + offs_c, mask=live, other=0)
         e = tl.where((e >= 0) & (e < E), e, E).to(tl.int32)
         counts += tl.histogram(tl.where(live, e, E_P2 - 1), E_P2)
     counts = tl.where(offs_e <= E, counts, 0)
     seg_end = tl.cumsum(counts, 0)
     seg_start = seg_end - counts
     tl.store(cursor_ptr + offs_e, seg_start)
-    t = (counts + BLOCK_M - 1) // BLOCK_M
-    t_end = tl.cumsum(t, 0)
-    for b0 in range(0, n_tiles, TILES):
-        b = b0 + tl.arange(0, TILES)
-        eb = tl.sum((t_end[None, :] <= b[:, None]).to(tl.int32), axis=1)  # bins whose tiles end at or before b
-        sel = offs_e[None, :] == eb[:, None]
-        first_tile = tl.sum(tl.where(sel, (t_end - t)[None, :], 0), axis=1)
-        start = tl.sum(tl.where(sel, seg_start[None, :], 0), axis=1)
-        end = tl.sum(tl.where(sel, seg_end[None, :], 0), axis=1)
-        in_b = b < n_tiles
-        tl.store(tile_expert_ptr + b, tl.minimum(eb, E + 1), mask=in_b)
-        tl.store(tile_row0_ptr + b, start + (b - first_tile) * BLOCK_M, mask=in_b)
-        tl.store(tile_end_ptr + b, end, mask=in_b)
-    tl.debug_barrier()  # the cursors stored above, before any program thread takes a place from them
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    first_tile = tl.cumsum(tiles, 0) - tiles
+    used = tl.sum(tiles, axis=0)
+    for b0 in range(0, n_tiles, CHUNK):  # unused tiles
+        b = b0 + offs_c
+        tl.store(tile_expert_ptr + b, E + 1, mask=(b >= used) & (b < n_tiles))
+    for j in range(0, tl.max(tiles, axis=0)):  # each bin's j-th tile
+        has = j < tiles
+        b = first_tile + j
+        tl.store(tile_expert_ptr + b, offs_e, mask=has)
+        tl.store(tile_row0_ptr + b, seg_start + j * BLOCK_M, mask=has)
+        tl.store(tile_end_ptr + b, seg_end, mask=has)
+    tl.debug_barrier()  # the cursors stored above, before any thread of the program takes a place from them
     for c0 in range(0, P, CHUNK):
-        offs = c0 + tl.arange(0, CHUNK)
-        live = offs < P
-        e = tl.load(ids_ptr + offs, mask=live, other=0)
+        live = c0 + offs_c < P
+        e = tl.load(ids_ptr + c0 + offs_c, mask=live, other=0)
         e = tl.where((e >= 0) & (e < E), e, E).to(tl.int32)
-        place = tl.atomic_add(cursor_ptr + e, 1, mask=live)
-        tl.store(order_ptr + place, offs, mask=live)
+        place = tl.atomic_add(cursor_ptr + e, 1, mask=live, sem="relaxed", scope="cta")
+        tl.store(order_ptr + place, c0 + offs_c, mask=live)
