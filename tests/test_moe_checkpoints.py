@@ -866,3 +866,84 @@ def test_other_moe_families_are_served_per_expert(tmp_path, arch):
     with torch.no_grad():
         got = served(IDS).logits.float()
     assert_matches(got, reference_logits(tmp_path))
+
+
+#: Mixtral's checkpoints as they ship: the MoE block ``block_sparse_moe`` (the model's ``mlp``), the experts'
+#: projections ``w1`` (gate), ``w3`` (up) and ``w2`` (down); PhiMoE's also name the router ``gate`` (the model's
+#: ``router``)
+MIXTRAL_NAMES = [(r"\.mlp\.", ".block_sparse_moe."), (r"(experts\.\d+)\.gate_proj\.", r"\1.w1."),
+                 (r"(experts\.\d+)\.up_proj\.", r"\1.w3."), (r"(experts\.\d+)\.down_proj\.", r"\1.w2.")]
+RENAMED_MOE = {"MixtralForCausalLM": ("MixtralConfig", MIXTRAL_NAMES),
+               "PhimoeForCausalLM": ("PhimoeConfig", [(r"\.mlp\.router\.", ".mlp.gate."), *MIXTRAL_NAMES])}
+
+
+@pytest.mark.parametrize("arch", sorted(RENAMED_MOE))
+def test_a_checkpoint_named_as_mixtral_ships_is_read_under_the_model_names(tmp_path, arch):
+    """A checkpoint named as Mixtral's (PhiMoE's) ship (``block_sparse_moe.experts.<e>.w1`` ...) loads under the
+    model's names (transformers' conversion mapping for the family), with its config's module names read as stored
+    (``modules_to_not_convert`` naming one layer's experts by their stored name keeps them in bf16), and gives the
+    logits of the same checkpoint under the model's names, from a folder and as a state dict."""
+    import re
+
+    from safetensors.torch import save_file
+
+    config_name, names = RENAMED_MOE[arch]
+    if not hasattr(transformers, config_name):
+        pytest.skip(f"this transformers has no {config_name}")
+    config = getattr(transformers, config_name)(num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                                num_experts_per_tok=2, architectures=[arch], **COMMON)
+    torch.manual_seed(0)
+    model = getattr(transformers, arch)(config).to(torch.bfloat16).eval()
+    kept_experts = "model.layers.1.mlp.experts."
+    out = {}
+    for key, value in per_expert_state(model).items():
+        module = key.rpartition(".")[0]
+        if (key.endswith(".weight") and value.dim() == 2 and ".experts." in key and not key.startswith(kept_experts)) \
+                or (key.endswith(".weight") and "self_attn" in key):
+            out[key], out[f"{module}.weight_scale_inv"] = quantize_block(value)
+        else:
+            out[key] = value.contiguous()
+    saved = model.config.to_dict()
+    folders = {}
+    for form, renames in (("model", []), ("shipped", names)):
+        folder = tmp_path / form
+        folder.mkdir()
+        named = {}
+        for key, value in out.items():
+            for pattern, repl in renames:
+                key = re.sub(pattern, repl, key)
+            named[key] = value
+        save_file(named, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        skip = (["lm_head", "block_sparse_moe.gate", "model.layers.1.block_sparse_moe.experts"] if renames else
+                ["lm_head", "mlp.router", "mlp.gate", kept_experts.rstrip(".")])  # the router: PhiMoE's is a Linear
+        saved["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                        "weight_block_size": [128, 128], "modules_to_not_convert": skip}
+        (folder / "config.json").write_text(json.dumps(saved))
+        folders[form] = folder
+    assert "model.layers.0.block_sparse_moe.experts.1.w3.weight_scale_inv" in load_file_keys(folders["shipped"])
+    served, summary = load_pretrained(folders["shipped"], device="cpu", dtype=torch.float32)
+    assert any("read under the model's names" in note and "w1 -> gate_proj" in note for note in summary.notes), \
+        summary.notes
+    assert not summary.ignored
+    layer0, layer1 = _experts_layers(served)
+    assert isinstance(layer0.expert(3).down_proj, Fp8Linear) and not isinstance(layer1.expert(3).down_proj, Fp8Linear)
+    with torch.no_grad():
+        got = served(IDS).logits.float()
+    assert_matches(got, reference_logits(folders["model"]))
+    # the same tensors as a state dict, into a model built from the config
+    from safetensors.torch import load_file
+
+    shipped_config = json.loads((folders["shipped"] / "config.json").read_text())
+    built = getattr(transformers, arch)(transformers.AutoConfig.from_pretrained(folders["shipped"])).eval()
+    summary = load_fp8_state_dict(built, load_file(str(folders["shipped"] / "model.safetensors")), shipped_config,
+                                  dtype=torch.float32, device="cpu")
+    assert any("read under the model's names" in note for note in summary.notes)
+    with torch.no_grad():
+        torch.testing.assert_close(built(IDS).logits.float(), got, rtol=0, atol=0)
+
+
+def load_file_keys(folder: Path) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        return set(f.keys())

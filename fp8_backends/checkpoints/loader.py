@@ -196,7 +196,7 @@ class Fp8CheckpointLoader:
             for _, meta in lin.tensors():
                 if meta.name not in self._seen:
                     raise CheckpointError("never given to weight_loader (missing from the checkpoint?)",
-                                          tensor=meta.name, file=meta.file)
+                                          tensor=meta.key, file=meta.file)
         # MoE experts go into their stacks first: the linears are then processed once, on their final tensors
         self.experts_notes = [f"{name}: {m.grouped_reason}" for name, m in self._experts if not m.stack_weights()]
         for layer in self.layers.values():
@@ -295,9 +295,10 @@ def load_fp8_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]
 
     from .detect import detect_format
     from .experts import expand_experts
+    from .names import model_names
     from .params import assign_params, linear_infos, plan_params
     from .plan import plan_linears
-    from .shards import TensorMeta
+    from .shards import ShardIndex, TensorMeta
 
     fmt = detect_format(quantization_config, hf_quant_config, source="quantization_config",
                         quant_source="hf_quant_config")
@@ -305,7 +306,10 @@ def load_fp8_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]
     first = next(iter(state_dict.values()), None)
     device = torch.device(device if device is not None else (first.device if first is not None else "cpu"))
     check_backend(backend, device)
-    metas = {name: TensorMeta(name, dtype_code(t), tuple(t.shape), "<state dict>") for name, t in state_dict.items()}
+    index = ShardIndex({name: TensorMeta(name, dtype_code(t), tuple(t.shape), "<state dict>")
+                        for name, t in state_dict.items()})
+    index, name_notes = model_names(model, index)  # a family's stored names read under the model's
+    metas = index.tensors
     expert_notes, undo_experts = expand_experts(model, metas, strict=strict, where="<state dict>")
     try:  # every check before the model changes; a failure puts the experts modules back
         plan = plan_linears(fmt, linear_infos(model), metas, fuse_groups=fuse_patterns(fuse),
@@ -314,19 +318,20 @@ def load_fp8_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]
         loader = Fp8CheckpointLoader(plan, dtype=dtype, device=device, backend=backend, objective=objective,
                                      shard_scales=shard_scales)
         for meta in plan.small_tensors():
-            loader.weight_loader(meta.name, state_dict[meta.name])
+            loader.weight_loader(meta.name, state_dict[meta.key])
     except BaseException:
         undo_experts()
         raise
     loader.create_weights(model)
-    for name, tensor in state_dict.items():
+    for name, meta in metas.items():
+        tensor = state_dict[meta.key]
         if name in targets:
             assign_params(targets[name], tensor, device)
         elif not loader.weight_loader(name, tensor):
             plan.ignored.append(name)
     model.to(device)
     summary = loader.process_weights_after_loading()
-    summary.notes += expert_notes
+    summary.notes += name_notes + expert_notes
     summary.checkpoint_bytes = sum(meta.nbytes for meta in metas.values())
     return summary
 

@@ -82,9 +82,9 @@ def plan_params(model: nn.Module, plan: LoadPlan, tensors: Mapping[str, TensorMe
 def _check(meta: TensorMeta, shape: tuple[int, ...]) -> None:
     if meta.dtype not in FLOAT_CODES and not meta.dtype.startswith(("I", "U", "BOOL")):
         raise CheckpointError(f"{meta.dtype} is not served here: only nn.Linear weights are served as FP8",
-                              tensor=meta.name, file=meta.file)
+                              tensor=meta.key, file=meta.file)
     if meta.shape != shape:
-        raise CheckpointError(f"shape {list(meta.shape)} does not match the model's {list(shape)}", tensor=meta.name,
+        raise CheckpointError(f"shape {list(meta.shape)} does not match the model's {list(shape)}", tensor=meta.key,
                               file=meta.file)
 
 

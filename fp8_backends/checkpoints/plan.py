@@ -114,8 +114,11 @@ def plan_linears(fmt: QuantFormat, linears: Iterable[LinearInfo], tensors: Mappi
         prefix, _, leaf = name.rpartition(".")
         by_module.setdefault(prefix, []).append(leaf)
     for info in linears:
-        scheme = fmt.scheme_for(info.name, info.classes)
         weight = tensors.get(f"{info.name}.weight")
+        # the config names modules as the checkpoint does: a weight read under the model's name (.names) is looked
+        # up under its stored module name
+        config_name = weight.key.rpartition(".")[0] if weight is not None and weight.stored else info.name
+        scheme = fmt.scheme_for(config_name, info.classes)
         leaf = info.name.rpartition(".")[2]
         if scheme is not None and leaf in fmt.soft_keep and (weight is None or weight.dtype != FP8_E4M3):
             plan.kept.append((info.name, f"{fmt.kind} keeps the output head in the model dtype"))
@@ -123,9 +126,9 @@ def plan_linears(fmt: QuantFormat, linears: Iterable[LinearInfo], tensors: Mappi
         if scheme is None:
             if weight is not None and weight.dtype in (FP8_E4M3, FP8_E5M2):
                 raise CheckpointError(f"the weight is float8 but the config keeps {info.name} in the model dtype "
-                                      f"({fmt.keep_reason(info.name, info.classes)})", tensor=weight.name,
+                                      f"({fmt.keep_reason(config_name, info.classes)})", tensor=weight.key,
                                       file=weight.file)
-            plan.kept.append((info.name, fmt.keep_reason(info.name, info.classes)))
+            plan.kept.append((info.name, fmt.keep_reason(config_name, info.classes)))
             continue
         lin = _plan_one(fmt, info, scheme, tensors, where, block_served)
         plan.linears[info.name] = lin
@@ -146,16 +149,16 @@ def _plan_one(fmt: QuantFormat, info: LinearInfo, scheme: Scheme, tensors: Mappi
                               tensor=f"{name}.weight", file=where)
     if weight.dtype == FP8_E5M2:
         raise CheckpointError(f"float8_e5m2 weights are not served for the {fmt.kind} format (it stores "
-                              "float8_e4m3fn)", tensor=weight.name, file=weight.file)
+                              "float8_e4m3fn)", tensor=weight.key, file=weight.file)
     if weight.dtype != FP8_E4M3:
         raise CheckpointError(f"the {fmt.kind} config quantizes {name} but its weight is {weight.dtype}, not "
-                              "float8_e4m3fn", tensor=weight.name, file=weight.file)
+                              "float8_e4m3fn", tensor=weight.key, file=weight.file)
     if not info.plain:
         raise CheckpointError(f"{name} is a {info.classes[0]} (a subclass of nn.Linear whose forward may differ): "
-                              "it cannot be served as an FP8 linear", tensor=weight.name, file=weight.file)
+                              "it cannot be served as an FP8 linear", tensor=weight.key, file=weight.file)
     if weight.shape != (info.n, info.k):
         raise CheckpointError(f"shape {list(weight.shape)} does not match the model's [{info.n}, {info.k}]",
-                              tensor=weight.name, file=weight.file)
+                              tensor=weight.key, file=weight.file)
     scale = _first(tensors, name, scheme.weight_scale_names)
     if scale is None:
         raise CheckpointError(f"missing weight scale ({' or '.join(scheme.weight_scale_names)}) of an FP8 weight",
@@ -163,18 +166,18 @@ def _plan_one(fmt: QuantFormat, info: LinearInfo, scheme: Scheme, tensors: Mappi
     both = [leaf for leaf in scheme.weight_scale_names if f"{name}.{leaf}" in tensors]
     if len(both) > 1:
         raise CheckpointError(f"{name} holds {' and '.join(both)}: which one scales its weight is ambiguous",
-                              tensor=scale.name, file=scale.file)
+                              tensor=scale.key, file=scale.file)
     e8m0 = scale.dtype == "F8_E8M0" and scheme.weight == "block"
     if scale.dtype not in SCALE_DTYPES and not e8m0:
-        raise CheckpointError(f"scale dtype {scale.dtype} is not a float (fp32, bf16, fp16)", tensor=scale.name,
+        raise CheckpointError(f"scale dtype {scale.dtype} is not a float (fp32, bf16, fp16)", tensor=scale.key,
                               file=scale.file)
     if not scheme.weight_scale_fits(scale.shape, info.n, info.k):
         raise CheckpointError(f"shape {list(scale.shape)} does not fit the weight [{info.n}, {info.k}] "
                               f"({scheme.describe()}: expected {scheme.weight_scale_shape_text(info.n, info.k)})",
-                              tensor=scale.name, file=scale.file)
+                              tensor=scale.key, file=scale.file)
     if scheme.weight == "block" and not block_served:
         raise CheckpointError(f"block-scaled FP8 ({scheme.describe()}) is not served by this version of "
-                              "fp8_backends yet: its Fp8Linear has no block mode", tensor=scale.name, file=scale.file)
+                              "fp8_backends yet: its Fp8Linear has no block mode", tensor=scale.key, file=scale.file)
     input_scale = None
     if scheme.static:
         input_scale = _first(tensors, name, scheme.input_scale_names)
@@ -184,19 +187,19 @@ def _plan_one(fmt: QuantFormat, info: LinearInfo, scheme: Scheme, tensors: Mappi
                                   tensor=f"{name}.{scheme.input_scale_names[0]}", file=weight.file)
         if input_scale.dtype not in SCALE_DTYPES:
             raise CheckpointError(f"scale dtype {input_scale.dtype} is not a float (fp32, bf16, fp16)",
-                                  tensor=input_scale.name, file=input_scale.file)
+                                  tensor=input_scale.key, file=input_scale.file)
         if not input_scale_fits(input_scale.shape):
             raise CheckpointError(f"a static input scale holds one value, got shape {list(input_scale.shape)}",
-                                  tensor=input_scale.name, file=input_scale.file)
+                                  tensor=input_scale.key, file=input_scale.file)
     bias = tensors.get(f"{name}.bias")
     if info.bias:
         if bias is None:
             raise CheckpointError(f"missing: the model's {name} has a bias", tensor=f"{name}.bias", file=weight.file)
         if bias.dtype not in FLOAT_DTYPES or bias.shape != (info.n,):
             raise CheckpointError(f"a bias must be a float [{info.n}], got {bias.dtype} {list(bias.shape)}",
-                                  tensor=bias.name, file=bias.file)
+                                  tensor=bias.key, file=bias.file)
     elif bias is not None:
-        raise CheckpointError(f"the model's {name} has no bias", tensor=bias.name, file=bias.file)
+        raise CheckpointError(f"the model's {name} has no bias", tensor=bias.key, file=bias.file)
     return LinearPlan(name, info.n, info.k, scheme, weight, scale, input_scale, bias)
 
 

@@ -4,7 +4,8 @@
    safetensors header (:mod:`.shards`).
 2. Builds the ``transformers`` model from its config with every parameter on the meta device (no weight memory,
    no random initialisation; buffers such as rotary frequencies are computed as usual).
-3. Plans (:mod:`.plan`, :mod:`.params`; MoE experts stored one by one first get one linear each, :mod:`.experts`):
+3. Plans (:mod:`.plan`, :mod:`.params`; checkpoint names the model's family renames are read under the model's
+   names, :mod:`.names`; MoE experts stored one by one first get one linear each, :mod:`.experts`):
    which linears become :class:`~fp8_backends.layers.Fp8Linear` with which
    scheme, which siblings are fused, which modules stay in the model dtype; every name, dtype and shape is checked.
 4. Reads every scale and bias of the FP8 linears (small) and checks their values (finite, > 0).
@@ -131,6 +132,7 @@ def load_pretrained(
     from .detect import detect
     from .experts import expand_experts
     from .loader import Fp8CheckpointLoader, block_layer_served, fuse_patterns
+    from .names import model_names
     from .params import assign_params, linear_infos, plan_params
     from .plan import plan_linears
     from .shards import read_index
@@ -144,6 +146,7 @@ def load_pretrained(
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     model = build_skeleton(folder, dtype, model_class, trust_remote_code)
     clock.lap("build model")
+    index, name_notes = model_names(model, index)
     expert_notes, _ = expand_experts(model, index.tensors, where=str(folder))  # a model of its own: no undo
     plan = plan_linears(fmt, linear_infos(model), index.tensors, fuse_groups=fuse_patterns(fuse),
                         block_served=block_layer_served(), where=str(folder))
@@ -176,7 +179,7 @@ def load_pretrained(
         logger.warning("load_pretrained: %d checkpoint tensor(s) not used by %s: %s", len(unused),
                        type(model).__name__, ", ".join(unused[:5]))
     summary.ignored += unused
-    summary.notes += expert_notes
+    summary.notes += name_notes + expert_notes
     summary.checkpoint_bytes = index.nbytes
     summary.load_seconds = clock.total()
     summary.load_phases = clock.phases
@@ -209,13 +212,13 @@ def _stream(metas: list[Any], sink: Any) -> None:
     """Read ``metas`` file by file (each file memory-mapped once, its tensors in order) into ``sink(name, tensor)``."""
     from safetensors import safe_open
 
-    by_file: dict[str, list[str]] = {}
+    by_file: dict[str, list[Any]] = {}
     for meta in metas:
-        by_file.setdefault(meta.file, []).append(meta.name)
-    for file, names in by_file.items():
+        by_file.setdefault(meta.file, []).append(meta)
+    for file, metas_in in by_file.items():
         with safe_open(file, framework="pt", device="cpu") as f:
-            for name in names:
-                sink(name, f.get_tensor(name))
+            for meta in metas_in:
+                sink(meta.name, f.get_tensor(meta.key))
 
 
 __all__ = ["LoadedModel", "build_skeleton", "load_pretrained", "parameters_on_meta"]

@@ -27,12 +27,19 @@ MAX_HEADER = 100 * 1024 * 1024
 
 @dataclass(frozen=True)
 class TensorMeta:
-    """One stored tensor: its name, safetensors dtype code (``"F8_E4M3"``, ``"BF16"``, ...), shape and file."""
+    """One stored tensor: its name, safetensors dtype code (``"F8_E4M3"``, ``"BF16"``, ...), shape and file;
+    ``stored``: the name in the file where :attr:`name` is the model's name for it (:mod:`.names`), else empty."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     file: str
+    stored: str = ""
+
+    @property
+    def key(self) -> str:
+        """The tensor's name in its file."""
+        return self.stored or self.name
 
     @property
     def nbytes(self) -> int:
