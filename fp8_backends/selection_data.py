@@ -196,7 +196,9 @@ def merge(shipped: Mapping[str, Any], doc: Mapping[str, Any], *, partial: bool =
         raise DataFileError("<merge>", ["the runs were measured on different GPUs: " + "; ".join(differs)])
     section = dict(shipped_data.the_section(shipped))
     added = shipped_data.the_section(packed)["entries"]
-    entries = {**section["entries"], **added}
+    entries = dict(section["entries"])
+    for key, entry in added.items():
+        entries[key] = _keeping_labels(entry, entries.get(key))
     replaced = sum(1 for key in added if key in section["entries"])
     record = {name: new_prov.get(name) for name in ("date", "command", "grid", "driver", "cuda", "libraries")}
     record.update({"merged": new_prov["packed"]["date"], "merge_command": command, "entries": len(added),
@@ -209,6 +211,16 @@ def merge(shipped: Mapping[str, Any], doc: Mapping[str, Any], *, partial: bool =
     if problems:
         raise DataFileError("<merged data>", problems)
     return out
+
+
+def _keeping_labels(entry: Mapping[str, Any], old: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``entry`` replacing ``old``, with ``old``'s model labels (``model/tpN/layer``: what held-out evaluations leave
+    out by) kept first; the new run's bare shape labels (``NxK``, from ``--shapes``) only where neither has a model
+    label."""
+    new_labels = [str(label) for label in entry.get("labels") or ()]
+    kept = [str(label) for label in (old or {}).get("labels") or () if "/" in str(label)]
+    labels = list(dict.fromkeys(kept + [label for label in new_labels if "/" in label])) or new_labels
+    return {**entry, "labels": labels} if labels != new_labels else dict(entry)
 
 
 # ---------------------------------------------------------------------------------------- leave-one-out

@@ -426,10 +426,16 @@ def test_merge_adds_a_block_run_to_the_shipped_data(tmp_path):
     assert data.index.lookup("gemm", problem)[0] == 4
     assert data.index.lookup("gemm", GemmProblem(n=256, k=256, m=2, device="cuda")) is None
     assert data.model_for(lockfile.problem_fields("gemm", problem)) is not None
-    # again: the same keys replace the merged ones
-    again = selection_data.merge(merged, doc)
+    # again: the same keys replace the merged ones, keeping the model labels of the entries they replace (what
+    # held-out evaluations leave out by) over the bare shape labels of a --shapes run
+    assert all(entries[k]["labels"] == ["256x256"] for k in added)
+    labelled = json.loads(json.dumps(merged))
+    shipped_data.the_section(labelled)["entries"][added[0]]["labels"] = ["tiny/tp1/o_proj"]
+    again = selection_data.merge(labelled, doc)
     assert len(shipped_data.the_section(again)["entries"]) == len(before) + 2
     assert again["provenance"]["merged"][-1]["replaced"] == 2
+    assert [shipped_data.the_section(again)["entries"][k]["labels"] for k in added] == [["tiny/tp1/o_proj"],
+                                                                                          ["256x256"]]
     other = json.loads(json.dumps(doc))
     other["provenance"]["gpu"] = "NVIDIA H100"
     for s in other["sections"].values():
