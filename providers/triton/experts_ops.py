@@ -114,15 +114,16 @@ def _launch_on(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], warps:
 
 
 # ------------------------------------------------------------------------------------------ the tiled GEMM
-def tile_plan(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
+def tile_plan(ids: torch.Tensor, experts: int, block_m: int, route_op: Any = None) -> tuple[torch.Tensor, ...]:
     """``(order, tile_expert, tile_row0, tile_end)`` of :func:`.experts_kernels.experts_gemm_kernel` for the expert
     ids ``ids [P]`` (contiguous int32/int64): the pairs sorted by expert (ids outside ``[0, E)`` last, in tiles of
     expert ``E`` that write their zero rows), and for each of :func:`.experts_args.route_sizes`' ``max_tiles`` tiles
     its expert (``> E``: unused), first sorted row and its segment's row end; int32 views of one tensor. One launch
     of :func:`.experts_kernels.experts_route_kernel` (the op ``fp8_backends::triton_experts_route``, which
-    ``torch.compile`` launches itself), no host sync: CUDA-graph capturable."""
+    ``torch.compile`` launches itself; ``route_op``: its callable, :func:`load_route_op`'s by default), no host
+    sync: CUDA-graph capturable."""
     p = ids.shape[0]
-    buf = load_route_op()(ids, experts, block_m)
+    buf = (route_op or load_route_op())(ids, experts, block_m)
     return route_views(buf, p, route_sizes(p, experts, block_m)[0])[:4]
 
 
@@ -256,13 +257,13 @@ class TritonExpertsKernels:
 
         load_quant_op()
         self._gemv, self._gemm, self._quant = load_op(), load_gemm_op(), triton_quant_per_token_group
-        load_route_op()
+        self._route = load_route_op()
 
     def plan(self, ids: torch.Tensor, experts: int, gemv_pairs: int) -> Any:
         if ids.shape[0] <= min(gemv_pairs, _GRID_Y_MAX):
             return None
         bm = block_m_for(ids.shape[0], experts)
-        return (bm, *tile_plan(ids, experts, bm))
+        return (bm, *tile_plan(ids, experts, bm, self._route))
 
     def matmul(self, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, ids: torch.Tensor,
                rw: torch.Tensor | None, token_div: int, out_dtype: torch.dtype, plan: Any) -> torch.Tensor:
