@@ -32,6 +32,8 @@ wrong variant is reported failed, never timed). Variants:
 - ``flashinfer``: ``flashinfer.gemm.fp8_blockscale_gemm_sm90(x_q, w_q, x_scale, w_scale, out_dtype=bf16)`` when it
   imports (its first call JIT-builds the module, about 130 s on the H200: done once, timed and logged), scale
   layouts probed the same way.
+- ``bound:<name>`` (``--bounds``, :mod:`bench.bounds`): an empty launch and one read of the weight (M <= 16), the
+  per-tensor FP8 GEMM with fast accumulation (every M): what the targets' misses are read against.
 
 Columns: µs, TFLOP/s, % of the weight-read floor at M <= 16 (fp8 weight + fp32 block scales at the copy bandwidth
 measured in the run), % of the roofline ceiling (:func:`add_ceilings`: bytes at the copy bandwidth or FLOPs at the
@@ -115,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "(auto: on unless --quick/--smoke)")
     ap.add_argument("--skip-providers", default="", help="comma-separated registered providers not to time "
                     "(e.g. cutlass where its kernels are not built yet: resolving it would build them)")
+    ap.add_argument("--bounds", action="store_true",
+                    help="also time each point's bounds (bench/bounds.py): an empty launch and one read of the "
+                    "weight at M <= 16, the per-tensor FP8 GEMM with fast accumulation at every M; each miss of a "
+                    "target names what its bound reaches")
     ap.add_argument("--no-norm", action="store_true", help="skip the fused norm + quant part")
     ap.add_argument("--no-gemm", action="store_true", help="skip the GEMM part")
     ap.add_argument("--no-compile-baseline", action="store_true", help="norm part without torch.compile")
@@ -373,6 +379,10 @@ def gemm_point(model: str, layer: str, n: int, k: int, m: int, device: str, time
     configs: dict[str, str] = {}
     notes: dict[str, Any] = {}
     runs["bf16"] = Run(lambda i: torch.mm(data.x_bf16, data.w_bf16[i].t()), data.bf16_sets, data.check(BF16_TOL))
+    if args.bounds:
+        from bench import bounds
+
+        runs.update(bounds.bound_runs(data.x_q, data.w_q, m))
     xs_triton = data.xs["m_major_tma"]
     for label, config in family_configs(m, n, k, args.sweep, args.lean).items():
         configs[label] = bg.pick_config(config, m, n, k).name
@@ -766,12 +776,12 @@ def targets(gemm: list[dict[str, Any]], norm: list[dict[str, Any]]) -> dict[str,
             out["auto_below_93pct_of_fastest"].append(f"{where}: {of_fastest:.3f} ({p['fastest_provider']})")
         ratio = p.get("auto_over_bf16")
         if ratio is not None and ratio < 1.0:
-            out["auto_slower_than_bf16"].append(f"{where}: {ratio:.3f}x")
+            out["auto_slower_than_bf16"].append(f"{where}: {ratio:.3f}x{_bound_note(p, 'gemm')}")
         pct = p["variants"].get("auto", {}).get("pct_floor")
         if pct is not None and pct < 100 * FLOOR_TARGET:
-            out["auto_below_75pct_floor"].append(f"{where}: {pct:.1f}%")
+            out["auto_below_75pct_floor"].append(f"{where}: {pct:.1f}%{_bound_note(p, 'floor')}")
         if p["m"] >= 1024 and ratio is not None and ratio < PREFILL_TARGET:
-            out["auto_below_1.6x_bf16"].append(f"{where}: {ratio:.3f}x")
+            out["auto_below_1.6x_bf16"].append(f"{where}: {ratio:.3f}x{_bound_note(p, 'gemm')}")
     for p in norm:
         where = f"H={p['hidden']} T={p['tokens']}{' +res' if p['residual'] else ''}"
         for mode in ("group", "token"):
@@ -781,6 +791,54 @@ def targets(gemm: list[dict[str, Any]], norm: list[dict[str, Any]]) -> dict[str,
             ratio = p.get(f"{mode}_compiled_over_triton")
             if ratio is not None and ratio < 1.0:
                 out["norm_slower_than_compiled"].append(f"{where} {mode}: {ratio:.3f}x")
+    return out
+
+
+def _bound_note(point: dict[str, Any], kind: str) -> str:
+    """What the point's bounds (``--bounds``) reach, for a miss of a ``"floor"`` or a ``"gemm"`` (x bf16) target;
+    empty where they were not timed."""
+    v = point["variants"]
+    parts = []
+    if kind == "floor":
+        read, launch = _pct_floor(point, "bound:weight_read"), _us(point, "bound:launch")
+        if read is not None:
+            parts.append(f"one read of the weight {read:.1f}%")
+        if launch is not None:
+            parts.append(f"an empty launch {launch:.2f} µs")
+    else:
+        tensor, bf16 = _us(point, "bound:fp8_tensor"), v.get("bf16", {}).get("us")
+        if tensor and bf16:
+            parts.append(f"per-tensor fp8 {bf16 / tensor:.3f}x")
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+def _pct_floor(point: dict[str, Any], label: str) -> float | None:
+    return point["variants"].get(label, {}).get("pct_floor")
+
+
+def bound_summary(gemm: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Per GEMM target of ``auto``, how many points miss it and at how many of those the point's bound misses it too:
+    one read of the weight below 75% of the floor (M <= 16), the per-tensor FP8 GEMM slower than bf16 or below 1.6x
+    bf16 (M >= 1024). Points without the bound timed count as misses without a bound."""
+    out = {name: {"misses": 0, "bound_timed": 0, "bound_misses_too": 0}
+           for name in ("auto_below_75pct_floor", "auto_slower_than_bf16", "auto_below_1.6x_bf16")}
+    for p in gemm:
+        ratio, pct = p.get("auto_over_bf16"), _pct_floor(p, "auto")
+        tensor, bf16, read = _us(p, "bound:fp8_tensor"), _us(p, "bf16"), _pct_floor(p, "bound:weight_read")
+        tensor_ratio = bf16 / tensor if tensor and bf16 else None
+        checks = (("auto_below_75pct_floor", pct is not None and pct < 100 * FLOOR_TARGET, read,
+                   lambda b: b < 100 * FLOOR_TARGET),
+                  ("auto_slower_than_bf16", ratio is not None and ratio < 1.0, tensor_ratio, lambda b: b < 1.0),
+                  ("auto_below_1.6x_bf16", p["m"] >= 1024 and ratio is not None and ratio < PREFILL_TARGET,
+                   tensor_ratio, lambda b: b < PREFILL_TARGET))
+        for name, missed, bound, misses_too in checks:
+            if not missed:
+                continue
+            row = out[name]
+            row["misses"] += 1
+            if bound is not None:
+                row["bound_timed"] += 1
+                row["bound_misses_too"] += int(misses_too(bound))
     return out
 
 
@@ -814,6 +872,12 @@ def markdown(result: dict[str, Any]) -> str:
     for name, misses in result["targets"].items():
         lines.append(f"- {name}: {'none' if not misses else len(misses)}")
         lines += [f"  - {miss}" for miss in misses]
+    bounded = {name: row for name, row in (result.get("bounds") or {}).items() if row["bound_timed"]}
+    if bounded:
+        lines += ["", "Misses against the points' bounds (`--bounds`: one read of the weight for the floor, the "
+                  "per-tensor FP8 GEMM with fast accumulation against bf16):", ""]
+        lines += [f"- {name}: the bound misses too at {row['bound_misses_too']} of the {row['bound_timed']} misses "
+                  f"where it was timed ({row['misses']} misses)" for name, row in bounded.items()]
     if result["gemm"]:
         lines += ["", "## GEMM: auto (what a layer runs) against the fastest provider and bf16 torch.mm", ""]
         lines += common.md_table(
@@ -988,7 +1052,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {"schema": "fp8_backends.bench.block_gemm/1", "meta": header, "copy_gbps": copy_gbps,
                   "method": method, "m_values": list(ms), "flashinfer": flashinfer.status,
                   "torch_cuda": getattr(torch.version, "cuda", None), "gemm": gemm, "norm": norm,
-                  "targets": targets(gemm, norm), "auto_geomean": auto_geomeans(gemm)}
+                  "targets": targets(gemm, norm), "bounds": bound_summary(gemm), "auto_geomean": auto_geomeans(gemm)}
         common.write_json(out / "block_gemm.json", result)
         (out / "block_gemm.md").write_text(markdown(result), encoding="utf-8")
         return result

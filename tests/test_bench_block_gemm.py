@@ -18,7 +18,7 @@ from fp8_backends.providers.triton import block_gemm_configs as bc  # noqa: E402
 
 @pytest.mark.skipif(not _support.interpreting(), reason="the smoke run is the CPU one (TRITON_INTERPRET=1)")
 def test_smoke_run_writes_json_and_markdown(tmp_path):
-    assert bench.main(["--device", "cpu", "--smoke", "--no-compile-baseline", "--out", str(tmp_path)]) == 0
+    assert bench.main(["--device", "cpu", "--smoke", "--no-compile-baseline", "--bounds", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "block_gemm.json").read_text())
     assert data["schema"] == "fp8_backends.bench.block_gemm/1" and data["meta"]["versions"]["torch"]
     assert [(p["n"], p["k"], p["m"]) for p in data["gemm"]] == [(144, 272, 1), (144, 272, 5)]
@@ -29,6 +29,8 @@ def test_smoke_run_writes_json_and_markdown(tmp_path):
         assert all(v["error"] is None and v["us"] > 0 for lab, v in point["variants"].items()), point["variants"]
         assert point["variants"]["triton"]["config"] in bc.CONFIGS
         assert point["notes"]["scaled_mm"]["refused"]  # the CPU build refuses block scales: recorded, not fatal
+        # the bounds at M <= 16 (the per-tensor FP8 GEMM is CUDA only)
+        assert {"bound:launch", "bound:weight_read"} <= labels and "bound:fp8_tensor" not in labels
     assert data["flashinfer"]["error"] == "off"
     assert {(p["residual"]) for p in data["norm"]} == {False, True}
     for point in data["norm"]:
@@ -110,6 +112,30 @@ def test_targets_name_every_miss_of_auto():
     assert geo["points"] == 3 and geo["per_m"][256] == pytest.approx(1.0)
     assert geo["all"] == pytest.approx((12.0 / 12.5 * 60.0 / 70.0 * 1.0) ** (1 / 3))
     assert bench.auto_geomeans([])["all"] is None
+
+
+def test_misses_name_what_their_bounds_reach_and_are_counted_against_them():
+    slow = _point(256, {"bf16": 10.0, "auto": 10.5, "bound:fp8_tensor": 9.0})
+    big = _point(1024, {"bf16": 100.0, "auto": 80.0, "bound:fp8_tensor": 70.0})  # bound 1.43x: misses 1.6x too
+    big2 = _point(4096, {"bf16": 100.0, "auto": 80.0, "bound:fp8_tensor": 50.0})  # bound 2.0x: the GEMM's miss
+    small = _point(1, {"bf16": 10.0, "auto": 5.0, "bound:weight_read": 2.0, "bound:launch": 1.5}, floor=20.0)
+    small["variants"]["bound:weight_read"]["pct_floor"] = 50.0
+    unbounded = _point(4, {"bf16": 10.0, "auto": 5.0}, floor=30.0)
+    got = bench.targets([slow, big, big2, small, unbounded], [])
+    assert got["auto_slower_than_bf16"] == ["deepseek-v3 kv_a 576x7168 M=256: 0.952x (per-tensor fp8 1.111x)"]
+    assert got["auto_below_1.6x_bf16"] == ["deepseek-v3 kv_a 576x7168 M=1024: 1.250x (per-tensor fp8 1.429x)",
+                                           "deepseek-v3 kv_a 576x7168 M=4096: 1.250x (per-tensor fp8 2.000x)"]
+    assert got["auto_below_75pct_floor"] == [
+        "deepseek-v3 kv_a 576x7168 M=1: 20.0% (one read of the weight 50.0%; an empty launch 1.50 µs)",
+        "deepseek-v3 kv_a 576x7168 M=4: 30.0%"]
+    summary = bench.bound_summary([slow, big, big2, small, unbounded])
+    assert summary["auto_slower_than_bf16"] == {"misses": 1, "bound_timed": 1, "bound_misses_too": 0}
+    assert summary["auto_below_1.6x_bf16"] == {"misses": 2, "bound_timed": 2, "bound_misses_too": 1}
+    assert summary["auto_below_75pct_floor"] == {"misses": 2, "bound_timed": 1, "bound_misses_too": 1}
+    meta = {"versions": {}, "date": "-", "gpu": "-", "sm": "-", "driver": "-", "cuda_runtime": "-", "command": "-"}
+    text = bench.markdown({"meta": meta, "copy_gbps": None, "flashinfer": {}, "method": "", "gemm": [], "norm": [],
+                           "targets": got, "bounds": summary})
+    assert "- auto_below_1.6x_bf16: the bound misses too at 1 of the 2 misses where it was timed (2 misses)" in text
 
 
 def test_sweep_table_is_a_loadable_block_table():
