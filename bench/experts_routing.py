@@ -1,14 +1,17 @@
 """Benchmark: the tiled MoE experts GEMM's routing (the (token, slot) pairs sorted by expert and the tile plan) made
-by the library's one-launch Triton kernel against the same plan made by torch ops (``argsort``, a scatter-add count,
-cumulative sums and a ``searchsorted``: :class:`bench.moe_experts.TorchPlanKernels`, what the library ran before).
+by the library's Triton kernels (one launch, or two over many programs for many pairs) against the same plan made by
+torch ops (``argsort``, a scatter-add count, cumulative sums and a ``searchsorted``:
+:class:`bench.moe_experts.TorchPlanKernels`, what the library ran before).
 
 For each pair count, random top-k routing over ``--experts`` experts (the same ids for every variant), each variant
 captured in a CUDA graph (GPU time) and called eagerly (the time one call takes with its launches); variants: the
-kernel at its defaults, at each ``--chunks`` x ``--warps`` setting (the ids per step of its passes and its warps), and
-the torch ops. Interleaved rounds, the order rotated each round; every variant's plan checked first (a permutation
-sorted by expert, each pair in one tile of its expert). Writes ``experts_routing.json`` / ``.md`` under ``--out``.
+kernel at its defaults, each form of it at every P with ``--forms`` (``kernel_one``: one program, ``kernel_many``: a
+program per chunk of ids in two launches), at each ``--chunks`` x ``--warps`` setting (the ids per step and the
+warps), and the torch ops. Interleaved rounds, the order rotated each round; every variant's plan checked first (a
+permutation sorted by expert, each pair in one tile of its expert). Writes ``experts_routing.json`` / ``.md`` under
+``--out``.
 
-    python -m bench.experts_routing --pairs 512 4096 16384 65536 --out DIR
+    python -m bench.experts_routing --pairs 512 4096 16384 65536 --forms --out DIR
 """
 
 from __future__ import annotations
@@ -25,15 +28,24 @@ from bench import common
 from bench.hf_bench import capture, cuda_time_us
 
 
-def kernel_plan(ids: torch.Tensor, experts: int, block_m: int, chunk: int, warps: int) -> tuple[torch.Tensor, ...]:
+def kernel_plan(ids: torch.Tensor, experts: int, block_m: int, chunk: int, warps: int,
+                one_program_max: int | None = None) -> tuple[torch.Tensor, ...]:
+    """The library's routing at ``chunk`` ids a step and ``warps`` warps; ``one_program_max`` the most pairs the
+    one-program kernel takes (0: the many-program form whatever P; None: the library's bound)."""
     from fp8_backends.providers.triton import experts_ops
-    from fp8_backends.providers.triton.experts_args import route_kernel_args, route_sizes, route_views
+    from fp8_backends.providers.triton.experts_args import (
+        ROUTE_ONE_PROGRAM_MAX,
+        route_buffer_len,
+        route_launches,
+        route_sizes,
+        route_views,
+    )
 
-    n_tiles, e_p2 = route_sizes(ids.shape[0], experts, block_m)
-    buf = ids.new_empty((ids.shape[0] + 3 * n_tiles + e_p2,), dtype=torch.int32)
-    kernel, grid, args, warps = route_kernel_args(ids, experts, block_m, buf, chunk, warps)
-    experts_ops._launch_on(kernel, grid, args, warps, 1, max(ids.get_device(), 0))
-    return route_views(buf, ids.shape[0], n_tiles)[:4]
+    most = ROUTE_ONE_PROGRAM_MAX if one_program_max is None else one_program_max
+    buf = ids.new_empty((route_buffer_len(ids.shape[0], experts, block_m, chunk, most),), dtype=torch.int32)
+    for kernel, grid, args, w in route_launches(ids, experts, block_m, buf, chunk, warps, most):
+        experts_ops._launch_on(kernel, grid, args, w, 1, max(ids.get_device(), 0))
+    return route_views(buf, ids.shape[0], route_sizes(ids.shape[0], experts, block_m)[0])[:4]
 
 
 def check(plan: tuple[torch.Tensor, ...], ids: torch.Tensor, experts: int, block_m: int) -> str | None:
@@ -57,12 +69,18 @@ def check(plan: tuple[torch.Tensor, ...], ids: torch.Tensor, experts: int, block
 def run(args: Any) -> dict[str, Any]:
     from bench.moe_experts import TorchPlanKernels
     from fp8_backends.providers.triton import experts_ops
-    from fp8_backends.providers.triton.experts_args import ROUTE_CHUNK, ROUTE_WARPS, block_m_for
+    from fp8_backends.providers.triton.experts_args import (
+        ROUTE_CHUNK,
+        ROUTE_ONE_PROGRAM_MAX,
+        ROUTE_WARPS,
+        block_m_for,
+    )
     from fp8_backends.registry.platform import detect_platform
 
     torch_plan = TorchPlanKernels(None)
     result: dict[str, Any] = {"header": common.run_header(detect_platform(), args.device), "experts": args.experts,
-                              "top_k": args.top_k, "defaults": {"chunk": ROUTE_CHUNK, "warps": ROUTE_WARPS}, "rows": []}
+                              "top_k": args.top_k, "defaults": {"chunk": ROUTE_CHUNK, "warps": ROUTE_WARPS,
+                                                                  "one_program_max": ROUTE_ONE_PROGRAM_MAX}, "rows": []}
     for pairs in args.pairs:
         g = torch.Generator().manual_seed(pairs)
         tokens = -(-pairs // args.top_k)
@@ -71,6 +89,11 @@ def run(args: Any) -> dict[str, Any]:
         bm = block_m_for(pairs, args.experts)
         variants = {"kernel": lambda ids=ids, bm=bm: experts_ops.tile_plan(ids, args.experts, bm),
                     "torch_ops": lambda ids=ids: torch_plan.plan(ids, args.experts, 0)[1:]}
+        if args.forms:  # each form of the kernel whatever P: where the library's bound between them belongs
+            variants["kernel_one"] = lambda ids=ids, bm=bm: kernel_plan(ids, args.experts, bm, ROUTE_CHUNK,
+                                                                        ROUTE_WARPS, 1 << 62)
+            variants["kernel_many"] = lambda ids=ids, bm=bm: kernel_plan(ids, args.experts, bm, ROUTE_CHUNK,
+                                                                         ROUTE_WARPS, 0)
         for chunk in args.chunks:
             for warps in args.warps:
                 if (chunk, warps) != (ROUTE_CHUNK, ROUTE_WARPS):
@@ -101,8 +124,10 @@ def render(result: dict[str, Any]) -> list[str]:
                                    f"({result['experts']} experts, top-{result['top_k']})")
     d = result["defaults"]
     lines += [f"µs per call (median of interleaved rounds); `/graph`: replay of a CUDA-graph capture (GPU time), "
-              f"`/eager`: a plain call (launches included). `kernel`: the library's routing kernel at its defaults "
-              f"(chunk {d['chunk']}, {d['warps']} warps); `torch_ops`: the same plan by torch ops. Ratio: the "
+              f"`/eager`: a plain call (launches included). `kernel`: the library's routing at its defaults "
+              f"(chunk {d['chunk']}, {d['warps']} warps, one program up to {d.get('one_program_max', '-')} pairs, "
+              f"else two launches of a program per chunk; `kernel_one` / `kernel_many`: either form at every P); "
+              f"`torch_ops`: the same plan by torch ops. Ratio: the "
               f"kernel's to the torch ops', median over rounds of the per-round ratio.", ""]
     names = list(dict.fromkeys(n for row in result["rows"] for n in row["us"]))
     header = ["pairs", "tile rows", *names, "kernel / torch_ops (graph)", "kernel / torch_ops (eager)"]
@@ -124,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", type=int, nargs="+", default=[512, 4096, 16384, 65536])
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--forms", action="store_true",
+                    help="also time the one-program kernel and the two-launch many-program kernels at every P")
     ap.add_argument("--chunks", type=int, nargs="*", default=[])
     ap.add_argument("--warps", type=int, nargs="*", default=[])
     ap.add_argument("--rounds", type=int, default=5)

@@ -39,10 +39,11 @@ def test_cpu_smoke_run(tmp_path):
     from bench import experts_routing
 
     assert experts_routing.main(["--pairs", "40", "300", "--experts", "8", "--top-k", "2", "--chunks", "64",
-                                 "--warps", "2", "--rounds", "1", "--iters", "1", "--device", "cpu",
+                                 "--warps", "2", "--forms", "--rounds", "1", "--iters", "1", "--device", "cpu",
                                  "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "experts_routing.json").read_text())
     assert [row["pairs"] for row in data["rows"]] == [40, 300]
-    assert all(not row["errors"] and {"kernel/eager", "torch_ops/eager", "kernel_c64_w2/eager"} <= set(row["us"])
+    assert all(not row["errors"] and {"kernel/eager", "torch_ops/eager", "kernel_c64_w2/eager", "kernel_one/eager",
+                                             "kernel_many/eager"} <= set(row["us"])
                for row in data["rows"])
     assert "Plans checked before timing: all right" in (tmp_path / "experts_routing.md").read_text()

@@ -699,26 +699,60 @@ def test_grouped_experts_edge_inputs_persistence_and_misuse(tmp_path):
             call()
 
 
-@needs_interpreter
-@pytest.mark.parametrize("experts,pairs,block_m", [(4, 6, 16), (128, 64, 16), (256, 4096, 32), (5, 300, 64),
-                                                   (127, 2500, 16), (3, 1, 64)])
-def test_the_routing_puts_every_pair_in_one_tile_of_its_expert(experts, pairs, block_m):
-    """One launch sorts the pairs by expert and plans the tiles: the order is a permutation sorted by expert (ids
-    outside [0, E) last, int32 or int64 ids alike); every pair lies in exactly one tile of its expert, or of the
-    pairs without one (tile expert E); the unused tiles, all after the used ones, are marked > E."""
+def _route_many(ids: torch.Tensor, experts: int, block_m: int, chunk: int) -> tuple[torch.Tensor, ...]:
+    """The routing over ``cdiv(P, chunk)`` programs (the count and place kernels) whatever P."""
     from fp8_backends.providers.triton import experts_ops
-    from fp8_backends.providers.triton.experts_args import route_sizes
+    from fp8_backends.providers.triton.experts_args import route_buffer_len, route_launches, route_sizes, route_views
+
+    p = ids.shape[0]
+    buf = ids.new_full((route_buffer_len(p, experts, block_m, chunk, 0),), -5, dtype=torch.int32)
+    launches = route_launches(ids, experts, block_m, buf, chunk, 4, 0)
+    assert len(launches) == 2 and launches[0][1] == (-(-p // chunk),)
+    for kernel, grid, args, warps in launches:
+        experts_ops._launch_on(kernel, grid, args, warps, 1, max(ids.get_device(), 0))
+    return route_views(buf, p, route_sizes(p, experts, block_m)[0])[:4]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("experts,pairs,block_m,form", [
+    (4, 6, 16, "one"), (128, 64, 16, "one"), (256, 4096, 32, "one"), (5, 300, 64, "one"), (127, 2500, 16, "one"),
+    (3, 1, 64, "one"), (4, 6, 16, "many"), (128, 700, 16, "many"), (5, 1000, 64, "many"), (3, 1, 64, "many"),
+    (60, 9000, 32, "op")])
+def test_the_routing_puts_every_pair_in_one_tile_of_its_expert(experts, pairs, block_m, form):
+    """The routing sorts the pairs by expert and plans the tiles: the order is a permutation sorted by expert (ids
+    outside [0, E) last, int32 or int64 ids alike); every pair lies in exactly one tile of its expert, or of the
+    pairs without one (tile expert E); the unused tiles, all after the used ones, are marked > E. In one program
+    (``one``), over many (``many``: 128 ids a program here), and as the op runs it past its one-program bound
+    (``op``: two launches of 2048 ids a program)."""
+    from fp8_backends.providers.triton import experts_ops
+    from fp8_backends.providers.triton.experts_args import ROUTE_ONE_PROGRAM_MAX, route_chunks
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(pairs)
     ids = torch.randint(-2, experts + 2, (pairs,), device=dev)
     clean = torch.where((ids >= 0) & (ids < experts), ids, experts)
-    order, tile_expert, tile_row0, tile_end = experts_ops.tile_plan(ids, experts, block_m)
+
+    def plan(ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if form == "many":
+            return _route_many(ids, experts, block_m, 128)
+        assert (route_chunks(pairs) > 0) == (form == "op") == (pairs > ROUTE_ONE_PROGRAM_MAX)
+        return experts_ops.tile_plan(ids, experts, block_m)
+
+    order = _assert_plan(plan(ids), ids, experts, block_m)
+    order32 = plan(ids.int())[0]
+    assert torch.equal(clean[order32.long()], clean[order.long()])
+
+
+def _assert_plan(plan: tuple[torch.Tensor, ...], ids: torch.Tensor, experts: int, block_m: int) -> torch.Tensor:
+    """``plan`` is a routing of ``ids`` (module docstring of the experts kernels); returns its order."""
+    from fp8_backends.providers.triton.experts_args import route_sizes
+
+    order, tile_expert, tile_row0, tile_end = plan
+    pairs = ids.shape[0]
+    clean = torch.where((ids >= 0) & (ids < experts), ids, experts)
     assert sorted(order.tolist()) == list(range(pairs))
     assert bool((clean[order.long()].diff() >= 0).all())
     assert tile_expert.shape == (route_sizes(pairs, experts, block_m)[0],)
-    order32 = experts_ops.tile_plan(ids.int(), experts, block_m)[0]
-    assert torch.equal(clean[order32.long()], clean[order.long()])
     used = (tile_expert <= experts).tolist()
     assert used == sorted(used, reverse=True)  # used tiles first
     covered = []
@@ -728,6 +762,26 @@ def test_the_routing_puts_every_pair_in_one_tile_of_its_expert(experts, pairs, b
         assert rows.numel() and bool((clean[rows] == e).all()), (t, e, row0, end)
         covered += rows.tolist()
     assert sorted(covered) == list(range(pairs))
+    return order
+
+
+@needs_interpreter
+@pytest.mark.parametrize("pairs", [300, 9000])
+def test_the_routing_op_under_torch_compile_plans_both_forms(pairs):
+    """``torch.compile`` of the routing (the ``triton_experts_route`` op: one launch, or past the one-program bound
+    two) gives a right plan (Inductor on a GPU, AOT eager on Triton's interpreter)."""
+    from fp8_backends.providers.triton import experts_ops
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(pairs)
+    ids = torch.randint(-1, 34, (pairs,), device=dev)
+    torch._dynamo.reset()
+    try:
+        route = torch.compile(lambda i: experts_ops.tile_plan(i, 32, 32), fullgraph=True,
+                              backend="inductor" if dev == "cuda" else "aot_eager")
+        _assert_plan(route(ids), ids, 32, 32)
+    finally:
+        torch._dynamo.reset()
 
 
 @needs_interpreter

@@ -25,34 +25,60 @@ def block_m_for(pairs: int, experts: int) -> int:
     return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
 
 
-#: the routing kernel's ids per step of its passes, and its warps
+#: the routing kernels' ids per step (per program in the many-program form), and their warps
 ROUTE_CHUNK = 2048
 ROUTE_WARPS = 8
+#: the most pairs the one-program routing takes; more run over ``cdiv(P, ROUTE_CHUNK)`` programs in two launches
+ROUTE_ONE_PROGRAM_MAX = 8192
 
 
 def route_sizes(pairs: Any, experts: int, block_m: int) -> tuple[Any, int]:
-    """``(max_tiles, E_P2)`` of :func:`.experts_kernels.experts_route_kernel` for ``pairs`` pairs over ``experts``
-    experts: the most tiles any routing needs (each expert's pairs and the pairs without an expert in whole tiles)
-    and the histogram's bins (``E + 2`` rounded up to a power of two)."""
+    """``(max_tiles, E_P2)`` of the routing kernels for ``pairs`` pairs over ``experts`` experts: the most tiles any
+    routing needs (each expert's pairs and the pairs without an expert in whole tiles) and the histogram's bins
+    (``E + 2`` rounded up to a power of two)."""
     return -(-pairs // block_m) + min(experts + 1, pairs), max(16, 1 << (experts + 1).bit_length())
 
 
-def route_kernel_args(ids: torch.Tensor, experts: int, block_m: int, buf: torch.Tensor, chunk: int = ROUTE_CHUNK,
-                      warps: int = ROUTE_WARPS) -> tuple[Any, tuple[int], tuple[Any, ...], int]:
-    """The routing kernel's launch over ``buf`` (int32 ``[P + 3 * max_tiles + E_P2]``: the order, the three tile
-    plan rows and the kernel's scratch, :func:`route_views`); ``chunk`` and ``warps`` other than the defaults for
-    ``bench/experts_routing.py``."""
-    from .experts_kernels import experts_route_kernel
+def route_chunks(pairs: Any, chunk: int = ROUTE_CHUNK, one_program_max: int = ROUTE_ONE_PROGRAM_MAX) -> Any:
+    """The routing's programs: 0 for the one-program kernel (up to ``one_program_max`` pairs), else one per
+    ``chunk`` pairs (the count and place kernels)."""
+    return 0 if pairs <= one_program_max else -(-pairs // chunk)
+
+
+def route_buffer_len(pairs: Any, experts: int, block_m: int, chunk: int = ROUTE_CHUNK,
+                     one_program_max: int = ROUTE_ONE_PROGRAM_MAX) -> Any:
+    """The int32 elements of the routing's one output (:func:`route_views`): the order, the three tile plan rows and
+    the kernels' scratch (``E_P2`` cursors, or per chunk a histogram and ``E_P2`` cursors)."""
+    n_tiles, e_p2 = route_sizes(pairs, experts, block_m)
+    chunks = route_chunks(pairs, chunk, one_program_max)
+    return pairs + 3 * n_tiles + (e_p2 if chunks == 0 else 2 * chunks * e_p2)
+
+
+def route_launches(ids: torch.Tensor, experts: int, block_m: int, buf: torch.Tensor, chunk: int = ROUTE_CHUNK,
+                   warps: int = ROUTE_WARPS, one_program_max: int = ROUTE_ONE_PROGRAM_MAX
+                   ) -> list[tuple[Any, tuple[Any], tuple[Any, ...], int]]:
+    """The routing's launches ``(kernel, grid, args, warps)`` in order over ``buf`` (:func:`route_buffer_len`
+    elements): :func:`.experts_kernels.experts_route_kernel` alone, or above ``one_program_max`` pairs
+    :func:`.experts_kernels.experts_route_count_kernel` then :func:`.experts_kernels.experts_route_place_kernel`;
+    ``chunk``, ``warps`` and ``one_program_max`` other than the defaults for ``bench/experts_routing.py``."""
+    from .experts_kernels import experts_route_count_kernel, experts_route_kernel, experts_route_place_kernel
 
     p = ids.shape[0]
     n_tiles, e_p2 = route_sizes(p, experts, block_m)
-    order, tile_expert, tile_row0, tile_end, cursor = route_views(buf, p, n_tiles)
-    args = (ids, order, tile_expert, tile_row0, tile_end, cursor, p, experts, n_tiles, block_m, e_p2, chunk)
-    return experts_route_kernel, (1,), args, warps
+    order, tile_expert, tile_row0, tile_end, scratch = route_views(buf, p, n_tiles)
+    plan = (order, tile_expert, tile_row0, tile_end)
+    chunks = route_chunks(p, chunk, one_program_max)
+    if chunks == 0:
+        args = (ids, *plan, scratch, p, experts, n_tiles, block_m, e_p2, chunk)
+        return [(experts_route_kernel, (1,), args, warps)]
+    hist, cursors = scratch[:chunks * e_p2], scratch[chunks * e_p2:]
+    return [(experts_route_count_kernel, (chunks,), (ids, hist, p, experts, e_p2, chunk), warps),
+            (experts_route_place_kernel, (chunks,),
+             (ids, hist, *plan, cursors, p, experts, n_tiles, chunks, block_m, e_p2, chunk), warps)]
 
 
 def route_views(buf: torch.Tensor, pairs: Any, n_tiles: Any) -> tuple[torch.Tensor, ...]:
-    """``(order, tile_expert, tile_row0, tile_end, scratch)``: the views of the routing kernel's one int32 output."""
+    """``(order, tile_expert, tile_row0, tile_end, scratch)``: the views of the routing's one int32 output."""
     return (buf[:pairs], buf[pairs:pairs + n_tiles], buf[pairs + n_tiles:pairs + 2 * n_tiles],
             buf[pairs + 2 * n_tiles:pairs + 3 * n_tiles], buf[pairs + 3 * n_tiles:])
 
@@ -101,5 +127,5 @@ def gemm_kernel_args(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, 
     return experts_gemm_kernel, (tile_expert.shape[0], -(-n // block_n)), args, 4, 3
 
 
-__all__ = ["BLOCK_MS", "GROUP_SIZE", "block_m_for", "gemm_kernel_args", "kernel_args", "route_kernel_args",
-           "route_sizes", "route_views", "scale_strides"]
+__all__ = ["BLOCK_MS", "GROUP_SIZE", "block_m_for", "gemm_kernel_args", "kernel_args", "route_buffer_len",
+           "route_chunks", "route_launches", "route_sizes", "route_views", "scale_strides"]

@@ -24,7 +24,8 @@ Shared contract (validated by the caller, :mod:`.experts_ops`):
 - Grid ``(cdiv(N, BLOCK_N), P)``; ``BLOCK_N`` divides ``WBN`` (a program's rows lie in one weight block).
 
 The tiled GEMM (tensor cores, pairs sorted by expert; the sort and the tile plan are made on the device by
-:func:`experts_route_kernel`, so nothing is read on the host):
+:func:`experts_route_kernel`, or for many pairs :func:`experts_route_count_kernel` then
+:func:`experts_route_place_kernel`, so nothing is read on the host):
 
 - ``x_q``: ``[R, K]`` float8, already quantized per group of ``G`` (``x_scale`` fp32 ``[R, ceil(K / G)]``, any
   strides); pair ``p`` reads row ``p // TOKEN_DIV``.
@@ -143,31 +144,20 @@ def experts_gemm_kernel(
 
 
 @triton.jit
-def experts_route_kernel(
-    ids_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr, tile_end_ptr, cursor_ptr, P, E, n_tiles,
-    BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr,
-):
-    """The tiled GEMM's routing in one program: the pairs sorted by expert (``order [P]``, int32) and the tile plan
-    (``tile_expert`` / ``tile_row0`` / ``tile_end``, ``n_tiles`` each) from the expert ids ``ids [P]``.
+def _route_bins(ids_ptr, offs, live, E):
+    """The histogram bins of ids ``offs``: the expert, or ``E`` for an id outside ``[0, E)``."""
+    e = tl.load(ids_ptr + offs, mask=live, other=0)
+    return tl.where((e >= 0) & (e < E), e, E).to(tl.int32)
 
-    A histogram of the ids, ``CHUNK`` at a time (ids outside ``[0, E)`` counted in bin ``E``, which sorts after every
-    expert); the tiles from the counts (each bin's pairs in whole tiles of ``BLOCK_M`` rows, written bin by bin: the
-    experts' tiles, then those of the pairs without one, tile expert ``E``; the tiles past them ``E + 1``: unused,
-    their rows not written); then each pair's place, its bin's start plus an atomic counter (any order within an
-    expert, which no output row depends on). ``cursor [E_P2]`` int32 is scratch; ``E_P2 >= E + 2`` a power of two
-    (bin ``E_P2 - 1`` takes a chunk's padding)."""
+
+@triton.jit
+def _route_tiles(counts, seg_start, seg_end, tile_expert_ptr, tile_row0_ptr, tile_end_ptr, E, n_tiles,
+                 BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr):
+    """The tile plan from the bins' counts (``[E_P2]``, zero past bin ``E``) and their segments of the order: each
+    bin's pairs in whole tiles of ``BLOCK_M`` rows, written bin by bin (tile expert ``E``: the pairs without one);
+    the tiles past them ``E + 1`` (unused)."""
     offs_e = tl.arange(0, E_P2)
     offs_c = tl.arange(0, CHUNK)
-    counts = tl.zeros([E_P2], dtype=tl.int32)
-    for c0 in range(0, P, CHUNK):
-        live = c0 + offs_c < P
-        e = tl.load(ids_ptr + c0 + offs_c, mask=live, other=0)
-        e = tl.where((e >= 0) & (e < E), e, E).to(tl.int32)
-        counts += tl.histogram(tl.where(live, e, E_P2 - 1), E_P2)
-    counts = tl.where(offs_e <= E, counts, 0)
-    seg_end = tl.cumsum(counts, 0)
-    seg_start = seg_end - counts
-    tl.store(cursor_ptr + offs_e, seg_start)
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
     first_tile = tl.cumsum(tiles, 0) - tiles
     used = tl.sum(tiles, axis=0)
@@ -180,10 +170,80 @@ def experts_route_kernel(
         tl.store(tile_expert_ptr + b, offs_e, mask=has)
         tl.store(tile_row0_ptr + b, seg_start + j * BLOCK_M, mask=has)
         tl.store(tile_end_ptr + b, seg_end, mask=has)
+
+
+@triton.jit
+def experts_route_kernel(
+    ids_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr, tile_end_ptr, cursor_ptr, P, E, n_tiles,
+    BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """The tiled GEMM's routing in one program: the pairs sorted by expert (``order [P]``, int32) and the tile plan
+    (``tile_expert`` / ``tile_row0`` / ``tile_end``, ``n_tiles`` each) from the expert ids ``ids [P]``.
+
+    A histogram of the ids, ``CHUNK`` at a time (ids outside ``[0, E)`` counted in bin ``E``, which sorts after every
+    expert); the tiles from the counts (:func:`_route_tiles`); then each pair's place, its bin's start plus an atomic
+    counter (any order within an expert, which no output row depends on). ``cursor [E_P2]`` int32 is scratch;
+    ``E_P2 >= E + 2`` a power of two (bin ``E_P2 - 1`` takes a chunk's padding)."""
+    offs_e = tl.arange(0, E_P2)
+    offs_c = tl.arange(0, CHUNK)
+    counts = tl.zeros([E_P2], dtype=tl.int32)
+    for c0 in range(0, P, CHUNK):
+        live = c0 + offs_c < P
+        e = _route_bins(ids_ptr, c0 + offs_c, live, E)
+        counts += tl.histogram(tl.where(live, e, E_P2 - 1), E_P2)
+    counts = tl.where(offs_e <= E, counts, 0)
+    seg_end = tl.cumsum(counts, 0)
+    seg_start = seg_end - counts
+    tl.store(cursor_ptr + offs_e, seg_start)
+    _route_tiles(counts, seg_start, seg_end, tile_expert_ptr, tile_row0_ptr, tile_end_ptr, E, n_tiles, BLOCK_M, E_P2,
+                 CHUNK)
     tl.debug_barrier()  # the cursors stored above, before any thread of the program takes a place from them
     for c0 in range(0, P, CHUNK):
         live = c0 + offs_c < P
-        e = tl.load(ids_ptr + c0 + offs_c, mask=live, other=0)
-        e = tl.where((e >= 0) & (e < E), e, E).to(tl.int32)
+        e = _route_bins(ids_ptr, c0 + offs_c, live, E)
         place = tl.atomic_add(cursor_ptr + e, 1, mask=live, sem="relaxed", scope="cta")
         tl.store(order_ptr + place, c0 + offs_c, mask=live)
+
+
+@triton.jit
+def experts_route_count_kernel(ids_ptr, hist_ptr, P, E, E_P2: tl.constexpr, CHUNK: tl.constexpr):
+    """The routing over many programs, first launch: program ``c`` writes the histogram of ids ``[c * CHUNK,
+    (c + 1) * CHUNK)`` to ``hist[c] ([E_P2]`` int32, bins as :func:`experts_route_kernel`'s)."""
+    c = tl.program_id(0)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    live = offs < P
+    e = _route_bins(ids_ptr, offs, live, E)
+    tl.store(hist_ptr + c * E_P2 + tl.arange(0, E_P2), tl.histogram(tl.where(live, e, E_P2 - 1), E_P2))
+
+
+@triton.jit
+def experts_route_place_kernel(
+    ids_ptr, hist_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr, tile_end_ptr, cursor_ptr, P, E, n_tiles, CHUNKS,
+    BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """The routing over many programs, second launch (``CHUNKS`` programs, after
+    :func:`experts_route_count_kernel`): program ``c`` sums the chunks' histograms (every bin's total, and the pairs
+    of chunks before ``c`` in each bin), places its chunk's pairs at their bin's start plus those, plus an atomic
+    counter in its own ``cursor[c]`` (``[E_P2]`` int32 scratch); program 0 also writes the tile plan from the totals.
+    The same order and plan as :func:`experts_route_kernel` (up to the order within an expert)."""
+    c = tl.program_id(0)
+    offs_e = tl.arange(0, E_P2)
+    total = tl.zeros([E_P2], dtype=tl.int32)
+    before = tl.zeros([E_P2], dtype=tl.int32)
+    for g in range(0, CHUNKS):
+        h = tl.load(hist_ptr + g * E_P2 + offs_e)
+        total += h
+        before += tl.where(g < c, h, 0)
+    total = tl.where(offs_e <= E, total, 0)
+    seg_end = tl.cumsum(total, 0)
+    seg_start = seg_end - total
+    tl.store(cursor_ptr + c * E_P2 + offs_e, seg_start + before)
+    if c == 0:
+        _route_tiles(total, seg_start, seg_end, tile_expert_ptr, tile_row0_ptr, tile_end_ptr, E, n_tiles, BLOCK_M,
+                     E_P2, CHUNK)
+    tl.debug_barrier()  # this program's cursors stored, before any of its threads takes a place from them
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    live = offs < P
+    e = _route_bins(ids_ptr, offs, live, E)
+    place = tl.atomic_add(cursor_ptr + c * E_P2 + e, 1, mask=live, sem="relaxed", scope="cta")
+    tl.store(order_ptr + place, offs, mask=live)

@@ -36,7 +36,8 @@ from .experts_args import (
     block_m_for,
     gemm_kernel_args,
     kernel_args,
-    route_kernel_args,
+    route_buffer_len,
+    route_launches,
     route_sizes,
     route_views,
 )
@@ -119,7 +120,8 @@ def tile_plan(ids: torch.Tensor, experts: int, block_m: int, route_op: Any = Non
     ids ``ids [P]`` (contiguous int32/int64): the pairs sorted by expert (ids outside ``[0, E)`` last, in tiles of
     expert ``E`` that write their zero rows), and for each of :func:`.experts_args.route_sizes`' ``max_tiles`` tiles
     its expert (``> E``: unused), first sorted row and its segment's row end; int32 views of one tensor. One launch
-    of :func:`.experts_kernels.experts_route_kernel` (the op ``fp8_backends::triton_experts_route``, which
+    of :func:`.experts_kernels.experts_route_kernel`, two over many programs above
+    :data:`.experts_args.ROUTE_ONE_PROGRAM_MAX` pairs (the op ``fp8_backends::triton_experts_route``, which
     ``torch.compile`` launches itself; ``route_op``: its callable, :func:`load_route_op`'s by default), no host
     sync: CUDA-graph capturable."""
     p = ids.shape[0]
@@ -130,18 +132,16 @@ def tile_plan(ids: torch.Tensor, experts: int, block_m: int, route_op: Any = Non
 def route_launch(ids: torch.Tensor, experts: int, block_m: int) -> torch.Tensor:
     """The eager implementation of ``triton_experts_route``: one int32 tensor holding the order, the tile plan and
     the kernel's scratch (:func:`.experts_args.route_views`)."""
-    n_tiles, e_p2 = route_sizes(ids.shape[0], experts, block_m)
-    buf = ids.new_empty((ids.shape[0] + 3 * n_tiles + e_p2,), dtype=torch.int32)
+    buf = ids.new_empty((route_buffer_len(ids.shape[0], experts, block_m),), dtype=torch.int32)
     if ids.shape[0]:
-        kernel, grid, args, warps = route_kernel_args(ids, experts, block_m, buf)
         index = ids.get_device()
-        _support.on_device(index, _launch_on, kernel, grid, args, warps, 1, index)
+        for kernel, grid, args, warps in route_launches(ids, experts, block_m, buf):
+            _support.on_device(index, _launch_on, kernel, grid, args, warps, 1, index)
     return buf
 
 
 def _fake_route(ids: Any, experts: int, block_m: int) -> Any:
-    n_tiles, e_p2 = route_sizes(ids.shape[0], experts, block_m)
-    return ids.new_empty((ids.shape[0] + 3 * n_tiles + e_p2,), dtype=torch.int32)
+    return ids.new_empty((route_buffer_len(ids.shape[0], experts, block_m),), dtype=torch.int32)
 
 
 def gemm_launch(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,

@@ -10,7 +10,7 @@ import typing
 import torch
 from torch.library import wrap_triton
 
-from .experts_args import gemm_kernel_args, kernel_args, route_kernel_args, route_sizes
+from .experts_args import gemm_kernel_args, kernel_args, route_buffer_len, route_launches
 
 
 def triton_experts_gemv(
@@ -56,10 +56,9 @@ def triton_experts_gemm(
 
 def triton_experts_route(ids: torch.Tensor, experts: int, block_m: int) -> torch.Tensor:
     """The pairs sorted by expert and the tile plan in one int32 tensor (:func:`.experts_ops.tile_plan`)."""
-    n_tiles, e_p2 = route_sizes(ids.shape[0], experts, block_m)
-    buf = ids.new_empty((ids.shape[0] + 3 * n_tiles + e_p2,), dtype=torch.int32)
-    kernel, grid, args, warps = route_kernel_args(ids, experts, block_m, buf)
-    wrap_triton(kernel)[grid](*args, num_warps=warps, num_stages=1)
+    buf = ids.new_empty((route_buffer_len(ids.shape[0], experts, block_m),), dtype=torch.int32)
+    for kernel, grid, args, warps in route_launches(ids, experts, block_m, buf):
+        wrap_triton(kernel)[grid](*args, num_warps=warps, num_stages=1)
     return buf
 
 
