@@ -28,8 +28,11 @@ def block_m_for(pairs: int, experts: int) -> int:
 #: the routing kernels' ids per step (per program in the many-program form), and their warps
 ROUTE_CHUNK = 2048
 ROUTE_WARPS = 8
-#: the most pairs the one-program routing takes; more run over ``cdiv(P, ROUTE_CHUNK)`` programs in two launches
-ROUTE_ONE_PROGRAM_MAX = 8192
+#: the most pairs the one-program routing takes; more run over ``cdiv(P, ROUTE_CHUNK)`` programs in two launches.
+#: In CUDA graphs on an H100 (``bench/results/experts_routing/2026-12-05-h100-forms/``) the two forms were level up to
+#: 4096 pairs (the one launch cheaper on the host), the two launches faster from 8192 (20 against 26 µs; 16 against
+#: 160 at 65536)
+ROUTE_ONE_PROGRAM_MAX = 4096
 
 
 def route_sizes(pairs: Any, experts: int, block_m: int) -> tuple[Any, int]:
