@@ -12,6 +12,8 @@ Variants (one layer of ``--model``'s sizes, random weights, random top-k routing
 - ``fp8/tiles_torch_plan``: the same tiles with the sort and the tile plan made by torch ops instead
   (:class:`TorchPlanKernels`: ``argsort``, a scatter-add count, cumulative sums and a ``searchsorted``), what the
   library ran before its routing kernel; the baseline of that kernel.
+- ``fp8/tiles_m<rows>`` (``--block-ms``): the tiled GEMM with its tile height fixed (:class:`FixedTileKernels`),
+  what the library's choice of tile height per pairs an expert gets is read from.
 - ``fp8/loop``: the same module's per-expert loop (one FP8 GEMM per expert hit and projection, one host sync).
 - The library's default takes ``fp8/gemv`` up to 64 (token, slot) pairs, ``fp8/tiles`` above.
 - ``.../graph``: the step captured in a CUDA graph and replayed (the variants that can be captured).
@@ -114,6 +116,26 @@ class TorchPlanKernels:
         return self.inner.matmul(*args)
 
 
+class FixedTileKernels:
+    """The library's grouped-experts kernels with the tiled GEMM's tile height fixed (``block_m`` rows, whatever the
+    pairs per expert): the variants its choice of tile height is read from."""
+
+    row_scales = True
+
+    def __init__(self, inner: Any, block_m: int) -> None:
+        self.inner, self.block_m = inner, block_m
+
+    def plan(self, ids: torch.Tensor, experts: int, gemv_pairs: int) -> Any:
+        from fp8_backends.providers.triton.experts_ops import tile_plan
+
+        if ids.shape[0] <= gemv_pairs:
+            return None
+        return (self.block_m, *tile_plan(ids, experts, self.block_m))
+
+    def matmul(self, *args: Any) -> torch.Tensor:
+        return self.inner.matmul(*args)
+
+
 def routing(tokens: int, config: Any, device: str) -> tuple[torch.Tensor, ...]:
     g = torch.Generator(device="cpu").manual_seed(tokens)
     hidden = torch.randn(tokens, config.hidden_size, generator=g).to(device, torch.bfloat16)
@@ -123,9 +145,10 @@ def routing(tokens: int, config: Any, device: str) -> tuple[torch.Tensor, ...]:
 
 
 def steps_for(mods: dict[str, Any], tokens: int, device: str, graphs: bool,
-              compiled: dict[str, Any] | None = None) -> dict[str, Any]:
+              compiled: dict[str, Any] | None = None, block_ms: tuple[int, ...] = ()) -> dict[str, Any]:
     """``{"steps": {variant: step}, "errors": {variant: relative error against bf16/grouped_mm}}``; ``compiled``
-    (``{"bf16": ..., "fp8": ...}``, the modules under ``torch.compile``) adds the ``/compiled`` variants."""
+    (``{"bf16": ..., "fp8": ...}``, the modules under ``torch.compile``) adds the ``/compiled`` variants, each of
+    ``block_ms`` a ``fp8/tiles_m<rows>`` variant (:class:`FixedTileKernels`) in every mode."""
     from fp8_backends.layers import experts as experts_mod
 
     bf16, fp8, config = mods["bf16"], mods["fp8"], mods["config"]
@@ -155,17 +178,22 @@ def steps_for(mods: dict[str, Any], tokens: int, device: str, graphs: bool,
     steps |= {"fp8/tiles": fp8_impl(0), "fp8/loop": fp8_impl(0, False)}
     if torch_plan is not None:
         steps["fp8/tiles_torch_plan"] = fp8_impl(0, kernels=torch_plan)
+    fixed = {f"fp8/tiles_m{bm}": FixedTileKernels(own, bm) for bm in block_ms if own is not None}
+    for name, kernels in fixed.items():
+        steps[name] = fp8_impl(0, kernels=kernels)
     if compiled:
         steps["bf16/grouped_mm/compiled"] = bf16_impl("grouped_mm", compiled["bf16"])
         steps["fp8/tiles/compiled"] = fp8_impl(0, module=compiled["fp8"])
         if torch_plan is not None:
             steps["fp8/tiles_torch_plan/compiled"] = fp8_impl(0, kernels=torch_plan, module=compiled["fp8"])
+        for name, kernels in fixed.items():
+            steps[f"{name}/compiled"] = fp8_impl(0, kernels=kernels, module=compiled["fp8"])
     outs = {}
     with torch.no_grad():
         for name, fn in steps.items():
             outs[name] = fn().float()
         if graphs:
-            for name in ("bf16/grouped_mm", "fp8/gemv", "fp8/tiles", "fp8/tiles_torch_plan"):
+            for name in ("bf16/grouped_mm", "fp8/gemv", "fp8/tiles", "fp8/tiles_torch_plan", *fixed):
                 if name not in steps:
                     continue
                 try:
@@ -189,7 +217,7 @@ def run(args: Any) -> dict[str, Any]:
     if args.compiled:  # Dynamo guards on the kernels each call was traced with: one graph per routing variant
         compiled = {name: torch.compile(mods[name], dynamic=False) for name in ("bf16", "fp8")}
     for tokens in args.tokens:
-        got = steps_for(mods, tokens, args.device, args.device == "cuda", compiled)
+        got = steps_for(mods, tokens, args.device, args.device == "cuda", compiled, tuple(args.block_ms))
         steps = got["steps"]
         samples: dict[str, list[float]] = {name: [] for name in steps}
         with torch.no_grad():
@@ -248,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 512, 2048])
     ap.add_argument("--weight-scale", choices=["block", "per_channel", "per_tensor"], default="block",
                     help="how the experts' weights are quantized (the grouped paths serve all three)")
+    ap.add_argument("--block-ms", type=int, nargs="*", default=[],
+                    help="tile heights of the tiled GEMM to time fixed, beside the library's pick (fp8/tiles_m<rows>)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--compiled", action="store_true",

@@ -569,7 +569,7 @@ def test_the_experts_gemv_and_gemm_compute_each_pair_against_its_own_expert():
     from fp8_backends.providers.triton.group_quant_ops import triton_quant_per_token_group
 
     x_q, x_s = triton_quant_per_token_group(x, 128, torch.float8_e4m3fn, "row_major")
-    for block_m in (16, 32):
+    for block_m in (16, 32, 128):  # 128-row tiles: two warpgroups
         tiled = experts_gemm(x, w, s, ids, rw, slots, torch.float32, block_m=block_m)
         for p in range(6):
             e, t = int(ids[p]), p // slots

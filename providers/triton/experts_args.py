@@ -15,8 +15,8 @@ from .block_gemm_configs import CONFIGS, WEIGHT_BLOCK, fused_shape_config
 GROUP_SIZE = 128
 
 
-#: the tiled GEMM's tile heights (an MMA needs at least 16 rows)
-BLOCK_MS = (16, 32, 64)
+#: the tiled GEMM's tile heights (an MMA needs at least 16 rows); 128-row tiles run 8 warps (two warpgroups)
+BLOCK_MS = (16, 32, 64, 128)
 
 
 def block_m_for(pairs: int, experts: int) -> int:
@@ -127,7 +127,7 @@ def gemm_kernel_args(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, 
             x_scale.stride(0), x_scale.stride(1), *scale_strides(w_scale)[:3],
             block_m, block_n, GROUP_SIZE, WEIGHT_BLOCK[0], WEIGHT_BLOCK[1], k % GROUP_SIZE == 0, rw is not None,
             w_scale.dim() == 2)
-    return experts_gemm_kernel, (tile_expert.shape[0], -(-n // block_n)), args, 4, 3
+    return experts_gemm_kernel, (tile_expert.shape[0], -(-n // block_n)), args, 8 if block_m >= 128 else 4, 3
 
 
 __all__ = ["BLOCK_MS", "GROUP_SIZE", "block_m_for", "gemm_kernel_args", "kernel_args", "route_buffer_len",
