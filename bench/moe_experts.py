@@ -14,6 +14,8 @@ Variants (one layer of ``--model``'s sizes, random weights, random top-k routing
   library ran before its routing kernel; the baseline of that kernel.
 - ``fp8/tiles_m<rows>`` (``--block-ms``): the tiled GEMM with its tile height fixed (:class:`FixedTileKernels`),
   what the library's choice of tile height per pairs an expert gets is read from.
+- ``fp8/tiles_n_first`` / ``fp8/tiles_tiles_first`` (``--grid-orders``): the tiled GEMM launched eagerly in either
+  grid order (:class:`GridOrderKernels`), what the library's grid order is read from.
 - ``fp8/loop``: the same module's per-expert loop (one FP8 GEMM per expert hit and projection, one host sync).
 - The library's default takes ``fp8/gemv`` up to 64 (token, slot) pairs, ``fp8/tiles`` above.
 - ``.../graph``: the step captured in a CUDA graph and replayed (the variants that can be captured).
@@ -136,6 +138,31 @@ class FixedTileKernels:
         return self.inner.matmul(*args)
 
 
+class GridOrderKernels:
+    """The library's grouped-experts kernels with the tiled GEMM launched in a fixed grid order (``n_first``: a
+    tile's row blocks together, else the tiles of one row block together; eager launches): what the library's grid
+    order is read from."""
+
+    row_scales = True
+
+    def __init__(self, inner: Any, n_first: bool) -> None:
+        self.inner, self.n_first = inner, n_first
+
+    def plan(self, ids: torch.Tensor, experts: int, gemv_pairs: int) -> Any:
+        return self.inner.plan(ids, experts, gemv_pairs)
+
+    def matmul(self, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, ids: torch.Tensor, rw: Any,
+               token_div: int, out_dtype: torch.dtype, plan: Any) -> torch.Tensor:
+        from fp8_backends.providers.triton import experts_ops
+        from fp8_backends.providers.triton.group_quant_ops import triton_quant_per_token_group
+
+        if plan is None:
+            return self.inner.matmul(x, w, w_scale, ids, rw, token_div, out_dtype, plan)
+        bm, *tiles = plan
+        x_q, x_s = triton_quant_per_token_group(x, 128, w.dtype, "row_major")
+        return experts_ops.gemm_launch(x_q, x_s, w, w_scale, *tiles, rw, token_div, bm, out_dtype, self.n_first)
+
+
 def routing(tokens: int, config: Any, device: str) -> tuple[torch.Tensor, ...]:
     g = torch.Generator(device="cpu").manual_seed(tokens)
     hidden = torch.randn(tokens, config.hidden_size, generator=g).to(device, torch.bfloat16)
@@ -145,10 +172,12 @@ def routing(tokens: int, config: Any, device: str) -> tuple[torch.Tensor, ...]:
 
 
 def steps_for(mods: dict[str, Any], tokens: int, device: str, graphs: bool,
-              compiled: dict[str, Any] | None = None, block_ms: tuple[int, ...] = ()) -> dict[str, Any]:
+              compiled: dict[str, Any] | None = None, block_ms: tuple[int, ...] = (),
+              grid_orders: bool = False) -> dict[str, Any]:
     """``{"steps": {variant: step}, "errors": {variant: relative error against bf16/grouped_mm}}``; ``compiled``
     (``{"bf16": ..., "fp8": ...}``, the modules under ``torch.compile``) adds the ``/compiled`` variants, each of
-    ``block_ms`` a ``fp8/tiles_m<rows>`` variant (:class:`FixedTileKernels`) in every mode."""
+    ``block_ms`` a ``fp8/tiles_m<rows>`` variant (:class:`FixedTileKernels`) in every mode, ``grid_orders`` the
+    ``fp8/tiles_n_first`` / ``fp8/tiles_tiles_first`` variants (:class:`GridOrderKernels`)."""
     from fp8_backends.layers import experts as experts_mod
 
     bf16, fp8, config = mods["bf16"], mods["fp8"], mods["config"]
@@ -179,6 +208,9 @@ def steps_for(mods: dict[str, Any], tokens: int, device: str, graphs: bool,
     if torch_plan is not None:
         steps["fp8/tiles_torch_plan"] = fp8_impl(0, kernels=torch_plan)
     fixed = {f"fp8/tiles_m{bm}": FixedTileKernels(own, bm) for bm in block_ms if own is not None}
+    if grid_orders and own is not None:
+        fixed |= {"fp8/tiles_n_first": GridOrderKernels(own, True),
+                  "fp8/tiles_tiles_first": GridOrderKernels(own, False)}
     for name, kernels in fixed.items():
         steps[name] = fp8_impl(0, kernels=kernels)
     if compiled:
@@ -217,7 +249,8 @@ def run(args: Any) -> dict[str, Any]:
     if args.compiled:  # Dynamo guards on the kernels each call was traced with: one graph per routing variant
         compiled = {name: torch.compile(mods[name], dynamic=False) for name in ("bf16", "fp8")}
     for tokens in args.tokens:
-        got = steps_for(mods, tokens, args.device, args.device == "cuda", compiled, tuple(args.block_ms))
+        got = steps_for(mods, tokens, args.device, args.device == "cuda", compiled, tuple(args.block_ms),
+                        args.grid_orders)
         steps = got["steps"]
         samples: dict[str, list[float]] = {name: [] for name in steps}
         with torch.no_grad():
@@ -272,12 +305,16 @@ def render(result: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from fp8_backends.providers.triton.experts_args import BLOCK_MS
+
     ap.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b-a3b")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 512, 2048])
     ap.add_argument("--weight-scale", choices=["block", "per_channel", "per_tensor"], default="block",
                     help="how the experts' weights are quantized (the grouped paths serve all three)")
-    ap.add_argument("--block-ms", type=int, nargs="*", default=[],
+    ap.add_argument("--block-ms", type=int, nargs="*", default=[], choices=BLOCK_MS,
                     help="tile heights of the tiled GEMM to time fixed, beside the library's pick (fp8/tiles_m<rows>)")
+    ap.add_argument("--grid-orders", action="store_true",
+                    help="also time the tiled GEMM in either grid order (fp8/tiles_n_first, fp8/tiles_tiles_first)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--compiled", action="store_true",

@@ -569,7 +569,7 @@ def test_the_experts_gemv_and_gemm_compute_each_pair_against_its_own_expert():
     from fp8_backends.providers.triton.group_quant_ops import triton_quant_per_token_group
 
     x_q, x_s = triton_quant_per_token_group(x, 128, torch.float8_e4m3fn, "row_major")
-    for block_m in (16, 32, 128):  # 128-row tiles: two warpgroups
+    for block_m in (16, 32):
         tiled = experts_gemm(x, w, s, ids, rw, slots, torch.float32, block_m=block_m)
         for p in range(6):
             e, t = int(ids[p]), p // slots
@@ -810,6 +810,15 @@ def test_the_tiled_experts_gemm_writes_every_row_itself(monkeypatch):
     got = experts_gemm(x, w, s, ids, None, 2, torch.float32, block_m=16)
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # either grid order (a tile's row blocks together, or a row block's tiles together): the same rows
+    from fp8_backends.providers.triton.experts_ops import gemm_launch, tile_plan
+    from fp8_backends.providers.triton.group_quant_ops import triton_quant_per_token_group
+
+    x_q, x_s = triton_quant_per_token_group(x, 128, w.dtype, "row_major")
+    for n_first in (True, False):
+        by_order = gemm_launch(x_q, x_s, w, s, *tile_plan(ids, e_count, 16), None, 2, 16, torch.float32, n_first)
+        assert not by_order.isnan().any()
+        torch.testing.assert_close(by_order, want, rtol=0, atol=0)
     outside = (ids < 0) | (ids >= e_count)
     assert not got[outside].any() and got[~outside].abs().sum(dim=1).min() > 0
 

@@ -15,8 +15,10 @@ from .block_gemm_configs import CONFIGS, WEIGHT_BLOCK, fused_shape_config
 GROUP_SIZE = 128
 
 
-#: the tiled GEMM's tile heights (an MMA needs at least 16 rows); 128-row tiles run 8 warps (two warpgroups)
-BLOCK_MS = (16, 32, 64, 128)
+#: the tiled GEMM's tile heights (an MMA needs at least 16 rows). 128-row tiles with 8 warps were measured and not
+#: kept: 5-20% slower than 64 rows on an H100 at 32-512 pairs an expert, and wrong on ragged N and K there
+#: (``bench/results/moe_experts/2026-12-05-h100-qwen3-30b-a3b-tile-heights/``)
+BLOCK_MS = (16, 32, 64)
 
 
 def block_m_for(pairs: int, experts: int) -> int:
@@ -113,21 +115,31 @@ def kernel_args(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, ids: to
     return _kernel(), (-(-n // cfg.block_n), ids.shape[0]), args, cfg.warps
 
 
+#: the tiled GEMM's grid order: a tile's row blocks launched together (``N_FIRST``) where the tiles fit the grid's
+#: second axis (:data:`GRID_Y_MAX`)
+GEMM_N_FIRST = False
+GRID_Y_MAX = 65535
+
+
 def gemm_kernel_args(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                      order: torch.Tensor, tile_expert: torch.Tensor, tile_row0: torch.Tensor, tile_end: torch.Tensor,
-                     rw: torch.Tensor | None, token_div: int, block_m: int, out: torch.Tensor
-                     ) -> tuple[Any, tuple[int, int], tuple[Any, ...], int, int]:
+                     rw: torch.Tensor | None, token_div: int, block_m: int, out: torch.Tensor,
+                     n_first: bool | None = None) -> tuple[Any, tuple[int, int], tuple[Any, ...], int, int]:
+    """The tiled GEMM's launch ``(kernel, grid, args, warps, stages)``; ``n_first`` the grid order (default
+    :data:`GEMM_N_FIRST`; tiles beyond :data:`GRID_Y_MAX` take the other)."""
     from .experts_kernels import experts_gemm_kernel
 
     e, n, k = w.shape
     block_n = 128
+    tiles, n_blocks = tile_expert.shape[0], -(-n // block_n)
+    n_first = (GEMM_N_FIRST if n_first is None else n_first) and tiles <= GRID_Y_MAX
     args = (x_q, w, out, x_scale, w_scale, order, tile_expert, tile_row0, tile_end, out if rw is None else rw,
             n, k, e, token_div,
             x_q.stride(0), x_q.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
             x_scale.stride(0), x_scale.stride(1), *scale_strides(w_scale)[:3],
             block_m, block_n, GROUP_SIZE, WEIGHT_BLOCK[0], WEIGHT_BLOCK[1], k % GROUP_SIZE == 0, rw is not None,
-            w_scale.dim() == 2)
-    return experts_gemm_kernel, (tile_expert.shape[0], -(-n // block_n)), args, 8 if block_m >= 128 else 4, 3
+            w_scale.dim() == 2, n_first)
+    return experts_gemm_kernel, (n_blocks, tiles) if n_first else (tiles, n_blocks), args, 4, 3
 
 
 __all__ = ["BLOCK_MS", "GROUP_SIZE", "block_m_for", "gemm_kernel_args", "kernel_args", "route_buffer_len",

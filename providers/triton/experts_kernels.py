@@ -38,7 +38,7 @@ The tiled GEMM (tensor cores, pairs sorted by expert; the sort and the tile plan
   row, applied to the finished tile.
 - Every K step of ``G`` columns is one MMA whose fp32 result is multiplied by the rows' activation scales and the
   tile's weight scale and added to the fp32 accumulator; ``out`` row ``p`` (``[P, N]``) gets the sum, times ``rw[p]``
-  where ``HAS_RW``. Grid ``(max_tiles, cdiv(N, BLOCK_N))``.
+  where ``HAS_RW``. Grid ``(max_tiles, cdiv(N, BLOCK_N))``, or ``(cdiv(N, BLOCK_N), max_tiles)`` with ``N_FIRST``.
 """
 
 from __future__ import annotations
@@ -96,12 +96,17 @@ def experts_gemm_kernel(
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
     stride_xsm, stride_xsk, stride_wse, stride_wsn, stride_wsk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr, WBN: tl.constexpr, WBK: tl.constexpr,
-    EVEN_K: tl.constexpr, HAS_RW: tl.constexpr, W_ROWS: tl.constexpr,
+    EVEN_K: tl.constexpr, HAS_RW: tl.constexpr, W_ROWS: tl.constexpr, N_FIRST: tl.constexpr,
 ):
     """One ``BLOCK_M x BLOCK_N`` output tile of one expert's sorted pairs, or zeros for pairs without an expert
-    (module docstring)."""
-    b = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    (module docstring). ``N_FIRST``: the grid is ``(cdiv(N, BLOCK_N), tiles)``, the programs of one tile's row
+    blocks launched together (its gathered activation rows read while in L2), else ``(tiles, cdiv(N, BLOCK_N))``."""
+    if N_FIRST:
+        pid_n = tl.program_id(0)
+        b = tl.program_id(1)
+    else:
+        b = tl.program_id(0)
+        pid_n = tl.program_id(1)
     expert = tl.load(tile_expert_ptr + b).to(tl.int64)
     if expert > E:
         return

@@ -146,14 +146,15 @@ def _fake_route(ids: Any, experts: int, block_m: int) -> Any:
 
 def gemm_launch(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                 order: torch.Tensor, tile_expert: torch.Tensor, tile_row0: torch.Tensor, tile_end: torch.Tensor,
-                rw: torch.Tensor | None, token_div: int, block_m: int, out_dtype: torch.dtype) -> torch.Tensor:
+                rw: torch.Tensor | None, token_div: int, block_m: int, out_dtype: torch.dtype,
+                n_first: bool | None = None) -> torch.Tensor:
     """The eager implementation of the tiled GEMM: ``[P, N]`` (rows of pairs without an expert zero, written by
-    their tiles)."""
+    their tiles); ``n_first``: the grid order (:func:`.experts_args.gemm_kernel_args`)."""
     out = x_q.new_empty((order.shape[0], w.shape[1]), dtype=out_dtype)
     if order.shape[0] == 0:
         return out
     kernel, grid, args, warps, stages = gemm_kernel_args(x_q, x_scale, w, w_scale, order, tile_expert, tile_row0,
-                                                         tile_end, rw, token_div, block_m, out)
+                                                         tile_end, rw, token_div, block_m, out, n_first)
     index = x_q.get_device()
     _support.on_device(index, _launch_on, kernel, grid, args, warps, stages, index)
     return out
