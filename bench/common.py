@@ -107,6 +107,23 @@ def write_markdown(path: Path, lines: Sequence[str]) -> None:
     print(text)
 
 
+def add_rounds_device_out(ap: argparse.ArgumentParser, iters: int) -> None:
+    """``--rounds`` (5), ``--iters`` (``iters``: calls a sample), ``--device`` (cuda when torch sees one) and the
+    required ``--out`` folder: the arguments the interleaved-rounds benches share."""
+    import torch
+
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=iters)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", type=Path, required=True)
+
+
+def write_report(out: Path, stem: str, result: Any, lines: Sequence[str]) -> None:
+    """Write a run's ``<stem>.json`` and ``<stem>.md`` under ``out`` (the markdown printed too)."""
+    write_json(out / f"{stem}.json", result)
+    write_markdown(out / f"{stem}.md", lines)
+
+
 def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]

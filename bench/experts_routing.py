@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -153,14 +152,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time the one-program kernel and the two-launch many-program kernels at every P")
     ap.add_argument("--chunks", type=int, nargs="*", default=[])
     ap.add_argument("--warps", type=int, nargs="*", default=[])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--out", type=Path, required=True)
+    common.add_rounds_device_out(ap, iters=20)
     args = ap.parse_args(argv)
     result = run(args)
-    common.write_json(args.out / "experts_routing.json", result)
-    common.write_markdown(args.out / "experts_routing.md", render(result))
+    common.write_report(args.out, "experts_routing", result, render(result))
     return 0
 
 

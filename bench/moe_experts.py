@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -154,12 +153,13 @@ class GridOrderKernels:
     def matmul(self, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, ids: torch.Tensor, rw: Any,
                token_div: int, out_dtype: torch.dtype, plan: Any) -> torch.Tensor:
         from fp8_backends.providers.triton import experts_ops
+        from fp8_backends.providers.triton.experts_args import GROUP_SIZE
         from fp8_backends.providers.triton.group_quant_ops import triton_quant_per_token_group
 
         if plan is None:
             return self.inner.matmul(x, w, w_scale, ids, rw, token_div, out_dtype, plan)
         bm, *tiles = plan
-        x_q, x_s = triton_quant_per_token_group(x, 128, w.dtype, "row_major")
+        x_q, x_s = triton_quant_per_token_group(x, GROUP_SIZE, w.dtype, "row_major")
         return experts_ops.gemm_launch(x_q, x_s, w, w_scale, *tiles, rw, token_div, bm, out_dtype, self.n_first)
 
 
@@ -315,16 +315,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="tile heights of the tiled GEMM to time fixed, beside the library's pick (fp8/tiles_m<rows>)")
     ap.add_argument("--grid-orders", action="store_true",
                     help="also time the tiled GEMM in either grid order (fp8/tiles_n_first, fp8/tiles_tiles_first)")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--compiled", action="store_true",
                     help="also time bf16/grouped_mm and the tiled variants under torch.compile (no CUDA graphs)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--out", type=Path, required=True)
+    common.add_rounds_device_out(ap, iters=30)
     args = ap.parse_args(argv)
     result = run(args)
-    common.write_json(args.out / "moe_experts.json", result)
-    common.write_markdown(args.out / "moe_experts.md", render(result))
+    common.write_report(args.out, "moe_experts", result, render(result))
     return 0
 
 

@@ -7,6 +7,7 @@
   Kernels take a ``USE_PDL: tl.constexpr`` and call ``gdc_wait()`` / ``gdc_launch_dependents()`` only
   when it is set; the launch passes ``launch_pdl=USE_PDL``.
 - :data:`DEVICES`: the device kinds the providers declare (CUDA; plus CPU under the interpreter).
+- :data:`GRID_Y_MAX`: the most programs along a launch grid's second (and third) axis.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ T = TypeVar("T")
 REQUIRES: tuple[str, ...] = ("torch", "triton")
 INSTALL_HINT = "pip install 'fp8-backends[triton]'"
 MIN_SM: tuple[int, int] = (8, 9)  # FP8 tensor-core MMA (Ada and newer)
+#: CUDA's limit on a grid's second and third axes (programs)
+GRID_Y_MAX = 65535
 
 
 def interpreting() -> bool:

@@ -16,7 +16,7 @@ import torch
 from fp8_backends.core.errors import InvalidInputError
 from fp8_backends.core.types import Fp8Dtype
 
-from ._support import sm_count
+from ._support import GRID_Y_MAX, sm_count
 from .block_gemm_configs import (
     CONFIGS,
     BlockTileConfig,
@@ -30,7 +30,6 @@ logger = logging.getLogger("fp8_backends")
 
 #: arrival counters per (device, stream): at most this many output tiles in one split-K launch
 COUNTER_SLOTS = 16384
-_GRID_Y_MAX = 65535
 #: the opaque op of the TMA configs (defined beside ``triton_block_gemm`` by :mod:`.block_gemm_ops`)
 TMA_OP_BASENAME = "triton_block_gemm_tma"
 #: the fused GEMV's op (the activation's group quantization inside the launch), defined beside it
@@ -174,8 +173,8 @@ def kernel_args(plan: Plan, x: torch.Tensor, w: torch.Tensor, x_scale: torch.Ten
     align = row_align(k, x.stride(0), w.stride(0))
     if cfg.family == "gemv":
         step = cfg.groups * group_size
-        if m > _GRID_Y_MAX:
-            raise InvalidInputError(f"config {cfg.name} cannot launch {m} tokens (CUDA grid limit {_GRID_Y_MAX})")
+        if m > GRID_Y_MAX:
+            raise InvalidInputError(f"config {cfg.name} cannot launch {m} tokens (CUDA grid limit {GRID_Y_MAX})")
         return (kernel_of("gemv"), (cdiv(n, cfg.block_n), m),
                 (x, w, out, x_scale, w_scale, b, m, n, k, *strides, cfg.block_n, cfg.groups, group_size, wbn, wbk,
                  bias is not None, k % step == 0, align, use_pdl, x_quant, Fp8Dtype.of(w.dtype).max))
@@ -187,9 +186,9 @@ def kernel_args(plan: Plan, x: torch.Tensor, w: torch.Tensor, x_scale: torch.Ten
     even = k % group_size == 0
     if cfg.family == "swap":
         m_tiles = cdiv(m, cfg.block_m)
-        if m_tiles > _GRID_Y_MAX:
+        if m_tiles > GRID_Y_MAX:
             raise InvalidInputError(f"config {cfg.name} cannot launch {m_tiles} token blocks (CUDA grid limit "
-                                    f"{_GRID_Y_MAX}); use config=auto or an mm config for this M")
+                                    f"{GRID_Y_MAX}); use config=auto or an mm config for this M")
         return (kernel_of("swap"), (cdiv(n, cfg.block_n), m_tiles, plan.split),
                 (*head, cfg.block_m, cfg.block_n, group_size, wbn, wbk, plan.split, bias is not None, even, align,
                  use_pdl))

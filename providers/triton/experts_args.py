@@ -9,6 +9,7 @@ import torch
 
 from fp8_backends.core.types import Fp8Dtype
 
+from ._support import GRID_Y_MAX
 from .block_gemm_args import row_align
 from .block_gemm_configs import CONFIGS, WEIGHT_BLOCK, fused_shape_config
 
@@ -120,7 +121,6 @@ def kernel_args(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, ids: to
 #: 512 tokens, 0.96x at 2048 and 0.91x at 8192 for Qwen3-30B-A3B's experts, 0.96x for DeepSeek-V3's at 8192
 #: (``bench/results/moe_experts/2026-12-05-h100-grid-order/``)
 GEMM_N_FIRST = True
-GRID_Y_MAX = 65535
 
 
 def gemm_kernel_args(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,

@@ -29,6 +29,7 @@ from fp8_backends.core.errors import InvalidInputError
 from fp8_backends.core.oplib import LazyOps, TritonOpSpec
 
 from . import _support
+from ._support import GRID_Y_MAX
 from .block_gemm_configs import WEIGHT_BLOCK
 from .experts_args import (
     BLOCK_MS,
@@ -46,7 +47,6 @@ from .launcher import launch as _launch
 OP_BASENAME = "triton_experts_gemv"
 GEMM_OP_BASENAME = "triton_experts_gemm"
 ROUTE_OP_BASENAME = "triton_experts_route"
-_GRID_Y_MAX = 65535
 
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -84,8 +84,8 @@ def check_inputs(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, ids: t
                            or rw.stride(0) != 1):
         raise InvalidInputError(f"routing weights must be contiguous float32 [{ids.shape[0]}], got {rw.dtype} "
                                 f"{tuple(rw.shape)}")
-    if gemv and ids.shape[0] > _GRID_Y_MAX:
-        raise InvalidInputError(f"the experts GEMV launches one program row per pair: at most {_GRID_Y_MAX}, got "
+    if gemv and ids.shape[0] > GRID_Y_MAX:
+        raise InvalidInputError(f"the experts GEMV launches one program row per pair: at most {GRID_Y_MAX}, got "
                                 f"{ids.shape[0]}")
     devices = {t.device for t in (x, w, w_scale, ids) + (() if rw is None else (rw,))}
     if len(devices) != 1:
@@ -231,7 +231,7 @@ def load_gemm_op() -> Any:
 
 def load_route_op() -> Any:
     """Define the ops now (load time); returns the routing op's hot-path callable (``(ids, experts, block_m) ->``
-    int32 ``[P + 3 * max_tiles + E_P2]``, :func:`tile_plan`'s views of it)."""
+    int32 ``[route_buffer_len(P, E, block_m)]``, :func:`tile_plan`'s views of it)."""
     _OPS.preload()
     return _OPS.call(ROUTE_OP_BASENAME)
 
@@ -261,7 +261,7 @@ class TritonExpertsKernels:
         self._route = load_route_op()
 
     def plan(self, ids: torch.Tensor, experts: int, gemv_pairs: int) -> Any:
-        if ids.shape[0] <= min(gemv_pairs, _GRID_Y_MAX):
+        if ids.shape[0] <= min(gemv_pairs, GRID_Y_MAX):
             return None
         bm = block_m_for(ids.shape[0], experts)
         return (bm, *tile_plan(ids, experts, bm, self._route))

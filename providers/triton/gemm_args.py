@@ -10,12 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 from fp8_backends.core.errors import InvalidInputError
 
+from ._support import GRID_Y_MAX
 from .gemm_configs import CONFIGS, TileConfig, active_table
 
 if TYPE_CHECKING:
     import torch
-
-_GRID_Y_MAX = 65535  # CUDA's limit on gridDim.y
 
 
 def pick_config(config: str, m: int, n: int, k: int) -> TileConfig:
@@ -64,9 +63,9 @@ def pointer_kernel_args(cfg: TileConfig, x: torch.Tensor, w: torch.Tensor, x_sca
 
 
 def _check_grid_y(programs: int, cfg: TileConfig) -> None:
-    if programs > _GRID_Y_MAX:
+    if programs > GRID_Y_MAX:
         raise InvalidInputError(f"triton config {cfg.name} cannot launch {programs} token blocks (CUDA limit "
-                                f"{_GRID_Y_MAX}); use config=auto or an mm config for this M")
+                                f"{GRID_Y_MAX}); use config=auto or an mm config for this M")
 
 
 __all__ = ["cdiv", "kernel_of", "pick_config", "pointer_kernel_args"]
