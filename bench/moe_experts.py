@@ -12,10 +12,10 @@ Variants (one layer of ``--model``'s sizes, random weights, random top-k routing
 - ``fp8/tiles_torch_plan``: the same tiles with the sort and the tile plan made by torch ops instead
   (:class:`TorchPlanKernels`: ``argsort``, a scatter-add count, cumulative sums and a ``searchsorted``), what the
   library ran before its routing kernel; the baseline of that kernel.
-- ``fp8/tiles_m<rows>`` (``--block-ms``): the tiled GEMM with its tile height fixed (:class:`FixedTileKernels`),
+- ``fp8/tiles_m<rows>`` (``--block-ms``): the tiled GEMM with its tile height fixed (:class:`TiledVariantKernels`),
   what the library's choice of tile height per pairs an expert gets is read from.
 - ``fp8/tiles_n_first`` / ``fp8/tiles_tiles_first`` (``--grid-orders``): the tiled GEMM launched eagerly in either
-  grid order (:class:`GridOrderKernels`), what the library's grid order is read from.
+  grid order (:class:`TiledVariantKernels`), what the library's grid order is read from.
 - ``fp8/loop``: the same module's per-expert loop (one FP8 GEMM per expert hit and projection, one host sync).
 - The library's default takes ``fp8/gemv`` up to 64 (token, slot) pairs, ``fp8/tiles`` above.
 - ``.../graph``: the step captured in a CUDA graph and replayed (the variants that can be captured).
@@ -117,38 +117,22 @@ class TorchPlanKernels:
         return self.inner.matmul(*args)
 
 
-class FixedTileKernels:
-    """The library's grouped-experts kernels with the tiled GEMM's tile height fixed (``block_m`` rows, whatever the
-    pairs per expert): the variants its choice of tile height is read from."""
+class TiledVariantKernels:
+    """The library's grouped-experts kernels with the tiled GEMM's tile height (``block_m`` rows, whatever the pairs
+    per expert) or grid order (``n_first``: a tile's row blocks launched together, else a row block's tiles; eager
+    launches) fixed: the variants the library's choices are read from. ``None`` keeps the library's."""
 
     row_scales = True
 
-    def __init__(self, inner: Any, block_m: int) -> None:
-        self.inner, self.block_m = inner, block_m
+    def __init__(self, inner: Any, block_m: int | None = None, n_first: bool | None = None) -> None:
+        self.inner, self.block_m, self.n_first = inner, block_m, n_first
 
     def plan(self, ids: torch.Tensor, experts: int, gemv_pairs: int) -> Any:
         from fp8_backends.providers.triton.experts_ops import tile_plan
 
-        if ids.shape[0] <= gemv_pairs:
-            return None
+        if self.block_m is None or ids.shape[0] <= gemv_pairs:
+            return self.inner.plan(ids, experts, gemv_pairs)
         return (self.block_m, *tile_plan(ids, experts, self.block_m))
-
-    def matmul(self, *args: Any) -> torch.Tensor:
-        return self.inner.matmul(*args)
-
-
-class GridOrderKernels:
-    """The library's grouped-experts kernels with the tiled GEMM launched in a fixed grid order (``n_first``: a
-    tile's row blocks together, else the tiles of one row block together; eager launches): what the library's grid
-    order is read from."""
-
-    row_scales = True
-
-    def __init__(self, inner: Any, n_first: bool) -> None:
-        self.inner, self.n_first = inner, n_first
-
-    def plan(self, ids: torch.Tensor, experts: int, gemv_pairs: int) -> Any:
-        return self.inner.plan(ids, experts, gemv_pairs)
 
     def matmul(self, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, ids: torch.Tensor, rw: Any,
                token_div: int, out_dtype: torch.dtype, plan: Any) -> torch.Tensor:
@@ -156,7 +140,7 @@ class GridOrderKernels:
         from fp8_backends.providers.triton.experts_args import GROUP_SIZE
         from fp8_backends.providers.triton.group_quant_ops import triton_quant_per_token_group
 
-        if plan is None:
+        if plan is None or self.n_first is None:
             return self.inner.matmul(x, w, w_scale, ids, rw, token_div, out_dtype, plan)
         bm, *tiles = plan
         x_q, x_s = triton_quant_per_token_group(x, GROUP_SIZE, w.dtype, "row_major")
@@ -176,8 +160,8 @@ def steps_for(mods: dict[str, Any], tokens: int, device: str, graphs: bool,
               grid_orders: bool = False) -> dict[str, Any]:
     """``{"steps": {variant: step}, "errors": {variant: relative error against bf16/grouped_mm}}``; ``compiled``
     (``{"bf16": ..., "fp8": ...}``, the modules under ``torch.compile``) adds the ``/compiled`` variants, each of
-    ``block_ms`` a ``fp8/tiles_m<rows>`` variant (:class:`FixedTileKernels`) in every mode, ``grid_orders`` the
-    ``fp8/tiles_n_first`` / ``fp8/tiles_tiles_first`` variants (:class:`GridOrderKernels`)."""
+    ``block_ms`` a ``fp8/tiles_m<rows>`` variant in every mode, ``grid_orders`` the ``fp8/tiles_n_first`` /
+    ``fp8/tiles_tiles_first`` variants (:class:`TiledVariantKernels`)."""
     from fp8_backends.layers import experts as experts_mod
 
     bf16, fp8, config = mods["bf16"], mods["fp8"], mods["config"]
@@ -207,10 +191,10 @@ def steps_for(mods: dict[str, Any], tokens: int, device: str, graphs: bool,
     steps |= {"fp8/tiles": fp8_impl(0), "fp8/loop": fp8_impl(0, False)}
     if torch_plan is not None:
         steps["fp8/tiles_torch_plan"] = fp8_impl(0, kernels=torch_plan)
-    fixed = {f"fp8/tiles_m{bm}": FixedTileKernels(own, bm) for bm in block_ms if own is not None}
+    fixed = {f"fp8/tiles_m{bm}": TiledVariantKernels(own, block_m=bm) for bm in block_ms if own is not None}
     if grid_orders and own is not None:
-        fixed |= {"fp8/tiles_n_first": GridOrderKernels(own, True),
-                  "fp8/tiles_tiles_first": GridOrderKernels(own, False)}
+        fixed |= {"fp8/tiles_n_first": TiledVariantKernels(own, n_first=True),
+                  "fp8/tiles_tiles_first": TiledVariantKernels(own, n_first=False)}
     for name, kernels in fixed.items():
         steps[name] = fp8_impl(0, kernels=kernels)
     if compiled:

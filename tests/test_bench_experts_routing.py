@@ -47,3 +47,29 @@ def test_cpu_smoke_run(tmp_path):
                                              "kernel_many/eager"} <= set(row["us"])
                for row in data["rows"])
     assert "Plans checked before timing: all right" in (tmp_path / "experts_routing.md").read_text()
+
+
+def test_the_tiled_variants_compute_what_the_library_does():
+    """``bench.moe_experts.TiledVariantKernels``: a fixed tile height or grid order, the same rows as the library's
+    kernels (the variants the bench times are the library's GEMM, not another computation)."""
+    from bench.moe_experts import TiledVariantKernels
+    from fp8_backends.core.reference import quantize_block
+    from fp8_backends.providers.triton.experts_ops import TritonExpertsKernels
+
+    torch.manual_seed(3)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    blocks = [quantize_block(torch.randn(256, 256)) for _ in range(4)]
+    w = torch.stack([q for q, _ in blocks]).to(dev)
+    s = torch.stack([sc for _, sc in blocks]).to(dev)
+    x = torch.randn(48, 256, dtype=torch.bfloat16, device=dev)
+    ids = torch.randint(0, 4, (96,), device=dev)
+    own = TritonExpertsKernels()
+    plan = own.plan(ids, 4, 0)
+    want = own.matmul(x, w, s, ids, None, 2, torch.float32, plan)
+    for variant in (TiledVariantKernels(own, block_m=16), TiledVariantKernels(own, n_first=True),
+                    TiledVariantKernels(own, n_first=False)):
+        got_plan = variant.plan(ids, 4, 0)
+        assert got_plan[0] == (16 if variant.block_m else plan[0])
+        got = variant.matmul(x, w, s, ids, None, 2, torch.float32, got_plan)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert TiledVariantKernels(own, block_m=16).plan(ids, 4, 1000) is None  # few pairs: the GEMV, as the library
