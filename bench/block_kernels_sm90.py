@@ -63,7 +63,8 @@ def compile_variant(fn: Any, types: dict[str, str], consts: dict[str, Any], alig
     return {"regs": regs, "stack": stack, "shared": compiled.metadata.shared,
             "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)), "mma_sync": len(re.findall(r"mma\.sync\.aligned", ptx)),
             "cp_async": len(re.findall(r"cp\.async\.c[ag]", ptx)),
-            "tma": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)), "pdl": "griddepcontrol" in ptx}
+            "tma": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)), "pdl": "griddepcontrol" in ptx,
+            "l2_prefetch": len(re.findall(r"cp\.async\.bulk\.prefetch\.L2", ptx))}
 
 
 def gemm_variant(cfg: Any, even: bool = True, align: int = 16, split: int | None = None,
@@ -71,8 +72,11 @@ def gemm_variant(cfg: Any, even: bool = True, align: int = 16, split: int | None
     """One specialization of ``cfg``'s kernel; ``x_quant`` (GEMV): the fused launch, a bf16 activation quantized in
     the kernel."""
     from fp8_backends.providers.triton import block_gemm_kernels as K
+    from fp8_backends.providers.triton.block_gemm_args import prefetch_chunks
 
     common = dict(GROUP_K=128, WBN=128, WBK=128, HAS_BIAS=True, USE_PDL=True)
+    if cfg.family != "tma":
+        common["PREFETCH"] = prefetch_chunks(cfg, True, 1)
     unit = dict(stride_xk=1, stride_wk=1, stride_on=1, stride_b=1)
     aligned = [*GEMM_POINTERS, "N", "stride_om", "stride_xsk"] + (["K", "stride_xm", "stride_wn"] if align == 16
                                                                   else [])
@@ -81,7 +85,9 @@ def gemm_variant(cfg: Any, even: bool = True, align: int = 16, split: int | None
         consts = dict(common, BLOCK_N=cfg.block_n, GROUPS=cfg.groups, EVEN_K=even, ROW_ALIGN=align, **unit,
                       stride_xsk=1, stride_wsk=1, X_QUANT=x_quant, FMAX=448.0)
         types = dict(GEMM_TYPES, x_ptr="*bf16") if x_quant else GEMM_TYPES
-        return name, compile_variant(K.block_gemv_kernel, types, consts, aligned, cfg.warps, cfg.stages)
+        info = compile_variant(K.block_gemv_kernel, types, consts, aligned, cfg.warps, cfg.stages)
+        info["want_prefetch"] = bool(consts["PREFETCH"])
+        return name, info
     if cfg.family == "tma":
         types = dict(GEMM_TYPES, x_desc=f"tensordesc<fp8e4nv[{cfg.block_m}, 128]>",
                      w_desc=f"tensordesc<fp8e4nv[{cfg.block_n}, 128]>")
@@ -95,6 +101,7 @@ def gemm_variant(cfg: Any, even: bool = True, align: int = 16, split: int | None
         consts["GROUP_M"] = cfg.group_m
     fn = K.block_gemm_swap_kernel if cfg.family == "swap" else K.block_gemm_mm_kernel
     info = compile_variant(fn, GEMM_TYPES, consts, aligned, cfg.warps, cfg.stages)
+    info["want_prefetch"] = bool(consts["PREFETCH"])
     info["mma_rows"] = cfg.block_n if cfg.family == "swap" else cfg.block_m  # the MMA's M side
     return f"{name} split={sk}", info
 
@@ -148,6 +155,9 @@ def variants(quick: bool) -> list[tuple[str, Any]]:
             out.append((family, lambda cfg=bc.CONFIGS[name]: gemm_variant(cfg)))
         out.append(("swap", lambda: gemm_variant(bc.CONFIGS[picks["swap"]], even=False, align=8)))
         out.append(("gemv", lambda: gemm_variant(bc.CONFIGS[bc.FUSED_GEMV], x_quant=True)))
+        for name in ("gemv_n8_g8_w4_pf", "swap_n64_m16_s8_w4_sk0_pf"):  # the weight prefetched ahead of the wait
+            out.append((name.split("_")[0], lambda name=name: gemm_variant(bc.BlockTileConfig.from_name(name),
+                                                                            even=False, align=8)))
         out.append(("quant", lambda: quant_variant(7168, 128)))
         out.append(("norm", lambda: norm_variant(4096, 7168, True, False)))
         out.append(("norm", lambda: norm_variant(16384, 5120, False, False)))  # the packed kernel
@@ -196,6 +206,8 @@ def problems(family: str, info: dict[str, Any]) -> list[str]:
         bad.append("no wgmma")
     if family in ("swap", "mm") and not info["cp_async"]:
         bad.append("no cp.async pipelining")
+    if info.get("want_prefetch") and not info["l2_prefetch"]:
+        bad.append("no L2 bulk prefetch")
     if family == "tma" and not info["tma"]:
         bad.append("no TMA loads")
     if not info["pdl"]:
@@ -223,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         failures += bool(bad)
         print(f"{'FAIL' if bad else 'ok  '} {name}: regs {info['regs']}, stack {info['stack']}, shared "
               f"{info['shared']}, wgmma {info['wgmma']}, cp.async {info['cp_async']}, tma {info['tma']}, pdl "
-              f"{info['pdl']}" + (f" -- {'; '.join(bad)}" if bad else ""), flush=True)
+              f"{info['pdl']}, l2 prefetch {info['l2_prefetch']}" + (f" -- {'; '.join(bad)}" if bad else ""),
+              flush=True)
     print(f"{failures} failing variant(s)")
     return 1 if failures else 0
 

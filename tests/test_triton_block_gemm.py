@@ -118,6 +118,25 @@ def test_a_config_name_spells_its_config():
         bc.BlockTileConfig.from_name("mm_n64_m64_s4_w4_sk7")
     with pytest.raises(ValueError, match="split"):  # the config's own checks
         bc.BlockTileConfig.from_name("tma_n64_m64_s4_w4_g8_sk2")
+    for name in ("gemv_n8_g8_w4_pf", "swap_n64_m16_s8_w4_sk0_pf", "mm_n128_m64_s3_w4_g8_sk0_pf"):
+        cfg = bc.BlockTileConfig.from_name(name)
+        assert cfg.prefetch and cfg.name == name
+        assert dataclasses.replace(cfg, prefetch=False).name == name.removesuffix("_pf")
+    with pytest.raises(ValueError, match="prefetch"):
+        bc.BlockTileConfig.from_name("tma_n128_m64_s4_w4_g8_p2_pf")
+
+
+def test_prefetch_chunks_only_with_pdl_and_contiguous_rows():
+    """About one bulk prefetch per thread of a program; none without PDL (the interpreter, SM < 9.0, switched off),
+    on rows that are not contiguous, or for a config that does not ask."""
+    gemv = bc.BlockTileConfig.from_name("gemv_n8_g8_w4_pf")
+    assert ba.prefetch_chunks(gemv, True, 1) == 16  # 8 rows x 16 = 128 threads
+    assert ba.prefetch_chunks(bc.BlockTileConfig.from_name("gemv_n1_g32_w2_pf"), True, 1) == 64
+    assert ba.prefetch_chunks(bc.BlockTileConfig.from_name("swap_n64_m16_s8_w4_sk0_pf"), True, 1) == 2
+    assert ba.prefetch_chunks(bc.BlockTileConfig.from_name("mm_n128_m64_s3_w4_g8_sk0_pf"), True, 1) == 1
+    assert ba.prefetch_chunks(gemv, False, 1) == 0
+    assert ba.prefetch_chunks(gemv, True, 7168) == 0
+    assert ba.prefetch_chunks(bc.CONFIGS["gemv_n8_g8_w4"], True, 1) == 0
 
 
 def test_default_table_covers_every_m_with_a_known_config():
@@ -207,6 +226,14 @@ def test_every_family_matches_reference(family, m, n, k):
     if family == "gemv" and m > 5:
         pytest.skip("the GEMV streams the weight per token (slow on the interpreter)")
     _check(cfg, m, n, k, bias=True)
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", ["gemv", "swap_split", "mm_split"])
+def test_prefetch_configs_compute_the_same(family):
+    """A ``_pf`` config runs its plain kernel where PDL is off (here: the interpreter) and computes the same."""
+    cfg = dataclasses.replace(SMALL[family], prefetch=True)
+    assert torch.equal(_check(cfg, 3, 130, 392), _check(SMALL[family], 3, 130, 392))
 
 
 @needs_kernels
@@ -569,6 +596,49 @@ def test_gpu_pdl_on_and_off_agree(m, monkeypatch):
         bg.run_config(cfg, x_q, w_q, xs, ws, None, out, 128, pdl=pdl)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gemv_n8_g8_w4", "gemv_n1_g32_w2", "swap_n64_m16_s8_w4_sk0",
+                                  "mm_n128_m64_s3_w4_g8_sk0"])
+@pytest.mark.parametrize("shape", ["dsv3_kv_a", "dsv3_kv_b", "ragged", "ragged2"])
+def test_gpu_weight_prefetch_changes_no_bit(name, shape):
+    """The L2 prefetch ahead of the PDL wait (``_pf``) against the same config without it, bit for bit: 16-byte
+    rows, ragged rows (K = 6840, 2000), a weight view starting 5 bytes into its rows (prefetches widened to 16-byte
+    bounds), split K; eager, in a CUDA graph (new activations copied in), and the fused GEMV."""
+    cfg = bc.CONFIGS[name]
+    pf = dataclasses.replace(cfg, prefetch=True)
+    n, k = SHAPES[shape]
+    m = 1 if cfg.family == "gemv" else 5
+    x_q, w_q, xs, ws = _operands(m, n, k)
+    padded = torch.zeros(n, k + 40, dtype=torch.uint8, device=DEVICE)
+    w_off = padded[:, 5:5 + k].view(torch.float8_e4m3fn)
+    w_off.copy_(w_q)
+
+    def run(c, w, x=x_q, s=xs, x_quant=False):
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=DEVICE)
+        bg.run_config(c, x, w, s, ws, None, out, 128, pdl=True, x_quant=x_quant)
+        return out
+
+    want = run(cfg, w_q)
+    assert relerr(want, R.block_fp8_gemm(x_q, w_q, xs, ws)) < TOL[torch.bfloat16]
+    assert torch.equal(run(pf, w_q), want)
+    assert torch.equal(run(pf, w_off), want)
+    static_x, static_s = x_q.clone(), xs.clone()
+    run(pf, w_off, static_x, static_s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = run(pf, w_off, static_x, static_s)
+    x2, _, xs2, _ = _operands(m, n, k, seed=3)
+    static_x.copy_(x2)
+    static_s.copy_(xs2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, run(cfg, w_q, x2, xs2))
+    if cfg.family == "gemv":
+        x, _, _ = _unquantized(1, n, k)
+        assert torch.equal(run(pf, w_off, x, ws, x_quant=True), run(cfg, w_q, x, ws, x_quant=True))
 
 
 @pytest.mark.gpu

@@ -147,6 +147,19 @@ def fused_is_gemm_launch(config: str, n: int, k: int) -> bool:
             and fused == pick_config(config, 1, n, k))
 
 
+#: threads of a warp: a prefetching program issues about one bulk prefetch per thread
+_WARP = 32
+
+
+def prefetch_chunks(cfg: BlockTileConfig, use_pdl: bool, stride_wk: int) -> int:
+    """The kernels' ``PREFETCH``: bulk L2 prefetches per weight row before the PDL wait (``0``: none). Only for a
+    ``prefetch`` config launched with PDL (SM >= 9.0, where the instruction exists; never under Triton's interpreter)
+    on a weight whose rows are contiguous; about one prefetch per thread of the program."""
+    if not (cfg.prefetch and use_pdl and stride_wk == 1):
+        return 0
+    return max(1, _WARP * cfg.warps // cfg.block_n)
+
+
 @functools.cache
 def kernel_of(family: str) -> Any:
     from . import block_gemm_kernels as K
@@ -171,13 +184,14 @@ def kernel_args(plan: Plan, x: torch.Tensor, w: torch.Tensor, x_scale: torch.Ten
     strides = (x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
                x_scale.stride(0), x_scale.stride(1), w_scale.stride(0), w_scale.stride(1), b.stride(0))
     align = row_align(k, x.stride(0), w.stride(0))
+    pf = prefetch_chunks(cfg, use_pdl, w.stride(1))
     if cfg.family == "gemv":
         step = cfg.groups * group_size
         if m > GRID_Y_MAX:
             raise InvalidInputError(f"config {cfg.name} cannot launch {m} tokens (CUDA grid limit {GRID_Y_MAX})")
         return (kernel_of("gemv"), (cdiv(n, cfg.block_n), m),
                 (x, w, out, x_scale, w_scale, b, m, n, k, *strides, cfg.block_n, cfg.groups, group_size, wbn, wbk,
-                 bias is not None, k % step == 0, align, use_pdl, x_quant, Fp8Dtype.of(w.dtype).max))
+                 bias is not None, k % step == 0, align, use_pdl, x_quant, Fp8Dtype.of(w.dtype).max, pf))
     if x_quant:
         raise InvalidInputError(f"config {cfg.name}: only the gemv configs quantize the activation themselves")
     part_t = out if part is None else part
@@ -191,10 +205,10 @@ def kernel_args(plan: Plan, x: torch.Tensor, w: torch.Tensor, x_scale: torch.Ten
                                     f"{GRID_Y_MAX}); use config=auto or an mm config for this M")
         return (kernel_of("swap"), (cdiv(n, cfg.block_n), m_tiles, plan.split),
                 (*head, cfg.block_m, cfg.block_n, group_size, wbn, wbk, plan.split, bias is not None, even, align,
-                 use_pdl))
+                 use_pdl, pf))
     return (kernel_of("mm"), (tiles_of(cfg, m, n), plan.split),
             (*head, cfg.block_m, cfg.block_n, group_size, wbn, wbk, cfg.group_m, plan.split, bias is not None, even,
-             align, use_pdl))
+             align, use_pdl, pf))
 
 
 def empty_k(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -220,6 +234,7 @@ def new_output(x: torch.Tensor, n: int, out_dtype: torch.dtype, bias: torch.Tens
 __all__ = [
     "COUNTER_SLOTS", "FUSED_AS_GEMM_MIN_ROWS", "QUANT_OP_BASENAME", "SMALL_BLOCK_CONFIG", "TMA_OP_BASENAME", "Plan",
     "cdiv", "empty_k", "fit_weight_block", "fused_config", "fused_is_gemm_launch", "kernel_args", "kernel_of",
-    "new_output", "pick_config", "plan_launch", "pointer_twin", "row_align", "sm_count", "tiles_of",
+    "new_output", "pick_config", "plan_launch", "pointer_twin", "prefetch_chunks", "row_align", "sm_count",
+    "tiles_of",
     "tma_ok",
 ]

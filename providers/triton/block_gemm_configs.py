@@ -67,6 +67,10 @@ class BlockTileConfig:
     - ``group_m``: ``mm``/``tma`` grouped tile order.
     - ``split_k``: ``swap``/``mm``: 1, a fixed count, or 0 (per launch, :func:`auto_split`).
     - ``persistent``: ``tma`` only, programs per SM walking the tiles (0: one program per tile).
+    - ``prefetch``: ``gemv``/``swap``/``mm``: each program asks L2 for its whole share of the weight (bulk
+      prefetches, no registers held) before it waits on the launch it depends on (PDL), so the weight streams while
+      the kernel before still runs; only with PDL (SM >= 9.0) and unit K stride, else the plain kernel. Name suffix
+      ``_pf``.
     """
 
     family: str
@@ -78,6 +82,7 @@ class BlockTileConfig:
     group_m: int = 8
     split_k: int = 1
     persistent: int = 0
+    prefetch: bool = False
     note: str = ""
 
     def __post_init__(self) -> None:
@@ -102,30 +107,35 @@ class BlockTileConfig:
             raise ValueError(f"{self.name}: only swap and mm configs split K")
         if self.persistent and self.family != "tma":
             raise ValueError(f"{self.name}: only tma configs can be persistent")
+        if self.prefetch and self.family == "tma":
+            raise ValueError(f"{self.name}: tma configs do not prefetch (their loads are TMA's)")
 
     @property
     def name(self) -> str:
+        pf = "_pf" if self.prefetch else ""
         if self.family == "gemv":
-            return f"gemv_n{self.block_n}_g{self.groups}_w{self.warps}"
+            return f"gemv_n{self.block_n}_g{self.groups}_w{self.warps}{pf}"
         g = f"_g{self.group_m}" if self.family in ("mm", "tma") else ""
         sk = f"_sk{self.split_k}" if self.family in ("swap", "mm") else ""
         p = f"_p{self.persistent}" if self.persistent else ""
-        return f"{self.family}_n{self.block_n}_m{self.block_m}_s{self.stages}_w{self.warps}{g}{sk}{p}"
+        return f"{self.family}_n{self.block_n}_m{self.block_m}_s{self.stages}_w{self.warps}{g}{sk}{p}{pf}"
 
     @classmethod
     def from_name(cls, name: str) -> BlockTileConfig:
         """The config a name spells (the inverse of :attr:`name`), e.g. ``mm_n64_m64_s4_w4_g8_sk7``: for configs that
         are not shipped (``bench/block_gemm.py --configs``). Raises ``ValueError`` on a name that spells none."""
-        gemv = re.fullmatch(r"gemv_n(\d+)_g(\d+)_w(\d+)", name)
+        gemv = re.fullmatch(r"gemv_n(\d+)_g(\d+)_w(\d+)(_pf)?", name)
         if gemv:
-            n, groups, warps = map(int, gemv.groups())
-            return cls("gemv", 1, n, 1, warps, groups=groups)
-        tiled = re.fullmatch(r"(swap|mm|tma)_n(\d+)_m(\d+)_s(\d+)_w(\d+)(?:_g(\d+))?(?:_sk(\d+))?(?:_p(\d+))?", name)
+            n, groups, warps = map(int, gemv.groups()[:3])
+            return cls("gemv", 1, n, 1, warps, groups=groups, prefetch=gemv.group(4) is not None)
+        tiled = re.fullmatch(r"(swap|mm|tma)_n(\d+)_m(\d+)_s(\d+)_w(\d+)(?:_g(\d+))?(?:_sk(\d+))?(?:_p(\d+))?(_pf)?",
+                             name)
         if tiled is None:
             raise ValueError(f"{name!r} spells no block GEMM config (e.g. mm_n128_m64_s4_w4_g8_sk0)")
-        family, n, m, stages, warps, group_m, split_k, persistent = tiled.groups()
+        family, n, m, stages, warps, group_m, split_k, persistent, pf = tiled.groups()
         cfg = cls(family, int(m), int(n), int(stages), int(warps), group_m=int(group_m or 8),
-                  split_k=int(split_k) if split_k is not None else 1, persistent=int(persistent or 0))
+                  split_k=int(split_k) if split_k is not None else 1, persistent=int(persistent or 0),
+                  prefetch=pf is not None)
         if cfg.name != name:
             raise ValueError(f"{name!r} is not spelled as its config's name {cfg.name!r}")
         return cfg

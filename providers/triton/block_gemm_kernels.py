@@ -36,6 +36,10 @@ Shared contract of the kernels (validated by the caller, :mod:`.block_gemm_ops`,
   next launch (or CUDA-graph replay) needs no memset. The counters are a per-stream buffer of the caller's.
 - ``USE_PDL``: programmatic dependent launch: each program waits for the grid it depends on (``gdc_wait``) before
   its first global read and then lets its dependents launch (``gdc_launch_dependents``).
+- ``PREFETCH`` (``gemv``/``swap``/``mm``; ``0``: off): before that wait, each program asks L2 for its whole share
+  of the weight (its rows over its K range, ``PREFETCH`` bulk prefetches a row, :func:`_prefetch_rows`): the weight
+  is no output of the launch before, so it streams while that launch still runs, and the K loop's loads find it in
+  L2. Only with PDL (SM >= 9.0, where the instruction exists) and a unit K stride (rows contiguous).
 - NaN: a NaN code or a NaN scale makes the outputs it reaches NaN, as the fp32 reference does.
 
 Kernels:
@@ -83,6 +87,37 @@ def _split_groups(split, kb_per_split, K, GROUP_K: tl.constexpr):
     kb_last = tl.minimum(kb_first + kb_per_split, tl.cdiv(K, GROUP_K))
     k_first = kb_first * GROUP_K
     return kb_first, kb_last, k_first
+
+
+#: one L2 bulk prefetch (SM >= 9.0) of ``$2`` bytes from ``$1``, widened to 16-byte bounds (what the instruction
+#: takes; an allocation's 16-byte granules lie wholly inside it), none where ``$2 <= 0``; ``$0`` is a dummy result
+_L2_PREFETCH_ASM = tl.constexpr("""{
+.reg .b64 lo, hi;
+.reg .b32 sz;
+.reg .pred on;
+setp.gt.s32 on, $2, 0;
+and.b64 lo, $1, 0xFFFFFFFFFFFFFFF0;
+cvt.s64.s32 hi, $2;
+add.s64 hi, hi, $1;
+add.s64 hi, hi, 15;
+and.b64 hi, hi, 0xFFFFFFFFFFFFFFF0;
+sub.s64 hi, hi, lo;
+cvt.u32.u64 sz, hi;
+@on cp.async.bulk.prefetch.L2.global [lo], sz;
+mov.u32 $0, 0;
+}""")
+
+
+@triton.jit
+def _prefetch_rows(row_ptrs, nbytes, CHUNKS: tl.constexpr):
+    """Ask L2 for ``nbytes`` contiguous bytes from each of ``row_ptrs [R]`` (a program's weight rows from its first
+    K column, unit K stride), in ``CHUNKS`` bulk prefetches a row: ``R · CHUNKS`` of them, about one a thread. No
+    registers stay held and nothing waits for the data; the K loop's loads then find it in L2 (or in flight)."""
+    chunk = tl.cdiv(nbytes, CHUNKS)
+    offs = tl.arange(0, CHUNKS) * chunk
+    sizes = tl.minimum(tl.maximum(nbytes - offs, 0), chunk)
+    tl.inline_asm_elementwise(_L2_PREFETCH_ASM, "=r,l,r", [row_ptrs[:, None] + offs[None, :], sizes[None, :]],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -179,7 +214,7 @@ def block_gemv_kernel(
     stride_xsm, stride_xsk, stride_wsn, stride_wsk, stride_b,
     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP_K: tl.constexpr, WBN: tl.constexpr, WBK: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, ROW_ALIGN: tl.constexpr, USE_PDL: tl.constexpr,
-    X_QUANT: tl.constexpr, FMAX: tl.constexpr,
+    X_QUANT: tl.constexpr, FMAX: tl.constexpr, PREFETCH: tl.constexpr = 0,
 ):
     """CUDA-core GEMV: ``BLOCK_N`` weight rows (within one weight block: ``WBN % BLOCK_N == 0``) against token
     ``program_id(1)``, ``GROUPS`` activation groups (``GROUPS · GROUP_K`` columns) per step, held as a
@@ -195,6 +230,8 @@ def block_gemv_kernel(
     x_ptrs = x_ptr + m.to(tl.int64) * stride_xm + cols * stride_xk
     xs_ptrs = xs_ptr + m.to(tl.int64) * stride_xsm + offs_g * stride_xsk
     ws_row = ws_ptr + ((pid_n * BLOCK_N) // WBN) * stride_wsn
+    if PREFETCH:
+        _prefetch_rows(w_ptr + rows_w * stride_wn, K, PREFETCH)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -226,7 +263,7 @@ def block_gemm_swap_kernel(
     stride_xsm, stride_xsk, stride_wsn, stride_wsk, stride_b,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr, WBN: tl.constexpr, WBK: tl.constexpr,
     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, ROW_ALIGN: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, PREFETCH: tl.constexpr = 0,
 ):
     """Swap-AB GEMM for small M: ``accᵀ[BLOCK_N, BLOCK_M] += (w_tile · x_tileᵀ) · x_scale · w_scale`` per group;
     ``BLOCK_N`` weight rows within one weight block (``WBN % BLOCK_N == 0``: the weight scale is one value per
@@ -246,6 +283,9 @@ def block_gemm_swap_kernel(
     xs_row = xs_ptr + rows_x * stride_xsm
     ws_row = ws_ptr + ((pid_n * BLOCK_N) // WBN) * stride_wsn
 
+    if PREFETCH:
+        _prefetch_rows(w_ptr + rows_w.to(tl.int64) * stride_wn + k_first,
+                       tl.minimum(kb_last * GROUP_K, K) - k_first, PREFETCH)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -308,7 +348,7 @@ def block_gemm_mm_kernel(
     stride_xsm, stride_xsk, stride_wsn, stride_wsk, stride_b,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr, WBN: tl.constexpr, WBK: tl.constexpr,
     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    ROW_ALIGN: tl.constexpr, USE_PDL: tl.constexpr,
+    ROW_ALIGN: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr = 0,
 ):
     """Tiled GEMM, one ``[BLOCK_M, BLOCK_N]`` tile per program (grouped order) and K split. ``BLOCK_N`` either
     divides ``WBN`` (one weight scale per step) or is a multiple of it (a vector). Grid ``(tiles, SPLIT_K)``."""
@@ -326,6 +366,9 @@ def block_gemm_mm_kernel(
     w_ptrs = w_ptr + rows_w.to(tl.int64)[None, :] * stride_wn + (k_first + offs_k)[:, None] * stride_wk  # wᵀ view
     xs_row = xs_ptr + rows_x * stride_xsm
 
+    if PREFETCH:
+        _prefetch_rows(w_ptr + rows_w.to(tl.int64) * stride_wn + k_first,
+                       tl.minimum(kb_last * GROUP_K, K) - k_first, PREFETCH)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
