@@ -39,7 +39,9 @@ Shared contract of the kernels (validated by the caller, :mod:`.block_gemm_ops`,
 - ``PREFETCH`` (``gemv``/``swap``/``mm``; ``0``: off): before that wait, each program asks L2 for its whole share
   of the weight (its rows over its K range, ``PREFETCH`` bulk prefetches a row, :func:`_prefetch_rows`): the weight
   is no output of the launch before, so it streams while that launch still runs, and the K loop's loads find it in
-  L2. Only with PDL (SM >= 9.0, where the instruction exists) and a unit K stride (rows contiguous).
+  L2. Only with PDL (SM >= 9.0, where the instruction exists) and a unit K stride (rows contiguous). A prefetch
+  moves no value into a register or L1: the loads after the wait read what L2 holds then, and L2 takes every store,
+  so a weight the launch before wrote (a state dict copied in) is still read right.
 - NaN: a NaN code or a NaN scale makes the outputs it reaches NaN, as the fp32 reference does.
 
 Kernels:
