@@ -384,6 +384,38 @@ def test_ignored_modules_stay_in_the_model_dtype(tmp_path):
         load_pretrained(bad, device="cpu")
 
 
+def test_modules_the_model_keeps_unquantized_load_as_stored(ckpt, tmp_path, monkeypatch):
+    """``transformers`` never quantizes a model's ``_keep_in_fp32_modules(_strict)`` (DeepSeek-V3.2's
+    ``indexer.weights_proj``), so a checkpoint may store one in bf16 while its config covers it: kept then, with the
+    reason in the summary, and the model's logits those of the stored tensors; the same checkpoint for a model
+    without the list is refused naming the tensor. At float16 the listed modules' parameters are float32, as
+    ``transformers`` loads them."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from fp8_backends.checkpoints.pretrained import build_skeleton
+
+    path = ckpt("hf_block")
+    down = "model.layers.0.mlp.down_proj"
+    state = load_file(str(path / "model.safetensors"))
+    dense = cp._dequantize(state[f"{down}.weight"], state[f"{down}.weight_scale_inv"].float()).to(torch.bfloat16)
+    plain = cp.edit_checkpoint(path, tmp_path / "plain", drop=(f"{down}.weight_scale_inv",),
+                               put={f"{down}.weight": dense})
+    with pytest.raises(CheckpointError, match=f"{down}.weight: .*its weight is BF16"):
+        load_pretrained(plain, device="cpu")
+    monkeypatch.setattr(transformers.LlamaForCausalLM, "_keep_in_fp32_modules", ["layers.0.mlp.down_proj"])
+    model, summary = load_pretrained(plain, device="cpu")
+    assert dict(summary.kept)[down] == "the model keeps it unquantized (_keep_in_fp32_modules: layers.0.mlp.down_proj)"
+    kept = model.get_submodule(down)
+    assert type(kept) is torch.nn.Linear and kept.weight.dtype == torch.bfloat16
+    assert isinstance(model.get_submodule("model.layers.1.mlp.down_proj"), Fp8Linear)
+    got = served_logits(model)
+    assert cp.rel_err(got, cp.reference_logits(plain, IDS, "group", dtype=torch.bfloat16)) < TIGHT
+    skeleton = build_skeleton(plain, torch.float16)
+    assert skeleton.get_submodule(down).weight.dtype == torch.float32
+    assert skeleton.get_submodule("model.layers.1.mlp.down_proj").weight.dtype == torch.float16
+
+
 # ------------------------------------------------------------------------------------------------ bad checkpoints
 def _edits(path: Path) -> list[tuple[str, dict, str]]:
     from safetensors.torch import load_file
@@ -442,6 +474,17 @@ def test_configs_of_no_or_another_format_and_malformed_files(ckpt, tmp_path):
         ({"config": {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"g": {
             "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group"},
             "input_activations": None}}, "format": "pack-quantized"}}}, "format 'pack-quantized'"),
+        ({"config": {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"g": {
+            "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}},
+            "ignore": ["lm_head", "re:model.layers.(0"], "format": "float-quantized"}}},
+         "ignore entry 're:model.layers.\\(0' is not a valid pattern"),
+        ({"config": {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"g": {
+            "targets": ["re:*proj"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}},
+            "format": "float-quantized"}}}, "targets entry 're:\\*proj' is not a valid pattern"),
+        ({"config": {"hidden_size": "64"}}, "transformers cannot read this config: .*hidden_size"),
+        ({"config": {"num_attention_heads": 7}}, "transformers cannot (read this config|build .* from this config)"),
     ]
     for i, (edit, message) in enumerate(cases):
         bad = cp.edit_checkpoint(base, tmp_path / str(i), **edit)

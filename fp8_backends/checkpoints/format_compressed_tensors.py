@@ -63,6 +63,12 @@ class CompressedTensorsFormat(QuantFormat):
                 self.targets.append((target, scheme, gname))
         if not self.targets:
             raise fail("config_groups name no targets", source)
+        for what, entry in [("ignore", i) for i in self.ignore] + [("targets", t[0]) for t in self.targets]:
+            if entry.startswith("re:"):
+                try:
+                    re.compile(entry[3:])
+                except re.error as exc:
+                    raise fail(f"{what} entry {entry!r} is not a valid pattern: {exc}", source) from None
         if qc.get("kv_cache_scheme"):
             self.notes.append("kv_cache_scheme: KV-cache scales are not used (the KV cache stays in the model dtype)")
 

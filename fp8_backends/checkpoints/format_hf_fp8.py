@@ -24,7 +24,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .formats import QuantFormat, fail, require_block, require_served_block, require_str_list
+from .formats import QuantFormat, fail, module_pattern, require_block, require_served_block, require_str_list
 from .schemes import Scheme
 
 WEIGHT_SCALE_NAMES = ("weight_scale_inv", "weight_scale")
@@ -74,11 +74,7 @@ class HfFp8Format(QuantFormat):
         self.soft_keep = ("lm_head",)
 
     def _skipped(self, name: str) -> str | None:
-        boundary = r"(?:(?<=\.)|(?=\.|$))"
-        for key in self.skip:
-            if re.match(rf"(?:{key}){boundary}", name) or name.endswith(key):
-                return key
-        return None
+        return module_pattern(name, self.skip)
 
     def scheme_for(self, name: str, classes: Sequence[str]) -> Scheme | None:
         if "Linear" not in classes or self._skipped(name) is not None:

@@ -9,6 +9,7 @@ the library cannot serve raises :class:`~fp8_backends.core.errors.CheckpointErro
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -47,6 +48,24 @@ class QuantFormat:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.description!r}, source={self.source!r})"
+
+
+def module_pattern(name: str, patterns: Sequence[str]) -> str | None:
+    """The first of ``patterns`` that names module ``name`` as ``transformers`` matches its skip lists
+    (``modules_to_not_convert``, ``_keep_in_fp32_modules``): as a regex from the start up to a module boundary
+    (``layers.1`` names ``layers.1.mlp``, not ``layers.11.mlp``; ``mlp.gate`` not ``mlp.gate_proj``), or as a suffix
+    (``fc1`` names ``model.layers.3.fc1``); ``None`` where none does. A pattern that is no valid regex names by its
+    suffix only (a config's own lists are checked when the config is read)."""
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    for key in patterns:
+        if name.endswith(key):
+            return key
+        try:
+            if re.match(rf"(?:{key}){boundary}", name):
+                return key
+        except re.error:
+            continue
+    return None
 
 
 def fail(message: str, source: str) -> CheckpointError:
@@ -103,5 +122,5 @@ def require_served_block(block: tuple[int, int], group: int, what: str, source: 
                f"this block-wise mode (served: {served})", source)
 
 
-__all__ = ["KV_CACHE_SCALES", "QuantFormat", "fail", "require_block", "require_mapping", "require_served_block",
-           "require_str_list", "served_block_modes"]
+__all__ = ["KV_CACHE_SCALES", "QuantFormat", "fail", "module_pattern", "require_block", "require_mapping",
+           "require_served_block", "require_str_list", "served_block_modes"]

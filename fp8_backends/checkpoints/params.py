@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..core.errors import CheckpointError
+from .formats import module_pattern
 from .plan import LinearInfo, LoadPlan
 from .shards import TensorMeta
 
@@ -34,14 +35,22 @@ class Holder:
 
 
 def linear_infos(model: nn.Module) -> list[LinearInfo]:
-    """Every ``nn.Linear`` (subclasses included, marked) of ``model``."""
+    """Every ``nn.Linear`` (subclasses included, marked) of ``model``, each with the entry of the model's
+    ``_keep_in_fp32_modules`` or ``_keep_in_fp32_modules_strict`` (``transformers`` class attributes: modules its
+    quantizers never convert) that names it, if one does."""
     from torch import nn
 
+    keep = []
+    for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
+        listed = getattr(model, attr, None)
+        if isinstance(listed, (list, tuple, set, frozenset)):
+            keep += sorted(k for k in listed if isinstance(k, str) and k)
     out = []
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
             out.append(LinearInfo(name, module.in_features, module.out_features, module.bias is not None,
-                                  tuple(c.__name__ for c in type(module).__mro__), type(module) is nn.Linear))
+                                  tuple(c.__name__ for c in type(module).__mro__), type(module) is nn.Linear,
+                                  model_keeps=module_pattern(name, keep) or ""))
     return out
 
 

@@ -30,7 +30,10 @@ FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 @dataclass(frozen=True)
 class LinearInfo:
     """One linear module of the model: its qualified name, ``K`` (in), ``N`` (out), bias presence, the names of its
-    class and base classes (``("Linear", "Module")``) and whether it is exactly ``nn.Linear``."""
+    class and base classes (``("Linear", "Module")``), whether it is exactly ``nn.Linear``, and ``model_keeps``: the
+    entry of the model's ``_keep_in_fp32_modules(_strict)`` that names it (``""``: none): ``transformers`` never
+    quantizes those, so a checkpoint may store them unquantized whatever its config covers; they are kept then (and
+    served in FP8 where stored in FP8)."""
 
     name: str
     k: int
@@ -38,6 +41,7 @@ class LinearInfo:
     bias: bool
     classes: tuple[str, ...] = ("Linear", "Module")
     plain: bool = True
+    model_keeps: str = ""
 
 
 @dataclass
@@ -120,8 +124,13 @@ def plan_linears(fmt: QuantFormat, linears: Iterable[LinearInfo], tensors: Mappi
         config_name = weight.key.rpartition(".")[0] if weight is not None and weight.stored else info.name
         scheme = fmt.scheme_for(config_name, info.classes)
         leaf = info.name.rpartition(".")[2]
-        if scheme is not None and leaf in fmt.soft_keep and (weight is None or weight.dtype != FP8_E4M3):
+        stored_plain = weight is None or weight.dtype != FP8_E4M3
+        if scheme is not None and leaf in fmt.soft_keep and stored_plain:
             plan.kept.append((info.name, f"{fmt.kind} keeps the output head in the model dtype"))
+            continue
+        if scheme is not None and info.model_keeps and stored_plain:
+            plan.kept.append((info.name, f"the model keeps it unquantized (_keep_in_fp32_modules: "
+                                         f"{info.model_keeps})"))
             continue
         if scheme is None:
             if weight is not None and weight.dtype in (FP8_E4M3, FP8_E5M2):

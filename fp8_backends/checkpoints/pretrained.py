@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -78,8 +79,8 @@ def build_skeleton(folder: Path, dtype: Any, model_class: Any = None, trust_remo
                           "pip install 'fp8-backends[checkpoints]'") from exc
     try:
         config = transformers.AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
-    except (ValueError, KeyError, TypeError, OSError) as exc:
-        raise CheckpointError(f"transformers cannot read this config: {exc}",
+    except Exception as exc:  # any failure to read it (huggingface_hub's field validation derives from Exception only)
+        raise CheckpointError(f"transformers cannot read this config: {type(exc).__name__}: {exc}",
                               file=str(folder / "config.json")) from None
     cls = model_class
     if isinstance(cls, str):
@@ -90,12 +91,48 @@ def build_skeleton(folder: Path, dtype: Any, model_class: Any = None, trust_remo
         arch = (getattr(config, "architectures", None) or [None])[0]
         cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
         cls = cls or transformers.AutoModelForCausalLM
-    with parameters_on_meta():
-        if hasattr(cls, "from_config"):
-            model = cls.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-        else:
-            model = cls._from_config(config, dtype=dtype)
+    try:
+        with parameters_on_meta():
+            if hasattr(cls, "from_config"):
+                model = cls.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+            else:
+                model = cls._from_config(config, dtype=dtype)
+    except Exception as exc:  # the config's values build no model (sizes that do not divide, a missing field)
+        raise CheckpointError(f"transformers cannot build {getattr(cls, '__name__', cls)} from this config: "
+                              f"{type(exc).__name__}: {exc}", file=str(folder / "config.json")) from None
+    upcast = keep_in_fp32(model, dtype)
+    if upcast:
+        logger.debug("load_pretrained: %d parameter(s) kept in float32 as transformers keeps them (%s, ...)",
+                     len(upcast), upcast[0])
     return model.eval()
+
+
+def keep_in_fp32(model: nn.Module, dtype: Any) -> list[str]:
+    """Make float32 the parameters ``transformers`` loads in float32 at ``dtype`` (its dtype plan: the model's
+    ``_keep_in_fp32_modules`` at float16, ``_keep_in_fp32_modules_strict`` at float16 and bfloat16; globs searched in
+    the parameter names), on the meta device before anything is loaded; returns their names. The checkpoint's
+    tensors are then converted to float32 for them (:func:`.params.assign_params` converts to each parameter's
+    dtype). A linear the checkpoint quantizes is served in FP8 whatever its dtype here."""
+    import torch
+
+    get_plan = getattr(model, "_get_dtype_plan", None)
+    try:
+        plan = get_plan(dtype) if callable(get_plan) else {}
+    except Exception:  # a remote-code model's own plan that cannot be built: the model dtype everywhere
+        return []
+    globs = [k for k, v in (plan or {}).items() if isinstance(k, str) and k and v == torch.float32]
+    if not globs:
+        return []
+    try:
+        pattern = re.compile("|".join(f"(?:{g.replace('*', '.*')})" for g in globs))
+    except re.error:
+        return []
+    upcast = []
+    for name, param in model.named_parameters():
+        if param.is_floating_point() and param.dtype != torch.float32 and pattern.search(name):
+            param.data = param.data.to(torch.float32)
+            upcast.append(name)
+    return upcast
 
 
 def load_pretrained(
