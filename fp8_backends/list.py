@@ -421,8 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         logger.removeHandler(handler)
     if args.json:
-        json.dump(data, sys.stdout, indent=2, sort_keys=False)
-        sys.stdout.write("\n")
+        # rendered whole before anything is written (a value JSON cannot hold, from a plugin, becomes its text)
+        sys.stdout.write(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
     else:
         print(render(data))
     # an explicit choice that cannot be resolved fails the listing; so does a configuration error (a bad

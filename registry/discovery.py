@@ -375,19 +375,35 @@ def _scan(kind: str, allowed: set[str] | None) -> list[ProviderEntry]:
                 if problem:
                     entry.status, entry.error, entry.cls = FAILED, problem, None
             entries.append(entry)
+    _fail_repeats(kind, entries)
     return entries
+
+
+def _fail_repeats(kind: str, entries: list[ProviderEntry]) -> None:
+    """One distribution that registers one name under two targets (a setup.py list allows it) cannot be told apart
+    by a qualified request (``DIST:NAME``): its first entry point serves; every later one is listed, blocked, saying
+    so (no request names it)."""
+    first: dict[tuple[str | None, str], ProviderEntry] = {}
+    for entry in entries:
+        key = (settings.canonical_dist(entry.dist) if entry.dist else None, entry.name)
+        kept = first.setdefault(key, entry)
+        if kept is not entry and kept.target != entry.target and entry.status == LOADED:
+            entry.status, entry.cls = BLOCKED, None
+            entry.error = (f"distribution {entry.dist} registers {kind} provider {entry.name!r} twice ({kept.target}"
+                           f" and {entry.target}): the first serves")
+            logger.warning("%s provider %s (%s) is not used: %s", kind, entry.name, entry.target, entry.error)
 
 
 #: what a provider name or alias may not contain (it is parsed out of ``[KIND:][DIST:]NAME[@opts]`` requests and lists)
 BAD_NAME_CHARS = re.compile(r"[:@,=\s]")
 #: the rule :func:`name_problem` applies, in words
-NAME_RULE = "a non-empty string without ':', '@', ',', '=' or spaces, and not 'auto'"
+NAME_RULE = "a non-empty string without ':', '@', ',', '=' or spaces, and not 'auto' in any case"
 
 
 def name_problem(name: Any) -> str | None:
     """Why ``name`` cannot name a provider (as its name or an alias: requests parse ``[DIST:]NAME[@key=value]`` and
     ``auto`` is the automatic choice), or None. The one rule for entry points and in-process registrations."""
-    if not isinstance(name, str) or not name or BAD_NAME_CHARS.search(name) or name == "auto":
+    if not isinstance(name, str) or not name or BAD_NAME_CHARS.search(name) or name.lower() == "auto":
         return f"{name!r} is not a valid provider name ({NAME_RULE})"
     return None
 
@@ -418,12 +434,16 @@ def options_problem(options: Any) -> str | None:
 
 
 def _attribute_problems(cls: type) -> str | None:
-    """Why the aliases or options of provider class ``cls`` (read by every listing, flag and resolution) are
-    malformed, or None."""
+    """Why the aliases, options, description or install hint of provider class ``cls`` (read by every listing, flag
+    and resolution) are malformed, or None."""
     try:
         aliases, options = getattr(cls, "aliases", ()), getattr(cls, "options", {})
+        texts = {what: getattr(cls, what, "") for what in ("description", "install_hint")}
     except Exception as exc:  # noqa: BLE001 - a plugin's attribute may raise anything
-        return f"reading its aliases or options raised {type(exc).__name__}: {exc}"
+        return f"reading its aliases, options, description or install hint raised {type(exc).__name__}: {exc}"
+    for what, text in texts.items():
+        if not isinstance(text, str):
+            return f"{what} must be a str (the listing shows it), got {type(text).__name__} {text!r}"
     return aliases_problem(aliases) or options_problem(options)
 
 
@@ -453,6 +473,9 @@ def _check_class(kind: str, ep_name: str, cls: Any) -> str | None:
         return f"capabilities must be a {record.__name__}, got {type(caps).__name__}"
     if not isinstance(priority, int) or isinstance(priority, bool):
         return f"capabilities.priority must be an int, got {priority!r}"
+    problems = caps.record_problems()
+    if problems:
+        return "malformed capabilities: " + "; ".join(problems)
     return None
 
 

@@ -190,7 +190,9 @@ def _consider(entry: ProviderEntry, problem: Any, platform: Platform, options=()
             _mark_unavailable(entry, reason)
         return Candidate(entry, [reason], fault=exc)
     try:
-        reasons = list(backend.supports(problem, platform))
+        from fp8_backends.core.backend import support_reasons
+
+        reasons = support_reasons(backend, problem, platform)
         if not reasons:
             explicit_only = backend.explicit_only_reason(problem, platform)
     except ConfigurationError as exc:
@@ -375,9 +377,9 @@ def _explain_named(res: Resolution, request: BackendRequest, selectable: list[Pr
     """An explicit request: evaluate only the entries it names; the others only for an error's alternatives."""
     kind, problem, platform, entries = res.kind, res.problem, res.platform, res.entries
     label = KIND_LABEL[kind]
-    matches = [e for e in selectable if e.matches(request.name, request.dist)]
+    matches = named_entries(selectable, request.name, request.dist)
     if not matches:
-        matches = [e for e in entries if e.matches(request.name, request.dist)]  # disabled or blocked ones
+        matches = named_entries(entries, request.name, request.dist)  # disabled or blocked ones
         if len(matches) > 1:
             res.error = BackendUnavailableError(
                 f"{label} backend {request.name!r} is not usable here: "
@@ -440,17 +442,57 @@ def display_name(entry: ProviderEntry, entries: Sequence[ProviderEntry]) -> str:
 
 
 def name_clashes(entries: Sequence[ProviderEntry]) -> dict[str, list[ProviderEntry]]:
-    """Names that several entries of ``entries`` register (by name, not alias), in rank order."""
-    if len({e.name for e in entries}) == len(entries):  # the usual case, at every resolution: no clash
+    """Requestable names that several entries of ``entries`` answer to, each with its entries in rank order: a name
+    several register, or an alias several plugins declare that no entry has as its name and no built-in declares
+    (a request names a provider's name before an alias, and a built-in's alias before a plugin's:
+    :func:`named_entries`)."""
+    names = {e.name for e in entries}
+    aliases = [a for e in entries for a in e.aliases if a not in names]
+    if len(names) == len(entries) and len(set(aliases)) == len(aliases):  # the usual case, at every resolution
         return {}
     by_name: dict[str, list[ProviderEntry]] = {}
+    by_alias: dict[str, list[ProviderEntry]] = {}
     for e in sorted(entries, key=rank_key):
         by_name.setdefault(e.name, []).append(e)
-    return {name: group for name, group in by_name.items() if len(group) > 1}
+        for a in dict.fromkeys(e.aliases):
+            if a not in names:
+                by_alias.setdefault(a, []).append(e)
+    clashes = {name: group for name, group in by_name.items() if len(group) > 1}
+    clashes.update({a: group for a, group in by_alias.items()
+                    if len(group) > 1 and not any(e.builtin for e in group)})
+    return clashes
+
+
+def named_entries(entries: Sequence[ProviderEntry], name: str, dist: str | None = None) -> list[ProviderEntry]:
+    """The entries a request for ``[dist:]name`` names: those registered under that name; where none is, those
+    that declare it as an alias, a built-in's alias before a plugin's. A plugin's alias equal to another provider's
+    name or to a built-in's alias (``torch``, ``cutlass``) so never takes it over, nor makes it ambiguous."""
+    matches = [e for e in entries if e.matches(name, dist)]
+    if len(matches) > 1:
+        for preferred in ([e for e in matches if e.name == name], [e for e in matches if e.builtin]):
+            if preferred:
+                return preferred
+    return matches
 
 
 def _warn_clashes(kind: str, selectable: Sequence[ProviderEntry]) -> None:
-    """One WARNING per clash and process: which distributions register the name, and how to pin or disable one."""
+    """One WARNING per clash and process: which distributions register the name, and how to pin or disable one;
+    and one per alias that is another provider's name or a built-in's alias (requests for it name that provider)."""
+    names = {e.name: e for e in selectable}
+    builtin_aliases = {a: e for e in selectable if e.builtin for a in e.aliases}
+    for e in selectable:
+        for alias in e.aliases:
+            owner = names.get(alias) or (None if e.builtin else builtin_aliases.get(alias))
+            if owner is None or owner is e:
+                continue
+            key = ("shadowed", kind, alias, e.qualified_name)
+            with _lock:
+                if key in _logged:
+                    continue
+                _logged.add(key)
+            logger.warning("%s provider %s declares the alias %r, a name of %s: a request for %r names %s",
+                           KIND_LABEL[kind], e.qualified_name, alias, owner.qualified_name, alias,
+                           owner.qualified_name)
     for name, group in name_clashes(selectable).items():
         key = ("clash", kind, name, tuple(e.qualified_name for e in group))
         with _lock:
@@ -461,11 +503,11 @@ def _warn_clashes(kind: str, selectable: Sequence[ProviderEntry]) -> None:
         pins = " or ".join(e.qualified_name for e in group)
         other = next((e for e in reversed(group) if not e.builtin), group[-1])  # suggest disabling a plugin
         off = f"{kind}:{other.qualified_name}"
+        how = "registered by several distributions" if group[0].name == name else "an alias of several providers"
         logger.warning(
-            "%s provider name %r is registered by several distributions: %s. auto ranks each like any other "
-            "provider (priority, built-ins first on a tie); to choose one by name, pin it as %s, or disable "
-            "one with %s=%s",
-            KIND_LABEL[kind], name, dists, pins, settings.DISABLED_ENV, off,
+            "%s provider name %r is %s: %s. auto ranks each like any other provider (priority, built-ins first on a "
+            "tie); to choose one by name, pin it as %s, or disable one with %s=%s",
+            KIND_LABEL[kind], name, how, dists, pins, settings.DISABLED_ENV, off,
         )
 
 
@@ -547,10 +589,9 @@ def _ambiguous(kind: str, name: str, entries: list[ProviderEntry]) -> AmbiguousB
     clash = [e for e in entries if e.name == name or name in e.aliases]
     dists = ", ".join(sorted(f"{e.dist} ({e.target})" for e in clash))
     qualified = " or ".join(sorted(e.qualified_name for e in clash))
-    return AmbiguousBackendError(
-        f"{KIND_LABEL[kind]} backend name {name!r} is registered by several distributions: {dists}; "
-        f"select one as {qualified}"
-    )
+    how = "registered by several distributions" if clash[0].name == name else "an alias of several providers"
+    return AmbiguousBackendError(f"{KIND_LABEL[kind]} backend name {name!r} is {how}: {dists}; select one as "
+                                 f"{qualified}")
 
 
 def _format_reasons(candidates: list[Candidate]) -> str:
@@ -622,11 +663,11 @@ def resolve_or_check(kind: str, backend: Any, problem: Any, platform: Platform |
     """A provider for ``problem``: a given provider instance (checked: it must serve ``problem``, then loaded with
     :meth:`~fp8_backends.core.backend.ProviderBase.ensure_preloaded`), else a request string or None (env var, else
     ``auto``) resolved by :func:`resolve`. Raises the library's errors."""
-    from fp8_backends.core.backend import Fp8GemmBackend, NormQuantBackend
+    from fp8_backends.core.backend import Fp8GemmBackend, NormQuantBackend, support_reasons
 
     base = Fp8GemmBackend if kind == "gemm" else NormQuantBackend
     if isinstance(backend, base):
-        reasons = backend.supports(problem, platform)
+        reasons = support_reasons(backend, problem, platform)
         if reasons:
             raise UnsupportedProblemError(
                 f"{KIND_LABEL[kind]} backend {backend.label!r} cannot serve {problem.describe()}:\n"

@@ -194,6 +194,99 @@ def test_refusals():
         unregister_provider(TopMM, dist="fake_plugin")
 
 
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("min_sm", (9,), "min_sm must be None or a \\(major, minor\\) pair"),
+    ("devices", frozenset({"cpu"}), "devices must be a frozenset of DeviceKind"),
+    ("devices", None, "devices must be a frozenset of DeviceKind"),
+    ("devices", frozenset(), "devices must name at least one DeviceKind"),
+    ("archs", ("sm90",), "archs entry 'sm90' is not an SM"),
+    ("k_align", 0, "k_align must be an int >= 1"),
+    ("weight_blocks", frozenset({128}), "weight_blocks must be a frozenset of \\(BN, BK\\) pairs"),
+    ("out_dtypes", frozenset({"bfloat16"}), "out_dtypes must be a frozenset of OutDtype"),
+])
+def test_a_malformed_capability_record_is_refused_and_never_listed(field, value, message):
+    """A record whose fields have the wrong types would break every listing and ranking that reads it: refused by
+    ``register_provider`` and marked failed by discovery (the same check), naming the field."""
+    caps = dataclasses.replace(TopMM.capabilities, **{field: value})
+    bad = type("BadCaps", (TopMM,), {"name": "bad_caps", "aliases": (), "capabilities": caps})
+    with pytest.raises(InvalidTypeError, match=f"malformed capabilities: .*{message}"):
+        register_provider(bad, dist="x")
+    assert "malformed capabilities" in discovery._check_class("gemm", "bad_caps", bad)
+
+
+def test_descriptions_reasons_and_reserved_names_of_plugins():
+    """A description that is no string is refused (the listing prints it); ``supports()`` answering a lone string
+    gives one reason, and anything but a list of strings (``None``: a missing return) a reason that says so, never
+    "can serve"; ``auto`` in any case is reserved."""
+    with pytest.raises(InvalidTypeError, match="description must be a str"):
+        register_provider(type("Desc", (TopMM,), {"name": "desc_mm", "aliases": (), "description": {"a"}}), dist="x")
+    for name in ("AUTO", "Auto"):
+        with pytest.raises(InvalidInputError, match="name"):
+            register_provider(type("Upper", (FakeMM,), {"name": name, "aliases": ()}), dist="x")
+    with pytest.raises(InvalidInputError, match="alias"):
+        register_provider(type("UpperAlias", (FakeMM,), {"name": "upper_alias", "aliases": ("Auto",)}), dist="x")
+
+    class OneString(TopMM):
+        name: ClassVar[str] = "one_string"
+        aliases: ClassVar[tuple[str, ...]] = ()
+
+        def supports(self, problem, platform=None):
+            return "needs libfoo"
+
+    class NoReturn(OneString):
+        name: ClassVar[str] = "no_return"
+
+        def supports(self, problem, platform=None):
+            return None
+
+    with register_provider(OneString, dist=FAKE_DIST), register_provider(NoReturn, dist=FAKE_DIST):
+        with pytest.raises(fp8_backends.Fp8BackendError) as err:
+            resolve_gemm_backend("one_string", problem=PROBLEM)
+        assert "needs libfoo" in str(err.value) and "- n\n" not in str(err.value)
+        with pytest.raises(fp8_backends.Fp8BackendError, match="supports\\(\\) returned None, not a list"):
+            resolve_gemm_backend("no_return", problem=PROBLEM)
+        with pytest.raises(fp8_backends.UnsupportedProblemError, match="supports\\(\\) returned None"):
+            resolution.resolve_or_check("gemm", NoReturn(), PROBLEM)
+        data = collect(cpu_platform())
+        listed = {p["name"]: p for p in data["providers"] if p["kind"] == "gemm"}
+        assert listed["one_string"]["reasons"] == ["needs libfoo"] and not listed["no_return"]["usable"]
+
+
+def test_an_alias_never_takes_a_name_and_alias_clashes_are_reported(caplog):
+    """A plugin's alias equal to a built-in's name or alias leaves requests for it to the built-in (with a warning);
+    an alias two plugins declare is a clash: ambiguous, warned about and listed."""
+    shadow = type("Shadow", (TopMM,), {"name": "shadow_mm", "aliases": ("torch", "cutlass", "shared")})
+    twin = type("Twin", (TopMM,), {"name": "twin_mm", "aliases": ("shared",)})
+    with register_provider(shadow, dist=FAKE_DIST), register_provider(twin, dist="other-plugin"):
+        with caplog.at_level(logging.WARNING, logger="fp8_backends"):
+            assert resolve_gemm_backend("torch", problem=PROBLEM).name == "torch_scaled_mm"
+            with pytest.raises(fp8_backends.Fp8BackendError) as err:  # the built-in, which cannot run on the CPU
+                resolve_gemm_backend("cutlass", problem=PROBLEM)
+            assert not isinstance(err.value, AmbiguousBackendError)
+            resolve_gemm_backend(problem=PROBLEM)
+        assert "declares the alias 'torch', a name of fp8-backends:torch_scaled_mm" in caplog.text
+        assert "declares the alias 'cutlass', a name of fp8-backends:cutlass" in caplog.text
+        assert "'shared' is an alias of several providers" in caplog.text
+        with pytest.raises(AmbiguousBackendError, match="'shared' is an alias of several providers"):
+            resolve_gemm_backend("shared", problem=PROBLEM)
+        assert resolve_gemm_backend("other-plugin:shared", problem=PROBLEM).name == "twin_mm"
+        clashes = collect(cpu_platform())["clashes"]["gemm"]
+        assert [c["name"] for c in clashes] == ["shared"]
+
+
+def test_one_distribution_registering_a_name_twice_serves_the_first():
+    """Two entry points of one distribution under one name (a setup.py list allows it): no qualified request could
+    tell them apart, so the first serves and the other is listed, blocked, saying why."""
+    first = discovery.ProviderEntry(kind="gemm", name="twice", target="pkg.m:A", dist="evil-fp8", dist_version="1",
+                                    status=discovery.LOADED)
+    second = dataclasses.replace(first, target="pkg.m:B")
+    other = dataclasses.replace(first, dist="good-fp8")
+    entries = [first, second, other]
+    discovery._fail_repeats("gemm", entries)
+    assert first.status == discovery.LOADED and other.status == discovery.LOADED
+    assert second.status == discovery.BLOCKED and "registers gemm provider 'twice' twice" in second.error
+
+
 def test_default_distribution_is_the_package_that_holds_the_class():
     import importlib.metadata
 

@@ -261,6 +261,18 @@ def _names(value: Any) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value)
 
 
+def support_reasons(backend: Any, problem: Any, platform: Any) -> list[str]:
+    """``backend.supports(problem, platform)`` as a list of strings: a lone string is one reason; anything but a
+    list or tuple of strings (``None``: an override that forgot its ``return``) is a reason of its own that says
+    what it returned, so a malformed answer never reads as "can serve". Exceptions propagate."""
+    value = backend.supports(problem, platform)
+    if isinstance(value, (list, tuple)) and all(isinstance(r, str) for r in value):
+        return list(value)
+    if isinstance(value, str):
+        return [value]
+    return [f"supports() returned {value!r}, not a list of reasons"]
+
+
 def reason_list(value: Any, what: str) -> list[str]:
     """The reasons a provider hook (``what``: ``"extra_reasons()"``, ...) returned, as a list of strings: a lone
     string is one reason (not one per character), None none; anything else is a reason of its own that says what the

@@ -37,6 +37,38 @@ def _parse_arch(text: str) -> tuple[int, int, str]:
     return int(major), int(minor or 0), suffix
 
 
+def _set_problem(value: object, kind: type, what: str, *, non_empty: bool = False) -> str | None:
+    """Why ``value`` is not a (frozen)set of ``kind`` values (non-empty where asked), or None."""
+    if not isinstance(value, (set, frozenset)) or not all(isinstance(v, kind) for v in value):
+        return f"{what} must be a frozenset of {kind.__name__}, got {value!r}"
+    if non_empty and not value:
+        return f"{what} must name at least one {kind.__name__}"
+    return None
+
+
+def _int_problem(value: object, what: str, low: int | None = None) -> str | None:
+    if not isinstance(value, int) or isinstance(value, bool) or (low is not None and value < low):
+        return f"{what} must be an int{'' if low is None else f' >= {low}'}, got {value!r}"
+    return None
+
+
+def _bool_problem(value: object, what: str) -> str | None:
+    return None if isinstance(value, bool) else f"{what} must be a bool, got {value!r}"
+
+
+def _sm_problem(value: object, what: str) -> str | None:
+    if value is None:
+        return None
+    if (not isinstance(value, tuple) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)):
+        return f"{what} must be None or a (major, minor) pair of ints, got {value!r}"
+    return None
+
+
+def _first(*problems: str | None) -> list[str]:
+    return [p for p in problems if p is not None]
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What every provider declares: where it runs and how it ranks.
@@ -55,6 +87,23 @@ class Capabilities:
     archs: tuple[str, ...] = ()
     pdl: bool = False
     priority: int = 0
+
+    def record_problems(self) -> list[str]:
+        """What is malformed in this record (field types and values; empty: nothing): discovery and
+        ``register_provider`` mark a provider with a malformed record unusable, naming these, before any listing or
+        ranking reads it."""
+        problems = _first(_set_problem(self.devices, DeviceKind, "devices", non_empty=True),
+                          _sm_problem(self.min_sm, "min_sm"), _sm_problem(self.max_sm, "max_sm"),
+                          _bool_problem(self.pdl, "pdl"), _int_problem(self.priority, "priority"))
+        if not isinstance(self.archs, (tuple, list)) or not all(isinstance(a, str) for a in self.archs):
+            problems.append(f"archs must be a tuple of strings such as '9.0a', got {self.archs!r}")
+        else:
+            for arch in self.archs:
+                try:
+                    _parse_arch(arch)
+                except ValueError:
+                    problems.append(f"archs entry {arch!r} is not an SM such as '9.0', '9.0a' or '10.0f'")
+        return problems
 
     def arch_summary(self) -> str:
         if self.archs:
@@ -135,6 +184,29 @@ class GemmCapabilities(Capabilities):
     group_sizes: frozenset[int] = frozenset()
     weight_blocks: frozenset[tuple[int, int]] = frozenset()
     group_scale_layout: ScaleLayout = ScaleLayout.ROW_MAJOR
+
+    def record_problems(self) -> list[str]:
+        problems = super().record_problems() + _first(
+            _set_problem(self.act_scales, ActScale, "act_scales"),
+            _set_problem(self.weight_scales, WeightScale, "weight_scales"),
+            _set_problem(self.input_dtypes, Fp8Dtype, "input_dtypes"),
+            _set_problem(self.out_dtypes, OutDtype, "out_dtypes"),
+            _bool_problem(self.mixed_inputs, "mixed_inputs"),
+            None if isinstance(self.bias, BiasMode) else f"bias must be a BiasMode, got {self.bias!r}",
+            _int_problem(self.k_align, "k_align", 1), _int_problem(self.n_align, "n_align", 1),
+            None if isinstance(self.align_reason, str) else f"align_reason must be a str, got {self.align_reason!r}",
+            _set_problem(self.align_devices, DeviceKind, "align_devices"),
+            _set_problem(self.group_sizes, int, "group_sizes"),
+            None if isinstance(self.group_scale_layout, ScaleLayout)
+            else f"group_scale_layout must be a ScaleLayout, got {self.group_scale_layout!r}")
+        if not problems and any(isinstance(g, bool) or g < 1 for g in self.group_sizes):
+            problems.append(f"group_sizes must be positive ints, got {sorted(self.group_sizes)!r}")
+        if not isinstance(self.weight_blocks, (set, frozenset)) or not all(
+                isinstance(b, tuple) and len(b) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v > 0
+                                                              for v in b) for b in self.weight_blocks):
+            problems.append(f"weight_blocks must be a frozenset of (BN, BK) pairs of positive ints, got "
+                            f"{self.weight_blocks!r}")
+        return problems
 
     @property
     def block_scaled(self) -> bool:
@@ -239,6 +311,16 @@ class NormQuantCapabilities(Capabilities):
     act_scales: frozenset[ActScale] = _fs(ActScale.PER_TENSOR_STATIC)
     group_sizes: frozenset[int] = frozenset()
     strided_rows: bool = False
+
+    def record_problems(self) -> list[str]:
+        problems = super().record_problems() + _first(
+            _set_problem(self.in_dtypes, OutDtype, "in_dtypes"), _set_problem(self.out_fp8, Fp8Dtype, "out_fp8"),
+            _bool_problem(self.residual, "residual"), _int_problem(self.hidden_align, "hidden_align", 1),
+            _set_problem(self.act_scales, ActScale, "act_scales"), _set_problem(self.group_sizes, int, "group_sizes"),
+            _bool_problem(self.strided_rows, "strided_rows"))
+        if not problems and any(isinstance(g, bool) or g < 1 for g in self.group_sizes):
+            problems.append(f"group_sizes must be positive ints, got {sorted(self.group_sizes)!r}")
+        return problems
 
     def check(self, problem: NormQuantProblem | None, platform: Platform) -> list[str]:
         if problem is None:
