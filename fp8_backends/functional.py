@@ -64,7 +64,7 @@ def fp8_linear(
       activation's ``orig_dtype``).
     """
     from .layers import Fp8Linear
-    from .layers.modules import NoBackward
+    from .layers.modules import no_backward
     from .registry.per_m import PerMGemm
 
     if isinstance(layer_or_weight, Fp8Linear):
@@ -117,7 +117,7 @@ def fp8_linear(
     # a composite picks its provider and prepared weight per M; otherwise the caller's provider and weight serve
     y = apply_fp8_linear(x, backend if kernel is None else kernel, layer_or_weight if kernel is None else None,
                          act_scale=mode, input_scale=input_scale, bias=bias, out_dtype=out, input_dtype=fp8_in)
-    return NoBackward.apply(y) if y.requires_grad else y  # no backward: as Fp8Linear's
+    return no_backward(y, x)  # no backward: as Fp8Linear's
 
 
 __all__ = ["apply_fp8_linear", "fp8_linear"]

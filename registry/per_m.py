@@ -227,6 +227,7 @@ def init_fp8_gemm(
     if not isinstance(problem, GemmProblem):
         raise InvalidInputError(f"init_fp8_gemm needs problem=GemmProblem(...), got {type(problem).__name__}")
     problem = problem.with_m(None)
+    _check_weight_fits(w_q, w_scale, problem)
     objective = layer_objective(objective)
     if default is None:
         default = resolution.resolve_or_check("gemm", backend, problem, platform)  # M unknown: every objective agrees
@@ -244,6 +245,37 @@ def init_fp8_gemm(
     kernel = PerMGemm.prepare(default, w_q, w_scale, table, graph_table, objective, **weight_kw)
     logger.debug("GEMM %dx%d prepared for %s (%s)", kernel.n, kernel.k, kernel.describe(), problem.describe())
     return kernel
+
+
+def _check_weight_fits(w_q: Any, w_scale: Any, problem: GemmProblem) -> None:
+    """Raise :class:`InvalidInputError` where ``w_q [N, K]`` / ``w_scale`` are not the weight ``problem`` describes
+    (its N and K; one scale per tensor, per output row, or per ``block``): resolution chose providers for the
+    problem, so a weight of another shape or scale mode must not be prepared in its place. The providers'
+    ``prepare_weight`` checks the rest (dtypes, layouts, values)."""
+    import torch
+
+    from fp8_backends.core.types import WeightScale
+
+    if not isinstance(w_q, torch.Tensor) or w_q.dim() != 2:
+        raise InvalidInputError(f"w_q must be a 2-D [N, K] tensor, got "
+                                f"{tuple(w_q.shape) if isinstance(w_q, torch.Tensor) else type(w_q).__name__}")
+    if tuple(w_q.shape) != (problem.n, problem.k):
+        raise InvalidInputError(f"w_q is {list(w_q.shape)} but the problem's weight is [N={problem.n}, K={problem.k}]")
+    if not isinstance(w_scale, torch.Tensor):
+        raise InvalidInputError(f"w_scale must be a tensor, got {type(w_scale).__name__}")
+    mode = problem.weight_scale
+    if mode is WeightScale.BLOCK:
+        bn, bk = problem.weight_block
+        want = (-(-problem.n // bn), -(-problem.k // bk))
+        if tuple(w_scale.shape) != want:
+            raise InvalidInputError(f"w_scale is {list(w_scale.shape)} but {bn}x{bk} blocks of a [{problem.n}, "
+                                    f"{problem.k}] weight take {list(want)}")
+    elif mode is WeightScale.PER_TENSOR and w_scale.numel() != 1:
+        raise InvalidInputError(f"w_scale holds {w_scale.numel()} values but the problem's weight scale is per-tensor "
+                                "(one value)")
+    elif mode is WeightScale.PER_CHANNEL and (w_scale.numel() != problem.n or w_scale.dim() > 2):
+        raise InvalidInputError(f"w_scale is {list(w_scale.shape)} but the problem's weight scale is per-channel "
+                                f"(one value per output row: [{problem.n}])")
 
 
 __all__ = ["ANY_M", "PerMGemm", "PerMRow", "capturing", "init_fp8_gemm", "layer_objective"]

@@ -436,3 +436,68 @@ def test_gpu_compiled_torch_scaled_mm_block_layer_calls_scaled_mm_itself():
         assert torch.equal(y, layer(x)) or _rel(y, layer(x)) < 1e-3, m
         code = "\n".join(codes)
         assert "_scaled_mm" in code and "scaled_mm_block" not in code, m
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs a GPU or Triton's interpreter (TRITON_INTERPRET=1: conftest.py sets it)")
+@pytest.mark.parametrize("m", [1, 4])
+def test_an_op_provider_s_layer_refuses_a_backward_too(m):
+    """An op provider's kernel writes the output outside autograd (it never requires grad), so the layer ties it to
+    its input: a backward through a ``triton`` layer (the fused one-token GEMV and the quantize-then-GEMM path) and
+    through ``fp8_linear`` raises the library's error, never a gradient without the layer's share."""
+    import fp8_backends
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    layer = Fp8Linear.from_linear(_linear(256, 384).to(dev), weight_scale="block", backend="triton")
+    x = torch.randn(m, 384, dtype=torch.bfloat16, device=dev, requires_grad=True)
+    y = layer(x)
+    assert y.requires_grad
+    with pytest.raises(InvalidInputError, match="FP8 layers have no backward"):
+        (y.float().sum() + x.float().sum()).backward()
+    y2 = fp8_backends.fp8_linear(x, layer.prepared, backend=layer.gemm_backend, act_scale="per_token_group")
+    with pytest.raises(InvalidInputError, match="FP8 layers have no backward"):
+        y2.float().sum().backward()
+    with torch.no_grad():
+        assert not layer(x).requires_grad
+
+
+def test_a_norm_processed_before_its_block_consumer_and_a_weight_not_the_problem_s():
+    """The norm feeding a block layer resolves before that layer is processed (its layout is read at the forward,
+    which refuses an unprocessed consumer); ``init_fp8_gemm`` refuses a weight that is not the problem's (N, K, or
+    its scale mode) instead of preparing it in the problem's place."""
+    import fp8_backends
+    from fp8_backends.core.types import GemmProblem
+
+    lin = Fp8Linear(320, 192, weight_scale="block", backend="torch")
+    norm = RMSNormFp8Quant(320, quant_linear=lin)
+    norm.process_weights_after_loading()
+    with pytest.raises(InvalidInputError, match="quant_linear is not processed"):
+        norm(torch.randn(2, 320, dtype=torch.bfloat16))
+    w_q, w_s = reference.quantize_block(torch.randn(256, 384))
+    block = dict(act_scale="per_token_group", weight_scale="block", weight_block=(128, 128), group_size=128,
+                 device="cpu")
+    for problem, message in ((GemmProblem(n=1000, k=384, **block), "N=1000, K=384"),
+                             (GemmProblem(n=256, k=384, device="cpu"), "per-tensor"),
+                             (GemmProblem(n=256, k=384, act_scale="per_token", weight_scale="per_channel",
+                                          device="cpu"), "per-channel")):
+        with pytest.raises(InvalidInputError, match=message):
+            fp8_backends.init_fp8_gemm(w_q, w_s, problem=problem, backend="torch")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs a GPU or Triton's interpreter (TRITON_INTERPRET=1: conftest.py sets it)")
+def test_an_activation_type_the_provider_cannot_pair_is_refused_before_quantizing(monkeypatch):
+    import fp8_backends
+    from fp8_backends import quant
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    backend = fp8_backends.resolve_gemm_backend("triton")
+    w_q, w_s = reference.quantize_block(torch.randn(256, 384))
+    prepared = backend.prepare_weight(w_q.to(dev), w_s.to(dev), block=(128, 128))
+    calls = []
+    real = quant.quantize_checked
+    monkeypatch.setattr(quant, "quantize_checked", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with pytest.raises(InvalidInputError, match="same FP8 type"):
+        fp8_backends.fp8_linear(torch.randn(3, 384, device=dev), prepared, backend=backend,
+                                act_scale="per_token_group", input_dtype="e5m2")
+    assert calls == []

@@ -603,6 +603,18 @@ class Fp8GemmBackend(ProviderBase):
             return None
         return out
 
+    def check_input_dtype(self, x_dtype: Fp8Dtype, weight_dtype: Fp8Dtype) -> None:
+        """Raise :class:`InvalidInputError` where this provider cannot take ``x_dtype`` activations against a
+        ``weight_dtype`` weight (its ``input_dtypes``, ``mixed_inputs``): what :meth:`validate_gemm_inputs` checks of
+        ``x_q``, askable before the activation is quantized."""
+        caps = self.capabilities
+        if x_dtype not in caps.input_dtypes:
+            raise InvalidInputError(f"{self.name} does not support x_q dtype {x_dtype.value}")
+        if x_dtype is not weight_dtype and not caps.mixed_inputs:
+            raise InvalidInputError(
+                f"{self.name} needs x_q and the weight in the same FP8 type ({x_dtype.value} vs {weight_dtype.value})"
+            )
+
     def validate_gemm_inputs(
         self,
         x_q: torch.Tensor,
@@ -625,14 +637,8 @@ class Fp8GemmBackend(ProviderBase):
         m, k = x_q.shape
         if k != prepared.k:
             raise InvalidInputError(f"x_q has K={k} but the weight has K={prepared.k}")
+        self.check_input_dtype(x_dtype, prepared.dtype)
         caps = self.capabilities
-        if x_dtype not in caps.input_dtypes:
-            raise InvalidInputError(f"{self.name} does not support x_q dtype {x_dtype.value}")
-        if x_dtype is not prepared.dtype and not caps.mixed_inputs:
-            raise InvalidInputError(
-                f"{self.name} needs x_q and the weight in the same FP8 type "
-                f"({x_dtype.value} vs {prepared.dtype.value})"
-            )
         V.require_fp32_scale(x_scale, "x_scale")
         V.require_same_device(x_scale, "x_scale", device)
         if prepared.block is not None:

@@ -76,6 +76,8 @@ def apply_fp8_linear(
         lead = x.data.shape[:-1]
     else:
         out = check_activation(x, k, out_dtype, act_scale, input_scale)
+        # the activation's FP8 type against the provider before it is quantized (no kernel for a refused call)
+        layout_of.check_input_dtype(input_dtype, (kernel.prepared if kernel is not None else prepared).dtype)
         lead = x.shape[:-1]
         if x.numel() == 0:
             return _empty(lead, n, out, x.device)

@@ -175,13 +175,26 @@ class NoBackward(torch.autograd.Function):
     gradient the library defines: a wrong one must not flow silently)."""
 
     @staticmethod
-    def forward(ctx: Any, y: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, y: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
         return y.view_as(y)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
         raise InvalidInputError("FP8 layers have no backward: run them under torch.no_grad() or "
                                 "torch.inference_mode() (inference only)")
+
+
+def no_backward(y: torch.Tensor, x: Any) -> torch.Tensor:
+    """``y``, the output of an FP8 layer on ``x`` (a tensor or a :class:`QuantizedActivation`), tied to ``x`` through
+    :class:`NoBackward` where autograd would differentiate it (grad mode on and ``x`` or ``y`` requiring grad): a
+    backward then raises the library's error. A kernel writes ``y`` outside autograd (an op provider's output never
+    requires grad), so ``y`` alone cannot tell: the input does."""
+    if not torch.is_grad_enabled():
+        return y
+    data = x.data if isinstance(x, QuantizedActivation) else x
+    if y.requires_grad or (isinstance(data, torch.Tensor) and data.requires_grad):
+        return NoBackward.apply(y, data) if isinstance(data, torch.Tensor) else NoBackward.apply(y)
+    return y
 
 
 class Fp8Linear(nn.Module):
@@ -757,7 +770,7 @@ class Fp8Linear(nn.Module):
             traced = self._traced
             if traced is not None:
                 y = traced(x)
-                return NoBackward.apply(y) if y.requires_grad else y
+                return no_backward(y, x)
         elif not _dispatch_modes():
             plan = self._plan
             if plan is None and self.kernel is not None:  # a copy or an unpickled layer: bind again
@@ -765,7 +778,7 @@ class Fp8Linear(nn.Module):
             if plan is not None:
                 y = plan(x)
                 if y is not None:
-                    return NoBackward.apply(y) if y.requires_grad else y
+                    return no_backward(y, x)
         kernel = self.kernel
         if kernel is None:
             raise InvalidInputError("Fp8Linear: call process_weights_after_loading() before the first forward (and "
@@ -776,7 +789,7 @@ class Fp8Linear(nn.Module):
             raise InvalidInputError(f"input is on {data.device} but the layer's weight is on {self.weight.device}")
         y = apply_fp8_linear(x, kernel, act_scale=self.act_scale, input_scale=self.input_scale, bias=self.bias,
                              out_dtype=self.out_dtype, input_dtype=self.input_dtype)
-        return NoBackward.apply(y) if y.requires_grad else y
+        return no_backward(y, x)
 
     def extra_repr(self) -> str:
         parts = [f"in_features={self.in_features}", f"out_features={self.out_features}",
@@ -936,8 +949,7 @@ class RMSNormFp8Quant(nn.Module):
             return
         lin = self.quant_linear
         assert lin is not None
-        group = _dynamic_args(lin)
-        group.pop("scale_layout", None)
+        group = _dynamic_args(lin, layout=False)  # the consumer may be processed after this norm
         problem = NormQuantProblem(hidden=self.hidden_size, in_dtype=self.weight.dtype, out_fp8=lin.input_dtype,
                                    residual=False, device=DeviceKind(self.weight.device.type), **group)
         self.norm_backend = _resolve_norm(self.backend_request, problem)
@@ -1077,14 +1089,17 @@ class RMSNormFp8Quant(nn.Module):
 _NORM_QUANT_MODES = frozenset({ActScale.PER_TENSOR_STATIC, ActScale.PER_TOKEN, ActScale.PER_TOKEN_GROUP})
 
 
-def _dynamic_args(lin: Fp8Linear) -> dict[str, Any]:
+def _dynamic_args(lin: Fp8Linear, layout: bool = True) -> dict[str, Any]:
     """The norm-quant keyword arguments of ``lin``'s dynamic activation mode (``{}`` for a static consumer):
-    per-token scales ``[T, 1]``, or per-token-group scales in the layout ``lin``'s GEMM provider declares."""
+    per-token scales ``[T, 1]``, or per-token-group scales in the layout ``lin``'s GEMM provider declares
+    (``layout``: with that layout, which needs ``lin`` processed)."""
     if lin.act_scale is ActScale.PER_TOKEN:
         return {"act_scale": ActScale.PER_TOKEN}
     if lin.act_scale is ActScale.PER_TOKEN_GROUP:
-        return {"act_scale": ActScale.PER_TOKEN_GROUP, "group_size": lin.group_size,
-                "scale_layout": lin.gemm_backend.capabilities.group_scale_layout}
+        group = {"act_scale": ActScale.PER_TOKEN_GROUP, "group_size": lin.group_size}
+        if layout:
+            group["scale_layout"] = lin.gemm_backend.capabilities.group_scale_layout
+        return group
     return {}
 
 
