@@ -51,8 +51,12 @@ from .layers.shared_input import Fp8LinearSlice, SharedInputGroup, version_of
 
 logger = logging.getLogger("fp8_backends")
 
-#: default ``skip`` patterns: the output head and embedding-like modules (fnmatch, on the full name or its last part)
-DEFAULT_SKIP: tuple[str, ...] = ("lm_head", "*embed*")
+#: default ``skip`` patterns (fnmatch, on the full name or its last part): the output head, embedding-like modules,
+#: and MoE routers and gates (``gate``, ``*router*``, ``*_gate``: Mixtral's / OLMoE's ``gate``, JetMoE's and DBRX's
+#: ``router.layer``, Qwen2-MoE's ``shared_expert_gate``), whose expert choice stays in the model dtype as engines and
+#: ``load_pretrained`` keep it (in FP8 a few percent of tokens pick other experts). A gated MLP's ``gate_proj`` is
+#: quantized.
+DEFAULT_SKIP: tuple[str, ...] = ("lm_head", "*embed*", "gate", "*router*", "*_gate")
 
 #: default ``fuse`` groups: the leaf names of sibling linears that read one input in common model code (attention's
 #: query / key / value, a gated MLP's gate and up projections)

@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from torch import nn  # noqa: E402
 
+import fp8_backends.layers  # noqa: E402
 from fp8_backends import QuantizeSummary, quantize_model  # noqa: E402
 from fp8_backends.core import reference  # noqa: E402
 from fp8_backends.core.errors import InvalidInputError, UnsupportedProblemError  # noqa: E402
@@ -506,3 +507,47 @@ def test_transformers_conv1d_is_listed_as_kept():
     summary = quantize_model(transformers.GPT2LMHeadModel(config), backend="torch")
     kept = dict(summary.skipped)
     assert "Conv1D" in kept["transformer.h.0.attn.c_attn"] and summary.count == 0
+
+
+def test_moe_routers_and_gates_stay_in_the_model_dtype():
+    """The default skip keeps MoE routers and gates (``gate``, ``*router*``, ``*_gate``) in the model dtype, as
+    engines do: their expert choice must not move with FP8 rounding. A gated MLP's ``gate_proj`` is quantized."""
+    mlp = nn.Module()
+    mlp.gate = nn.Linear(64, 8, bias=False, dtype=torch.bfloat16)  # Mixtral / OLMoE router
+    mlp.router = nn.Module()
+    mlp.router.layer = nn.Linear(64, 8, bias=False, dtype=torch.bfloat16)  # JetMoE / DBRX
+    mlp.shared_expert_gate = nn.Linear(64, 1, bias=False, dtype=torch.bfloat16)  # Qwen2-MoE
+    mlp.gate_proj = nn.Linear(64, 128, bias=False, dtype=torch.bfloat16)
+    model = nn.Sequential()
+    model.add_module("mlp", mlp)
+    summary = quantize_model(model)
+    assert [s.name for s in summary.swapped] == ["mlp.gate_proj"]
+    assert {name for name, why in summary.skipped if why == "matches skip"} == {
+        "mlp.gate", "mlp.router.layer", "mlp.shared_expert_gate"}
+    assert type(mlp.gate) is nn.Linear and type(mlp.router.layer) is nn.Linear
+
+
+def test_a_replaced_weight_unprocesses_the_layer_and_a_bf16_state_dict_is_refused():
+    """``tie_weights()`` (or any assignment) putting another tensor in place of a processed layer's weight: the
+    next forward asks for processing instead of running the stale FP8 weight; a bf16 model's state dict loaded into
+    the quantized one is refused (torch would cast its values into the FP8 buffer, unscaled)."""
+    model = _tiny("llama")
+    bf16_state = copy.deepcopy(model.state_dict())
+    quantize_model(model)
+    x = torch.randint(0, 128, (1, 6))
+    model(x)
+    q = model.model.layers[0].self_attn.o_proj
+    assert q.is_processed
+    q.weight = q.weight.clone()
+    assert not q.is_processed
+    with pytest.raises(InvalidInputError, match="process_weights_after_loading"):
+        model(x)
+    fp8_backends.layers.process_weights_after_loading(model)
+    model(x)
+    with pytest.raises(InvalidInputError, match=r"state dict entry model\.layers\.\d\.\S+\.weight must be float8"):
+        model.load_state_dict(bf16_state, strict=False)
+    tied = copy.deepcopy(model)
+    tied.lm_head = fp8_backends.layers.Fp8Linear.from_linear(nn.Linear(64, 128, bias=False, dtype=torch.bfloat16))
+    tied.lm_head.weight = tied.model.embed_tokens.weight  # what tie_weights() does
+    with pytest.raises(InvalidInputError, match="process_weights_after_loading"):
+        tied(x)

@@ -431,6 +431,13 @@ def _block_scaled(lin: Any) -> bool:
     return lin.weight_block == (128, 128) and lin.group_size == 128
 
 
+def _put(lin: Any, attr: str, value: torch.Tensor) -> None:
+    """Make ``value`` ``lin``'s buffer ``attr`` without the layer's own assignment rule (an assigned weight or scale
+    makes a processed layer unprocessed): the stack's views hold the same values, and the callers decide whether
+    the layer is processed again."""
+    lin._buffers[attr] = value
+
+
 def _take_scale(lin: Any, scale: torch.Tensor) -> None:
     """Copy ``lin``'s weight scales into the stack's view ``scale`` and make that view its buffer: block scales as
     they are; per-tensor or per-row scales (one value, or one per row) written over the linear's rows, the linear
@@ -438,10 +445,10 @@ def _take_scale(lin: Any, scale: torch.Tensor) -> None:
     own = lin.weight_scale
     if scale.dim() == 2:
         scale.copy_(own)
-        lin.weight_scale = scale
+        _put(lin, "weight_scale", scale)
         return
     scale.copy_(own.reshape(-1).expand(scale.shape[0]) if own.numel() == 1 else own.reshape(-1))
-    lin.weight_scale = scale[:1] if own.numel() == 1 else scale.view(own.shape)
+    _put(lin, "weight_scale", scale[:1] if own.numel() == 1 else scale.view(own.shape))
 
 
 def _move_into(lin: Any, weight: torch.Tensor, scale: torch.Tensor) -> None:
@@ -449,7 +456,7 @@ def _move_into(lin: Any, weight: torch.Tensor, scale: torch.Tensor) -> None:
     those its buffers (processed again when it had been: its prepared weight held the old tensor)."""
     weight.copy_(lin.weight)
     _take_scale(lin, scale)
-    lin.weight = weight
+    _put(lin, "weight", weight)
     if lin.kernel is not None:
         lin.kernel = lin._plan = lin._traced = None
         lin.process_weights_after_loading()
@@ -460,7 +467,7 @@ def _point_at(lin: Any, old: StackedExperts, new: StackedExperts) -> None:
     for attr in ("weight", "weight_scale"):
         t = getattr(lin, attr)
         index = next(i for i, b in enumerate(old) if t._base is b)
-        setattr(lin, attr, new[index].as_strided(t.size(), t.stride(), t.storage_offset()))
+        _put(lin, attr, new[index].as_strided(t.size(), t.stride(), t.storage_offset()))
 
 
 def stack_expert_weights(model: nn.Module) -> list[str]:

@@ -197,6 +197,10 @@ def no_backward(y: torch.Tensor, x: Any) -> torch.Tensor:
     return y
 
 
+#: the tensors an :class:`Fp8Linear`'s prepared weight is made from (replacing one makes the layer unprocessed)
+_WEIGHT_TENSORS = frozenset({"weight", "weight_scale", "input_scale", "bias"})
+
+
 class Fp8Linear(nn.Module):
     """``y = x @ Wᵀ (+ bias)`` with ``W = w_q · s_w`` in FP8 and the activation quantized to FP8.
 
@@ -567,6 +571,17 @@ class Fp8Linear(nn.Module):
             self.kernel = self._plan = self._traced = None
             self._rebind_norms()
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # a tensor put in place of a processed layer's weight or scales (transformers' tie_weights() making lm_head
+        # share the embedding, a user's assignment): the prepared weight is stale, and the next forward says so
+        if name in _WEIGHT_TENSORS and self.__dict__.get("kernel") is not None:
+            current = self._buffers.get(name, self._parameters.get(name))
+            super().__setattr__(name, value)
+            if value is not current:
+                self._mark_loaded()
+            return
+        super().__setattr__(name, value)
+
     def _rebind_norms(self) -> None:
         """The fused norms feeding this layer bind their traced call to its traced plan's input-scale alias: bind them
         again whenever that plan changes (or drop theirs while this layer has none)."""
@@ -574,6 +589,11 @@ class Fp8Linear(nn.Module):
             norm._bind_traced_norm()
 
     def _load_from_state_dict(self, state_dict, prefix, *args: Any, **kwargs: Any) -> None:
+        # a weight that is no FP8 of this layer's type (a bf16 model's state dict loaded into the quantized one):
+        # torch would cast its values into the FP8 buffer, unscaled, and the model would be silently wrong
+        weight = state_dict.get(prefix + "weight")
+        if isinstance(weight, torch.Tensor):
+            self._check_weight(weight, self.out_features, f"state dict entry {prefix}weight")
         # a processed layer's state dict holds the final scale shapes ([1] after requantizing or
         # reducing the shards' input scales): take those shapes over as loaded
         for name in ("weight_scale", "input_scale"):
