@@ -158,6 +158,10 @@ def pack(doc: Mapping[str, Any], *, exclude: Sequence[str] = (), partial: bool =
     if not partial and isinstance(expected, int) and len(entries) < expected:
         raise DataFileError("<lockfile>", [f"the grid has {expected} problems but only {len(entries)} are measured: "
                                            "resume the tuning (or pack --partial)"])
+    bad = [f"entry {key}: {why}" for key, e in entries.items() for why in lockfile.entry_problems(e)]
+    bad += [why for key, e in entries.items() for why in shipped_data.ranking_problems(key, e)]
+    if bad:  # before anything reads them (re-deciding, excluding by label)
+        raise DataFileError("<lockfile>", bad[:20] + ([f"... and {len(bad) - 20} more"] if len(bad) > 20 else []))
     if exclude:
         entries = exclude_models(entries, exclude)
     if tie_margin is not None:

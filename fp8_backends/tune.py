@@ -45,6 +45,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from fp8_backends.core import settings
 from fp8_backends.core.types import ActScale, WeightScale
 from fp8_backends.registry import lockfile
 from fp8_backends.registry.discovery import discover as discover_entries
@@ -317,7 +318,10 @@ def main(argv: list[str] | None = None, *, timer: Timer | None = None) -> int:
         if path.is_dir():
             ap.error(f"--lockfile {path} is a folder: name a file (e.g. {path / 'fp8_backends.lock.json'})")
     else:
-        path = lockfile.lockfile_path() or lockfile.default_lockfile_path()
+        path = lockfile.lockfile_path()
+        if path is None:  # FP8_BACKENDS_LOCKFILE=off: auto would never read what this run wrote
+            ap.error(f"{settings.LOCKFILE_ENV} is off, so auto reads no lockfile: name one with --lockfile (and point "
+                     f"{settings.LOCKFILE_ENV} at it to use it), or measure without writing (--no-write)")
     problem = None if path is None else lockfile.lock_problem(path)
     if problem is not None:
         ap.error(f"lockfile {path}: {problem} (name another --lockfile, or --no-write)")

@@ -356,6 +356,9 @@ def entry_problems(entry: Any) -> list[str]:
     margin = entry.get("tie_margin", DEFAULT_TIE_MARGIN)
     if isinstance(margin, bool) or not isinstance(margin, (int, float)):
         out.append("'tie_margin' is not a number")
+    labels = entry.get("labels", [])
+    if not isinstance(labels, list) or not all(isinstance(label, str) for label in labels):
+        out.append("'labels' is not a list of strings")
     return out
 
 

@@ -178,7 +178,8 @@ def _consider(entry: ProviderEntry, problem: Any, platform: Platform, options=()
         return Candidate(entry, [f"disabled by {settings.DISABLED_ENV}"])
     avail = entry.availability()
     if not avail.ok:
-        return Candidate(entry, _unavailable_reasons(entry, avail, problem, platform))
+        error = avail.error if isinstance(avail.error, ConfigurationError) else None
+        return Candidate(entry, _unavailable_reasons(entry, avail, problem, platform), fault=error)
     explicit_only = None
     try:
         backend = provider_instance(entry, options)
@@ -303,7 +304,13 @@ class _Choice(NamedTuple):
 
 
 def _explain_auto(res: Resolution) -> Resolution:
-    """``auto``: evaluate every provider, then climb :func:`_auto_ladder`."""
+    """``auto``: evaluate every provider, then climb :func:`_auto_ladder`. A provider's configuration error (a bad
+    ``FP8_BACKENDS_TRITON_TABLE``, ...) is the resolution's error: ``auto`` never passes over a setting the user made
+    to pick another provider silently."""
+    misconfigured = next((c.fault for c in res.candidates if isinstance(c.fault, ConfigurationError)), None)
+    if misconfigured is not None:
+        res.error = misconfigured
+        return res
     serving = [c for c in res.candidates if c.auto_ok]
     res.source = "priority"
     try:

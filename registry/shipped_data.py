@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import re
 import zlib
 from collections.abc import Mapping
@@ -72,7 +73,8 @@ def parse_file_name(name: str) -> tuple[str, str] | None:
 
 # ---------------------------------------------------------------------------------------- checks
 def _positive_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    """A finite number > 0 (Python's json reads ``Infinity`` and ``NaN``: no time a ranking can compare)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
 
 
 def provenance_problems(prov: Any) -> list[str]:
@@ -116,11 +118,11 @@ def ranking_problems(name: str, entry: Mapping[str, Any]) -> list[str]:
         elif not isinstance(cand.get("options", {}), dict):
             out.append(f"entry {name}: ranking #{i + 1} options is not an object")
         elif not _positive_number(cand.get("us")):
-            out.append(f"entry {name}: ranking #{i + 1} ({cand['provider']}) has no measured µs > 0")
+            out.append(f"entry {name}: ranking #{i + 1} ({cand['provider']}) has no finite measured µs > 0")
         else:
             out += [f"entry {name}: ranking #{i + 1}: {why}" for why in lockfile.choice_problems(cand)]
     if not _positive_number((entry.get("choice") or {}).get("us")):
-        out.append(f"entry {name}: the choice has no measured µs > 0")
+        out.append(f"entry {name}: the choice has no finite measured µs > 0")
     return out
 
 

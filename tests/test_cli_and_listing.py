@@ -217,9 +217,15 @@ def test_one_registry_of_environment_variables(monkeypatch, capsys):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(settings.TRITON_TABLE_ENV, "/nowhere/table.json")
     monkeypatch.setenv(settings.BUILD_JOBS_ENV, "2")
-    assert listing.main(["--json"]) == 0
-    env = json.loads(capsys.readouterr().out)["env"]
-    assert env == {settings.TRITON_TABLE_ENV: "/nowhere/table.json", settings.BUILD_JOBS_ENV: "2"}
+    assert listing.main(["--json"]) == 1  # a table that cannot be read fails auto (never passed over silently)
+    data = json.loads(capsys.readouterr().out)
+    assert data["env"] == {settings.TRITON_TABLE_ENV: "/nowhere/table.json", settings.BUILD_JOBS_ENV: "2"}
+    assert data["resolution"]["gemm"]["error"].startswith("ConfigurationError: FP8_BACKENDS_TRITON_TABLE")
+    from fp8_backends import GemmProblem, resolve_gemm_backend
+    from fp8_backends.core.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="FP8_BACKENDS_TRITON_TABLE"):
+        resolve_gemm_backend(problem=GemmProblem(n=64, k=64, m=4, device="cpu"))
 
 
 def test_cache_dir_is_shared(monkeypatch, tmp_path):

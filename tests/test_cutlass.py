@@ -301,6 +301,24 @@ def test_no_headers_makes_provider_unavailable(fake_env, monkeypatch, tmp_path):
         build.get_library(SPEC)
 
 
+def test_a_cutlass_dir_without_headers_is_named_when_the_wheel_s_serve(monkeypatch, tmp_path, fake_env, caplog):
+    """``FP8_BACKENDS_CUTLASS_DIR`` naming no CUTLASS tree while the wheel's headers are there: the build uses the
+    wheel's, and says once that the user's folder was passed over."""
+    import logging
+
+    pkg = tmp_path / "site" / "cutlass_library"
+    (pkg / "source").mkdir(parents=True)
+    os.symlink(fake_env["cutlass"] / "include", pkg / "source" / "include")
+    os.symlink(fake_env["cutlass"] / "tools", pkg / "source" / "tools")
+    monkeypatch.setenv(build.CUTLASS_DIR_ENV, str(tmp_path / "typo"))
+    monkeypatch.setattr(build, "_cutlass_library_roots", lambda: [pkg])
+    monkeypatch.setattr(build, "_WARNED_DIRS", set())
+    with caplog.at_level(logging.WARNING, logger="fp8_backends"):
+        assert build.find_cutlass()[0] == pkg / "source" / "include"
+        build.find_cutlass()
+    assert caplog.text.count(f"{build.CUTLASS_DIR_ENV}={tmp_path / 'typo'} holds no CUTLASS source tree") == 1
+
+
 def test_headers_found_in_the_cutlass_wheel_layout(monkeypatch, tmp_path, fake_env):
     pkg = tmp_path / "site" / "cutlass_library"
     (pkg / "source").mkdir(parents=True)

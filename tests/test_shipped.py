@@ -149,6 +149,10 @@ def _damaged(kind: str) -> dict:
         section["entries"]["gemm/n=1/k=1/wrong"] = section["entries"].pop(first)
     elif kind == "no-us":
         del section["entries"][first]["ranking"][0]["us"]
+    elif kind == "inf-us":  # Python's json reads Infinity: no time a ranking can compare
+        section["entries"][first]["ranking"][0]["us"] = float("inf")
+    elif kind == "bad-labels":
+        section["entries"][first]["labels"] = 5
     elif kind == "bad-entry":
         section["entries"][first]["m"] = "sixteen"
     elif kind == "bad-ranking-options":  # refused here: the index of a checked document trusts its ranking items
@@ -165,7 +169,9 @@ def _damaged(kind: str) -> dict:
     ("two-sections", "exactly one platform section, found 2"),
     ("sm-mismatch", "provenance.sm '10.0' differs from the section's platform '9.0'"),
     ("key-mismatch", "key does not match its problem and m"),
-    ("no-us", "has no measured µs > 0"),
+    ("no-us", "has no finite measured µs > 0"),
+    ("inf-us", "has no finite measured µs > 0"),
+    ("bad-labels", "'labels' is not a list of strings"),
     ("bad-entry", "no integer 'm'"),
     ("bad-ranking-options", "ranking #2: 'options' is not an object of plain values"),
 ])
@@ -450,6 +456,24 @@ def test_pack_tie_margin_redecides_and_keeps_the_earlier_packing():
     assert shipped_data.check_document(again) == []
     for entry in shipped_data.the_section(again)["entries"].values():
         assert entry["choice"] == min(entry["ranking"], key=lambda r: r["us"])
+
+
+@pytest.mark.parametrize("damage", ["provider-list", "options-list", "labels-int"])
+def test_pack_refuses_malformed_entries_before_reading_them(damage):
+    """A tuner lockfile with a malformed ranking or labels: one DataFileError naming the entry, before re-deciding
+    or excluding by label reads them (they raised TypeError / AttributeError there)."""
+    lock = _tuner_lockfile(make_doc())
+    entry = next(iter(shipped_data.the_section(lock)["entries"].values()))
+    if damage == "provider-list":
+        entry["ranking"][0]["provider"] = ["triton"]
+    elif damage == "options-list":
+        entry["ranking"][0]["options"] = ["config"]
+    else:
+        entry["labels"] = 5
+    with pytest.raises(DataFileError, match="entry gemm/"):
+        pack(lock, tie_margin=0.0, partial=True)
+    with pytest.raises(DataFileError, match="entry gemm/"):
+        pack(lock, partial=True, exclude=("llama3-8b",))
 
 
 def test_the_shipped_h200_data_records_the_measured_fastest():

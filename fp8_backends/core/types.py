@@ -379,14 +379,17 @@ class Availability:
     ok: bool
     reason: str = ""
     install_hint: str = ""
+    #: the library error behind a ``no`` that the user's configuration caused (a bad ``FP8_BACKENDS_TRITON_TABLE``):
+    #: ``auto`` raises it rather than pass the provider over
+    error: Exception | None = field(default=None, compare=False)
 
     @classmethod
     def yes(cls, reason: str = "") -> Availability:
         return cls(True, reason)
 
     @classmethod
-    def no(cls, reason: str, install_hint: str = "") -> Availability:
-        return cls(False, reason, install_hint)
+    def no(cls, reason: str, install_hint: str = "", error: Exception | None = None) -> Availability:
+        return cls(False, reason, install_hint, error)
 
 
 class QuantizedActivation(NamedTuple):

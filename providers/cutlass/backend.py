@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from fp8_backends.core.backend import OpGemmBackend
 from fp8_backends.core.capabilities import GemmCapabilities
-from fp8_backends.core.errors import InvalidInputError
+from fp8_backends.core.errors import ConfigurationError, InvalidInputError
 from fp8_backends.core.types import (
     ActScale,
     Availability,
@@ -141,8 +141,8 @@ class CutlassSm90Backend(OpGemmBackend):
 
         try:
             table = active_table()
-        except ValueError as exc:
-            return Availability.no(str(exc))
+        except ValueError as exc:  # a bad table variable: the user's to fix, raised by auto (Availability.error)
+            return Availability.no(str(exc), error=exc if isinstance(exc, ConfigurationError) else None)
         st = build.status(build.specs_for(sorted(table.config_names())))
         if not st.ok:
             return Availability.no(st.reason, cls.install_hint)

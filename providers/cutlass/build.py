@@ -376,8 +376,17 @@ def find_cutlass() -> tuple[Path, Path] | None:
     for root in roots:
         inc, util = root / "include", root / "tools" / "util" / "include"
         if (inc / "cutlass" / "cutlass.h").is_file() and (util / "cutlass" / "util" / "packed_stride.hpp").is_file():
+            if env and root != roots[0] and env not in _WARNED_DIRS:  # the user's tree was passed over: say so
+                _WARNED_DIRS.add(env)
+                logger.warning("%s=%s holds no CUTLASS source tree (include/cutlass/cutlass.h and "
+                               "tools/util/include/cutlass/util/packed_stride.hpp): building with the headers in %s",
+                               CUTLASS_DIR_ENV, env, root)
             return inc, util
     return None
+
+
+#: the ``FP8_BACKENDS_CUTLASS_DIR`` values already warned about (once per value and process)
+_WARNED_DIRS: set[str] = set()
 
 
 def cutlass_version(include: Path) -> str:

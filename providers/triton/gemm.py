@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from fp8_backends.core.backend import OpGemmBackend
 from fp8_backends.core.capabilities import GemmCapabilities
-from fp8_backends.core.errors import BackendUnavailableError, InvalidInputError
+from fp8_backends.core.errors import BackendUnavailableError, ConfigurationError, InvalidInputError
 from fp8_backends.core.padding import ROW_ALIGN, match_k, pad_weight, round_up
 from fp8_backends.core.types import (
     ActScale,
@@ -171,8 +171,8 @@ class TritonGemmBackend(OpGemmBackend):
             return base
         try:
             active_table()
-        except ValueError as exc:
-            return Availability.no(str(exc))
+        except ValueError as exc:  # a bad table variable: the user's to fix, raised by auto (Availability.error)
+            return Availability.no(str(exc), error=exc if isinstance(exc, ConfigurationError) else None)
         if _support.interpreting():
             return Availability.yes("TRITON_INTERPRET=1: kernels run on Triton's CPU interpreter (slow)")
         return Availability.yes()
