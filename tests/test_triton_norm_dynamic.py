@@ -363,3 +363,45 @@ def test_gpu_compiled_group_mode_with_a_dynamic_m_adds_no_scale_copies():
         q_e, s_e, _ = nd.rmsnorm_quant_dynamic(x * 2, w, EPS, res_e, scale_layout="m_major_tma")
         assert s.stride() == s_e.stride() and torch.equal(s, s_e)
         assert torch.equal(q.view(torch.uint8), q_e.view(torch.uint8)) and torch.equal(res_c, res_e)
+
+
+def test_a_row_narrower_than_a_group_keeps_the_program_small():
+    """``H`` below the group size: the block takes one group's columns, and fewer rows keep a program's elements
+    those of the per-token launch (a [3, 1] input took 4096 rows x 128 columns a program)."""
+    for h in (1, 7, 16, 100):
+        group = nk.dyn_config(3, h, False, 128, per_token=False)
+        token = nk.dyn_config(3, h, False, 128, per_token=True)
+        assert group.rows * group.ng * group.gb <= max(token.rows * token.ng * token.gb, 128), (h, group, token)
+
+
+@pytest.mark.parametrize("provider", ["torch", "triton"])
+def test_norm_calls_refuse_what_they_would_ignore(provider):
+    """The fused add without a residual, ``out=`` in a dynamic mode (never written), an ``out`` that is no tensor,
+    and an eps float32 flushes to zero: one library error each, before any kernel runs."""
+    import fp8_backends
+    from fp8_backends.core.errors import Fp8BackendError
+
+    if provider == "triton" and DEVICE == "cpu":
+        import os
+
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("needs a GPU or Triton's interpreter")
+    norm = fp8_backends.resolve_norm_quant_backend(provider)
+    x = torch.randn(3, 256, dtype=torch.bfloat16, device=DEVICE)
+    w = torch.ones(256, dtype=torch.bfloat16, device=DEVICE)
+    scale = torch.ones(1, device=DEVICE)
+    for mode, s in (("per_tensor_static", scale), ("per_token", None), ("per_token_group", None)):
+        with pytest.raises(InvalidInputError, match="needs a residual"):
+            norm.fused_add_rmsnorm_quant(x, None, w, s, act_scale=mode)
+    buf = torch.empty(3, 256, dtype=torch.float8_e4m3fn, device=DEVICE)
+    for mode in ("per_token", "per_token_group"):
+        with pytest.raises(InvalidInputError, match="out is not taken in the dynamic modes"):
+            norm.rmsnorm_quant(x, w, None, act_scale=mode, out=buf)
+        with pytest.raises(InvalidInputError, match="out is not taken in the dynamic modes"):
+            norm.fused_add_rmsnorm_quant(x, x.clone(), w, None, act_scale=mode, out=buf)
+    with pytest.raises(Fp8BackendError, match="out"):
+        norm.rmsnorm_quant(x, w, scale, out=[1])
+    with pytest.raises(InvalidInputError, match="smallest normal float32"):
+        norm.rmsnorm_quant(x, w, scale, 1e-44)
+    with pytest.raises(InvalidInputError, match="smallest normal float32"):
+        norm.rmsnorm_quant(x, w, None, 1e-44, act_scale="per_token")

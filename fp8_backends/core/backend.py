@@ -261,6 +261,11 @@ def _names(value: Any) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value)
 
 
+#: the refusal of ``out=`` in the norm's dynamic modes (their codes and scales are allocated by the kernel's launch)
+_DYNAMIC_OUT = ("out is not taken in the dynamic modes (per_token, per_token_group): the returned "
+                "QuantizedActivation holds the codes and scales; pass out=None")
+
+
 def support_reasons(backend: Any, problem: Any, platform: Any) -> list[str]:
     """``backend.supports(problem, platform)`` as a list of strings: a lone string is one reason; anything but a
     list or tuple of strings (``None``: an override that forgot its ``return``) is a reason of its own that says
@@ -285,6 +290,8 @@ def reason_list(value: Any, what: str) -> list[str]:
         return list(value)
     return [f"{what} returned {value!r}, not a list of reasons"]
 _INF = float("inf")
+#: the smallest eps the norms take (the smallest normal float32: :func:`.validation.require_eps`)
+_FP32_TINY = 2.0 ** -126
 #: ``[torch.Tensor]`` once torch is imported (the hot paths compare output types with it; this module stays torch-free)
 _TENSOR: list[Any] = [None]
 
@@ -972,7 +979,7 @@ class NormQuantBackend(ProviderBase):
             or scale.numel() != 1
             or scale.dim() > 2
             or type(eps) is not float
-            or not 0.0 < eps < _INF
+            or not _FP32_TINY <= eps < _INF
             or V.device_scale_checks()
         ):
             return False
@@ -999,6 +1006,8 @@ class NormQuantBackend(ProviderBase):
         ``[T, 1]`` per token, or ``[T, ceil(H/group_size)]`` per group, written in ``scale_layout`` (the layout the
         next linear's kernel reads: :class:`~fp8_backends.core.types.ScaleLayout`)."""
         if act_scale is not ActScale.PER_TENSOR_STATIC and act_scale != "per_tensor_static":
+            if out is not None:
+                raise InvalidInputError(_DYNAMIC_OUT)
             return self._dynamic(x, None, weight, scale, eps, act_scale, group_size, scale_layout)[0]
         if not self._accept_common_case(x, weight, scale, eps):
             self._validate(x, weight, scale, eps)
@@ -1021,7 +1030,12 @@ class NormQuantBackend(ProviderBase):
         :meth:`rmsnorm_quant`."""
         if not self.capabilities.residual:
             raise InvalidInputError(f"{self.name} does not support the fused residual add")
+        if residual is None:
+            raise InvalidInputError("fused_add_rmsnorm_quant needs a residual [T, H] to add x to (without one: "
+                                    "rmsnorm_quant)")
         if act_scale is not ActScale.PER_TENSOR_STATIC and act_scale != "per_tensor_static":
+            if out is not None:
+                raise InvalidInputError(_DYNAMIC_OUT)
             return self._dynamic(x, residual, weight, scale, eps, act_scale, group_size, scale_layout)
         if not self._accept_common_case(x, weight, scale, eps, residual):
             self._validate(x, weight, scale, eps, residual)
@@ -1111,6 +1125,7 @@ class NormQuantBackend(ProviderBase):
 
         if out is None:  # empty_like parses fewer arguments (about 2 µs less); row-major strides whatever x's
             return torch.empty_like(x, dtype=torch.float8_e4m3fn, memory_format=torch.contiguous_format)
+        V.require_tensor(out, "out")
         if out.shape != x.shape or out.dtype != torch.float8_e4m3fn or out.device != x.device:
             raise InvalidInputError(
                 f"out must be float8_e4m3fn {tuple(x.shape)} on {x.device}; got {out.dtype} "

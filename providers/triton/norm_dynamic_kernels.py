@@ -397,7 +397,9 @@ def dyn_config(t: int, h: int, add: bool, group_size: int, per_token: bool, sing
         if per_token:
             return DynConfig("block", base.rows, 1, width, warps)
         gb = group_size
-        return DynConfig("block", base.rows, max(1, width // gb), gb, warps)
+        # a row narrower than one group still takes a whole group's columns: fewer rows keep the program's size
+        rows = base.rows if width >= gb else max(1, base.rows * width // gb)
+        return DynConfig("block", rows, max(1, width // gb), gb, warps)
     gb = group_size
     chunk = max(gb, min(triton.next_power_of_2(loop_block), block))
     return DynConfig("loop", 1, chunk // gb, gb, LOOP_WARPS if chunk >= LOOP_BLOCK else 8)
