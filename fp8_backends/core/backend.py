@@ -290,8 +290,6 @@ def reason_list(value: Any, what: str) -> list[str]:
         return list(value)
     return [f"{what} returned {value!r}, not a list of reasons"]
 _INF = float("inf")
-#: the smallest eps the norms take (the smallest normal float32: :func:`.validation.require_eps`)
-_FP32_TINY = 2.0 ** -126
 #: ``[torch.Tensor]`` once torch is imported (the hot paths compare output types with it; this module stays torch-free)
 _TENSOR: list[Any] = [None]
 
@@ -979,7 +977,7 @@ class NormQuantBackend(ProviderBase):
             or scale.numel() != 1
             or scale.dim() > 2
             or type(eps) is not float
-            or not _FP32_TINY <= eps < _INF
+            or not V.FP32_TINY <= eps < _INF
             or V.device_scale_checks()
         ):
             return False

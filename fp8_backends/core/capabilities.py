@@ -46,6 +46,14 @@ def _set_problem(value: object, kind: type, what: str, *, non_empty: bool = Fals
     return None
 
 
+def _group_sizes_problem(value: object) -> str | None:
+    """Why ``value`` is not a (frozen)set of positive ints (activation group sizes), or None."""
+    problem = _set_problem(value, int, "group_sizes")
+    if problem is None and any(isinstance(g, bool) or g < 1 for g in value):  # type: ignore[union-attr]
+        problem = f"group_sizes must be positive ints, got {sorted(value)!r}"  # type: ignore[call-overload]
+    return problem
+
+
 def _int_problem(value: object, what: str, low: int | None = None) -> str | None:
     if not isinstance(value, int) or isinstance(value, bool) or (low is not None and value < low):
         return f"{what} must be an int{'' if low is None else f' >= {low}'}, got {value!r}"
@@ -196,11 +204,9 @@ class GemmCapabilities(Capabilities):
             _int_problem(self.k_align, "k_align", 1), _int_problem(self.n_align, "n_align", 1),
             None if isinstance(self.align_reason, str) else f"align_reason must be a str, got {self.align_reason!r}",
             _set_problem(self.align_devices, DeviceKind, "align_devices"),
-            _set_problem(self.group_sizes, int, "group_sizes"),
+            _group_sizes_problem(self.group_sizes),
             None if isinstance(self.group_scale_layout, ScaleLayout)
             else f"group_scale_layout must be a ScaleLayout, got {self.group_scale_layout!r}")
-        if not problems and any(isinstance(g, bool) or g < 1 for g in self.group_sizes):
-            problems.append(f"group_sizes must be positive ints, got {sorted(self.group_sizes)!r}")
         if not isinstance(self.weight_blocks, (set, frozenset)) or not all(
                 isinstance(b, tuple) and len(b) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v > 0
                                                               for v in b) for b in self.weight_blocks):
@@ -313,14 +319,11 @@ class NormQuantCapabilities(Capabilities):
     strided_rows: bool = False
 
     def record_problems(self) -> list[str]:
-        problems = super().record_problems() + _first(
+        return super().record_problems() + _first(
             _set_problem(self.in_dtypes, OutDtype, "in_dtypes"), _set_problem(self.out_fp8, Fp8Dtype, "out_fp8"),
             _bool_problem(self.residual, "residual"), _int_problem(self.hidden_align, "hidden_align", 1),
-            _set_problem(self.act_scales, ActScale, "act_scales"), _set_problem(self.group_sizes, int, "group_sizes"),
+            _set_problem(self.act_scales, ActScale, "act_scales"), _group_sizes_problem(self.group_sizes),
             _bool_problem(self.strided_rows, "strided_rows"))
-        if not problems and any(isinstance(g, bool) or g < 1 for g in self.group_sizes):
-            problems.append(f"group_sizes must be positive ints, got {sorted(self.group_sizes)!r}")
-        return problems
 
     def check(self, problem: NormQuantProblem | None, platform: Platform) -> list[str]:
         if problem is None:

@@ -213,14 +213,15 @@ def require_eps(eps: object, what: str = "eps") -> float:
         raise InvalidTypeError(f"{what} must be a positive float, got {type(eps).__name__} {eps!r}")
     if not 0.0 < eps < math.inf:
         raise InvalidInputError(f"{what} must be a positive float (finite, > 0), got {eps!r}")
-    if eps < _FP32_TINY:  # the kernels add it in float32: it would be 0 there, and an all-zero row NaN
-        raise InvalidInputError(f"{what} must be at least {_FP32_TINY:.4g} (the smallest normal float32: the norm "
+    if eps < FP32_TINY:  # the kernels add it in float32: it would be 0 there, and an all-zero row NaN
+        raise InvalidInputError(f"{what} must be at least {FP32_TINY:.4g} (the smallest normal float32: the norm "
                                 f"adds it in float32), got {eps!r}")
     return float(eps)
 
 
-#: the smallest normal float32 (2 ** -126): a smaller eps is flushed to zero in float32 arithmetic
-_FP32_TINY = 2.0 ** -126
+#: the smallest normal float32 (2 ** -126): a smaller eps is flushed to zero in float32 arithmetic (the smallest eps
+#: the norms take, here and in :meth:`.backend.NormQuantBackend._accept_common_case`)
+FP32_TINY = 2.0 ** -126
 
 
 def require_norm_input(x: object, residual: object, h: int, dtype: torch.dtype) -> None:
