@@ -18,7 +18,7 @@ cache folder) finds them.
   --jobs N                parallel nvcc processes (default: CPU count, or $FP8_BACKENDS_BUILD_JOBS)
   --force                 rebuild even when cached
   --list                  print what would be built and whether it is cached; build nothing
-  --json PATH             also write a JSON report
+  --json PATH             also write a JSON report (with --list: each library, cached or not)
   --native auto|yes|no    also build the provider's C++ op against this torch (auto: where torch has CUDA)
 
 ``flashinfer_block`` options (without any: build flashinfer's module, about 2 minutes the first time; no GPU
@@ -118,10 +118,13 @@ def _cutlass(argv: Sequence[str]) -> int:
     print(f"cache: {build.cache_dir()}")
 
     if args.list:
+        listed = {"arch": arch, "cache": str(build.cache_dir()), "libraries": []}
         for spec in specs:
             where = build.locate(spec)
             print(f"  {spec.name:60s} {'cached ' + str(where) if where else 'not built'}")
-        return 0
+            listed["libraries"].append({"name": spec.name, "cached": where is not None,
+                                        "path": None if where is None else str(where)})
+        return _write_report(args.json, listed, 0)
 
     reason = build.missing_toolchain_reason()
     if reason is not None:
@@ -163,10 +166,7 @@ def _cutlass(argv: Sequence[str]) -> int:
     native = _native(args.native)
     report["native"] = native
     failed += not native.get("ok", True)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=1)
-    return 1 if failed else 0
+    return _write_report(args.json, report, 1 if failed else 0)
 
 
 def _native(mode: str) -> dict:

@@ -359,14 +359,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--simulate-sm", metavar="X.Y", help="pretend the GPU is this SM (e.g. 10.0)")
     ap.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: current GPU, else CPU)")
     ap.add_argument("--problem", metavar="M,N,K", help="GEMM problem to resolve")
-    ap.add_argument("--act-scale", default="per_tensor_dynamic", choices=[a.value for a in ActScale])
-    ap.add_argument("--weight-scale", default="per_tensor", choices=[w.value for w in WeightScale])
-    ap.add_argument("--input-dtype", default="e4m3fn", choices=["e4m3fn", "e5m2"])
+    ap.add_argument("--act-scale", default=None, choices=[a.value for a in ActScale])
+    ap.add_argument("--weight-scale", default=None, choices=[w.value for w in WeightScale])
+    ap.add_argument("--input-dtype", default=None, choices=["e4m3fn", "e5m2"])
     ap.add_argument("--weight-dtype", default=None, choices=["e4m3fn", "e5m2"])
-    ap.add_argument("--out-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--out-dtype", default=None, choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--bias", action="store_true", help="the GEMM problem has a bias")
     ap.add_argument("--norm-problem", metavar="T,H", help="norm-quant problem to resolve")
-    ap.add_argument("--in-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--in-dtype", default=None, choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--residual", action="store_true", help="the norm-quant problem adds a residual")
     ap.add_argument("--gemm-backend", default=None, help="resolve this GEMM choice instead of env/auto")
     ap.add_argument("--norm-quant-backend", default=None, help="resolve this norm-quant choice")
@@ -376,9 +376,30 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+#: the options that describe ``--problem`` / ``--norm-problem``, with their defaults (an option given without its
+#: problem describes nothing: refused rather than ignored)
+_GEMM_OPTIONS = {"act_scale": "per_tensor_dynamic", "weight_scale": "per_tensor", "input_dtype": "e4m3fn",
+                 "weight_dtype": None, "out_dtype": "bfloat16", "bias": False, "objective": None}
+_NORM_OPTIONS = {"in_dtype": "bfloat16", "residual": False}
+
+
+def _problem_options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a problem's options without the problem, then fill in their defaults."""
+    for problem, options in (("problem", _GEMM_OPTIONS), ("norm_problem", _NORM_OPTIONS)):
+        given = [name for name, default in options.items() if getattr(args, name) not in (None, False)]
+        if given and not getattr(args, problem):
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            ap.error(f"{flags} describe{'s' if len(given) == 1 else ''} the problem of "
+                     f"--{problem.replace('_', '-')}: give it too")
+        for name, default in options.items():
+            if getattr(args, name) is None:
+                setattr(args, name, default)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    _problem_options(ap, args)
     try:
         if args.simulate_sm:
             platform = simulate_platform(args.simulate_sm)

@@ -443,7 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("merge", help="add another tuner run's entries (e.g. the block grid) to a shipped file")
     m.add_argument("shipped", help="the shipped data file (rewritten in place unless --out)")
     m.add_argument("lockfile", help="a tuner lockfile with provenance (--shipped-grid [--block] or --provenance)")
-    m.add_argument("--out", default=None, help="write here instead of over the shipped file")
+    m.add_argument("--out", default=None, help="write here instead of over the shipped file: a .json (.json.gz) "
+                                               "file or a folder (the shipped file's name inside it)")
     m.add_argument("--partial", action="store_true", help="merge even if that run's grid is not fully measured")
     m.add_argument("--tie-margin", type=float, default=None, metavar="M",
                    help="decide the merged run's choices again with this near-tie margin (default: the tuner's)")
@@ -527,6 +528,13 @@ def _write_compact(out: Path, doc: Mapping[str, Any]) -> None:
     lockfile.atomic_write_bytes(out, data)
 
 
+def _out_path(out: Path, name: str) -> Path:
+    """Where ``--out`` writes: ``out`` itself when it names a data file (``.json`` / ``.json.gz``, any case) that is
+    not a folder, else the file ``name`` inside the folder ``out`` (made when missing)."""
+    is_file_name = out.name.lower().endswith((".json", ".json.gz"))
+    return out if is_file_name and not out.is_dir() else out / name
+
+
 def _pack_cli(args: argparse.Namespace, argv: list[str]) -> int:
     src, doc = _read_lockfile(args.lockfile)
     try:
@@ -542,8 +550,7 @@ def _pack_cli(args: argparse.Namespace, argv: list[str]) -> int:
 
         out = packaged_dir() / name
     else:
-        out = Path(args.out)  # a folder (existing, or any name not ending in .json) or a file
-        out = out / name if out.is_dir() or not out.name.endswith((".json", ".json.gz")) else out
+        out = _out_path(Path(args.out), name)
     _write_compact(out, packed)
     entries = len(shipped_data.the_section(packed)["entries"])
     print(f"{out}: {entries} entries, {prov['gpu']} SM {prov['sm']}, measured {prov['date']}"
@@ -559,7 +566,7 @@ def _merge_cli(args: argparse.Namespace, argv: list[str]) -> int:
                        command=" ".join(["python -m fp8_backends.selection_data", *argv]))
     except DataFileError as exc:
         raise _naming(src, exc) from None
-    out = Path(args.out or args.shipped)
+    out = Path(args.shipped) if args.out is None else _out_path(Path(args.out), Path(args.shipped).name)
     _write_compact(out, merged)
     record = merged["provenance"]["merged"][-1]
     print(f"{out}: {len(shipped_data.the_section(merged)['entries'])} entries ({record['entries']} from {src}, "

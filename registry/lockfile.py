@@ -794,7 +794,8 @@ def describe_lockfile(platform: Platform) -> dict[str, Any]:
     """What ``python -m fp8_backends.list`` shows about the lockfile for ``platform``."""
     path = lockfile_path()
     if path is None:
-        return {"path": None, "status": "disabled", "detail": f"{settings.LOCKFILE_ENV}=off", "entries": 0}
+        return {"path": None, "status": "disabled", "entries": 0,
+                "detail": f"{settings.LOCKFILE_ENV}={os.environ.get(settings.LOCKFILE_ENV, '').strip()}"}
     loaded = _store.load(path)
     if loaded.error == "missing":
         return {"path": str(path), "status": "missing", "entries": 0,

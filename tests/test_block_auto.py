@@ -442,3 +442,24 @@ def test_merge_adds_a_block_run_to_the_shipped_data(tmp_path):
         s["platform"]["gpu"] = "NVIDIA H100"
     with pytest.raises(DataFileError, match="different GPUs"):
         selection_data.merge(base, other)
+
+
+def test_merge_and_pack_out_take_a_folder_or_a_file_name_in_any_case(tmp_path, capsys):
+    """``--out`` names a data file (``.json`` / ``.json.gz``, any case) or a folder that receives the file under its
+    own name; a folder is never mistaken for a file nor a file name for a folder."""
+    shipped_file = shipped.packaged_dir() / "sm90-nvidia-h200.json"
+    doc = _block_run(tmp_path, shipped_data.load_file(shipped_file))
+    lock = tmp_path / "run.lock.json"
+    lock.write_text(json.dumps(doc))
+    folder = tmp_path / "existing"
+    folder.mkdir()
+    assert selection_data.main(["merge", str(shipped_file), str(lock), "--out", str(folder)]) == 0
+    assert [p.name for p in folder.iterdir()] == ["sm90-nvidia-h200.json"]
+    upper = tmp_path / "MERGED.JSON"
+    assert selection_data.main(["merge", str(shipped_file), str(lock), "--out", str(upper)]) == 0
+    assert upper.is_file() and shipped_data.check_document(shipped_data.load_file(upper)) == []
+    packed = tmp_path / "PACKED.JSON"
+    rc = selection_data.main(["pack", str(lock), "--out", str(packed), "--partial"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert packed.is_file()

@@ -131,6 +131,18 @@ def test_listing_bad_arguments_exit_2(capsys):
     assert info.value.code == 2
 
 
+@pytest.mark.parametrize(("args", "named"), [
+    (["--act-scale", "per_token_group", "--bias"], "--act-scale, --bias describe the problem of --problem"),
+    (["--weight-scale", "block", "--norm-problem", "4,256"], "--weight-scale describes the problem of --problem"),
+    (["--objective", "host"], "--objective describes the problem of --problem"),
+    (["--residual", "--problem", "1,256,256"], "--residual describes the problem of --norm-problem"),
+])
+def test_a_problems_option_without_its_problem_is_refused_not_ignored(args, named, capsys):
+    with pytest.raises(SystemExit) as info:
+        listing.main(args)
+    assert info.value.code == 2 and named in capsys.readouterr().err
+
+
 def test_argparse_flag_choices_and_resolution(thirdparty_plugin):
     parser = argparse.ArgumentParser()
     fp8_backends.add_cli_args(parser)

@@ -255,6 +255,13 @@ def test_cli_builds_block_libraries(fake_env, tmp_path):  # noqa: F811 (the fixt
     assert "bw_" not in tensor_only.stdout
     everything = run("cutlass", "--list", "--native", "no")
     assert all(f"fp8b_sm90a_{c}_bf16" in everything.stdout for c in BLOCK_CONFIGS)
+    listed = tmp_path / "listed.json"
+    assert run("cutlass", "--epilogue", "block", "--block-config", "bw_sk128x16_swap,bw_sk128x128", "--list",
+               "--native", "no", "--json", str(listed)).returncode == 0
+    libraries = json.loads(listed.read_text())["libraries"]  # the --list run builds nothing and says what is cached
+    assert [(lib["name"], lib["cached"]) for lib in libraries] == [("fp8b_sm90a_bw_sk128x16_swap_bf16", True),
+                                                                   ("fp8b_sm90a_bw_sk128x128_bf16", False)]
+    assert _calls(fake_env["counter"]) == 2
 
 
 # ------------------------------------------------------------------------------------ the op (CPU parts)

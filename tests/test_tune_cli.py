@@ -44,10 +44,10 @@ def test_a_lock_file_that_cannot_be_created_is_refused_before_measuring(tmp_path
 def test_lockfile_off_needs_a_named_lockfile_or_no_write(tmp_path, capsys, monkeypatch):
     """``FP8_BACKENDS_LOCKFILE=off``: auto reads no lockfile, so a run that would write the default one (which auto
     would never read) is refused, naming --lockfile and --no-write."""
-    monkeypatch.setenv("FP8_BACKENDS_LOCKFILE", "off")
+    monkeypatch.setenv("FP8_BACKENDS_LOCKFILE", "none")
     lockfile.reset_state()
     err = refused([*RUN, "--shapes", "32,64", "--m", "1"], capsys)
-    assert "FP8_BACKENDS_LOCKFILE is off" in err and "--lockfile" in err and "--no-write" in err
+    assert "FP8_BACKENDS_LOCKFILE=none turns the lockfile off" in err and "--lockfile" in err and "--no-write" in err
     assert not list(tmp_path.glob("*.json"))
 
 

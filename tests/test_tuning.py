@@ -697,3 +697,10 @@ def test_a_lock_file_that_cannot_be_created_is_an_error_at_once(tmp_path):
     assert lockfile.lock_problem(path) is None
     with FileLock(str(path) + ".lock"), pytest.raises(Timeout), lockfile.locked(path, timeout=0.2):
         pass
+
+
+@pytest.mark.parametrize("value", ["off", "None", "0", "false", "NO"])
+def test_a_lockfile_turned_off_is_shown_by_the_value_that_turned_it_off(monkeypatch, value):
+    monkeypatch.setenv("FP8_BACKENDS_LOCKFILE", f" {value} ")
+    shown = lockfile.describe_lockfile(CPU)
+    assert shown["status"] == "disabled" and shown["detail"] == f"FP8_BACKENDS_LOCKFILE={value}"
