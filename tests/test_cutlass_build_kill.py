@@ -115,6 +115,7 @@ def test_interrupted_builder_kills_its_compiler_and_removes_its_temp_file(toolch
     assert "KeyboardInterrupt" in err
     assert _wait_for(lambda: not any(_running(p) for p in pids), 20), f"orphaned compiler processes {pids}"
     assert _temps(cache) == []
+    assert [p for p in cache.iterdir() if p.is_dir()] == []  # nor the library's folder it made
 
 
 def test_timeout_kills_the_compiler_group(toolchain, monkeypatch):

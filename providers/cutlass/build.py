@@ -25,6 +25,7 @@ Nothing here imports torch; nothing builds unless asked (:func:`build_library`, 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -566,6 +567,8 @@ def build_library(spec: AnySpec, toolchain: Toolchain | None = None, *, force: b
             rc, out, err = -1, "", f"cannot run nvcc: {exc}"
         except BaseException:  # KeyboardInterrupt, SystemExit: the compiler is already killed
             tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # the library's folder, unless an earlier build left its log there
+                folder.rmdir()
             raise
         seconds = time.monotonic() - start
         log.write_text(
