@@ -175,6 +175,9 @@ CONFIG_LIST: tuple[BlockTileConfig, ...] = (
     C("gemv", 1, 2, 1, 4, groups=16, note="M = 1, a narrow weight: 2 rows x 2048 columns a step (q_a 1536x7168: "
       "6.05 µs against 6.6 for gemv_n2_g8_w2)"),
     C("swap", 16, 64, 8, 4, split_k=0, note="M <= 16: 64 KB of weight in flight per program"),
+    C("swap", 16, 64, 8, 4, split_k=0, prefetch=True, note="M <= 16 on a weight of a few MB (kv_a 576x7168): the "
+      "weight asked of L2 before the PDL wait, 0.90x the plain twin's time at M = 1-16 on an H100, 0.95-1.34x "
+      "(1.13x geomean) on the weights of 11 MB and more (bench/results/block_gemm/2026-12-06-h100-weight-prefetch/)"),
     C("swap", 16, 64, 6, 4, split_k=0, note="M <= 16, fewer stages (more programs per SM)"),
     C("swap", 16, 128, 4, 4, split_k=0, note="M <= 16, wide N"),
     C("swap", 32, 64, 6, 4, split_k=0, note="M 17-32"),
@@ -242,6 +245,10 @@ _DEFAULT_BUCKETS: tuple[tuple[int | None, str], ...] = (
 #: (swap-AB 5.4, gemv_n2_g8_w2 5.7), q_a 1536x7168 6.05 with two rows x 2048 (6.6), o 4096x4096 / down 4096x12288
 #: 7.45 / 17.5 with eight rows x 1024 (8.3 / 20.2; flashinfer 8.5 / 18.9)
 _GEMV_ONE_ROW = "gemv_n1_g32_w2"
+#: M 2-16 on kv_a 576x7168 (4 MB): the swap-AB default with the weight's L2 prefetch ahead of the PDL wait, 5.20 /
+#: 5.61 µs at M = 4 / 16 against 5.79 / 6.14 without (an H100, interleaved:
+#: bench/results/block_gemm/2026-12-06-h100-weight-prefetch/); on the weights of 11 MB and more the prefetch is slower
+_SWAP16_PREFETCH = "swap_n64_m16_s8_w4_sk0_pf"
 _GEMV_LONG_STEP = "gemv_n2_g16_w4"
 _GEMV_EIGHT_ROWS = "gemv_n8_g8_w4"
 
@@ -257,7 +264,7 @@ def _narrow(n: int) -> tuple[tuple[int | None, str], ...]:
     ``bench/results/block_gemm/2026-12-05-h200-deepseek-v3-kv-a-m256-splits/``). One token: GEMVs with long K steps
     (:data:`_GEMV_ONE_ROW`, :data:`_GEMV_LONG_STEP`)."""
     if n <= 576:
-        return ((1, _GEMV_ONE_ROW), (16, _SWAP16), (32, _SWAP32), (64, "mm_n64_m32_s4_w4_g8_sk7"),
+        return ((1, _GEMV_ONE_ROW), (16, _SWAP16_PREFETCH), (32, _SWAP32), (64, "mm_n64_m32_s4_w4_g8_sk7"),
                 (256, "mm_n64_m64_s3_w4_g8_sk6"), (1024, _MM64_SMALL_SK2), (None, _MM_LARGE))
     return ((1, _GEMV_LONG_STEP), (16, _SWAP16), (32, _SWAP32), (64, _MM64_SMALL_SK4), (256, _MM64_SMALL_SK2),
             (None, _MM_LARGE))
