@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None, *, timer: Timer | None = None) -> int:
     else:
         path = lockfile.lockfile_path()
         if path is None:  # FP8_BACKENDS_LOCKFILE=off: auto would never read what this run wrote
-            ap.error(f"{settings.LOCKFILE_ENV}={os.environ.get(settings.LOCKFILE_ENV, '').strip()} turns the "
+            ap.error(f"{settings.LOCKFILE_ENV}={lockfile.lockfile_setting()} turns the "
                      f"lockfile off, so auto reads no lockfile: name one with --lockfile (and point "
                      f"{settings.LOCKFILE_ENV} at it to use it), or measure without writing (--no-write)")
     problem = None if path is None else lockfile.lock_problem(path)

@@ -93,9 +93,15 @@ def default_lockfile_path() -> Path:
     return settings.cache_dir() / "selection.lock.json"
 
 
+def lockfile_setting() -> str:
+    """``FP8_BACKENDS_LOCKFILE`` as set, stripped (``""`` when unset): a path, or a value that turns the lockfile off
+    (``off``, ``none``, ``0``, ``false``, ``no``; any case)."""
+    return os.environ.get(settings.LOCKFILE_ENV, "").strip()
+
+
 def lockfile_path() -> Path | None:
     """The lockfile ``auto`` reads: ``FP8_BACKENDS_LOCKFILE``, else the default; None when set to ``off``."""
-    raw = os.environ.get(settings.LOCKFILE_ENV, "").strip()
+    raw = lockfile_setting()
     where = ("", "") if raw else (os.environ.get(settings.CACHE_DIR_ENV, ""), os.environ.get("XDG_CACHE_HOME", ""))
     return _path_for(raw, where)
 
@@ -795,7 +801,7 @@ def describe_lockfile(platform: Platform) -> dict[str, Any]:
     path = lockfile_path()
     if path is None:
         return {"path": None, "status": "disabled", "entries": 0,
-                "detail": f"{settings.LOCKFILE_ENV}={os.environ.get(settings.LOCKFILE_ENV, '').strip()}"}
+                "detail": f"{settings.LOCKFILE_ENV}={lockfile_setting()}"}
     loaded = _store.load(path)
     if loaded.error == "missing":
         return {"path": str(path), "status": "missing", "entries": 0,
@@ -830,6 +836,7 @@ __all__ = [
     "entry_key",
     "is_block_fields",
     "lockfile_path",
+    "lockfile_setting",
     "platform_key",
     "problem_fields",
     "problem_key",
