@@ -33,7 +33,7 @@ wrong variant is reported failed, never timed). Variants:
   imports (its first call JIT-builds the module, about 130 s on the H200: done once, timed and logged), scale
   layouts probed the same way.
 - ``bound:<name>`` (``--bounds``, :mod:`bench.bounds`): an empty launch and one read of the weight (M <= 16), the
-  per-tensor FP8 GEMM with fast accumulation (every M): what the targets' misses are read against.
+  per-tensor FP8 GEMM with and without fast accumulation (every M): what the targets' misses are read against.
 
 Columns: µs, TFLOP/s, % of the weight-read floor at M <= 16 (fp8 weight + fp32 block scales at the copy bandwidth
 measured in the run), % of the roofline ceiling (:func:`add_ceilings`: bytes at the copy bandwidth or FLOPs at the
@@ -800,20 +800,31 @@ def _bound_note(point: dict[str, Any], kind: str) -> str:
     v = point["variants"]
     parts = []
     if kind == "floor":
-        read, launch = _pct_floor(point, "bound:weight_read"), _us(point, "bound:launch")
+        read, launch = best_read(point), _us(point, "bound:launch")
         if read is not None:
             parts.append(f"one read of the weight {read:.1f}%")
         if launch is not None:
             parts.append(f"an empty launch {launch:.2f} µs")
     else:
         tensor, bf16 = _us(point, "bound:fp8_tensor"), v.get("bf16", {}).get("us")
+        precise = _us(point, "bound:fp8_tensor_precise")
         if tensor and bf16:
             parts.append(f"per-tensor fp8 {bf16 / tensor:.3f}x")
+        if precise and bf16:
+            parts.append(f"without fast accumulation {bf16 / precise:.3f}x")
     return f" ({'; '.join(parts)})" if parts else ""
 
 
 def _pct_floor(point: dict[str, Any], label: str) -> float | None:
     return point["variants"].get(label, {}).get("pct_floor")
+
+
+def best_read(point: dict[str, Any]) -> float | None:
+    """The larger ``% floor`` of the point's weight-read bounds (``bound:weight_read*``: 16 / 64 KiB a program);
+    ``None`` where none was timed."""
+    reads = [v["pct_floor"] for label, v in point["variants"].items()
+             if label.startswith("bound:weight_read") and v.get("pct_floor") is not None]
+    return max(reads) if reads else None
 
 
 def bound_summary(gemm: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
@@ -824,7 +835,7 @@ def bound_summary(gemm: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
            for name in ("auto_below_75pct_floor", "auto_slower_than_bf16", "auto_below_1.6x_bf16")}
     for p in gemm:
         ratio, pct = p.get("auto_over_bf16"), _pct_floor(p, "auto")
-        tensor, bf16, read = _us(p, "bound:fp8_tensor"), _us(p, "bf16"), _pct_floor(p, "bound:weight_read")
+        tensor, bf16, read = _us(p, "bound:fp8_tensor"), _us(p, "bf16"), best_read(p)
         tensor_ratio = bf16 / tensor if tensor and bf16 else None
         checks = (("auto_below_75pct_floor", pct is not None and pct < 100 * FLOOR_TARGET, read,
                    lambda b: b < 100 * FLOOR_TARGET),

@@ -116,14 +116,17 @@ def test_targets_name_every_miss_of_auto():
 
 def test_misses_name_what_their_bounds_reach_and_are_counted_against_them():
     slow = _point(256, {"bf16": 10.0, "auto": 10.5, "bound:fp8_tensor": 9.0})
-    big = _point(1024, {"bf16": 100.0, "auto": 80.0, "bound:fp8_tensor": 70.0})  # bound 1.43x: misses 1.6x too
+    big = _point(1024, {"bf16": 100.0, "auto": 80.0, "bound:fp8_tensor": 70.0,  # bound 1.43x: misses 1.6x too
+                        "bound:fp8_tensor_precise": 75.0})
     big2 = _point(4096, {"bf16": 100.0, "auto": 80.0, "bound:fp8_tensor": 50.0})  # bound 2.0x: the GEMM's miss
     small = _point(1, {"bf16": 10.0, "auto": 5.0, "bound:weight_read": 2.0, "bound:launch": 1.5}, floor=20.0)
     small["variants"]["bound:weight_read"]["pct_floor"] = 50.0
+    small["variants"]["bound:weight_read_64k"] = {"us": 2.5, "pct_floor": 40.0}  # the better read is the bound
     unbounded = _point(4, {"bf16": 10.0, "auto": 5.0}, floor=30.0)
     got = bench.targets([slow, big, big2, small, unbounded], [])
     assert got["auto_slower_than_bf16"] == ["deepseek-v3 kv_a 576x7168 M=256: 0.952x (per-tensor fp8 1.111x)"]
-    assert got["auto_below_1.6x_bf16"] == ["deepseek-v3 kv_a 576x7168 M=1024: 1.250x (per-tensor fp8 1.429x)",
+    assert got["auto_below_1.6x_bf16"] == ["deepseek-v3 kv_a 576x7168 M=1024: 1.250x (per-tensor fp8 1.429x; "
+                                           "without fast accumulation 1.333x)",
                                            "deepseek-v3 kv_a 576x7168 M=4096: 1.250x (per-tensor fp8 2.000x)"]
     assert got["auto_below_75pct_floor"] == [
         "deepseek-v3 kv_a 576x7168 M=1: 20.0% (one read of the weight 50.0%; an empty launch 1.50 µs)",

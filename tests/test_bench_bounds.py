@@ -33,10 +33,12 @@ def test_the_weight_read_reads_every_byte_of_each_copy(shape):
     weights = [torch.randint(-120, 120, shape, generator=g, dtype=torch.int8).view(torch.float8_e4m3fn)
                for _ in range(2)]
     call = bounds.weight_read(weights)
+    large = bounds.weight_read(weights, bounds.READ_WORDS_LARGE)
     for i, w in enumerate(weights):
         words = bounds._words(w)
         assert words.dtype == (torch.int32 if w.numel() % 4 == 0 else torch.uint8)
         assert torch.equal(call(i), _xor_per_program(words, bounds.READ_WORDS))
+        assert torch.equal(large(i), _xor_per_program(words, bounds.READ_WORDS_LARGE))
     # a changed byte changes the program's word: the kernel read it
     flipped = weights[0].view(torch.uint8).clone()
     flipped.view(-1)[-1] ^= 1
@@ -48,6 +50,7 @@ def test_bound_runs_by_m_and_device():
 
     x = torch.zeros(1, 16).to(torch.float8_e4m3fn)
     w = [torch.zeros(8, 16).to(torch.float8_e4m3fn)]
-    assert set(bounds.bound_runs(x, w, 16)) == {"bound:launch", "bound:weight_read"}  # no per-tensor GEMM on the CPU
+    assert set(bounds.bound_runs(x, w, 16)) == {"bound:launch", "bound:weight_read",
+                                                    "bound:weight_read_64k"}  # no per-tensor GEMM on the CPU
     assert bounds.bound_runs(x, w, 17) == {}
     assert bounds.bound_runs(x, w, 1)["bound:launch"].fn(0).tolist() == [1]
