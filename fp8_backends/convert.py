@@ -59,9 +59,12 @@ logger = logging.getLogger("fp8_backends")
 DEFAULT_SKIP: tuple[str, ...] = ("lm_head", "*embed*", "gate", "*router*", "*_gate")
 
 #: default ``fuse`` groups: the leaf names of sibling linears that read one input in common model code (attention's
-#: query / key / value, a gated MLP's gate and up projections)
+#: query / key / value, a gated MLP's gate and up projections, and multi-head latent attention's two down-projections
+#: of DeepSeek-V2/V3, Kimi-K2 and their kin: ``q_a_proj`` 1536 x 7168 and ``kv_a_proj_with_mqa`` 576 x 7168 in
+#: DeepSeek-V3, one 2112 x 7168 GEMM as engines run it)
 DEFAULT_FUSE_GROUPS: tuple[tuple[str, ...], ...] = (
     ("q_proj", "k_proj", "v_proj"),
+    ("q_a_proj", "kv_a_proj_with_mqa"),
     ("gate_proj", "up_proj"),
     ("query", "key", "value"),
     ("wq", "wk", "wv"),

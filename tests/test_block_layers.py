@@ -327,6 +327,42 @@ def test_quantize_model_block_fuses_siblings_only_on_whole_blocks():
         assert ((w - original[name]).norm() / original[name].norm()).item() < 0.05, name
 
 
+def _tiny_deepseek_v3(transformers, q_lora_rank: int) -> nn.Module:
+    """Two dense DeepSeek-V3 layers (MLA: q_a_proj [q_lora_rank, 256], kv_a_proj_with_mqa [128 + 32, 256])."""
+    cfg = transformers.DeepseekV3Config(
+        hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=q_lora_rank, kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32,
+        first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        vocab_size=128, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return transformers.DeepseekV3ForCausalLM(cfg).to(torch.bfloat16).eval()
+
+
+def test_quantize_model_block_runs_mla_down_projections_as_one_gemm():
+    """DeepSeek-V3's q_a_proj and kv_a_proj_with_mqa read the same hidden states: one fused GEMM (as engines run
+    them) whose logits are those of the two layers quantized apart (their blocks are the same); where q_lora_rank
+    is not whole 128-row blocks they stay apart and the summary says why."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "DeepseekV3Config"):
+        pytest.skip("this transformers has no DeepSeek-V3")
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(3))
+    fused, apart = _tiny_deepseek_v3(transformers, 256), _tiny_deepseek_v3(transformers, 256)
+    summary = quantize_model(fused, weight_scale="block")
+    quantize_model(apart, weight_scale="block", fuse=False)
+    groups = [(parent, names) for parent, names, _ in summary.fused]
+    assert ("model.layers.0.self_attn", ("q_a_proj", "kv_a_proj_with_mqa")) in groups
+    attn = fused.model.layers[0].self_attn
+    assert (attn.q_a_proj.fused.out_features, attn.kv_a_proj_with_mqa.start) == (256 + 160, 256)
+    with torch.no_grad():
+        got, want = fused(ids).logits.float(), apart(ids).logits.float()
+    assert ((got - want).norm() / want.norm()).item() < 1e-3  # the same blocks: summation order aside
+    ragged = _tiny_deepseek_v3(transformers, 192)
+    summary = quantize_model(ragged, weight_scale="block")
+    assert "model.layers.0.self_attn.q_a_proj+model.layers.0.self_attn.kv_a_proj_with_mqa" in [
+        names for names, _ in summary.not_fused]
+    assert isinstance(ragged.model.layers[0].self_attn.kv_a_proj_with_mqa, Fp8Linear)
+
+
 def test_quantize_model_raises_where_the_environment_names_a_backend_that_cannot_serve(monkeypatch):
     """FP8_GEMM_BACKEND is an explicit choice, as a backend= argument is: no layer is skipped in silence."""
     import dataclasses
