@@ -58,7 +58,10 @@ from pathlib import Path
 from typing import Any
 
 MODELS: dict[str, tuple[tuple[str, int, int], ...]] = {
-    "deepseek-v3": (("q_a", 1536, 7168), ("kv_a", 576, 7168), ("q_b", 24576, 1536), ("kv_b", 32768, 512),
+    # qkv_a: q_a and kv_a fused, as quantize_model / load_pretrained and the engines run them; q_a and kv_a apart for
+    # models quantized with fuse=False
+    "deepseek-v3": (("qkv_a", 2112, 7168), ("q_a", 1536, 7168), ("kv_a", 576, 7168), ("q_b", 24576, 1536),
+                    ("kv_b", 32768, 512),
                     ("o", 7168, 16384), ("gate_up", 36864, 7168), ("down", 7168, 18432)),
     "qwen3-8b": (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288)),
     "qwen3-32b": (("qkv", 10240, 5120), ("o", 5120, 8192), ("gate_up", 51200, 5120), ("down", 5120, 25600)),
