@@ -44,12 +44,13 @@ FP32_MAX = 1e-2
 BF16_MEDIAN = 0.1
 
 
-def tiny_moe(arch: str, moe_intermediate: int = 128) -> torch.nn.Module:
+def tiny_moe(arch: str, moe_intermediate: int = 128, q_lora_rank: int = 192) -> torch.nn.Module:
     if arch == "deepseek_v3":  # MLA attention, layer 0 dense, layer 1 MoE with a shared expert
         config = transformers.DeepseekV3Config(
-            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=192, kv_lora_rank=128, qk_rope_head_dim=32,
-            qk_nope_head_dim=64, v_head_dim=64, moe_intermediate_size=moe_intermediate, n_routed_experts=4,
-            num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=128,
+            qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, moe_intermediate_size=moe_intermediate,
+            n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+            topk_group=1,
             architectures=["DeepseekV3ForCausalLM"], **COMMON)
     else:
         config = transformers.Qwen3MoeConfig(num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -99,7 +100,7 @@ def quantize_rows(w: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, torch.T
 
 
 def moe_checkpoint(path: Path, arch: str, *, keep: tuple[str, ...] = ("lm_head", "mlp.gate"),
-                   moe_intermediate: int = 128, scheme: str = "block") -> Path:
+                   moe_intermediate: int = 128, scheme: str = "block", q_lora_rank: int = 192) -> Path:
     """A tiny MoE model's FP8 checkpoint in the shipped per-expert layout: ``scheme="block"`` a Hugging Face ``fp8``
     block checkpoint (``weight_scale_inv``, as DeepSeek-V3 and Qwen3-FP8 ship), ``"tensor"`` the same format without
     blocks (one ``weight_scale_inv`` per weight), ``"channel"`` compressed-tensors per-channel weights with dynamic
@@ -107,7 +108,7 @@ def moe_checkpoint(path: Path, arch: str, *, keep: tuple[str, ...] = ("lm_head",
     bf16."""
     from safetensors.torch import save_file
 
-    model = tiny_moe(arch, moe_intermediate)
+    model = tiny_moe(arch, moe_intermediate, q_lora_rank)
     out = {}
     for key, value in per_expert_state(model).items():
         module = key.rpartition(".")[0]
@@ -233,6 +234,22 @@ def test_a_moe_checkpoint_is_served_one_fp8_linear_triple_per_expert(moe, arch):
     assert float(per_token.median()) < BF16_MEDIAN, per_token
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
     assert model.generate(IDS[:1, :6], max_new_tokens=3, do_sample=False).shape == (1, 9)
+
+
+def test_mla_down_projections_of_whole_blocks_load_as_one_gemm(moe):
+    """DeepSeek-V3's q_a_proj (q_lora_rank 256: two 128-row blocks) and kv_a_proj_with_mqa (160 rows) from a block
+    checkpoint: one fused GEMM over their blocks, the checkpoint's logits; at q_lora_rank 192 (a block would
+    straddle them) they load apart, as the summary says."""
+    path = moe("deepseek_v3", q_lora_rank=256)
+    model, summary = load_pretrained(path, device="cpu", dtype=torch.float32)
+    assert "model.layers.0.self_attn.q_a_proj+kv_a_proj_with_mqa" in [g for g, _ in summary.fused]
+    attn = model.model.layers[1].self_attn
+    assert isinstance(attn.kv_a_proj_with_mqa, Fp8LinearSlice) and attn.q_a_proj.fused.out_features == 256 + 160
+    with torch.no_grad():
+        got = model(IDS).logits.float()
+    assert_matches(got, reference_logits(path))
+    _, apart = load_pretrained(moe("deepseek_v3"), device="cpu", dtype=torch.float32)
+    assert "model.layers.0.self_attn.q_a_proj+kv_a_proj_with_mqa" in [g for g, _ in apart.not_fused]
 
 
 def test_experts_the_config_keeps_are_served_per_expert_in_the_model_dtype(moe):

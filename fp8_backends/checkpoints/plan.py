@@ -8,7 +8,8 @@ every name, dtype and shape before anything is loaded and says:
   (:class:`LinearPlan`), and which stay in the model dtype (``kept``, with the config's reason);
 - which siblings (q/k/v, gate/up: the leaf-name groups of ``fuse_groups``) run as one GEMM (:class:`FusedPlan`):
   siblings of one parent quantized alike with one ``K`` and bias presence; block-scaled ones only where every
-  sibling's ``N`` is a multiple of the block's (a block never straddles two siblings); ``not_fused`` says why not;
+  sibling's ``N`` but the last one's is a multiple of the block's (a block never straddles two siblings; the last
+  one's ragged block stays the fused weight's last); ``not_fused`` says why not;
 - which tensors are not used (``ignored``: KV-cache scales, input scales of dynamic schemes).
 
 Every problem raises :class:`~fp8_backends.core.errors.CheckpointError` naming the tensor and its file.
@@ -258,8 +259,10 @@ def _plan_fusion(plan: LoadPlan, fuse_groups: Sequence[Sequence[str]]) -> None:
                 reason = "the siblings are quantized differently"
             elif not all(m.k == first.k and (m.bias is None) == (first.bias is None) for m in members):
                 reason = "K or bias presence differ"
-            elif first.scheme.weight == "block" and any(m.n % first.scheme.block[0] for m in members):  # type: ignore[index]
-                reason = (f"a sibling's N is not a multiple of the {first.scheme.block[0]}-row block "  # type: ignore[index]
+            elif first.scheme.weight == "block" and any(m.n % first.scheme.block[0]  # type: ignore[index]
+                                                        for m in members[:-1]):
+                rows = first.scheme.block[0]  # type: ignore[index]
+                reason = (f"a sibling's N (the last one's aside) is not a multiple of the {rows}-row block "
                           f"({'/'.join(str(m.n) for m in members)}): its scale blocks would straddle two siblings")
             if reason is not None:
                 plan.not_fused.append((group_name, reason))
