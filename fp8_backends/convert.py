@@ -46,6 +46,7 @@ from .core.backend import Fp8GemmBackend
 from .core.errors import InvalidInputError, InvalidTypeError, UnsupportedProblemError
 from .core.objective import SelectionObjective
 from .core.types import DEFAULT_WEIGHT_BLOCK, ActScale, Fp8Dtype, WeightScale
+from .core.validation import blocks_straddle_shards
 from .layers import Fp8Linear
 from .layers.shared_input import Fp8LinearSlice, SharedInputGroup, version_of
 
@@ -389,10 +390,10 @@ def _swap_fused(model: nn.Module, members: Sequence[tuple[str, nn.Linear]], scal
     static = [scales[name] for name in names if name in scales]
     reason = None
     rows = DEFAULT_WEIGHT_BLOCK[0]
-    if quantize["weight_scale"] is WeightScale.BLOCK and any(lin.out_features % rows for _, lin in members[:-1]):
-        sizes = "/".join(str(lin.out_features) for _, lin in members)
-        reason = (f"block scales would straddle siblings ({sizes} rows: every one but the last must span whole "
-                  f"{rows}-row blocks)")
+    sizes = [lin.out_features for _, lin in members]
+    if quantize["weight_scale"] is WeightScale.BLOCK and blocks_straddle_shards(sizes, rows):
+        reason = (f"block scales would straddle siblings ({'/'.join(map(str, sizes))} rows: every one but the last "
+                  f"must span whole {rows}-row blocks)")
     else:
         try:
             layer = Fp8Linear.from_linear(_concatenated(members), input_scale=max(static) if static else None,

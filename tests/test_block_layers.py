@@ -327,6 +327,15 @@ def test_quantize_model_block_fuses_siblings_only_on_whole_blocks():
         assert ((w - original[name]).norm() / original[name].norm()).item() < 0.05, name
 
 
+def test_blocks_straddle_shards_where_a_shard_but_the_last_is_ragged():
+    from fp8_backends.core.validation import blocks_straddle_shards
+
+    assert not blocks_straddle_shards([1536, 576], 128)  # DeepSeek-V3's q_a + kv_a: the ragged one last
+    assert not blocks_straddle_shards([256, 128, 72], 128) and not blocks_straddle_shards([200], 128)
+    assert blocks_straddle_shards([576, 1536], 128) and blocks_straddle_shards([200, 72, 72], 128)
+    assert not blocks_straddle_shards([192, 160], 64)
+
+
 def _tiny_deepseek_v3(transformers, q_lora_rank: int) -> nn.Module:
     """Two dense DeepSeek-V3 layers (MLA: q_a_proj [q_lora_rank, 256], kv_a_proj_with_mqa [128 + 32, 256])."""
     cfg = transformers.DeepseekV3Config(

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..core.errors import CheckpointError
+from ..core.validation import blocks_straddle_shards
 from .formats import KV_CACHE_SCALES, QuantFormat
 from .schemes import FP8_E4M3, FP8_E5M2, SCALE_DTYPES, Scheme, input_scale_fits
 from .shards import TensorMeta
@@ -255,13 +256,12 @@ def _plan_fusion(plan: LoadPlan, fuse_groups: Sequence[Sequence[str]]) -> None:
             members = [leaves[leaf] for leaf in pattern]
             first = members[0]
             reason = None
+            rows = first.scheme.block[0] if first.scheme.weight == "block" else 0  # type: ignore[index]
             if not all(m.scheme.same_math(first.scheme) for m in members):
                 reason = "the siblings are quantized differently"
             elif not all(m.k == first.k and (m.bias is None) == (first.bias is None) for m in members):
                 reason = "K or bias presence differ"
-            elif first.scheme.weight == "block" and any(m.n % first.scheme.block[0]  # type: ignore[index]
-                                                        for m in members[:-1]):
-                rows = first.scheme.block[0]  # type: ignore[index]
+            elif rows and blocks_straddle_shards([m.n for m in members], rows):
                 reason = (f"a sibling's N (the last one's aside) is not a multiple of the {rows}-row block "
                           f"({'/'.join(str(m.n) for m in members)}): its scale blocks would straddle two siblings")
             if reason is not None:

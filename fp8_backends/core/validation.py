@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from fp8_backends.core.settings import check_scales_flag
@@ -102,6 +102,13 @@ def block_scale_fp32(w_scale: torch.Tensor) -> torch.Tensor:
     if w_scale.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise InvalidInputError(f"block w_scale must be float32, bfloat16 or float16, got {w_scale.dtype}")
     return w_scale.to(torch.float32).contiguous()
+
+
+def blocks_straddle_shards(sizes: Sequence[int], block_rows: int) -> bool:
+    """Whether row shards of ``sizes`` (fused siblings, in order) stacked into one block-scaled weight would put two
+    shards in one ``block_rows``-row block: any shard but the last not a multiple of ``block_rows`` (the last one's
+    ragged block is the fused weight's last)."""
+    return any(size % block_rows for size in sizes[:-1])
 
 
 def require_group_scale(x_scale: torch.Tensor, m: int, k: int, group_size: int) -> None:

@@ -319,7 +319,7 @@ class Fp8Linear(nn.Module):
         self.shard_sizes: list[int] | None = sizes
         n, k = self.out_features, self.in_features
         fused = sizes is not None
-        if block_scaled and sizes is not None and any(size % self.weight_block[0] for size in sizes[:-1]):
+        if block_scaled and sizes is not None and V.blocks_straddle_shards(sizes, self.weight_block[0]):
             raise InvalidInputError(
                 f"fused block-scaled shards {sizes}: every shard but the last must span whole {self.weight_block[0]}-"
                 "row weight blocks (a block would straddle two shards); fuse only block-aligned siblings")
