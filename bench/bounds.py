@@ -15,7 +15,7 @@ timed with the same CUDA-graph timer in the same rounds (``python -m bench.block
   partial sums to fp32 along K, as the block kernels do every 128 columns): the per-tensor GEMM with the block
   kernels' accumulation, not a bound but the cost of that accumulation alone.
 
-Only ``bound:fp8_tensor`` is timed at every M; the other two read nothing of the activation and are timed at
+The per-tensor GEMMs are timed at every M; the launch and the reads, which read nothing of the activation, at
 ``M <= 16`` (where the weight-read floor is a target).
 
 Shapes, dtypes: the weight copies are ``float8_e4m3fn [N, K]`` contiguous (:class:`bench.block_gemm.GemmData`); a
